@@ -1,0 +1,40 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both do the whole set-up.
+PYTHON ?= python3
+VENV ?= .venv
+# A CPU build by default; override for CUDA, e.g. make TORCH_SPEC='torch==2.13.0' ...
+TORCH_SPEC ?= torch==2.13.0
+NP ?= 2
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hvdrun-installed
+
+.PHONY: setup demo test lint proto bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,examples]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/hvdrun -np $(NP) $(PY) examples/pytorch_digits.py
+
+test: setup
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# Regenerates the committed gRPC code; tests/rendezvous/test_proto.py fails when it is stale.
+proto: setup
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
+		rendezvous/rendezvous.proto
+
+bench: setup
+	$(PY) bench/launch.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

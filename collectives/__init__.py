@@ -1,0 +1,1 @@
+"""The worker runtime users import: ``import collectives.torch as hvd``."""

@@ -1,0 +1,179 @@
+"""Helpers that move model and optimizer state and arbitrary objects between ranks.
+
+``broadcast_parameters`` hands all tensors to the op layer in one call, so they travel as one
+fused buffer per device rather than one collective per tensor.
+
+``broadcast_optimizer_state`` sends root's ``optimizer.state_dict()`` as a picklable skeleton
+(hyper-parameters, step counts, the structure) plus all its tensors in one fused broadcast;
+the other ranks rebuild the state dict and ``load_state_dict`` it. That way the result is
+exactly root's state, whatever the optimizer keeps (scalars, tensors, nested lists) and
+whatever state the other ranks had, and no optimizer step is taken to create state first
+(Horovod does that, which perturbs parameters of optimizers with weight decay).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from collectives.torch import ops, runtime
+from collectives.torch.common import ProcessSet, global_process_set
+
+try:  # cloudpickle also handles lambdas and locally defined classes, as in Horovod
+    import cloudpickle as _pickler
+except ImportError:  # pragma: no cover - optional
+    _pickler = pickle
+
+__all__ = [
+    "allgather_object",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+]
+
+
+def _dumps(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    _pickler.dump(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _loads(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Overwrites parameters in place with root_rank's: a state_dict/dict, or a list of
+    tensors or (name, tensor) pairs such as ``model.named_parameters()``."""
+    if isinstance(params, Mapping):
+        items = sorted(params.items(), key=lambda item: str(item[0]))
+    elif isinstance(params, Iterable) and not isinstance(params, (str, bytes, torch.Tensor)):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}")
+    tensors: list[torch.Tensor] = []
+    for name, tensor in items:
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(
+                f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor"
+            )
+        tensors.append(tensor)
+    ops.broadcast_(tensors, root_rank, global_process_set, "broadcast_parameters")
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Stands for a tensor in a broadcast state skeleton."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device_type: str
+
+
+def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """A copy of a nested container with every tensor replaced by a _TensorSlot."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type)
+    if isinstance(obj, dict):
+        return {key: _strip(value, tensors) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_strip(value, tensors) for value in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_strip(value, tensors) for value in obj)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of _strip: puts the received tensors back in place of their slots."""
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {key: _fill(value, tensors) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(value, tensors) for value in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_fill(value, tensors) for value in obj)
+    return obj
+
+
+def _empty_for(slot: _TensorSlot) -> torch.Tensor:
+    if slot.device_type == "cuda" and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    return torch.empty(slot.shape, dtype=slot.dtype, device=device)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Makes every rank's optimizer state (tensors, step counts and param_group
+    hyper-parameters) equal to root_rank's."""
+    own = runtime.require("hvd.broadcast_optimizer_state()").topology.rank == root_rank
+    if own:
+        tensors: list[torch.Tensor] = []
+        skeleton = _strip(optimizer.state_dict(), tensors)
+        broadcast_object(skeleton, root_rank, name="broadcast_optimizer_state.skeleton")
+        ops.broadcast_(tensors, root_rank, global_process_set, "broadcast_optimizer_state")
+        return
+    skeleton = broadcast_object(None, root_rank, name="broadcast_optimizer_state.skeleton")
+    slots: list[_TensorSlot] = []
+    _strip_slots(skeleton, slots)
+    received = [_empty_for(slot) for slot in sorted(slots, key=lambda s: s.index)]
+    ops.broadcast_(received, root_rank, global_process_set, "broadcast_optimizer_state")
+    optimizer.load_state_dict(_fill(skeleton, received))
+
+
+def _strip_slots(obj: Any, slots: list[_TensorSlot]) -> None:
+    if isinstance(obj, _TensorSlot):
+        slots.append(obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _strip_slots(value, slots)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _strip_slots(value, slots)
+
+
+def broadcast_object(
+    obj: Any,
+    root_rank: int = 0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Pickles obj on root_rank and returns it, unpickled, on every rank."""
+    rt = runtime.require("hvd.broadcast_object()")
+    label = name or type(obj).__name__
+    if rt.topology.rank == root_rank:
+        payload = _dumps(obj)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        ops.broadcast_([length], root_rank, process_set, f"{label}.sz")
+        ops.broadcast_([payload], root_rank, process_set, f"{label}.t")
+        return obj
+    length = torch.zeros(1, dtype=torch.int64)
+    ops.broadcast_([length], root_rank, process_set, f"{label}.sz")
+    payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    ops.broadcast_([payload], root_rank, process_set, f"{label}.t")
+    return _loads(payload)
+
+
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[Any]:
+    """Pickles obj on every rank and returns the list of all ranks' objects, in rank order."""
+    runtime.require("hvd.allgather_object()")
+    label = name or type(obj).__name__
+    gathered, lengths = ops.allgather(_dumps(obj), process_set, label)
+    result = []
+    offset = 0
+    for length in lengths:
+        result.append(_loads(gathered[offset : offset + length]))
+        offset += length
+    return result

@@ -1,0 +1,3 @@
+from hvdrun.cli import main
+
+main()

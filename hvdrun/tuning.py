@@ -1,0 +1,97 @@
+"""hvdrun's tuning flags for the collectives runtime, and the worker variables they set.
+
+Each flag becomes an ``HVDRUN_*`` variable in every worker's environment (the runtime also
+reads the ``HOROVOD_*`` spelling of each, so Horovod users' settings keep working). A flag
+left out sets nothing, so a variable the user exported still applies.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_OPTIONS = [
+    click.option(
+        "--fusion-threshold-mb",
+        type=click.FloatRange(min=0),
+        metavar="MB",
+        help="Tensor fusion buffer size in MiB (HVDRUN_FUSION_THRESHOLD; default 128).",
+    ),
+    click.option(
+        "--cycle-time-ms",
+        type=click.FloatRange(min=0),
+        metavar="MS",
+        help="Negotiation cycle time in milliseconds (HVDRUN_CYCLE_TIME).",
+    ),
+    click.option(
+        "--timeline-filename",
+        type=click.Path(dir_okay=False),
+        metavar="FILE",
+        help="Write a Chrome-trace timeline of every collective (HVDRUN_TIMELINE).",
+    ),
+    click.option(
+        "--timeline-mark-cycles",
+        is_flag=True,
+        default=None,
+        help="Mark negotiation cycles in the timeline (HVDRUN_TIMELINE_MARK_CYCLES).",
+    ),
+    click.option(
+        "--no-stall-check",
+        is_flag=True,
+        default=None,
+        help="Disable the stall inspector (HVDRUN_STALL_CHECK_DISABLE).",
+    ),
+    click.option(
+        "--stall-check-warning-time-seconds",
+        type=click.FloatRange(min=0),
+        metavar="SECONDS",
+        help="Warn about ranks that did not submit a tensor after this long "
+        "(HVDRUN_STALL_CHECK_TIME_SECONDS; default 60).",
+    ),
+    click.option(
+        "--stall-check-shutdown-time-seconds",
+        type=click.FloatRange(min=0),
+        metavar="SECONDS",
+        help="Abort the job after a stall this long; 0 never (HVDRUN_STALL_SHUTDOWN_TIME_SECONDS).",
+    ),
+]
+
+
+def tuning_options(fn: F) -> F:
+    """Adds the tuning flags to a click command."""
+    for option in reversed(_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def tuning_env(
+    fusion_threshold_mb: float | None = None,
+    cycle_time_ms: float | None = None,
+    timeline_filename: str | None = None,
+    timeline_mark_cycles: bool | None = None,
+    no_stall_check: bool | None = None,
+    stall_check_warning_time_seconds: float | None = None,
+    stall_check_shutdown_time_seconds: float | None = None,
+) -> dict[str, str]:
+    """The worker environment variables for the flags the user gave."""
+    env: dict[str, str] = {}
+    if fusion_threshold_mb is not None:
+        env["HVDRUN_FUSION_THRESHOLD"] = str(int(fusion_threshold_mb * 1024 * 1024))
+    if cycle_time_ms is not None:
+        env["HVDRUN_CYCLE_TIME"] = f"{cycle_time_ms:g}"
+    if timeline_filename is not None:
+        env["HVDRUN_TIMELINE"] = os.path.abspath(timeline_filename)
+    if timeline_mark_cycles:
+        env["HVDRUN_TIMELINE_MARK_CYCLES"] = "1"
+    if no_stall_check:
+        env["HVDRUN_STALL_CHECK_DISABLE"] = "1"
+    if stall_check_warning_time_seconds is not None:
+        env["HVDRUN_STALL_CHECK_TIME_SECONDS"] = f"{stall_check_warning_time_seconds:g}"
+    if stall_check_shutdown_time_seconds is not None:
+        env["HVDRUN_STALL_SHUTDOWN_TIME_SECONDS"] = f"{stall_check_shutdown_time_seconds:g}"
+    return env

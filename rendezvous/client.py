@@ -1,0 +1,405 @@
+"""The worker's side of the rendezvous: a small, thread-safe, synchronous gRPC client.
+
+Why it looks the way it does:
+
+* Synchronous calls on one gRPC channel: a channel is thread-safe, and the callers are
+  synchronous too (``hvd.init()``, and torch's C++ store code, which calls the Store adapter
+  from NCCL's background threads).
+* Blocking calls (``get``/``wait``/``barrier``) carry their timeout to the server and get a
+  gRPC deadline a few seconds longer, so the server's DEADLINE_EXCEEDED, which names the
+  missing keys, normally wins over a bare client-side deadline.
+* ``wait_for_ready=False``: a dead server fails a call at once instead of hanging it.
+* Every ``grpc.RpcError`` becomes a :class:`RendezvousError` subclass whose message says which
+  call failed and why, in words meant for a person reading a worker's stderr.
+* ``watch`` holds the server's heartbeat stream in a daemon thread. A worker whose launcher
+  died must notice even when no TCP reset ever arrives (a cut network), so silence for
+  ``lost_after`` seconds counts as a lost job, like an error or a SHUTDOWN event.
+
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY, rendezvous_pb2, rendezvous_pb2_grpc
+
+__all__ = [
+    "RankInfo",
+    "RendezvousAuthError",
+    "RendezvousClient",
+    "RendezvousError",
+    "RendezvousTimeout",
+    "RendezvousUnavailable",
+]
+
+logger = logging.getLogger(__name__)
+
+# Extra time the gRPC deadline of a blocking call gets beyond the timeout sent to the server.
+_DEADLINE_SLACK = 5.0
+# Message size limits: generous, the server enforces the real value limit with a clear error.
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+_Response = TypeVar("_Response")
+
+
+class RendezvousError(Exception):
+    """A rendezvous call failed; the message says which call and why, for a human.
+
+    ``code`` is the gRPC status code when the server (or gRPC) gave one.
+    """
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RendezvousTimeout(RendezvousError):
+    """A blocking get/wait/barrier did not complete within its timeout."""
+
+
+class RendezvousUnavailable(RendezvousError):
+    """The rendezvous server cannot be reached or has gone away."""
+
+
+class RendezvousAuthError(RendezvousError):
+    """The server rejected the job secret (UNAUTHENTICATED) or the job id (FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """A worker's place in the job, as the server's slot table says."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    generation: int
+
+
+# Longest wait one call asks for (30 days): "forever" in practice, and a finite gRPC deadline.
+_MAX_TIMEOUT = 30 * 24 * 3600.0
+
+
+def _to_ms(timeout: float) -> int:
+    """Milliseconds for the server: negatives become 0, NaN/inf/huge become _MAX_TIMEOUT."""
+    if not timeout <= _MAX_TIMEOUT:  # also catches NaN
+        timeout = _MAX_TIMEOUT
+    return max(0, round(timeout * 1000))
+
+
+class _Watch:
+    """One Watch stream: a reader thread and a watchdog thread sharing a report-once flag."""
+
+    def __init__(
+        self,
+        client: RendezvousClient,
+        rank: int,
+        on_lost: Callable[[str], None],
+        lost_after: float,
+    ) -> None:
+        self._client = client
+        self._rank = rank
+        self._on_lost = on_lost
+        self._lost_after = lost_after
+        self._lock = threading.Lock()
+        self._done = False  # on_lost was called, or the watch was closed
+        self._finished = threading.Event()
+        self._call: Any = None  # the streaming call, for cancel()
+        self._last_event = time.monotonic()
+        self._reader = threading.Thread(
+            target=self._read, name=f"hvdrun-rendezvous-watch-{rank}", daemon=True
+        )
+        self._watchdog = threading.Thread(
+            target=self._guard, name=f"hvdrun-rendezvous-watchdog-{rank}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._reader.start()
+        self._watchdog.start()
+
+    def close(self) -> None:
+        """Stops watching without calling on_lost."""
+        with self._lock:
+            self._done = True
+            call = self._call
+        self._finished.set()
+        if call is not None:
+            call.cancel()
+
+    def _report(self, reason: str) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            call = self._call
+        self._finished.set()
+        if call is not None:
+            call.cancel()
+        logger.warning("lost the rendezvous server (rank %d): %s", self._rank, reason)
+        try:
+            self._on_lost(reason)
+        except Exception:
+            logger.exception("on_lost callback raised")
+
+    def _read(self) -> None:
+        try:
+            call = self._client._stub.Watch(
+                rendezvous_pb2.WatchRequest(rank=self._rank),
+                metadata=self._client._metadata,
+                wait_for_ready=False,
+            )
+            with self._lock:
+                if self._done:
+                    call.cancel()
+                    return
+                self._call = call
+            events: Iterator[rendezvous_pb2.WatchEvent] = call
+            for event in events:
+                self._last_event = time.monotonic()
+                if event.kind == rendezvous_pb2.WatchEvent.SHUTDOWN:
+                    detail = event.message or "no reason given"
+                    self._report(f"the rendezvous server shut down the job: {detail}")
+                    return
+            self._report("the rendezvous server closed the watch stream")
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.CANCELLED and self._finished.is_set():
+                return  # our own cancel()
+            self._report(str(self._client._convert("watch", error)))
+        except Exception as error:  # a bug must still end in a report, not a silent thread
+            self._report(f"watch stream failed: {error!r}")
+
+    def _guard(self) -> None:
+        poll = min(0.25, self._lost_after / 4)
+        while not self._finished.wait(poll):
+            silent = time.monotonic() - self._last_event
+            if silent > self._lost_after:
+                self._report(
+                    f"no heartbeat from the rendezvous server at {self._client.addr} "
+                    f"for {silent:.1f} s (lost_after={self._lost_after:g} s)"
+                )
+                return
+
+
+class RendezvousClient:
+    """Synchronous client of a job's rendezvous server; safe to share between threads."""
+
+    def __init__(self, addr: str, secret: str, job_id: str, *, rpc_timeout: float = 30.0) -> None:
+        self.addr = addr
+        self._rpc_timeout = rpc_timeout
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (TOKEN_METADATA_KEY, secret),
+            (JOB_METADATA_KEY, job_id),
+        )
+        self._channel = grpc.insecure_channel(
+            addr,
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                # Ping during long blocking calls so a cut network fails them.
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+                # Its own connection: a client's calls never queue behind another client's.
+                ("grpc.use_local_subchannel_pool", 1),
+            ],
+        )
+        self._stub = rendezvous_pb2_grpc.RendezvousStub(self._channel)
+        self._watches: list[_Watch] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __repr__(self) -> str:  # never shows the secret
+        return f"RendezvousClient(addr={self.addr!r})"
+
+    # ---- plumbing -------------------------------------------------------------------
+
+    def _convert(self, call: str, error: grpc.RpcError) -> RendezvousError:
+        """A readable RendezvousError for a failed call (no gRPC debug strings)."""
+        code: grpc.StatusCode | None = None
+        details = ""
+        if isinstance(error, grpc.Call):
+            code = error.code()
+            details = error.details() or ""
+        prefix = f"rendezvous {call} at {self.addr} failed"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if details and details != "Deadline Exceeded":
+                return RendezvousTimeout(f"{prefix}: {details}", code)
+            return RendezvousTimeout(f"{prefix}: the server did not answer in time", code)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            reason = details.splitlines()[0] if details else "unreachable"
+            return RendezvousUnavailable(
+                f"{prefix}: the rendezvous server is unavailable ({reason})", code
+            )
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION):
+            return RendezvousAuthError(f"{prefix}: {details}", code)
+        if code == grpc.StatusCode.CANCELLED:
+            return RendezvousUnavailable(f"{prefix}: the call was cancelled ({details})", code)
+        name = code.name if code is not None else "unknown error"
+        return RendezvousError(f"{prefix}: {name}: {details}", code)
+
+    def _call(
+        self,
+        name: str,
+        method: Callable[..., _Response],
+        request: Any,
+        timeout: float | None = None,
+    ) -> _Response:
+        if self._closed:
+            raise RendezvousError(f"rendezvous {name}: the client is closed")
+        try:
+            return method(
+                request,
+                timeout=self._rpc_timeout if timeout is None else timeout,
+                metadata=self._metadata,
+                wait_for_ready=False,
+            )
+        except grpc.RpcError as error:
+            raise self._convert(name, error) from None
+        except ValueError as error:  # e.g. a closed channel
+            raise RendezvousError(f"rendezvous {name} at {self.addr} failed: {error}") from None
+
+    # ---- API --------------------------------------------------------------------------
+
+    def register(self, host: str, local_rank: int) -> RankInfo:
+        """Announces this worker's slot and returns its place in the job."""
+        info = self._call(
+            f"register(host={host!r}, local_rank={local_rank})",
+            self._stub.Register,
+            rendezvous_pb2.RegisterRequest(host=host, local_rank=local_rank),
+        )
+        return RankInfo(
+            rank=info.rank,
+            size=info.size,
+            local_rank=info.local_rank,
+            local_size=info.local_size,
+            cross_rank=info.cross_rank,
+            cross_size=info.cross_size,
+            generation=info.generation,
+        )
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call(f"set({key!r})", self._stub.Set, rendezvous_pb2.SetRequest(key=key, value=value))
+
+    def get(self, key: str, timeout: float) -> bytes:
+        """The key's value, waiting up to ``timeout`` seconds for it to be set.
+
+        ``timeout <= 0`` does not wait. Raises :class:`RendezvousTimeout` when the key stays
+        absent.
+        """
+        timeout_ms = _to_ms(timeout)
+        try:
+            response = self._call(
+                f"get({key!r})",
+                self._stub.Get,
+                rendezvous_pb2.GetRequest(key=key, timeout_ms=timeout_ms),
+                timeout=timeout_ms / 1000 + _DEADLINE_SLACK,
+            )
+        except RendezvousError as error:
+            if error.code == grpc.StatusCode.NOT_FOUND:  # timeout 0 and absent
+                raise RendezvousTimeout(str(error), error.code) from None
+            raise
+        return response.value
+
+    def wait(self, keys: Sequence[str], timeout: float) -> None:
+        """Waits up to ``timeout`` seconds until every key is set."""
+        keys = list(keys)
+        timeout_ms = _to_ms(timeout)
+        self._call(
+            f"wait({keys!r})" if len(keys) <= 5 else f"wait({len(keys)} keys)",
+            self._stub.Wait,
+            rendezvous_pb2.WaitRequest(keys=keys, timeout_ms=timeout_ms),
+            timeout=timeout_ms / 1000 + _DEADLINE_SLACK,
+        )
+
+    def add(self, key: str, amount: int) -> int:
+        """Adds to a decimal counter (missing counts as 0); returns the new value."""
+        response = self._call(
+            f"add({key!r})", self._stub.Add, rendezvous_pb2.AddRequest(key=key, amount=amount)
+        )
+        return response.value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """TCPStore's compare-and-set: returns the value after the call.
+
+        Missing key: set to ``desired`` if ``expected`` is empty, else returns ``expected``.
+        Present key: set to ``desired`` if it equals ``expected``, else returns its value.
+        """
+        response = self._call(
+            f"compare_set({key!r})",
+            self._stub.CompareSet,
+            rendezvous_pb2.CompareSetRequest(key=key, expected=expected, desired=desired),
+        )
+        return response.value
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key is set, without waiting."""
+        response = self._call(
+            "check", self._stub.Check, rendezvous_pb2.CheckRequest(keys=list(keys))
+        )
+        return response.ready
+
+    def delete(self, key: str) -> bool:
+        """Deletes the key; returns whether it existed."""
+        response = self._call(
+            f"delete({key!r})", self._stub.Delete, rendezvous_pb2.DeleteRequest(key=key)
+        )
+        return response.deleted
+
+    def num_keys(self) -> int:
+        """Number of keys in the whole store (all prefixes)."""
+        response = self._call("num_keys", self._stub.NumKeys, rendezvous_pb2.Empty())
+        return response.count
+
+    def barrier(self, name: str, participants: int, timeout: float) -> None:
+        """Returns once ``participants`` callers have arrived under ``name``."""
+        timeout_ms = _to_ms(timeout)
+        self._call(
+            f"barrier({name!r})",
+            self._stub.Barrier,
+            rendezvous_pb2.BarrierRequest(
+                name=name, participants=participants, timeout_ms=timeout_ms
+            ),
+            timeout=timeout_ms / 1000 + _DEADLINE_SLACK,
+        )
+
+    def watch(self, rank: int, on_lost: Callable[[str], None], *, lost_after: float = 5.0) -> None:
+        """Holds the server's heartbeat stream in a daemon thread.
+
+        Calls ``on_lost(reason)`` exactly once, from that thread, when the stream fails, the
+        server sends SHUTDOWN, or no event arrives for ``lost_after`` seconds. Never called
+        after :meth:`close`.
+        """
+        if lost_after <= 0:
+            raise ValueError(f"lost_after must be positive, got {lost_after}")
+        with self._lock:
+            if self._closed:
+                raise RendezvousError("rendezvous watch: the client is closed")
+            watch = _Watch(self, rank, on_lost, lost_after)
+            self._watches.append(watch)
+        watch.start()
+
+    def close(self) -> None:
+        """Stops every watch (without calling on_lost) and closes the channel. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            watches, self._watches = self._watches, []
+        for watch in watches:
+            watch.close()
+        self._channel.close()
+
+    def __enter__(self) -> RendezvousClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

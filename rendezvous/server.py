@@ -1,0 +1,757 @@
+"""The rendezvous server: one job's control plane, run inside the launcher process.
+
+Why it looks the way it does:
+
+* It runs a ``grpc.aio`` server on a background asyncio loop in a daemon thread (one loop
+  per process, shared by all servers in it: grpc.aio assumes its loops live for the whole
+  process). Every blocking call (``Get``/``Wait``/``Barrier``/``Watch``) is then a suspended
+  coroutine, not a parked thread, so thousands of workers blocked in ``get`` cost a few KB
+  each and no thread pool can run dry. The launcher keeps its own (synchronous) code;
+  :meth:`RendezvousServer.start` returns as soon as the port is bound.
+* gRPC core's defaults assume a multi-threaded server: it randomly cancels new calls once
+  1000 wait to be picked up. The server raises that backlog limit, since a job's workers
+  all call at once by design.
+* All job state lives on that loop and is touched only from it, so the key-value store needs
+  no locks. Blocked readers wait on per-key futures that a write resolves directly: a write
+  wakes exactly the callers of that key, never scans all waiters.
+* Every call is authenticated by an interceptor before its request is even parsed: the job
+  secret (compared in constant time) and the job id travel as metadata. A rejected call changes
+  nothing. The secret never appears in a log line or an error message.
+* This module must not import torch: the CLI imports it and has to start fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, NoReturn, TypeVar, cast
+
+import grpc
+import grpc.aio
+
+from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY, rendezvous_pb2, rendezvous_pb2_grpc
+from rendezvous.slots import SlotInfo
+
+__all__ = ["RendezvousServer"]
+
+logger = logging.getLogger(__name__)
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+# Untrusted strings quoted back in error messages are cut to this many characters.
+_QUOTE_LIMIT = 200
+
+
+def _quote(text: str) -> str:
+    """``repr`` of an untrusted string, shortened so an error message stays readable."""
+    if len(text) > _QUOTE_LIMIT:
+        text = text[:_QUOTE_LIMIT] + "..."
+    return repr(text)
+
+
+def _quote_keys(keys: Sequence[str], limit: int = 10) -> str:
+    shown = ", ".join(_quote(key) for key in keys[:limit])
+    if len(keys) > limit:
+        shown += f" and {len(keys) - limit} more"
+    return shown
+
+
+def _seconds(timeout_ms: int) -> str:
+    return f"{timeout_ms / 1000:g} s"
+
+
+class _ShuttingDown(Exception):
+    """Set on waiters' futures when the server stops, so blocked calls end at once."""
+
+
+@dataclass
+class _Barrier:
+    participants: int
+    arrived: int = 0
+    released: asyncio.Future[None] = field(default_factory=lambda: _new_future())
+
+
+def _new_future() -> asyncio.Future[Any]:
+    return asyncio.get_running_loop().create_future()
+
+
+class _GuardInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls with a wrong job id or secret before the request is deserialized, and
+    turns requests that do not parse into INVALID_ARGUMENT."""
+
+    def __init__(self, secret: str, job_id: str) -> None:
+        self._secret = secret.encode("utf-8")
+        self._job_id = job_id
+
+    def _reject_reason(
+        self, metadata: Sequence[tuple[str, str | bytes]] | None
+    ) -> tuple[grpc.StatusCode, str] | None:
+        token: str | bytes | None = None
+        job: str | bytes | None = None
+        for key, value in metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                token = value
+            elif key == JOB_METADATA_KEY:
+                job = value
+        if isinstance(job, bytes):
+            job = job.decode("utf-8", "replace")
+        # A wrong job id is checked first: it is the more useful diagnosis (a worker of an old
+        # job reaching a new server on the same port) and reveals nothing secret.
+        if job is not None and job != self._job_id:
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request for job {_quote(job)} reached job {self._job_id!r}",
+            )
+        if isinstance(token, str):
+            token = token.encode("utf-8")
+        if token is None or not hmac.compare_digest(token, self._secret):
+            return (
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"missing or invalid job token (metadata {TOKEN_METADATA_KEY!r})",
+            )
+        if job is None:
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request carries no job id (metadata {JOB_METADATA_KEY!r}); "
+                f"this is job {self._job_id!r}",
+            )
+        return None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        reason = self._reject_reason(handler_call_details.invocation_metadata)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler  # unknown method: gRPC answers UNIMPLEMENTED
+        if reason is not None:
+            code, message = reason
+            # Never logs the token itself.
+            logger.warning("rejected %s: %s", handler_call_details.method, message)
+            return _denying_handler(handler, code, message)
+        return _lenient_handler(handler)
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """Stands in for a request that did not parse, so the handler can answer cleanly."""
+
+    error: str
+
+
+def _lenient(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if parse is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as error:  # DecodeError, bad UTF-8, ...
+            return _Malformed(str(error))
+
+    return deserialize
+
+
+def _malformed_message(request: _Malformed) -> str:
+    return f"malformed request: {request.error}"
+
+
+def _lenient_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The same handler, but a request that does not parse gets INVALID_ARGUMENT.
+
+    (gRPC's own answer would be UNKNOWN plus an ERROR-level traceback in the server's log.)
+    """
+    deserializer = _lenient(handler.request_deserializer)
+    if handler.unary_unary is not None:
+        # The stubs describe synchronous handlers; on an aio server they are coroutines.
+        unary = cast(Callable[..., Awaitable[Any]], handler.unary_unary)
+
+        async def unary_behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
+            return await unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_behavior,
+            request_deserializer=deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream is not None:
+        stream = cast(Callable[..., AsyncIterator[Any]], handler.unary_stream)
+
+        async def stream_behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
+            async for item in stream(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream_behavior,
+            request_deserializer=deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return handler  # this service has no client-streaming methods
+
+
+def _denying_handler(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind that only aborts; it takes raw bytes, so a rejected
+    request is never even parsed."""
+    if handler.response_streaming:
+
+        async def deny_stream(request: bytes, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(code, message)
+            yield  # pragma: no cover - makes this an async generator
+
+        return grpc.unary_stream_rpc_method_handler(deny_stream)
+
+    async def deny(request: bytes, context: grpc.aio.ServicerContext) -> NoReturn:
+        await context.abort(code, message)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
+    """The RPC handlers. Every method runs on the server's loop; state is loop-confined."""
+
+    def __init__(
+        self, slots: Sequence[SlotInfo], heartbeat_interval: float, max_value_bytes: int
+    ) -> None:
+        self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
+        self._size = len(slots)
+        self._heartbeat_interval = heartbeat_interval
+        self._max_value_bytes = max_value_bytes
+        self._data: dict[str, bytes] = {}
+        self._waiters: dict[str, set[asyncio.Future[bytes]]] = {}
+        self._barriers: dict[str, _Barrier] = {}
+        self._stopping = False
+        self._shutdown: asyncio.Event | None = None  # created on the loop
+        self._shutdown_message = "the rendezvous server is shutting down"
+        # Read from other threads (status lines, the elastic driver): guarded by a lock.
+        self._lock = threading.Lock()
+        self._registered: set[tuple[str, int]] = set()
+        self._watching: dict[int, int] = {}  # rank -> number of open Watch streams
+        self._open_watches = 0  # loop-confined twin of sum(_watching.values())
+        self._watches_closed: asyncio.Event | None = None
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _shutdown_event(self) -> asyncio.Event:
+        if self._shutdown is None:
+            self._shutdown = asyncio.Event()
+        return self._shutdown
+
+    def _store(self, key: str, value: bytes) -> None:
+        """Writes a value and wakes exactly the callers blocked on this key."""
+        self._data[key] = value
+        waiters = self._waiters.pop(key, None)
+        if waiters:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(value)
+
+    def _check_value(self, key: str, value: bytes) -> str | None:
+        if len(value) > self._max_value_bytes:
+            return (
+                f"value for key {_quote(key)} is {len(value)} bytes, "
+                f"more than the limit of {self._max_value_bytes} bytes"
+            )
+        return None
+
+    @staticmethod
+    def _check_timeout(timeout_ms: int) -> str | None:
+        if timeout_ms < 0:
+            return f"timeout_ms must not be negative, got {timeout_ms}"
+        return None
+
+    async def _wait_for_key(self, key: str, deadline: float) -> bytes:
+        """Returns the key's value, waiting until ``deadline`` (loop time) if it is absent.
+
+        Raises asyncio.TimeoutError at the deadline and _ShuttingDown when the server stops.
+        """
+        if key in self._data:
+            return self._data[key]
+        if self._stopping:
+            raise _ShuttingDown
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bytes] = loop.create_future()
+        self._waiters.setdefault(key, set()).add(waiter)
+        try:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            return await asyncio.wait_for(waiter, remaining)
+        finally:
+            waiters = self._waiters.get(key)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[key]
+
+    async def _abort_shutting_down(self, context: grpc.aio.ServicerContext) -> NoReturn:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, self._shutdown_message)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def begin_shutdown(self, message: str) -> None:
+        """Ends every Watch stream with SHUTDOWN and fails every blocked call (on the loop)."""
+        self._stopping = True
+        self._shutdown_message = message
+        self._shutdown_event().set()
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(_ShuttingDown())
+        for barrier in self._barriers.values():
+            if not barrier.released.done():
+                barrier.released.set_exception(_ShuttingDown())
+
+    async def wait_watches_closed(self, timeout: float) -> None:
+        """Waits (up to ``timeout``) until every Watch stream has ended, i.e. sent SHUTDOWN."""
+        if self._open_watches == 0 or self._watches_closed is None:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._watches_closed.wait(), timeout)
+
+    def registered_count(self) -> int:
+        with self._lock:
+            return len(self._registered)
+
+    def watching_ranks(self) -> set[int]:
+        with self._lock:
+            return set(self._watching)
+
+    # ---- RPCs --------------------------------------------------------------------------
+
+    async def Register(
+        self, request: rendezvous_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.RankInfo:
+        slot = self._slots.get((request.host, request.local_rank))
+        if slot is None:
+            known = sorted({host for host, _ in self._slots})
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no slot for host {_quote(request.host)} local_rank {request.local_rank} "
+                f"in this job (hosts: {_quote_keys(known)})",
+            )
+        with self._lock:
+            first = (slot.hostname, slot.local_rank) not in self._registered
+            self._registered.add((slot.hostname, slot.local_rank))
+        logger.debug(
+            "%s rank %d (host %s, local_rank %d)",
+            "registered" if first else "re-registered",
+            slot.rank,
+            slot.hostname,
+            slot.local_rank,
+        )
+        return rendezvous_pb2.RankInfo(
+            rank=slot.rank,
+            size=slot.size,
+            local_rank=slot.local_rank,
+            local_size=slot.local_size,
+            cross_rank=slot.cross_rank,
+            cross_size=slot.cross_size,
+            generation=0,
+        )
+
+    async def Set(
+        self, request: rendezvous_pb2.SetRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.Empty:
+        error = self._check_value(request.key, request.value)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        self._store(request.key, request.value)
+        return rendezvous_pb2.Empty()
+
+    async def Get(
+        self, request: rendezvous_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.GetResponse:
+        error = self._check_timeout(request.timeout_ms)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        if request.key in self._data:
+            return rendezvous_pb2.GetResponse(value=self._data[request.key])
+        if request.timeout_ms == 0:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"key {_quote(request.key)} is not set")
+        loop = asyncio.get_running_loop()
+        try:
+            value = await self._wait_for_key(request.key, loop.time() + request.timeout_ms / 1000)
+        except asyncio.TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"key {_quote(request.key)} was not set within {_seconds(request.timeout_ms)}",
+            )
+        except _ShuttingDown:
+            await self._abort_shutting_down(context)
+        return rendezvous_pb2.GetResponse(value=value)
+
+    async def Wait(
+        self, request: rendezvous_pb2.WaitRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.Empty:
+        error = self._check_timeout(request.timeout_ms)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        keys = list(request.keys)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request.timeout_ms / 1000
+        try:
+            # Wait for the missing keys one after the other: each wait is a per-key future.
+            for key in keys:
+                await self._wait_for_key(key, deadline)
+        except asyncio.TimeoutError:
+            missing = [key for key in keys if key not in self._data]
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"keys not set within {_seconds(request.timeout_ms)}: {_quote_keys(missing)}",
+            )
+        except _ShuttingDown:
+            await self._abort_shutting_down(context)
+        return rendezvous_pb2.Empty()
+
+    async def Add(
+        self, request: rendezvous_pb2.AddRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.AddResponse:
+        current = self._data.get(request.key, b"0")
+        try:
+            number = int(current.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"key {_quote(request.key)} does not hold a decimal integer",
+            )
+        number += request.amount
+        if not _INT64_MIN <= number <= _INT64_MAX:
+            await context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"adding {request.amount} to key {_quote(request.key)} overflows a 64-bit integer",
+            )
+        # Kept as ASCII decimal, like torch's TCPStore, so get() after add() returns b"5".
+        self._store(request.key, str(number).encode("ascii"))
+        return rendezvous_pb2.AddResponse(value=number)
+
+    async def CompareSet(
+        self, request: rendezvous_pb2.CompareSetRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.GetResponse:
+        error = self._check_value(request.key, request.desired)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        current = self._data.get(request.key)
+        if current is None:
+            # TCPStore: a missing key is set only when the caller expected it to be empty.
+            if request.expected:
+                return rendezvous_pb2.GetResponse(value=request.expected)
+            self._store(request.key, request.desired)
+            return rendezvous_pb2.GetResponse(value=request.desired)
+        if current == request.expected:
+            self._store(request.key, request.desired)
+            return rendezvous_pb2.GetResponse(value=request.desired)
+        return rendezvous_pb2.GetResponse(value=current)
+
+    async def Check(
+        self, request: rendezvous_pb2.CheckRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.CheckResponse:
+        return rendezvous_pb2.CheckResponse(ready=all(key in self._data for key in request.keys))
+
+    async def Delete(
+        self, request: rendezvous_pb2.DeleteRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.DeleteResponse:
+        return rendezvous_pb2.DeleteResponse(deleted=self._data.pop(request.key, None) is not None)
+
+    async def NumKeys(
+        self, request: rendezvous_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.NumKeysResponse:
+        return rendezvous_pb2.NumKeysResponse(count=len(self._data))
+
+    async def Barrier(
+        self, request: rendezvous_pb2.BarrierRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.Empty:
+        error = self._check_timeout(request.timeout_ms)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        if request.participants < 1:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"barrier {_quote(request.name)}: participants must be at least 1, "
+                f"got {request.participants}",
+            )
+        if self._stopping:
+            await self._abort_shutting_down(context)
+        barrier = self._barriers.get(request.name)
+        if barrier is None:
+            barrier = self._barriers[request.name] = _Barrier(request.participants)
+        elif barrier.participants != request.participants:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"barrier {_quote(request.name)} has {barrier.participants} participants, "
+                f"this caller says {request.participants}",
+            )
+        barrier.arrived += 1
+        if barrier.arrived == barrier.participants:
+            # Release everyone and forget the barrier, so the name can be used again.
+            del self._barriers[request.name]
+            barrier.released.set_result(None)
+            return rendezvous_pb2.Empty()
+        try:
+            await asyncio.wait_for(asyncio.shield(barrier.released), request.timeout_ms / 1000)
+        except asyncio.TimeoutError:
+            arrived = barrier.arrived
+            self._leave_barrier(request.name, barrier)
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"barrier {_quote(request.name)}: only {arrived} of {barrier.participants} "
+                f"participants arrived within {_seconds(request.timeout_ms)}",
+            )
+        except _ShuttingDown:
+            await self._abort_shutting_down(context)
+        except asyncio.CancelledError:
+            # The caller went away (its deadline, or it died): it no longer counts as arrived.
+            self._leave_barrier(request.name, barrier)
+            raise
+        return rendezvous_pb2.Empty()
+
+    def _leave_barrier(self, name: str, barrier: _Barrier) -> None:
+        if barrier.released.done():
+            return
+        barrier.arrived -= 1
+        if barrier.arrived == 0 and self._barriers.get(name) is barrier:
+            del self._barriers[name]
+            barrier.released.cancel()
+
+    async def Watch(
+        self, request: rendezvous_pb2.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rendezvous_pb2.WatchEvent]:
+        if not 0 <= request.rank < self._size:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank {request.rank} is outside this job's ranks [0, {self._size})",
+            )
+        rank = request.rank
+        shutdown = self._shutdown_event()
+        with self._lock:
+            self._watching[rank] = self._watching.get(rank, 0) + 1
+        self._open_watches += 1
+        if self._watches_closed is None:
+            self._watches_closed = asyncio.Event()
+        self._watches_closed.clear()
+        logger.debug("rank %d is watching", rank)
+        try:
+            while not shutdown.is_set():
+                yield rendezvous_pb2.WatchEvent(kind=rendezvous_pb2.WatchEvent.HEARTBEAT)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(shutdown.wait(), self._heartbeat_interval)
+            yield rendezvous_pb2.WatchEvent(
+                kind=rendezvous_pb2.WatchEvent.SHUTDOWN, message=self._shutdown_message
+            )
+        finally:
+            with self._lock:
+                count = self._watching.get(rank, 0) - 1
+                if count > 0:
+                    self._watching[rank] = count
+                else:
+                    self._watching.pop(rank, None)
+            self._open_watches -= 1
+            if self._open_watches == 0:
+                self._watches_closed.set()
+            logger.debug("rank %d stopped watching", rank)
+
+
+_T = TypeVar("_T")
+
+
+class _LoopThread:
+    """The process's one asyncio loop for gRPC servers, in a daemon thread.
+
+    grpc.aio binds its completion-queue poller to the loops it serves and assumes they live
+    as long as the process; a loop per server that is closed on stop() leaves the poller
+    dispatching late events to a closed loop. So every RendezvousServer in a process shares
+    this loop, which is started on first use and never closed.
+    """
+
+    _lock = threading.Lock()
+    _current: _LoopThread | None = None
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name="hvdrun-rendezvous", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @classmethod
+    def get(cls) -> _LoopThread:
+        with cls._lock:
+            current = cls._current
+            # A forked child inherits the object but not the thread: start a new one.
+            if current is None or current.pid != os.getpid() or not current.thread.is_alive():
+                current = cls._current = _LoopThread()
+            return current
+
+    def run(self, coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        """Runs ``coroutine`` on the loop and waits for its result (from another thread)."""
+        if threading.current_thread() is self.thread:
+            coroutine.close()
+            raise RuntimeError("must not be called from the rendezvous server's own thread")
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+
+class RendezvousServer:
+    """One job's rendezvous service, served from a daemon thread of the calling process.
+
+    ``slots`` is the job's slot table (see :func:`rendezvous.slots.assign_slots`); workers
+    register with ``(hostname, local_rank)`` and learn their :class:`SlotInfo`.
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[SlotInfo],
+        secret: str,
+        job_id: str,
+        *,
+        bind_host: str = "0.0.0.0",
+        port: int = 0,
+        heartbeat_interval: float = 1.0,
+        max_value_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
+        if not secret:
+            raise ValueError("the job secret must not be empty")
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be positive, got {heartbeat_interval}")
+        if max_value_bytes < 1:
+            raise ValueError(f"max_value_bytes must be positive, got {max_value_bytes}")
+        seen: set[tuple[str, int]] = set()
+        for slot in slots:
+            if (slot.hostname, slot.local_rank) in seen:
+                raise ValueError(
+                    f"duplicate slot: host {slot.hostname!r} local_rank {slot.local_rank}"
+                )
+            seen.add((slot.hostname, slot.local_rank))
+        self._slots = list(slots)
+        self._secret = secret
+        self._job_id = job_id
+        self._bind_host = bind_host
+        self._requested_port = port
+        self._max_value_bytes = max_value_bytes
+        self._servicer = _Servicer(self._slots, heartbeat_interval, max_value_bytes)
+        self._loop_thread: _LoopThread | None = None
+        self._server: grpc.aio.Server | None = None
+        self._port: int | None = None
+        self._state_lock = threading.Lock()
+        self._stopped = False
+
+    def __repr__(self) -> str:  # never shows the secret
+        return f"RendezvousServer(job_id={self._job_id!r}, port={self._port})"
+
+    @property
+    def port(self) -> int:
+        """The bound port; only valid after :meth:`start`."""
+        if self._port is None:
+            raise RuntimeError("the rendezvous server has not been started")
+        return self._port
+
+    def start(self) -> int:
+        """Binds and starts serving on the rendezvous loop thread; returns the bound port."""
+        with self._state_lock:
+            if self._stopped:
+                raise RuntimeError("a stopped rendezvous server cannot be started again")
+            if self._port is not None:
+                return self._port
+            loop_thread = _LoopThread.get()
+            port = loop_thread.run(self._start_server(), timeout=30)
+            self._loop_thread = loop_thread
+            self._port = port
+        logger.info("rendezvous server for job %s listening on port %d", self._job_id, port)
+        return port
+
+    async def _start_server(self) -> int:
+        message_limit = 2 * self._max_value_bytes + 1024 * 1024
+        server = grpc.aio.server(
+            interceptors=[_GuardInterceptor(self._secret, self._job_id)],
+            options=[
+                # A value somewhat over the limit must still reach the handler, which answers
+                # INVALID_ARGUMENT with a clear message instead of a transport error.
+                ("grpc.max_receive_message_length", message_limit),
+                ("grpc.max_send_message_length", message_limit),
+                # Two servers must never share a port silently.
+                ("grpc.so_reuseport", 0),
+                # gRPC core randomly cancels new calls once more than 1000 wait to be picked
+                # up by the (single-threaded) server loop. Thousands of workers calling at
+                # once are normal here, so allow a deep backlog instead.
+                ("grpc.server.max_pending_requests", 100_000),
+                ("grpc.server.max_pending_requests_hard_limit", 200_000),
+                # Clients ping during long blocking calls to notice a cut network.
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+                ("grpc.http2.max_ping_strikes", 0),
+            ],
+        )
+        rendezvous_pb2_grpc.add_RendezvousServicer_to_server(self._servicer, server)
+        host = self._bind_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        address = f"{host}:{self._requested_port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise OSError(f"rendezvous server cannot listen on {address}: {error}") from None
+        if port == 0:
+            raise OSError(f"rendezvous server cannot listen on {address}")
+        await server.start()
+        self._server = server
+        return port
+
+    def stop(self, grace: float = 0.5) -> None:
+        """Sends SHUTDOWN on every Watch stream, fails blocked calls, and stops serving."""
+        with self._state_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            loop_thread = self._loop_thread
+        if loop_thread is None:
+            return
+        try:
+            loop_thread.run(self._stop_server(grace), timeout=max(grace, 1.0) + grace + 10)
+        except Exception:
+            logger.exception("error while stopping the rendezvous server")
+        logger.info("rendezvous server for job %s stopped", self._job_id)
+
+    async def _stop_server(self, grace: float) -> None:
+        self._servicer.begin_shutdown("the rendezvous server is shutting down")
+        # Let every Watch stream send its SHUTDOWN before the server cancels what is left
+        # (bounded: a stalled client must not hold up the launcher).
+        await self._servicer.wait_watches_closed(max(grace, 1.0))
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace)
+
+    def registered_count(self) -> int:
+        """How many distinct slots have registered so far."""
+        return self._servicer.registered_count()
+
+    def watching_ranks(self) -> set[int]:
+        """Ranks that hold an open Watch stream right now."""
+        return self._servicer.watching_ranks()
+
+    def __enter__(self) -> RendezvousServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,213 @@
+"""A ``torch.distributed.Store`` on top of the rendezvous server's key-value service.
+
+torch.distributed bootstraps its process groups through a store: Gloo publishes each rank's
+address under keys like ``0//cpu//0/<rank>`` and reads its peers'; NCCL passes its unique ID
+the same way. Pointing ``init_process_group(store=...)`` at the rendezvous means workers need
+no extra port, no MASTER_ADDR, and no TCPStore of their own: the launcher's server already is
+the job's meeting point, and it already checks the job secret.
+
+What torch 2.13's C++ side (the ``PythonStore`` trampoline) expects of a Python store, and so
+what this class provides:
+
+* ``set``/``get``/``add``/``compare_set``/``check``/``wait``/``clone`` are called by their
+  Python names; the key count and deletion by their C++ names ``getNumKeys``/``deleteKey``.
+  Both spellings are defined so Python callers (``num_keys``/``delete_key``) work too.
+* ``wait(keys)`` and ``wait(keys, timedelta)`` both happen: ``timeout`` is optional.
+* ``get`` must block until the key exists (NCCL reads its unique ID with ``get`` alone) and
+  give up after the store's timeout (``self.timeout``, changed with ``set_timeout``).
+* Values arrive as ``bytes`` from C++ and sometimes as ``str`` from Python (torch's
+  ``_store_based_barrier`` sets ``"1"``); both are stored as bytes.
+* ``multi_get``/``multi_set``/``append`` fall back to the basic calls; ``has_extended_api``
+  stays False so Gloo takes its plain bootstrap path.
+* NCCL calls the store from C++ background threads: the only state here is the thread-safe
+  client and an immutable prefix.
+
+Every key gets ``prefix`` prepended: a new prefix per generation keeps a re-initialised job
+from reading the previous generation's keys (torch's group counter restarts at 0).
+
+Keep a Python reference to the store for as long as its process group lives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from rendezvous.client import (
+    RendezvousClient,
+    RendezvousError,
+    RendezvousTimeout,
+    RendezvousUnavailable,
+)
+
+__all__ = ["RendezvousStore"]
+
+logger = logging.getLogger(__name__)
+
+# torch raises DistStoreError (a RuntimeError) on store timeouts; older versions lack it.
+_StoreError: type[RuntimeError] = getattr(dist, "DistStoreError", RuntimeError)
+_NetworkError: type[RuntimeError] = getattr(dist, "DistNetworkError", _StoreError)
+
+# torch's Store::kNoTimeout (0 ms) means "wait without limit"; we wait this long instead.
+_NO_TIMEOUT_SECONDS = 365 * 24 * 3600.0
+
+
+def _as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return bytes(value)
+
+
+def _seconds(timeout: datetime.timedelta | float | None, default: datetime.timedelta) -> float:
+    if timeout is None:
+        timeout = default
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    return _NO_TIMEOUT_SECONDS if seconds <= 0 else float(seconds)
+
+
+class RendezvousStore(dist.Store):
+    """torch.distributed Store backed by a :class:`RendezvousClient`, keys under ``prefix``."""
+
+    def __init__(
+        self,
+        client: RendezvousClient,
+        prefix: str = "",
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+    ) -> None:
+        super().__init__()
+        self._client = client
+        self._prefix = prefix
+        self.set_timeout(timeout)
+
+    def __repr__(self) -> str:
+        return f"RendezvousStore(prefix={self._prefix!r}, client={self._client!r})"
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    def _store_timeout(self) -> datetime.timedelta:
+        """The store timeout, kept by torch's C++ base class (``set_timeout`` changes it)."""
+        timeout: datetime.timedelta = self.timeout  # type: ignore[attr-defined]
+        return timeout
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    def _fail(self, error: RendezvousError) -> RuntimeError:
+        """The torch-style exception for a failed rendezvous call (the client's message names
+        the call, the full key and the timeout)."""
+        # Timeouts are DistStoreError, as with torch's own stores.
+        cls = _NetworkError if isinstance(error, RendezvousUnavailable) else _StoreError
+        return cls(f"rendezvous store (prefix {self._prefix!r}): {error}")
+
+    # ---- the basic Store API -----------------------------------------------------------
+
+    def set(self, key: str, value: bytes | str) -> None:
+        try:
+            self._client.set(self._key(key), _as_bytes(value))
+        except RendezvousError as error:
+            raise self._fail(error) from error
+
+    def get(self, key: str) -> bytes:
+        """The key's value; blocks until it is set, up to the store timeout."""
+        timeout = _seconds(None, self._store_timeout())
+        try:
+            return self._client.get(self._key(key), timeout)
+        except RendezvousError as error:
+            raise self._fail(error) from error
+
+    def add(self, key: str, value: int) -> int:
+        try:
+            return self._client.add(self._key(key), int(value))
+        except RendezvousError as error:
+            raise self._fail(error) from error
+
+    def compare_set(
+        self, key: str, expected_value: bytes | str, desired_value: bytes | str
+    ) -> bytes:
+        try:
+            return self._client.compare_set(
+                self._key(key), _as_bytes(expected_value), _as_bytes(desired_value)
+            )
+        except RendezvousError as error:
+            raise self._fail(error) from error
+
+    def check(self, keys: Sequence[str]) -> bool:
+        try:
+            return self._client.check([self._key(key) for key in keys])
+        except RendezvousError as error:
+            raise self._fail(error) from error
+
+    def wait(self, keys: Sequence[str], timeout: datetime.timedelta | float | None = None) -> None:
+        """Blocks until every key is set, up to ``timeout`` (default: the store timeout)."""
+        keys = list(keys)
+        seconds = _seconds(timeout, self._store_timeout())
+        try:
+            self._client.wait([self._key(key) for key in keys], seconds)
+        except RendezvousError as error:
+            raise self._fail(error) from error
+
+    def delete_key(self, key: str) -> bool:
+        try:
+            return self._client.delete(self._key(key))
+        except RendezvousError as error:
+            raise self._fail(error) from error
+
+    def deleteKey(self, key: str) -> bool:  # the name torch's C++ side calls
+        return self.delete_key(key)
+
+    def num_keys(self) -> int:
+        """Keys in the whole rendezvous store (every prefix), like a shared TCPStore."""
+        try:
+            return self._client.num_keys()
+        except RendezvousError as error:
+            raise self._fail(error) from error
+
+    def getNumKeys(self) -> int:  # the name torch's C++ side calls
+        return self.num_keys()
+
+    def clone(self) -> RendezvousStore:
+        """A new store object sharing the client, prefix and timeout (for other threads)."""
+        return RendezvousStore(self._client, self._prefix, self._store_timeout())
+
+    # ---- the extended API, on top of the basic calls -----------------------------------
+
+    def has_extended_api(self) -> bool:
+        return False
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
+
+    def append(self, key: str, value: bytes | str) -> None:
+        """Appends to the key's value (creating it), by compare-and-set retries.
+
+        The proto has no append, so this reads the value and swaps in the longer one until no
+        other writer came in between. (Two concurrent appends that produce identical bytes can
+        still be taken for one: compare-and-set cannot tell them apart.)
+        """
+        suffix = _as_bytes(value)
+        full_key = self._key(key)
+        try:
+            try:
+                current = self._client.get(full_key, 0)
+            except RendezvousTimeout:
+                current = b""
+            while True:
+                desired = current + suffix
+                result = self._client.compare_set(full_key, current, desired)
+                if result == desired:
+                    return
+                # An answer equal to `expected` means the key has vanished (TCPStore rules).
+                current = b"" if result == current else result
+        except RendezvousError as error:
+            raise self._fail(error) from error

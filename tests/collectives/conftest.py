@@ -1,0 +1,110 @@
+"""Helpers for the collectives tests: running jobs through the hvdrun CLI, and a minimal
+rendezvous harness for the failure tests that must see a worker's own exit code and stderr."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from rendezvous.server import RendezvousServer
+from rendezvous.slots import assign_slots
+
+REPO = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+_JOB_ENV = re.compile(r"^(HVDRUN_|HOROVOD_)|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE)$")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: runs a training job (several seconds)")
+
+
+def clean_env() -> dict[str, str]:
+    """The test runner's environment minus anything that says "you are a worker of a job"."""
+    env = {k: v for k, v in os.environ.items() if not _JOB_ENV.search(k)}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_hvdrun(num_proc: int, script: Path, *args: str, timeout: float = 180) -> tuple[int, str]:
+    """Runs ``python -m hvdrun -np N python script args``; returns exit code and output."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hvdrun", "-np", str(num_proc), sys.executable, str(script), *args],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    return result.returncode, result.stdout
+
+
+class Harness:
+    """A rendezvous server of a local job and its workers, started without hvdrun."""
+
+    def __init__(self, num_proc: int) -> None:
+        self.num_proc = num_proc
+        self.secret = secrets.token_hex(16)
+        self.job_id = "collectives-test"
+        self.server = RendezvousServer(
+            assign_slots([("localhost", num_proc)], num_proc),
+            self.secret,
+            self.job_id,
+            bind_host="127.0.0.1",
+            heartbeat_interval=0.2,
+        )
+        self.addr = ""
+
+    def start(self) -> None:
+        self.addr = f"127.0.0.1:{self.server.start()}"
+
+    def spawn(self, rank: int, *args: str, secret: str | None = None) -> subprocess.Popen[str]:
+        env = clean_env()
+        env.update(
+            HVDRUN_RANK=str(rank),
+            HVDRUN_SIZE=str(self.num_proc),
+            HVDRUN_LOCAL_RANK=str(rank),
+            HVDRUN_LOCAL_SIZE=str(self.num_proc),
+            HVDRUN_CROSS_RANK="0",
+            HVDRUN_CROSS_SIZE="1",
+            HVDRUN_HOSTNAME="localhost",
+            HVDRUN_RENDEZVOUS_ADDR=self.addr,
+            HVDRUN_JOB_ID=self.job_id,
+            HVDRUN_SECRET=self.secret if secret is None else secret,
+            HVDRUN_RENDEZVOUS_LOST_AFTER_SECONDS="2",
+        )
+        return subprocess.Popen(
+            [sys.executable, str(WORKERS / "failure_worker.py"), *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture
+def make_harness() -> Iterator[Callable[[int], Harness]]:
+    """Starts harnesses of the given job size on demand; stops them after the test."""
+    made: list[Harness] = []
+
+    def make(num_proc: int) -> Harness:
+        harness = Harness(num_proc)
+        harness.start()
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.stop()

@@ -1,0 +1,51 @@
+"""A tiny check recorder shared by the worker scripts: prints ``OK name`` or ``FAIL name``.
+
+Workers run every check even after a failure, so one launch reports everything that is wrong,
+and exit non-zero at the end if anything failed.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+        self.passed = 0
+
+    def expect(self, name: str, condition: bool, detail: object = "") -> None:
+        if condition:
+            self.passed += 1
+            print(f"OK {name}", flush=True)
+        else:
+            self.failed.append(name)
+            print(f"FAIL {name}: {detail}", flush=True)
+
+    def equal(self, name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        same = actual.dtype == expected.dtype and torch.equal(actual, expected)
+        self.expect(name, same, f"got {actual!r}, expected {expected!r}")
+
+    def close(self, name: str, actual: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
+        same = actual.dtype == expected.dtype and actual.shape == expected.shape
+        same = same and torch.allclose(actual, expected, rtol=0, atol=atol)
+        self.expect(name, same, f"got {actual!r}, expected {expected!r}")
+
+    def run(self, name: str, body: Callable[[], None]) -> None:
+        """Runs a group of checks; an exception fails the group instead of the script."""
+        try:
+            body()
+        except Exception:
+            self.failed.append(name)
+            print(f"FAIL {name}: raised", flush=True)
+            traceback.print_exc()
+
+    def finish(self, rank: int) -> None:
+        if self.failed:
+            print(f"rank {rank}: {len(self.failed)} FAILED: {self.failed}", flush=True)
+            sys.exit(1)
+        print(f"ALL OK rank {rank}: {self.passed} checks", flush=True)

@@ -1,0 +1,158 @@
+"""hvdrun end to end with real worker processes (torch-free scripts, so they start fast)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+HVDRUN = [sys.executable, "-m", "hvdrun"]
+
+
+def hvdrun(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60, cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*HVDRUN, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
+
+
+def reported_pids(stdout: str) -> list[int]:
+    return [
+        int(p)
+        for line in stdout.splitlines()
+        if "pids " in line
+        for p in line.split("pids ", 1)[1].split()
+    ]
+
+
+def assert_all_gone(pids: list[int], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    alive = pids
+    while time.monotonic() < deadline:
+        alive = [
+            p
+            for p in pids
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        if not alive:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes still running: {alive}")
+
+
+def test_identity_env_and_output_prefixes(tmp_path: Path) -> None:
+    result = hvdrun(
+        "-np",
+        "4",
+        "-H",
+        "localhost:4",
+        sys.executable,
+        str(SCRIPTS / "identity.py"),
+        "--flag",
+        "-np",
+        "9",
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    for rank in range(4):
+        assert (
+            f"[{rank}]<stdout>:env HVDRUN_RANK={rank} HVDRUN_SIZE=4 HVDRUN_LOCAL_RANK={rank} "
+            f"HVDRUN_LOCAL_SIZE=4 HVDRUN_CROSS_RANK=0 HVDRUN_CROSS_SIZE=1 "
+            f"HVDRUN_HOSTNAME=localhost RANK={rank} WORLD_SIZE=4 LOCAL_RANK={rank} "
+            f"LOCAL_WORLD_SIZE=4 PYTHONUNBUFFERED=1"
+        ) in out
+        assert f"[{rank}]<stdout>:cwd {tmp_path}" in out
+        assert f"[{rank}]<stdout>:args --flag -np 9" in out
+        assert f"[{rank}]<stdout>:secret-in-env True" in out
+        # \r ends a line, \r\n is one terminator, an unterminated tail is flushed at exit
+        assert f"[{rank}]<stdout>:progress 50%" in out
+        assert f"[{rank}]<stdout>:progress 100%" in out
+        assert f"[{rank}]<stdout>:no newline at end" in out
+        assert f"[{rank}]<stderr>:to stderr" in result.stderr.splitlines()
+    # every line carries a prefix: nothing interleaved inside a line
+    assert all(re.match(r"\[\d\]<stdout>:", line) for line in out)
+    assert len(out) == 4 * 7
+
+
+def test_failing_rank_stops_everyone_and_sets_exit_code() -> None:
+    result = hvdrun(
+        "-np",
+        "4",
+        sys.executable,
+        str(SCRIPTS / "fail_rank.py"),
+        env={"FAIL_RANK": "2", "FAIL_CODE": "3"},
+    )
+    assert result.returncode == 3, result.stderr
+    assert "rank 2 on host localhost failed first: exit code 3" in result.stderr
+    assert "last lines of rank 2's stderr:" in result.stderr
+    assert "    rank 2 gives up" in result.stderr
+    pids = reported_pids(result.stdout)
+    assert len(pids) == 8  # four workers and the child each started
+    assert_all_gone(pids)
+
+
+def test_worker_killed_by_signal_exits_128_plus_n() -> None:
+    result = hvdrun(
+        "-np",
+        "2",
+        sys.executable,
+        "-c",
+        "import os, signal, time\n"
+        "if os.environ['HVDRUN_RANK'] == '1': os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)",
+    )
+    assert result.returncode == 128 + 9
+    assert "rank 1 on host localhost failed first: killed by SIGKILL (exit code 137)" in (
+        result.stderr
+    )
+
+
+def start_and_wait_ready(np: int) -> tuple[subprocess.Popen[str], list[int]]:
+    proc = subprocess.Popen(
+        [*HVDRUN, "-np", str(np), sys.executable, str(SCRIPTS / "fail_rank.py")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+    assert proc.stdout is not None
+    while len(pids) < 2 * np:
+        line = proc.stdout.readline()
+        assert line, (
+            f"hvdrun ended early: {proc.wait()} {proc.stderr.read() if proc.stderr else ''}"
+        )
+        pids += reported_pids(line)
+    return proc, pids
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_hvdrun_stops_all_workers(signum: int) -> None:
+    proc, pids = start_and_wait_ready(2)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signum
+    assert f"received {signal.Signals(signum).name}; stopping all workers" in stderr
+    assert_all_gone(pids)
+
+
+def test_kill_9_of_hvdrun_leaves_no_worker() -> None:
+    proc, pids = start_and_wait_ready(2)
+    agents = [c.pid for c in psutil.Process(proc.pid).children()]
+    proc.kill()
+    proc.wait()
+    assert_all_gone(pids + agents, within=10.0)

@@ -1,0 +1,181 @@
+"""RendezvousStore as torch.distributed sees it: through torch's C++ Store trampoline, and
+driving real Gloo process groups in 4 processes."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from rendezvous.client import RendezvousClient
+from rendezvous.server import RendezvousServer
+from rendezvous.slots import assign_slots
+from rendezvous.store import RendezvousStore
+
+ClientFactory = Callable[..., RendezvousClient]
+WORKER_SCRIPT = Path(__file__).with_name("rdzv_gloo_worker.py")
+StoreError = getattr(dist, "DistStoreError", RuntimeError)
+
+
+@pytest.fixture
+def store(server: RendezvousServer, make_client: ClientFactory) -> RendezvousStore:
+    return RendezvousStore(make_client(server), prefix="t/", timeout=datetime.timedelta(seconds=5))
+
+
+def test_store_through_torch_cpp_trampoline(store: RendezvousStore) -> None:
+    """Calls go Python -> PrefixStore (C++) -> our Python methods, as inside c10d."""
+    wrapped = dist.PrefixStore("pre", store)
+    wrapped.set("s", "text")  # str from Python, as _store_based_barrier does
+    wrapped.set("b", b"\xff\x00\xfe")
+    assert wrapped.get("s") == b"text"
+    assert wrapped.get("b") == b"\xff\x00\xfe"
+    assert wrapped.add("n", 5) == 5
+    assert wrapped.get("n") == b"5"
+    assert wrapped.compare_set("s", "text", "new") == b"new"
+    assert wrapped.compare_set("s", "wrong", "x") == b"new"
+    assert wrapped.compare_set("absent", "exp", "x") == b"exp"
+    assert wrapped.compare_set("fresh", "", "v") == b"v"
+    assert wrapped.check(["s", "b"]) and not wrapped.check(["s", "absent"])
+    wrapped.wait(["s", "b"])
+    wrapped.wait(["s"], datetime.timedelta(seconds=1))
+    keys = wrapped.num_keys()  # C++ getNumKeys
+    assert keys >= 4
+    assert wrapped.delete_key("fresh") is True  # C++ deleteKey
+    assert wrapped.delete_key("fresh") is False
+    assert wrapped.num_keys() == keys - 1
+    wrapped.append("log", "a")
+    wrapped.append("log", b"a")  # appending the value the key already holds
+    wrapped.append("log", "bc")
+    assert wrapped.get("log") == b"aabc"
+    wrapped.multi_set(["m1", "m2"], ["v1", b"v2"])
+    assert wrapped.multi_get(["m1", "m2"]) == [b"v1", b"v2"]
+    assert wrapped.has_extended_api() is False
+    # every key really lives under the store's prefix on the server
+    assert store.get("pre/s") == b"new"  # PrefixStore joins "pre" + "/" + key
+    assert store._client.get("t/pre/s", timeout=0) == b"new"
+
+    clone = store.clone()
+    assert isinstance(clone, RendezvousStore)
+    assert clone.prefix == "t/" and clone.get("pre/n") == b"5"
+    assert clone.timeout == store.timeout
+    assert isinstance(wrapped.clone(), dist.Store)
+
+
+def test_store_prefixes_isolate_generations(
+    server: RendezvousServer, make_client: ClientFactory
+) -> None:
+    client = make_client(server)
+    gen0 = RendezvousStore(client, prefix="gen0/")
+    gen1 = RendezvousStore(client, prefix="gen1/")
+    gen0.set("0//cpu//0/0", b"old address")
+    assert not gen1.check(["0//cpu//0/0"])
+    gen1.set("0//cpu//0/0", b"new address")
+    assert gen0.get("0//cpu//0/0") == b"old address"
+    assert gen1.get("0//cpu//0/0") == b"new address"
+
+
+def test_store_get_blocks_and_honours_timeout(store: RendezvousStore) -> None:
+    wrapped = dist.PrefixStore("blk", store)
+
+    def later() -> None:
+        time.sleep(0.3)
+        store.set("blk/late", b"here")
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    assert wrapped.get("late") == b"here"  # get alone blocks, as NCCL's unique-ID read does
+    thread.join()
+
+    store.set_timeout(datetime.timedelta(milliseconds=300))
+    assert store.timeout == datetime.timedelta(milliseconds=300)
+    for call in (
+        lambda: wrapped.get("never"),
+        lambda: store.get("never"),
+        lambda: wrapped.wait(["never"]),
+        lambda: store.wait(["s", "never"], datetime.timedelta(milliseconds=200)),
+    ):
+        start = time.monotonic()
+        with pytest.raises(StoreError) as info:
+            call()
+        assert time.monotonic() - start < 3
+        assert isinstance(info.value, RuntimeError)
+        assert "never'" in str(info.value)  # names the key
+    start = time.monotonic()
+    with pytest.raises(StoreError, match="never"):
+        store.get("never")
+    assert 0.25 < time.monotonic() - start < 3
+
+
+def test_store_reports_dead_server(make_client: ClientFactory, secret: str, job_id: str) -> None:
+    srv = RendezvousServer(assign_slots([("h", 1)], 1), secret, job_id, bind_host="127.0.0.1")
+    srv.start()
+    store = RendezvousStore(make_client(srv))
+    store.set("k", b"v")
+    srv.stop()
+    with pytest.raises(RuntimeError, match="unavailable"):
+        store.get("k")
+
+
+def test_gloo_process_groups_in_four_processes(secret: str, job_id: str, tmp_path: Path) -> None:
+    slots = assign_slots([("host-a", 2), ("host-b", 2)], 4)
+    outputs: list[tuple[int, str, str]] = []
+    with RendezvousServer(slots, secret, job_id, bind_host="127.0.0.1") as server:
+        addr = f"127.0.0.1:{server.port}"
+        processes: list[subprocess.Popen[str]] = []
+        try:
+            for slot in slots:
+                command = [sys.executable, str(WORKER_SCRIPT), addr, job_id]
+                command += [slot.hostname, str(slot.local_rank)]
+                stderr_file = open(tmp_path / f"stderr-{slot.rank}", "w")  # noqa: SIM115
+                with stderr_file:
+                    processes.append(
+                        subprocess.Popen(
+                            command,
+                            stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE,
+                            stderr=stderr_file,
+                            text=True,
+                        )
+                    )
+            for process in processes:
+                assert process.stdin is not None
+                process.stdin.write(secret + "\n")  # the secret never goes into argv
+                process.stdin.close()
+            for rank, process in enumerate(processes):
+                returncode = process.wait(timeout=120)
+                assert process.stdout is not None
+                stdout = process.stdout.read()
+                stderr = (tmp_path / f"stderr-{rank}").read_text()
+                outputs.append((returncode, stdout, stderr))
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+                if process.stdout is not None:
+                    process.stdout.close()
+        assert server.registered_count() == 4
+
+    for returncode, _, stderr in outputs:
+        assert returncode == 0, f"worker failed:\n{stderr[-3000:]}"
+    reports = sorted(
+        (json.loads(stdout.strip().splitlines()[-1]) for _, stdout, _ in outputs),
+        key=lambda report: report["rank"],
+    )
+    assert [report["rank"] for report in reports] == [0, 1, 2, 3]
+    for report in reports:
+        rank = report["rank"]
+        assert report["size"] == 4
+        for generation, result in enumerate(report["generations"]):
+            assert result["sum"] == 10.0 * (generation + 1)
+            assert result["broadcast"] == {"generation": generation, "from": 0}
+            assert result["subgroup_size"] == 2
+            assert result["subgroup_sum"] == (2.0 if rank % 2 == 0 else 4.0)
