@@ -33,8 +33,9 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
 		rendezvous/rendezvous.proto
 
+# Every bench/*.py prints its own table of medians and ratios against a baseline of the same run.
 bench: setup
-	$(PY) bench/launch.py
+	@set -e; for script in bench/*.py; do echo "== $$script"; $(PY) $$script; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
