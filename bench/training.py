@@ -1,0 +1,104 @@
+"""Training throughput: hvd.DistributedOptimizer against torch DistributedDataParallel.
+
+A 16-layer, 512-wide MLP, batch 64 per rank, SGD, 2 ranks on the CPU with one torch thread
+each, the same model and data for both. Runs alternate (round-robin) and the table shows
+medians. Targets (issue 4): steps/s >= 1.0x DDP's; peak RSS of a rank <= 1.2x DDP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKER = str(HERE / "scripts" / "mlp_train.py")
+RESULT = re.compile(r"result steps_per_s=([\d.]+) peak_rss_mb=([\d.]+)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def parse(output: str) -> tuple[float, float]:
+    match = RESULT.search(output)
+    if match is None:
+        raise RuntimeError(f"no result line in:\n{output}")
+    return float(match.group(1)), float(match.group(2))
+
+
+def run_hvd(steps: int) -> tuple[float, float]:
+    hvdrun = shutil.which("hvdrun", path=str(Path(sys.executable).parent)) or "hvdrun"
+    out = subprocess.run(
+        [hvdrun, "-np", "2", sys.executable, WORKER, "--mode", "hvd", "--steps", str(steps)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return parse(out)
+
+
+def run_ddp(steps: int) -> tuple[float, float]:
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, WORKER, "--mode", "ddp", "--steps", str(steps)],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outputs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("DDP workers failed")
+    return parse(outputs[0])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    results: dict[str, list[tuple[float, float]]] = {"DistributedOptimizer": [], "DDP": []}
+    for _ in range(args.rounds):
+        results["DistributedOptimizer"].append(run_hvd(args.steps))
+        results["DDP"].append(run_ddp(args.steps))
+    rate = {k: statistics.median(r for r, _ in v) for k, v in results.items()}
+    rss = {k: statistics.median(m for _, m in v) for k, v in results.items()}
+    print(
+        f"training: 16x512 MLP, batch 64/rank, SGD, 2 ranks, 1 thread each, "
+        f"median of {args.rounds} round-robin runs of {args.steps} steps"
+    )
+    print(f"{'variant':<24}{'steps/s':>10}{'vs DDP':>9}{'peak RSS MB':>14}{'vs DDP':>9}")
+    for name in results:
+        print(
+            f"{name:<24}{rate[name]:>10.2f}{rate[name] / rate['DDP']:>8.2f}x"
+            f"{rss[name]:>14.1f}{rss[name] / rss['DDP']:>8.2f}x"
+        )
+    print(
+        f"targets: steps/s ratio {rate['DistributedOptimizer'] / rate['DDP']:.2f} (>= 1.0), "
+        f"RSS ratio {rss['DistributedOptimizer'] / rss['DDP']:.2f} (<= 1.2)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
