@@ -17,7 +17,9 @@ import click
 
 from hvdrun import __version__
 from hvdrun.tuning import tuning_env, tuning_options
-from launcher.hosts import HostSpec, HostSpecError, parse_hosts
+from launcher.environment import EnvSpecError, forwarded_env, parse_exports
+from launcher.hosts import LOCAL_NAMES, HostSpec, HostSpecError, parse_hostfile, parse_hosts
+from launcher.options import HOST_KEY_POLICIES, LaunchOptions, SSHOptions
 
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
@@ -39,12 +41,104 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     help="Hosts and their slots, e.g. host1:4,host2:4 (default: localhost:N).",
 )
 @click.option(
+    "--hostfile",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Hosts from a file: one 'host slots=N' or 'host:N' per line, # comments.",
+)
+@click.option(
+    "--start-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long connecting to every host and starting its agent may take.",
+)
+@click.option(
+    "-p",
+    "--ssh-port",
+    type=click.IntRange(1, 65535),
+    metavar="PORT",
+    help="SSH port of every remote host (default: ~/.ssh/config, else 22).",
+)
+@click.option(
+    "-i",
+    "--ssh-identity-file",
+    "identity_files",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help="Private key for SSH (repeatable); tried before ~/.ssh/config's and ssh-agent's.",
+)
+@click.option(
+    "--ssh-config-file",
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help="OpenSSH client config to use instead of ~/.ssh/config.",
+)
+@click.option(
+    "--ssh-host-key-policy",
+    type=click.Choice(HOST_KEY_POLICIES),
+    help="Unknown hosts: refuse (strict), trust once and record (accept-new, the default "
+    "unless ~/.ssh/config sets StrictHostKeyChecking), or skip all checks (off). A changed "
+    "key is refused unless off.",
+)
+@click.option(
+    "-x",
+    "exports",
+    multiple=True,
+    metavar="VAR[=VALUE]",
+    help="Forward VAR (even a host-specific one) or set VAR=VALUE in every worker (repeatable).",
+)
+@click.option(
+    "--rendezvous-addr",
+    metavar="ADDR[:PORT]",
+    help="Address (and port) at which every host reaches this machine "
+    "(default: the address of each host's SSH connection).",
+)
+@click.option(
+    "--network-interface",
+    metavar="IFNAME[,IFNAME]",
+    help="Interface(s) for Gloo and NCCL on every host (default: the one facing the "
+    "rendezvous); sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME.",
+)
+@click.option(
+    "--agent-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="A remote host silent this long counts as cut off: its agent stops its workers "
+    "and hvdrun stops the job.",
+)
+@click.option(
+    "--skip-version-check",
+    is_flag=True,
+    help="Start even when hosts' Python, torch or hvdrun versions differ from this one's.",
+)
+@click.option(
+    "--output-filename",
+    type=click.Path(file_okay=False),
+    metavar="DIR",
+    help="Also write each rank's output to DIR/rank.N/stdout and DIR/rank.N/stderr.",
+)
+@click.option(
+    "--prefix-timestamp",
+    is_flag=True,
+    help="Start every output line with the time hvdrun received it.",
+)
+@click.option(
     "--term-grace",
     type=click.FloatRange(min=0),
     default=5.0,
     show_default=True,
     metavar="SECONDS",
     help="After a failure, how long workers get between SIGTERM and SIGKILL.",
+)
+@click.option(
+    "--check-hosts",
+    is_flag=True,
+    help="Connect to every host of -H/--hostfile, print a table of what it runs, and exit.",
 )
 @click.option(
     "--check-build",
@@ -57,13 +151,27 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
 def cli(
     num_proc: int | None,
     hosts: str | None,
+    hostfile: str | None,
+    start_timeout: float,
+    ssh_port: int | None,
+    identity_files: tuple[str, ...],
+    ssh_config_file: str | None,
+    ssh_host_key_policy: str | None,
+    exports: tuple[str, ...],
+    rendezvous_addr: str | None,
+    network_interface: str | None,
+    agent_timeout: float,
+    skip_version_check: bool,
+    output_filename: str | None,
+    prefix_timestamp: bool,
     term_grace: float,
+    check_hosts: bool,
     check_build: bool,
     version: bool,
     command: tuple[str, ...],
     **tuning: Any,
 ) -> int:
-    """Run COMMAND as N distributed workers, e.g. hvdrun -np 4 python train.py."""
+    """Run COMMAND as N distributed workers, e.g. hvdrun -np 4 -H a:2,b:2 python train.py."""
     if version:
         click.echo(f"hvdrun {__version__}")
         return 0
@@ -74,47 +182,134 @@ def cli(
             click.echo(line)
         return 0
 
-    host_list, num_proc = resolve_hosts(hosts, num_proc)
+    host_list = read_hosts(hosts, hostfile)
+    if rendezvous_addr is not None:
+        check_rendezvous_addr(rendezvous_addr)
+    env = worker_env(exports, network_interface, tuning)
+    launch = LaunchOptions(
+        ssh=SSHOptions(ssh_port, identity_files, ssh_config_file, ssh_host_key_policy),
+        start_timeout=start_timeout,
+        agent_timeout=agent_timeout,
+        rendezvous_addr=rendezvous_addr,
+        check_versions=not skip_version_check,
+    )
+    if check_hosts:
+        if host_list is None:
+            raise click.UsageError("--check-hosts needs the hosts: -H HOST:SLOTS,... or --hostfile")
+        if command:
+            raise click.UsageError("--check-hosts runs no command; remove it")
+        from launcher.check_hosts import check_hosts as run_check
+
+        return run_check([h.hostname for h in host_list], os.getcwd(), env, launch, click.echo)
+
+    host_list, num_proc = resolve_hosts(host_list, hosts, num_proc)
     if not command:
         raise click.UsageError("no command given: hvdrun -np N COMMAND [ARGS...]")
-    check_command(command)
+    if any(h.hostname in LOCAL_NAMES for h in host_list):
+        check_command(command)
+    if output_filename is not None:
+        check_output_dir(output_filename)
 
     # Imported here so that --version, --help and input errors stay instant.
     from launcher.job import JobSpec, run_job
-    from launcher.output import OutputSink
+    from launcher.output import OutputOptions, OutputSink, use_colour
+    from launcher.startup import LaunchError, LaunchInterrupted
 
     spec = JobSpec(
         command=list(command),
         num_proc=num_proc,
         hosts=host_list,
-        env={**os.environ, **tuning_env(**tuning)},
+        env=env,
         cwd=os.getcwd(),
         term_grace=term_grace,
+        launch=launch,
     )
-    sink = OutputSink(sys.stdout.buffer, sys.stderr.buffer)
-    return run_job(spec, sink).exit_code
+    stdout, stderr = sys.stdout.buffer, sys.stderr.buffer
+    options = OutputOptions(
+        prefix_timestamp=prefix_timestamp,
+        colour_stdout=use_colour(stdout, os.environ),
+        colour_stderr=use_colour(stderr, os.environ),
+        output_dir=output_filename,
+        status_line=stderr.isatty(),
+    )
+    try:
+        return run_job(spec, OutputSink(stdout, stderr, options=options)).exit_code
+    except LaunchError as exc:
+        raise LaunchFailed(str(exc)) from None
+    except LaunchInterrupted as exc:
+        click.echo("hvdrun: interrupted while starting the job", err=True)
+        return 128 + exc.signum
 
 
-def resolve_hosts(hosts: str | None, num_proc: int | None) -> tuple[list[HostSpec], int]:
+def read_hosts(hosts: str | None, hostfile: str | None) -> list[HostSpec] | None:
+    if hosts is not None and hostfile is not None:
+        raise click.UsageError("give the hosts with -H or with --hostfile, not both")
+    try:
+        if hostfile is not None:
+            return parse_hostfile(hostfile)
+        if hosts is not None:
+            return parse_hosts(hosts)
+    except HostSpecError as exc:
+        hint = "'--hostfile'" if hostfile is not None else "'-H'"
+        raise click.BadParameter(str(exc), param_hint=hint) from None
+    return None
+
+
+def resolve_hosts(
+    host_list: list[HostSpec] | None, hosts: str | None, num_proc: int | None
+) -> tuple[list[HostSpec], int]:
     if num_proc is not None and num_proc < 1:
         raise click.BadParameter(f"must be at least 1, got {num_proc}", param_hint="'-np'")
-    if hosts is None:
+    if host_list is None:
         if num_proc is None:
             raise click.UsageError("give the number of processes with -np N (or hosts with -H)")
         return [HostSpec("localhost", num_proc)], num_proc
-    try:
-        host_list = parse_hosts(hosts)
-    except HostSpecError as exc:
-        raise click.BadParameter(str(exc), param_hint="'-H'") from None
     total = sum(h.slots for h in host_list)
     if num_proc is None:
         num_proc = total
     if num_proc > total:
+        where = f"-H {hosts}" if hosts is not None else "the hostfile"
         raise click.BadParameter(
-            f"{num_proc} processes requested but -H {hosts} has only {total} slot(s)",
+            f"{num_proc} processes requested but {where} has only {total} slot(s)",
             param_hint="'-np'",
         )
     return host_list, num_proc
+
+
+def worker_env(
+    exports: tuple[str, ...], network_interface: str | None, tuning: dict[str, Any]
+) -> dict[str, str]:
+    """What every worker gets from here: see launcher.environment for the rules."""
+    try:
+        exported = parse_exports(exports, os.environ)
+    except EnvSpecError as exc:
+        raise click.BadParameter(str(exc), param_hint="'-x'") from None
+    env = forwarded_env(os.environ, exported)
+    env.update(tuning_env(**tuning))
+    if network_interface:
+        env["GLOO_SOCKET_IFNAME"] = network_interface
+        env["NCCL_SOCKET_IFNAME"] = network_interface
+    return env
+
+
+def check_rendezvous_addr(addr: str) -> None:
+    _, sep, port = addr.rpartition(":")
+    has_port = addr.startswith("[") or addr.count(":") == 1
+    if has_port and sep and (not port.isdigit() or not 0 < int(port) < 65536):
+        raise click.BadParameter(
+            f"'{addr}' is not ADDR or ADDR:PORT", param_hint="'--rendezvous-addr'"
+        )
+    if not addr.strip("[]:"):
+        raise click.BadParameter("the address is empty", param_hint="'--rendezvous-addr'")
+
+
+def check_output_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot create {path}: {exc.strerror or exc}", param_hint="'--output-filename'"
+        ) from None
 
 
 def check_command(command: Sequence[str]) -> None:
@@ -134,6 +329,10 @@ class CommandNotFound(click.ClickException):
 
 class ScriptNotFound(click.ClickException):
     exit_code = 2  # what python itself exits with for a missing script
+
+
+class LaunchFailed(click.ClickException):
+    exit_code = 255  # like ssh when it cannot connect
 
 
 def run_cli(argv: Sequence[str] | None = None) -> int:

@@ -26,13 +26,15 @@ _OPTIONS = [
         "--cycle-time-ms",
         type=click.FloatRange(min=0),
         metavar="MS",
-        help="Negotiation cycle time in milliseconds (HVDRUN_CYCLE_TIME).",
+        help="How long (ms) submitted collectives are gathered before negotiating them "
+        "(HVDRUN_CYCLE_TIME; default 1).",
     ),
     click.option(
         "--timeline-filename",
         type=click.Path(dir_okay=False),
         metavar="FILE",
-        help="Write a Chrome-trace timeline of every collective (HVDRUN_TIMELINE).",
+        help="Write a Chrome-trace timeline of every collective, from rank 0; a {rank} in "
+        "FILE gives every rank its own file (HVDRUN_TIMELINE).",
     ),
     click.option(
         "--timeline-mark-cycles",
@@ -57,7 +59,8 @@ _OPTIONS = [
         "--stall-check-shutdown-time-seconds",
         type=click.FloatRange(min=0),
         metavar="SECONDS",
-        help="Abort the job after a stall this long; 0 never (HVDRUN_STALL_SHUTDOWN_TIME_SECONDS).",
+        help="Fail every rank's collectives after a stall this long; 0 never "
+        "(HVDRUN_STALL_SHUTDOWN_TIME_SECONDS; default 0).",
     ),
 ]
 

@@ -1,12 +1,18 @@
 """The per-host agent: ``python -m launcher.agent``.
 
-One agent runs on every host of a job, for local and remote hosts alike. It reads its
-:class:`~launcher.protocol.AgentSpec` from stdin, starts the host's workers (each in a new
-session, so its whole process group can be signalled), splits their output into lines and
-reports them, with exits, as events on stdout.
+One agent runs on every host of a job, for local and remote hosts alike (a subprocess, or
+over SSH). It announces its versions with a ``hello`` event, reads its request from stdin
+(:mod:`launcher.protocol`), starts the host's workers (each in a new session, so its whole
+process group can be signalled), splits their output into lines and reports them, with
+exits, as events on stdout.
+
+Before starting workers it finds the interface that faces the rendezvous server and sets
+``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` to it unless they are set: a host's own name
+need not resolve anywhere for Gloo and NCCL to find each other.
 
 The agent is the middleman that guarantees no worker outlives the job: when its stdin
-closes (hvdrun exited or was killed with -9, the SSH connection dropped) or it is told to
+closes (hvdrun exited or was killed with -9, the SSH connection dropped), when it hears
+nothing from hvdrun for the heartbeat timeout (a cut network), or when it is told to
 terminate, it sends SIGTERM to every worker's process group and every process of its tree,
 then SIGKILL after the grace period. It imports neither torch nor grpc, so it starts fast.
 """
@@ -16,191 +22,163 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
+import socket
 import sys
 import threading
-from collections.abc import Callable
+import time
 from typing import Any, BinaryIO
 
-import psutil
+from launcher.environment import worker_base_env
+from launcher.hostinfo import installed_versions, interface_facing
+from launcher.protocol import PROTOCOL_VERSION, AgentSpec, decode_request, encode_event
+from launcher.workers import Emit, HostAgent
 
-from launcher.output import LineSplitter
-from launcher.protocol import AgentSpec, WorkerLaunch, encode_event, text_of
-
-Emit = Callable[[dict[str, Any]], None]
-READ_CHUNK = 65536
-
-
-def exit_code_of(returncode: int) -> int:
-    """Shell convention: a worker killed by signal N exits with 128+N."""
-    return 128 - returncode if returncode < 0 else returncode
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-class Worker:
-    """One worker process and the threads that drain its output and report its exit."""
-
-    def __init__(self, launch: WorkerLaunch, spec: AgentSpec, emit: Emit) -> None:
-        self.rank = launch.rank
-        self._emit = emit
-        env = dict(spec.env)
-        env.update(launch.env)
-        self.proc = subprocess.Popen(
-            spec.command,
-            cwd=spec.cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        self.exited = threading.Event()
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self._readers = [
-            threading.Thread(target=self._drain, args=(self.proc.stdout, "stdout"), daemon=True),
-            threading.Thread(target=self._drain, args=(self.proc.stderr, "stderr"), daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
-        threading.Thread(target=self._wait, daemon=True).start()
-
-    def _drain(self, pipe: BinaryIO, stream: str) -> None:
-        splitter = LineSplitter()
-        fd = pipe.fileno()
-        while True:
-            try:
-                chunk = os.read(fd, READ_CHUNK)
-            except OSError:
-                chunk = b""
-            lines = splitter.feed(chunk) if chunk else splitter.flush()
-            for line in lines:
-                self._emit(
-                    {"ev": "out", "rank": self.rank, "stream": stream, "data": text_of(line)}
-                )
-            if not chunk:
-                pipe.close()
-                return
-
-    def _wait(self) -> None:
-        # Wait without reaping, so the pid cannot be reused while we clear its process group:
-        # anything the worker left behind in its group dies with it.
-        with contextlib.suppress(ChildProcessError):
-            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        code = exit_code_of(self.proc.wait())
-        for reader in self._readers:
-            reader.join(timeout=2.0)
-        self.exited.set()
-        self._emit({"ev": "exit", "rank": self.rank, "code": code})
-
-    def process_tree(self) -> list[psutil.Process]:
-        try:
-            root = psutil.Process(self.proc.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return []
+def network_env(env: dict[str, str], rendezvous_addr: str, emit: Emit) -> None:
+    """Points Gloo and NCCL at the interface facing the rendezvous, unless the user did."""
+    if not rendezvous_addr:
+        return
+    ifname, address = interface_facing(rendezvous_addr)
+    emit({"ev": "network", "ifname": ifname, "address": address})
+    if ifname is None:
+        return
+    for name in IFNAME_VARIABLES:
+        env.setdefault(name, ifname)
 
 
-class HostAgent:
-    """Starts one host's workers and stops them all on request."""
+class Emitter:
+    """Writes events to stdout, whole lines only; notices when nobody reads any more."""
 
-    def __init__(self, spec: AgentSpec, emit: Emit) -> None:
-        self.spec = spec
-        self._emit = emit
-        self.workers: list[Worker] = []
+    def __init__(self, stdout: BinaryIO) -> None:
+        self._stdout = stdout
         self._lock = threading.Lock()
-        self._terminating = False
+        self.broken = threading.Event()
 
-    def start(self) -> None:
-        for launch in self.spec.workers:
-            with self._lock:
-                if self._terminating:
-                    self._emit({"ev": "exit", "rank": launch.rank, "code": 143})
-                    continue
-                try:
-                    worker = Worker(launch, self.spec, self._emit)
-                except OSError as exc:
-                    self._emit(
-                        {
-                            "ev": "exit",
-                            "rank": launch.rank,
-                            "code": 127 if isinstance(exc, FileNotFoundError) else 126,
-                            "error": f"cannot run {self.spec.command[0]!r}: {exc.strerror or exc}",
-                        }
-                    )
-                    continue
-                self.workers.append(worker)
-            self._emit({"ev": "started", "rank": launch.rank, "pid": worker.proc.pid})
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """True once every started worker has exited and been reported."""
-        return all(worker.exited.wait(timeout) for worker in list(self.workers))
-
-    def terminate(self, grace: float | None = None) -> None:
-        """SIGTERM every worker's process tree, SIGKILL what is left after ``grace`` seconds."""
-        grace = self.spec.term_grace if grace is None else grace
+    def __call__(self, event: dict[str, Any]) -> None:
+        data = encode_event(event)
         with self._lock:
-            self._terminating = True
-            workers = list(self.workers)
-        trees = [worker.process_tree() for worker in workers]
-        for worker, tree in zip(workers, trees, strict=False):
-            _signal_tree(worker.proc.pid, tree, signal.SIGTERM)
-        procs = [proc for tree in trees for proc in tree]
-        _, alive = psutil.wait_procs(procs, timeout=grace)
-        for worker, tree in zip(workers, trees, strict=False):
-            _signal_tree(worker.proc.pid, [p for p in tree if p in alive], signal.SIGKILL)
-        self.wait(timeout=5.0)
+            try:
+                self._stdout.write(data)
+                self._stdout.flush()
+            except (OSError, ValueError):
+                self.broken.set()  # hvdrun is gone: nobody to report to
+
+    def try_emit(self, event: dict[str, Any], timeout: float) -> None:
+        """Emits from a helper thread: a stalled connection must not keep the agent alive."""
+        thread = threading.Thread(target=self, args=(event,), daemon=True)
+        thread.start()
+        thread.join(timeout)
 
 
-def _signal_tree(pgid: int, tree: list[psutil.Process], signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signum)
-    for proc in tree:  # children may have left the group (setsid, double fork)
-        with contextlib.suppress(psutil.Error):
-            proc.send_signal(signum)
+class Control:
+    """What hvdrun asked for since the job started, and when it was last heard from."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.kill = False
+        self.reason = ""
+        self.last_heard = time.monotonic()
+
+    def request_stop(self, reason: str, kill: bool = False) -> None:
+        if not self.stop.is_set():
+            self.reason = reason
+        self.kill = self.kill or kill
+        self.stop.set()
+
+    def watch_stdin(self, stdin: BinaryIO) -> None:
+        while True:
+            line = stdin.readline()
+            if not line:
+                self.request_stop("hvdrun closed the connection")
+                return
+            self.last_heard = time.monotonic()
+            try:
+                op = decode_request(line)["op"]
+            except ValueError:
+                continue
+            if op == "terminate":
+                self.request_stop("asked to terminate")
+            elif op == "kill":
+                self.request_stop("asked to kill", kill=True)
+
+    def heartbeat(self, timeout: float, emit: Emitter) -> None:
+        interval = max(timeout / 4, 0.05)
+        while not self.stop.wait(interval):
+            emit({"ev": "ping"})
+            if time.monotonic() - self.last_heard > timeout:
+                self.request_stop(f"heard nothing from hvdrun for over {timeout:g} s")
+
+
+def note(text: str) -> None:
+    """A line on the agent's stderr, which hvdrun keeps for its error messages."""
+    with contextlib.suppress(OSError, ValueError):  # hvdrun may be gone already
+        sys.stderr.write(f"hvdrun agent: {text}\n")
+        sys.stderr.flush()
+
+
+def hello() -> dict[str, Any]:
+    return {
+        "ev": "hello",
+        "protocol": PROTOCOL_VERSION,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        **installed_versions(),
+    }
+
+
+def run(spec: AgentSpec, stdin: BinaryIO, emit: Emitter) -> int:
+    control = Control()
+
+    def on_signal(signum: int, frame: object) -> None:
+        control.request_stop(f"received {signal.Signals(signum).name}")
+
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    threading.Thread(target=control.watch_stdin, args=(stdin,), daemon=True).start()
+    if spec.heartbeat_timeout > 0:
+        threading.Thread(
+            target=control.heartbeat, args=(spec.heartbeat_timeout, emit), daemon=True
+        ).start()
+
+    env = worker_base_env(os.environ, spec.env)
+    network_env(env, spec.rendezvous_addr, emit)
+    agent = HostAgent(spec, env, emit)
+    agent.start()
+    while not control.stop.is_set() and not emit.broken.is_set():
+        if agent.wait(timeout=0.1):
+            break
+    if control.stop.is_set() or emit.broken.is_set():
+        reason = control.reason or "hvdrun stopped reading"
+        note(f"stopping workers: {reason}")
+        agent.terminate(grace=0.0 if control.kill else None)
+    emit.try_emit({"ev": "done"}, timeout=5.0)
+    return 0
 
 
 def main() -> int:
     stdin = sys.stdin.buffer
-    stdout = sys.stdout.buffer
-    out_lock = threading.Lock()
-    stop = threading.Event()
-
-    def emit(event: dict[str, Any]) -> None:
-        data = encode_event(event)
-        with out_lock:
-            try:
-                stdout.write(data)
-                stdout.flush()
-            except (BrokenPipeError, ValueError):
-                stop.set()  # hvdrun is gone: nobody to report to
-
+    emit = Emitter(sys.stdout.buffer)
+    emit(hello())
     line = stdin.readline()
     if not line:
+        return 0  # hvdrun only wanted the hello, or gave up
+    try:
+        request = decode_request(line)
+    except ValueError as exc:
+        note(str(exc))
+        return 2
+    if request["op"] == "probe":
+        from launcher.probe import probe_host
+
+        emit({"ev": "probe", **probe_host(request.get("connect_back"))})
+        emit({"ev": "done"})
         return 0
-    spec = AgentSpec.from_line(line)
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(signum, on_signal)
-
-    def watch_stdin() -> None:
-        # Any line is a terminate request; EOF means hvdrun or the connection is gone.
-        stdin.readline()
-        stop.set()
-
-    threading.Thread(target=watch_stdin, daemon=True).start()
-    agent = HostAgent(spec, emit)
-    agent.start()
-    while not stop.is_set():
-        if agent.wait(timeout=0.1):
-            break
-    if stop.is_set():
-        agent.terminate()
-    emit({"ev": "done"})
-    return 0
+    if request["op"] != "run":
+        note(f"unexpected request {request['op']!r}")
+        return 2
+    return run(AgentSpec.from_dict(request["spec"]), stdin, emit)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,20 @@
-"""Host lists: ``-H host1:4,host2:4`` (mpirun/horovodrun syntax).
+"""Host lists: ``-H host1:4,host2:4`` (mpirun/horovodrun syntax) and hostfiles.
 
-A bare ``host`` means one slot. Malformed entries, zero or negative slot counts and
-duplicate hosts are user errors: :class:`HostSpecError` carries a message that names the
-offending entry, and the CLI turns it into one line with exit code 2.
+A bare ``host`` means one slot. A hostfile holds one host per line, as ``host slots=N``
+(mpirun/Horovod) or ``host:N``; ``#`` starts a comment and blank lines are ignored.
+Malformed entries, zero or negative slot counts and duplicate hosts are user errors:
+:class:`HostSpecError` carries a message that names the offending entry (and line), and the
+CLI turns it into one line with exit code 2.
+
+:func:`is_local_host` decides which hosts run without SSH: ``localhost``, loopback
+addresses, and any name that resolves to an address of one of this machine's interfaces.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import re
+import socket
 from dataclasses import dataclass
 
 
@@ -32,15 +40,26 @@ def parse_host_entry(entry: str) -> HostSpec:
         raise HostSpecError(f"host name missing in '{text}' (expected host:slots)")
     if not slots_text:
         raise HostSpecError(f"slot count missing in '{text}' (expected host:slots)")
+    return HostSpec(_check_hostname(hostname, text), _parse_slots(slots_text, text))
+
+
+def _parse_slots(slots_text: str, entry: str) -> int:
     try:
         slots = int(slots_text)
     except ValueError:
-        raise HostSpecError(f"slot count '{slots_text}' in '{text}' is not a number") from None
+        raise HostSpecError(f"slot count '{slots_text}' in '{entry}' is not a number") from None
     if slots < 1:
-        raise HostSpecError(f"slot count in '{text}' must be at least 1")
+        raise HostSpecError(f"slot count in '{entry}' must be at least 1")
+    return slots
+
+
+def _check_hostname(hostname: str, entry: str) -> str:
     if any(ch.isspace() for ch in hostname):
         raise HostSpecError(f"host name '{hostname}' contains white space")
-    return HostSpec(hostname, slots)
+    if hostname.startswith("-"):
+        # Would read as an option to ssh and friends.
+        raise HostSpecError(f"host name '{hostname}' in '{entry}' starts with '-'")
+    return hostname
 
 
 def parse_hosts(text: str) -> list[HostSpec]:
@@ -52,6 +71,73 @@ def parse_hosts(text: str) -> list[HostSpec]:
     return hosts
 
 
+_SLOTS_KEYWORD = re.compile(r"^(?:slots|max_slots|max-slots)=(.*)$")
+
+
+def parse_hostfile_text(text: str, source: str = "hostfile") -> list[HostSpec]:
+    """Parse a hostfile's lines (``host slots=N`` or ``host:N``); raises HostSpecError."""
+    hosts: list[HostSpec] = []
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{source} line {number}"
+        fields = line.split()
+        try:
+            if len(fields) == 1:
+                host = parse_host_entry(fields[0])
+            else:
+                host = _parse_keyword_line(fields, line)
+        except HostSpecError as exc:
+            raise HostSpecError(f"{where}: {exc}") from None
+        if host.hostname in seen:
+            raise HostSpecError(
+                f"{where}: host '{host.hostname}' is already listed on line "
+                f"{seen[host.hostname]}; give its slots in one entry"
+            )
+        seen[host.hostname] = number
+        hosts.append(host)
+    if not hosts:
+        raise HostSpecError(f"{source} lists no hosts")
+    return hosts
+
+
+def _parse_keyword_line(fields: list[str], line: str) -> HostSpec:
+    hostname, *options = fields
+    slots: int | None = None
+    for option in options:
+        match = _SLOTS_KEYWORD.match(option)
+        if match is None:
+            raise HostSpecError(f"cannot read '{option}' in '{line}' (expected 'host slots=N')")
+        if option.startswith("slots="):
+            slots = _parse_slots(match.group(1), line)
+    if ":" in hostname and not _is_ipv6(hostname):
+        raise HostSpecError(f"'{line}' gives slots twice (use 'host slots=N' or 'host:N')")
+    if slots is None:
+        raise HostSpecError(f"no slots= in '{line}'")
+    return HostSpec(_check_hostname(hostname, line), slots)
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
+    except ValueError:
+        return False
+
+
+def parse_hostfile(path: str) -> list[HostSpec]:
+    """Read and parse a hostfile; raises HostSpecError (also for an unreadable file)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise HostSpecError(f"cannot read hostfile {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise HostSpecError(f"hostfile {path} is not UTF-8 text") from None
+    return parse_hostfile_text(text, source=path)
+
+
 def check_unique(hosts: list[HostSpec]) -> None:
     seen: set[str] = set()
     for host in hosts:
@@ -60,3 +146,45 @@ def check_unique(hosts: list[HostSpec]) -> None:
                 f"host '{host.hostname}' is listed more than once; give its slots in one entry"
             )
         seen.add(host.hostname)
+
+
+LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1"})
+
+
+def local_addresses() -> set[str]:
+    """Every address of this machine's interfaces (IPv6 without zone suffix)."""
+    import psutil  # only when a host name needs it: the CLI imports this module at start
+
+    addresses: set[str] = set()
+    for entries in psutil.net_if_addrs().values():
+        for entry in entries:
+            if entry.family in (socket.AF_INET, socket.AF_INET6):
+                addresses.add(entry.address.split("%", 1)[0])
+    return addresses
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def is_local_host(hostname: str) -> bool:
+    """True for this machine: hvdrun then starts the host's agent without SSH.
+
+    A name that does not resolve is not local (SSH will report it). ``user@host`` always
+    goes through SSH, since the user asked to log in as someone.
+    """
+    if hostname in LOCAL_NAMES:
+        return True
+    if "@" in hostname:
+        return False
+    try:
+        infos = socket.getaddrinfo(hostname, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    resolved = {str(info[4][0]).split("%", 1)[0] for info in infos}
+    if any(_is_loopback(address) for address in resolved):
+        return True
+    return bool(resolved & local_addresses())

@@ -1,16 +1,17 @@
-"""Runs one job: rendezvous server, one agent per host, and the supervision loop.
+"""Runs one job: one agent per host, the rendezvous server, and the supervision loop.
 
 Exit rules (mpirun's): every worker exits 0 → 0. The first worker to fail decides the exit
 code (128+N for signal N); every other worker on every host is then stopped, and hvdrun
-names the rank, its host and the last lines of its stderr. SIGINT/SIGTERM to hvdrun stop
-the job the same way and exit with 128+signal; a second signal kills without grace.
+names the rank, its host and the last lines of its stderr, with a table of every rank.
+SIGINT/SIGTERM to hvdrun stop the job the same way and exit with 128+signal; a second signal
+kills without grace. A host that cannot be started, or whose agent is lost mid-job (SSH
+connection dropped, no heartbeat), makes hvdrun exit with 255, like ssh.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import secrets
 import signal
@@ -20,10 +21,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from launcher.connection import AgentConnection
 from launcher.hosts import HostSpec
-from launcher.local import LocalAgent
+from launcher.options import LaunchOptions
 from launcher.output import OutputSink
 from launcher.protocol import AgentSpec, WorkerLaunch, bytes_of
+from launcher.report import report_failure
+from launcher.startup import (
+    AGENT_FAILURE_EXIT,
+    plan_rendezvous,
+    rendezvous_addr,
+    start_agents,
+    stop_agents,
+)
 from rendezvous.server import RendezvousServer
 from rendezvous.slots import SlotInfo, assign_slots
 
@@ -38,9 +48,10 @@ class JobSpec:
     command: list[str]
     num_proc: int
     hosts: list[HostSpec]
-    env: dict[str, str]
+    env: dict[str, str]  # already without host-specific variables (launcher.environment)
     cwd: str
     term_grace: float = 5.0
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
 
 
 @dataclass
@@ -57,6 +68,9 @@ class JobResult:
     failure: WorkerFailure | None = None
     interrupted_by: int | None = None
     exits: dict[int, int] = field(default_factory=dict)
+    stopped: set[int] = field(default_factory=set)  # exited after hvdrun began stopping
+    lost: dict[int, str] = field(default_factory=dict)  # rank -> why it was never reported
+    hosts: dict[int, str] = field(default_factory=dict)  # rank -> host
 
 
 def worker_env(slot: SlotInfo) -> dict[str, str]:
@@ -76,31 +90,38 @@ def worker_env(slot: SlotInfo) -> dict[str, str]:
     }
 
 
-def agent_specs(
-    spec: JobSpec, slots: Sequence[SlotInfo], rendezvous_addr: str, job_id: str, secret: str
-) -> list[AgentSpec]:
-    common = dict(spec.env)
-    common.update(
+def agent_spec(
+    spec: JobSpec,
+    hostname: str,
+    slots: Sequence[SlotInfo],
+    rendezvous: str,
+    job_id: str,
+    secret: str,
+    heartbeat_timeout: float,
+) -> AgentSpec:
+    env = dict(spec.env)
+    env.update(
         {
             "PYTHONUNBUFFERED": "1",
-            "HVDRUN_RENDEZVOUS_ADDR": rendezvous_addr,
+            "HVDRUN_RENDEZVOUS_ADDR": rendezvous,
             "HVDRUN_JOB_ID": job_id,
             "HVDRUN_SECRET": secret,
         }
     )
-    by_host: dict[str, AgentSpec] = {}
-    for slot in slots:
-        agent = by_host.get(slot.hostname)
-        if agent is None:
-            agent = by_host[slot.hostname] = AgentSpec(
-                hostname=slot.hostname,
-                command=list(spec.command),
-                cwd=spec.cwd,
-                env=common,
-                term_grace=spec.term_grace,
-            )
-        agent.workers.append(WorkerLaunch(rank=slot.rank, env=worker_env(slot)))
-    return list(by_host.values())
+    return AgentSpec(
+        hostname=hostname,
+        command=list(spec.command),
+        cwd=spec.cwd,
+        env=env,
+        workers=[
+            WorkerLaunch(rank=slot.rank, env=worker_env(slot))
+            for slot in slots
+            if slot.hostname == hostname
+        ],
+        term_grace=spec.term_grace,
+        rendezvous_addr=rendezvous,
+        heartbeat_timeout=heartbeat_timeout,
+    )
 
 
 class _Signals:
@@ -111,6 +132,9 @@ class _Signals:
 
     def _handle(self, signum: int, frame: object) -> None:
         self.received.append(signum)
+
+    def first(self) -> int | None:
+        return self.received[0] if self.received else None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[_Signals]:
@@ -127,21 +151,24 @@ class Supervisor:
 
     def __init__(
         self,
-        agents: list[LocalAgent],
+        agents: list[AgentConnection],
         slots: Sequence[SlotInfo],
         sink: OutputSink,
         events: queue.Queue[dict[str, Any]],
         term_grace: float,
+        server: RendezvousServer | None = None,
     ) -> None:
-        self.agents = agents
+        self.agents = {agent.hostname: agent for agent in agents}
         self.sink = sink
         self.events = events
         self.term_grace = term_grace
+        self.server = server
         self.host_of = {slot.rank: slot.hostname for slot in slots}
-        self.pids: dict[int, int] = {}
-        self.result = JobResult(exit_code=0)
-        self._pending_hosts = {agent.hostname for agent in agents}
+        self.result = JobResult(exit_code=0, hosts=dict(self.host_of))
+        self._pending_hosts = set(self.agents)
         self._stop_deadline: float | None = None
+        self._stopping = False
+        self._registered = -1
 
     def run(self, signals: _Signals) -> JobResult:
         handled_signals = 0
@@ -151,43 +178,84 @@ class Supervisor:
                 handled_signals += 1
             if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
                 log.warning("agents did not report in time; killing them")
-                for agent in self.agents:
-                    agent.kill()
+                for host in list(self._pending_hosts):
+                    self.agents[host].kill()
                 self._stop_deadline = None
+            self._check_heartbeats()
+            self._show_status()
             try:
                 event = self.events.get(timeout=0.1)
             except queue.Empty:
                 continue
             self._on_event(event)
+        self.sink.status(None)
         return self.result
+
+    def _show_status(self) -> None:
+        if self.server is None or self._registered >= len(self.host_of):
+            return
+        registered = self.server.registered_count()
+        if registered != self._registered:
+            self._registered = registered
+            total = len(self.host_of)
+            if registered >= total or self._stopping:
+                self.sink.status(None)
+            else:
+                hosts = len(self.agents)
+                self.sink.status(
+                    f"connected {hosts}/{hosts} hosts, {registered}/{total} workers registered"
+                )
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for host in list(self._pending_hosts):
+            agent = self.agents[host]
+            timeout = agent.heartbeat_timeout
+            # The reader thread stamps last_heard, so a slow terminal cannot fake a silence.
+            if timeout > 0 and now - agent.last_heard > timeout:
+                self._lose_host(host, f"heard nothing from its agent for {timeout:g} s")
+                agent.abort()  # its agent stops its workers on its own heartbeat timeout
 
     def _on_event(self, event: dict[str, Any]) -> None:
         kind = event["ev"]
         if kind == "out":
             self.sink.line(event["rank"], event["stream"], bytes_of(event["data"]))
-        elif kind == "started":
-            self.pids[event["rank"]] = event["pid"]
         elif kind == "exit":
             rank, code = event["rank"], event["code"]
             self.result.exits[rank] = code
+            if self._stopping:
+                self.result.stopped.add(rank)
             if event.get("error"):
                 self.sink.message(f"rank {rank} on {event['host']}: {event['error']}")
             if code != 0:
                 self._fail(WorkerFailure(rank, event["host"], code, event.get("error")))
+        elif kind == "network":
+            log.info("workers on %s use interface %s", event["host"], event.get("ifname"))
         elif kind in ("done", "agent_exit"):
             host = event["host"]
             if host in self._pending_hosts:
-                self._pending_hosts.discard(host)
-                missing = [
-                    r for r, h in self.host_of.items() if h == host and r not in self.result.exits
-                ]
-                if missing:
-                    code = event.get("code", 1) or 1
-                    self.sink.message(
-                        f"the agent on {host} exited (code {code}) without reporting "
-                        f"rank(s) {', '.join(map(str, missing))}"
-                    )
-                    self._fail(WorkerFailure(missing[0], host, 1, "agent exited"))
+                code = event.get("code")
+                if kind == "done":
+                    why = "its agent finished early"
+                elif code is None:
+                    why = "lost the connection to its agent"
+                else:
+                    why = f"its agent exited (code {code})"
+                if event.get("reason"):
+                    why += f": {event['reason']}"
+                self._lose_host(host, why)
+
+    def _lose_host(self, host: str, why: str) -> None:
+        self._pending_hosts.discard(host)
+        missing = [r for r, h in self.host_of.items() if h == host and r not in self.result.exits]
+        if not missing:
+            return
+        self.sink.message(
+            f"host {host}: {why}; rank(s) {', '.join(map(str, missing))} not reported"
+        )
+        for rank in missing:
+            self.result.lost[rank] = why
+        self._fail(WorkerFailure(missing[0], host, AGENT_FAILURE_EXIT, why))
 
     def _fail(self, failure: WorkerFailure) -> None:
         if self.result.failure is None and self.result.interrupted_by is None:
@@ -204,57 +272,70 @@ class Supervisor:
             self._stop_all()
         else:
             self.sink.message("second signal: killing all workers now")
-            for pid in self.pids.values():
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-            for agent in self.agents:
-                agent.kill()
+            for host in self._pending_hosts:
+                self.agents[host].kill()
 
     def _stop_all(self) -> None:
-        if self._stop_deadline is None:
+        if self._stop_deadline is None and not self._stopping:
+            self._stopping = True
+            self.sink.status(None)
             self._stop_deadline = time.monotonic() + self.term_grace + AGENT_REPORT_SLACK
-            for agent in self.agents:
-                agent.terminate()
-
-
-def describe_exit(code: int) -> str:
-    if code > 128:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(code - 128).name} (exit code {code})"
-    return f"exit code {code}"
-
-
-def report_failure(result: JobResult, sink: OutputSink) -> None:
-    failure = result.failure
-    if failure is None:
-        return
-    what = describe_exit(failure.code)
-    sink.message(f"rank {failure.rank} on host {failure.hostname} failed first: {what}")
-    others = sorted(r for r, c in result.exits.items() if c != 0 and r != failure.rank)
-    if others:
-        sink.message(f"stopped or failed afterwards: rank(s) {', '.join(map(str, others))}")
-    tail = sink.stderr_tail(failure.rank)
-    if tail:
-        sink.message(f"last lines of rank {failure.rank}'s stderr:")
-        for line in tail:
-            sink.message(f"    {line}")
+            for host in self._pending_hosts:
+                self.agents[host].terminate()
 
 
 def run_job(spec: JobSpec, sink: OutputSink) -> JobResult:
+    """Starts and supervises the job; raises LaunchError when a host cannot be started."""
     slots = assign_slots([(h.hostname, h.slots) for h in spec.hosts], spec.num_proc)
+    hostnames = list(dict.fromkeys(slot.hostname for slot in slots))
     secret = secrets.token_urlsafe(32)
     job_id = uuid.uuid4().hex[:16]
     events: queue.Queue[dict[str, Any]] = queue.Queue()
-    with _Signals().installed() as signals:
-        server = RendezvousServer(slots, secret, job_id, bind_host="127.0.0.1")
-        port = server.start()
-        try:
-            specs = agent_specs(spec, slots, f"127.0.0.1:{port}", job_id, secret)
-            agents = [LocalAgent(agent_spec, events) for agent_spec in specs]
-            for agent in agents:
-                agent.start()
-            result = Supervisor(agents, slots, sink, events, spec.term_grace).run(signals)
-        finally:
-            server.stop()
+    options = spec.launch
+    sink.open_files(range(spec.num_proc))
+    try:
+        with _Signals().installed() as signals:
+            agents = start_agents(
+                hostnames,
+                spec.cwd,
+                spec.env,
+                options,
+                progress=lambda done, total: sink.status(
+                    f"connected {done}/{total} hosts, 0/{spec.num_proc} workers registered"
+                ),
+                interrupted=signals.first,
+            )
+            try:
+                result = _supervise(spec, agents, slots, sink, events, signals, secret, job_id)
+            finally:
+                stop_agents(agents)
+    finally:
+        sink.close()
     report_failure(result, sink)
     return result
+
+
+def _supervise(
+    spec: JobSpec,
+    agents: list[AgentConnection],
+    slots: Sequence[SlotInfo],
+    sink: OutputSink,
+    events: queue.Queue[dict[str, Any]],
+    signals: _Signals,
+    secret: str,
+    job_id: str,
+) -> JobResult:
+    plan = plan_rendezvous(agents, spec.launch.rendezvous_addr)
+    server = RendezvousServer(slots, secret, job_id, bind_host=plan.bind_host, port=plan.port)
+    port = server.start()
+    try:
+        for agent in agents:
+            host = agent.hostname
+            addr = rendezvous_addr(plan, host, port)
+            agent.launch(
+                agent_spec(spec, host, slots, addr, job_id, secret, agent.heartbeat_timeout),
+                events,
+            )
+        return Supervisor(agents, slots, sink, events, spec.term_grace, server).run(signals)
+    finally:
+        server.stop()

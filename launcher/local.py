@@ -1,69 +1,78 @@
-"""hvdrun's handle on one host's agent, started as a local subprocess.
+"""The agent for this machine's slots, started as a local subprocess (no SSH).
 
 The agent runs in its own session, so a Ctrl-C at the terminal reaches hvdrun alone and
-hvdrun decides how the job stops. Its events are parsed here and put, tagged with the host
-name, on the job's event queue. Remote hosts (over SSH) use the same protocol.
+hvdrun decides how the job stops. It runs in ``/`` with absolute ``PYTHONPATH`` entries, so
+a directory of the user's that happens to be called ``launcher`` cannot shadow hvdrun's;
+its workers still start in hvdrun's working directory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import queue
+import os
+import signal
 import subprocess
 import sys
-import threading
-from typing import IO, Any
+import time
+from typing import IO
 
-from launcher.protocol import TERMINATE, AgentSpec, decode_event
+from launcher.connection import AgentConnection, LineReader
 
-log = logging.getLogger(__name__)
-
-AGENT_COMMAND = [sys.executable, "-m", "launcher.agent"]
+AGENT_MODULE = "launcher.agent"
 
 
-class LocalAgent:
-    def __init__(self, spec: AgentSpec, events: queue.Queue[dict[str, Any]]) -> None:
-        self.spec = spec
-        self.hostname = spec.hostname
-        self._events = events
+def agent_pythonpath(pythonpath: str | None, cwd: str) -> str | None:
+    """``PYTHONPATH`` for an agent that runs in ``/``: relative entries made absolute."""
+    if not pythonpath:
+        return None
+    entries = [os.path.join(cwd, entry) for entry in pythonpath.split(os.pathsep) if entry]
+    return os.pathsep.join(entries) or None
+
+
+class LocalAgent(AgentConnection):
+    kind = "local"
+
+    def __init__(self, hostname: str, cwd: str) -> None:
+        super().__init__(hostname, sys.executable, cwd)
         self._proc: subprocess.Popen[bytes] | None = None
-        self._stdin_lock = threading.Lock()
 
-    def start(self) -> None:
+    def _open(self, deadline: float) -> tuple[LineReader, IO[bytes]]:
+        env = dict(os.environ)
+        pythonpath = agent_pythonpath(env.pop("PYTHONPATH", None), self.cwd)
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
         self._proc = subprocess.Popen(
-            AGENT_COMMAND,
+            [self.python, "-m", AGENT_MODULE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             start_new_session=True,
+            cwd="/",
+            env=env,
         )
-        self._send(self.spec.to_line())
-        assert self._proc.stdout is not None
-        threading.Thread(target=self._read, args=(self._proc.stdout,), daemon=True).start()
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        return self._proc.stdout, self._proc.stderr
 
-    def _send(self, data: bytes) -> None:
+    def _write(self, data: bytes) -> None:
         assert self._proc is not None and self._proc.stdin is not None
-        with self._stdin_lock, contextlib.suppress(BrokenPipeError, ValueError, OSError):
-            self._proc.stdin.write(data)
-            self._proc.stdin.flush()
+        self._proc.stdin.write(data)
+        self._proc.stdin.flush()
 
-    def _read(self, stdout: IO[bytes]) -> None:
-        for line in stdout:
-            try:
-                event = decode_event(line)
-            except ValueError:
-                log.warning("agent on %s wrote a malformed event: %r", self.hostname, line[:200])
-                continue
-            event["host"] = self.hostname
-            self._events.put(event)
+    def _close_stdin(self) -> None:
+        if self._proc is not None and self._proc.stdin is not None:
+            self._proc.stdin.close()
+
+    def _exit_code(self) -> int | None:
         assert self._proc is not None
-        code = self._proc.wait()
-        self._events.put({"ev": "agent_exit", "host": self.hostname, "code": code})
+        return self._proc.wait()
 
-    def terminate(self) -> None:
-        """Ask the agent to stop its workers (SIGTERM, then SIGKILL after the grace period)."""
-        self._send(TERMINATE)
-
-    def kill(self) -> None:
+    def _abort(self) -> None:
+        # Local workers can be reached directly: nothing of the job may survive a kill.
+        for pid in self.worker_pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
+            deadline = time.monotonic() + 1.0
+            while self._proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)

@@ -4,12 +4,20 @@ Splitting happens where the worker runs (in its host's agent), so a line always 
 whole and two ranks can never interleave inside one line. ``\\n``, ``\\r\\n`` and a bare
 ``\\r`` (progress bars) each end a line; an unterminated tail is flushed at end of stream,
 and a line longer than ``max_line`` bytes is cut into pieces rather than buffered forever.
+
+:class:`OutputSink` prints ``[rank]<stream>:line`` (optionally after Horovod's timestamp,
+with the prefix coloured per rank), copies each rank's raw lines to
+``DIR/rank.N/stdout|stderr`` with ``--output-filename DIR``, and keeps hvdrun's one-line
+status ("connected 3/4 hosts, 12/16 workers registered") at the bottom of a terminal.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
+import time
+from dataclasses import dataclass
 from typing import BinaryIO
 
 MAX_LINE = 64 * 1024
@@ -60,29 +68,121 @@ class LineSplitter:
         return [tail]
 
 
+#: Prefix colours (ANSI), one per rank in turn; red is left for hvdrun's own errors.
+RANK_COLOURS = (36, 32, 33, 35, 34, 96, 92, 93, 95, 94)
+CLEAR_LINE = b"\r\x1b[K"
+TIMESTAMP_FORMAT = "%a %b %d %H:%M:%S %Y"  # Horovod's --prefix-timestamp format
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    prefix_timestamp: bool = False
+    colour_stdout: bool = False
+    colour_stderr: bool = False
+    output_dir: str | None = None
+    status_line: bool = False  # hvdrun's stderr is a terminal
+
+
+def use_colour(stream: BinaryIO, env: dict[str, str] | os._Environ[str]) -> bool:
+    """Colour only on a terminal, and never when NO_COLOR is set (no-color.org)."""
+    return not env.get("NO_COLOR") and _isatty(stream)
+
+
+def _isatty(stream: BinaryIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 class OutputSink:
     """Writes prefixed worker lines to hvdrun's stdout/stderr; remembers each rank's stderr tail."""
 
-    def __init__(self, stdout: BinaryIO, stderr: BinaryIO, tail_lines: int = 10) -> None:
+    def __init__(
+        self,
+        stdout: BinaryIO,
+        stderr: BinaryIO,
+        tail_lines: int = 10,
+        options: OutputOptions | None = None,
+    ) -> None:
         self._streams = {"stdout": stdout, "stderr": stderr}
+        self._options = options or OutputOptions()
         self._lock = threading.Lock()
         self._tails: dict[int, collections.deque[str]] = {}
         self._tail_lines = tail_lines
+        self._files: dict[tuple[int, str], BinaryIO] = {}
+        self._status = b""
+
+    def open_files(self, ranks: range) -> None:
+        """``--output-filename``: creates DIR/rank.N/{stdout,stderr} for every rank."""
+        directory = self._options.output_dir
+        if directory is None:
+            return
+        for rank in ranks:
+            rank_dir = os.path.join(directory, f"rank.{rank}")
+            os.makedirs(rank_dir, exist_ok=True)
+            for stream in ("stdout", "stderr"):
+                self._files[(rank, stream)] = open(os.path.join(rank_dir, stream), "wb")  # noqa: SIM115
+
+    def close(self) -> None:
+        with self._lock:
+            self._clear_status()
+            self._status = b""
+            for handle in self._files.values():
+                handle.close()
+            self._files.clear()
 
     def line(self, rank: int, stream: str, text: bytes) -> None:
-        out = self._streams["stderr" if stream == "stderr" else "stdout"]
-        data = b"[%d]<%s>:%s\n" % (rank, stream.encode(), text)
+        stream = "stderr" if stream == "stderr" else "stdout"
+        out = self._streams[stream]
+        prefix = b"[%d]<%s>:" % (rank, stream.encode())
+        colour = self._options.colour_stderr if stream == "stderr" else self._options.colour_stdout
+        if colour:
+            code = RANK_COLOURS[rank % len(RANK_COLOURS)]
+            prefix = b"\x1b[%dm%s\x1b[0m" % (code, prefix)
+        if self._options.prefix_timestamp:
+            prefix = time.strftime(TIMESTAMP_FORMAT).encode() + prefix
         if stream == "stderr":
             tail = self._tails.setdefault(rank, collections.deque(maxlen=self._tail_lines))
             tail.append(text.decode("utf-8", "replace"))
         with self._lock:
-            out.write(data)
+            self._clear_status()
+            out.write(prefix + text + b"\n")
             out.flush()
+            handle = self._files.get((rank, stream))
+            if handle is not None:
+                handle.write(text + b"\n")
+                handle.flush()
+            self._draw_status()
 
     def message(self, text: str) -> None:
         """One of hvdrun's own messages, on stderr."""
         with self._lock:
+            self._clear_status()
             self._streams["stderr"].write(f"hvdrun: {text}\n".encode())
+            self._streams["stderr"].flush()
+            self._draw_status()
+
+    def status(self, text: str | None) -> None:
+        """Shows (or with None removes) the status line; only when stderr is a terminal."""
+        if not self._options.status_line:
+            return
+        status = f"hvdrun: {text}".encode() if text else b""
+        with self._lock:
+            if status == self._status:
+                return
+            self._clear_status()
+            self._status = status
+            self._draw_status()
+
+    def _clear_status(self) -> None:
+        if self._status:
+            self._streams["stderr"].write(CLEAR_LINE)
+            self._streams["stderr"].flush()
+
+    def _draw_status(self) -> None:
+        if self._status:
+            self._streams["stderr"].write(self._status)
             self._streams["stderr"].flush()
 
     def stderr_tail(self, rank: int) -> list[str]:

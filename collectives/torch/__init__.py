@@ -1,16 +1,23 @@
 """Horovod's PyTorch API on torch.distributed: ``import collectives.torch as hvd``.
 
 This module is the whole public surface; the implementation lives in submodules:
-``runtime`` (init/shutdown and the rank queries), ``mpi_ops`` (the tensor collectives),
-``ops`` (the execution layer they share), ``functions`` (parameters, optimizer state and
-objects), ``optimizer`` (``DistributedOptimizer``) and ``compression``.
+``runtime`` (init/shutdown, rank queries, timeline control), ``mpi_ops`` (the tensor
+collectives and their autograd), ``process_sets``, ``functions`` (parameters, optimizer state
+and objects), ``optimizer`` (``DistributedOptimizer``) and ``compression``. Underneath,
+``ops`` checks arguments and builds requests for the background ``engine``, which negotiates
+them (``negotiation``), fuses them (``fusion``), runs them (``execute``) and records the
+``timeline``.
 """
 
 from __future__ import annotations
 
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
 from collectives.torch.compression import Compression
-from collectives.torch.errors import HorovodInternalError, HostsUpdatedInterrupt
+from collectives.torch.errors import (
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    TensorMismatchError,
+)
 from collectives.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -30,17 +37,29 @@ from collectives.torch.mpi_ops import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
+    alltoall,
+    alltoall_async,
     barrier,
     broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    join,
     poll,
+    reducescatter,
+    reducescatter_async,
     synchronize,
 )
 from collectives.torch.optimizer import DistributedOptimizer
+from collectives.torch.process_sets import add_process_set, remove_process_set
 from collectives.torch.runtime import (
     ccl_built,
     cross_rank,
@@ -50,28 +69,21 @@ from collectives.torch.runtime import (
     gloo_built,
     gloo_enabled,
     init,
+    is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
     mpi_built,
     mpi_enabled,
+    mpi_threads_supported,
     nccl_built,
     rank,
     rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
-
-
-def add_process_set(process_set: ProcessSet | list[int]) -> ProcessSet:
-    """Registers a process set (not supported yet: only the global process set exists)."""
-    raise NotImplementedError("process sets other than the global one are not supported yet")
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Removes a process set (not supported yet: only the global process set exists)."""
-    raise NotImplementedError("process sets other than the global one are not supported yet")
-
 
 __all__ = [
     "Adasum",
@@ -86,6 +98,7 @@ __all__ = [
     "Product",
     "ReduceOp",
     "Sum",
+    "TensorMismatchError",
     "add_process_set",
     "allgather",
     "allgather_async",
@@ -94,6 +107,8 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
@@ -110,20 +125,33 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
+    "is_homogeneous",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
     "mpi_built",
     "mpi_enabled",
+    "mpi_threads_supported",
     "nccl_built",
     "poll",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
     "remove_process_set",
     "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]

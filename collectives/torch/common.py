@@ -1,14 +1,16 @@
-"""Reduction ops and process sets shared by the public API and the op execution layer.
+"""Reduction ops and process sets, shared by the public API, the engine and the optimizer.
 
-They live apart from both so that the execution layer (``ops``) can be swapped for the
-background negotiation engine later without the public module or the optimizer changing.
-The numeric values of the reduction ops are Horovod's, so code that stores or compares
-them keeps working.
+The numeric values of the reduction ops are Horovod's, so code that stores or compares them
+keeps working. A :class:`ProcessSet` is a subset of the job's ranks that collectives run over;
+it gets its ``process_set_id`` when registered (``hvd.add_process_set`` or
+``hvd.init(process_sets=[...])``), on every rank in the same order.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["ProcessSet", "ReduceOp", "global_process_set"]
 
@@ -25,43 +27,78 @@ class ReduceOp(enum.IntEnum):
 
 
 class ProcessSet:
-    """A subset of the job's ranks that a collective runs over.
+    """A subset of the job's ranks that a collective runs over (Horovod's ``ProcessSet``).
 
-    Only the global process set (all ranks) is supported in this version; the class exists
-    so that code passing ``process_set=hvd.global_process_set`` works unchanged.
+    ``ProcessSet([0, 2])`` is only a description until it is registered with
+    ``hvd.add_process_set`` (or passed to ``hvd.init(process_sets=...)``); then
+    ``process_set_id`` is set and the set can be passed as ``process_set=`` to any op.
+    Ranks within the set (``rank()``, and ``root_rank`` of a broadcast on it) count from 0
+    in the order of the sorted global ranks.
     """
 
-    def __init__(self, ranks: list[int] | None = None, process_set_id: int = 0) -> None:
-        self.ranks = None if ranks is None else sorted(ranks)
-        self.process_set_id = process_set_id
+    def __init__(self, ranks_or_comm: Iterable[int] | Any) -> None:
+        if hasattr(ranks_or_comm, "Get_rank"):
+            raise NotImplementedError(
+                "process sets from MPI communicators are not supported: hvdrun does not use MPI"
+            )
+        ranks = [int(r) for r in ranks_or_comm]
+        if not ranks:
+            raise ValueError("a process set needs at least one rank")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"a process set lists each rank once, got {ranks}")
+        self._ranks: list[int] | None = sorted(ranks)
+        self.process_set_id: int | None = None
+
+    @property
+    def ranks(self) -> list[int]:
+        """The global ranks in the set, sorted."""
+        if self._ranks is None:  # the global set: every rank of the job
+            from collectives.torch import runtime
+
+            return list(range(runtime.size()))
+        return list(self._ranks)
 
     def is_global(self) -> bool:
         """Whether this is the process set of all ranks."""
-        return self.ranks is None and self.process_set_id == 0
+        return self.process_set_id == 0
 
     def size(self) -> int:
         """Number of ranks in the process set."""
-        from collectives.torch import runtime
-
-        return runtime.size() if self.ranks is None else len(self.ranks)
+        return len(self.ranks)
 
     def rank(self) -> int:
         """This process's rank within the process set (-1 if it is not a member)."""
         from collectives.torch import runtime
 
-        if self.ranks is None:
-            return runtime.rank()
         own = runtime.rank()
-        return self.ranks.index(own) if own in self.ranks else -1
+        ranks = self.ranks
+        return ranks.index(own) if own in ranks else -1
 
     def included(self) -> bool:
         """Whether this process is a member of the process set."""
         return self.rank() >= 0
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ProcessSet):
+            return NotImplemented
+        if self.is_global() or other.is_global():
+            return self.is_global() and other.is_global()
+        return self._ranks == other._ranks and self.process_set_id == other.process_set_id
+
+    def __hash__(self) -> int:
+        return hash((self.process_set_id, tuple(self._ranks or ())))
+
     def __repr__(self) -> str:
         if self.is_global():
             return "ProcessSet(global)"
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self._ranks})"
 
 
-global_process_set = ProcessSet()
+def _make_global() -> ProcessSet:
+    process_set = ProcessSet.__new__(ProcessSet)
+    process_set._ranks = None
+    process_set.process_set_id = 0
+    return process_set
+
+
+global_process_set = _make_global()

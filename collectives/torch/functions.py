@@ -148,19 +148,23 @@ def broadcast_object(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> Any:
-    """Pickles obj on root_rank and returns it, unpickled, on every rank."""
-    rt = runtime.require("hvd.broadcast_object()")
-    label = name or type(obj).__name__
-    if rt.topology.rank == root_rank:
+    """Pickles obj on root_rank and returns it, unpickled, on every rank (root_rank counts
+    within the process set)."""
+    runtime.require("hvd.broadcast_object()")
+    # Unnamed calls get the engine's automatic names: a name derived from obj (Horovod uses
+    # its type) would differ between the root and ranks that pass None.
+    size_name = f"{name}.sz" if name else None
+    data_name = f"{name}.t" if name else None
+    if process_set.rank() == root_rank:
         payload = _dumps(obj)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
-        ops.broadcast_([length], root_rank, process_set, f"{label}.sz")
-        ops.broadcast_([payload], root_rank, process_set, f"{label}.t")
+        ops.broadcast_([length], root_rank, process_set, size_name)
+        ops.broadcast_([payload], root_rank, process_set, data_name)
         return obj
     length = torch.zeros(1, dtype=torch.int64)
-    ops.broadcast_([length], root_rank, process_set, f"{label}.sz")
+    ops.broadcast_([length], root_rank, process_set, size_name)
     payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    ops.broadcast_([payload], root_rank, process_set, f"{label}.t")
+    ops.broadcast_([payload], root_rank, process_set, data_name)
     return _loads(payload)
 
 
@@ -169,8 +173,7 @@ def allgather_object(
 ) -> list[Any]:
     """Pickles obj on every rank and returns the list of all ranks' objects, in rank order."""
     runtime.require("hvd.allgather_object()")
-    label = name or type(obj).__name__
-    gathered, lengths = ops.allgather(_dumps(obj), process_set, label)
+    gathered, lengths = ops.allgather(_dumps(obj), process_set, name)
     result = []
     offset = 0
     for length in lengths:

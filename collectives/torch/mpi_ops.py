@@ -1,26 +1,30 @@
-"""Horovod's tensor collectives: allreduce, allgather, broadcast and their variants.
+"""Horovod's tensor collectives: names, signatures, defaults and semantics of horovod.torch.
 
-This module is the public face of the ops (argument handling, Horovod's defaults and
-deprecated aliases, compression, autograd support); the work itself is done by
-:mod:`collectives.torch.ops`, which a later version replaces with a background engine.
+Every ``*_async`` function submits the op to the background engine and returns an integer
+handle at once; ``poll(handle)`` says whether it finished and ``synchronize(handle)`` waits
+for it and returns its result (raising its error, if any). The synchronous functions are
+``synchronize(*_async(...))``, with autograd support where Horovod has it:
 
-The ``*_async`` functions exist so Horovod code runs unchanged. In this version the
-collective runs when the function is called and the handle is already complete;
-``synchronize(handle)`` returns its result and ``poll(handle)`` is always true.
+============== ===========================================================================
+allreduce      grad = allreduce(grad) with the same op and scaling (Average and Sum only)
+allgather      grad = this rank's rows of allreduce(grad, Average)
+broadcast      grad = allreduce(grad, Average) on the root, zeros elsewhere
+alltoall       grad = alltoall(grad) sent back along the received splits
+reducescatter  grad = allgather(grad), divided by the size for Average, times the scaling
+============== ===========================================================================
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
 import warnings
 from typing import Any
 
 import torch
 
-from collectives.torch import ops
+from collectives.torch import autograd, handles, ops, runtime
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
 from collectives.torch.compression import Compression, Compressor
+from collectives.torch.requests import Kind
 
 __all__ = [
     "Adasum",
@@ -35,15 +39,26 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
     "broadcast_async",
     "broadcast_async_",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "handle_average_backwards_compatibility",
+    "join",
     "poll",
+    "reducescatter",
+    "reducescatter_async",
     "synchronize",
 ]
 
@@ -59,6 +74,8 @@ CompressionArg = type[Compressor] | Compressor
 
 def handle_average_backwards_compatibility(op: Any, average: Any) -> ReduceOp:
     """Resolves Horovod's deprecated ``average=`` flag against ``op`` (default Average)."""
+    if type(op) is ReduceOp and average is None:
+        return op
     if op is not None:
         if average is not None:
             raise ValueError("pass either op= or the deprecated average=, not both")
@@ -73,111 +90,35 @@ def handle_average_backwards_compatibility(op: Any, average: Any) -> ReduceOp:
     return ReduceOp.AVERAGE
 
 
-# ---- autograd functions ---------------------------------------------------------------
+_first = ops.first_output
+_all = ops.outputs_of
+
+# ---- allreduce ----------------------------------------------------------------------------
 
 
-def _reduce_backward(
-    grad: torch.Tensor, op: ReduceOp, pre: float, post: float, ps: ProcessSet
-) -> torch.Tensor:
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise NotImplementedError(
-            f"the gradient of an allreduce with op={op.name} is not supported"
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts reducing the tensor into a new tensor (default op: Average); returns a handle."""
+    resolved = handle_average_backwards_compatibility(op, average)
+    return handles.register(
+        ops.submit_allreduce(
+            [tensor],
+            None,
+            resolved,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            name,
+            _first,
         )
-    return allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps)
-
-
-class _Allreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        tensor: torch.Tensor,
-        name: str | None,
-        op: ReduceOp,
-        prescale_factor: float,
-        postscale_factor: float,
-        process_set: ProcessSet,
-    ) -> torch.Tensor:
-        ctx.op, ctx.pre, ctx.post, ctx.ps = op, prescale_factor, postscale_factor, process_set
-        output = tensor.detach().clone(memory_format=torch.contiguous_format)
-        ops.allreduce_([output], op, prescale_factor, postscale_factor, process_set, name)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
-        grad = _reduce_backward(grad_output, ctx.op, ctx.pre, ctx.post, ctx.ps)
-        return grad, None, None, None, None, None
-
-
-class _GroupedAllreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        name: str | None,
-        op: ReduceOp,
-        prescale_factor: float,
-        postscale_factor: float,
-        process_set: ProcessSet,
-        *tensors: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.op, ctx.pre, ctx.post, ctx.ps = op, prescale_factor, postscale_factor, process_set
-        outputs = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-        ops.allreduce_(outputs, op, prescale_factor, postscale_factor, process_set, name)
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        if ctx.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise NotImplementedError(
-                f"the gradient of an allreduce with op={ctx.op.name} is not supported"
-            )
-        reduced = grouped_allreduce(
-            list(grads),
-            op=ctx.op,
-            prescale_factor=ctx.pre,
-            postscale_factor=ctx.post,
-            process_set=ctx.ps,
-        )
-        return (None, None, None, None, None, *reduced)
-
-
-class _Allgather(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet
-    ) -> torch.Tensor:
-        output, firsts = ops.allgather(tensor, process_set, name)
-        ctx.firsts, ctx.ps = firsts, process_set
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
-        # Each rank's slice of the output depends only on that rank's input; the output's
-        # gradient is averaged over ranks, as in Horovod.
-        reduced = allreduce(grad_output, op=ReduceOp.AVERAGE, process_set=ctx.ps)
-        own = ctx.ps.rank()
-        offset = sum(ctx.firsts[:own])
-        return reduced.narrow(0, offset, ctx.firsts[own]), None, None
-
-
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet
-    ) -> torch.Tensor:
-        ctx.root_rank, ctx.ps = root_rank, process_set
-        output = tensor.detach().clone(memory_format=torch.contiguous_format)
-        ops.broadcast_([output], root_rank, process_set, name)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
-        reduced = allreduce(grad_output, op=ReduceOp.AVERAGE, process_set=ctx.ps)
-        if ctx.ps.rank() != ctx.root_rank:
-            reduced = torch.zeros_like(reduced)
-        return reduced, None, None, None
-
-
-# ---- allreduce ------------------------------------------------------------------------
+    )
 
 
 def allreduce(
@@ -190,16 +131,39 @@ def allreduce(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """Returns the tensor averaged (default) or otherwise reduced over all ranks.
-
-    The input is not modified; gradients flow through for op Average and Sum.
-    """
+    """Returns the tensor reduced over the process set (default: averaged); the input is
+    unchanged. Differentiable for Average and Sum."""
     resolved = handle_average_backwards_compatibility(op, average)
     compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(
+    reduced = autograd.Allreduce.apply(
         compressed, name, resolved, prescale_factor, postscale_factor, process_set
     )
     return compression.decompress(reduced, ctx)
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts reducing the tensor in place; returns a handle."""
+    resolved = handle_average_backwards_compatibility(op, average)
+    return handles.register(
+        ops.submit_allreduce(
+            [tensor],
+            [tensor],
+            resolved,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            name,
+            lambda request: tensor,
+        )
+    )
 
 
 def allreduce_(
@@ -211,10 +175,44 @@ def allreduce_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """Reduces the tensor in place over all ranks (default: average) and returns it."""
+    """Reduces the tensor in place over the process set and returns it."""
     resolved = handle_average_backwards_compatibility(op, average)
-    ops.allreduce_([tensor], resolved, prescale_factor, postscale_factor, process_set, name)
+    ops.submit_allreduce(
+        [tensor],
+        [tensor],
+        resolved,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        name,
+        _first,
+    ).wait()
     return tensor
+
+
+def grouped_allreduce_async(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts reducing a list of tensors as one op into new tensors; returns a handle."""
+    resolved = handle_average_backwards_compatibility(op, average)
+    return handles.register(
+        ops.submit_allreduce(
+            tensors,
+            None,
+            resolved,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            name,
+            _all,
+        )
+    )
 
 
 def grouped_allreduce(
@@ -227,13 +225,40 @@ def grouped_allreduce(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
-    """Reduces a list of tensors as one fused operation; returns new tensors."""
+    """Reduces a list of tensors as one op (fused together); returns new tensors."""
     resolved = handle_average_backwards_compatibility(op, average)
+    if not tensors:
+        return []
     packed = [compression.compress(t) for t in tensors]
-    reduced = _GroupedAllreduce.apply(
+    reduced = autograd.GroupedAllreduce.apply(
         name, resolved, prescale_factor, postscale_factor, process_set, *(c for c, _ in packed)
     )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed, strict=True)]
+
+
+def grouped_allreduce_async_(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts reducing a list of tensors in place as one op; returns a handle."""
+    resolved = handle_average_backwards_compatibility(op, average)
+    return handles.register(
+        ops.submit_allreduce(
+            tensors,
+            tensors,
+            resolved,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            name,
+            lambda request: tensors,
+        )
+    )
 
 
 def grouped_allreduce_(
@@ -245,21 +270,73 @@ def grouped_allreduce_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
-    """Reduces a list of tensors in place as one fused operation and returns them."""
+    """Reduces a list of tensors in place as one op and returns them."""
     resolved = handle_average_backwards_compatibility(op, average)
-    ops.allreduce_(tensors, resolved, prescale_factor, postscale_factor, process_set, name)
+    if tensors:
+        ops.submit_allreduce(
+            tensors,
+            tensors,
+            resolved,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            name,
+            _all,
+        ).wait()
     return tensors
 
 
-# ---- allgather / broadcast ------------------------------------------------------------
+# ---- allgather ----------------------------------------------------------------------------
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> int:
+    """Starts concatenating the ranks' tensors along dim 0; returns a handle."""
+    return handles.register(ops.submit_allgather([tensor], process_set, name, _first))
 
 
 def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
     """Concatenates the ranks' tensors along dim 0, in rank order; dim 0 may differ."""
-    result: torch.Tensor = _Allgather.apply(tensor, name, process_set)
+    result: torch.Tensor = autograd.Allgather.apply(tensor, name, process_set)
     return result
+
+
+def grouped_allgather_async(
+    tensors: list[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts allgathering a list of tensors as one op; returns a handle."""
+    return handles.register(ops.submit_allgather(tensors, process_set, name, _all))
+
+
+def grouped_allgather(
+    tensors: list[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Allgathers a list of tensors as one op (fused together)."""
+    if not tensors:
+        return []
+    return list(autograd.GroupedAllgather.apply(name, process_set, *tensors))
+
+
+# ---- broadcast ----------------------------------------------------------------------------
+
+
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts copying root_rank's tensor into a new tensor on every rank; returns a handle."""
+    return handles.register(
+        ops.submit_broadcast([tensor], None, root_rank, process_set, name, _first)
+    )
 
 
 def broadcast(
@@ -268,9 +345,23 @@ def broadcast(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """Returns a copy of root_rank's tensor on every rank; the input is not modified."""
-    result: torch.Tensor = _Broadcast.apply(tensor, root_rank, name, process_set)
+    """Returns root_rank's tensor on every rank (root_rank counts within the process set)."""
+    result: torch.Tensor = autograd.Broadcast.apply(tensor, root_rank, name, process_set)
     return result
+
+
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts overwriting the tensor in place with root_rank's; returns a handle."""
+    return handles.register(
+        ops.submit_broadcast(
+            [tensor], [tensor], root_rank, process_set, name, lambda request: tensor
+        )
+    )
 
 
 def broadcast_(
@@ -280,97 +371,150 @@ def broadcast_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Overwrites the tensor in place with root_rank's values and returns it."""
-    ops.broadcast_([tensor], root_rank, process_set, name)
+    ops.submit_broadcast([tensor], [tensor], root_rank, process_set, name, _first).wait()
     return tensor
 
 
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Blocks until every rank has called barrier()."""
-    ops.barrier(process_set)
+# ---- alltoall and reducescatter -----------------------------------------------------------
 
 
-# ---- async handles --------------------------------------------------------------------
-
-_handles: dict[int, torch.Tensor] = {}
-_handles_lock = threading.Lock()
-_next_handle = itertools.count(1)
-
-
-def _completed(result: torch.Tensor) -> int:
-    with _handles_lock:
-        handle = next(_next_handle)
-        _handles[handle] = result
-    return handle
-
-
-def allreduce_async(
+def alltoall_async(
     tensor: torch.Tensor,
-    average: bool | None = None,
+    splits: Any = None,
     name: str | None = None,
-    op: ReduceOp | int | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts an alltoall; synchronize() returns (output, received_splits)."""
+    return handles.register(
+        ops.submit_alltoall(tensor, splits, process_set, name, autograd.alltoall_result)
+    )
+
+
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Scatters slices of dim 0 to the ranks (``splits[i]`` rows to rank i; even without
+    splits) and gathers what they send. Returns the output, and also the received splits
+    (an int32 tensor) when splits are given."""
+    output, received = autograd.Alltoall.apply(tensor, splits, name, process_set)
+    return output if splits is None else (output, received)
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: ReduceOp | int = Average,
+    process_set: ProcessSet = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
 ) -> int:
-    """Starts an allreduce into a new tensor; returns a handle for synchronize()."""
-    resolved = handle_average_backwards_compatibility(op, average)
-    output = tensor.detach().clone(memory_format=torch.contiguous_format)
-    ops.allreduce_([output], resolved, prescale_factor, postscale_factor, process_set, name)
-    return _completed(output)
+    """Starts a reducescatter; returns a handle."""
+    return handles.register(
+        ops.submit_reducescatter(
+            [tensor],
+            ReduceOp(op),
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            name,
+            _first,
+        )
+    )
 
 
-def allreduce_async_(
+def reducescatter(
     tensor: torch.Tensor,
-    average: bool | None = None,
     name: str | None = None,
-    op: ReduceOp | int | None = None,
+    compression: CompressionArg = Compression.none,
+    op: ReduceOp | int = Average,
+    process_set: ProcessSet = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> int:
-    """Starts an in-place allreduce; returns a handle for synchronize()."""
-    resolved = handle_average_backwards_compatibility(op, average)
-    ops.allreduce_([tensor], resolved, prescale_factor, postscale_factor, process_set, name)
-    return _completed(tensor)
+) -> torch.Tensor:
+    """Reduces the tensor over the process set and returns this rank's rows of the result:
+    dim 0 split evenly, the first ``dim0 % size`` ranks getting one row more."""
+    compressed, ctx = compression.compress(tensor)
+    reduced = autograd.Reducescatter.apply(
+        compressed, name, ReduceOp(op), prescale_factor, postscale_factor, process_set
+    )
+    return compression.decompress(reduced, ctx)
 
 
-def allgather_async(
-    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> int:
-    """Starts an allgather; returns a handle for synchronize()."""
-    output, _ = ops.allgather(tensor, process_set, name)
-    return _completed(output)
-
-
-def broadcast_async(
-    tensor: torch.Tensor,
-    root_rank: int,
+def grouped_reducescatter_async(
+    tensors: list[torch.Tensor],
     name: str | None = None,
+    op: ReduceOp | int = Average,
     process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
 ) -> int:
-    """Starts a broadcast into a new tensor; returns a handle for synchronize()."""
-    output = tensor.detach().clone(memory_format=torch.contiguous_format)
-    ops.broadcast_([output], root_rank, process_set, name)
-    return _completed(output)
+    """Starts a reducescatter of a list of tensors as one op; returns a handle."""
+    return handles.register(
+        ops.submit_reducescatter(
+            tensors,
+            ReduceOp(op),
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            name,
+            _all,
+        )
+    )
 
 
-def broadcast_async_(
-    tensor: torch.Tensor,
-    root_rank: int,
+def grouped_reducescatter(
+    tensors: list[torch.Tensor],
     name: str | None = None,
+    compression: CompressionArg = Compression.none,
+    op: ReduceOp | int = Average,
     process_set: ProcessSet = global_process_set,
-) -> int:
-    """Starts an in-place broadcast; returns a handle for synchronize()."""
-    ops.broadcast_([tensor], root_rank, process_set, name)
-    return _completed(tensor)
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Reducescatters a list of tensors as one op (fused together)."""
+    if not tensors:
+        return []
+    packed = [compression.compress(t) for t in tensors]
+    reduced = autograd.GroupedReducescatter.apply(
+        name,
+        ReduceOp(op),
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        *(c for c, _ in packed),
+    )
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed, strict=True)]
+
+
+# ---- handles, barrier, join ---------------------------------------------------------------
 
 
 def poll(handle: int) -> bool:
-    """Whether the operation behind the handle has completed."""
-    return True
+    """Whether the op behind the handle has finished (synchronize() will not block)."""
+    found = handles.lookup(handle)
+    if found is None:
+        raise ValueError(f"unknown handle {handle} (already synchronized?)")
+    return found.done()
 
 
-def synchronize(handle: int) -> torch.Tensor | None:
-    """Waits for the operation behind the handle and returns its output tensor."""
-    with _handles_lock:
-        return _handles.pop(handle, None)
+def synchronize(handle: int) -> Any:
+    """Waits for the op behind the handle and returns its output (None for an unknown
+    handle); raises the op's error: HorovodInternalError, TensorMismatchError, ..."""
+    found = handles.release(handle)
+    return None if found is None else found.wait()
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Blocks until every rank of the process set has called barrier()."""
+    ops.barrier(process_set)
+
+
+def join(device: int = -1) -> int:
+    """Declares this rank done: until every rank has joined, it takes part in the others'
+    collectives with neutral values (zeros for Sum/Average). Returns the last rank to join."""
+    runtime.engine("hvd.join()")
+    result: int = ops.submit(Kind.JOIN, "join", global_process_set, [], []).wait()
+    return result

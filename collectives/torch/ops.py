@@ -1,64 +1,48 @@
-"""The op execution layer: runs collectives on torch.distributed, synchronously.
+"""The layer every collective goes through on its way to the engine.
 
-Every collective of the public API (``mpi_ops``, ``functions``, the optimizer) goes through
-the few functions here, which take *lists* of tensors so callers already hand over work that
-can be fused. This first version executes at once on the calling thread: tensors are grouped
-by device and dtype, flattened into one buffer per group, and reduced with one
-``all_reduce`` per buffer, because one small Gloo collective costs about as much as a large
-one. The background negotiation engine (named ops, readiness negotiation, fusion across
-calls, async handles) will replace this module behind the same functions. Until then,
-collectives run in the order they are called, so every rank must call them in the same
-order (from one thread); a broadcast or allgather whose tensors differ between ranks is
-detected and raises ValueError on every rank.
+It checks the caller's arguments (so mistakes raise at the call, on the rank that made them),
+builds the :class:`~collectives.torch.requests.Request` with its negotiated signature, and
+submits it. The list-based synchronous helpers at the bottom serve ``functions`` and the
+optimizer, which hand over many tensors at once as one grouped op.
 
 Semantics follow Horovod:
 
-* ``Average`` is a sum followed by a division by the number of ranks. On integer tensors the
-  result keeps the integer dtype and is rounded toward zero (Horovod scales integer buffers
-  in double precision and truncates; here the division is exact, so e.g. 49*k/49 is k).
+* ``Average`` is a sum divided by the process set's size. Integer tensors keep their dtype and
+  are rounded toward zero.
 * ``prescale_factor``/``postscale_factor`` multiply before/after the reduction; integer
-  tensors are scaled in float64 and truncated toward zero, as Horovod does.
-* Failures of the communication layer (a peer died, a timeout) become
-  :class:`~collectives.torch.errors.HorovodInternalError`; argument errors are raised before
-  anything is sent, identically on every rank, so they never leave a peer waiting.
+  tensors are scaled in float64 and truncated toward zero.
+* Unnamed ops get the names ``allreduce.noname.0``, ``allreduce.noname.1``, ... counted per
+  process set and kind, so ranks calling the same ops in the same order agree on them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import zlib
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from collectives.torch import runtime
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
-from collectives.torch.errors import HorovodInternalError
+from collectives.torch.execute import Group, split_rows
+from collectives.torch.handles import Handle
+from collectives.torch.requests import FIELD, RECORD, Kind, Request, TensorSpec, signature
 
-__all__ = ["allgather", "allreduce_", "barrier", "broadcast_"]
+__all__ = [
+    "allgather",
+    "allreduce_",
+    "barrier",
+    "broadcast_",
+    "resolve_process_set",
+    "submit",
+]
 
-logger = logging.getLogger(__name__)
-
-_TORCH_OPS = {
-    ReduceOp.AVERAGE: dist.ReduceOp.SUM,
-    ReduceOp.SUM: dist.ReduceOp.SUM,
-    ReduceOp.MIN: dist.ReduceOp.MIN,
-    ReduceOp.MAX: dist.ReduceOp.MAX,
-    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
-}
-
-# Dtypes the backends cannot reduce natively, reduced in a wider type and cast back.
-_REDUCE_UPCAST = {torch.int16: torch.int32}
-
-_REDUCIBLE = {
+REDUCIBLE = {
     torch.float16,
     torch.bfloat16,
     torch.float32,
     torch.float64,
-    torch.complex64,
-    torch.complex128,
     torch.uint8,
     torch.int8,
     torch.int16,
@@ -67,92 +51,237 @@ _REDUCIBLE = {
     torch.bool,
 }
 
-# Header of an allgather: ndim, dtype code, then the shape padded to this many dims.
-_MAX_DIMS = 64
 
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    """A number naming the dtype, the same in every process."""
-    return zlib.crc32(str(dtype).encode())
-
-
-def _dtype_name(code: int) -> str:
-    for dtype in (*_REDUCIBLE, torch.uint16, torch.uint32, torch.uint64):
-        if _dtype_code(dtype) == code:
-            return str(dtype)
-    return "another dtype"
-
-
-def _check_process_set(process_set: ProcessSet | None) -> None:
-    if process_set is not None and not process_set.is_global():
-        raise NotImplementedError(
-            "only the global process set is supported in this version of hvdrun"
+def resolve_process_set(process_set: ProcessSet | None, what: str) -> tuple[Any, Group]:
+    """The engine and the registered process set; this rank must be a member."""
+    engine = runtime.engine(what)
+    if process_set is None or process_set is global_process_set:
+        return engine, engine.groups[0]
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(
+            f"{what}: process_set must be a hvd.ProcessSet, got {type(process_set).__name__}"
         )
-
-
-def _describe(op: str, name: str | None) -> str:
-    return f"{op} {name!r}" if name else op
-
-
-@contextlib.contextmanager
-def _communication(op: str, name: str | None) -> Iterator[None]:
-    """Turns a failure inside torch.distributed into a HorovodInternalError."""
-    try:
-        yield
-    except HorovodInternalError:
-        raise
-    except RuntimeError as error:  # DistBackendError and friends are RuntimeErrors
-        raise HorovodInternalError(
-            f"{_describe(op, name)} failed on rank {runtime.rank()}: {error}"
-        ) from error
-
-
-def _scale_(tensor: torch.Tensor, factor: float) -> None:
-    if factor == 1.0:
-        return
-    if tensor.is_floating_point() or tensor.is_complex():
-        tensor.mul_(factor)
-    elif tensor.dtype == torch.bool:
-        raise TypeError("bool tensors cannot be scaled (prescale/postscale/Average)")
-    else:
-        tensor.copy_(torch.trunc(tensor.to(torch.float64) * factor))
-
-
-def _group(tensors: Sequence[torch.Tensor], by_dtype: bool) -> list[list[torch.Tensor]]:
-    """Groups tensors by device (and dtype), keeping the order of first appearance."""
-    groups: dict[tuple[torch.device, torch.dtype | None], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        key = (tensor.device, tensor.dtype if by_dtype else None)
-        groups.setdefault(key, []).append(tensor)
-    return list(groups.values())
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (writes through to it)."""
-    flat = tensor.reshape(-1)
-    if flat.dtype == torch.uint8:
-        return flat
-    return flat.view(torch.uint8)
-
-
-def _agree(label: str, signature: list[int], describe: str) -> None:
-    """Checks that every rank submitted the same collective; raises ValueError on all of them.
-
-    ``signature`` is a short list of integers summarising the call (root, tensor count, bytes,
-    a checksum of the dtypes and shapes); ``describe`` words this rank's part of it.
-    """
-    rt = runtime.require()
-    mine = torch.tensor(signature, dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(rt.topology.size)]
-    with _communication("consistency check of " + label, None):
-        dist.all_gather(everyone, mine)
-    differing = [peer for peer, theirs in enumerate(everyone) if not torch.equal(theirs, mine)]
-    if differing:
-        details = ", ".join(f"rank {peer}: {everyone[peer].tolist()}" for peer in differing[:4])
+    set_id = process_set.process_set_id
+    group = engine.groups.get(set_id) if set_id is not None else None
+    if group is None or (not process_set.is_global() and group.ranks != process_set.ranks):
         raise ValueError(
-            f"{label}: ranks submitted different collectives; rank {rt.topology.rank} has "
-            f"{describe} (signature {signature}), but {details}"
+            f"{what}: {process_set!r} is not registered; register it on every rank with "
+            "hvd.add_process_set() (or hvd.init(process_sets=[...])) first"
         )
+    if group.index < 0:
+        raise ValueError(
+            f"{what}: rank {engine.rank} is not a member of {process_set!r}; only its members "
+            "may run collectives on it"
+        )
+    return engine, group
+
+
+def check_tensor(tensor: Any, what: str, min_dims: int = 0) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects tensors, got {type(tensor).__name__}")
+    if tensor.layout is not torch.strided:
+        raise TypeError(f"{what} of sparse tensors is not supported; use a dense tensor")
+    if min_dims and tensor.dim() < min_dims:
+        raise ValueError(f"{what} needs a tensor with at least one dimension")
+    # Not detached (that costs a torch call per op): the engine runs under no_grad.
+    return tensor
+
+
+def check_reduction(
+    tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float, what: str
+) -> None:
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError(
+            f"op=hvd.Adasum is not implemented by hvdrun; use hvd.Average or hvd.Sum ({what})"
+        )
+    for tensor in tensors:
+        if tensor.dtype not in REDUCIBLE:
+            raise TypeError(f"{what} does not support tensors of dtype {tensor.dtype}")
+        if tensor.dtype == torch.bool and (
+            op == ReduceOp.AVERAGE or prescale != 1.0 or postscale != 1.0
+        ):
+            raise TypeError(
+                f"{what}: bool tensors support only Sum, Min, Max and Product, unscaled"
+            )
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"op names are strings, got {type(name).__name__}")
+    if FIELD in name or RECORD in name:
+        raise ValueError(f"op name {name!r} contains a control character")
+    return name
+
+
+_described: dict[tuple[Any, ...], tuple[str, list[TensorSpec]]] = {}
+
+
+def _describe(
+    kind: Kind, common: tuple[Any, ...], inputs: list[torch.Tensor]
+) -> tuple[str, list[TensorSpec]]:
+    """The request's signature and tensor specs, cached: training submits the same shapes
+    step after step, and building the text is a large part of an op's submission cost."""
+    if len(inputs) == 1:
+        t = inputs[0]
+        key: tuple[Any, ...] = (kind, common, t.dtype, t.shape, t.is_cpu, t.is_cuda)
+    else:
+        key = (kind, common, *[(t.dtype, t.shape, t.is_cpu, t.is_cuda) for t in inputs])
+    found = _described.get(key)
+    if found is None:
+        if len(_described) >= 4096:
+            _described.clear()
+        specs = [TensorSpec.of(t.dtype, tuple(t.shape), t.device.type) for t in inputs]
+        found = (signature(kind, common, inputs), specs)
+        _described[key] = found
+    return found
+
+
+def submit(
+    kind: Kind,
+    name: str | None,
+    process_set: ProcessSet | None,
+    inputs: list[torch.Tensor],
+    outputs: list[Any],
+    common: tuple[Any, ...] = (),
+    var: str = "",
+    finish: Callable[[Request], Any] | None = None,
+) -> Handle:
+    """Builds and submits a request; returns its handle."""
+    engine, group = resolve_process_set(process_set, kind.label)
+    set_id = group.process_set_id
+    full = engine.auto_name(kind, set_id) if name is None else f"{kind.label}.{_check_name(name)}"
+    if len(inputs) > 1:
+        device = inputs[0].device
+        if any(t.device != device for t in inputs):
+            raise ValueError(f"{kind.label}: all tensors of one op must be on the same device")
+    request = Request(kind, full, set_id, inputs, outputs, engine.new_handle(), common)
+    request.finish = finish
+    request.sig, request.specs = _describe(kind, common, inputs)
+    request.var = var
+    if inputs and inputs[0].is_cuda:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(inputs[0].device))
+        request.ready_events = [event]
+    request.submitted = time.monotonic()
+    return engine.submit(request)
+
+
+def outputs_of(request: Request) -> list[torch.Tensor]:
+    return list(request.outputs)
+
+
+def first_output(request: Request) -> torch.Tensor:
+    out: torch.Tensor = request.outputs[0]
+    return out
+
+
+# ---- submissions shared by the public API ----------------------------------------------
+
+
+def _same(outputs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether an op is in place (its outputs are its input tensors)."""
+    return len(outputs) == len(tensors) and all(
+        o is t for o, t in zip(outputs, tensors, strict=True)
+    )
+
+
+def submit_allreduce(
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor] | None,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet | None,
+    name: str | None,
+    finish: Callable[[Request], Any],
+) -> Handle:
+    """Allreduce of one or more tensors; ``outputs`` None means new output tensors."""
+    inputs = [check_tensor(t, "allreduce") for t in tensors]
+    if type(op) is not ReduceOp:
+        op = ReduceOp(op)
+    check_reduction(inputs, op, prescale, postscale, "allreduce")
+    common = (int(op), float(prescale), float(postscale))
+    if outputs is None:
+        outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
+        return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, "", finish)
+    outs = inputs if _same(outputs, tensors) else list(outputs)
+    return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, finish=finish)
+
+
+def submit_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet | None,
+    name: str | None,
+    finish: Callable[[Request], Any],
+) -> Handle:
+    inputs = [check_tensor(t, "reducescatter", min_dims=1) for t in tensors]
+    op = ReduceOp(op)
+    check_reduction(inputs, op, prescale, postscale, "reducescatter")
+    _, group = resolve_process_set(process_set, "reducescatter")
+    outs = []
+    for t in inputs:
+        rows = split_rows(t.shape[0], group.size)[group.index]
+        outs.append(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device))
+    common = (int(op), float(prescale), float(postscale))
+    return submit(Kind.REDUCESCATTER, name, process_set, inputs, outs, common, finish=finish)
+
+
+def submit_allgather(
+    tensors: Sequence[torch.Tensor],
+    process_set: ProcessSet | None,
+    name: str | None,
+    finish: Callable[[Request], Any],
+) -> Handle:
+    inputs = [check_tensor(t, "allgather", min_dims=1) for t in tensors]
+    var = ",".join(str(t.shape[0]) for t in inputs)
+    outs: list[Any] = [None] * len(inputs)
+    return submit(Kind.ALLGATHER, name, process_set, inputs, outs, var=var, finish=finish)
+
+
+def submit_broadcast(
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor] | None,
+    root_rank: int,
+    process_set: ProcessSet | None,
+    name: str | None,
+    finish: Callable[[Request], Any],
+) -> Handle:
+    inputs = [check_tensor(t, "broadcast") for t in tensors]
+    _, group = resolve_process_set(process_set, "broadcast")
+    if not isinstance(root_rank, int) or not 0 <= root_rank < group.size:
+        raise ValueError(
+            f"root_rank {root_rank} is out of range for a process set of size {group.size}"
+        )
+    if outputs is None:
+        outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
+    else:
+        outs = inputs if _same(outputs, tensors) else list(outputs)
+    return submit(Kind.BROADCAST, name, process_set, inputs, outs, (root_rank,), finish=finish)
+
+
+def submit_alltoall(
+    tensor: torch.Tensor,
+    splits: Any,
+    process_set: ProcessSet | None,
+    name: str | None,
+    finish: Callable[[Request], Any],
+) -> Handle:
+    inp = check_tensor(tensor, "alltoall", min_dims=1)
+    if splits is None:
+        split_text = ""
+    else:
+        values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+        if not all(isinstance(v, int) for v in values):
+            raise TypeError(f"alltoall: splits must be integers, got {values}")
+        split_text = ",".join(map(str, values))
+    var = f"{inp.shape[0]}/{split_text}"
+    return submit(Kind.ALLTOALL, name, process_set, [inp], [None], var=var, finish=finish)
+
+
+# ---- synchronous list-based helpers (functions, optimizer) -----------------------------
 
 
 def allreduce_(
@@ -163,58 +292,12 @@ def allreduce_(
     process_set: ProcessSet | None = global_process_set,
     name: str | None = None,
 ) -> None:
-    """Reduces every tensor in place across the ranks, one collective per device and dtype."""
-    rt = runtime.require("allreduce")
-    _check_process_set(process_set)
-    op = ReduceOp(op)
-    if op == ReduceOp.ADASUM:
-        raise NotImplementedError(
-            "op=hvd.Adasum is not implemented by hvdrun yet; use hvd.Average or hvd.Sum"
-        )
-    for tensor in tensors:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"allreduce expects tensors, got {type(tensor).__name__}")
-        if tensor.dtype not in _REDUCIBLE:
-            raise TypeError(f"allreduce does not support tensors of dtype {tensor.dtype}")
-        if tensor.is_sparse:
-            raise TypeError("allreduce of sparse tensors is not supported; use a dense tensor")
-        if tensor.is_complex() and op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
-            raise TypeError(f"{op.name} is not defined for complex tensors")
-        if tensor.dtype == torch.bool and (
-            op == ReduceOp.AVERAGE or prescale_factor != 1.0 or postscale_factor != 1.0
-        ):
-            raise TypeError("bool tensors support only Sum, Min, Max and Product, unscaled")
-    world = rt.topology.size
-    torch_op = _TORCH_OPS[op]
-    with torch.no_grad():
-        for group in _group([t.detach() for t in tensors], by_dtype=True):
-            dtype = group[0].dtype
-            work_dtype = _REDUCE_UPCAST.get(dtype, dtype)
-            direct = len(group) == 1 and group[0].is_contiguous() and work_dtype == dtype
-            if direct:
-                buffer = group[0]
-            else:
-                buffer = torch.cat([t.reshape(-1).to(work_dtype) for t in group])
-            if buffer.numel() == 0:
-                continue
-            _scale_(buffer, prescale_factor)
-            with _communication("allreduce", name):
-                dist.all_reduce(buffer, op=torch_op)
-            if op == ReduceOp.AVERAGE:
-                if buffer.is_floating_point() or buffer.is_complex():
-                    _scale_(buffer, postscale_factor / world)
-                elif postscale_factor == 1.0:
-                    buffer.copy_(torch.div(buffer, world, rounding_mode="trunc"))
-                else:
-                    _scale_(buffer, postscale_factor / world)
-            else:
-                _scale_(buffer, postscale_factor)
-            if not direct:
-                offset = 0
-                for tensor in group:
-                    count = tensor.numel()
-                    tensor.copy_(buffer[offset : offset + count].view(tensor.shape))
-                    offset += count
+    """Reduces every tensor in place, as one grouped op."""
+    if not tensors:
+        return
+    submit_allreduce(
+        tensors, tensors, op, prescale_factor, postscale_factor, process_set, name, outputs_of
+    ).wait()
 
 
 def broadcast_(
@@ -223,50 +306,11 @@ def broadcast_(
     process_set: ProcessSet | None = global_process_set,
     name: str | None = None,
 ) -> None:
-    """Overwrites every tensor with root_rank's values, one collective per device."""
-    rt = runtime.require("broadcast")
-    _check_process_set(process_set)
-    world = rt.topology.size
-    if not 0 <= root_rank < world:
-        raise ValueError(f"root_rank {root_rank} is out of range for a job of size {world}")
-    for tensor in tensors:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"broadcast expects tensors, got {type(tensor).__name__}")
-        if tensor.is_sparse:
-            raise TypeError("broadcast of sparse tensors is not supported")
-    own = rt.topology.rank == root_rank
-    # A broadcast whose sizes differ between ranks does not fail in Gloo: the receivers get
-    # part of the data. It is rare and usually large (parameters, state), so it is checked.
-    total_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    layout = ";".join(f"{t.dtype}:{tuple(t.shape)}" for t in tensors)
-    _agree(
-        _describe("broadcast", name),
-        [root_rank, len(tensors), total_bytes, zlib.crc32(layout.encode())],
-        f"root_rank {root_rank} and {len(tensors)} tensor(s) of {total_bytes} bytes",
-    )
-    with torch.no_grad():
-        for group in _group([t.detach() for t in tensors], by_dtype=False):
-            if len(group) == 1 and group[0].is_contiguous():
-                buffer = _as_bytes(group[0])
-                direct = True
-            else:
-                direct = False
-                if own:
-                    buffer = torch.cat([_as_bytes(t.contiguous()) for t in group])
-                else:
-                    total = sum(t.numel() * t.element_size() for t in group)
-                    buffer = torch.empty(total, dtype=torch.uint8, device=group[0].device)
-            if buffer.numel() == 0:
-                continue
-            with _communication("broadcast", name):
-                dist.broadcast(buffer, src=root_rank)
-            if not direct and not own:
-                offset = 0
-                for tensor in group:
-                    count = tensor.numel() * tensor.element_size()
-                    chunk = buffer[offset : offset + count].view(tensor.dtype)
-                    tensor.copy_(chunk.view(tensor.shape))
-                    offset += count
+    """Overwrites every tensor with root_rank's values, as one grouped op."""
+    if not tensors:
+        runtime.engine("broadcast")
+        return
+    submit_broadcast(tensors, tensors, root_rank, process_set, name, outputs_of).wait()
 
 
 def allgather(
@@ -274,75 +318,19 @@ def allgather(
     process_set: ProcessSet | None = global_process_set,
     name: str | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
-    """Concatenates every rank's tensor along dim 0 (sizes may differ there).
+    """Concatenates every rank's tensor along dim 0; returns it and each rank's dim-0 size."""
 
-    Returns the result and the dim-0 size of each rank's contribution.
-    """
-    rt = runtime.require("allgather")
-    _check_process_set(process_set)
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"allgather expects a tensor, got {type(tensor).__name__}")
-    if tensor.is_sparse:
-        raise TypeError("allgather of sparse tensors is not supported")
-    if tensor.dim() == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension")
-    if tensor.dim() > _MAX_DIMS:
-        raise ValueError(f"allgather supports at most {_MAX_DIMS} dimensions")
-    world = rt.topology.size
-    label = _describe("allgather", name)
-    with torch.no_grad():
-        local = tensor.detach().contiguous()
-        # One small collective exchanges every rank's dtype and shape, so a mismatch becomes
-        # the same clear error on every rank instead of a garbled result or a hang.
-        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-        header[0] = local.dim()
-        header[1] = _dtype_code(local.dtype)
-        header[2 : 2 + local.dim()] = torch.tensor(local.shape, dtype=torch.int64)
-        headers = [torch.empty_like(header) for _ in range(world)]
-        with _communication("allgather", name):
-            dist.all_gather(headers, header)
-        mine = header.tolist()
-        for peer, peer_header in enumerate(headers):
-            theirs = peer_header.tolist()
-            if theirs[0] != mine[0] or theirs[1] != mine[1]:
-                raise ValueError(
-                    f"{label}: ranks disagree on the tensor's dtype or number of dimensions "
-                    f"(rank {rt.topology.rank}: {local.dtype} with {mine[0]} dims; rank {peer}: "
-                    f"{_dtype_name(theirs[1])} with {theirs[0]} dims)"
-                )
-            if theirs[3 : 2 + mine[0]] != mine[3 : 2 + mine[0]]:
-                raise ValueError(
-                    f"{label}: all dimensions but the first must match across ranks "
-                    f"(rank {rt.topology.rank} has shape {list(local.shape)}, rank {peer} "
-                    f"has {theirs[2 : 2 + mine[0]]})"
-                )
-        firsts = [int(h[2]) for h in headers]
-        longest = max(firsts)
-        row_shape = list(local.shape[1:])
-        row_bytes = local.element_size()
-        for dim in row_shape:
-            row_bytes *= dim
-        padded = torch.zeros(longest * row_bytes, dtype=torch.uint8, device=local.device)
-        if local.numel() > 0:
-            padded[: local.numel() * local.element_size()] = _as_bytes(local)
-        gathered = [torch.empty_like(padded) for _ in range(world)]
-        if padded.numel() > 0:
-            with _communication("allgather", name):
-                dist.all_gather(gathered, padded)
-        pieces = [buf[: n * row_bytes] for buf, n in zip(gathered, firsts, strict=True)]
-        flat = torch.cat(pieces) if pieces else padded[:0]
-        total = sum(firsts)
-        if flat.numel() == 0:
-            result = torch.empty([total, *row_shape], dtype=local.dtype, device=local.device)
-        else:
-            result = flat.view(local.dtype).view([total, *row_shape])
-    return result, firsts
+    def finish(request: Request) -> tuple[torch.Tensor, list[int]]:
+        assert request.rank_dims is not None or request.outputs[0] is not None
+        dims = request.rank_dims[0] if request.rank_dims else [0]
+        return request.outputs[0], dims
+
+    result: tuple[torch.Tensor, list[int]] = submit_allgather(
+        [tensor], process_set, name, finish
+    ).wait()
+    return result
 
 
 def barrier(process_set: ProcessSet | None = global_process_set) -> None:
-    """Returns once every rank has reached the barrier."""
-    runtime.require("barrier")
-    _check_process_set(process_set)
-    token = torch.zeros(1)
-    with _communication("barrier", None):
-        dist.all_reduce(token)
+    """Returns once every rank of the process set has reached the barrier."""
+    submit(Kind.BARRIER, None, process_set, [], []).wait()

@@ -6,9 +6,9 @@ optimizer's own class (as Horovod does), so ``isinstance(opt, torch.optim.SGD)``
 the wrapped optimizer's attributes instead of calling its ``__init__`` again, so optimizers
 whose constructors need extra arguments can be wrapped too, and existing state is kept.
 
-In this version ``step()`` reduces all gradients when it is called: same-dtype gradients are
-flattened into one buffer and reduced with one collective per dtype. Overlapping the
-reduction with the backward pass through gradient hooks comes with the background engine.
+In this version ``step()`` reduces all gradients when it is called, as one grouped allreduce
+(the engine fuses them per dtype). Overlapping the reduction with the backward pass through
+gradient hooks (``allreduce_async_`` as each gradient becomes ready) comes next.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _sparse_allreduce(grad: torch.Tensor, op: ReduceOp, process_set: ProcessSet)
     indices, _ = ops.allgather(grad.indices().t().contiguous(), process_set, "sparse.indices")
     values, _ = ops.allgather(grad.values().contiguous(), process_set, "sparse.values")
     if op == ReduceOp.AVERAGE:
-        values = values / runtime.size()
+        values = values / process_set.size()
     result = torch.sparse_coo_tensor(indices.t(), values, grad.size(), check_invariants=False)
     return result.coalesce()
 
@@ -247,8 +247,6 @@ def DistributedOptimizer(
         if groups is None:
             groups = num_groups
     _check_groups(groups, optimizer)
-    if not process_set.is_global():
-        raise NotImplementedError("only the global process set is supported in this version")
 
     cls: Any = _wrapper_class(type(optimizer))
     wrapped = cls.__new__(cls)

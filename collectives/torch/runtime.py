@@ -14,6 +14,12 @@ Why it is built this way:
   of its own process group and exits.
 * Each ``init()`` uses a fresh key prefix in the store: torch's group counters restart after
   ``destroy_process_group`` and would otherwise read the keys of the previous group.
+* The default torch process group stays the user's: the collectives engine
+  (:mod:`collectives.torch.engine`) runs on groups of its own (a Gloo group for negotiation,
+  one data group per process set), so a script may still call ``torch.distributed``
+  directly without its collectives interleaving with the engine's. Those groups wait at
+  most ``HVDRUN_GLOO_TIMEOUT_SECONDS`` (30) for a peer; the default group keeps a longer
+  timeout because it also bootstraps the job while slow workers are still starting.
 """
 
 from __future__ import annotations
@@ -32,7 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from collectives.torch import config as config_module
+from collectives.torch.config import EngineConfig
+from collectives.torch.engine import FINAL_CYCLE_SECONDS, Engine
 from collectives.torch.errors import NotInitializedError
+from collectives.torch.timeline import Timeline
 
 __all__ = [
     "Topology",
@@ -42,22 +52,26 @@ __all__ = [
     "gloo_built",
     "gloo_enabled",
     "init",
+    "is_homogeneous",
     "is_initialized",
     "local_rank",
     "local_size",
     "mpi_built",
     "mpi_enabled",
+    "mpi_threads_supported",
     "nccl_built",
     "rank",
     "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: How long a collective (and the group's bootstrap) waits for its peers before failing.
-DEFAULT_TIMEOUT_SECONDS = 300.0
+#: How long the job's bootstrap (the default group) waits for slow peers to start.
+BOOTSTRAP_TIMEOUT_SECONDS = 300.0
 #: How long the rendezvous heartbeat may stay silent before the job counts as lost.
 DEFAULT_LOST_AFTER_SECONDS = 5.0
 
@@ -85,6 +99,8 @@ class _Runtime:
     client: Any | None = None
     rendezvous_addr: str | None = None
     closed: threading.Event = field(default_factory=threading.Event)
+    config: EngineConfig = field(default_factory=EngineConfig)
+    engine: Engine | None = None
 
 
 _lock = threading.RLock()
@@ -93,13 +109,7 @@ _init_count = 0
 _atexit_registered = False
 
 
-def env(name: str, default: str | None = None) -> str | None:
-    """A tuning variable, spelled ``HVDRUN_<name>`` or (Horovod's spelling) ``HOROVOD_<name>``."""
-    for prefix in ("HVDRUN_", "HOROVOD_"):
-        value = os.environ.get(prefix + name)
-        if value is not None and value != "":
-            return value
-    return default
+env = config_module.env
 
 
 def _float_env(name: str, default: float) -> float:
@@ -267,13 +277,55 @@ def _init_from_rendezvous(
         raise
 
 
+def _start_engine(runtime_: _Runtime) -> Engine:
+    """Creates the engine's own process groups (on every rank, same order) and starts it."""
+    topo, cfg = runtime_.topology, runtime_.config
+    timeout = datetime.timedelta(seconds=cfg.collective_timeout_seconds)
+    everyone = list(range(topo.size))
+    control = dist.new_group(everyone, backend="gloo", timeout=timeout)
+    data = dist.new_group(everyone, backend=runtime_.backend, timeout=timeout)
+
+    def make_group(ranks: list[int]) -> Any:
+        return dist.new_group(ranks, backend=runtime_.backend, timeout=timeout)
+
+    def destroy_group(group: Any) -> None:
+        if isinstance(group, dist.ProcessGroup):
+            dist.destroy_process_group(group)
+
+    engine = Engine(
+        rank=topo.rank,
+        size=topo.size,
+        config=cfg,
+        control_group=control,
+        global_group=data,
+        make_group=make_group,
+        destroy_group=destroy_group,
+        cuda_device=torch.cuda.current_device() if "nccl" in runtime_.backend else None,
+    )
+    if cfg.timeline:
+        engine.timeline = _open_timeline(cfg.timeline, cfg.timeline_mark_cycles, topo.rank)
+    engine.start()
+    return engine
+
+
+def _open_timeline(path: str, mark_cycles: bool, rank_: int) -> Timeline | None:
+    """Rank 0 writes the timeline, as in Horovod; a ``{rank}`` in the path makes every
+    rank write its own file."""
+    if "{rank}" in path:
+        return Timeline(path.replace("{rank}", str(rank_)), mark_cycles)
+    return Timeline(path, mark_cycles) if rank_ == 0 else None
+
+
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Initializes the runtime: joins the job started by ``hvdrun`` (or runs as size 1)."""
+    """Initializes the runtime: joins the job started by ``hvdrun`` (or runs as size 1).
+
+    ``process_sets``: a list of :class:`ProcessSet` to register right away (the same on
+    every rank), or ``"dynamic"`` (accepted for Horovod compatibility; sets can always be
+    added later with ``hvd.add_process_set``).
+    """
     global _runtime, _init_count, _atexit_registered
     if comm is not None:
         raise NotImplementedError("hvd.init(comm=...) is not supported: hvdrun does not use MPI")
-    if process_sets is not None:
-        raise NotImplementedError("hvd.init(process_sets=...) is not supported yet")
     with _lock:
         if _runtime is not None:
             return
@@ -284,20 +336,28 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
                 "torch.distributed already has a default process group; hvd.init() creates "
                 "it itself, so do not call torch.distributed.init_process_group() as well"
             )
+        cfg = config_module.from_environment()
         timeout = datetime.timedelta(
-            seconds=_float_env("GLOO_TIMEOUT_SECONDS", DEFAULT_TIMEOUT_SECONDS)
+            seconds=max(BOOTSTRAP_TIMEOUT_SECONDS, cfg.collective_timeout_seconds)
         )
         backend = _choose_backend()
         _init_count += 1
         addr = os.environ.get("HVDRUN_RENDEZVOUS_ADDR")
         if addr:
-            _runtime = _init_from_rendezvous(addr, backend, timeout, _init_count)
+            runtime_ = _init_from_rendezvous(addr, backend, timeout, _init_count)
         else:
-            _runtime = _init_single(backend, timeout)
+            runtime_ = _init_single(backend, timeout)
+        runtime_.config = cfg
+        try:
+            runtime_.engine = _start_engine(runtime_)
+        except BaseException:
+            _teardown(runtime_)
+            raise
+        _runtime = runtime_
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
-        topo = _runtime.topology
+        topo = runtime_.topology
         logger.debug(
             "initialized rank %d of %d (local %d/%d, cross %d/%d) with backend %s",
             topo.rank,
@@ -308,24 +368,36 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             topo.cross_size,
             backend,
         )
+    if process_sets is not None and process_sets != "dynamic":
+        from collectives.torch.process_sets import add_process_set
+
+        for process_set in process_sets:
+            add_process_set(process_set)
+
+
+def _teardown(runtime_: _Runtime) -> None:
+    runtime_.closed.set()
+    if runtime_.engine is not None:
+        runtime_.engine.stop(timeout=FINAL_CYCLE_SECONDS + 2.0)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as error:  # tearing down must not mask the user's own exit path
+        logger.debug("destroy_process_group failed: %s", error)
+    if runtime_.client is not None:
+        runtime_.client.close()
 
 
 def shutdown() -> None:
-    """Destroys the process group and leaves the rendezvous; ``init()`` may be called again."""
+    """Stops the collectives (on every rank: a job's collectives end when one rank leaves),
+    destroys the process groups and leaves the rendezvous; ``init()`` may be called again."""
     global _runtime
     with _lock:
-        runtime = _runtime
-        if runtime is None:
+        runtime_ = _runtime
+        if runtime_ is None:
             return
         _runtime = None
-        runtime.closed.set()
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception as error:  # tearing down must not mask the user's own exit path
-            logger.debug("destroy_process_group failed: %s", error)
-        if runtime.client is not None:
-            runtime.client.close()
+        _teardown(runtime_)
 
 
 def is_initialized() -> bool:
@@ -386,6 +458,17 @@ def mpi_enabled() -> bool:
     return False
 
 
+def mpi_threads_supported() -> bool:
+    """Whether MPI multi-threading is supported (no MPI: ops may come from any thread)."""
+    return False
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
+    topo = require("hvd.is_homogeneous()").topology
+    return topo.size == topo.local_size * topo.cross_size
+
+
 def gloo_built() -> bool:
     """Whether Gloo support is available in this torch build."""
     return bool(dist.is_available() and dist.is_gloo_available())
@@ -428,4 +511,35 @@ def backend() -> str:
 
 def timeout() -> datetime.timedelta:
     """How long a collective waits for its peers before failing."""
-    return require().timeout
+    return datetime.timedelta(seconds=require().config.collective_timeout_seconds)
+
+
+def config() -> EngineConfig:
+    """The engine's tuning (from HVDRUN_*/HOROVOD_* variables at ``init()``)."""
+    return require().config
+
+
+def engine(what: str = "this function") -> Engine:
+    """The running engine, or :class:`NotInitializedError` naming ``what``."""
+    engine_ = require(what).engine
+    if engine_ is None:
+        raise NotInitializedError(what)
+    return engine_
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Starts writing a Chrome-trace timeline (rank 0; every rank if the path has
+    ``{rank}``), replacing one being written."""
+    engine_ = engine("hvd.start_timeline()")
+    new = _open_timeline(file_path, mark_cycles, engine_.rank)
+    old, engine_.timeline = engine_.timeline, new
+    if old is not None:
+        old.close()
+
+
+def stop_timeline() -> None:
+    """Stops the timeline and completes its file."""
+    engine_ = engine("hvd.stop_timeline()")
+    old, engine_.timeline = engine_.timeline, None
+    if old is not None:
+        old.close()

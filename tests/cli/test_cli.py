@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,17 @@ from hvdrun.cli import run_cli
         (["true"], "give the number of processes with -np N"),
         (["-np", "two", "true"], "'two' is not a valid integer"),
         (["--no-such-flag", "true"], "No such option '--no-such-flag'"),
+        (["-H", "a:1", "--hostfile", "f", "true"], "give the hosts with -H or with --hostfile"),
+        (["--hostfile", "/nonexistent/hosts", "true"], "cannot read hostfile /nonexistent/hosts"),
+        (["-x", "NOT_SET_ANYWHERE_XYZ", "-np", "1", "true"], "NOT_SET_ANYWHERE_XYZ is not set"),
+        (["-x", "1=2", "-np", "1", "true"], "invalid '-x': '1=2' is not VAR or VAR=VALUE"),
+        (["--check-hosts"], "--check-hosts needs the hosts"),
+        (["--check-hosts", "-H", "a", "true"], "--check-hosts runs no command"),
+        (["--rendezvous-addr", "h:99999", "-np", "1", "true"], "is not ADDR or ADDR:PORT"),
+        (["--ssh-host-key-policy", "yolo", "true"], "'yolo' is not one of"),
+        (["-i", "/nonexistent/key", "true"], "'/nonexistent/key' does not exist"),
+        (["--start-timeout", "0", "-np", "1", "true"], "0 is not in the range x>0"),
+        (["-p", "70000", "true"], "70000 is not in the range 1<=x<=65535"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(
@@ -57,7 +69,23 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_help_mentions_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(["--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("-np", "--hosts", "--check-build", "--version"):
+    for flag in (
+        "-np",
+        "--hosts",
+        "--hostfile",
+        "--start-timeout",
+        "--ssh-port",
+        "--ssh-identity-file",
+        "--ssh-host-key-policy",
+        "-x",
+        "--rendezvous-addr",
+        "--network-interface",
+        "--output-filename",
+        "--prefix-timestamp",
+        "--check-hosts",
+        "--check-build",
+        "--version",
+    ):
         assert flag in out
 
 
@@ -99,3 +127,38 @@ def test_check_build_lists_what_is_available() -> None:
     assert f"{mpi_mark} MPI" in out
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert f"{devices} device(s)" in out
+
+
+def test_hostfile_errors_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=2\nb slots=two\n")
+    assert run_cli(["--hostfile", str(hostfile), "true"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"hvdrun: error: invalid '--hostfile': {hostfile} line 2: slot count 'two' in "
+        "'b slots=two' is not a number\n"
+    )
+
+
+def test_too_many_processes_for_the_hostfile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    assert run_cli(["-np", "3", "--hostfile", str(hostfile), "true"]) == 2
+    assert "3 processes requested but the hostfile has only 2 slot(s)" in capsys.readouterr().err
+
+
+def test_check_hosts_on_this_machine() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hvdrun", "--check-hosts", "-H", "localhost:2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["HOST", "STATUS", "PYTHON"]
+    assert lines[1].split()[:3] == ["localhost", "ok", ".".join(map(str, sys.version_info[:3]))]
+    assert lines[1].split()[-2:] == ["lo", "127.0.0.1"]
+    assert lines[-1] == "1 of 1 host(s) usable"

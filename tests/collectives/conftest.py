@@ -8,7 +8,7 @@ import re
 import secrets
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -32,12 +32,21 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def run_hvdrun(num_proc: int, script: Path, *args: str, timeout: float = 180) -> tuple[int, str]:
-    """Runs ``python -m hvdrun -np N python script args``; returns exit code and output."""
+def run_hvdrun(
+    num_proc: int,
+    script: Path,
+    *args: str,
+    options: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+) -> tuple[int, str]:
+    """Runs ``python -m hvdrun -np N [options] python script args``; returns exit code and
+    output (stdout and stderr together)."""
+    command = [sys.executable, "-m", "hvdrun", "-np", str(num_proc), *options]
     result = subprocess.run(
-        [sys.executable, "-m", "hvdrun", "-np", str(num_proc), sys.executable, str(script), *args],
+        [*command, sys.executable, str(script), *args],
         cwd=REPO,
-        env=clean_env(),
+        env={**clean_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -65,7 +74,13 @@ class Harness:
     def start(self) -> None:
         self.addr = f"127.0.0.1:{self.server.start()}"
 
-    def spawn(self, rank: int, *args: str, secret: str | None = None) -> subprocess.Popen[str]:
+    def spawn(
+        self,
+        rank: int,
+        *args: str,
+        secret: str | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[str]:
         env = clean_env()
         env.update(
             HVDRUN_RANK=str(rank),
@@ -80,6 +95,7 @@ class Harness:
             HVDRUN_SECRET=self.secret if secret is None else secret,
             HVDRUN_RENDEZVOUS_LOST_AFTER_SECONDS="2",
         )
+        env.update(extra_env or {})
         return subprocess.Popen(
             [sys.executable, str(WORKERS / "failure_worker.py"), *args],
             cwd=REPO,

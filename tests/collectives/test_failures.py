@@ -32,6 +32,67 @@ def test_dead_peer_raises_horovod_internal_error(make_harness: Callable[[int], H
     assert elapsed < 10
 
 
+def test_killed_peer_fails_pending_and_later_ops(make_harness: Callable[[int], Harness]) -> None:
+    harness = make_harness(3)
+    workers = [harness.spawn(rank, "kill-pending") for rank in range(3)]
+    outputs = [worker.communicate(timeout=60) for worker in workers]
+    assert workers[2].returncode == -9, outputs[2]
+    for rank in (0, 1):
+        stdout, stderr = outputs[rank]
+        assert workers[rank].returncode == 3, stdout + stderr
+        assert "4 ops raised HorovodInternalError within" in stdout, stdout + stderr
+        elapsed = float(stdout.split("within ")[1].split(" s")[0])
+        assert elapsed < 5, stdout
+        assert "a peer process has probably died" in stdout, stdout
+
+
+def test_hung_peer_fails_after_the_collective_timeout(
+    make_harness: Callable[[int], Harness],
+) -> None:
+    harness = make_harness(2)
+    env = {"HVDRUN_GLOO_TIMEOUT_SECONDS": "2"}
+    workers = [harness.spawn(rank, "hung-peer", extra_env=env) for rank in range(2)]
+    try:
+        stdout, stderr = workers[0].communicate(timeout=60)
+    finally:
+        workers[1].kill()
+        workers[1].communicate(timeout=30)
+    assert workers[0].returncode == 3, stdout + stderr
+    elapsed = float(stdout.split("after ")[1].split(" s")[0])
+    assert 1.5 < elapsed < 10, stdout
+    assert "HVDRUN_GLOO_TIMEOUT_SECONDS=2" in stdout
+
+
+def test_stall_inspector_warns_then_shuts_down(make_harness: Callable[[int], Harness]) -> None:
+    harness = make_harness(2)
+    env = {"HVDRUN_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    workers = [harness.spawn(rank, "stall", extra_env=env) for rank in range(2)]
+    outputs = [worker.communicate(timeout=60) for worker in workers]
+    for rank in range(2):
+        stdout, stderr = outputs[rank]
+        assert workers[rank].returncode == 3, stdout + stderr
+        elapsed = float(stdout.split("after ")[1].split(" s")[0])
+        assert 2.5 < elapsed < 10, stdout
+        assert "HVDRUN_STALL_SHUTDOWN_TIME_SECONDS=3" in stdout, stdout
+        assert "allreduce 'stuck'" in stdout and "missing ranks [1]" in stdout, stdout
+    warning = outputs[0][1]
+    assert "stall inspector" in warning and "allreduce 'stuck'" in warning, warning
+    assert "submitted by ranks [0], missing ranks [1]" in warning, warning
+
+
+def test_rank_that_shuts_down_ends_the_collectives(
+    make_harness: Callable[[int], Harness],
+) -> None:
+    harness = make_harness(2)
+    workers = [harness.spawn(rank, "leave") for rank in range(2)]
+    outputs = [worker.communicate(timeout=60) for worker in workers]
+    assert workers[1].returncode == 0, outputs[1]
+    stdout, stderr = outputs[0]
+    assert workers[0].returncode == 3, stdout + stderr
+    assert "rank 1 shut down hvdrun's collectives" in stdout, stdout
+    assert float(stdout.split("after ")[1].split(" s")[0]) < 5, stdout
+
+
 def test_lost_rendezvous_ends_worker_and_its_group(
     make_harness: Callable[[int], Harness],
 ) -> None:

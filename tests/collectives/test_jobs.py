@@ -3,13 +3,19 @@ many checks per launch (a worker's torch import costs seconds)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.collectives.conftest import REPO, WORKERS, clean_env, run_hvdrun
+
+DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+OPS = ["Sum", "Average", "Min", "Max", "Product"]
 
 
 def _assert_all_ok(code: int, output: str, num_proc: int, expected: list[str]) -> None:
@@ -21,37 +27,109 @@ def _assert_all_ok(code: int, output: str, num_proc: int, expected: list[str]) -
             assert f"[{rank}]<stdout>:OK {name}\n" in output, f"rank {rank} lacks {name}\n{output}"
 
 
+OPS_CHECKS = [
+    "identity.unique",
+    "identity.sets",
+    *(
+        f"{variant}.{where}.{op.upper()}.torch.{dtype}"
+        for variant in ("allreduce", "allreduce_async", "allreduce_", "allreduce_async_")
+        for where in ("global", "sub")
+        for op in OPS
+        for dtype in DTYPES
+    ),
+    *(f"allreduce.{where}.{op}.bool" for where in ("global", "sub") for op in ("SUM", "MIN")),
+    "allreduce_.noncontiguous",
+    "allreduce.large",
+    "scale.global.sum",
+    "scale.sub.prescale_int",
+    "grouped.global.1",
+    "grouped_async_.sub",
+    "grouped_.global.max",
+    *(f"allgather.{where}.torch.{d}" for where in ("global", "sub") for d in [*DTYPES, "bool"]),
+    "allgather_async.sub.torch.float32",
+    "grouped_allgather.global.1",
+    "allgather.empty_rank",
+    "broadcast.global.root1.torch.bool",
+    "broadcast_.sub.root0.torch.bfloat16",
+    "broadcast_async_.global.1",
+    "broadcast.bad_root_raises",
+    *(f"alltoall.{where}.torch.{d}" for where in ("global", "sub") for d in [*DTYPES, "bool"]),
+    "alltoall.received.global.torch.int64",
+    "alltoall.even.sub",
+    "alltoall_async.global",
+    *(
+        f"{variant}.{where}.{split}"
+        for variant in (
+            "reducescatter",
+            "reducescatter.avg",
+            "reducescatter.scaled",
+            "reducescatter_async",
+            "grouped_reducescatter",
+        )
+        for where in ("global", "sub")
+        for split in ("even", "uneven")
+    ),
+    "grad.allreduce.SUM",
+    "grad.allreduce.AVERAGE",
+    "grad.grouped_allreduce.0",
+    "grad.allgather",
+    "grad.grouped_allgather",
+    "grad.broadcast",
+    "grad.alltoall",
+    "grad.reducescatter",
+    "grad.grouped_reducescatter",
+    "join.sum.step0",
+    "join.min.step0",
+    "join.prod.step0",
+    "join.allgather.step0",
+    "join.broadcast.step0",
+    "join.last_rank",
+    "join.after",
+    "mismatch.shape",
+    "mismatch.dtype",
+    "mismatch.op",
+    "mismatch.prescale",
+    "mismatch.root",
+    "mismatch.allgather_dims",
+    "mismatch.splits",
+    "mismatch.device",
+    "mismatch.grouped_count",
+    "mismatch.broadcast_parameters",
+    "mismatch.after",
+    "duplicate.raises",
+    "duplicate.reuse",
+    "async.result",
+    "async.out_of_order",
+    "threads",
+    "burst",
+    "barrier",
+    "process_set.duplicate_raises",
+    "process_set.not_member_raises",
+    "process_set.unregistered_raises",
+    "process_set.remove",
+    "process_set.readd_id",
+    "broadcast_parameters",
+    "lifecycle.reinit_allreduce",
+    "lifecycle.init_process_sets",
+    "lifecycle.init_process_sets_op",
+]
+
+
 def test_ops_on_three_ranks() -> None:
-    code, output = run_hvdrun(3, WORKERS / "ops_worker.py")
-    _assert_all_ok(
-        code,
-        output,
-        3,
-        [
-            "identity.size",
-            "identity.unique",
-            *(
-                f"allreduce.{op}.torch.{dtype}"
-                for op in ("SUM", "MIN", "MAX", "PRODUCT", "AVERAGE", "default_average")
-                for dtype in ("float32", "float64", "int32", "int64")
-            ),
-            "scale.sum.float64",
-            "scale.prescale.int32",
-            "allgather.uneven.torch.float32",
-            "allgather.shape_mismatch_raises",
-            "allgather.after_error",
-            "broadcast.value",
-            "broadcast.size_mismatch_raises",
-            "broadcast_parameters.state_dict",
-            "broadcast_parameters.pairs",
-            "broadcast_object.root2",
-            "allgather_object",
-            "fp16.exact",
-            "fp16.average",
-            "barrier",
-            "lifecycle.reinit_allreduce",
-        ],
+    # A 1 MB fusion threshold makes "allreduce.large" run on its own, in place.
+    code, output = run_hvdrun(
+        3, WORKERS / "ops_worker.py", options=["--fusion-threshold-mb", "1"], timeout=240
     )
+    # Rank 0 checks that an op is still pending while rank 1 has not submitted it.
+    _assert_all_ok(code, output, 3, OPS_CHECKS)
+    assert "[2]<stdout>:OK join.sum.step2\n" in output
+    assert "[0]<stdout>:OK async.pending\n" in output
+
+
+def test_ops_on_two_ranks() -> None:
+    code, output = run_hvdrun(2, WORKERS / "ops_worker.py", timeout=240)
+    _assert_all_ok(code, output, 2, OPS_CHECKS)
+    assert "[1]<stdout>:OK join.sum.step1\n" in output
 
 
 def test_optimizer_on_two_ranks() -> None:
@@ -73,8 +151,110 @@ def test_optimizer_on_two_ranks() -> None:
             "distributed_optimizer.skip_synchronize",
             "distributed_optimizer.missing_grad",
             "distributed_optimizer.sparse",
+            "distributed_optimizer.process_set",
         ],
     )
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    with open(path) as file:
+        events = json.load(file)
+    assert isinstance(events, list)
+    return events
+
+
+def _check_trace(events: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Asserts balanced B/E and monotonic timestamps per row; returns each row's phases."""
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    stacks: dict[int, list[str]] = {}
+    last: dict[int, float] = {}
+    phases: dict[str, list[str]] = {}
+    for event in events:
+        if event["ph"] == "M":
+            continue
+        pid = event["pid"]
+        assert pid in names, event
+        assert event["ts"] >= last.get(pid, 0.0), (names[pid], event)
+        last[pid] = event["ts"]
+        if event["ph"] == "B":
+            stacks.setdefault(pid, []).append(event["name"])
+            phases.setdefault(names[pid], []).append(event["name"])
+        elif event["ph"] == "E":
+            assert stacks.get(pid) and stacks[pid][-1] == event["name"], (names[pid], event)
+            stacks[pid].pop()
+    assert all(not stack for stack in stacks.values()), stacks
+    return phases
+
+
+def test_tuning_flags_and_timeline(tmp_path: Path) -> None:
+    timeline = tmp_path / "timeline.json"
+    second = tmp_path / "second-{rank}.json"
+    code, output = run_hvdrun(
+        2,
+        WORKERS / "tuning_worker.py",
+        str(second),
+        options=[
+            "--fusion-threshold-mb",
+            "1",
+            "--cycle-time-ms",
+            "2.5",
+            "--timeline-filename",
+            str(timeline),
+            "--timeline-mark-cycles",
+            "--stall-check-warning-time-seconds",
+            "7",
+            "--stall-check-shutdown-time-seconds",
+            "90",
+        ],
+        # Horovod's spelling of a variable reaches the runtime too.
+        env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "45"},
+    )
+    _assert_all_ok(code, output, 2, [])
+    assert "[0]<stdout>:OK timeline.valid_while_written\n" in output
+    configs = [json.loads(m) for m in re.findall(r"<stdout>:CONFIG (.*)", output)]
+    assert len(configs) == 2
+    assert configs[0] == configs[1]
+    assert configs[0] == {
+        "fusion_threshold": 1024 * 1024,
+        "cycle_time_ms": 2.5,
+        "timeline": str(timeline),
+        "timeline_mark_cycles": True,
+        "stall_check": True,
+        "stall_warning_seconds": 7.0,
+        "stall_shutdown_seconds": 90.0,
+        "collective_timeout_seconds": 45.0,
+    }
+    # The flag's file: rank 0 only, cycles marked, every phase of a fused allreduce.
+    phases = _check_trace(_events(timeline))
+    events = _events(timeline)
+    assert any(e["name"] == "CYCLE_START" and e["ph"] == "i" for e in events)
+    small = phases["allreduce.first.small.3"]
+    for phase in (
+        "NEGOTIATE_ALLREDUCE",
+        "ALLREDUCE",
+        "QUEUE",
+        "MEMCPY_IN_FUSION_BUFFER",
+        "GLOO_ALLREDUCE",
+        "MEMCPY_OUT_FUSION_BUFFER",
+    ):
+        assert phase in small, small
+    assert "MEMCPY_IN_FUSION_BUFFER" not in phases["allreduce.first.large"]
+    assert "GLOO_ALLREDUCE" in phases["allreduce.first.large"]
+    for row, phase in [
+        ("allgather.first.gather", "GLOO_ALLGATHER"),
+        ("broadcast.first.bcast", "GLOO_BROADCAST"),
+        ("alltoall.first.a2a", "GLOO_ALLTOALL"),
+        ("reducescatter.first.rs", "GLOO_REDUCESCATTER"),
+    ]:
+        assert phase in phases[row], (row, phases[row])
+    ticks = [e for e in events if e["ph"] == "i" and e["name"] in ("0", "1")]
+    assert ticks, "no per-rank negotiation ticks"
+    assert not any(name.startswith("allreduce.second") for name in phases)
+    # start_timeline with {rank}: one file per rank, only the ops between start and stop.
+    for rank in range(2):
+        rows = _check_trace(_events(tmp_path / f"second-{rank}.json"))
+        assert "allreduce.second.small.0" in rows
+        assert not any(name.startswith(("allreduce.first", "allreduce.third")) for name in rows)
 
 
 @pytest.mark.slow

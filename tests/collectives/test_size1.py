@@ -6,8 +6,11 @@ Every op must be the identity (or its scaled form) on one rank, and the lifecycl
 
 from __future__ import annotations
 
+import json
+import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -16,6 +19,7 @@ import torch.distributed as dist
 
 import collectives.torch as hvd_module
 from collectives.torch import runtime
+from collectives.torch.config import from_environment
 
 DTYPES = [
     torch.float16,
@@ -96,6 +100,7 @@ def test_every_op_is_identity(hvd: ModuleType, dtype: torch.dtype) -> None:
         out = hvd.allreduce(x, op=op)
         assert out.dtype == dtype and torch.equal(out, x), op
         assert out is not x
+        assert torch.equal(hvd.reducescatter(x, op=op), x)
     y = x.clone()
     assert hvd.allreduce_(y, op=hvd.Sum) is y and torch.equal(y, x)
     assert torch.equal(hvd.allgather(x), x)
@@ -103,6 +108,61 @@ def test_every_op_is_identity(hvd: ModuleType, dtype: torch.dtype) -> None:
     z = x.clone()
     assert hvd.broadcast_(z, 0) is z and torch.equal(z, x)
     assert [t.dtype for t in hvd.grouped_allreduce([x, x.double()])] == [dtype, torch.float64]
+    assert torch.equal(hvd.alltoall(x), x)
+    out, received = hvd.alltoall(x, splits=[2])
+    assert torch.equal(out, x) and received.tolist() == [2] and received.dtype == torch.int32
+    gathered = hvd.grouped_allgather([x, x[:1]])
+    assert all(torch.equal(a, b) for a, b in zip(gathered, [x, x[:1]], strict=True))
+    assert torch.equal(hvd.grouped_reducescatter([x], op=hvd.Sum)[0], x)
+    for handle, want in [
+        (hvd.allgather_async(x), x),
+        (hvd.broadcast_async(x, 0), x),
+        (hvd.reducescatter_async(x, op=hvd.Max), x),
+        (hvd.grouped_allreduce_async([x], op=hvd.Sum), [x]),
+        (hvd.grouped_allgather_async([x]), [x]),
+        (hvd.grouped_reducescatter_async([x], op=hvd.Sum), [x]),
+    ]:
+        got = hvd.synchronize(handle)
+        if isinstance(want, list):
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        else:
+            assert torch.equal(got, want)
+
+
+def test_bool_and_edge_shapes(hvd: ModuleType) -> None:
+    flags = torch.tensor([True, False])
+    assert torch.equal(hvd.allreduce(flags, op=hvd.Max), flags)
+    assert torch.equal(hvd.allgather(flags), flags)
+    assert torch.equal(hvd.broadcast(flags, 0), flags)
+    scalar = torch.tensor(3.0)
+    assert hvd.allreduce(scalar).shape == ()
+    empty = torch.zeros(0, 3)
+    assert hvd.allreduce(empty).shape == (0, 3)
+    assert hvd.allgather(empty).shape == (0, 3)
+    assert hvd.broadcast(empty, 0).shape == (0, 3)
+    # A gradient expanded from a scalar has stride 0: it must still travel correctly.
+    expanded = torch.ones(()).expand(1)
+    assert torch.equal(hvd.allgather(expanded), torch.ones(1))
+    assert torch.equal(hvd.allreduce(torch.ones(()).expand(2, 2)), torch.ones(2, 2))
+    noncontiguous = torch.arange(6.0).reshape(2, 3).t()
+    assert hvd.allreduce_(noncontiguous, op=hvd.Sum) is noncontiguous
+    assert torch.equal(noncontiguous, torch.arange(6.0).reshape(2, 3).t())
+
+
+def test_join_and_barrier(hvd: ModuleType) -> None:
+    hvd.barrier()
+    hvd.barrier(process_set=hvd.global_process_set)
+    assert hvd.join() == 0
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [1.0, 1.0]
+
+
+def test_many_long_named_ops_overflow_one_negotiation_slot(hvd: ModuleType) -> None:
+    # ~200 bytes per record: 500 of them are far more than one 4 KB negotiation slot.
+    names = [f"model.layer{i}." + "x" * 150 for i in range(500)]
+    handles = [hvd.allreduce_async(torch.full((3,), float(i)), name=n) for i, n in enumerate(names)]
+    assert all(hvd.synchronize(h).tolist() == [float(i)] * 3 for i, h in enumerate(handles))
+    handles = [hvd.allreduce_async(torch.ones(1), name=n) for n in names]  # after the growth
+    assert all(hvd.synchronize(h).item() == 1.0 for h in handles)
 
 
 def test_scaling_and_integer_average(hvd: ModuleType) -> None:
@@ -140,10 +200,20 @@ def test_argument_errors(hvd: ModuleType) -> None:
         hvd.broadcast(torch.ones(1), root_rank=1)
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.allreduce(torch.ones(1), op=hvd.Adasum)
-    with pytest.raises(NotImplementedError, match="process set"):
-        hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0], process_set_id=1))
-    with pytest.raises(NotImplementedError):
-        hvd.add_process_set([0])
+    with pytest.raises(ValueError, match="not registered"):
+        hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0]))
+    with pytest.raises(ValueError, match="already registered"):
+        hvd.add_process_set([0])  # the global set has the same ranks
+    with pytest.raises(ValueError, match="not ranks of this job"):
+        hvd.add_process_set([0, 1])
+    with pytest.raises(ValueError, match="control character"):
+        hvd.allreduce(torch.ones(1), name="a\x1fb")
+    with pytest.raises(TypeError, match="tensors"):
+        hvd.allgather([1, 2])
+    with pytest.raises(ValueError, match="at least one dimension"):
+        hvd.alltoall(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="splits must be integers"):
+        hvd.alltoall(torch.ones(2), splits=[0.5, 1.5])
     with pytest.raises(TypeError, match="dtype"):
         hvd.allreduce(torch.ones(1, dtype=torch.uint16))
     with pytest.raises(TypeError, match="bool"):
@@ -181,10 +251,15 @@ def test_autograd_and_async(hvd: ModuleType) -> None:
     hvd.broadcast(x, 0).sum().backward()
     assert x.grad is not None and x.grad.tolist() == [1.0, 1.0, 1.0]
     handle = hvd.allreduce_async(torch.tensor([4.0]))
+    deadline = time.monotonic() + 10
+    while not hvd.poll(handle) and time.monotonic() < deadline:  # the engine runs it alone
+        time.sleep(0.001)
     assert hvd.poll(handle)
     result = hvd.synchronize(handle)
     assert result is not None and result.item() == 4.0
     assert hvd.synchronize(handle) is None
+    with pytest.raises(ValueError, match="unknown handle"):
+        hvd.poll(handle)
 
 
 def test_broadcast_parameters_and_optimizer_state(hvd: ModuleType) -> None:
@@ -282,3 +357,127 @@ def test_step_hooks_run_once(hvd: ModuleType) -> None:
     model(torch.ones(1, 2)).sum().backward()
     optimizer.step()
     assert calls == [1]
+
+
+@pytest.fixture
+def slow_cycles(alone: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """An engine that negotiates only when someone waits: submitted ops stay in flight."""
+    monkeypatch.setenv("HVDRUN_CYCLE_TIME", "60000")
+    hvd_module.init()
+    try:
+        yield hvd_module
+    finally:
+        hvd_module.shutdown()
+
+
+def test_async_ops_stay_in_flight_until_negotiated(slow_cycles: ModuleType) -> None:
+    hvd = slow_cycles
+    x = torch.ones(3)
+    handle = hvd.allreduce_async_(x, name="pending", op=hvd.Sum)
+    time.sleep(0.05)
+    assert not hvd.poll(handle)
+    with pytest.raises(ValueError, match="already in flight"):
+        hvd.allreduce_async(torch.ones(3), name="pending")
+    assert hvd.synchronize(handle) is x  # waiting negotiates at once
+    again = hvd.allreduce_async(torch.ones(3), name="pending")  # free again
+    assert hvd.synchronize(again).tolist() == [1.0, 1.0, 1.0]
+    # Unnamed ops get distinct automatic names, so they never collide.
+    handles = [hvd.allreduce_async(torch.full((2,), float(i))) for i in range(50)]
+    assert [hvd.synchronize(h)[0].item() for h in handles] == [float(i) for i in range(50)]
+
+
+def test_timeline_at_runtime(hvd: ModuleType, tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "timeline.json"
+    hvd.start_timeline(str(path), mark_cycles=True)
+    handles = [hvd.allreduce_async(torch.ones(4), name=f"t.{i}") for i in range(5)]
+    hvd.allgather(torch.ones(2), name="g")
+    with open(path) as file:
+        json.load(file)  # valid while being written
+    for handle in handles:
+        hvd.synchronize(handle)
+    hvd.stop_timeline()
+    events = json.loads(path.read_text())
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert "allreduce.t.0" in rows.values() and "allgather.g" in rows.values()
+    balance: dict[int, int] = {}
+    for event in events:
+        if event["ph"] in "BE":
+            balance[event["pid"]] = balance.get(event["pid"], 0) + (1 if event["ph"] == "B" else -1)
+            assert balance[event["pid"]] >= 0
+    assert all(v == 0 for v in balance.values())
+    assert any(e["name"] == "CYCLE_START" for e in events)
+    hvd.stop_timeline()  # stopping twice is harmless
+    hvd.allreduce(torch.ones(1), name="after")
+    assert "allreduce.after" not in path.read_text()
+
+
+def test_config_reads_both_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (
+        "FUSION_THRESHOLD",
+        "CYCLE_TIME",
+        "TIMELINE",
+        "TIMELINE_MARK_CYCLES",
+        "STALL_CHECK_DISABLE",
+        "STALL_CHECK_TIME_SECONDS",
+        "STALL_SHUTDOWN_TIME_SECONDS",
+        "GLOO_TIMEOUT_SECONDS",
+    ):
+        monkeypatch.delenv("HVDRUN_" + name, raising=False)
+        monkeypatch.delenv("HOROVOD_" + name, raising=False)
+    defaults = from_environment()
+    assert defaults.fusion_threshold == 128 * 1024 * 1024
+    assert defaults.cycle_time_ms == 1.0 and defaults.timeline is None
+    assert defaults.stall_check and defaults.stall_warning_seconds == 60.0
+    assert defaults.stall_shutdown_seconds == 0.0 and defaults.collective_timeout_seconds == 30.0
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1000")
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3.5")
+    monkeypatch.setenv("HOROVOD_TIMELINE", "/tmp/t.json")
+    monkeypatch.setenv("HOROVOD_TIMELINE_MARK_CYCLES", "1")
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_DISABLE", "true")
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "5")
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "9")
+    config = from_environment()
+    assert (config.fusion_threshold, config.cycle_time_ms, config.timeline) == (
+        1000,
+        3.5,
+        "/tmp/t.json",
+    )
+    assert config.timeline_mark_cycles and not config.stall_check
+    assert (config.stall_warning_seconds, config.stall_shutdown_seconds) == (5.0, 9.0)
+    monkeypatch.setenv("HVDRUN_FUSION_THRESHOLD", "2000")  # HVDRUN_ wins
+    assert from_environment().fusion_threshold == 2000
+    monkeypatch.setenv("HVDRUN_CYCLE_TIME", "soon")
+    with pytest.raises(ValueError, match="HVDRUN_CYCLE_TIME must be a number"):
+        from_environment()
+    monkeypatch.setenv("HVDRUN_CYCLE_TIME", "-1")
+    with pytest.raises(ValueError, match="HVDRUN_CYCLE_TIME must be at least 0"):
+        from_environment()
+    monkeypatch.setenv("HVDRUN_CYCLE_TIME", "1")
+    monkeypatch.setenv("HVDRUN_TIMELINE_MARK_CYCLES", "maybe")
+    with pytest.raises(ValueError, match="0 or 1"):
+        from_environment()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ops_at_size_1(hvd: ModuleType) -> None:
+    """The NCCL path at size 1 (run wherever a GPU is at hand; CI has none)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    for dtype in (torch.float16, torch.float32, torch.int64, torch.uint8):
+        x = torch.arange(12, device=device).reshape(3, 4).to(dtype)
+        for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+            assert torch.equal(hvd.allreduce(x, op=op), x)
+        assert torch.equal(hvd.allgather(x), x)
+        assert torch.equal(hvd.broadcast(x, 0), x)
+        assert torch.equal(hvd.alltoall(x), x)
+        assert torch.equal(hvd.reducescatter(x, op=hvd.Sum), x)
+        outs = hvd.grouped_allreduce([x, x[:1]], op=hvd.Sum)
+        assert torch.equal(outs[0], x) and torch.equal(outs[1], x[:1])
+    flags = torch.tensor([True, False], device=device)
+    assert torch.equal(hvd.allreduce(flags, op=hvd.Max), flags)
+    y = torch.ones(1000, device=device)
+    handles = [hvd.allreduce_async_(y[i::10], op=hvd.Sum) for i in range(10)]
+    for handle in handles:
+        hvd.synchronize(handle)
+    assert torch.equal(y, torch.ones(1000, device=device))
+    big = torch.randn(1 << 20, device=device)
+    assert torch.equal(hvd.allreduce(big, op=hvd.Sum), big)

@@ -1,6 +1,17 @@
+import re
+from pathlib import Path
+
 import pytest
 
-from launcher.hosts import HostSpec, HostSpecError, parse_hosts
+from launcher.hosts import (
+    HostSpec,
+    HostSpecError,
+    is_local_host,
+    local_addresses,
+    parse_hostfile,
+    parse_hostfile_text,
+    parse_hosts,
+)
 from rendezvous.slots import SlotInfo, assign_slots
 
 
@@ -101,3 +112,79 @@ def test_assign_slots(hosts: list[tuple[str, int]], np: int, expected: list[tupl
 def test_assign_slots_rejects_too_many() -> None:
     with pytest.raises(ValueError, match="only 4 slots"):
         assign_slots([("a", 2), ("b", 2)], 5)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a slots=2\nb slots=1\n", [HostSpec("a", 2), HostSpec("b", 1)]),
+        ("a:4\nb\n", [HostSpec("a", 4), HostSpec("b", 1)]),
+        (
+            "# cluster\n\n  node-1 slots=8 max_slots=8  # the head\nnode-2:8\n\t\n",
+            [HostSpec("node-1", 8), HostSpec("node-2", 8)],
+        ),
+        (
+            "10.0.0.1 slots=2\nuser@10.0.0.2:3\n",
+            [HostSpec("10.0.0.1", 2), HostSpec("user@10.0.0.2", 3)],
+        ),
+        ("fe80::1 slots=2\n", [HostSpec("fe80::1", 2)]),
+    ],
+)
+def test_parse_hostfile(text: str, expected: list[HostSpec]) -> None:
+    assert parse_hostfile_text(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "hosts lists no hosts"),
+        ("# only a comment\n\n", "lists no hosts"),
+        ("a slots=2\nb:1\na:3\n", "hosts line 3: host 'a' is already listed on line 1"),
+        ("a slots=x\n", "hosts line 1: slot count 'x' in 'a slots=x' is not a number"),
+        ("a slots=0\n", "hosts line 1: slot count in 'a slots=0' must be at least 1"),
+        ("a cpus=2\n", "hosts line 1: cannot read 'cpus=2' in 'a cpus=2'"),
+        ("a max_slots=2\n", "hosts line 1: no slots= in 'a max_slots=2'"),
+        ("a:2 slots=2\n", "gives slots twice"),
+        ("b:1\na:\n", "hosts line 2: slot count missing in 'a:'"),
+    ],
+)
+def test_parse_hostfile_rejects(text: str, message: str) -> None:
+    with pytest.raises(HostSpecError, match=re.escape(message)):
+        parse_hostfile_text(text, source="hosts")
+
+
+def test_parse_hostfile_from_disk(tmp_path: Path) -> None:
+    path = tmp_path / "hostfile"
+    path.write_text("x slots=3\n")
+    assert parse_hostfile(str(path)) == [HostSpec("x", 3)]
+    with pytest.raises(HostSpecError, match=f"cannot read hostfile {tmp_path}/missing"):
+        parse_hostfile(str(tmp_path / "missing"))
+    path.write_bytes(b"\xff\xfe slots=1\n")
+    with pytest.raises(HostSpecError, match="is not UTF-8 text"):
+        parse_hostfile(str(path))
+
+
+def test_host_name_starting_with_dash_is_rejected() -> None:
+    with pytest.raises(HostSpecError, match="starts with '-'"):
+        parse_hosts("-oProxyCommand=x:1")
+
+
+@pytest.mark.parametrize(
+    ("name", "local"),
+    [
+        ("localhost", True),
+        ("127.0.0.1", True),
+        ("127.0.0.5", True),  # all of 127/8 is this machine
+        ("::1", True),
+        ("user@localhost", False),  # logging in as someone goes through SSH
+        ("192.0.2.7", False),  # TEST-NET-1: never assigned to anything
+    ],
+)
+def test_is_local_host(name: str, local: bool) -> None:
+    assert is_local_host(name) is local
+
+
+def test_own_addresses_are_local() -> None:
+    # (numeric addresses only: a test must not send DNS queries off this machine)
+    for address in local_addresses():
+        assert is_local_host(address), address

@@ -156,3 +156,78 @@ def test_kill_9_of_hvdrun_leaves_no_worker() -> None:
     proc.kill()
     proc.wait()
     assert_all_gone(pids + agents, within=10.0)
+
+
+def test_output_files_timestamps_and_exports(tmp_path: Path) -> None:
+    out_dir = tmp_path / "logs"
+    result = hvdrun(
+        "-np",
+        "2",
+        "--output-filename",
+        str(out_dir),
+        "--prefix-timestamp",
+        "-x",
+        "EXTRA=1",
+        sys.executable,
+        "-c",
+        "import os, sys\n"
+        "print('rank', os.environ['HVDRUN_RANK'], os.environ['EXTRA'], os.environ['HOME'])\n"
+        "print('oops', file=sys.stderr)",
+        env={"HOME": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        # host-specific variables (HOME) of the local host are the caller's own
+        expected = f"rank {rank} 1 {tmp_path}\n"
+        assert (out_dir / f"rank.{rank}" / "stdout").read_text() == expected
+        assert (out_dir / f"rank.{rank}" / "stderr").read_text() == "oops\n"
+        stamp = r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
+        assert re.search(rf"^{stamp}\[{rank}\]<stdout>:{expected}", result.stdout, re.M)
+
+
+def test_local_failure_report_has_a_summary_table() -> None:
+    result = hvdrun(
+        "-np",
+        "3",
+        sys.executable,
+        str(SCRIPTS / "fail_rank.py"),
+        env={"FAIL_RANK": "1", "FAIL_CODE": "4"},
+    )
+    assert result.returncode == 4
+    assert re.search(
+        r"^hvdrun:   1\s+localhost\s+4\s+FAILED FIRST\s+rank 1 gives up$", result.stderr, re.M
+    )
+    assert re.search(r"^hvdrun:   0\s+localhost\s+143\s+stopped$", result.stderr, re.M)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_rendezvous_addr_and_network_interface_flags() -> None:
+    port = free_port()
+    result = hvdrun(
+        "-np",
+        "2",
+        "--rendezvous-addr",
+        f"127.0.0.1:{port}",
+        "--network-interface",
+        "lo",
+        sys.executable,
+        str(SCRIPTS / "register.py"),
+    )
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        assert f"[{rank}]<stdout>:registered rank {rank} on " in result.stdout
+
+
+def test_interface_chosen_and_user_setting_kept() -> None:
+    code = "import os; print(os.environ['GLOO_SOCKET_IFNAME'], os.environ['NCCL_SOCKET_IFNAME'])"
+    result = hvdrun("-np", "1", sys.executable, "-c", code)
+    assert result.stdout == "[0]<stdout>:lo lo\n", result.stderr  # faces 127.0.0.1
+    result = hvdrun("-np", "1", sys.executable, "-c", code, env={"NCCL_SOCKET_IFNAME": "ib0"})
+    assert result.stdout == "[0]<stdout>:lo ib0\n", result.stderr

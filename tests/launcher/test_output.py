@@ -1,6 +1,8 @@
 import io
+import re
+from pathlib import Path
 
-from launcher.output import LineSplitter, OutputSink
+from launcher.output import LineSplitter, OutputOptions, OutputSink, use_colour
 
 
 def split_all(chunks: list[bytes], max_line: int = 1024) -> list[bytes]:
@@ -41,3 +43,69 @@ def test_sink_prefixes_and_keeps_stderr_tail() -> None:
     assert err.getvalue() == b"[1]<stderr>:one\n[1]<stderr>:two\n[1]<stderr>:three\nhvdrun: bye\n"
     assert sink.stderr_tail(1) == ["two", "three"]
     assert sink.stderr_tail(0) == []
+
+
+class Terminal(io.BytesIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_colour_only_on_a_terminal_without_no_color() -> None:
+    assert use_colour(Terminal(), {})
+    assert not use_colour(Terminal(), {"NO_COLOR": "1"})
+    assert use_colour(Terminal(), {"NO_COLOR": ""})  # no-color.org: set *and* non-empty
+    assert not use_colour(io.BytesIO(), {})
+
+
+def test_coloured_prefix_per_rank() -> None:
+    out, err = Terminal(), Terminal()
+    sink = OutputSink(out, err, options=OutputOptions(colour_stdout=True))
+    sink.line(0, "stdout", b"a")
+    sink.line(11, "stdout", b"b")
+    sink.line(1, "stderr", b"c")  # stderr's colour is decided separately
+    assert out.getvalue() == b"\x1b[36m[0]<stdout>:\x1b[0ma\n\x1b[32m[11]<stdout>:\x1b[0mb\n"
+    assert err.getvalue() == b"[1]<stderr>:c\n"
+
+
+def test_timestamp_prefix() -> None:
+    out = io.BytesIO()
+    sink = OutputSink(out, io.BytesIO(), options=OutputOptions(prefix_timestamp=True))
+    sink.line(2, "stdout", b"hi")
+    assert re.fullmatch(
+        rb"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[2\]<stdout>:hi\n", out.getvalue()
+    )
+
+
+def test_output_files_per_rank(tmp_path: Path) -> None:
+    out = io.BytesIO()
+    sink = OutputSink(out, io.BytesIO(), options=OutputOptions(output_dir=str(tmp_path)))
+    sink.open_files(range(3))
+    sink.line(1, "stdout", b"one")
+    sink.line(1, "stderr", b"\xff raw bytes")
+    sink.close()
+    assert (tmp_path / "rank.1" / "stdout").read_bytes() == b"one\n"
+    assert (tmp_path / "rank.1" / "stderr").read_bytes() == b"\xff raw bytes\n"
+    assert (tmp_path / "rank.2" / "stdout").read_bytes() == b""  # every rank gets its files
+    assert out.getvalue() == b"[1]<stdout>:one\n"  # and the terminal still gets the lines
+
+
+def test_status_line_stays_at_the_bottom() -> None:
+    out, err = Terminal(), Terminal()
+    sink = OutputSink(out, err, options=OutputOptions(status_line=True))
+    sink.status("connected 1/2 hosts, 0/4 workers registered")
+    sink.status("connected 1/2 hosts, 0/4 workers registered")  # unchanged: not redrawn
+    sink.line(0, "stderr", b"hello")
+    sink.status(None)
+    assert err.getvalue() == (
+        b"hvdrun: connected 1/2 hosts, 0/4 workers registered"
+        b"\r\x1b[K[0]<stderr>:hello\n"
+        b"hvdrun: connected 1/2 hosts, 0/4 workers registered"
+        b"\r\x1b[K"
+    )
+
+
+def test_no_status_line_when_not_a_terminal() -> None:
+    err = io.BytesIO()
+    sink = OutputSink(io.BytesIO(), err)
+    sink.status("connected 1/2 hosts")
+    assert err.getvalue() == b""

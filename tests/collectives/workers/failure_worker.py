@@ -2,6 +2,12 @@
 
 Modes:
   peer-death  rank 1 dies after one allreduce; rank 0 must get HorovodInternalError.
+  kill-pending  (3 ranks) ranks 0 and 1 wait on async ops that need rank 2, which is killed:
+              every pending op and every later op must raise HorovodInternalError.
+  hung-peer   rank 1 stops itself (SIGSTOP); rank 0's op fails after the collective timeout.
+  stall       rank 1 never submits an op rank 0 waits for: the stall inspector warns, then
+              shuts the collectives down on both ranks.
+  leave       rank 1 shuts down while rank 0 waits for an op it will never submit.
   lost        the worker starts a child in its process group, reports both pids and waits;
               the test then stops the rendezvous server.
   bad-secret  hvd.init() must fail with a clear error.
@@ -10,6 +16,7 @@ Modes:
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +24,13 @@ import time
 import torch
 
 import collectives.torch as hvd
+
+_alone: list[hvd.ProcessSet] = []
+
+
+def alone() -> hvd.ProcessSet:
+    """A process set of rank 1 alone (registered on both ranks at start-up)."""
+    return _alone[0]
 
 
 def main() -> None:
@@ -29,6 +43,8 @@ def main() -> None:
             sys.exit(0)
         sys.exit("init unexpectedly succeeded")
     hvd.init()
+    if mode == "stall":
+        _alone.append(hvd.add_process_set([1]))
     if mode == "peer-death":
         hvd.allreduce(torch.ones(4))
         if hvd.rank() == 1:
@@ -42,6 +58,69 @@ def main() -> None:
             print(f"caught HorovodInternalError after {elapsed:.2f} s: {error}", flush=True)
             sys.exit(3)
         sys.exit("no error although the peer died")
+    if mode == "kill-pending":
+        hvd.allreduce(torch.ones(4))
+        if hvd.rank() == 2:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        handles = [hvd.allreduce_async(torch.ones(4), name=f"pending.{i}") for i in range(3)]
+        started = time.monotonic()
+        failures = 0
+        for handle in handles:
+            try:
+                hvd.synchronize(handle)
+            except hvd.HorovodInternalError:
+                failures += 1
+        elapsed = time.monotonic() - started
+        try:
+            hvd.allreduce(torch.ones(4), name="later")
+        except hvd.HorovodInternalError as error:
+            print(f"later op raised: {error}", flush=True)
+            failures += 1
+        print(f"{failures} ops raised HorovodInternalError within {elapsed:.2f} s", flush=True)
+        sys.exit(3)
+    if mode == "hung-peer":
+        hvd.allreduce(torch.ones(4))
+        if hvd.rank() == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            hvd.allreduce(torch.ones(4), name="hung")
+        except hvd.HorovodInternalError as error:
+            elapsed = time.monotonic() - started
+            print(f"caught HorovodInternalError after {elapsed:.2f} s: {error}", flush=True)
+            sys.exit(3)
+        sys.exit("no error although the peer hung")
+    if mode == "stall":
+        hvd.allreduce(torch.ones(4))
+        started = time.monotonic()
+        try:
+            if hvd.rank() == 0:
+                hvd.allreduce(torch.ones(4), name="stuck")
+            else:
+                while time.monotonic() - started < 30:
+                    time.sleep(0.1)
+                    hvd.allreduce(torch.ones(1), name="unrelated", process_set=alone())
+        except hvd.HorovodInternalError as error:
+            elapsed = time.monotonic() - started
+            print(f"caught HorovodInternalError after {elapsed:.2f} s: {error}", flush=True)
+            sys.exit(3)
+        sys.exit("no error although the job stalled")
+    if mode == "leave":
+        hvd.allreduce(torch.ones(4))
+        if hvd.rank() == 1:
+            time.sleep(0.5)
+            hvd.shutdown()
+            print("rank 1 shut down", flush=True)
+            sys.exit(0)
+        started = time.monotonic()
+        try:
+            hvd.allreduce(torch.ones(4), name="never")
+        except hvd.HorovodInternalError as error:
+            elapsed = time.monotonic() - started
+            print(f"caught HorovodInternalError after {elapsed:.2f} s: {error}", flush=True)
+            sys.exit(3)
+        sys.exit("no error although the peer left")
     if mode == "lost":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         print(f"ready {os.getpid()} {child.pid}", flush=True)

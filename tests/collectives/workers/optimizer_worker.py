@@ -271,8 +271,29 @@ def main() -> None:
         ref_opt.step()
         c.close("distributed_optimizer.sparse", emb.weight.detach(), ref_emb.weight.detach(), 1e-6)
 
+    def process_set_optimizer() -> None:
+        # Each rank alone in its own process set: its gradients are averaged over itself.
+        sets = [hvd.add_process_set([0]), hvd.add_process_set([1])]
+        model, reference = make_model(), make_model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5), process_set=sets[r]
+        )
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+        x, y = batches(0)
+        half = slice(r * 4, (r + 1) * 4)
+        F.cross_entropy(model(x[half]), y[half]).backward()
+        opt.step()
+        F.cross_entropy(reference(x[half]), y[half]).backward()
+        ref_opt.step()
+        diff = max(
+            (a - b).abs().max().item()
+            for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+        )
+        c.expect("distributed_optimizer.process_set", diff <= 1e-6, diff)
+
     c.run("optimizer_state", optimizer_state)
     c.run("distributed_optimizer", distributed_optimizer)
+    c.run("process_set_optimizer", process_set_optimizer)
     hvd.shutdown()
     c.finish(r)
 

@@ -1,0 +1,76 @@
+"""Collectives engine against plain torch.distributed: fusion, large tensors, latency.
+
+Runs ``hvdrun -np 2`` on bench/collectives_scripts/collectives_worker.py (2 ranks, Gloo,
+CPU, one torch thread each). Variants alternate round-robin inside one job; each sample is
+the slower rank's time after a barrier; the table shows medians and ratios of the same run.
+
+Targets (issue 3):
+* 100 ``allreduce_async`` of 4 KB then ``synchronize``: >= 20x faster than 100 sequential
+  ``torch.distributed.all_reduce`` calls on the same tensors;
+* one 64 MiB ``allreduce_`` (in place): <= 1.05x ``torch.distributed.all_reduce``;
+* a single 4-byte allreduce: reported against ``torch.distributed.all_reduce``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "collectives_scripts" / "collectives_worker.py"
+
+
+def run(rounds: int) -> dict[str, list[float]]:
+    hvdrun = shutil.which("hvdrun", path=str(Path(sys.executable).parent)) or "hvdrun"
+    result = subprocess.run(
+        [hvdrun, "-np", "2", sys.executable, str(WORKER), "--rounds", str(rounds)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    for line in result.stdout.splitlines():
+        _, _, text = line.partition("RESULT ")
+        if text:
+            samples: dict[str, list[float]] = json.loads(text)
+            return samples
+    raise RuntimeError(f"the benchmark job failed:\n{result.stdout}\n{result.stderr}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=21)
+    args = parser.parse_args()
+    samples = run(args.rounds)
+    med = {name: statistics.median(values) for name, values in samples.items()}
+    rows = [
+        ("100 x 4 KB allreduce", "small.dist", "small.hvd", "async, unnamed"),
+        ("100 x 4 KB allreduce", "small.dist", "small.hvd_named", "async_, named"),
+        ("64 MiB allreduce", "large.dist", "large.hvd", "allreduce_ (in place)"),
+        ("4 B allreduce (latency)", "scalar.dist", "scalar.hvd", "allreduce_, one op"),
+    ]
+    print(f"collectives: 2 ranks, Gloo, CPU; medians of {args.rounds} round-robin rounds")
+    header = f"{'workload':<26}{'variant':<24}{'dist ms':>10}{'hvd ms':>10}{'hvd/dist':>10}"
+    print(header + f"{'speed-up':>10}")
+    for label, base, mine, variant in rows:
+        ratio = med[mine] / med[base]
+        print(
+            f"{label:<26}{variant:<24}{med[base]:>10.3f}{med[mine]:>10.3f}"
+            f"{ratio:>9.3f}x{1 / ratio:>9.1f}x"
+        )
+    speedup = med["small.dist"] / med["small.hvd"]
+    large = med["large.hvd"] / med["large.dist"]
+    print(
+        f"targets: 100 x 4 KB speed-up = {speedup:.1f}x (>= 20), "
+        f"64 MiB hvd/dist = {large:.3f} (<= 1.05), "
+        f"4 B latency hvd/dist = {med['scalar.hvd'] / med['scalar.dist']:.2f} (reported)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

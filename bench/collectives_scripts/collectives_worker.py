@@ -1,0 +1,104 @@
+"""The worker side of bench/collectives.py: runs under ``hvdrun -np 2``.
+
+Each variant is timed on both ranks after a barrier on torch's default group (which the
+engine does not use); a sample is the slower rank's time. Variants alternate round-robin,
+every other round in reverse order; rank 0 prints one ``RESULT <json>`` line with every
+variant's samples in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import collectives.torch as hvd
+
+SMALL_COUNT = 100
+SMALL_NUMEL = 1024  # 4 KB of float32
+LARGE_NUMEL = 16 * 1024 * 1024  # 64 MiB of float32
+LATENCY_REPEATS = 20
+LARGE_REPEATS = 2  # a 64 MiB allreduce varies by +-15% run to run here: average two
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=21)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    hvd.init()
+    small = [torch.randn(SMALL_NUMEL) for _ in range(SMALL_COUNT)]
+    large = torch.randn(LARGE_NUMEL)
+    scalar = torch.ones(1)
+    names = [f"bench.grad.{i}" for i in range(SMALL_COUNT)]
+
+    def dist_small() -> None:
+        for tensor in small:
+            dist.all_reduce(tensor)
+
+    def hvd_small() -> None:
+        handles = [hvd.allreduce_async(tensor, op=hvd.Sum) for tensor in small]
+        for handle in handles:
+            hvd.synchronize(handle)
+
+    def hvd_small_named() -> None:
+        handles = [
+            hvd.allreduce_async_(tensor, op=hvd.Sum, name=name)
+            for tensor, name in zip(small, names, strict=True)
+        ]
+        for handle in handles:
+            hvd.synchronize(handle)
+
+    def dist_large() -> None:
+        for _ in range(LARGE_REPEATS):
+            dist.all_reduce(large)
+
+    def hvd_large() -> None:
+        for _ in range(LARGE_REPEATS):
+            hvd.allreduce_(large, op=hvd.Sum)
+
+    def dist_scalar() -> None:
+        for _ in range(LATENCY_REPEATS):
+            dist.all_reduce(scalar)
+
+    def hvd_scalar() -> None:
+        for _ in range(LATENCY_REPEATS):
+            hvd.allreduce_(scalar, op=hvd.Sum)
+
+    variants: dict[str, tuple[Callable[[], None], int]] = {
+        "small.dist": (dist_small, 1),
+        "small.hvd": (hvd_small, 1),
+        "small.hvd_named": (hvd_small_named, 1),
+        "large.dist": (dist_large, LARGE_REPEATS),
+        "large.hvd": (hvd_large, LARGE_REPEATS),
+        "scalar.dist": (dist_scalar, LATENCY_REPEATS),
+        "scalar.hvd": (hvd_scalar, LATENCY_REPEATS),
+    }
+    for fn, _ in variants.values():  # warm up: buffers, caches, connections
+        fn()
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants.items())
+    for round_ in range(args.rounds):
+        # The in-place Sum variants double the tensors every call; keep them finite.
+        large.mul_(1.0 / (2 ** (2 * LARGE_REPEATS)))
+        torch._foreach_mul_(small, 0.25)
+        # Alternate the direction, so no variant always follows the same other one.
+        for name, (fn, repeats) in order if round_ % 2 == 0 else order[::-1]:
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            elapsed = torch.tensor([(time.perf_counter() - start) * 1e3 / repeats])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            samples[name].append(float(elapsed.item()))
+    if hvd.rank() == 0:
+        print("RESULT " + json.dumps(samples), flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

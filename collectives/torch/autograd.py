@@ -1,0 +1,221 @@
+"""Horovod's gradients for the collectives (``torch.autograd.Function`` subclasses).
+
+============== ===========================================================================
+allreduce      grad = allreduce(grad) with the same op and scaling (Average and Sum only)
+allgather      grad = this rank's rows of allreduce(grad, Average)
+broadcast      grad = allreduce(grad, Average) on the root, zeros elsewhere
+alltoall       grad = alltoall(grad) sent back along the received splits
+reducescatter  grad = allgather(grad), divided by the size for Average, times the scaling
+============== ===========================================================================
+
+The backward passes call the public (differentiable) functions of :mod:`mpi_ops`, as
+Horovod's do, so higher-order gradients work too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from collectives.torch import mpi_ops, ops
+from collectives.torch.common import ProcessSet, ReduceOp
+from collectives.torch.requests import Request
+
+
+def alltoall_result(request: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    received = torch.tensor(request.extra, dtype=torch.int32)
+    return request.outputs[0], received
+
+
+def _check_gradient_op(op: ReduceOp, what: str) -> None:
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise NotImplementedError(f"the gradient of {what} with op={op.name} is not supported")
+
+
+# ---- autograd functions -----------------------------------------------------------------
+
+
+class Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: Any,
+        op: ReduceOp,
+        pre: float,
+        post: float,
+        process_set: ProcessSet,
+    ) -> torch.Tensor:
+        ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, process_set
+        handle = ops.submit_allreduce(
+            [tensor], None, op, pre, post, process_set, name, ops.first_output
+        )
+        result: torch.Tensor = handle.wait()
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        _check_gradient_op(ctx.op, "allreduce")
+        reduced = mpi_ops.allreduce(
+            grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post, process_set=ctx.ps
+        )
+        return reduced, None, None, None, None, None
+
+
+class GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        name: Any,
+        op: ReduceOp,
+        pre: float,
+        post: float,
+        process_set: ProcessSet,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, process_set
+        handle = ops.submit_allreduce(
+            tensors, None, op, pre, post, process_set, name, ops.outputs_of
+        )
+        return tuple(handle.wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        _check_gradient_op(ctx.op, "grouped_allreduce")
+        reduced = mpi_ops.grouped_allreduce(
+            list(grads),
+            op=ctx.op,
+            prescale_factor=ctx.pre,
+            postscale_factor=ctx.post,
+            process_set=ctx.ps,
+        )
+        return (None, None, None, None, None, *reduced)
+
+
+def _allgather_grad(grad: torch.Tensor, dims: list[int], process_set: ProcessSet) -> torch.Tensor:
+    reduced = mpi_ops.allreduce(grad, op=ReduceOp.AVERAGE, process_set=process_set)
+    own = process_set.rank()
+    return reduced.narrow(0, sum(dims[:own]), dims[own])
+
+
+def _with_dims(request: Request) -> tuple[list[torch.Tensor], list[list[int]]]:
+    return list(request.outputs), request.rank_dims or []
+
+
+class Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: Any, process_set: ProcessSet) -> torch.Tensor:
+        outputs, dims = ops.submit_allgather([tensor], process_set, name, _with_dims).wait()
+        ctx.dims, ctx.ps = dims[0], process_set
+        result: torch.Tensor = outputs[0]
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _allgather_grad(grad, ctx.dims, ctx.ps), None, None
+
+
+class GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, name: Any, process_set: ProcessSet, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        outputs, dims = ops.submit_allgather(tensors, process_set, name, _with_dims).wait()
+        ctx.dims, ctx.ps = dims, process_set
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        own = ctx.ps.rank()
+        reduced = mpi_ops.grouped_allreduce(list(grads), op=ReduceOp.AVERAGE, process_set=ctx.ps)
+        parts = [r.narrow(0, sum(d[:own]), d[own]) for r, d in zip(reduced, ctx.dims, strict=True)]
+        return (None, None, *parts)
+
+
+class Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any, process_set: ProcessSet
+    ) -> torch.Tensor:
+        ctx.root_rank, ctx.ps = root_rank, process_set
+        handle = ops.submit_broadcast(
+            [tensor], None, root_rank, process_set, name, ops.first_output
+        )
+        result: torch.Tensor = handle.wait()
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        reduced = mpi_ops.allreduce(grad, op=ReduceOp.AVERAGE, process_set=ctx.ps)
+        if ctx.ps.rank() != ctx.root_rank:
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None, None
+
+
+class Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, process_set: ProcessSet
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        handle = ops.submit_alltoall(tensor, splits, process_set, name, alltoall_result)
+        output, received = handle.wait()
+        ctx.received, ctx.ps = received, process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> Any:
+        back, _ = mpi_ops.alltoall(grad, splits=ctx.received, process_set=ctx.ps)
+        return back, None, None, None
+
+
+class Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: Any,
+        op: ReduceOp,
+        pre: float,
+        post: float,
+        process_set: ProcessSet,
+    ) -> torch.Tensor:
+        ctx.op, ctx.scale, ctx.ps = op, pre * post, process_set
+        handle = ops.submit_reducescatter(
+            [tensor], op, pre, post, process_set, name, ops.first_output
+        )
+        result: torch.Tensor = handle.wait()
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        _check_gradient_op(ctx.op, "reducescatter")
+        return _reducescatter_grad(grad, ctx), None, None, None, None, None
+
+
+def _reducescatter_grad(grad: torch.Tensor, ctx: Any) -> torch.Tensor:
+    gathered = mpi_ops.allgather(grad.contiguous(), process_set=ctx.ps)
+    factor = ctx.scale / (ctx.ps.size() if ctx.op == ReduceOp.AVERAGE else 1)
+    return gathered * factor if factor != 1.0 else gathered
+
+
+class GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        name: Any,
+        op: ReduceOp,
+        pre: float,
+        post: float,
+        process_set: ProcessSet,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.op, ctx.scale, ctx.ps = op, pre * post, process_set
+        handle = ops.submit_reducescatter(tensors, op, pre, post, process_set, name, ops.outputs_of)
+        return tuple(handle.wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        _check_gradient_op(ctx.op, "grouped_reducescatter")
+        return (None, None, None, None, None, *(_reducescatter_grad(g, ctx) for g in grads))

@@ -1,0 +1,603 @@
+"""The background engine: negotiates, fuses and runs every op of this process.
+
+Any thread submits a :class:`~collectives.torch.requests.Request` and gets a handle at once.
+Ops progress in *cycles*: one negotiation round (see :mod:`negotiation`) followed by the
+collectives of every op that became ready in it, fused into buckets (see :mod:`fusion` and
+:mod:`execute`), in the same order on every rank. A cycle runs on the engine's thread, or
+on a thread that blocks in ``synchronize()`` while no cycle is running: that thread then
+runs the cycle itself, so a synchronous op costs no thread switch.
+
+When a rank enters a cycle, so that the lockstep costs no CPU while nothing happens:
+
+* it has newly submitted ops: once they were gathered for the cycle time
+  (``HVDRUN_CYCLE_TIME``, 1 ms) and submissions paused (a burst goes out in one round, up to
+  20 cycle times), or at once when a thread blocks on a handle;
+* an announced op waits for some *other* rank: at once while announcements flow, at the
+  cycle-time pace after a round that brought nothing new (the round blocks until the late
+  rank announces; the late rank itself never spins);
+* otherwise every second (keepalive), counted from the end of the last round so that the
+  ranks' keepalive rounds coincide; it bounds how long a peer waits for this rank and paces
+  the stall inspector.
+
+When every rank announced exactly the same ops (the usual SPMD case), the round needs no
+per-op bookkeeping, and a few small CPU allreduces are reduced from data that travelled with
+the negotiation itself (see :mod:`eager`).
+
+Failures: a collective that raises (a peer died: Gloo notices a closed connection within
+milliseconds; a hung peer: after ``HVDRUN_GLOO_TIMEOUT_SECONDS``) stops the engine, and every
+pending and later op raises :class:`HorovodInternalError`. A rank that calls ``shutdown()``
+announces it; every rank stops after that cycle (as in Horovod, a job's collectives end when
+one rank leaves).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from collectives.torch import eager
+from collectives.torch.config import EngineConfig
+from collectives.torch.errors import HorovodInternalError, TensorMismatchError
+from collectives.torch.execute import Executor, Group
+from collectives.torch.fusion import Bucket, Work, plan
+from collectives.torch.handles import Handle
+from collectives.torch.negotiation import FLAG_ABORT, FLAG_LEAVING, Entry, Exchange, Table, check
+from collectives.torch.requests import (
+    RECORD,
+    Kind,
+    Request,
+    check_alltoall,
+    label,
+    parse_signature,
+)
+from collectives.torch.stall import StallInspector
+from collectives.torch.timeline import Timeline
+
+__all__ = ["KEEPALIVE_SECONDS", "Engine"]
+
+_NONAME = [f"{kind.label}.noname." for kind in Kind]
+
+logger = logging.getLogger(__name__)
+
+KEEPALIVE_SECONDS = 1.0
+#: A burst of submissions is gathered until it pauses for this many cycle times...
+BURST_PAUSE = 1.0
+#: ... but for at most this many.
+BURST_MAX = 20.0
+#: How long the last cycle of a rank that shuts down waits for its peers.
+FINAL_CYCLE_SECONDS = KEEPALIVE_SECONDS + 4.0
+
+
+class Engine:
+    """Negotiates and runs this process's collectives on a background thread."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        size: int,
+        config: EngineConfig,
+        control_group: Any,
+        global_group: Any,
+        make_group: Callable[[list[int]], Any],
+        destroy_group: Callable[[Any], None],
+        cuda_device: int | None = None,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.config = config
+        self._control_group = control_group
+        self._exchange = Exchange(control_group, rank, size)
+        self._table = Table(size)
+        self.groups: dict[int, Group] = {0: Group(0, list(range(size)), global_group, rank)}
+        self._next_set_id = 1
+        self._make_group = make_group
+        self._destroy_group = destroy_group
+        self._cuda_device = cuda_device
+        self._executor = Executor(self._trace_phase)
+
+        self.timeline: Timeline | None = None
+
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._new: list[Request] = []
+        self._local: dict[tuple[int, str], Request] = {}
+        self._first_new = 0.0
+        self._last_submit = 0.0
+        self._flush = False
+        self._leaving = False
+        self._abort_requested = False
+        self._error: HorovodInternalError | None = None
+        self._running = True  # False once the engine stopped (shutdown, failure, abort)
+        self._cycle_lock = threading.Lock()  # one cycle at a time, on whichever thread
+        self._names: dict[tuple[int, Kind], itertools.count[int]] = {}
+
+        # Engine-thread state.
+        self._awaiting = False
+        self._quiet = True  # the last round carried no announcements
+        self._last_cycle = time.monotonic()
+        self._last_round = self._last_cycle
+        self._cycle_no = 0
+        self._current: list[Request] = []
+        self._stall = StallInspector(config, rank)
+        self._thread = threading.Thread(target=self._run, name="hvdrun-engine", daemon=True)
+
+    # ---- the submitting side ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def auto_name(self, kind: Kind, process_set_id: int) -> str:
+        """Horovod-style names for unnamed ops, counted per process set and kind so that
+        ranks outside a set do not shift the names of others."""
+        # setdefault and next() on a count are atomic under the GIL: no lock needed.
+        key = (process_set_id, kind)
+        counter = self._names.get(key) or self._names.setdefault(key, itertools.count())
+        return f"{_NONAME[kind]}{next(counter)}"
+
+    def new_handle(self) -> Handle:
+        return Handle(self.flush)
+
+    def submit(self, request: Request) -> Handle:
+        """Queues a request for the next cycle; raises if this rank cannot run ops any more."""
+        key = (request.process_set_id, request.name)
+        with self._lock:
+            if self._error is not None:
+                raise HorovodInternalError(str(self._error))
+            if self._leaving or not self._running:
+                raise HorovodInternalError(
+                    f"rank {self.rank}: hvdrun's collectives have been shut down; "
+                    f"{request.label} cannot run"
+                )
+            if key in self._local:
+                raise ValueError(
+                    f"{request.label} is already in flight on rank {self.rank}: names of "
+                    "ops that run at the same time must be unique (synchronize the first "
+                    "one, or give this one another name)"
+                )
+            self._local[key] = request
+            if not self._new:
+                self._first_new = request.submitted
+                self._cond.notify()
+            self._new.append(request)
+            self._last_submit = request.submitted
+        return request.handle
+
+    def flush(self) -> None:
+        """Someone waits for a result: negotiate now instead of gathering a burst.
+
+        When no cycle is running, the waiting thread runs the next one itself (its own op
+        is in it): a synchronous op then costs no thread switch at all, only the
+        negotiation round and its collective. Otherwise the engine thread is woken.
+        """
+        if threading.current_thread() is not self._thread and self._cycle_lock.acquire(
+            blocking=False
+        ):
+            try:
+                with self._cond:
+                    runnable = bool(self._new) and self._running
+                if runnable:
+                    self._guarded_cycle()
+                    return
+            finally:
+                self._cycle_lock.release()
+        with self._cond:
+            if not self._flush:
+                self._flush = True
+                self._cond.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Announces this rank's departure, runs the last cycle and stops the thread."""
+        with self._cond:
+            self._leaving = True
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        tl, self.timeline = self.timeline, None
+        if tl is not None:
+            tl.close()
+        self._executor.release_buffers()
+
+    # ---- the engine thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
+        while self._running:
+            self._wait()
+            with self._cycle_lock:
+                with self._cond:
+                    due = self._running and self._deadline(time.monotonic()) <= 0
+                if due:
+                    self._guarded_cycle()
+
+    def _guarded_cycle(self) -> None:
+        """Runs one cycle (holding the cycle lock); any failure stops the engine."""
+        try:
+            if not self._cycle():
+                self._running = False
+        except BaseException as error:
+            logger.debug("collectives engine of rank %d stopped", self.rank, exc_info=True)
+            self._running = False
+            self._break(self._describe_failure(error))
+            self._abandon_groups()
+            if not isinstance(error, Exception):  # Ctrl-C in a thread that ran the cycle
+                raise
+        if not self._running or threading.current_thread() is not self._thread:
+            with self._cond:  # the engine thread's deadline may have changed
+                self._cond.notify_all()
+
+    def _abandon_groups(self) -> None:
+        """Closes this engine's connections, so that peers still inside a collective with
+        this rank fail at once instead of after the timeout."""
+        for group in [self._control_group, *(g.group for g in self.groups.values())]:
+            try:
+                self._destroy_group(group)
+            except Exception as error:  # already broken: nothing more to do
+                logger.debug("destroying a process group failed: %s", error)
+
+    def _describe_failure(self, error: BaseException) -> str:
+        if isinstance(error, HorovodInternalError):
+            return str(error)
+        if isinstance(error, RuntimeError):
+            return (
+                f"rank {self.rank}: a collective failed, so a peer process has probably died, "
+                f"hung or lost its connection (HVDRUN_GLOO_TIMEOUT_SECONDS="
+                f"{self.config.collective_timeout_seconds:g}); the job's collectives are "
+                f"stopped: {error}"
+            )
+        return f"rank {self.rank}: the collectives engine failed: {type(error).__name__}: {error}"
+
+    def _break(self, message: str) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = HorovodInternalError(message)
+            pending = [*self._local.values(), *self._new, *self._current]
+            self._local.clear()
+            self._new = []
+        for request in pending:
+            request.handle.fail(HorovodInternalError(message))
+
+    def _deadline(self, now: float) -> float:
+        """Seconds until the next cycle is due (<= 0: now). Call with ``_cond`` held."""
+        if self._leaving or self._abort_requested:
+            return 0.0
+        if self._new:
+            if self._flush:
+                return 0.0
+            # Gather for the cycle time; while submissions keep coming (a burst), wait until
+            # they pause, up to a few cycle times: the submitting thread would otherwise
+            # fight this one for the GIL on every torch call.
+            cycle = self.config.cycle_time
+            paused = min(
+                self._last_submit + cycle * BURST_PAUSE, self._first_new + cycle * BURST_MAX
+            )
+            return max(self._first_new + cycle, paused) - now
+        if self._awaiting:
+            # Right away while announcements flow; at the cycle-time pace once a round
+            # brought nothing new (ranks waiting on each other must not spin).
+            return self._last_cycle + self.config.cycle_time - now if self._quiet else 0.0
+        # From the end of the last round, which every rank saw at about the same moment:
+        # the ranks' keepalive rounds then start together and block no one for long.
+        return self._last_round + KEEPALIVE_SECONDS - now
+
+    def _wait(self) -> None:
+        with self._cond:
+            while self._running:
+                remaining = self._deadline(time.monotonic())
+                if remaining <= 0:
+                    return
+                self._cond.wait(remaining)
+
+    def _cycle(self) -> bool:
+        """One negotiation round and the ops it made ready; False when the engine stops."""
+        start = time.monotonic()
+        with self._cond:
+            new, self._new = self._new, []
+            self._flush = False
+            leaving = self._leaving
+            flags = (FLAG_LEAVING if leaving else 0) | (FLAG_ABORT if self._abort_requested else 0)
+        self._last_cycle = start
+        self._cycle_no += 1
+        tl = self.timeline
+        if tl is not None:
+            tl.cycle(start)
+            for request in new:
+                tl.begin(request.name, "NEGOTIATE_" + request.kind.label.upper(), request.submitted)
+        records = RECORD.join([request.record() for request in new]).encode()
+        payload = eager.pack(records, new)
+        gathered = self._exchange.round(
+            payload, flags, timeout=FINAL_CYCLE_SECONDS if leaving else None
+        )
+        now = time.monotonic()
+        self._last_round = now
+        results = []
+        datas = []
+        for peer_flags, peer_payload in gathered:
+            peer_records, peer_data = eager.split(peer_payload)
+            results.append((peer_flags, peer_records))
+            datas.append(peer_data)
+        touched: list[Entry] = []
+        everything = False
+        leavers, abort = [], False
+        if self._agreed(new, records, results):
+            self._run_agreed(new, now, datas)
+        else:
+            for peer, (peer_flags, data) in enumerate(results):
+                if peer_flags & FLAG_LEAVING:
+                    leavers.append(peer)
+                abort = abort or bool(peer_flags & FLAG_ABORT)
+                entries, joined = self._table.add(peer, data, self._cycle_no, now)
+                touched.extend(entries)
+                everything = everything or joined
+            self._run_ready(self._ready(touched, everything), now)
+        if tl is not None:
+            tl.flush()
+        if abort:
+            self._break(
+                self._stall.report(self._table, self._members, time.monotonic(), aborting=True)
+            )
+            return False
+        if leavers:
+            who = "this rank" if leavers == [self.rank] else f"rank {leavers[0]}"
+            self._break(
+                f"rank {self.rank}: {who} shut down hvdrun's collectives (hvd.shutdown() or "
+                "the end of its script), so no more collectives can run in this job"
+            )
+            return False
+        self._awaiting = self._awaiting_others()
+        self._quiet = not any(data for _, data in results)
+        if self._stall.check(self._table, self._members, now):
+            with self._cond:
+                self._abort_requested = True
+        return True
+
+    # ---- readiness -------------------------------------------------------------------
+
+    def _members(self, entry: Entry) -> list[int]:
+        group = self.groups.get(entry.process_set_id)
+        return group.ranks if group is not None else []
+
+    def _ready(self, touched: list[Entry], everything: bool) -> list[Entry]:
+        candidates = list(self._table.entries.values()) if everything else touched
+        ready: dict[int, Entry] = {}
+        for entry in candidates:
+            if id(entry) not in ready and not self._table.waiting_for(entry, self._members(entry)):
+                ready[id(entry)] = entry
+        result = sorted(ready.values(), key=lambda e: e.order)
+        for entry in result:
+            self._table.pop(entry)
+        return result
+
+    def _awaiting_others(self) -> bool:
+        for entry in self._table.entries.values():
+            waiting = self._table.waiting_for(entry, self._members(entry))
+            if waiting and self.rank not in waiting:
+                return True
+        return False
+
+    def _agreed(self, new: list[Request], payload: bytes, results: list[tuple[int, bytes]]) -> bool:
+        """Whether every rank announced exactly the same ops, and nothing else is going on.
+
+        The common case of an SPMD program: then every op of the round is ready and
+        consistent (a rank cannot announce an op twice, so no earlier announcement is
+        pending for any of them, and equal payloads mean equal signatures), and the round
+        needs no per-op bookkeeping at all. Every rank sees the same results, so all take
+        this path together.
+        """
+        if not payload or self._table.joined:
+            return False
+        for peer_flags, data in results:
+            if peer_flags or data != payload:
+                return False
+        return all(request.kind <= Kind.BARRIER for request in new)
+
+    def _run_agreed(self, new: list[Request], now: float, datas: list[bytes]) -> None:
+        members = self.groups[0].ranks
+        eager_round = 0 < len(new) <= eager.MAX_OPS
+        offset = 0
+        with self._cond:
+            local = self._local
+            for request in new:
+                local.pop((request.process_set_id, request.name), None)
+        self._current.extend(new)
+        tl = self.timeline
+        works: list[Work] = []
+        controls: list[tuple[Entry | None, Request | None]] = []
+        seen = dict.fromkeys(range(self.size), now)
+        for request in new:
+            kind = request.kind
+            if tl is not None:
+                tl.negotiated(request.name, kind.label.upper(), seen, now)
+            if kind == Kind.ALLREDUCE and eager_round and eager.eligible(request):
+                # Every rank's data came along with the announcements.
+                offset = eager.reduce_locally(request, datas, offset)
+                if tl is not None:
+                    tl.end(request.name, "QUEUE", now)
+                    tl.begin(request.name, "REDUCE_FROM_NEGOTIATION", now)
+                    tl.end(request.name, "REDUCE_FROM_NEGOTIATION", time.monotonic())
+                self._complete(request, None)
+                continue
+            if kind == Kind.BARRIER:
+                controls.append((None, request))
+                continue
+            vars_ = {}
+            if kind == Kind.ALLGATHER or kind == Kind.ALLTOALL:
+                vars_ = {rank_: request.var for rank_ in members}
+                if kind == Kind.ALLTOALL:
+                    error = check_alltoall(request.name, members, vars_)
+                    if error is not None:
+                        request.handle.fail(TensorMismatchError(error))
+                        continue
+            works.append(
+                Work(
+                    kind,
+                    request.name,
+                    request.process_set_id,
+                    request,
+                    request.common,
+                    request.specs,
+                    vars_,
+                    0,
+                )
+            )
+        self._execute(works, controls)
+
+    def _run_ready(self, ready: list[Entry], now: float) -> None:
+        if not ready:
+            return
+        with self._cond:
+            local = self._local
+            requests = [local.pop(entry.key, None) for entry in ready]
+        tl = self.timeline
+        groups = self.groups
+        works: list[Work] = []
+        controls: list[tuple[Entry | None, Request | None]] = []
+        for entry, request in zip(ready, requests, strict=True):
+            if request is not None:
+                self._current.append(request)
+                if tl is not None:
+                    seen = {r: max(t, request.submitted) for r, t in entry.seen_at.items()}
+                    tl.negotiated(request.name, request.kind.label.upper(), seen, now)
+            group = groups.get(entry.process_set_id)
+            if group is None:
+                error: str | None = (
+                    f"{label(entry.kind, entry.name)}: process set {entry.process_set_id} "
+                    "is not registered (it was removed)"
+                )
+            else:
+                error = check(entry, group.ranks, self._table.joined)
+            if error is not None:
+                if request is not None:
+                    request.handle.fail(TensorMismatchError(error))
+                continue
+            assert group is not None
+            kind = entry.kind
+            if kind > Kind.REDUCESCATTER:
+                controls.append((entry, request))
+            elif group.index < 0:
+                continue
+            elif request is not None:
+                works.append(
+                    Work(
+                        kind,
+                        entry.name,
+                        entry.process_set_id,
+                        request,
+                        request.common,
+                        request.specs,
+                        entry.vars,
+                        entry.order,
+                    )
+                )
+            else:
+                first_sig = next(iter(entry.sigs.values()))
+                works.append(
+                    Work.of(
+                        kind,
+                        entry.name,
+                        entry.process_set_id,
+                        None,
+                        first_sig,
+                        entry.vars,
+                        entry.order,
+                    )
+                )
+        self._execute(works, controls)
+
+    def _execute(
+        self, works: list[Work], controls: list[tuple[Entry | None, Request | None]]
+    ) -> None:
+        """Runs the data ops (fused into buckets), then the control ops, of one round."""
+        groups = self.groups
+        tl = self.timeline
+        works = [work for work in works if self._supported(work)]
+        members = {set_id: group.ranks for set_id, group in groups.items()}
+        buckets = plan(works, members, self.config.fusion_threshold)
+        for work in works:
+            if work.remaining == 0:
+                self._complete(work.request, None)
+        for bucket in buckets:
+            if tl is not None:
+                started = time.monotonic()
+                for queued in bucket.requests():
+                    tl.end(queued.name, "QUEUE", started)
+            event = self._executor.run(bucket, groups[bucket.process_set_id])
+            for slot in bucket.slots:
+                work = slot.work
+                work.remaining -= 1
+                if work.remaining == 0 and work.request is not None:
+                    self._complete(work.request, event)
+        for entry, control in controls:
+            result = self._control(entry) if entry is not None else None
+            self._complete(control, None, result)
+        self._current = []
+
+    def _trace_phase(self, bucket: Bucket, phase: str, start: float, end: float) -> None:
+        tl = self.timeline
+        if tl is not None:
+            for request in bucket.requests():
+                tl.begin(request.name, phase, start)
+                tl.end(request.name, phase, end)
+
+    def _supported(self, work: Work) -> bool:
+        """Only CPU (Gloo) and CUDA (NCCL) tensors can move; every rank decides alike."""
+        for spec in work.specs:
+            if spec.device_type not in ("cpu", "cuda"):
+                if work.request is not None:
+                    work.request.handle.fail(
+                        ValueError(
+                            f"{label(work.kind, work.name)}: tensors on {spec.device_type} "
+                            "devices are not supported (only CPU and CUDA tensors)"
+                        )
+                    )
+                return False
+        return True
+
+    def _complete(self, request: Request | None, event: Any, result: Any = None) -> None:
+        if request is None:
+            return
+        tl = self.timeline
+        if tl is not None:
+            tl.end(request.name, request.kind.label.upper(), time.monotonic())
+        if request.kind <= Kind.REDUCESCATTER:  # moves data
+            result = request.extra if request.finish is None else request.finish(request)
+        request.handle.complete(result, event)
+
+    def _control(self, entry: Entry) -> Any:
+        kind = entry.kind
+        if kind == Kind.JOIN:
+            last = self._table.last_joined()
+            self._table.joined.clear()
+            return last
+        if kind == Kind.ADD_PROCESS_SET:
+            (ranks_text,) = parse_signature(kind, next(iter(entry.sigs.values()))).values(kind)
+            ranks = [int(r) for r in ranks_text.split(",")]
+            set_id = self._next_set_id
+            self._next_set_id += 1
+            group = self._make_group(ranks)
+            index = ranks.index(self.rank) if self.rank in ranks else -1
+            self.groups[set_id] = Group(set_id, ranks, group, index)
+            return set_id
+        if kind == Kind.REMOVE_PROCESS_SET:
+            (set_id,) = parse_signature(kind, next(iter(entry.sigs.values()))).values(kind)
+            removed = self.groups.pop(set_id, None)
+            for other in list(self._table.entries.values()):
+                if other.process_set_id == set_id:
+                    self._table.pop(other)
+                    with self._cond:
+                        request = self._local.pop(other.key, None)
+                    if request is not None:
+                        request.handle.fail(
+                            ValueError(f"{request.label}: its process set {set_id} was removed")
+                        )
+            if removed is not None and removed.group is not None:
+                self._destroy_group(removed.group)
+            return removed is not None
+        return None  # a barrier: being ready is all it waits for

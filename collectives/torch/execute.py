@@ -1,0 +1,501 @@
+"""Runs the buckets that :mod:`fusion` planned: one collective per bucket.
+
+Small tensors are copied into a fusion buffer that is kept and reused (grown on demand), the
+collective runs on the buffer, and the results are copied out. A bucket of one tensor runs
+directly on the output tensor, with no copy (in place when the user asked for it).
+Allgather, broadcast and alltoall move raw bytes (``uint8`` views), so every dtype works and
+tensors of different dtypes can share a buffer.
+
+A rank that has joined (``hvd.join()``) still takes part in the collectives of others: it
+contributes the op's neutral element (0 for Sum/Average, 1 for Product, the dtype's extreme
+for Min/Max, zero rows for allgather/alltoall) and discards the result.
+
+CUDA tensors run on a stream of the engine's own (per device) that first waits for the event
+recorded on the submitting stream, so communication overlaps the user's later kernels; the
+handle is completed with an event recorded after the last kernel that writes the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from collectives.torch.common import ReduceOp
+from collectives.torch.fusion import Bucket, Slot
+from collectives.torch.requests import Kind, Request, TensorSpec, parse_ragged
+
+__all__ = ["Executor", "Group"]
+
+_TORCH_OPS: dict[ReduceOp, Any] = {
+    ReduceOp.AVERAGE: dist.ReduceOp.SUM,
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+
+# Dtypes the backend cannot reduce natively are reduced in a wider type and cast back.
+_UPCAST = {
+    "cpu": {torch.int16: torch.int32},
+    "cuda": {torch.int16: torch.int32, torch.bool: torch.int32},
+}
+
+Tracer = Callable[[Bucket, str, float, float], None]
+
+
+@dataclass
+class Group:
+    """A registered process set, as the executor uses it."""
+
+    process_set_id: int
+    ranks: list[int]
+    group: Any  # the torch ProcessGroup carrying its data (Gloo; NCCL for CUDA tensors)
+    index: int  # this rank's position in ``ranks``; -1 if it is not a member
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def dense(tensor: torch.Tensor) -> bool:
+    """Contiguous with unit stride, so flat and byte views of it write through. (A size-1
+    dimension may carry any stride, e.g. a gradient expanded from a scalar.)"""
+    return tensor.is_contiguous() and (tensor.dim() == 0 or tensor.stride(-1) == 1)
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D unit-stride view of the tensor, or a copy where no such view exists."""
+    flat_ = tensor.reshape(-1)
+    if flat_.stride(0) == 1 or flat_.numel() == 0:
+        return flat_
+    return flat_.clone(memory_format=torch.contiguous_format)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of the tensor; it writes through when the tensor is dense()."""
+    flat_ = flat(tensor)
+    return flat_ if flat_.dtype == torch.uint8 else flat_.view(torch.uint8)
+
+
+def scale_(tensor: torch.Tensor, factor: float) -> None:
+    if factor == 1.0:
+        return
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.mul_(factor)
+    else:  # integers: scaled in double precision, truncated toward zero (as Horovod does)
+        tensor.copy_(torch.trunc(tensor.to(torch.float64) * factor))
+
+
+def finish_(tensor: torch.Tensor, op: ReduceOp, postscale: float, size: int) -> None:
+    if op != ReduceOp.AVERAGE:
+        scale_(tensor, postscale)
+    elif tensor.is_floating_point() or tensor.is_complex() or postscale != 1.0:
+        scale_(tensor, postscale / size)
+    else:
+        tensor.copy_(torch.div(tensor, size, rounding_mode="trunc"))
+
+
+def neutral_value(op: ReduceOp, dtype: torch.dtype) -> float | int | bool:
+    """The element that leaves a reduction unchanged."""
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        return 0
+    if op == ReduceOp.PRODUCT:
+        return 1
+    if dtype == torch.bool:
+        return op == ReduceOp.MIN
+    if dtype.is_floating_point:
+        return math.inf if op == ReduceOp.MIN else -math.inf
+    info = torch.iinfo(dtype)
+    return info.max if op == ReduceOp.MIN else info.min
+
+
+def split_rows(rows: int, size: int) -> list[int]:
+    """Horovod's reducescatter split: even, the first ``rows % size`` ranks get one more."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def _copy_in(slots: Sequence[Slot], buf: torch.Tensor) -> None:
+    """Packs the slots' inputs into ``buf``, back to back, in one torch call."""
+    torch.cat([_flat_in(slot) for slot in slots], out=buf)
+
+
+def _copy_out(slots: Sequence[Slot], buf: torch.Tensor, counts: list[int]) -> None:
+    """Copies consecutive regions of ``buf`` into the slots' outputs (one foreach call)."""
+    outputs = [_output(slot) for slot in slots]
+    if all(out.dim() == 1 for out in outputs):
+        torch.split_with_sizes_copy(buf, counts, out=outputs)
+    else:
+        views = list(torch._utils._unflatten_dense_tensors(buf, outputs))
+        torch._foreach_copy_(outputs, views)
+
+
+class Executor:
+    """Runs buckets on the engine thread; keeps the fusion buffers and CUDA streams."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._streams: dict[torch.device, Any] = {}
+        self._trace = tracer
+
+    def buffer(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A view of ``numel`` elements of the device's fusion buffer."""
+        nbytes = numel * dtype.itemsize
+        current = self._buffers.get(device)
+        if current is None or current.numel() < nbytes:
+            size = max(nbytes, int(current.numel() * 1.5) if current is not None else 0)
+            current = torch.empty(size, dtype=torch.uint8, device=device)
+            self._buffers[device] = current
+        return current[:nbytes].view(dtype)
+
+    def release_buffers(self) -> None:
+        self._buffers.clear()
+
+    def _device(self, bucket: Bucket) -> torch.device:
+        for slot in bucket.slots:
+            if slot.request is not None:
+                return slot.request.inputs[slot.index].device
+        if bucket.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(bucket.device_type)
+
+    @contextlib.contextmanager
+    def _on_device(self, bucket: Bucket, device: torch.device) -> Iterator[list[Any]]:
+        """Runs the bucket on the engine's stream (CUDA); yields a list for its done event."""
+        done: list[Any] = []
+        if device.type != "cuda":
+            yield done
+            return
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = torch.cuda.Stream(device)
+            self._streams[device] = stream
+        requests = bucket.requests()
+        with torch.cuda.stream(stream):
+            for request in requests:
+                for event in request.ready_events or ():
+                    stream.wait_event(event)
+                request.ready_events = None
+            yield done
+            for request in requests:
+                for tensor in (*request.inputs, *request.outputs):
+                    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                        tensor.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+            done.append(event)
+
+    def run(self, bucket: Bucket, group: Group) -> Any:
+        """Runs one bucket; returns the CUDA event after its last kernel (None on CPU)."""
+        device = self._device(bucket)
+        runner = {
+            Kind.ALLREDUCE: self._allreduce,
+            Kind.REDUCESCATTER: self._reducescatter,
+            Kind.ALLGATHER: self._allgather,
+            Kind.BROADCAST: self._broadcast,
+            Kind.ALLTOALL: self._alltoall,
+        }[bucket.kind]
+        with torch.no_grad(), self._on_device(bucket, device) as done:
+            runner(bucket, group, device)
+        return done[0] if done else None
+
+    def _collective(self, bucket: Bucket, device: torch.device, call: Callable[[], Any]) -> None:
+        start = time.monotonic()
+        call().wait()
+        phase = ("NCCL_" if device.type == "cuda" else "GLOO_") + bucket.kind.label.upper()
+        self._trace(bucket, phase, start, time.monotonic())
+
+    # ---- reductions ------------------------------------------------------------------
+
+    def _allreduce(self, bucket: Bucket, group: Group, device: torch.device) -> None:
+        slots = bucket.slots
+        op = ReduceOp(slots[0].work.common[0])
+        prescale, postscale = slots[0].work.common[1:]
+        dtype = slots[0].spec.dtype
+        work_dtype = _UPCAST[device.type].get(dtype, dtype)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _TORCH_OPS[op]
+        counts = [slot.spec.numel for slot in slots]
+        request = slots[0].request
+        if len(slots) == 1 and request is not None and work_dtype == dtype:
+            out, inp = request.outputs[slots[0].index], request.inputs[slots[0].index]
+            if dense(out):
+                if out.data_ptr() != inp.data_ptr() or out.shape != inp.shape:
+                    out.copy_(inp)
+                if out.numel():
+                    scale_(out, prescale)
+                    self._collective(bucket, device, lambda: group.group.allreduce([out], opts))
+                    finish_(out, op, postscale, group.size)
+                return
+        total = sum(counts)
+        if total == 0:
+            return
+        buf = self.buffer(device, work_dtype, total)
+        start = time.monotonic()
+        real = [slot for slot in slots if slot.request is not None]
+        if len(real) == len(slots) and work_dtype == dtype:
+            _copy_in(slots, buf)
+            views = None
+        else:
+            views = buf.split(counts)
+            for view, slot in zip(views, slots, strict=True):
+                if slot.request is not None:
+                    view.copy_(_flat_in(slot))
+        self._trace(bucket, "MEMCPY_IN_FUSION_BUFFER", start, time.monotonic())
+        scale_(buf, prescale)
+        if views is not None and len(real) < len(slots):
+            fill = neutral_value(op, dtype)
+            for view, slot in zip(views, slots, strict=True):
+                if slot.request is None:
+                    view.fill_(fill)
+        self._collective(bucket, device, lambda: group.group.allreduce([buf], opts))
+        finish_(buf, op, postscale, group.size)
+        start = time.monotonic()
+        if len(real) == len(slots):
+            _copy_out(slots, buf, counts)
+        else:
+            assert views is not None
+            for view, slot in zip(views, slots, strict=True):
+                if slot.request is not None:
+                    out = _output(slot)
+                    out.copy_(view.view(out.shape))
+        self._trace(bucket, "MEMCPY_OUT_FUSION_BUFFER", start, time.monotonic())
+
+    def _reducescatter(self, bucket: Bucket, group: Group, device: torch.device) -> None:
+        slots, size, me = bucket.slots, group.size, group.index
+        op = ReduceOp(slots[0].work.common[0])
+        prescale, postscale = slots[0].work.common[1:]
+        dtype = slots[0].spec.dtype
+        work_dtype = _UPCAST[device.type].get(dtype, dtype)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _TORCH_OPS[op]
+        rows = [split_rows(slot.spec.shape[0], size) for slot in slots]
+        row_numel = [math.prod(slot.spec.shape[1:]) for slot in slots]
+        chunk_counts = [
+            sum(r[rank_] * n for r, n in zip(rows, row_numel, strict=True)) for rank_ in range(size)
+        ]
+        total = sum(chunk_counts)
+        if total == 0:
+            return
+        uneven_cuda = device.type == "cuda" and len(set(chunk_counts)) > 1
+        request = slots[0].request
+        if (
+            len(slots) == 1
+            and request is not None
+            and work_dtype == dtype
+            and prescale == 1.0
+            and not uneven_cuda
+            and dense(_input(slots[0]))
+            and dense(_output(slots[0]))
+        ):
+            chunks = list(_input(slots[0]).reshape(-1).split(chunk_counts))
+            out = _output(slots[0]).view(-1)
+            self._collective(
+                bucket, device, lambda: group.group.reduce_scatter([out], [chunks], opts)
+            )
+            finish_(out, op, postscale, size)
+            return
+        buf = self.buffer(device, work_dtype, total + chunk_counts[me])
+        chunks = list(buf[:total].split(chunk_counts))
+        mine = buf[total:]
+        start = time.monotonic()
+        for rank_, chunk in enumerate(chunks):
+            offset = 0
+            for slot, slot_rows, numel in zip(slots, rows, row_numel, strict=True):
+                count = slot_rows[rank_] * numel
+                part = chunk[offset : offset + count]
+                offset += count
+                if slot.request is None:
+                    continue
+                first = sum(slot_rows[:rank_])
+                part.copy_(_input(slot).narrow(0, first, slot_rows[rank_]).reshape(-1))
+        self._trace(bucket, "MEMCPY_IN_FUSION_BUFFER", start, time.monotonic())
+        scale_(buf[:total], prescale)
+        if any(slot.request is None for slot in slots):
+            fill = neutral_value(op, dtype)
+            for rank_, chunk in enumerate(chunks):
+                offset = 0
+                for slot, slot_rows, numel in zip(slots, rows, row_numel, strict=True):
+                    count = slot_rows[rank_] * numel
+                    if slot.request is None:
+                        chunk[offset : offset + count].fill_(fill)
+                    offset += count
+        if uneven_cuda:  # NCCL wants equal chunks: reduce everything, keep this rank's part
+            whole = buf[:total]
+            self._collective(bucket, device, lambda: group.group.allreduce([whole], _ar(op)))
+            mine.copy_(chunks[me])
+        else:
+            self._collective(
+                bucket, device, lambda: group.group.reduce_scatter([mine], [chunks], opts)
+            )
+        finish_(mine, op, postscale, size)
+        start = time.monotonic()
+        offset = 0
+        for slot, slot_rows, numel in zip(slots, rows, row_numel, strict=True):
+            count = slot_rows[me] * numel
+            if slot.request is not None:
+                out = _output(slot)
+                out.copy_(mine[offset : offset + count].view(out.shape))
+            offset += count
+        self._trace(bucket, "MEMCPY_OUT_FUSION_BUFFER", start, time.monotonic())
+
+    # ---- data movement ---------------------------------------------------------------
+
+    def _allgather(self, bucket: Bucket, group: Group, device: torch.device) -> None:
+        slots, size, me = bucket.slots, group.size, group.index
+        dims = [slot.work.dims(rank_) for rank_ in group.ranks for slot in slots[:1]]
+        dims = [[slot.work.dims(rank_)[slot.index] for slot in slots] for rank_ in group.ranks]
+        row_bytes = [_row_bytes(slot.spec) for slot in slots]
+        contrib = [sum(d * b for d, b in zip(row, row_bytes, strict=True)) for row in dims]
+        outputs: list[torch.Tensor | None] = []
+        for column, slot in enumerate(slots):
+            request = slot.request
+            if request is None:
+                outputs.append(None)
+                continue
+            rows = sum(dims[rank_][column] for rank_ in range(size))
+            out = torch.empty((rows, *slot.spec.shape[1:]), dtype=slot.spec.dtype, device=device)
+            request.outputs[slot.index] = out
+            if request.rank_dims is None:
+                request.rank_dims = [[] for _ in request.inputs]
+            request.rank_dims[slot.index] = [dims[rank_][column] for rank_ in range(size)]
+            outputs.append(out)
+        longest = max(contrib)
+        if longest == 0:
+            return
+        single = outputs[0]
+        if len(slots) == 1 and single is not None and len(set(contrib)) == 1:
+            assert single is not None
+            source = _bytes(_input(slots[0]))
+            target = _bytes(single)
+            self._collective(bucket, device, lambda: group.group._allgather_base(target, source))
+            return
+        buf = self.buffer(device, torch.uint8, (size + 1) * longest)
+        received, send = buf[: size * longest], buf[size * longest :]
+        start = time.monotonic()
+        mine = [_bytes(_input(s)) for s in slots if s.request is not None]
+        if mine:
+            torch.cat(mine, out=send[: contrib[me]])
+        self._trace(bucket, "MEMCPY_IN_FUSION_BUFFER", start, time.monotonic())
+        self._collective(bucket, device, lambda: group.group._allgather_base(received, send))
+        start = time.monotonic()
+        offsets = [rank_ * longest for rank_ in range(size)]
+        for column, target_out in enumerate(outputs):
+            pieces = []
+            for rank_ in range(size):
+                count = dims[rank_][column] * row_bytes[column]
+                pieces.append(received[offsets[rank_] : offsets[rank_] + count])
+                offsets[rank_] += count
+            if target_out is not None:
+                torch.cat(pieces, out=_bytes(target_out))
+        self._trace(bucket, "MEMCPY_OUT_FUSION_BUFFER", start, time.monotonic())
+
+    def _broadcast(self, bucket: Bucket, group: Group, device: torch.device) -> None:
+        slots = bucket.slots
+        root = int(slots[0].work.common[0])
+        is_root = group.index == root
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        counts = [math.prod(s.spec.shape) * s.spec.dtype.itemsize for s in slots]
+        total = sum(counts)
+        real = [slot for slot in slots if slot.request is not None]
+        if is_root:
+            for slot in real:
+                if _output(slot).data_ptr() != _input(slot).data_ptr():
+                    _output(slot).copy_(_input(slot))
+        if total == 0:
+            return
+        if len(slots) == 1 and real and dense(_output(slots[0])):
+            target = _bytes(_output(slots[0]))
+            self._collective(bucket, device, lambda: group.group.broadcast([target], opts))
+            return
+        buf = self.buffer(device, torch.uint8, total)
+        views = buf.split(counts)
+        start = time.monotonic()
+        if is_root:
+            torch.cat([_bytes(_output(slot)) for slot in slots], out=buf)
+        self._trace(bucket, "MEMCPY_IN_FUSION_BUFFER", start, time.monotonic())
+        self._collective(bucket, device, lambda: group.group.broadcast([buf], opts))
+        start = time.monotonic()
+        if not is_root:
+            pairs = [(_output(s), v) for s, v in zip(slots, views, strict=True) if s.request]
+            for out, view in pairs:
+                if dense(out):
+                    _bytes(out).copy_(view)
+                else:
+                    out.copy_(view.view(out.dtype).view(out.shape))
+        self._trace(bucket, "MEMCPY_OUT_FUSION_BUFFER", start, time.monotonic())
+
+    def _alltoall(self, bucket: Bucket, group: Group, device: torch.device) -> None:
+        slot = bucket.slots[0]
+        work, size, me = slot.work, group.size, group.index
+        sends: list[list[int]] = []
+        for rank_ in group.ranks:
+            var = work.vars.get(rank_)
+            if var is None:
+                sends.append([0] * size)
+                continue
+            (dim0,), splits = parse_ragged(Kind.ALLTOALL, var)
+            sends.append(splits if splits is not None else [dim0 // size] * size)
+        received = [sends[rank_][me] for rank_ in range(size)]
+        row_bytes = _row_bytes(slot.spec)
+        request = slot.request
+        out = torch.empty(
+            (sum(received), *slot.spec.shape[1:]), dtype=slot.spec.dtype, device=device
+        )
+        if request is not None:
+            request.outputs[0] = out
+            request.extra = received
+        if row_bytes == 0 or not any(any(row) for row in sends):
+            return
+        if request is not None:
+            source = _bytes(_input(slot))
+        else:
+            source = torch.empty(0, dtype=torch.uint8, device=device)
+        target = _bytes(out)
+        out_sizes = [count * row_bytes for count in received]
+        in_sizes = [count * row_bytes for count in sends[me]]
+        self._collective(
+            bucket,
+            device,
+            lambda: group.group.alltoall_base(
+                target, source, out_sizes, in_sizes, dist.AllToAllOptions()
+            ),
+        )
+
+
+def _ar(op: ReduceOp) -> Any:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _TORCH_OPS[op]
+    return opts
+
+
+def _row_bytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape[1:]) * spec.dtype.itemsize
+
+
+def _input(slot: Slot) -> torch.Tensor:
+    request = slot.request
+    assert request is not None
+    return request.inputs[slot.index]
+
+
+def _output(slot: Slot) -> torch.Tensor:
+    request: Request | None = slot.request
+    assert request is not None
+    out: torch.Tensor = request.outputs[slot.index]
+    return out
+
+
+def _flat_in(slot: Slot) -> torch.Tensor:
+    """The input as a 1-D tensor (cat reads any strides; a 1-D input needs no view)."""
+    tensor = _input(slot)
+    return tensor if tensor.dim() == 1 else tensor.reshape(-1)

@@ -1,0 +1,89 @@
+"""Handles of submitted operations, and Horovod's integer handles around them.
+
+Every op submitted to the engine gets a :class:`Handle`: the engine completes it with a result
+or an exception, from its own thread. The public ``*_async`` functions return an ``int``, as
+Horovod's do; ``poll()``/``synchronize()`` look it up in a process-wide table.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Handle", "lookup", "register", "release"]
+
+
+class Handle:
+    """The completion of one submitted operation."""
+
+    __slots__ = ("_done", "_finished", "_flush", "cuda_event", "error", "result")
+
+    def __init__(self, flush: Callable[[], None] | None = None) -> None:
+        # A lock held until completion: far cheaper to create than a threading.Event, and
+        # a handle is created for every op.
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._finished = False
+        self._flush = flush
+        self.result: Any = None
+        self.error: BaseException | None = None
+        # For ops on CUDA tensors: recorded after the last kernel that writes the output.
+        self.cuda_event: Any = None
+
+    def complete(self, result: Any = None, cuda_event: Any = None) -> None:
+        if self._finished:
+            return
+        self.result = result
+        self.cuda_event = cuda_event
+        self._finished = True
+        self._done.release()
+
+    def fail(self, error: BaseException) -> None:
+        """Completes the handle with an error (ignored if it already completed)."""
+        if self._finished:
+            return
+        self.error = error
+        self._finished = True
+        self._done.release()
+
+    def done(self) -> bool:
+        """Whether the op finished (for CUDA: including its kernels)."""
+        if not self._finished:
+            return False
+        event = self.cuda_event
+        return event is None or bool(event.query())
+
+    def wait(self) -> Any:
+        """Blocks until the op finished; returns its result or raises its error."""
+        if not self._finished:
+            if self._flush is not None:
+                self._flush()  # the caller is blocked: negotiate now, not after the cycle time
+            with self._done:  # released by the engine once the op finished
+                pass
+        if self.error is not None:
+            raise self.error
+        if self.cuda_event is not None:
+            self.cuda_event.synchronize()
+        return self.result
+
+
+_table: dict[int, Handle] = {}
+_ids = itertools.count(1)
+
+
+def register(handle: Handle) -> int:
+    """The integer Horovod-style id for a handle."""
+    number = next(_ids)  # atomic under the GIL, as is the dict assignment
+    _table[number] = handle
+    return number
+
+
+def lookup(number: int) -> Handle | None:
+    return _table.get(number)
+
+
+def release(number: int) -> Handle | None:
+    """Removes and returns the handle (dict operations are atomic under the GIL)."""
+    return _table.pop(number, None)

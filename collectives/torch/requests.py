@@ -1,0 +1,293 @@
+"""What a rank submits, and how it describes it to the other ranks.
+
+A :class:`Request` is one named operation of this process (a grouped op is one request with
+several tensors). Negotiation sends each request to the other ranks as a short text record
+of five fields: kind, process set id, name, *signature* and *per-rank part*.
+
+* The signature holds everything that must be equal on every rank (dtypes, shapes, device
+  types, op, scaling, root); ranks compare signatures as strings, so the common case costs
+  one string comparison, and only a mismatch is decoded to say what differs.
+* The per-rank part holds what may legitimately differ: each rank's first dimension for an
+  allgather or alltoall, and its splits.
+
+Text instead of pickle: peers' bytes are only ever split and parsed as numbers and names.
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from collectives.torch.common import ReduceOp
+from collectives.torch.handles import Handle
+
+__all__ = [
+    "Kind",
+    "Request",
+    "Signature",
+    "TensorSpec",
+    "describe_mismatch",
+    "parse_signature",
+    "signature",
+]
+
+FIELD = "\x1f"
+RECORD = "\x1e"
+
+
+class Kind(enum.IntEnum):
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    ALLTOALL = 3
+    REDUCESCATTER = 4
+    BARRIER = 5
+    JOIN = 6
+    ADD_PROCESS_SET = 7
+    REMOVE_PROCESS_SET = 8
+
+    @property
+    def label(self) -> str:
+        return _LABEL_LIST[self]
+
+    @property
+    def moves_data(self) -> bool:
+        return self <= Kind.REDUCESCATTER
+
+    @property
+    def ragged(self) -> bool:
+        """Whether ranks may differ in the first dimension (it travels in the per-rank part)."""
+        return self == Kind.ALLGATHER or self == Kind.ALLTOALL
+
+
+KIND_BY_TEXT = {str(int(kind)): kind for kind in Kind}
+
+_LABELS = {
+    Kind.ALLREDUCE: "allreduce",
+    Kind.ALLGATHER: "allgather",
+    Kind.BROADCAST: "broadcast",
+    Kind.ALLTOALL: "alltoall",
+    Kind.REDUCESCATTER: "reducescatter",
+    Kind.BARRIER: "barrier",
+    Kind.JOIN: "join",
+    Kind.ADD_PROCESS_SET: "add_process_set",
+    Kind.REMOVE_PROCESS_SET: "remove_process_set",
+}
+
+_LABEL_LIST = [_LABELS[kind] for kind in Kind]
+
+# Names of the leading signature fields, per kind (the tensors' specs follow them).
+_COMMON_FIELDS: dict[Kind, tuple[str, ...]] = {
+    Kind.ALLREDUCE: ("op", "prescale_factor", "postscale_factor"),
+    Kind.REDUCESCATTER: ("op", "prescale_factor", "postscale_factor"),
+    Kind.BROADCAST: ("root_rank",),
+    Kind.ADD_PROCESS_SET: ("ranks",),
+    Kind.REMOVE_PROCESS_SET: ("process_set_id",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # -1 for a ragged first dimension
+    device_type: str
+    numel: int = 0  # of the whole tensor (not meaningful for ragged specs)
+    nbytes: int = 0
+
+    @classmethod
+    def of(cls, dtype: torch.dtype, shape: tuple[int, ...], device_type: str) -> TensorSpec:
+        numel = math.prod(shape)
+        return cls(dtype, shape, device_type, numel, numel * dtype.itemsize)
+
+    def text(self, part: str) -> str:
+        if part == "dtype":
+            return _dtype_name(self.dtype)
+        if part == "device":
+            return self.device_type
+        return "[" + ", ".join("*" if d < 0 else str(d) for d in self.shape) + "]"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One operation submitted by this process; lives until its handle is completed."""
+
+    kind: Kind
+    name: str  # the negotiated key, prefixed with the kind as in Horovod: "allreduce.grad.w"
+    process_set_id: int
+    inputs: list[torch.Tensor]
+    # Preallocated for allreduce/broadcast/reducescatter (the inputs themselves when in
+    # place); allgather and alltoall outputs are sized from the negotiation (None till then).
+    outputs: list[Any]
+    handle: Handle
+    common: tuple[Any, ...] = ()  # (int(op), prescale, postscale) or (root,): in the signature
+    extra: Any = None  # alltoall: the received splits
+    # Turns the finished request into what synchronize() returns (None: ``extra``).
+    finish: Callable[[Request], Any] | None = None
+    sig: str = ""
+    var: str = ""
+    specs: Sequence[TensorSpec] = ()
+    submitted: float = 0.0
+    ready_events: list[Any] | None = None  # CUDA events recorded on the submitting stream
+    remaining: int = 0  # buckets still to run
+    # Filled by the engine: each member's first dimension per tensor (allgather, alltoall).
+    rank_dims: list[list[int]] | None = None
+
+    @property
+    def label(self) -> str:
+        """How error messages name the op: ``allreduce 'grad.w'``."""
+        return label(self.kind, self.name)
+
+    def record(self) -> str:
+        return FIELD.join(
+            (str(int(self.kind)), str(self.process_set_id), self.name, self.sig, self.var)
+        )
+
+
+def label(kind: Kind, name: str) -> str:
+    prefix = kind.label + "."
+    short = name[len(prefix) :] if name.startswith(prefix) else name
+    return f"{kind.label} {short!r}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_spec(tensor: torch.Tensor, ragged: bool) -> str:
+    shape = tuple(tensor.shape)
+    dims = ",".join(["*", *map(str, shape[1:])]) if ragged else ",".join(map(str, shape))
+    return f"{_dtype_name(tensor.dtype)}[{dims}]@{tensor.device.type}"
+
+
+def signature(kind: Kind, common: tuple[Any, ...], tensors: list[torch.Tensor]) -> str:
+    """The text every member must agree on: ``common`` values, then each tensor's spec."""
+    ragged = kind.ragged
+    specs = ";".join([tensor_spec(t, ragged) for t in tensors])
+    if not common:
+        return specs
+    return "|".join([*map(repr, common), specs])
+
+
+@dataclass(frozen=True)
+class Signature:
+    common: tuple[str, ...]
+    tensors: tuple[TensorSpec, ...]
+
+    def values(self, kind: Kind) -> tuple[Any, ...]:
+        """The leading fields as the values a local Request holds in ``common``."""
+        if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
+            return (int(self.common[0]), float(self.common[1]), float(self.common[2]))
+        if kind in (Kind.BROADCAST, Kind.REMOVE_PROCESS_SET):
+            return (int(self.common[0]),)
+        if kind == Kind.ADD_PROCESS_SET:
+            return (ast.literal_eval(self.common[0]),)
+        return tuple(self.common)
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_signature(kind: Kind, sig: str) -> Signature:
+    """Decodes a peer's signature (only needed on a mismatch or by a joined rank)."""
+    fields = _COMMON_FIELDS.get(kind, ())
+    parts = sig.split("|") if fields else [sig]
+    common = tuple(parts[: len(fields)])
+    specs = parts[len(fields)] if len(parts) > len(fields) else ""
+    tensors = []
+    for spec in specs.split(";") if specs else []:
+        dtype_name, rest = spec.split("[", 1)
+        dims, device_type = rest.split("]@", 1)
+        shape = tuple(-1 if d == "*" else int(d) for d in dims.split(",") if d)
+        dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype_name!r} in a peer's request")
+        tensors.append(TensorSpec.of(dtype, shape, device_type))
+    return Signature(common, tuple(tensors))
+
+
+def _who(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _differences(values: dict[int, str]) -> str:
+    groups: dict[str, list[int]] = {}
+    for rank_, value in sorted(values.items()):
+        groups.setdefault(value, []).append(rank_)
+    return "; ".join(f"{_who(ranks)}: {value}" for value, ranks in groups.items())
+
+
+def describe_mismatch(kind: Kind, name: str, sigs: dict[int, str]) -> str:
+    """Says which field differs between ranks' signatures, naming the ranks and values."""
+    what = label(kind, name)
+    parsed = {rank_: parse_signature(kind, sig) for rank_, sig in sigs.items()}
+    fields = _COMMON_FIELDS.get(kind, ())
+    for index, field_name in enumerate(fields):
+        values = {r: s.common[index] if index < len(s.common) else "?" for r, s in parsed.items()}
+        if len(set(values.values())) > 1:
+            if field_name == "op":
+                values = {r: _op_name(v) for r, v in values.items()}
+            return f"{what}: ranks disagree on the {field_name}: {_differences(values)}"
+    counts = {r: len(s.tensors) for r, s in parsed.items()}
+    if len(set(counts.values())) > 1:
+        shown = {r: str(c) for r, c in counts.items()}
+        return f"{what}: ranks disagree on the number of tensors: {_differences(shown)}"
+    for index in range(next(iter(counts.values()))):
+        which = f" of tensor {index}" if next(iter(counts.values())) > 1 else ""
+        for part in ("dtype", "shape", "device"):
+            values = {r: s.tensors[index].text(part) for r, s in parsed.items()}
+            if len(set(values.values())) > 1:
+                noun = {"device": "device type"}.get(part, part)
+                if part == "shape" and kind.ragged:
+                    noun = "shape (all dimensions but the first)"
+                return f"{what}: ranks disagree on the {noun}{which}: {_differences(values)}"
+    return f"{what}: ranks submitted different requests: {_differences(sigs)}"
+
+
+def _op_name(value: str) -> str:
+    try:
+        return ReduceOp(int(value)).name.capitalize()
+    except ValueError:
+        return value
+
+
+def parse_ragged(kind: Kind, var: str) -> tuple[list[int], list[int] | None]:
+    """A rank's per-rank part: (first dimension of each tensor, splits or None)."""
+    if kind == Kind.ALLTOALL:
+        dim0, _, splits = var.partition("/")
+        return [int(dim0)], [int(s) for s in splits.split(",")] if splits else None
+    return [int(d) for d in var.split(",")] if var else [], None
+
+
+def check_alltoall(name: str, members: list[int], vars_: dict[int, str]) -> str | None:
+    """Validates every rank's splits; returns an error message or None."""
+    size = len(members)
+    for rank_ in members:
+        if rank_ not in vars_:
+            continue
+        (dim0,), splits = parse_ragged(Kind.ALLTOALL, vars_[rank_])
+        what = label(Kind.ALLTOALL, name)
+        if splits is None:
+            if dim0 % size:
+                return (
+                    f"{what}: rank {rank_}'s tensor has {dim0} rows, which do not split evenly "
+                    f"over {size} ranks; pass splits="
+                )
+            continue
+        if len(splits) != size:
+            return (
+                f"{what}: rank {rank_} passed {len(splits)} splits {splits}, but the process "
+                f"set has {size} ranks"
+            )
+        if any(s < 0 for s in splits) or sum(splits) != dim0:
+            return (
+                f"{what}: rank {rank_}'s splits {splits} must be non-negative and sum to its "
+                f"tensor's first dimension {dim0}"
+            )
+    return None

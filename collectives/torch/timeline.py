@@ -1,0 +1,153 @@
+"""Horovod's timeline: a Chrome-trace file (``chrome://tracing``, Perfetto) of every op.
+
+Each op name gets its own row (a trace "process" named after the tensor), on which the engine
+records the phases an op goes through::
+
+    NEGOTIATE_ALLREDUCE   from submission until every rank has submitted it, with a tick
+                          for each rank's announcement
+    ALLREDUCE             from then until the result is ready, containing
+      QUEUE                 waiting for earlier ops of the same cycle
+      MEMCPY_IN_FUSION_BUFFER
+      GLOO_ALLREDUCE        the collective itself (NCCL_ALLREDUCE on CUDA tensors)
+      MEMCPY_OUT_FUSION_BUFFER
+
+The file is a JSON array that stays valid while it is written: the engine appends a cycle's
+events in one write over the closing bracket, which it writes again behind them, so a file
+copied off a running job always parses. Only the engine thread writes; events are buffered
+during a cycle and written at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+__all__ = ["Timeline"]
+
+_CLOSE = b"\n]\n"
+_DATA_OPS = {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER"}
+
+
+class Timeline:
+    """An open timeline file.
+
+    Every row keeps a stack of its open phases: ``end`` closes only the phase on top, and
+    ``close`` ends whatever is still open, so the file has balanced begin/end events per row
+    even when recording starts or stops while ops are in flight. Thread-safe (the engine
+    records, any thread may stop the recording).
+    """
+
+    def __init__(self, path: str, mark_cycles: bool = False) -> None:
+        self.path = path
+        self.mark_cycles = mark_cycles
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        self._file = open(path, "wb")  # noqa: SIM115 - kept open while recording
+        self._file.write(b"[" + _CLOSE)
+        self._file.flush()
+        self._end = 1  # where the next events go: over the closing bracket
+        self._first = True
+        self._closed = False
+        self._start = time.monotonic()
+        self._rows: dict[str, int] = {}
+        self._open: dict[int, list[str]] = {}
+        self._last: dict[int, float] = {}  # per row: events never go back in time
+        self._pending: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._row(".cycles")
+
+    def _ts(self, when: float) -> float:
+        return round((when - self._start) * 1e6, 3)
+
+    def _row(self, name: str) -> int:
+        row = self._rows.get(name)
+        if row is None:
+            row = len(self._rows)
+            self._rows[name] = row
+            self._open[row] = []
+            label = "negotiation cycles" if name == ".cycles" else name
+            self._pending.append(
+                {"name": "process_name", "ph": "M", "pid": row, "args": {"name": label}}
+            )
+            self._pending.append(
+                {"name": "process_sort_index", "ph": "M", "pid": row, "args": {"sort_index": row}}
+            )
+        return row
+
+    def _event(self, phase: str, kind: str, when: float, row: int, **extra: Any) -> None:
+        ts = max(self._ts(when), self._last.get(row, 0.0))
+        self._last[row] = ts
+        self._pending.append({"name": phase, "ph": kind, "ts": ts, "pid": row, "tid": 0, **extra})
+
+    def begin(self, name: str, phase: str, when: float) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            row = self._row(name)
+            self._open[row].append(phase)
+            self._event(phase, "B", when, row)
+
+    def end(self, name: str, phase: str, when: float) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            row = self._row(name)
+            stack = self._open[row]
+            if stack and stack[-1] == phase:
+                stack.pop()
+                self._event(phase, "E", when, row)
+
+    def tick(self, name: str, label: str, when: float) -> None:
+        """An instant mark on a row (a rank's announcement under NEGOTIATE_*)."""
+        with self._lock:
+            if not self._closed:
+                self._event(label, "i", when, self._row(name), s="t")
+
+    def negotiated(self, name: str, op: str, seen: dict[int, float], now: float) -> None:
+        """An op became ready: a tick per rank's announcement under NEGOTIATE_<OP>, which
+        ends, and the op's own phase begins, with QUEUE until its collective starts."""
+        for rank, when in sorted(seen.items(), key=lambda item: item[1]):
+            self.tick(name, str(rank), when)
+        self.end(name, "NEGOTIATE_" + op, now)
+        self.begin(name, op, now)
+        if op in _DATA_OPS:
+            self.begin(name, "QUEUE", now)
+
+    def cycle(self, when: float) -> None:
+        if self.mark_cycles:
+            with self._lock:
+                if not self._closed:
+                    self._event("CYCLE_START", "i", when, 0, s="p")
+
+    def _flush_locked(self) -> None:
+        if not self._pending or self._file.closed:
+            return
+        chunk = ",\n".join(json.dumps(e, separators=(",", ":")) for e in self._pending)
+        self._pending = []
+        data = (b"\n" if self._first else b",\n") + chunk.encode() + _CLOSE
+        self._first = False
+        self._file.seek(self._end)
+        self._file.write(data)
+        self._file.flush()
+        self._end += len(data) - len(_CLOSE)
+
+    def flush(self) -> None:
+        """Writes the buffered events, keeping the file a complete JSON array."""
+        with self._lock:
+            self._flush_locked()
+
+    def close(self) -> None:
+        """Ends every open phase, writes everything and closes the file."""
+        with self._lock:
+            if self._closed:
+                return
+            now = time.monotonic()
+            for row, stack in self._open.items():
+                while stack:
+                    self._event(stack.pop(), "E", now, row)
+            self._flush_locked()
+            self._closed = True
+            self._file.close()

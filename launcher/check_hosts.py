@@ -1,0 +1,199 @@
+"""``hvdrun --check-hosts -H ...``: can a job run on these hosts? Ask before launching.
+
+Connects to every host exactly as a job would (same SSH settings, same agent), has each
+agent describe its host (Python, torch, hvdrun, GPUs, NCCL, the interface that faces this
+machine) and open a TCP connection back to this machine, as the workers will to reach the
+rendezvous. Prints one table row per host, then each host's problems and the versions on
+which hosts disagree. Exits 1 when any host is unusable (unreachable, hvdrun or torch
+missing, versions that differ from this machine's, no route back), else 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher.connection import AgentConnection, AgentStartError
+from launcher.hostinfo import installed_versions, join_addr
+from launcher.options import LaunchOptions
+from launcher.startup import (
+    LaunchError,
+    open_agents,
+    plan_rendezvous,
+    stop_agents,
+    version_problems,
+)
+
+PROBE_TIMEOUT = 180.0
+COLUMNS = ("HOST", "STATUS", "PYTHON", "TORCH", "HVDRUN", "GPUS", "NCCL", "INTERFACE")
+
+
+@dataclass
+class HostReport:
+    hostname: str
+    facts: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def usable(self) -> bool:
+        return not self.problems
+
+    def cells(self) -> dict[str, str]:
+        facts = self.facts
+        gpus = facts.get("gpus")
+        if gpus is None:
+            gpu_text = "-"
+        elif gpus:
+            names = sorted({name.removeprefix("NVIDIA ") for name in gpus})
+            gpu_text = f"{len(gpus)} x {names[0]}" if len(names) == 1 else f"{len(gpus)} (mixed)"
+        else:
+            gpu_text = "0"
+        interface = "-"
+        if facts.get("ifname") or facts.get("address"):
+            interface = f"{facts.get('ifname') or '?'} {facts.get('address') or ''}".strip()
+        return {
+            "HOST": self.hostname,
+            "STATUS": "ok" if self.usable else "UNUSABLE",
+            "PYTHON": facts.get("python") or "-",
+            "TORCH": facts.get("torch") or ("-" if not facts else "missing"),
+            "HVDRUN": facts.get("hvdrun") or ("-" if not facts else "missing"),
+            "GPUS": gpu_text,
+            "NCCL": facts.get("nccl") or "-",
+            "INTERFACE": interface,
+        }
+
+
+class _Listener:
+    """Accepts (and drops) the agents' test connections back to this machine."""
+
+    def __init__(self, bind_host: str) -> None:
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((bind_host, 0))
+        self.sock.listen(128)
+        self.port = int(self.sock.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def probe_agents(
+    agents: Sequence[AgentConnection], explicit_addr: str | None
+) -> dict[str, HostReport]:
+    reports = {agent.hostname: HostReport(agent.hostname) for agent in agents}
+    if not agents:
+        return reports
+    try:
+        plan = plan_rendezvous(agents, explicit_addr)
+    except LaunchError as exc:
+        for host, reason in exc.failures.items():
+            reports[host].problems.append(reason)
+        agents = [agent for agent in agents if agent.hostname not in exc.failures]
+        if not agents:
+            return reports
+        plan = plan_rendezvous(agents, explicit_addr)
+    listener = _Listener(plan.bind_host)
+    try:
+
+        def probe(agent: AgentConnection) -> None:
+            report = reports[agent.hostname]
+            addr = join_addr(plan.addr_host[agent.hostname], listener.port)
+            try:
+                report.facts = agent.request_probe(addr, PROBE_TIMEOUT)
+            except AgentStartError as exc:
+                report.facts = dict(agent.hello or {})
+                report.problems.append(str(exc))
+                return
+            if report.facts.get("torch_error"):
+                report.problems.append(report.facts["torch_error"])
+            if report.facts.get("connect_back_error"):
+                report.problems.append(
+                    "its workers could not reach this machine: "
+                    f"{report.facts['connect_back_error']} (firewall? try --rendezvous-addr)"
+                )
+
+        threads = [threading.Thread(target=probe, args=(agent,)) for agent in agents]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        listener.close()
+    return reports
+
+
+def disagreements(reports: Sequence[HostReport]) -> list[str]:
+    """One line per fact on which the reachable hosts differ."""
+    lines = []
+    for column in ("PYTHON", "TORCH", "HVDRUN", "GPUS", "NCCL"):
+        values: dict[str, list[str]] = {}
+        for report in reports:
+            if report.facts:
+                values.setdefault(report.cells()[column], []).append(report.hostname)
+        if len(values) > 1:
+            parts = [f"{value} on {', '.join(hosts)}" for value, hosts in values.items()]
+            lines.append(f"hosts disagree on {column.lower()}: {'; '.join(parts)}")
+    return lines
+
+
+def format_table(reports: Sequence[HostReport]) -> list[str]:
+    rows = [dict(zip(COLUMNS, COLUMNS, strict=True))] + [report.cells() for report in reports]
+    widths = {column: max(len(row[column]) for row in rows) for column in COLUMNS}
+    return [
+        "  ".join(row[column].ljust(widths[column]) for column in COLUMNS).rstrip() for row in rows
+    ]
+
+
+def check_hosts(
+    hostnames: Sequence[str],
+    cwd: str,
+    env: dict[str, str],
+    options: LaunchOptions,
+    echo: Callable[[str], None],
+) -> int:
+    """Prints the table; returns 0 when every host is usable, else 1."""
+    agents, failures, _ = open_agents(hostnames, cwd, env, options)
+    try:
+        reports = probe_agents(list(agents.values()), options.rendezvous_addr)
+        if options.check_versions:
+            mismatches = version_problems(installed_versions(), list(agents.values()))
+            for host, problem in mismatches.items():
+                reports[host].problems.append(problem)
+    finally:
+        stop_agents(list(agents.values()))
+    for host, reason in failures.items():
+        reports[host] = HostReport(host, problems=[reason])
+    ordered = [reports[name] for name in hostnames]
+    for line in format_table(ordered):
+        echo(line)
+    problems = [(r.hostname, p) for r in ordered for p in r.problems]
+    if problems:
+        echo("")
+        echo("problems:")
+        for host, problem in problems:
+            echo(f"  {host}: {problem}")
+    conflicts = disagreements(ordered)
+    if conflicts:
+        echo("")
+        for line in conflicts:
+            echo(line)
+    usable = sum(1 for r in ordered if r.usable)
+    echo("")
+    echo(f"{usable} of {len(ordered)} host(s) usable")
+    return 0 if usable == len(ordered) else 1

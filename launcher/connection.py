@@ -1,0 +1,253 @@
+"""hvdrun's handle on one host's agent, whatever carries it (a pipe or an SSH channel).
+
+:class:`AgentConnection` holds everything the two transports share, in template-method
+style: reading the agent's ``hello``, pumping its events onto the job's queue tagged with
+the host name, writing requests, keeping the tail of the agent's own stderr for error
+messages, heartbeats, and turning an agent that died before its ``hello`` into a message
+that says why (no Python at that path, hvdrun not installed, no such directory).
+Subclasses implement ``_open``, ``_write``, ``_close_stdin``, ``_exit_code`` and ``_abort``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import queue
+import threading
+import time
+from typing import IO, Any, Protocol
+
+from launcher.protocol import (
+    KILL,
+    PING,
+    TERMINATE,
+    AgentSpec,
+    decode_event,
+    probe_request,
+    run_request,
+    text_of,
+)
+
+log = logging.getLogger(__name__)
+
+#: Exit code of the remote start-up command when the working directory is missing there.
+NO_CWD_EXIT = 200
+
+
+class AgentStartError(Exception):
+    """A host whose agent could not be started; the message says why, for the user."""
+
+
+class LineReader(Protocol):
+    def readline(self) -> bytes: ...
+
+
+class AgentConnection:
+    kind = "agent"
+    heartbeat_timeout = 0.0
+
+    def __init__(self, hostname: str, python: str, cwd: str) -> None:
+        self.hostname = hostname
+        self.python = python
+        self.cwd = cwd
+        self.stage = "starting the agent"
+        self.hello: dict[str, Any] | None = None
+        self.probe: dict[str, Any] | None = None
+        self.rendezvous_host: str | None = None  # where this host can reach hvdrun
+        self.exit_code: int | None = None
+        self.worker_pids: list[int] = []
+        self.last_heard = time.monotonic()  # when the agent last wrote anything
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
+        self._events: queue.Queue[dict[str, Any]] | None = None
+        self._early: list[dict[str, Any]] = []
+        self._queue_lock = threading.Lock()
+        self._answered = threading.Event()  # hello (or probe) arrived, or the agent is gone
+        self._finished = threading.Event()
+        self._write_lock = threading.Lock()
+        self._stdin_closed = False
+
+    # ---- transport hooks ----------------------------------------------------------------
+
+    def _open(self, deadline: float) -> tuple[LineReader, IO[bytes] | LineReader]:
+        """Starts the agent process; returns its stdout and stderr."""
+        raise NotImplementedError
+
+    def _write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _close_stdin(self) -> None:
+        raise NotImplementedError
+
+    def _exit_code(self) -> int | None:
+        """Waits for the agent process to end; None when its exit status is unknown."""
+        raise NotImplementedError
+
+    def _abort(self) -> None:
+        """Tears the transport down without waiting for anything."""
+        raise NotImplementedError
+
+    # ---- shared behaviour ---------------------------------------------------------------
+
+    def start(self, deadline: float) -> None:
+        """Starts the agent and waits for its hello; raises AgentStartError."""
+        stdout, stderr = self._open(deadline)
+        threading.Thread(target=self._read_events, args=(stdout,), daemon=True).start()
+        threading.Thread(target=self._read_stderr, args=(stderr,), daemon=True).start()
+        self.stage = "waiting for the agent's hello"
+        if not self._answered.wait(max(deadline - time.monotonic(), 0)):
+            raise AgentStartError(f"timed out {self.stage}")
+        if self.hello is None:
+            self._finished.wait(2.0)  # let the stderr reader catch the last lines
+            raise AgentStartError(self._explain_early_exit())
+
+    def launch(self, spec: AgentSpec, events: queue.Queue[dict[str, Any]]) -> None:
+        """Sends the job; from now on the agent's events go to ``events``."""
+        with self._queue_lock:
+            self._events = events
+            for event in self._early:
+                events.put(event)
+            self._early.clear()
+        self._send(run_request(spec))
+        self.last_heard = time.monotonic()
+        if self.heartbeat_timeout > 0:
+            threading.Thread(target=self._ping, daemon=True).start()
+
+    def request_probe(self, connect_back: str | None, timeout: float) -> dict[str, Any]:
+        """``--check-hosts``: the agent's description of its host."""
+        self._answered.clear()
+        if self.hello is None:
+            raise AgentStartError("the agent is not running")
+        self._send(probe_request(connect_back))
+        if not self._answered.wait(timeout) or self.probe is None:
+            raise AgentStartError(
+                "the agent did not answer the probe"
+                + (f": {self.stderr_tail[-1]}" if self.stderr_tail else "")
+            )
+        return self.probe
+
+    def terminate(self) -> None:
+        """Ask the agent to stop its workers (SIGTERM, then SIGKILL after the grace period)."""
+        self._send(TERMINATE)
+
+    def kill(self) -> None:
+        """Stop the workers without grace and drop the agent."""
+        self._send(KILL)
+        threading.Thread(target=self._abort_later, args=(2.0,), daemon=True).start()
+
+    def close(self) -> None:
+        """End of file on the agent's stdin: it stops whatever still runs and exits."""
+        with self._write_lock:
+            if self._stdin_closed:
+                return
+            self._stdin_closed = True
+        with contextlib.suppress(Exception):
+            self._close_stdin()
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._abort()
+
+    def current_stage(self) -> str:
+        """What the start-up is doing right now, for a timeout message."""
+        return self.stage
+
+    def wait_finished(self, timeout: float) -> bool:
+        return self._finished.wait(timeout)
+
+    def _abort_later(self, delay: float) -> None:
+        if not self._finished.wait(delay):
+            self.abort()
+
+    def _send(self, data: bytes) -> None:
+        with self._write_lock:
+            if self._stdin_closed:
+                return
+            try:
+                self._write(data)
+            except Exception as exc:  # the agent is gone; its reader reports that
+                log.debug("cannot write to the agent on %s: %s", self.hostname, exc)
+
+    def _ping(self) -> None:
+        interval = max(self.heartbeat_timeout / 4, 0.05)
+        while not self._finished.wait(interval):
+            self._send(PING)
+
+    def _deliver(self, event: dict[str, Any]) -> None:
+        event["host"] = self.hostname
+        with self._queue_lock:
+            if self._events is None:
+                self._early.append(event)
+            else:
+                self._events.put(event)
+
+    def _read_events(self, stdout: LineReader) -> None:
+        while True:
+            try:
+                line = stdout.readline()
+            except Exception:
+                line = b""
+            if not line:
+                break
+            self.last_heard = time.monotonic()
+            try:
+                event = decode_event(line)
+            except ValueError:
+                log.warning("agent on %s wrote a malformed event: %r", self.hostname, line[:200])
+                continue
+            kind = event["ev"]
+            if kind == "hello" and self.hello is None:
+                self.hello = event
+                self._answered.set()
+            elif kind == "probe":
+                self.probe = event
+                self._answered.set()
+            else:
+                if kind == "started":
+                    self.worker_pids.append(int(event["pid"]))
+                self._deliver(event)
+        try:
+            self.exit_code = self._exit_code()
+        except Exception:
+            self.exit_code = None
+        self._finished.set()
+        self._answered.set()
+        self._deliver({"ev": "agent_exit", "code": self.exit_code, "reason": self.exit_reason()})
+
+    def _read_stderr(self, stderr: IO[bytes] | LineReader) -> None:
+        while True:
+            try:
+                line = stderr.readline()
+            except Exception:
+                return
+            if not line:
+                return
+            text = text_of(line.rstrip(b"\r\n"))
+            self.stderr_tail.append(text)
+            log.info("agent on %s: %s", self.hostname, text)
+
+    def exit_reason(self) -> str:
+        """The agent's last words on stderr, for messages about a lost agent."""
+        return self.stderr_tail[-1] if self.stderr_tail else ""
+
+    def _explain_early_exit(self) -> str:
+        code = self.exit_code
+        text = "\n".join(self.stderr_tail)
+        if code == NO_CWD_EXIT:
+            return (
+                f"the working directory {self.cwd} does not exist there (workers start in "
+                f"the directory hvdrun runs in: share or mirror it on every host)"
+            )
+        if code == 127 or (self.python in text and "No such file" in text):
+            return (
+                f"no Python at {self.python} there: hvdrun must be installed at the same "
+                f"path on every host (as with Horovod)"
+            )
+        if "No module named" in text:
+            return (
+                f"hvdrun is not installed for {self.python} there "
+                f"({self.stderr_tail[-1].strip()}); install it on every host"
+            )
+        last = f": {self.stderr_tail[-1].strip()}" if self.stderr_tail else ""
+        status = "was lost" if code is None else f"exited with code {code}"
+        return f"the agent {status} before it started{last}"

@@ -1,0 +1,91 @@
+"""Which environment variables travel from hvdrun to the workers on every host.
+
+Workers get hvdrun's environment (as with ``horovodrun``), except variables that describe
+the machine, the login session or the devices of the host hvdrun runs on: copying those to
+another host would be wrong there. For them each worker keeps the value its own host's agent
+has (on a remote host: what the SSH login set; on the local host: hvdrun's own value).
+``-x VAR`` forwards such a variable anyway and ``-x VAR=VALUE`` sets one (mpirun's syntax).
+hvdrun then adds ``PYTHONUNBUFFERED=1`` and the ``HVDRUN_*``/torch rank variables.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+
+#: Names (shell patterns) that are never copied from hvdrun's host; see the module docstring.
+HOST_SPECIFIC: tuple[str, ...] = (
+    # the machine and the shell hvdrun was started from
+    "HOSTNAME",
+    "HOST",
+    "PWD",
+    "OLDPWD",
+    "SHLVL",
+    "_",
+    "TMUX",
+    "TMUX_PANE",
+    "STY",
+    "WINDOWID",
+    "TERM_SESSION_ID",
+    # the login: a remote host's account may differ
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "MAIL",
+    "SHELL",
+    "KRB5CCNAME",
+    # remote and graphical sessions
+    "SSH_*",
+    "DISPLAY",
+    "XAUTHORITY",
+    "WAYLAND_DISPLAY",
+    "DBUS_SESSION_BUS_ADDRESS",
+    "XDG_*",
+    # the devices of this host
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "GPU_DEVICE_ORDINAL",
+    "ZE_AFFINITY_MASK",
+)
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class EnvSpecError(ValueError):
+    """A ``-x`` argument that cannot be used; the message is for the user."""
+
+
+def is_host_specific(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in HOST_SPECIFIC)
+
+
+def parse_exports(exports: Iterable[str], caller_env: Mapping[str, str]) -> dict[str, str]:
+    """``-x VAR`` (the caller's value) and ``-x VAR=VALUE`` → the variables to set."""
+    result: dict[str, str] = {}
+    for export in exports:
+        name, sep, value = export.partition("=")
+        if not _NAME.match(name):
+            raise EnvSpecError(f"'{export}' is not VAR or VAR=VALUE")
+        if not sep:
+            if name not in caller_env:
+                raise EnvSpecError(f"{name} is not set here; give its value with -x {name}=VALUE")
+            value = caller_env[name]
+        result[name] = value
+    return result
+
+
+def forwarded_env(caller_env: Mapping[str, str], exports: Mapping[str, str]) -> dict[str, str]:
+    """The caller's environment minus host-specific variables, plus the ``-x`` variables."""
+    env = {name: value for name, value in caller_env.items() if not is_host_specific(name)}
+    env.update(exports)
+    return env
+
+
+def worker_base_env(agent_env: Mapping[str, str], forwarded: Mapping[str, str]) -> dict[str, str]:
+    """On the worker's host: the agent's own host-specific variables, then what hvdrun sent."""
+    env = {name: value for name, value in agent_env.items() if is_host_specific(name)}
+    env.update(forwarded)
+    return env

@@ -1,0 +1,93 @@
+"""``hvdrun --check-hosts``' view of one host, gathered by that host's agent.
+
+The agent itself never imports torch, so the torch facts (version, CUDA, GPUs, NCCL, Gloo)
+come from ``python -m launcher.probe``, a child process that does. The agent adds its
+versions, the interface that faces hvdrun and whether a TCP connection back to hvdrun works,
+which is what a job's workers need to reach the rendezvous server.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from launcher.hostinfo import installed_versions, interface_facing, split_addr
+
+TORCH_PROBE_TIMEOUT = 120.0
+CONNECT_BACK_TIMEOUT = 5.0
+
+
+def describe_torch() -> dict[str, Any]:
+    """Imports torch (seconds) and reports what it can run on this host."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except Exception as exc:  # torch missing or broken: report it, do not crash
+        return {"torch_error": f"cannot import torch: {exc}"}
+    distributed = dist.is_available()
+    info: dict[str, Any] = {
+        "torch_imported": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gloo": bool(distributed and dist.is_gloo_available()),
+        "nccl": None,
+        "gpus": [],
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    if distributed and dist.is_nccl_available():
+        try:
+            version = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else "yes"
+        except Exception:  # built with NCCL, but the library does not load here
+            info["nccl"] = "unusable"
+    return info
+
+
+def _torch_facts() -> dict[str, Any]:
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "launcher.probe"],
+            capture_output=True,
+            timeout=TORCH_PROBE_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return {"torch_error": f"importing torch took over {TORCH_PROBE_TIMEOUT:.0f} s"}
+    try:
+        facts: dict[str, Any] = json.loads(result.stdout.decode().strip().splitlines()[-1])
+        return facts
+    except (ValueError, IndexError):
+        tail = result.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        return {"torch_error": f"torch probe failed: {tail[0]}"}
+
+
+def _connect_back(addr: str) -> str | None:
+    """None when a TCP connection to hvdrun's ``addr`` works, else why not."""
+    try:
+        host, port = split_addr(addr)
+        start = time.monotonic()
+        with socket.create_connection((host, port), timeout=CONNECT_BACK_TIMEOUT):
+            pass
+    except TimeoutError:
+        return f"timed out after {time.monotonic() - start:.0f} s connecting to {addr}"
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return f"cannot connect to {addr}: {reason}"
+    return None
+
+
+def probe_host(connect_back: str | None) -> dict[str, Any]:
+    facts: dict[str, Any] = {"hostname": socket.gethostname(), **installed_versions()}
+    facts.update(_torch_facts())
+    if connect_back:
+        facts["ifname"], facts["address"] = interface_facing(connect_back)
+        facts["connect_back_error"] = _connect_back(connect_back)
+    return facts
+
+
+if __name__ == "__main__":
+    print(json.dumps(describe_torch()), flush=True)

@@ -1,0 +1,107 @@
+"""The agent for a remote host: ``python -m launcher.agent`` over one SSH connection.
+
+The agent runs under the same Python path as hvdrun (hvdrun must be installed at the same
+place on every host, as with Horovod), started through ``/bin/sh`` whatever the login shell
+is. Its stdin, stdout and stderr are the SSH channel's: the job spec (and the secret in it)
+travels on stdin, never on a command line. No pseudo-terminal is requested, so output stays
+byte-exact and a dropped connection reaches the agent as end of file on stdin.
+
+Besides end of file, both sides exchange heartbeats (``--agent-timeout``): a cut network
+closes nothing, and neither sshd nor TCP notices it for hours by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import time
+from typing import Any
+
+import paramiko
+
+from launcher.connection import NO_CWD_EXIT, AgentConnection, AgentStartError, LineReader
+from launcher.local import AGENT_MODULE, agent_pythonpath
+from launcher.ssh import SSHConnector
+from launcher.ssh_config import SSHConnectError, SSHTarget
+
+
+def agent_command(python: str, cwd: str, pythonpath: str | None) -> str:
+    """The command line sshd hands to the login shell (nothing secret in it)."""
+    quote = shlex.quote
+    env = f"env PYTHONPATH={quote(pythonpath)} " if pythonpath else ""
+    script = (
+        f"if [ ! -d {quote(cwd)} ]; then "
+        f"echo 'hvdrun: no directory '{quote(cwd)}' on this host' >&2; exit {NO_CWD_EXIT}; fi; "
+        f"cd / && exec {env}{quote(python)} -m {AGENT_MODULE}"
+    )
+    return f"exec /bin/sh -c {quote(script)}"
+
+
+class RemoteAgent(AgentConnection):
+    kind = "ssh"
+
+    def __init__(
+        self,
+        target: SSHTarget,
+        python: str,
+        cwd: str,
+        pythonpath: str | None,
+        heartbeat_timeout: float,
+    ) -> None:
+        super().__init__(target.alias, python, cwd)
+        self.target = target
+        self.heartbeat_timeout = heartbeat_timeout
+        self._pythonpath = agent_pythonpath(pythonpath, cwd)
+        self._connector = SSHConnector(target)
+        self._client: paramiko.SSHClient | None = None
+        self._channel: paramiko.Channel | None = None
+        self.local_address: str | None = None
+
+    def current_stage(self) -> str:
+        return self.stage if self._client is not None else self._connector.stage
+
+    def _open(self, deadline: float) -> tuple[LineReader, LineReader]:
+        try:
+            session = self._connector.connect(deadline)
+        except SSHConnectError as exc:
+            raise AgentStartError(str(exc)) from None
+        self._client = session.client
+        self.local_address = session.local_address
+        self.stage = "starting the agent over SSH"
+        transport = session.client.get_transport()
+        if transport is None or not transport.is_active():
+            raise AgentStartError("the SSH connection closed right after login")
+        try:
+            channel = transport.open_session(timeout=max(deadline - time.monotonic(), 0.1))
+            channel.exec_command(agent_command(self.python, self.cwd, self._pythonpath))
+        except Exception as exc:
+            raise AgentStartError(f"cannot start the agent over SSH: {exc}") from None
+        self._channel = channel
+        stdout: Any = channel.makefile("rb")
+        stderr: Any = channel.makefile_stderr("rb")
+        return stdout, stderr
+
+    def _write(self, data: bytes) -> None:
+        assert self._channel is not None
+        self._channel.sendall(data)
+
+    def _close_stdin(self) -> None:
+        if self._channel is not None:
+            self._channel.shutdown_write()
+
+    def _exit_code(self) -> int | None:
+        assert self._channel is not None
+        code = self._channel.recv_exit_status()
+        return None if code < 0 else code
+
+    def _abort(self) -> None:
+        self._connector.abort()
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+
+    def shutdown(self, timeout: float) -> None:
+        """Closes stdin, gives the agent ``timeout`` s to finish, then drops the connection."""
+        self.close()
+        self.wait_finished(timeout)
+        self.abort()

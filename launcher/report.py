@@ -1,0 +1,98 @@
+"""What hvdrun says after a failed job: who failed first, a table of every rank, the tail.
+
+The table has one row per rank (rank, host, exit code, status, last stderr line). In big
+jobs the ranks hvdrun merely stopped, or that finished cleanly, are counted in one line
+instead, so that the ranks that matter stay on screen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import TYPE_CHECKING
+
+from launcher.output import OutputSink
+
+if TYPE_CHECKING:
+    from launcher.job import JobResult
+
+#: What a worker that hvdrun stopped exits with: SIGTERM, or SIGKILL after the grace period.
+STOP_CODES = (128 + signal.SIGTERM, 128 + signal.SIGKILL)
+#: Up to this many ranks the table lists every rank.
+FULL_TABLE_RANKS = 32
+LAST_LINE_WIDTH = 60
+
+
+def describe_exit(code: int) -> str:
+    if code > 128:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(code - 128).name} (exit code {code})"
+    return f"exit code {code}"
+
+
+def rank_status(result: JobResult, rank: int) -> str:
+    failure = result.failure
+    if failure is not None and failure.rank == rank:
+        return "FAILED FIRST"
+    if rank in result.lost:
+        return "lost"
+    if rank not in result.exits:
+        return "not reported"
+    code = result.exits[rank]
+    if code == 0:
+        return "ok"
+    if rank in result.stopped and code in STOP_CODES:
+        return "stopped"
+    return "failed"
+
+
+def _short(text: str, width: int = LAST_LINE_WIDTH) -> str:
+    text = text.strip()
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def summary_table(result: JobResult, sink: OutputSink, hosts: dict[int, str]) -> list[str]:
+    rows = [("RANK", "HOST", "EXIT", "STATUS", "LAST STDERR LINE")]
+    hidden: dict[str, int] = {}
+    for rank in sorted(hosts):
+        status = rank_status(result, rank)
+        if len(hosts) > FULL_TABLE_RANKS and status in ("stopped", "ok"):
+            hidden[status] = hidden.get(status, 0) + 1
+            continue
+        code = result.exits.get(rank)
+        tail = sink.stderr_tail(rank)
+        last = tail[-1] if tail else result.lost.get(rank, "")
+        rows.append((str(rank), hosts[rank], "-" if code is None else str(code), status, last))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True))
+        + "  "
+        + _short(row[4])
+        for row in rows
+    ]
+    lines = [line.rstrip() for line in lines]
+    for status, count in hidden.items():
+        lines.append(f"... and {count} more rank(s) {status}")
+    return lines
+
+
+def report_failure(result: JobResult, sink: OutputSink) -> None:
+    failure = result.failure
+    if failure is None:
+        return
+    what = describe_exit(failure.code)
+    if failure.rank in result.lost:
+        what = f"{result.lost[failure.rank]} (exit code {failure.code})"
+    sink.message(f"rank {failure.rank} on host {failure.hostname} failed first: {what}")
+    others = sorted(r for r, c in result.exits.items() if c != 0 and r != failure.rank)
+    if others:
+        sink.message(f"stopped or failed afterwards: rank(s) {', '.join(map(str, others))}")
+    if result.hosts:
+        sink.message("summary:")
+        for line in summary_table(result, sink, result.hosts):
+            sink.message(f"  {line}")
+    tail = sink.stderr_tail(failure.rank)
+    if tail:
+        sink.message(f"last lines of rank {failure.rank}'s stderr:")
+        for line in tail:
+            sink.message(f"    {line}")

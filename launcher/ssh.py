@@ -1,0 +1,302 @@
+"""SSH connections to remote hosts with paramiko, the way OpenSSH users expect.
+
+Settings come from :mod:`launcher.ssh_config`. Keys are tried in OpenSSH's order: ``-i``,
+IdentityFile, the ssh-agent, and (without IdentityFile) ``~/.ssh/id_*``; passwords never.
+
+Host keys (``--ssh-host-key-policy``):
+
+* ``strict``: only hosts already in known_hosts are accepted.
+* ``accept-new`` (default): an unseen host is trusted once and its key appended to the user's
+  known_hosts; a host whose key *changed* is refused.
+* ``off``: no checking and nothing recorded (throw-away test clusters only).
+
+Every failure becomes an :class:`SSHConnectError` whose message says what failed in words a
+user can act on: DNS, refused, timeout, no route, authentication, host key.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+import paramiko
+
+from launcher.ssh_config import SSHConnectError, SSHTarget
+
+# paramiko logs the errors it raises; hvdrun reports them itself, once, in its own words.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+logging.getLogger("paramiko").propagate = False
+
+GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
+KEEPALIVE_SECONDS = 10
+
+
+class UnknownHostKeyError(paramiko.SSHException):
+    def __init__(self, name: str, key: paramiko.PKey) -> None:
+        super().__init__(f"unknown host key for {name}")
+        self.name = name
+        self.key = key
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+_known_hosts_lock = threading.Lock()
+
+
+class _RecordNewKey(paramiko.MissingHostKeyPolicy):
+    """accept-new: trust an unseen host once and append its key to known_hosts."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: Any) -> None:
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        if self.path is None or self.path == os.devnull:
+            return
+        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+        directory = os.path.dirname(self.path)
+        with _known_hosts_lock:
+            if directory and not os.path.isdir(directory):
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)  # other hvdrun processes may append too
+                handle.write(line)
+
+
+class _RejectUnknown(paramiko.MissingHostKeyPolicy):
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: Any) -> None:
+        raise UnknownHostKeyError(hostname, key)
+
+
+class _AcceptAny(paramiko.MissingHostKeyPolicy):
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: Any) -> None:
+        return None
+
+
+@dataclass
+class SSHSession:
+    client: paramiko.SSHClient
+    # This machine's address on the connection's socket: remote hosts can route to it.
+    # None when the connection runs through a ProxyCommand.
+    local_address: str | None
+
+
+class SSHConnector:
+    """Opens one connection; ``stage`` says what it is doing, ``abort()`` gives up on it."""
+
+    def __init__(self, target: SSHTarget) -> None:
+        self.target = target
+        self.stage = "resolving the host name"
+        self._sock: Any = None
+        self._client: paramiko.SSHClient | None = None
+        self._address = f"{target.hostname} port {target.port}"
+        self._aborted = False
+
+    def abort(self) -> None:
+        self._aborted = True
+        with contextlib.suppress(Exception):
+            if self._client is not None:
+                self._client.close()
+        with contextlib.suppress(Exception):
+            if self._sock is not None:
+                self._sock.close()
+
+    def connect(self, deadline: float) -> SSHSession:
+        target = self.target
+        local_address: str | None = None
+        if target.proxy_command:
+            self.stage = "starting its ProxyCommand"
+            try:
+                self._sock = paramiko.ProxyCommand(target.proxy_command)
+            except Exception as exc:
+                raise SSHConnectError(f"ProxyCommand failed: {exc}") from None
+        else:
+            self._sock = self._open_socket(deadline)
+            local_address = str(self._sock.getsockname()[0]).split("%", 1)[0]
+        self.stage = "in the SSH handshake"
+        client = self._client = paramiko.SSHClient()
+        self._load_host_keys(client)
+        remaining = max(deadline - time.monotonic(), 0.1)
+        keys = [path for path in target.identity_files if os.path.exists(path)]
+        look_for_keys = not target.identity_files and not target.identities_only
+        allow_agent = not target.identities_only
+        try:
+            client.connect(
+                hostname=target.host_key_alias or target.hostname,
+                port=target.port,
+                username=target.user,
+                key_filename=keys or None,  # type: ignore[arg-type]  # a list works too
+                allow_agent=allow_agent,
+                look_for_keys=look_for_keys,
+                sock=self._sock,
+                timeout=remaining,
+                banner_timeout=remaining,
+                auth_timeout=remaining,
+                channel_timeout=remaining,
+            )
+        except paramiko.BadHostKeyException as exc:
+            self.abort()
+            raise SSHConnectError(self._changed_key_message(exc)) from None
+        except UnknownHostKeyError as exc:
+            self.abort()
+            raise SSHConnectError(
+                f"host key of {exc.name} is not in known_hosts "
+                f"({', '.join(target.known_hosts_files) or 'none'}) and the host key policy "
+                f"is strict: check its fingerprint {fingerprint(exc.key)} and add it "
+                f"(ssh-keyscan), or use --ssh-host-key-policy accept-new"
+            ) from None
+        except paramiko.AuthenticationException as exc:
+            self.abort()
+            message = self._auth_message(exc, keys, allow_agent, look_for_keys)
+            raise SSHConnectError(message) from None
+        except Exception as exc:
+            self.abort()
+            if str(exc).startswith("No authentication methods available"):  # no key at all
+                message = self._auth_message(exc, keys, allow_agent, look_for_keys)
+                raise SSHConnectError(message) from None
+            if time.monotonic() >= deadline - 0.2:  # paramiko's own timeouts fired
+                raise SSHConnectError(
+                    f"the SSH handshake with {self._address} did not finish in time "
+                    f"(is an SSH server listening there?)"
+                ) from None
+            raise SSHConnectError(self._handshake_message(exc)) from None
+        transport = client.get_transport()
+        if transport is not None:
+            transport.set_keepalive(KEEPALIVE_SECONDS)
+        return SSHSession(client, local_address)
+
+    def _open_socket(self, deadline: float) -> socket.socket:
+        target = self.target
+        try:
+            infos = socket.getaddrinfo(target.hostname, target.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise SSHConnectError(
+                f"cannot resolve host name '{target.hostname}' (DNS): {exc.strerror}"
+            ) from None
+        errors: list[str] = []
+        for family, kind, proto, _, sockaddr in infos:
+            ip, port = cast(tuple[str, int], sockaddr[:2])
+            address = f"{ip} port {port}"
+            self.stage = f"connecting to {address}"
+            sock = socket.socket(family, kind, proto)
+            self._sock = sock
+            sock.settimeout(max(deadline - time.monotonic(), 0.1))
+            started = time.monotonic()
+            try:
+                sock.connect(sockaddr)
+            except TimeoutError:
+                sock.close()
+                waited = time.monotonic() - started
+                errors.append(f"timed out after {waited:.0f} s connecting to {address}")
+                continue
+            except OSError as exc:
+                sock.close()
+                errors.append(_socket_error(exc, address))
+                continue
+            sock.settimeout(None)
+            self._address = address
+            return sock
+        raise SSHConnectError("; ".join(errors) or f"no address for '{target.hostname}'")
+
+    def _load_host_keys(self, client: paramiko.SSHClient) -> None:
+        target = self.target
+        if target.host_key_policy == "off":
+            client.set_missing_host_key_policy(_AcceptAny())
+            return
+        for path in (GLOBAL_KNOWN_HOSTS, *target.known_hosts_files):
+            if os.path.isfile(path):
+                with contextlib.suppress(OSError, paramiko.SSHException):
+                    client.get_host_keys().load(path)
+        if target.host_key_policy == "strict":
+            client.set_missing_host_key_policy(_RejectUnknown())
+        else:
+            first = target.known_hosts_files[0] if target.known_hosts_files else None
+            client.set_missing_host_key_policy(_RecordNewKey(first))
+
+    def _changed_key_message(self, exc: paramiko.BadHostKeyException) -> str:
+        target = self.target
+        files = ", ".join(target.known_hosts_files) or GLOBAL_KNOWN_HOSTS
+        name = target.host_key_alias or target.hostname
+        remove = f"ssh-keygen -R '{target.key_name}'"
+        if target.known_hosts_files:
+            remove += f" -f {target.known_hosts_files[0]}"
+        return (
+            f"HOST KEY CHANGED: {target.key_name} now presents {exc.key.get_name()} key "
+            f"{fingerprint(exc.key)} but known_hosts ({files}) has "
+            f"{fingerprint(exc.expected_key)}. Someone may be intercepting the connection, or "
+            f"{name} was reinstalled; if the change is expected, remove the old key with: "
+            f"{remove}"
+        )
+
+    def _auth_message(
+        self, exc: Exception, keys: list[str], allow_agent: bool, look_for_keys: bool
+    ) -> str:
+        offered = [f"key {path}" for path in keys]
+        if look_for_keys:
+            offered += [path for path in DEFAULT_KEYS if os.path.exists(os.path.expanduser(path))]
+        if allow_agent and os.environ.get("SSH_AUTH_SOCK"):
+            count = _agent_key_count()
+            if count:
+                offered.append(f"{count} ssh-agent key(s)")
+        message = f"authentication failed for user {self.target.user}"
+        if offered:
+            message += f"; the server accepted none of: {', '.join(offered)}"
+        else:
+            message += (
+                ": no key to offer (give one with -i or IdentityFile in ~/.ssh/config, "
+                "or load one into ssh-agent)"
+            )
+        if isinstance(exc, paramiko.PasswordRequiredException):
+            message += "; a key needs its passphrase: load it into ssh-agent"
+        missing = [path for path in self.target.identity_files if path not in keys]
+        if missing:
+            message += f"; missing key file(s): {', '.join(missing)}"
+        return message + " (hvdrun logs in with keys only, never with passwords)"
+
+    def _handshake_message(self, exc: Exception) -> str:
+        text = str(exc) or type(exc).__name__
+        if "banner" in text.lower():
+            return (
+                f"no SSH server answered at {self._address}: the connection opened but no "
+                f"SSH greeting came ({text})"
+            )
+        if isinstance(exc, EOFError | ConnectionResetError):
+            return f"the connection was closed {self.stage}"
+        if isinstance(exc, TimeoutError):
+            return f"timed out {self.stage}"
+        return f"SSH failed {self.stage}: {text}"
+
+
+DEFAULT_KEYS = ("~/.ssh/id_rsa", "~/.ssh/id_ecdsa", "~/.ssh/id_ed25519", "~/.ssh/id_dsa")
+
+
+def _agent_key_count() -> int:
+    try:
+        agent = paramiko.Agent()
+        try:
+            return len(agent.get_keys())
+        finally:
+            agent.close()
+    except Exception:
+        return 0
+
+
+def _socket_error(exc: OSError, address: str) -> str:
+    if exc.errno == errno.ECONNREFUSED:
+        return f"connection refused by {address} (is sshd running there?)"
+    if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
+        return f"no route to {address} (host down or unreachable: {exc.strerror})"
+    return f"cannot connect to {address}: {exc.strerror or exc}"

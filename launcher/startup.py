@@ -1,0 +1,275 @@
+"""Starting one agent per host, all at once, within ``--start-timeout``.
+
+Local hosts get a subprocess; every other host an SSH connection, opened in parallel. The
+job starts only when every agent has said hello with the same Python, hvdrun and torch
+versions as this machine; otherwise :class:`LaunchError` names every host that failed and
+why, and no worker has started anywhere.
+
+Where the workers reach the rendezvous: with remote hosts the server listens on all
+interfaces, and each remote agent is given the address of this machine on its own SSH
+connection (the one address that host is known to reach), or ``--rendezvous-addr``. Local
+agents then use the same address as the first remote host, so that their workers' Gloo
+and NCCL sockets face the other hosts too.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from launcher.connection import AgentConnection, AgentStartError
+from launcher.hostinfo import installed_versions, source_address
+from launcher.hosts import is_local_host
+from launcher.local import LocalAgent
+from launcher.options import LaunchOptions
+from launcher.protocol import PROTOCOL_VERSION
+
+#: hvdrun's exit code when it cannot start (or loses) an agent; ssh uses the same.
+AGENT_FAILURE_EXIT = 255
+
+
+class LaunchError(Exception):
+    """Some hosts could not be started; ``failures`` maps each to the reason."""
+
+    def __init__(self, failures: dict[str, str], total: int) -> None:
+        self.failures = failures
+        self.total = total
+        lines = [f"could not start the job on {len(failures)} of {total} host(s):"]
+        width = max(len(host) for host in failures)
+        lines += [f"  {host:<{width}}  {reason}" for host, reason in failures.items()]
+        super().__init__("\n".join(lines))
+
+
+class LaunchInterrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum
+
+
+def make_agent(
+    hostname: str, cwd: str, env: dict[str, str], options: LaunchOptions
+) -> AgentConnection:
+    """A LocalAgent for this machine, else a RemoteAgent (which imports paramiko)."""
+    if is_local_host(hostname):
+        return LocalAgent(hostname, cwd)
+    from launcher.remote import RemoteAgent
+    from launcher.ssh_config import resolve_target
+
+    target = resolve_target(hostname, options.ssh)
+    if target.hostname != hostname.rpartition("@")[2] and is_local_host(target.hostname):
+        return LocalAgent(hostname, cwd)
+    return RemoteAgent(target, options.python, cwd, env.get("PYTHONPATH"), options.agent_timeout)
+
+
+def open_agents(
+    hostnames: Sequence[str],
+    cwd: str,
+    env: dict[str, str],
+    options: LaunchOptions,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+    interrupted: Callable[[], int | None] = lambda: None,
+) -> tuple[dict[str, AgentConnection], dict[str, str], int | None]:
+    """Starts every host's agent in parallel, within the start timeout.
+
+    Returns the agents that said hello, the reason for each host that failed, and the
+    signal that interrupted the start, if any. Agents of failed hosts are already dropped.
+    """
+    agents: dict[str, AgentConnection] = {}
+    failures: dict[str, str] = {}
+    lock = threading.Lock()
+    deadline = time.monotonic() + options.start_timeout
+
+    changed = threading.Event()
+
+    def start_one(hostname: str) -> None:
+        try:
+            agent = make_agent(hostname, cwd, env, options)
+            with lock:
+                agents[hostname] = agent
+            agent.start(deadline)
+        except AgentStartError as exc:
+            reason = str(exc)
+        except Exception as exc:  # SSHConnectError from the config file, or a bug
+            reason = str(exc) or repr(exc)
+        else:
+            changed.set()
+            return
+        with lock:
+            failures.setdefault(hostname, reason)
+        changed.set()
+
+    def ready() -> int:
+        with lock:
+            return sum(1 for agent in agents.values() if agent.hello is not None)
+
+    threads = {
+        name: threading.Thread(target=start_one, args=(name,), daemon=True) for name in hostnames
+    }
+    for thread in threads.values():
+        thread.start()
+    signum = None
+    while any(thread.is_alive() for thread in threads.values()):
+        signum = interrupted()
+        if signum is not None or time.monotonic() >= deadline:
+            break
+        progress(ready(), len(hostnames))
+        changed.wait(0.05)
+        changed.clear()
+    progress(ready(), len(hostnames))
+    with lock:
+        for name, thread in threads.items():
+            if thread.is_alive() and name not in failures:
+                agent = agents.get(name)
+                stage = agent.current_stage() if agent is not None else "resolving the host"
+                failures[name] = f"timed out after {options.start_timeout:g} s {stage}"
+        failed = [agents.pop(name) for name in failures if name in agents]
+    for agent in failed:
+        agent.abort()
+    ordered = {name: failures[name] for name in hostnames if name in failures}
+    return {name: agents[name] for name in hostnames if name in agents}, ordered, signum
+
+
+def start_agents(
+    hostnames: Sequence[str],
+    cwd: str,
+    env: dict[str, str],
+    options: LaunchOptions,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+    interrupted: Callable[[], int | None] = lambda: None,
+) -> list[AgentConnection]:
+    """Every host's agent, or LaunchError/LaunchInterrupted with none left running."""
+    agents, failures, signum = open_agents(hostnames, cwd, env, options, progress, interrupted)
+    if signum is None and not failures and options.check_versions:
+        failures.update(version_problems(installed_versions(), list(agents.values())))
+    if signum is not None or failures:
+        stop_agents(list(agents.values()))
+        if signum is not None:
+            raise LaunchInterrupted(signum)
+        raise LaunchError(failures, len(hostnames))
+    return [agents[name] for name in hostnames]
+
+
+def stop_agents(agents: Sequence[AgentConnection], timeout: float = 2.0) -> None:
+    """Closes every agent's stdin, waits a little for them to finish, then drops them."""
+    for agent in agents:
+        agent.close()
+    deadline = time.monotonic() + timeout
+    for agent in agents:
+        agent.wait_finished(max(deadline - time.monotonic(), 0))
+        agent.abort()
+
+
+def _minor(version: str | None) -> str | None:
+    return ".".join(version.split(".")[:2]) if version else None
+
+
+def _public(version: str | None) -> str | None:
+    return version.split("+", 1)[0] if version else None
+
+
+def version_problems(
+    reference: dict[str, str | None], agents: Sequence[AgentConnection]
+) -> dict[str, str]:
+    """Hosts whose Python (major.minor), hvdrun or torch (public) version differs from ours."""
+    problems: dict[str, str] = {}
+    for agent in agents:
+        hello = agent.hello or {}
+        if hello.get("protocol") != PROTOCOL_VERSION:
+            problems[agent.hostname] = (
+                f"its hvdrun agent speaks protocol {hello.get('protocol')}, this one "
+                f"{PROTOCOL_VERSION}: install the same hvdrun version on every host"
+            )
+            continue
+        differences = []
+        if _minor(hello.get("python")) != _minor(reference["python"]):
+            differences.append(f"Python {hello.get('python')} (here {reference['python']})")
+        if hello.get("hvdrun") != reference["hvdrun"]:
+            differences.append(
+                f"hvdrun {hello.get('hvdrun') or 'not installed as a package'} "
+                f"(here {reference['hvdrun']})"
+            )
+        if _public(hello.get("torch")) != _public(reference["torch"]):
+            differences.append(
+                f"torch {hello.get('torch') or 'not installed'} (here {reference['torch']})"
+            )
+        if differences:
+            problems[agent.hostname] = (
+                f"{hello.get('executable', 'its Python')} has {', '.join(differences)}: "
+                f"install the same versions on every host, or pass --skip-version-check"
+            )
+    return problems
+
+
+@dataclass
+class RendezvousPlan:
+    bind_host: str
+    port: int
+    addr_host: dict[str, str]  # hostname -> the address its workers use
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> RendezvousPlan:
+    """Where the server listens, and the address each host's workers dial."""
+    remote = [agent for agent in agents if agent.kind != "local"]
+    if explicit:
+        host, _, port_text = explicit.rpartition(":") if _has_port(explicit) else (explicit, "", "")
+        host = host.strip("[]")
+        bind = "::" if ":" in host else "0.0.0.0"
+        if _is_loopback(host):  # nothing beyond this machine needs it
+            bind = host
+        port = int(port_text) if port_text else 0
+        return RendezvousPlan(bind, port, {agent.hostname: host for agent in agents})
+    if not remote:
+        return RendezvousPlan("127.0.0.1", 0, {agent.hostname: "127.0.0.1" for agent in agents})
+    failures: dict[str, str] = {}
+    addr_host: dict[str, str] = {}
+    for agent in remote:
+        address = getattr(agent, "local_address", None)
+        target = getattr(agent, "target", None)
+        if address is None and target is not None:  # through a ProxyCommand: ask the routes
+            address = source_address(target.hostname)
+        if address is None:
+            failures[agent.hostname] = (
+                "cannot tell which address of this machine it can reach (its connection "
+                "runs through a ProxyCommand and its name does not resolve here): pass "
+                "--rendezvous-addr"
+            )
+            continue
+        addr_host[agent.hostname] = address
+    if failures:
+        raise LaunchError(failures, len(agents))
+    first = addr_host[remote[0].hostname]
+    for agent in agents:
+        addr_host.setdefault(agent.hostname, first)
+    ipv6 = any(_is_ipv6(address) for address in addr_host.values())
+    return RendezvousPlan("::" if ipv6 else "0.0.0.0", 0, addr_host)
+
+
+def _has_port(text: str) -> bool:
+    if text.startswith("["):
+        return "]:" in text
+    return text.count(":") == 1
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_ipv6(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).version == 6
+    except ValueError:
+        return False
+
+
+def rendezvous_addr(plan: RendezvousPlan, hostname: str, port: int) -> str:
+    return f"{_bracket(plan.addr_host[hostname])}:{port}"

@@ -1,0 +1,177 @@
+"""One host's workers: started in new sessions, drained line by line, stopped as a tree.
+
+Each worker runs in a session of its own, so its whole process group can be signalled; its
+stdout and stderr are split into lines where they are produced, so a line always travels
+whole. Stopping sends SIGTERM to every worker's process group and to every process of its
+tree (children may have left the group), then SIGKILL after the grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, BinaryIO
+
+import psutil
+
+from launcher.output import LineSplitter
+from launcher.protocol import AgentSpec, WorkerLaunch, text_of
+
+Emit = Callable[[dict[str, Any]], None]
+READ_CHUNK = 65536
+
+
+def exit_code_of(returncode: int) -> int:
+    """Shell convention: a worker killed by signal N exits with 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Worker:
+    """One worker process and the threads that drain its output and report its exit."""
+
+    def __init__(
+        self, launch: WorkerLaunch, spec: AgentSpec, base_env: Mapping[str, str], emit: Emit
+    ) -> None:
+        self.rank = launch.rank
+        self._emit = emit
+        env = dict(base_env)
+        env.update(launch.env)
+        self.proc = subprocess.Popen(
+            spec.command,
+            cwd=spec.cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.exited = threading.Event()
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._readers = [
+            threading.Thread(target=self._drain, args=(self.proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._drain, args=(self.proc.stderr, "stderr"), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _drain(self, pipe: BinaryIO, stream: str) -> None:
+        splitter = LineSplitter()
+        fd = pipe.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, READ_CHUNK)
+            except OSError:
+                chunk = b""
+            lines = splitter.feed(chunk) if chunk else splitter.flush()
+            for line in lines:
+                self._emit(
+                    {"ev": "out", "rank": self.rank, "stream": stream, "data": text_of(line)}
+                )
+            if not chunk:
+                pipe.close()
+                return
+
+    def _wait(self) -> None:
+        # Wait without reaping, so the pid cannot be reused while we clear its process group:
+        # anything the worker left behind in its group dies with it.
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        code = exit_code_of(self.proc.wait())
+        for reader in self._readers:
+            reader.join(timeout=2.0)
+        # Reported before it counts as exited: the agent's "done" must come after every exit.
+        self._emit({"ev": "exit", "rank": self.rank, "code": code})
+        self.exited.set()
+
+    def process_tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+
+class HostAgent:
+    """Starts one host's workers and stops them all on request."""
+
+    def __init__(self, spec: AgentSpec, base_env: Mapping[str, str], emit: Emit) -> None:
+        self.spec = spec
+        self.base_env = dict(base_env)
+        self._emit = emit
+        self.workers: list[Worker] = []
+        self._lock = threading.Lock()
+        self._terminating = False
+
+    def start(self) -> None:
+        for launch in self.spec.workers:
+            with self._lock:
+                if self._terminating:
+                    self._emit({"ev": "exit", "rank": launch.rank, "code": 143})
+                    continue
+                try:
+                    worker = Worker(launch, self.spec, self.base_env, self._emit)
+                except OSError as exc:
+                    self._emit(
+                        {
+                            "ev": "exit",
+                            "rank": launch.rank,
+                            "code": 127 if isinstance(exc, FileNotFoundError) else 126,
+                            "error": f"cannot run {self.spec.command[0]!r}: {exc.strerror or exc}",
+                        }
+                    )
+                    continue
+                self.workers.append(worker)
+            self._emit({"ev": "started", "rank": launch.rank, "pid": worker.proc.pid})
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once every started worker has exited and been reported."""
+        return all(worker.exited.wait(timeout) for worker in list(self.workers))
+
+    def terminate(self, grace: float | None = None) -> None:
+        """SIGTERM every worker's process tree, SIGKILL what is left after ``grace`` seconds."""
+        grace = self.spec.term_grace if grace is None else grace
+        with self._lock:
+            self._terminating = True
+            workers = list(self.workers)
+        trees = [worker.process_tree() for worker in workers]
+        for worker, tree in zip(workers, trees, strict=False):
+            _signal_tree(worker.proc.pid, tree, signal.SIGTERM)
+        procs = [proc for tree in trees for proc in tree]
+        alive = _wait_gone(procs, grace)
+        for worker, tree in zip(workers, trees, strict=False):
+            _signal_tree(worker.proc.pid, [p for p in tree if p in alive], signal.SIGKILL)
+        self.wait(timeout=5.0)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """The processes still running after up to ``timeout`` s. Unlike psutil.wait_procs this
+    never reaps: a worker's exit status belongs to its Worker._wait thread."""
+    deadline = time.monotonic() + timeout
+    alive = [proc for proc in procs if _running(proc)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [proc for proc in alive if _running(proc)]
+    return alive
+
+
+def _signal_tree(pgid: int, tree: list[psutil.Process], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+    for proc in tree:  # children may have left the group (setsid, double fork)
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signum)

@@ -1,0 +1,204 @@
+"""The engine's pure parts, without processes: signatures and mismatch messages, the
+negotiation exchange, fusion planning and the timeline writer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from collectives.torch.fusion import Work, plan
+from collectives.torch.negotiation import FLAG_LEAVING, Entry, Exchange, Table, check
+from collectives.torch.requests import (
+    Kind,
+    check_alltoall,
+    describe_mismatch,
+    parse_signature,
+    signature,
+)
+from collectives.torch.timeline import Timeline
+
+
+def sig(kind: Kind, common: tuple[Any, ...], *tensors: torch.Tensor) -> str:
+    return signature(kind, common, list(tensors))
+
+
+def test_signature_round_trip() -> None:
+    text = sig(Kind.ALLREDUCE, (1, 0.5, 2.0), torch.ones(2, 3), torch.ones(4, dtype=torch.int8))
+    parsed = parse_signature(Kind.ALLREDUCE, text)
+    assert parsed.values(Kind.ALLREDUCE) == (1, 0.5, 2.0)
+    assert [(t.dtype, t.shape, t.device_type) for t in parsed.tensors] == [
+        (torch.float32, (2, 3), "cpu"),
+        (torch.int8, (4,), "cpu"),
+    ]
+    gathered = parse_signature(Kind.ALLGATHER, sig(Kind.ALLGATHER, (), torch.ones(5, 3)))
+    assert gathered.tensors[0].shape == (-1, 3)
+
+
+def test_mismatch_messages_name_the_op_the_field_and_the_ranks() -> None:
+    shapes = {r: sig(Kind.ALLREDUCE, (1, 1.0, 1.0), torch.ones(2 if r else 3)) for r in range(3)}
+    message = describe_mismatch(Kind.ALLREDUCE, "allreduce.grad.w", shapes)
+    assert message == (
+        "allreduce 'grad.w': ranks disagree on the shape: rank 0: [3]; ranks 1, 2: [2]"
+    )
+    ops = {r: sig(Kind.ALLREDUCE, (r % 2, 1.0, 1.0), torch.ones(2)) for r in range(2)}
+    assert "the op: rank 0: Average; rank 1: Sum" in describe_mismatch(Kind.ALLREDUCE, "x", ops)
+    roots = {r: sig(Kind.BROADCAST, (r,), torch.ones(2)) for r in range(2)}
+    assert "root_rank: rank 0: 0; rank 1: 1" in describe_mismatch(Kind.BROADCAST, "x", roots)
+    counts = {r: sig(Kind.ALLREDUCE, (1, 1.0, 1.0), *[torch.ones(1)] * (r + 1)) for r in range(2)}
+    assert "number of tensors" in describe_mismatch(Kind.ALLREDUCE, "x", counts)
+    dtypes = {
+        0: sig(Kind.ALLGATHER, (), torch.ones(1), torch.ones(2)),
+        1: sig(Kind.ALLGATHER, (), torch.ones(1), torch.ones(2, dtype=torch.float64)),
+    }
+    message = describe_mismatch(Kind.ALLGATHER, "allgather.g", dtypes)
+    assert message == (
+        "allgather 'g': ranks disagree on the dtype of tensor 1: rank 0: float32; rank 1: float64"
+    )
+    devices = {0: sig(Kind.ALLREDUCE, (1, 1.0, 1.0), torch.ones(1)),
+               1: sig(Kind.ALLREDUCE, (1, 1.0, 1.0), torch.ones(1, device="meta"))}  # fmt: skip
+    assert "device type: rank 0: cpu; rank 1: meta" in describe_mismatch(
+        Kind.ALLREDUCE, "x", devices
+    )
+
+
+def test_alltoall_splits_are_checked_for_every_rank() -> None:
+    members = [0, 1, 2]
+    assert check_alltoall("a", members, {0: "3/1,1,1", 1: "2/0,2,0", 2: "0/0,0,0"}) is None
+    assert check_alltoall("a", members, {0: "3/", 1: "6/"}) is None
+    message = check_alltoall("alltoall.a", members, {0: "3/1,1,1", 1: "2/1,1"})
+    assert message == (
+        "alltoall 'a': rank 1 passed 2 splits [1, 1], but the process set has 3 ranks"
+    )
+    message = check_alltoall("a", members, {0: "3/1,1,2"})
+    assert message is not None and "sum to its tensor's first dimension 3" in message
+    message = check_alltoall("a", members, {2: "4/"})
+    assert message is not None and "do not split evenly over 3 ranks" in message
+
+
+class FakeGroup:
+    """A 'process group' whose peers all send exactly what this rank sends."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.calls = 0
+
+    def _allgather_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
+        self.calls += 1
+        out.copy_(inp.repeat(self.size))
+        return self
+
+    def wait(self) -> None:
+        return None
+
+
+def test_exchange_small_and_overflowing_payloads() -> None:
+    group = FakeGroup(3)
+    exchange = Exchange(group, rank=0, size=3)
+    assert exchange.round(b"hello", FLAG_LEAVING) == [(FLAG_LEAVING, b"hello")] * 3
+    assert group.calls == 1
+    big = bytes(range(256)) * 40  # 10 KB: more than the first slot
+    assert exchange.round(big, 0) == [(0, big)] * 3
+    assert group.calls == 3  # the overflow took a second round...
+    assert exchange.round(big, 0) == [(0, big)] * 3
+    assert group.calls == 4  # ...and the slot has grown for the next cycles
+    assert exchange.round(b"", 0) == [(0, b"")] * 3
+    grown = exchange._slot
+    for _ in range(256):  # a long run of small rounds shrinks the slot again
+        exchange.round(b"tiny", 0)
+    assert exchange._slot == grown // 2
+
+
+def test_table_readiness_with_joined_ranks() -> None:
+    table = Table(size=3)
+    record = "\x1f".join(["0", "0", "allreduce.x", sig(Kind.ALLREDUCE, (1, 1.0, 1.0),
+                                                          torch.ones(2)), ""])  # fmt: skip
+    touched, _ = table.add(0, record.encode(), cycle=1, now=0.0)
+    entry = touched[0]
+    assert table.waiting_for(entry, [0, 1, 2]) == [1, 2]
+    table.add(1, "\x1f".join(["6", "0", "join.join", "", ""]).encode(), cycle=1, now=0.0)
+    assert table.waiting_for(entry, [0, 1, 2]) == [2]
+    table.add(2, record.encode(), cycle=2, now=0.0)
+    assert table.waiting_for(entry, [0, 1, 2]) == []
+    assert check(entry, [0, 1, 2], table.joined) is None
+
+
+def _work(name: str, order: int, kind: Kind, common: tuple[Any, ...], *tensors: torch.Tensor,
+          set_id: int = 0) -> Work:  # fmt: skip
+    text = sig(kind, common, *tensors)
+    vars_ = {0: ",".join(str(t.shape[0]) for t in tensors)} if kind == Kind.ALLGATHER else {}
+    if kind == Kind.ALLTOALL:
+        vars_ = {0: f"{tensors[0].shape[0]}/"}
+    return Work.of(kind, name, set_id, None, text, vars_, order)
+
+
+def test_fusion_plan_groups_by_key_and_threshold() -> None:
+    reduce_sum = (1, 1.0, 1.0)
+    works = [
+        _work("a", 0, Kind.ALLREDUCE, reduce_sum, torch.ones(100)),  # 400 bytes
+        _work("b", 1, Kind.ALLREDUCE, reduce_sum, torch.ones(100, dtype=torch.float64)),
+        _work("c", 2, Kind.ALLREDUCE, reduce_sum, torch.ones(100)),
+        _work("d", 3, Kind.ALLREDUCE, (0, 1.0, 1.0), torch.ones(100)),  # Average: apart
+        _work("e", 4, Kind.ALLREDUCE, reduce_sum, torch.ones(100)),  # over 1000 bytes
+        _work("f", 5, Kind.ALLREDUCE, reduce_sum, torch.ones(1000)),  # alone, in place
+        _work("g", 6, Kind.ALLGATHER, (), torch.ones(2), torch.ones(3, dtype=torch.int8)),
+        _work("h", 7, Kind.ALLTOALL, (), torch.ones(2)),
+        _work("i", 8, Kind.ALLTOALL, (), torch.ones(2)),
+        _work("j", 9, Kind.ALLREDUCE, reduce_sum, torch.ones(10), set_id=1),
+    ]
+    buckets = plan(works, {0: [0], 1: [0]}, threshold=1000)
+    layout = [[(s.work.name, s.index) for s in b.slots] for b in buckets]
+    assert layout == [
+        [("a", 0), ("c", 0)],
+        [("b", 0)],
+        [("d", 0)],
+        [("e", 0)],
+        [("f", 0)],
+        [("g", 0), ("g", 1)],
+        [("h", 0)],
+        [("i", 0)],
+        [("j", 0)],
+    ]
+    assert [w.remaining for w in works] == [1, 1, 1, 1, 1, 1, 2, 1, 1, 1]
+    no_fusion = plan([_work(n, i, Kind.ALLREDUCE, reduce_sum, torch.ones(1))
+                      for i, n in enumerate("xyz")], {0: [0]}, threshold=0)  # fmt: skip
+    assert len(no_fusion) == 3
+
+
+def test_timeline_is_valid_json_after_every_flush(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    timeline = Timeline(str(path), mark_cycles=True)
+    assert json.loads(path.read_text()) == []
+    timeline.begin("grad.w", "NEGOTIATE_ALLREDUCE", 1.0)
+    timeline.cycle(1.0)
+    timeline.flush()
+    first = json.loads(path.read_text())
+    assert any(e["name"] == "CYCLE_START" for e in first)
+    timeline.tick("grad.w", "1", 1.5)
+    timeline.end("grad.w", "NEGOTIATE_ALLREDUCE", 2.0)
+    timeline.end("grad.w", "NEGOTIATE_ALLREDUCE", 2.5)  # nothing open: ignored
+    timeline.begin("grad.w", "ALLREDUCE", 1.9)  # never earlier than the row's last event
+    timeline.flush()
+    second = json.loads(path.read_text())
+    assert len(second) > len(first)
+    timeline.close()  # ends ALLREDUCE, still open
+    events = json.loads(path.read_text())
+    row = [e for e in events if e["ph"] in "BEi" and e.get("pid") == 1]
+    assert [(e["name"], e["ph"]) for e in row] == [
+        ("NEGOTIATE_ALLREDUCE", "B"),
+        ("1", "i"),
+        ("NEGOTIATE_ALLREDUCE", "E"),
+        ("ALLREDUCE", "B"),
+        ("ALLREDUCE", "E"),
+    ]
+    stamps = [e["ts"] for e in row]
+    assert stamps == sorted(stamps)
+    timeline.begin("late", "X", 3.0)  # after close: ignored, the file stays complete
+    assert json.loads(path.read_text()) == events
+
+
+def test_entry_key_matches_table_key() -> None:
+    entry = Entry(Kind.BARRIER, "barrier.noname.0", 2, (2, "barrier.noname.0"), 0, 0.0)
+    assert entry.key == (entry.process_set_id, entry.name)

@@ -1,0 +1,131 @@
+"""The agent's side of the protocol, driven directly through its stdin and stdout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+from launcher.protocol import KILL, AgentSpec, WorkerLaunch, encode, run_request
+
+AGENT = [sys.executable, "-m", "launcher.agent"]
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            AGENT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+
+    def send(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def event(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, "the agent closed its stdout"
+        return json.loads(line)
+
+    def events_until_done(self) -> list[dict[str, Any]]:
+        events = []
+        while not events or events[-1]["ev"] != "done":
+            events.append(self.event())
+        return events
+
+    def close(self) -> tuple[int, str]:
+        assert self.proc.stdin is not None and self.proc.stderr is not None
+        self.proc.stdin.close()
+        code = self.proc.wait(timeout=30)
+        return code, self.proc.stderr.read().decode()
+
+
+def spec(code: str, ranks: int = 1, **fields: Any) -> AgentSpec:
+    return AgentSpec(
+        hostname="localhost",
+        command=[sys.executable, "-c", code],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"},
+        workers=[WorkerLaunch(rank=r, env={"HVDRUN_RANK": str(r)}) for r in range(ranks)],
+        rendezvous_addr="127.0.0.1:29999",
+        **fields,
+    )
+
+
+def test_hello_comes_first_with_versions() -> None:
+    from importlib import metadata
+
+    agent = Agent()
+    hello = agent.event()
+    assert hello["ev"] == "hello"
+    assert hello["protocol"] == 1
+    assert hello["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert hello["executable"] == sys.executable
+    assert hello["torch"] == metadata.version("torch")
+    assert hello["hvdrun"] == metadata.version("hvdrun")
+    assert agent.close() == (0, "")  # end of file before any request: just leave
+
+
+def test_run_picks_the_interface_facing_the_rendezvous() -> None:
+    agent = Agent()
+    agent.event()
+    code = "import os; print(os.environ['GLOO_SOCKET_IFNAME'], os.environ['NCCL_SOCKET_IFNAME'])"
+    agent.send(run_request(spec(code)))
+    events = agent.events_until_done()
+    assert events[0] == {"ev": "network", "ifname": "lo", "address": "127.0.0.1"}
+    assert {"ev": "out", "rank": 0, "stream": "stdout", "data": "lo lo"} in events
+    assert {"ev": "exit", "rank": 0, "code": 0} in events
+    agent.close()
+
+
+def test_interface_set_by_the_user_is_kept() -> None:
+    agent = Agent()
+    agent.event()
+    job = spec("import os; print(os.environ['GLOO_SOCKET_IFNAME'])")
+    job.env["GLOO_SOCKET_IFNAME"] = "eth7"
+    agent.send(run_request(job))
+    assert {"ev": "out", "rank": 0, "stream": "stdout", "data": "eth7"} in agent.events_until_done()
+    agent.close()
+
+
+def test_silence_from_hvdrun_stops_the_workers() -> None:
+    agent = Agent()
+    agent.event()
+    agent.send(run_request(spec("import time; time.sleep(60)", ranks=2, heartbeat_timeout=0.6)))
+    start = time.monotonic()
+    events = agent.events_until_done()
+    assert time.monotonic() - start < 10
+    assert {e["code"] for e in events if e["ev"] == "exit"} == {143}
+    assert {"ev": "ping"} in events  # it told hvdrun it was alive meanwhile
+    _, stderr = agent.close()
+    assert "stopping workers: heard nothing from hvdrun for over 0.6 s" in stderr
+
+
+def test_kill_skips_the_grace_period() -> None:
+    agent = Agent()
+    agent.event()
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready'); time.sleep(60)"
+    )
+    agent.send(run_request(spec(stubborn, term_grace=60)))
+    while agent.event().get("data") != "ready":
+        pass
+    start = time.monotonic()
+    agent.send(KILL)
+    events = agent.events_until_done()
+    assert time.monotonic() - start < 5
+    assert {"ev": "exit", "rank": 0, "code": 137} in events
+    agent.close()
+
+
+def test_unknown_request_is_refused() -> None:
+    agent = Agent()
+    agent.event()
+    agent.send(encode({"op": "dance"}))
+    code, stderr = agent.close()
+    assert code == 2
+    assert "unexpected request 'dance'" in stderr

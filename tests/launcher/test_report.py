@@ -1,0 +1,73 @@
+"""The failure report: first failure, a table of ranks, the failing rank's stderr."""
+
+import io
+
+from launcher.job import JobResult, WorkerFailure
+from launcher.output import OutputSink
+from launcher.report import report_failure, summary_table
+
+
+def sink_with(tails: dict[int, list[bytes]]) -> OutputSink:
+    sink = OutputSink(io.BytesIO(), io.BytesIO())
+    for rank, lines in tails.items():
+        for line in lines:
+            sink.line(rank, "stderr", line)
+    return sink
+
+
+def test_small_job_lists_every_rank() -> None:
+    result = JobResult(
+        exit_code=3,
+        failure=WorkerFailure(2, "b", 3),
+        exits={0: 143, 1: 0, 2: 3},
+        stopped={0},
+        lost={3: "lost its agent"},
+        hosts={0: "a", 1: "a", 2: "b", 3: "b"},
+    )
+    sink = sink_with({2: [b"Traceback", b"ValueError: " + b"x" * 100]})
+    assert summary_table(result, sink, result.hosts) == [
+        "RANK  HOST  EXIT  STATUS        LAST STDERR LINE",
+        "0     a     143   stopped",
+        "1     a     0     ok",
+        "2     b     3     FAILED FIRST  ValueError: " + "x" * 45 + "...",
+        "3     b     -     lost          lost its agent",
+    ]
+
+
+def test_big_job_counts_the_unremarkable_ranks() -> None:
+    hosts = {rank: f"h{rank // 8}" for rank in range(64)}
+    exits = dict.fromkeys(range(64), 143)
+    exits[17] = 1
+    exits[40] = 139
+    result = JobResult(
+        exit_code=1,
+        failure=WorkerFailure(17, "h2", 1),
+        exits=exits,
+        stopped=set(range(64)) - {17, 40},
+        hosts=hosts,
+    )
+    lines = summary_table(result, sink_with({}), hosts)
+    assert lines[1:] == [
+        "17    h2    1     FAILED FIRST",
+        "40    h5    139   failed",
+        "... and 62 more rank(s) stopped",
+    ]
+
+
+def test_report_wording() -> None:
+    result = JobResult(
+        exit_code=137,
+        failure=WorkerFailure(1, "n2", 137),
+        exits={0: 143, 1: 137},
+        stopped={0},
+        hosts={0: "n1", 1: "n2"},
+    )
+    err = io.BytesIO()
+    sink = OutputSink(io.BytesIO(), err)
+    sink.line(1, "stderr", b"out of memory")
+    report_failure(result, sink)
+    text = err.getvalue().decode()
+    assert "hvdrun: rank 1 on host n2 failed first: killed by SIGKILL (exit code 137)\n" in text
+    assert "hvdrun: stopped or failed afterwards: rank(s) 0\n" in text
+    assert "hvdrun: summary:\nhvdrun:   RANK  HOST  EXIT  STATUS" in text
+    assert text.endswith("hvdrun: last lines of rank 1's stderr:\nhvdrun:     out of memory\n")

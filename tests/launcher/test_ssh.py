@@ -1,0 +1,583 @@
+"""hvdrun over SSH on real sshd hosts (tests/cluster.py): placement, failures, cleanup.
+
+Hosts are network namespaces whose own hostnames resolve nowhere; hvdrun reaches them by
+ssh-config alias or address. Workers report the host name and the address they run at, so
+every check below is made from inside the hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launcher.output import RANK_COLOURS
+from tests.cluster import Cluster, ClusterHost
+
+SCRIPTS = Path(__file__).parent / "scripts"
+PY = sys.executable
+
+
+def placements(stdout: str) -> dict[int, dict]:
+    found = {}
+    for line in stdout.splitlines():
+        match = re.match(r"\[(\d+)\]<stdout>:placement (.*)$", line)
+        if match:
+            found[int(match.group(1))] = json.loads(match.group(2))
+    return found
+
+
+def worker_pids(line: str) -> list[int]:
+    return [int(p) for p in line.split("pids ", 1)[1].split()] if "pids " in line else []
+
+
+def wait_for_pids(proc: subprocess.Popen[str], count: int) -> list[int]:
+    """Reads hvdrun's stdout until ``count`` fail_rank.py workers have reported their pids."""
+    pids: list[int] = []
+    assert proc.stdout is not None
+    while len(pids) < 2 * count:
+        line = proc.stdout.readline()
+        if not line:
+            stderr = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"hvdrun ended early ({proc.wait()}): {stderr}")
+        pids += worker_pids(line)
+    return pids
+
+
+def assert_gone(pids: list[int], within: float) -> None:
+    deadline = time.monotonic() + within
+    alive = pids
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes still running: {alive}")
+
+
+def assert_hosts_clean(cluster: Cluster, hosts: list[ClusterHost], within: float) -> None:
+    """Nothing but sshd itself is left running on the hosts."""
+    deadline = time.monotonic() + within
+    left: list[str] = []
+    while time.monotonic() < deadline:
+        left = []
+        for host in hosts:
+            for proc in cluster.processes_on(host):
+                try:
+                    if proc.status() == psutil.STATUS_ZOMBIE:
+                        continue
+                    cmdline = " ".join(proc.cmdline())
+                except psutil.Error:
+                    continue
+                if "sshd" in proc.name() and "-D -f" in cmdline:
+                    continue  # the listening daemon
+                left.append(f"{host.alias}: {proc.pid} {cmdline}")
+        if not left:
+            return
+        time.sleep(0.1)
+    raise AssertionError("left running on the hosts:\n" + "\n".join(left))
+
+
+def start_job(cluster: Cluster, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        cluster.hvdrun_argv(*args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env or cluster.env(),
+    )
+
+
+def test_two_hosts_two_slots_from_a_hostfile(cluster: Cluster, tmp_path: Path) -> None:
+    node1, node2 = cluster.hosts[:2]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"# the test cluster\n{node1.alias} slots=2\n\n{node2.alias}:2  # two\n")
+    result = cluster.hvdrun("--hostfile", str(hostfile), PY, str(SCRIPTS / "placement.py"))
+    assert result.returncode == 0, result.stderr
+    found = placements(result.stdout)
+    assert sorted(found) == [0, 1, 2, 3]
+    for rank, report in found.items():
+        host = node1 if rank < 2 else node2
+        assert report["hostname"] == host.uts_hostname  # it really ran there...
+        assert report["address"] == host.address  # ...and reaches the rendezvous from there
+        assert report["rendezvous"].startswith(f"{cluster.gateway}:")
+        assert (report["rank"], report["size"]) == (rank, 4)
+        assert (report["local_rank"], report["local_size"]) == (rank % 2, 2)
+        assert (report["cross_rank"], report["cross_size"]) == (rank // 2, 2)
+        assert report["gloo_ifname"] == report["nccl_ifname"] == "eth0"
+        assert report["sum"] == 1 + 2 + 3 + 4
+        assert report["gathered"] == [0, 1, 2, 3]
+    # accept-new recorded both hosts' keys for next time
+    known = cluster.known_hosts.read_text()
+    assert f"{node1.address} ssh-ed25519 " in known and f"{node2.address} ssh-ed25519 " in known
+
+
+def test_this_machine_and_a_remote_host_in_one_job(cluster: Cluster) -> None:
+    node1 = cluster.hosts[0]
+    result = cluster.hvdrun(
+        "-H", f"{cluster.gateway}:1,{node1.address}:1", PY, str(SCRIPTS / "placement.py")
+    )
+    assert result.returncode == 0, result.stderr
+    found = placements(result.stdout)
+    # the local rank's Gloo must face the other host, not loopback
+    assert found[0]["address"] == cluster.gateway
+    assert found[0]["gloo_ifname"] == cluster.bridge
+    assert found[1]["hostname"] == node1.uts_hostname
+    assert found[0]["sum"] == found[1]["sum"] == 3
+
+
+def test_unusable_hosts_are_all_named_within_the_start_timeout(cluster: Cluster) -> None:
+    node1, _, node3 = cluster.hosts
+    start = time.monotonic()
+    result = cluster.hvdrun(
+        "--start-timeout",
+        "3",
+        "-H",
+        f"{node1.alias}:1,{node3.alias}:1,{cluster.unused_address}:1,nosuch-host.invalid:1",
+        PY,
+        str(SCRIPTS / "fail_rank.py"),
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 255, result.stderr
+    assert elapsed < 3 + 5, elapsed  # bounded by --start-timeout, plus interpreter start
+    lines = result.stderr.splitlines()
+    assert lines[0] == "hvdrun: error: could not start the job on 3 of 4 host(s):"
+    assert re.search(
+        rf"^  {node3.alias}\s+connection refused by {node3.address} port 22 "
+        r"\(is sshd running there\?\)$",
+        result.stderr,
+        re.M,
+    )
+    unused = next(line for line in lines if line.startswith(f"  {cluster.unused_address}"))
+    assert "timed out after" in unused or "no route to" in unused, unused
+    assert re.search(
+        r"^  nosuch-host.invalid\s+cannot resolve host name 'nosuch-host.invalid' \(DNS\)",
+        result.stderr,
+        re.M,
+    )
+    assert node1.alias not in result.stderr  # the good host is not blamed
+    assert "pids" not in result.stdout  # no worker started anywhere
+    assert_hosts_clean(cluster, [node1], within=5)
+
+
+def test_kill_9_of_hvdrun_leaves_nothing_on_any_host(cluster: Cluster) -> None:
+    node1, node2 = cluster.hosts[:2]
+    proc = start_job(
+        cluster, "-H", f"{node1.alias}:2,{node2.alias}:2", PY, str(SCRIPTS / "fail_rank.py")
+    )
+    try:
+        pids = wait_for_pids(proc, 4)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert_gone(pids, within=10)
+    assert_hosts_clean(cluster, [node1, node2], within=10)
+
+
+def test_worker_failing_on_host_2_stops_every_host(cluster: Cluster) -> None:
+    node1, node2 = cluster.hosts[:2]
+    proc = start_job(
+        cluster,
+        "-x",
+        "FAIL_RANK=3",
+        "-x",
+        "FAIL_CODE=5",
+        "-H",
+        f"{node1.alias}:2,{node2.alias}:2",
+        PY,
+        str(SCRIPTS / "fail_rank.py"),
+    )
+    pids = wait_for_pids(proc, 4)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 5, stderr
+    assert "hvdrun: rank 3 on host hvd-node2 failed first: exit code 5" in stderr
+    assert re.search(r"hvdrun:   RANK\s+HOST\s+EXIT\s+STATUS\s+LAST STDERR LINE", stderr)
+    assert re.search(r"hvdrun:   3\s+hvd-node2\s+5\s+FAILED FIRST\s+rank 3 gives up", stderr)
+    for rank in (0, 1, 2):
+        host = "hvd-node1" if rank < 2 else "hvd-node2"
+        assert re.search(rf"hvdrun:   {rank}\s+{host}\s+143\s+stopped", stderr), stderr
+    assert "    rank 3 gives up" in stderr
+    assert_gone(pids, within=10)
+    assert_hosts_clean(cluster, [node1, node2], within=10)
+
+
+def test_environment_forwarding_rules(cluster: Cluster, tmp_path: Path) -> None:
+    node1 = cluster.hosts[0]
+    names = [
+        "MY_SETTING",
+        "SET_BY_X",
+        "CUDA_VISIBLE_DEVICES",
+        "DISPLAY",
+        "HOSTNAME",
+        "HOME",
+        "USER",
+        "PYTHONUNBUFFERED",
+        "HVDRUN_HOSTNAME",
+    ]
+    env = cluster.env(
+        MY_SETTING="from the caller",
+        CUDA_VISIBLE_DEVICES="0,1",
+        DISPLAY=":99",
+        HOSTNAME="the-callers-machine",
+    )
+    result = subprocess.run(
+        cluster.hvdrun_argv(
+            "-x",
+            "SET_BY_X=a b=c",
+            "-x",
+            "CUDA_VISIBLE_DEVICES",
+            "-H",
+            f"{node1.alias}:1",
+            PY,
+            str(SCRIPTS / "show_env.py"),
+            *names,
+        ),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    seen = dict(
+        line.removeprefix("[0]<stdout>:").split("=", 1) for line in result.stdout.splitlines()
+    )
+    assert seen["MY_SETTING"] == "from the caller"  # the caller's environment travels
+    assert seen["SET_BY_X"] == "a b=c"  # -x VAR=VALUE
+    assert seen["CUDA_VISIBLE_DEVICES"] == "0,1"  # host-specific, but forced with -x VAR
+    assert seen["DISPLAY"] == "<unset>"  # host-specific: not copied
+    assert seen["HOSTNAME"] != "the-callers-machine"
+    assert seen["HOME"] == "/root"  # from the remote login, not the caller's test HOME
+    assert seen["USER"] == "root"
+    assert seen["PYTHONUNBUFFERED"] == "1"
+    assert seen["HVDRUN_HOSTNAME"] == node1.alias
+    assert seen["cwd"] == str(tmp_path)  # the caller's working directory
+
+
+def test_secret_is_in_no_process_argv_on_any_host(cluster: Cluster) -> None:
+    node1, node2 = cluster.hosts[:2]
+    env = cluster.env(STAY="30")
+    proc = start_job(
+        cluster,
+        "-H",
+        f"{node1.alias}:1,{node2.alias}:1",
+        PY,
+        str(SCRIPTS / "show_env.py"),
+        env=env,
+    )
+    try:
+        secrets = []
+        assert proc.stdout is not None
+        while len(secrets) < 2:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read() if proc.stderr else ""
+            if "<stdout>:secret=" in line:
+                secrets.append(line.split("secret=", 1)[1].strip())
+        (secret,) = set(secrets)  # one job, one secret, and both workers have it
+        assert len(secret) >= 32
+        on_hosts = {host.alias: len(cluster.processes_on(host)) for host in (node1, node2)}
+        assert all(count >= 3 for count in on_hosts.values()), on_hosts  # sshd, agent, worker
+        for process in psutil.process_iter(["pid", "cmdline"]):
+            cmdline = " ".join(process.info["cmdline"] or [])
+            assert secret not in cmdline, f"secret in the argv of {process.info['pid']}: {cmdline}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    for host in (node1, node2):
+        assert secret not in host.sshd_log.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM
+
+
+def test_changed_host_key_is_refused_under_accept_new(cluster: Cluster) -> None:
+    node2 = cluster.hosts[1]
+    first = cluster.hvdrun("-H", f"{node2.address}:1", "true")  # records the key if new
+    assert first.returncode == 0, first.stderr
+    known_before = cluster.known_hosts.read_text()
+    assert f"{node2.address} ssh-ed25519 " in known_before
+    cluster.replace_host_key(node2, cluster.new_key("reinstalled_host_key"))
+    try:
+        result = cluster.hvdrun("-H", f"{node2.address}:1", "true")
+        assert result.returncode == 255
+        assert f"  {node2.address}  HOST KEY CHANGED: {node2.address} now presents" in (
+            result.stderr
+        )
+        assert f"remove the old key with: ssh-keygen -R '{node2.address}'" in result.stderr
+        assert cluster.known_hosts.read_text() == known_before  # nothing overwritten
+        # 'off' checks nothing (throw-away clusters only)
+        off = cluster.hvdrun("--ssh-host-key-policy", "off", "-H", f"{node2.address}:1", "true")
+        assert off.returncode == 0, off.stderr
+    finally:
+        cluster.replace_host_key(node2, node2.host_key)
+
+
+def test_unknown_host_is_refused_under_strict(cluster: Cluster, tmp_path: Path) -> None:
+    node1 = cluster.hosts[0]
+    home = tmp_path / "home"
+    shutil.copytree(cluster.home, home)
+    (home / ".ssh" / "known_hosts").write_text("")
+    env = cluster.env(HOME=str(home))
+    strict = cluster.hvdrun(
+        "--ssh-host-key-policy", "strict", "-H", f"{node1.address}:1", "true", env=env
+    )
+    assert strict.returncode == 255
+    assert f"host key of {node1.address} is not in known_hosts" in strict.stderr
+    assert "policy is strict" in strict.stderr
+    assert (home / ".ssh" / "known_hosts").read_text() == ""
+
+
+def test_ssh_config_port_and_proxy_command(cluster: Cluster, tmp_path: Path) -> None:
+    if shutil.which("ssh") is None:
+        pytest.skip("the ssh client (openssh-client) is needed as ProxyCommand")
+    node1, node2 = cluster.hosts[:2]
+    jump = (
+        f"ssh -F /dev/null -i {cluster.client_key} -o BatchMode=yes "
+        "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR "
+        f"-W %h:%p root@{node1.address}"
+    )
+    config = tmp_path / "ssh_config"
+    config.write_text(
+        f"Host behind-node1\n    HostName {node2.address}\n    Port 2222\n"
+        f"    User root\n    IdentityFile {cluster.client_key}\n    ProxyCommand {jump}\n"
+    )
+    result = cluster.hvdrun(
+        "--ssh-config-file",
+        str(config),
+        "-H",
+        "behind-node1:1",
+        PY,
+        str(SCRIPTS / "show_env.py"),
+        "HVDRUN_RENDEZVOUS_ADDR",
+        "GLOO_SOCKET_IFNAME",
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"[0]<stdout>:HVDRUN_RENDEZVOUS_ADDR={cluster.gateway}:" in result.stdout
+    assert "[0]<stdout>:GLOO_SOCKET_IFNAME=eth0" in result.stdout
+    assert f"[{node2.address}]:2222 ssh-ed25519 " in cluster.known_hosts.read_text()
+    # -p and -i on the command line, no config entry for the address
+    direct = cluster.hvdrun(
+        "-p", "2222", "-i", str(cluster.client_key), "-H", f"root@{node1.address}:1", "true"
+    )
+    assert direct.returncode == 0, direct.stderr
+    assert f"[{node1.address}]:2222 ssh-ed25519 " in cluster.known_hosts.read_text()
+
+
+def test_check_hosts_table(cluster: Cluster) -> None:
+    from importlib import metadata
+
+    node1, node2, node3 = cluster.hosts
+    result = cluster.hvdrun("--check-hosts", "-H", f"{node1.alias}:2,{node2.alias}:2,{node3.alias}")
+    assert result.returncode == 1, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == [
+        "HOST",
+        "STATUS",
+        "PYTHON",
+        "TORCH",
+        "HVDRUN",
+        "GPUS",
+        "NCCL",
+        "INTERFACE",
+    ]
+    python = ".".join(map(str, sys.version_info[:3]))
+    torch_version = metadata.version("torch")
+    for host, line in zip((node1, node2), lines[1:3], strict=True):
+        assert line.split() == [
+            host.alias,
+            "ok",
+            python,
+            torch_version,
+            metadata.version("hvdrun"),
+            "0",
+            "-",
+            "eth0",
+            host.address,
+        ]
+    assert lines[3].split()[:2] == [node3.alias, "UNUSABLE"]
+    assert f"  {node3.alias}: connection refused by {node3.address} port 22" in result.stdout
+    assert lines[-1] == "2 of 3 host(s) usable"
+    assert "disagree" not in result.stdout
+
+
+def test_cut_network_stops_the_cut_off_host_and_the_job(cluster: Cluster) -> None:
+    node1, node2 = cluster.hosts[:2]
+    proc = start_job(
+        cluster,
+        "--agent-timeout",
+        "2",
+        "--term-grace",
+        "1",
+        "-H",
+        f"{node1.alias}:1,{node2.alias}:1",
+        PY,
+        str(SCRIPTS / "fail_rank.py"),
+    )
+    try:
+        pids = wait_for_pids(proc, 2)
+        cluster.set_link(node2, up=False)
+        start = time.monotonic()
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 255, stderr
+        assert time.monotonic() - start < 10
+        assert "host hvd-node2: heard nothing from its agent for 2 s" in stderr
+        # node2's agent noticed on its own, while still cut off
+        assert_gone(pids, within=10)
+        assert_hosts_clean(cluster, [node1], within=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cluster.set_link(node2, up=True)
+    assert_hosts_clean(cluster, [node2], within=10)
+
+
+def _venv(path: Path, with_hvdrun: bool) -> Path:
+    """A venv of this interpreter's base Python; hvdrun importable through a .pth file."""
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(path)], check=True, timeout=60)
+    if with_hvdrun:
+        import sysconfig
+
+        site = Path(sysconfig.get_paths()["purelib"])
+        (next(path.glob("lib/python*/site-packages")) / "hvdrun-tests.pth").write_text(
+            f"import site; site.addsitedir({str(site)!r})\n"
+        )
+    return path / "bin" / "python"
+
+
+def test_a_host_without_the_python_or_hvdrun_is_named(cluster: Cluster) -> None:
+    node1, node2 = cluster.hosts[:2]
+    venv = cluster.local_only / "venv"
+    python = _venv(venv, with_hvdrun=True)  # here: hvdrun works; on the hosts: no such path
+    # node2 has a Python at that path, but without hvdrun
+    base = getattr(sys, "_base_executable", sys.executable)
+    cluster.on_host_filesystem(node2, base, "-m", "venv", "--without-pip", str(venv))
+    argv = cluster.hvdrun_argv("-H", f"{node1.alias}:1,{node2.alias}:1", "true")
+    argv[argv.index(sys.executable)] = str(python)
+    result = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 255, result.stderr
+    assert (
+        f"  {node1.alias}  no Python at {python} there: hvdrun must be installed at the "
+        "same path on every host" in result.stderr
+    )
+    assert f"  {node2.alias}  hvdrun is not installed for {python} there (" in result.stderr
+    assert "No module named" in result.stderr
+
+
+def run_on_terminal(argv: list[str], env: dict[str, str], timeout: float = 60) -> tuple[int, str]:
+    """Runs argv with stdout and stderr on a pseudo-terminal; returns (exit code, output)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=env
+    )
+    os.close(follower)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: every writer has closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    return proc.wait(timeout=10), b"".join(chunks).decode(errors="replace")
+
+
+def test_status_line_and_colours_on_a_terminal(cluster: Cluster) -> None:
+    node1, node2 = cluster.hosts[:2]
+    env = cluster.env(REGISTER_DELAY="0.4", TERM="xterm")
+    env.pop("NO_COLOR", None)
+    code, output = run_on_terminal(
+        cluster.hvdrun_argv(
+            "-H", f"{node1.alias}:2,{node2.alias}:2", PY, str(SCRIPTS / "register.py")
+        ),
+        env,
+    )
+    assert code == 0, output
+    statuses = re.findall(r"hvdrun: connected (\d)/2 hosts, (\d)/4 workers registered", output)
+    assert ("2", "0") in statuses or ("2", "1") in statuses, output
+    assert all(int(done) < 4 for _, done in statuses)  # it goes away once all registered
+    assert "\r\x1b[K" in output  # the status line is redrawn in place, never scrolled
+    for rank in range(4):
+        host = node1 if rank < 2 else node2
+        colour = RANK_COLOURS[rank]
+        assert (
+            f"\x1b[{colour}m[{rank}]<stdout>:\x1b[0mregistered rank {rank} on {host.uts_hostname}"
+            in output
+        )
+    # NO_COLOR: same job, no colour codes
+    code, plain = run_on_terminal(
+        cluster.hvdrun_argv("-H", f"{node1.alias}:1", PY, str(SCRIPTS / "register.py")),
+        {**env, "NO_COLOR": "1"},
+    )
+    assert code == 0, plain
+    assert f"[0]<stdout>:registered rank 0 on {node1.uts_hostname}" in plain
+    assert "\x1b[3" not in plain
+
+
+def test_keys_from_ssh_agent(cluster: Cluster, tmp_path: Path) -> None:
+    if shutil.which("ssh-agent") is None or shutil.which("ssh-add") is None:
+        pytest.skip("ssh-agent/ssh-add (openssh-client) are needed")
+    node1 = cluster.hosts[0]
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    shutil.copy(cluster.known_hosts, home / ".ssh" / "known_hosts")
+    (home / ".ssh" / "config").write_text("Host *\n    User root\n")  # no IdentityFile
+    socket_path = tmp_path / "agent.sock"
+    agent = subprocess.Popen(
+        ["ssh-agent", "-D", "-a", str(socket_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 5
+        while not socket_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        env = cluster.env(HOME=str(home), SSH_AUTH_SOCK=str(socket_path))
+        without = cluster.hvdrun("-H", f"{node1.address}:1", "true", env=env)
+        assert without.returncode == 255
+        assert (
+            f"  {node1.address}  authentication failed for user root: no key to offer (give one "
+            "with -i or IdentityFile in ~/.ssh/config, or load one into ssh-agent)"
+        ) in without.stderr
+        stranger = cluster.new_key("stranger_key")
+        wrong = cluster.hvdrun("-i", str(stranger), "-H", f"{node1.address}:1", "true", env=env)
+        assert wrong.returncode == 255
+        assert (
+            f"authentication failed for user root; the server accepted none of: key {stranger} "
+            "(hvdrun logs in with keys only, never with passwords)"
+        ) in wrong.stderr
+        added = subprocess.run(
+            ["ssh-add", str(cluster.client_key)], env=env, capture_output=True, timeout=10
+        )
+        assert added.returncode == 0, added.stderr
+        with_key = cluster.hvdrun("-H", f"{node1.address}:1", "true", env=env)
+        assert with_key.returncode == 0, with_key.stderr
+    finally:
+        agent.kill()
+        agent.wait()
