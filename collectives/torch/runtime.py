@@ -112,19 +112,6 @@ _atexit_registered = False
 env = config_module.env
 
 
-def _float_env(name: str, default: float) -> float:
-    raw = env(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"HVDRUN_{name} must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"HVDRUN_{name} must be positive, got {raw!r}")
-    return value
-
-
 def _int_env(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -252,7 +239,9 @@ def _init_from_rendezvous(
         )
         # Watch before bootstrapping: a launcher that dies while peers are still missing must
         # not leave this worker blocked in the store until the timeout.
-        lost_after = _float_env("RENDEZVOUS_LOST_AFTER_SECONDS", DEFAULT_LOST_AFTER_SECONDS)
+        lost_after = config_module._number(
+            "RENDEZVOUS_LOST_AFTER_SECONDS", DEFAULT_LOST_AFTER_SECONDS, strict=True
+        )
         client.watch(topology.rank, _make_on_lost(runtime), lost_after=lost_after)
         _select_cuda_device(backend, topology.local_rank)
         runtime.store = RendezvousStore(
