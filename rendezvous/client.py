@@ -36,6 +36,7 @@ __all__ = [
     "RendezvousAuthError",
     "RendezvousClient",
     "RendezvousError",
+    "RendezvousRemoved",
     "RendezvousTimeout",
     "RendezvousUnavailable",
 ]
@@ -67,6 +68,10 @@ class RendezvousTimeout(RendezvousError):
 
 class RendezvousUnavailable(RendezvousError):
     """The rendezvous server cannot be reached or has gone away."""
+
+
+class RendezvousRemoved(RendezvousError):
+    """Elastic jobs: the newest membership generation no longer contains this worker's slot."""
 
 
 class RendezvousAuthError(RendezvousError):
@@ -106,10 +111,12 @@ class _Watch:
         rank: int,
         on_lost: Callable[[str], None],
         lost_after: float,
+        on_generation: Callable[[int], None] | None = None,
     ) -> None:
         self._client = client
         self._rank = rank
         self._on_lost = on_lost
+        self._on_generation = on_generation
         self._lost_after = lost_after
         self._lock = threading.Lock()
         self._done = False  # on_lost was called, or the watch was closed
@@ -166,6 +173,8 @@ class _Watch:
             events: Iterator[rendezvous_pb2.WatchEvent] = call
             for event in events:
                 self._last_event = time.monotonic()
+                if self._on_generation is not None and event.generation > 0:
+                    self._on_generation(event.generation)
                 if event.kind == rendezvous_pb2.WatchEvent.SHUTDOWN:
                     detail = event.message or "no reason given"
                     self._report(f"the rendezvous server shut down the job: {detail}")
@@ -269,13 +278,32 @@ class RendezvousClient:
 
     # ---- API --------------------------------------------------------------------------
 
-    def register(self, host: str, local_rank: int) -> RankInfo:
-        """Announces this worker's slot and returns its place in the job."""
-        info = self._call(
-            f"register(host={host!r}, local_rank={local_rank})",
-            self._stub.Register,
-            rendezvous_pb2.RegisterRequest(host=host, local_rank=local_rank),
-        )
+    def register(
+        self, host: str, local_rank: int, min_generation: int = 0, timeout: float = 0.0
+    ) -> RankInfo:
+        """Announces this worker's slot and returns its place in the job.
+
+        Elastic jobs: waits up to ``timeout`` seconds for membership generation
+        ``min_generation`` (or a newer one) and returns the slot's place in the newest;
+        raises :class:`RendezvousRemoved` when that generation does not contain the slot.
+        """
+        timeout_ms = _to_ms(timeout)
+        try:
+            info = self._call(
+                f"register(host={host!r}, local_rank={local_rank})",
+                self._stub.Register,
+                rendezvous_pb2.RegisterRequest(
+                    host=host,
+                    local_rank=local_rank,
+                    min_generation=min_generation,
+                    timeout_ms=timeout_ms,
+                ),
+                timeout=max(timeout_ms / 1000 + _DEADLINE_SLACK, self._rpc_timeout),
+            )
+        except RendezvousError as error:
+            if min_generation > 0 and error.code == grpc.StatusCode.NOT_FOUND:
+                raise RendezvousRemoved(str(error), error.code) from None
+            raise
         return RankInfo(
             rank=info.rank,
             size=info.size,
@@ -371,19 +399,27 @@ class RendezvousClient:
             timeout=timeout_ms / 1000 + _DEADLINE_SLACK,
         )
 
-    def watch(self, rank: int, on_lost: Callable[[str], None], *, lost_after: float = 5.0) -> None:
+    def watch(
+        self,
+        rank: int,
+        on_lost: Callable[[str], None],
+        *,
+        lost_after: float = 5.0,
+        on_generation: Callable[[int], None] | None = None,
+    ) -> None:
         """Holds the server's heartbeat stream in a daemon thread.
 
         Calls ``on_lost(reason)`` exactly once, from that thread, when the stream fails, the
         server sends SHUTDOWN, or no event arrives for ``lost_after`` seconds. Never called
-        after :meth:`close`.
+        after :meth:`close`. ``on_generation(n)`` hears the newest membership generation
+        with every event of an elastic job.
         """
         if lost_after <= 0:
             raise ValueError(f"lost_after must be positive, got {lost_after}")
         with self._lock:
             if self._closed:
                 raise RendezvousError("rendezvous watch: the client is closed")
-            watch = _Watch(self, rank, on_lost, lost_after)
+            watch = _Watch(self, rank, on_lost, lost_after, on_generation)
             self._watches.append(watch)
         watch.start()
 

@@ -12,12 +12,16 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("host", "local_rank")
+    __slots__ = ("host", "local_rank", "min_generation", "timeout_ms")
     HOST_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    MIN_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     host: str
     local_rank: int
-    def __init__(self, host: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
+    min_generation: int
+    timeout_ms: int
+    def __init__(self, host: _Optional[str] = ..., local_rank: _Optional[int] = ..., min_generation: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class RankInfo(_message.Message):
     __slots__ = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "generation")
@@ -138,15 +142,19 @@ class WatchRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("kind", "message")
+    __slots__ = ("kind", "message", "generation")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         HEARTBEAT: _ClassVar[WatchEvent.Kind]
         SHUTDOWN: _ClassVar[WatchEvent.Kind]
+        HOSTS_UPDATED: _ClassVar[WatchEvent.Kind]
     HEARTBEAT: WatchEvent.Kind
     SHUTDOWN: WatchEvent.Kind
+    HOSTS_UPDATED: WatchEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     kind: WatchEvent.Kind
     message: str
-    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    generation: int
+    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., message: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...

@@ -95,7 +95,10 @@ class RendezvousServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
-        """A worker announces (host, local_rank) and learns its place in the job.
+        """A worker announces (host, local_rank) and learns its place in the job: its slot in the
+        newest membership generation (elastic jobs publish a new one after every change).
+        Blocks (up to timeout_ms) until a generation >= min_generation exists; NOT_FOUND when
+        that generation does not contain the slot (the host was removed from the job).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

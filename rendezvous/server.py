@@ -17,6 +17,14 @@ Why it looks the way it does:
 * Every call is authenticated by an interceptor before its request is even parsed: the job
   secret (compared in constant time) and the job id travel as metadata. A rejected call changes
   nothing. The secret never appears in a log line or an error message.
+* Elastic jobs (``elastic=True``) change membership while they run: the launcher publishes
+  generation after generation of the slot table (:meth:`RendezvousServer.publish`). A
+  worker's ``Register`` names the oldest generation it accepts and waits for it, so survivors
+  of a failure simply re-register and wait for the launcher's next table. Every Watch event
+  carries the newest generation number, so running workers learn of added or removed hosts.
+  Publishing generation G fails every store call still waiting on a key of an older
+  generation (``hvdrun/g<N>/...``, N < G) with ABORTED: a worker stuck bootstrapping a
+  generation that can never complete moves on at once instead of waiting for its timeout.
 * This module must not import torch: the CLI imports it and has to start fast.
 """
 
@@ -27,6 +35,7 @@ import contextlib
 import hmac
 import logging
 import os
+import re
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +78,25 @@ def _seconds(timeout_ms: int) -> str:
 
 class _ShuttingDown(Exception):
     """Set on waiters' futures when the server stops, so blocked calls end at once."""
+
+
+class _Superseded(Exception):
+    """Set on waiters for a key of a generation older than the newest published one."""
+
+    def __init__(self, old: int, new: int) -> None:
+        super().__init__(
+            f"membership generation {old} was superseded by generation {new} "
+            "(hosts joined or left the job)"
+        )
+
+
+#: Store keys of one membership generation start with this (see collectives' runtime).
+_GENERATION_KEY = re.compile(r"^hvdrun/g(\d+)/")
+
+
+def _generation_of(key: str) -> int | None:
+    match = _GENERATION_KEY.match(key)
+    return int(match.group(1)) if match else None
 
 
 @dataclass
@@ -226,10 +254,17 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     """The RPC handlers. Every method runs on the server's loop; state is loop-confined."""
 
     def __init__(
-        self, slots: Sequence[SlotInfo], heartbeat_interval: float, max_value_bytes: int
+        self,
+        slots: Sequence[SlotInfo],
+        heartbeat_interval: float,
+        max_value_bytes: int,
+        elastic: bool = False,
     ) -> None:
         self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
         self._size = len(slots)
+        self._elastic = elastic
+        self._generation = 0
+        self._wake: asyncio.Event | None = None  # set (and replaced) on publish and shutdown
         self._heartbeat_interval = heartbeat_interval
         self._max_value_bytes = max_value_bytes
         self._data: dict[str, bytes] = {}
@@ -241,6 +276,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         # Read from other threads (status lines, the elastic driver): guarded by a lock.
         self._lock = threading.Lock()
         self._registered: set[tuple[str, int]] = set()
+        self._registered_generation: set[tuple[str, int]] = set()  # of the newest generation
         self._watching: dict[int, int] = {}  # rank -> number of open Watch streams
         self._open_watches = 0  # loop-confined twin of sum(_watching.values())
         self._watches_closed: asyncio.Event | None = None
@@ -251,6 +287,34 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         if self._shutdown is None:
             self._shutdown = asyncio.Event()
         return self._shutdown
+
+    def _wake_event(self) -> asyncio.Event:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        return self._wake
+
+    def _wake_all(self) -> None:
+        old, self._wake = self._wake, asyncio.Event()
+        if old is not None:
+            old.set()
+
+    def publish(self, slots: Sequence[SlotInfo]) -> int:
+        """Makes ``slots`` the newest generation (on the loop); returns its number."""
+        self._generation += 1
+        generation = self._generation
+        with self._lock:
+            self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
+            self._size = len(slots)
+            self._registered_generation = set()
+        for key, waiters in list(self._waiters.items()):
+            old = _generation_of(key)
+            if old is not None and old < generation:
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_exception(_Superseded(old, generation))
+        self._wake_all()
+        logger.info("published generation %d: %d slot(s)", generation, len(slots))
+        return generation
 
     def _store(self, key: str, value: bytes) -> None:
         """Writes a value and wakes exactly the callers blocked on this key."""
@@ -284,6 +348,9 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             return self._data[key]
         if self._stopping:
             raise _ShuttingDown
+        old = _generation_of(key)
+        if old is not None and old < self._generation:
+            raise _Superseded(old, self._generation)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bytes] = loop.create_future()
         self._waiters.setdefault(key, set()).add(waiter)
@@ -303,11 +370,17 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, self._shutdown_message)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    @staticmethod
+    async def _abort_superseded(context: grpc.aio.ServicerContext, error: _Superseded) -> NoReturn:
+        await context.abort(grpc.StatusCode.ABORTED, str(error))
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def begin_shutdown(self, message: str) -> None:
         """Ends every Watch stream with SHUTDOWN and fails every blocked call (on the loop)."""
         self._stopping = True
         self._shutdown_message = message
         self._shutdown_event().set()
+        self._wake_all()
         for waiters in self._waiters.values():
             for waiter in waiters:
                 if not waiter.done():
@@ -325,6 +398,8 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
 
     def registered_count(self) -> int:
         with self._lock:
+            if self._elastic:
+                return len(self._registered_generation)
             return len(self._registered)
 
     def watching_ranks(self) -> set[int]:
@@ -336,8 +411,31 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def Register(
         self, request: rendezvous_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.RankInfo:
+        error = self._check_timeout(request.timeout_ms)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request.timeout_ms / 1000
+        while self._generation < request.min_generation:
+            if self._stopping:
+                await self._abort_shutting_down(context)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no membership generation {request.min_generation} was published "
+                    f"within {_seconds(request.timeout_ms)} (newest: {self._generation})",
+                )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake_event().wait(), remaining)
         slot = self._slots.get((request.host, request.local_rank))
         if slot is None:
+            if self._elastic:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"host {_quote(request.host)} local_rank {request.local_rank} is not part "
+                    f"of generation {self._generation} of this job (its host was removed)",
+                )
             known = sorted({host for host, _ in self._slots})
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
@@ -347,12 +445,14 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         with self._lock:
             first = (slot.hostname, slot.local_rank) not in self._registered
             self._registered.add((slot.hostname, slot.local_rank))
+            self._registered_generation.add((slot.hostname, slot.local_rank))
         logger.debug(
-            "%s rank %d (host %s, local_rank %d)",
+            "%s rank %d (host %s, local_rank %d, generation %d)",
             "registered" if first else "re-registered",
             slot.rank,
             slot.hostname,
             slot.local_rank,
+            self._generation,
         )
         return rendezvous_pb2.RankInfo(
             rank=slot.rank,
@@ -361,7 +461,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             local_size=slot.local_size,
             cross_rank=slot.cross_rank,
             cross_size=slot.cross_size,
-            generation=0,
+            generation=self._generation,
         )
 
     async def Set(
@@ -393,6 +493,8 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             )
         except _ShuttingDown:
             await self._abort_shutting_down(context)
+        except _Superseded as superseded:
+            await self._abort_superseded(context, superseded)
         return rendezvous_pb2.GetResponse(value=value)
 
     async def Wait(
@@ -416,6 +518,8 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             )
         except _ShuttingDown:
             await self._abort_shutting_down(context)
+        except _Superseded as superseded:
+            await self._abort_superseded(context, superseded)
         return rendezvous_pb2.Empty()
 
     async def Add(
@@ -530,7 +634,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def Watch(
         self, request: rendezvous_pb2.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rendezvous_pb2.WatchEvent]:
-        if not 0 <= request.rank < self._size:
+        if request.rank < 0 or (not self._elastic and request.rank >= self._size):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"rank {request.rank} is outside this job's ranks [0, {self._size})",
@@ -544,13 +648,19 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             self._watches_closed = asyncio.Event()
         self._watches_closed.clear()
         logger.debug("rank %d is watching", rank)
+        kinds = rendezvous_pb2.WatchEvent
         try:
+            sent = self._generation
             while not shutdown.is_set():
-                yield rendezvous_pb2.WatchEvent(kind=rendezvous_pb2.WatchEvent.HEARTBEAT)
+                wake = self._wake_event()
+                generation = self._generation
+                kind = kinds.HOSTS_UPDATED if generation != sent else kinds.HEARTBEAT
+                sent = generation
+                yield rendezvous_pb2.WatchEvent(kind=kind, generation=generation)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(shutdown.wait(), self._heartbeat_interval)
+                    await asyncio.wait_for(wake.wait(), self._heartbeat_interval)
             yield rendezvous_pb2.WatchEvent(
-                kind=rendezvous_pb2.WatchEvent.SHUTDOWN, message=self._shutdown_message
+                kind=kinds.SHUTDOWN, message=self._shutdown_message, generation=self._generation
             )
         finally:
             with self._lock:
@@ -566,6 +676,14 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
 
 
 _T = TypeVar("_T")
+
+
+def _check_slots(slots: Sequence[SlotInfo]) -> None:
+    seen: set[tuple[str, int]] = set()
+    for slot in slots:
+        if (slot.hostname, slot.local_rank) in seen:
+            raise ValueError(f"duplicate slot: host {slot.hostname!r} local_rank {slot.local_rank}")
+        seen.add((slot.hostname, slot.local_rank))
 
 
 class _LoopThread:
@@ -624,6 +742,7 @@ class RendezvousServer:
         port: int = 0,
         heartbeat_interval: float = 1.0,
         max_value_bytes: int = 4 * 1024 * 1024,
+        elastic: bool = False,
     ) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
@@ -631,20 +750,14 @@ class RendezvousServer:
             raise ValueError(f"heartbeat_interval must be positive, got {heartbeat_interval}")
         if max_value_bytes < 1:
             raise ValueError(f"max_value_bytes must be positive, got {max_value_bytes}")
-        seen: set[tuple[str, int]] = set()
-        for slot in slots:
-            if (slot.hostname, slot.local_rank) in seen:
-                raise ValueError(
-                    f"duplicate slot: host {slot.hostname!r} local_rank {slot.local_rank}"
-                )
-            seen.add((slot.hostname, slot.local_rank))
+        _check_slots(slots)
         self._slots = list(slots)
         self._secret = secret
         self._job_id = job_id
         self._bind_host = bind_host
         self._requested_port = port
         self._max_value_bytes = max_value_bytes
-        self._servicer = _Servicer(self._slots, heartbeat_interval, max_value_bytes)
+        self._servicer = _Servicer(self._slots, heartbeat_interval, max_value_bytes, elastic)
         self._loop_thread: _LoopThread | None = None
         self._server: grpc.aio.Server | None = None
         self._port: int | None = None
@@ -737,8 +850,30 @@ class RendezvousServer:
             await server.stop(grace)
 
     def registered_count(self) -> int:
-        """How many distinct slots have registered so far."""
+        """How many distinct slots have registered so far (elastic: in the newest generation)."""
         return self._servicer.registered_count()
+
+    def publish(self, slots: Sequence[SlotInfo]) -> int:
+        """Elastic jobs: makes ``slots`` the newest membership generation; returns its number.
+
+        Workers waiting in ``Register`` for it get their new places; running workers see the
+        number on their Watch stream; bootstraps of older generations that still wait fail.
+        """
+        _check_slots(slots)
+        with self._state_lock:
+            loop_thread = self._loop_thread
+        if loop_thread is None:
+            raise RuntimeError("the rendezvous server has not been started")
+
+        async def publish() -> int:
+            return self._servicer.publish(slots)
+
+        return loop_thread.run(publish(), timeout=30)
+
+    @property
+    def generation(self) -> int:
+        """The newest published membership generation (0 until the first publish)."""
+        return self._servicer._generation
 
     def watching_ranks(self) -> set[int]:
         """Ranks that hold an open Watch stream right now."""
