@@ -3,7 +3,8 @@
 This module is the whole public surface; the implementation lives in submodules:
 ``runtime`` (init/shutdown, rank queries, timeline control), ``mpi_ops`` (the tensor
 collectives and their autograd), ``process_sets``, ``functions`` (parameters, optimizer state
-and objects), ``optimizer`` (``DistributedOptimizer``) and ``compression``. Underneath,
+and objects), ``optimizer`` (``DistributedOptimizer``), ``compression``, ``adasum`` (the
+Adasum reduction) and ``sync_batch_norm`` (``SyncBatchNorm``). Underneath,
 ``ops`` checks arguments and builds requests for the background ``engine``, which negotiates
 them (``negotiation``), fuses them (``fusion``), runs them (``execute``) and records the
 ``timeline``.
@@ -84,6 +85,7 @@ from collectives.torch.runtime import (
     start_timeline,
     stop_timeline,
 )
+from collectives.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Adasum",
@@ -98,6 +100,7 @@ __all__ = [
     "Product",
     "ReduceOp",
     "Sum",
+    "SyncBatchNorm",
     "TensorMismatchError",
     "add_process_set",
     "allgather",

@@ -14,7 +14,14 @@ next step for very large jobs.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
+
+from collectives.torch.common import ProcessSet
+from collectives.torch.handles import Handle
+from collectives.torch.requests import Kind, Request
 
 
 def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -28,8 +35,9 @@ def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a_coef * a + b_coef * b
 
 
-def adasum_tree(per_rank: list[torch.Tensor]) -> torch.Tensor:
-    """Combines one tensor from every rank (index = rank) with Adasum's pairwise tree."""
+def adasum_tree(per_rank: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+    """Combines one tensor from every rank (index = rank) with Adasum's pairwise tree, times
+    ``scale`` (applied before the result returns to the inputs' dtype)."""
     if not per_rank:
         raise ValueError("adasum_tree needs at least one tensor")
     dtype = per_rank[0].dtype
@@ -40,4 +48,48 @@ def adasum_tree(per_rank: list[torch.Tensor]) -> torch.Tensor:
         if len(level) % 2:
             nxt.append(level[-1])
         level = nxt
-    return level[0].to(dtype)
+    result = level[0] if scale == 1.0 else level[0] * scale
+    return result.to(dtype)
+
+
+def submit_allreduce(
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor] | None,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet | None,
+    name: str | None,
+    finish: Callable[[Request], Any],
+) -> Handle:
+    """An allreduce with op=Adasum: one allgather of the flattened tensors, then the tree
+    above on every rank; ``outputs`` None means new output tensors, as for other ops."""
+    from collectives.torch import ops  # ops hands Adasum requests to this function
+
+    inputs = [ops.check_tensor(t, "allreduce") for t in tensors]
+    for tensor in inputs:
+        if not tensor.is_floating_point():
+            raise TypeError(
+                f"allreduce with op=hvd.Adasum needs floating-point tensors, got {tensor.dtype}"
+            )
+    engine, group = ops.resolve_process_set(process_set, "allreduce")
+    if name is None:
+        # From the allreduce counter, so unnamed Adasum ops number like other allreduces.
+        name = engine.auto_name(Kind.ALLREDUCE, group.process_set_id)
+    targets = list(outputs) if outputs is not None else None
+    shapes = [t.shape for t in inputs]
+    scale = float(prescale) * float(postscale)
+
+    def combine(request: Request) -> Any:
+        results: list[torch.Tensor] = []
+        with torch.no_grad():
+            for index, gathered in enumerate(request.outputs):
+                combined = adasum_tree(list(gathered.unbind(0)), scale).reshape(shapes[index])
+                if targets is not None:
+                    targets[index].copy_(combined)
+                    combined = targets[index]
+                results.append(combined)
+        request.outputs = results
+        return finish(request)
+
+    rows = [t.reshape(1, t.numel()) for t in inputs]
+    return ops.submit_allgather(rows, process_set, f"adasum.{name}", combine)

@@ -47,7 +47,9 @@ def _loads(data: torch.Tensor) -> Any:
     return pickle.loads(data.numpy().tobytes())
 
 
-def broadcast_parameters(params: Any, root_rank: int) -> None:
+def broadcast_parameters(
+    params: Any, root_rank: int, process_set: ProcessSet = global_process_set
+) -> None:
     """Overwrites parameters in place with root_rank's: a state_dict/dict, or a list of
     tensors or (name, tensor) pairs such as ``model.named_parameters()``."""
     if isinstance(params, Mapping):
@@ -65,7 +67,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
                 f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor"
             )
         tensors.append(tensor)
-    ops.broadcast_(tensors, root_rank, global_process_set, "broadcast_parameters")
+    ops.broadcast_(tensors, root_rank, process_set, "broadcast_parameters")
 
 
 @dataclass(frozen=True)
@@ -113,21 +115,32 @@ def _empty_for(slot: _TensorSlot) -> torch.Tensor:
     return torch.empty(slot.shape, dtype=slot.dtype, device=device)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    root_rank: int,
+    model: Any = None,
+    process_set: ProcessSet = global_process_set,
+) -> None:
     """Makes every rank's optimizer state (tensors, step counts and param_group
-    hyper-parameters) equal to root_rank's."""
-    own = runtime.require("hvd.broadcast_optimizer_state()").topology.rank == root_rank
-    if own:
+    hyper-parameters) equal to root_rank's. ``model`` is accepted for Horovod compatibility."""
+    runtime.require("hvd.broadcast_optimizer_state()")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "hvd.broadcast_optimizer_state() does not support torch.optim.LBFGS: its state "
+            "is not per parameter; broadcast the parameters and build LBFGS alike on every rank"
+        )
+    skeleton_name = "broadcast_optimizer_state.skeleton"
+    if process_set.rank() == root_rank:
         tensors: list[torch.Tensor] = []
         skeleton = _strip(optimizer.state_dict(), tensors)
-        broadcast_object(skeleton, root_rank, name="broadcast_optimizer_state.skeleton")
-        ops.broadcast_(tensors, root_rank, global_process_set, "broadcast_optimizer_state")
+        broadcast_object(skeleton, root_rank, name=skeleton_name, process_set=process_set)
+        ops.broadcast_(tensors, root_rank, process_set, "broadcast_optimizer_state")
         return
-    skeleton = broadcast_object(None, root_rank, name="broadcast_optimizer_state.skeleton")
+    skeleton = broadcast_object(None, root_rank, name=skeleton_name, process_set=process_set)
     slots: list[_TensorSlot] = []
     _strip_slots(skeleton, slots)
     received = [_empty_for(slot) for slot in sorted(slots, key=lambda s: s.index)]
-    ops.broadcast_(received, root_rank, global_process_set, "broadcast_optimizer_state")
+    ops.broadcast_(received, root_rank, process_set, "broadcast_optimizer_state")
     optimizer.load_state_dict(_fill(skeleton, received))
 
 

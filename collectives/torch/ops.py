@@ -199,6 +199,12 @@ def submit_allreduce(
     inputs = [check_tensor(t, "allreduce") for t in tensors]
     if type(op) is not ReduceOp:
         op = ReduceOp(op)
+    if op == ReduceOp.ADASUM:
+        from collectives.torch import adasum  # an allgather and local math, see adasum.py
+
+        return adasum.submit_allreduce(
+            tensors, outputs, prescale, postscale, process_set, name, finish
+        )
     check_reduction(inputs, op, prescale, postscale, "allreduce")
     common = (int(op), float(prescale), float(postscale))
     if outputs is None:

@@ -1,4 +1,4 @@
-"""``hvd.DistributedOptimizer``: data-parallel training by averaging gradients before a step.
+"""``hvd.DistributedOptimizer``: data-parallel training by reducing gradients before a step.
 
 The wrapper is an instance of a class created on the fly that derives from the wrapped
 optimizer's own class (as Horovod does), so ``isinstance(opt, torch.optim.SGD)``,
@@ -6,9 +6,18 @@ optimizer's own class (as Horovod does), so ``isinstance(opt, torch.optim.SGD)``
 the wrapped optimizer's attributes instead of calling its ``__init__`` again, so optimizers
 whose constructors need extra arguments can be wrapped too, and existing state is kept.
 
-In this version ``step()`` reduces all gradients when it is called, as one grouped allreduce
-(the engine fuses them per dtype). Overlapping the reduction with the backward pass through
-gradient hooks (``allreduce_async_`` as each gradient becomes ready) comes next.
+Each parameter gets a post-accumulate-grad hook: on the ``backward_passes_per_step``-th
+accumulation of its gradient the hook submits an asynchronous in-place allreduce of the
+gradient, named after the parameter, so communication overlaps the rest of the backward
+pass (the engine fuses gradients that become ready together). ``step()`` (or
+``synchronize()``) waits for them; a parameter that got no gradient on this rank (dynamic
+graphs) is reduced there with zeros, since another rank may have one. Parameters whose
+``requires_grad`` is False at that moment are left alone.
+
+With ``op=hvd.Adasum`` the hook instead runs the wrapped optimizer's step for that
+parameter alone on the local gradient and reduces the resulting *change* of the parameter
+with Adasum, which is what Horovod's Adasum optimizer does; ``step()`` then applies the
+combined change.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -24,13 +34,21 @@ import torch
 from collectives.torch import ops, runtime
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
 from collectives.torch.compression import Compression, Compressor
+from collectives.torch.handles import Handle
 
 __all__ = ["DistributedOptimizer"]
 
 logger = logging.getLogger(__name__)
 
+# A pending entry: (handle, tensor that travels, compression context); None while the
+# gradient still accumulates; _SPARSE for a sparse gradient, gathered in synchronize().
+_Pending = tuple[Handle, torch.Tensor, Any] | None
+_SPARSE: Any = object()
 
-def _sparse_allreduce(grad: torch.Tensor, op: ReduceOp, process_set: ProcessSet) -> torch.Tensor:
+
+def _sparse_allreduce(
+    grad: torch.Tensor, op: ReduceOp, process_set: ProcessSet, name: str
+) -> torch.Tensor:
     """Reduces a sparse gradient by gathering every rank's indices and values."""
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise NotImplementedError(
@@ -38,8 +56,8 @@ def _sparse_allreduce(grad: torch.Tensor, op: ReduceOp, process_set: ProcessSet)
         )
     grad = grad.coalesce()
     # allgather concatenates along dim 0, so the (ndim, nnz) indices travel transposed.
-    indices, _ = ops.allgather(grad.indices().t().contiguous(), process_set, "sparse.indices")
-    values, _ = ops.allgather(grad.values().contiguous(), process_set, "sparse.values")
+    indices, _ = ops.allgather(grad.indices().t().contiguous(), process_set, f"{name}.indices")
+    values, _ = ops.allgather(grad.values().contiguous(), process_set, f"{name}.values")
     if op == ReduceOp.AVERAGE:
         values = values / process_set.size()
     result = torch.sparse_coo_tensor(indices.t(), values, grad.size(), check_invariants=False)
@@ -50,13 +68,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed in front of the wrapped optimizer's class (never instantiated alone)."""
 
     _hvd_params: list[torch.Tensor]
+    _hvd_names: dict[torch.Tensor, str]
     _hvd_compression: type[Compressor] | Compressor
     _hvd_op: ReduceOp
-    _hvd_predivide: float
+    _hvd_prescale: float
+    _hvd_postscale: float
     _hvd_sparse_as_dense: bool
     _hvd_process_set: ProcessSet
-    _hvd_backward_passes_per_step: int
-    _hvd_param_names: dict[int, str]
+    _hvd_passes: int
+    _hvd_delay: dict[torch.Tensor, int]
+    _hvd_pending: dict[torch.Tensor, Any]
+    _hvd_hooked: dict[torch.Tensor, Any]
     _hvd_should_synchronize: bool
     _hvd_synchronized: bool
 
@@ -71,11 +93,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         process_set: ProcessSet,
     ) -> None:
         all_params: list[torch.Tensor] = []
-        seen: set[int] = set()
+        seen: set[torch.Tensor] = set()
         for group in self.param_groups:
             for param in group["params"]:
-                if id(param) not in seen:
-                    seen.add(id(param))
+                if param not in seen:
+                    seen.add(param)
                     all_params.append(param)
         if named_parameters is not None:
             named = list(named_parameters)
@@ -86,7 +108,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 )
         else:
             named = [
-                (f"allreduce.noname.{i}.{j}", param)
+                (f"noname.{i}.{j}", param)
                 for i, group in enumerate(self.param_groups)
                 for j, param in enumerate(group["params"])
             ]
@@ -96,69 +118,150 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"parameter names in named_parameters must be unique; repeated: {duplicates}"
             )
-        named_ids = {id(param) for _, param in named}
-        unnamed = [param for param in all_params if id(param) not in named_ids]
+        by_param: dict[torch.Tensor, str] = {}
+        for name, param in named:
+            if not isinstance(name, str) or not isinstance(param, torch.Tensor):
+                raise ValueError(
+                    f"named_parameters must hold (str, tensor) pairs, got "
+                    f"({type(name).__name__}, {type(param).__name__})"
+                )
+            if param in by_param:
+                raise ValueError(
+                    f"parameter {name!r} appears in named_parameters twice (also as "
+                    f"{by_param[param]!r})"
+                )
+            by_param[param] = name
+        unnamed = [param for param in all_params if param not in by_param]
         if unnamed:
             shapes = ", ".join(str(tuple(p.shape)) for p in unnamed[:5])
             raise ValueError(
                 f"named_parameters was given but {len(unnamed)} of the optimizer's parameters "
-                f"are not in it (shapes {shapes})"
+                f"are not in it (shapes {shapes}); pass model.named_parameters() of the "
+                "model whose parameters the optimizer holds"
             )
-        self._hvd_param_names = {id(param): name for name, param in named}
-        self._hvd_params = [p for p in all_params if p.requires_grad]
+        self._hvd_params = all_params
+        self._hvd_names = {param: by_param[param] for param in all_params}
         self._hvd_compression = compression
         self._hvd_op = op
-        self._hvd_predivide = gradient_predivide_factor
+        if op == ReduceOp.AVERAGE:
+            # Divide by the factor before the sum and by size/factor after: Average's
+            # division by the size is split around the reduction.
+            self._hvd_prescale = 1.0 / gradient_predivide_factor
+            self._hvd_postscale = gradient_predivide_factor
+        else:
+            self._hvd_prescale = self._hvd_postscale = 1.0
         self._hvd_sparse_as_dense = sparse_as_dense
         self._hvd_process_set = process_set
+        self._hvd_pending = {}
+        self._hvd_hooked = {}
+        self._hvd_delay = {}
         self.set_backward_passes_per_step(backward_passes_per_step)
         self._hvd_should_synchronize = True
         self._hvd_synchronized = False
+        if process_set.included():
+            self._hvd_attach_hooks()
+
+    # ---- hooks and submission ----------------------------------------------------------
+
+    def _hvd_attach_hooks(self) -> None:
+        """Hooks every parameter that requires a gradient and has no hook yet."""
+        # The hook holds the optimizer weakly: a model outlives the optimizers made for it,
+        # and the hooks of one that is gone must not keep reducing.
+        ref = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            optimizer = ref()
+            if optimizer is not None:
+                optimizer._hvd_on_gradient(param)
+
+        for param in self._hvd_params:
+            if param.requires_grad and param not in self._hvd_hooked:
+                self._hvd_hooked[param] = param.register_post_accumulate_grad_hook(hook)
+
+    def _hvd_on_gradient(self, param: torch.Tensor) -> None:
+        """Counts one accumulation of the parameter's gradient; submits it on the last."""
+        delay = self._hvd_delay.get(param, self._hvd_passes) - 1
+        if delay < 0:
+            raise RuntimeError(
+                f"the gradient of {self._hvd_names[param]!r} was computed more than "
+                f"backward_passes_per_step={self._hvd_passes} times before optimizer.step() "
+                "or optimizer.synchronize(); raise backward_passes_per_step to accumulate "
+                "more passes locally"
+            )
+        self._hvd_delay[param] = delay
+        self._hvd_pending[param] = self._hvd_submit(param) if delay == 0 else None
+
+    def _hvd_submit(self, param: torch.Tensor) -> Any:
+        """Starts reducing the parameter's gradient in place; returns the pending entry."""
+        grad = param.grad
+        if grad is None:
+            # Another rank may have a gradient for it (dynamic graphs): every rank must
+            # hand the same tensors to the collective.
+            grad = param.grad = torch.zeros_like(param)
+        elif grad.is_sparse:
+            if not self._hvd_sparse_as_dense:
+                return _SPARSE
+            grad = param.grad = grad.to_dense()
+        tensor, ctx = self._hvd_compression.compress(grad)
+        handle = ops.submit_allreduce(
+            [tensor],
+            [tensor],
+            self._hvd_op,
+            self._hvd_prescale,
+            self._hvd_postscale,
+            self._hvd_process_set,
+            self._hvd_names[param],
+            ops.first_output,
+        )
+        return handle, tensor, ctx
+
+    def _hvd_apply(self, param: torch.Tensor, pending: Any) -> None:
+        """Waits for a submitted reduction and puts its result in place."""
+        if pending is _SPARSE:
+            assert param.grad is not None
+            param.grad = _sparse_allreduce(
+                param.grad, self._hvd_op, self._hvd_process_set, self._hvd_names[param]
+            )
+            return
+        handle, tensor, ctx = pending
+        handle.wait()
+        grad = param.grad
+        if tensor is not grad and grad is not None:
+            grad.copy_(self._hvd_compression.decompress(tensor, ctx))
+
+    def __del__(self) -> None:
+        for hook in getattr(self, "_hvd_hooked", {}).values():
+            hook.remove()
+
+    # ---- the public methods ------------------------------------------------------------
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Sets how many backward passes accumulate locally before gradients are reduced."""
-        if not isinstance(passes, int) or passes < 1:
+        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be a positive integer, got {passes}")
-        self._hvd_backward_passes_per_step = passes
+        self._hvd_passes = passes
+        self._hvd_delay.clear()
 
     def synchronize(self) -> None:
-        """Averages (or reduces with the optimizer's op) the gradients across all ranks now."""
+        """Waits for the gradients' reductions (starting those not started yet): afterwards
+        every rank holds the averaged (or op-reduced) gradients."""
+        if not self._hvd_process_set.included():
+            self._hvd_synchronized = True
+            return
         runtime.require("DistributedOptimizer.synchronize()")
-        dense: list[torch.Tensor] = []
-        sparse: list[torch.Tensor] = []
-        for param in self._hvd_params:
-            if param.grad is None:
-                # Another rank may have a gradient for it (dynamic graphs): every rank must
-                # hand the same tensors to the collective.
-                param.grad = torch.zeros_like(param)
-            if param.grad.is_sparse:
-                if self._hvd_sparse_as_dense:
-                    param.grad = param.grad.to_dense()
-                    dense.append(param)
-                else:
-                    sparse.append(param)
-            else:
-                dense.append(param)
-        if self._hvd_op == ReduceOp.AVERAGE:
-            prescale, postscale = 1.0 / self._hvd_predivide, self._hvd_predivide
-        else:
-            prescale, postscale = 1.0, 1.0
-        grads = [param.grad for param in dense if param.grad is not None]
-        packed = [self._hvd_compression.compress(grad) for grad in grads]
-        ops.allreduce_(
-            [tensor for tensor, _ in packed],
-            self._hvd_op,
-            prescale,
-            postscale,
-            self._hvd_process_set,
-            "DistributedOptimizer.gradients",
-        )
-        for grad, (tensor, ctx) in zip(grads, packed, strict=True):
-            if tensor is not grad:
-                grad.copy_(self._hvd_compression.decompress(tensor, ctx))
-        for param in sparse:
-            assert param.grad is not None
-            param.grad = _sparse_allreduce(param.grad, self._hvd_op, self._hvd_process_set)
+        pending = self._hvd_pending
+        try:
+            for param in self._hvd_params:
+                if param.requires_grad and pending.get(param) is None:
+                    pending[param] = self._hvd_submit(param)
+            for param, entry in pending.items():
+                self._hvd_apply(param, entry)
+        finally:
+            pending.clear()
+            self._hvd_delay.clear()
+        # Parameters that were frozen before and require gradients now get their hook.
+        if len(self._hvd_hooked) < len(self._hvd_params):
+            self._hvd_attach_hooks()
         self._hvd_synchronized = True
 
     @contextlib.contextmanager
@@ -171,18 +274,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._hvd_should_synchronize = True
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Reduces the gradients across ranks (unless already done), then steps."""
+    def _hvd_sync_for_step(self) -> None:
         if self._hvd_should_synchronize:
             if self._hvd_synchronized:
                 warnings.warn(
                     "optimizer.step() was called after optimizer.synchronize() outside "
                     "optimizer.skip_synchronize(); the gradients are not reduced a second time",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             else:
                 self.synchronize()
         self._hvd_synchronized = False
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Waits for the gradients' reductions (unless already done), then steps."""
+        self._hvd_sync_for_step()
         base: Any = super()
         return base.step() if closure is None else base.step(closure)
 
@@ -192,20 +298,86 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the gradients, as the wrapped optimizer does."""
+        """Clears the gradients, as the wrapped optimizer does; an error while gradients of
+        a backward pass wait for step() or synchronize()."""
+        if self._hvd_pending:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(): the gradients are being "
+                "reduced across ranks (or accumulate over backward_passes_per_step="
+                f"{self._hvd_passes} passes) and clearing them now would race with that; "
+                "call zero_grad() before the backward pass"
+            )
         self._hvd_synchronized = False
         super().zero_grad(set_to_none)
 
 
-_classes: dict[type, type] = {}
+class _DistributedAdasumOptimizer(_DistributedOptimizer):
+    """Horovod's Adasum optimizer: each rank steps on its own gradient, and the changes of
+    the parameters are combined with Adasum."""
+
+    _hvd_starts: dict[torch.Tensor, torch.Tensor]
+
+    def _hvd_submit(self, param: torch.Tensor) -> Any:
+        start = self._hvd_starts.get(param)
+        if start is None:
+            start = self._hvd_starts[param] = torch.empty_like(param)
+        with torch.no_grad():
+            start.copy_(param)
+            self._hvd_step_one(param)
+            delta = param.data
+            delta.sub_(start)
+        tensor, ctx = self._hvd_compression.compress(delta)
+        handle = ops.submit_allreduce(
+            [tensor],
+            [tensor],
+            ReduceOp.ADASUM,
+            1.0,
+            1.0,
+            self._hvd_process_set,
+            self._hvd_names[param],
+            ops.first_output,
+        )
+        return handle, tensor, ctx
+
+    def _hvd_step_one(self, param: torch.Tensor) -> None:
+        """The wrapped optimizer's step for one parameter (its own state and group)."""
+        stashed = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [param] if any(p is param for p in group["params"]) else []
+            base: Any = super(_DistributedOptimizer, self)
+            base.step()
+        finally:
+            for group, params in zip(self.param_groups, stashed, strict=True):
+                group["params"] = params
+
+    def _hvd_apply(self, param: torch.Tensor, pending: Any) -> None:
+        handle, tensor, ctx = pending
+        handle.wait()
+        start = self._hvd_starts[param]
+        with torch.no_grad():
+            start.add_(self._hvd_compression.decompress(tensor, ctx))
+            param.copy_(start)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Applies the Adasum-combined parameter changes (each rank already stepped)."""
+        loss = closure() if closure is not None else None
+        self._hvd_sync_for_step()
+        return loss
+
+    step.hooked = True  # type: ignore[attr-defined]
 
 
-def _wrapper_class(base: type) -> type:
-    cls = _classes.get(base)
+_classes: dict[tuple[type, type], type] = {}
+
+
+def _wrapper_class(mixin: type, base: type) -> type:
+    cls = _classes.get((mixin, base))
     if cls is None:
-        cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+        cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
         cls.__qualname__ = base.__qualname__
-        _classes[base] = cls
+        _classes[(mixin, base)] = cls
     return cls
 
 
@@ -221,18 +393,18 @@ def DistributedOptimizer(
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
 ) -> Any:
-    """Wraps a torch optimizer so that step() first averages the gradients of all ranks.
-
-    The result is an instance of the optimizer's own class (a dynamic subclass).
+    """Wraps a torch optimizer so that gradients are averaged over the ranks (reduced with
+    ``op``) while backward runs, and step() applies them; an instance of the optimizer's class.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("the optimizer is already a DistributedOptimizer")
     resolved = ReduceOp(op)
-    if resolved == ReduceOp.ADASUM:
-        raise NotImplementedError(
-            "DistributedOptimizer(op=hvd.Adasum) is not implemented by hvdrun yet"
+    if resolved not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):
+        raise ValueError(
+            f"DistributedOptimizer supports op=hvd.Average, hvd.Sum or hvd.Adasum, not "
+            f"{resolved.name}"
         )
     if gradient_predivide_factor != 1.0 and resolved != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
@@ -248,9 +420,12 @@ def DistributedOptimizer(
             groups = num_groups
     _check_groups(groups, optimizer)
 
-    cls: Any = _wrapper_class(type(optimizer))
+    mixin = _DistributedAdasumOptimizer if resolved == ReduceOp.ADASUM else _DistributedOptimizer
+    cls: Any = _wrapper_class(mixin, type(optimizer))
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
+    if resolved == ReduceOp.ADASUM:
+        wrapped._hvd_starts = {}
     wrapped._hvd_setup(
         named_parameters,
         compression,
@@ -264,7 +439,8 @@ def DistributedOptimizer(
 
 
 def _check_groups(groups: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Validates ``groups`` as Horovod does; grouping itself is implied by per-dtype fusion."""
+    """Validates ``groups`` as Horovod does; the engine fuses gradients that are ready
+    together anyway, so grouping needs no further work here."""
     if groups is None:
         return
     if isinstance(groups, int):

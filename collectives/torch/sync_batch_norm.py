@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from collectives.torch import mpi_ops, runtime
+from collectives.torch import mpi_ops
+from collectives.torch.common import ProcessSet, global_process_set
 
 
 def _channel_shape(x: torch.Tensor) -> list[int]:
@@ -29,8 +30,8 @@ def _reduce_dims(x: torch.Tensor) -> list[int]:
     return [0, *range(2, x.dim())]
 
 
-def _allreduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    return mpi_ops.allreduce(tensor, op=mpi_ops.Sum)
+def _allreduce_sum(tensor: torch.Tensor, process_set: ProcessSet) -> torch.Tensor:
+    return mpi_ops.allreduce(tensor, op=mpi_ops.Sum, process_set=process_set)
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -44,13 +45,15 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         running_var: torch.Tensor | None,
         eps: float,
         momentum: float,
+        process_set: ProcessSet,
     ) -> torch.Tensor:
+        ctx.process_set = process_set
         dims = _reduce_dims(x)
         stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         xs = x.to(stat_dtype)
         count = torch.tensor([x.numel() / x.shape[1]], dtype=stat_dtype, device=x.device)
         stats = torch.cat([xs.sum(dims), (xs * xs).sum(dims), count])
-        stats = _allreduce_sum(stats)
+        stats = _allreduce_sum(stats, process_set)
         channels = x.shape[1]
         total = stats[-1]
         mean = stats[:channels] / total
@@ -81,7 +84,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         shape = _channel_shape(dy)
         sum_dy_local = dy.sum(dims)
         sum_dy_xhat_local = (dy * x_hat).sum(dims)
-        sums = _allreduce_sum(torch.cat([sum_dy_local, sum_dy_xhat_local]))
+        sums = _allreduce_sum(torch.cat([sum_dy_local, sum_dy_xhat_local]), ctx.process_set)
         channels = dy.shape[1]
         sum_dy, sum_dy_xhat = sums[:channels], sums[channels:]
         scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
@@ -98,11 +101,27 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
 class SyncBatchNorm(_BatchNorm):
-    """BatchNorm whose training statistics span every rank's batch (Horovod's SyncBatchNorm)."""
+    """BatchNorm whose training statistics span every rank's batch (Horovod's SyncBatchNorm);
+    for inputs of any rank >= 2, like BatchNorm1d/2d/3d."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        process_set: ProcessSet = global_process_set,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.process_set = process_set
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -116,7 +135,7 @@ class SyncBatchNorm(_BatchNorm):
             if self.momentum is None:  # cumulative moving average, as in torch's BatchNorm
                 momentum = 1.0 / float(self.num_batches_tracked)
         use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats or runtime.size() == 1:
+        if not use_batch_stats or self.process_set.size() == 1:
             return F.batch_norm(
                 input,
                 self.running_mean if not self.training or self.track_running_stats else None,
@@ -135,6 +154,7 @@ class SyncBatchNorm(_BatchNorm):
             self.running_var if self.track_running_stats else None,
             self.eps,
             momentum,
+            self.process_set,
         )
         assert isinstance(result, torch.Tensor)
         return result

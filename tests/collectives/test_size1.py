@@ -198,8 +198,9 @@ def test_allgather_and_objects(hvd: ModuleType) -> None:
 def test_argument_errors(hvd: ModuleType) -> None:
     with pytest.raises(ValueError, match="root_rank 1 is out of range"):
         hvd.broadcast(torch.ones(1), root_rank=1)
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.allreduce(torch.ones(1), op=hvd.Adasum)
+    with pytest.raises(TypeError, match="Adasum needs floating-point"):
+        hvd.allreduce(torch.ones(1, dtype=torch.int32), op=hvd.Adasum)
+    assert hvd.allreduce(torch.ones(2), op=hvd.Adasum).tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="not registered"):
         hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0]))
     with pytest.raises(ValueError, match="already registered"):
@@ -218,10 +219,8 @@ def test_argument_errors(hvd: ModuleType) -> None:
         hvd.allreduce(torch.ones(1, dtype=torch.uint16))
     with pytest.raises(TypeError, match="bool"):
         hvd.allreduce(torch.ones(1, dtype=torch.bool))
-    with pytest.raises(NotImplementedError):
-        hvd.DistributedOptimizer(
-            torch.optim.SGD([torch.ones(1, requires_grad=True)]), op=hvd.Adasum
-        )
+    with pytest.raises(ValueError, match="not MIN"):
+        hvd.DistributedOptimizer(torch.optim.SGD([torch.ones(1, requires_grad=True)]), op=hvd.Min)
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd.DistributedOptimizer(
             torch.optim.SGD([torch.ones(1, requires_grad=True)]),

@@ -40,7 +40,14 @@ def test_function_matches_batch_norm(shape: tuple[int, ...]) -> None:
 
     out_ref = reference(x_ref)
     out_sync = _SyncBatchNormFunction.apply(
-        x_sync, weight, bias, running_mean, running_var, reference.eps, reference.momentum
+        x_sync,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        reference.eps,
+        reference.momentum,
+        hvd.global_process_set,
     )
     (out_ref * upstream).sum().backward()
     (out_sync * upstream).sum().backward()
