@@ -95,5 +95,8 @@ def reduce_locally(request: Request, datas: list[bytes], offset: int) -> int:
             result = stacked.prod(0, dtype=spec.dtype)
         finish_(result, op, postscale, len(datas))
         out = request.outputs[0]
-        out.copy_(result.view(out.shape))
+        if out is None:  # out of place: the result is the output
+            request.outputs[0] = result.view(request.inputs[0].shape)
+        else:
+            out.copy_(result.view(out.shape))
     return offset + size

@@ -128,13 +128,32 @@ def _copy_in(slots: Sequence[Slot], buf: torch.Tensor) -> None:
 
 
 def _copy_out(slots: Sequence[Slot], buf: torch.Tensor, counts: list[int]) -> None:
-    """Copies consecutive regions of ``buf`` into the slots' outputs (one foreach call)."""
-    outputs = [_output(slot) for slot in slots]
-    if all(out.dim() == 1 for out in outputs):
-        torch.split_with_sizes_copy(buf, counts, out=outputs)
+    """Copies consecutive regions of ``buf`` into the slots' outputs (one torch call).
+
+    Out-of-place allreduces leave their outputs to this point (None until then): one
+    ``split_with_sizes_copy`` allocates them all at once, far cheaper than one allocation
+    per op at submission."""
+    outputs: list[torch.Tensor | None] = [
+        slot.work.request.outputs[slot.index]  # type: ignore[union-attr]
+        for slot in slots
+    ]
+    if all(out is None for out in outputs) and buf.dtype == slots[0].spec.dtype:
+        pieces = torch.split_with_sizes_copy(buf, counts)
+        for slot, piece in zip(slots, pieces, strict=True):
+            request = slot.work.request
+            assert request is not None
+            shape = slot.spec.shape
+            request.outputs[slot.index] = piece if len(shape) == 1 else piece.view(shape)
+        return
+    targets = [
+        out if out is not None else _new_output(slot)
+        for out, slot in zip(outputs, slots, strict=True)
+    ]
+    if all(out.dim() == 1 for out in targets):
+        torch.split_with_sizes_copy(buf, counts, out=targets)
     else:
-        views = list(torch._utils._unflatten_dense_tensors(buf, outputs))
-        torch._foreach_copy_(outputs, views)
+        views = list(torch._utils._unflatten_dense_tensors(buf, targets))
+        torch._foreach_copy_(targets, views)
 
 
 class Executor:
@@ -225,7 +244,11 @@ class Executor:
         counts = [slot.spec.numel for slot in slots]
         request = slots[0].request
         if len(slots) == 1 and request is not None and work_dtype == dtype:
-            out, inp = request.outputs[slots[0].index], request.inputs[slots[0].index]
+            inp = request.inputs[slots[0].index]
+            out = request.outputs[slots[0].index]
+            if out is None:
+                out = inp.clone(memory_format=torch.contiguous_format)
+                request.outputs[slots[0].index] = out
             if dense(out):
                 if out.data_ptr() != inp.data_ptr() or out.shape != inp.shape:
                     out.copy_(inp)
@@ -491,7 +514,17 @@ def _input(slot: Slot) -> torch.Tensor:
 def _output(slot: Slot) -> torch.Tensor:
     request: Request | None = slot.request
     assert request is not None
-    out: torch.Tensor = request.outputs[slot.index]
+    out: torch.Tensor | None = request.outputs[slot.index]
+    return out if out is not None else _new_output(slot)
+
+
+def _new_output(slot: Slot) -> torch.Tensor:
+    """Allocates the output of an out-of-place allreduce that was left to the engine."""
+    request = slot.request
+    assert request is not None
+    inp = request.inputs[slot.index]
+    out = torch.empty(inp.shape, dtype=inp.dtype, device=inp.device)
+    request.outputs[slot.index] = out
     return out
 
 

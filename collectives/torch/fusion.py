@@ -123,14 +123,15 @@ def plan(works: list[Work], members_of: dict[int, list[int]], threshold: int) ->
         # Reductions combine by dtype, op and scaling; a broadcast by its root; an
         # allgather moves bytes, so any dtypes can share its buffer.
         by_dtype = kind == Kind.ALLREDUCE or kind == Kind.REDUCESCATTER
-        base = (kind, set_id, *work.common)
-        for index, spec in enumerate(work.specs):
+        common = work.common
+        specs = work.specs
+        work.remaining += len(specs)
+        for index, spec in enumerate(specs):
             if kind == Kind.ALLGATHER:
                 nbytes = _allgather_bytes(work, index, members_of[set_id])
             else:
                 nbytes = spec.nbytes
-            key = (base, spec.device_type, spec.dtype if by_dtype else None)
-            work.remaining += 1
+            key = (kind, set_id, common, spec.device_type, spec.dtype if by_dtype else None)
             bucket = open_buckets.get(key)
             if bucket is None or bucket.nbytes + nbytes > threshold:
                 bucket = Bucket(kind, set_id, spec.device_type, [])

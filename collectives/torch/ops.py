@@ -208,7 +208,12 @@ def submit_allreduce(
     check_reduction(inputs, op, prescale, postscale, "allreduce")
     common = (int(op), float(prescale), float(postscale))
     if outputs is None:
-        outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
+        if inputs and inputs[0].is_cpu:
+            # Allocated by the engine once the result is ready (see execute._copy_out). CUDA
+            # outputs are allocated here, on the caller's stream, for the caching allocator.
+            outs: list[Any] = [None] * len(inputs)
+        else:
+            outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
         return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, "", finish)
     outs = inputs if _same(outputs, tensors) else list(outputs)
     return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, finish=finish)
