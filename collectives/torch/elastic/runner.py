@@ -1,0 +1,49 @@
+"""``elastic.run``: the retry loop around a training function (Horovod's semantics)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from collectives.torch import runtime
+from collectives.torch.elastic.state import State
+from collectives.torch.errors import HorovodInternalError, HostsUpdatedInterrupt
+
+__all__ = ["run"]
+
+logger = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
+
+
+def run(func: Callable[..., _R]) -> Callable[..., _R]:
+    """Decorates ``func(state, *args, **kwargs)`` to survive peer failures and host changes.
+
+    Before each call the state is synced from rank 0. On :class:`HorovodInternalError` the
+    state is restored to its last commit; on :class:`HostsUpdatedInterrupt` it is kept. Then
+    the worker joins the job's next membership generation and calls ``func`` again.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> _R:
+        reset_needed = False
+        skip_sync = False
+        while True:
+            if reset_needed:
+                runtime.reset()
+                state.on_reset()
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as error:
+                logger.warning("a peer failed (%s); restoring the last commit", error)
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as interrupt:
+                skip_sync = interrupt.skip_sync
+            reset_needed = True
+
+    return wrapper

@@ -1,0 +1,98 @@
+"""``ElasticSampler``: a distributed sampler whose epoch survives a change of world size.
+
+The sampler keeps the set of sample indices the job has processed in the current epoch.
+After a reset it takes the epoch's remaining indices (in the epoch's shuffled order) and
+splits them over the new number of ranks, so that no sample is lost or seen twice in the
+epoch whatever the membership does. ``record_batch`` marks the batch of *every* rank as
+processed (all ranks step in lockstep and the split is deterministic), so the samples of a
+host that died with its work committed are not trained on again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from collectives.torch import runtime
+
+__all__ = ["ElasticSampler"]
+
+
+class ElasticSampler(Sampler[int]):
+    """Horovod's ``ElasticSampler(dataset, shuffle=True, seed=0)``."""
+
+    def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_indices: set[int] = set()
+        self.num_replicas = 1
+        self.rank = 0
+        self.remaining_indices: list[int] = []
+        self.num_samples = 0
+        self.total_size = 0
+        self.reset()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts an epoch: nothing processed yet, a new shuffle."""
+        self.epoch = epoch
+        self.processed_indices = set()
+        self.reset()
+
+    def _order(self) -> list[int]:
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            return torch.randperm(len(self.dataset), generator=generator).tolist()
+        return list(range(len(self.dataset)))
+
+    def reset(self) -> None:
+        """Re-splits the epoch's remaining samples over the current ranks."""
+        if runtime.is_initialized():
+            self.num_replicas, self.rank = runtime.size(), runtime.rank()
+        self.remaining_indices = [i for i in self._order() if i not in self.processed_indices]
+        self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def _padded(self) -> list[int]:
+        indices = list(self.remaining_indices)
+        if indices and len(indices) < self.total_size:
+            indices += (indices * math.ceil(self.total_size / len(indices)))[
+                : self.total_size - len(indices)
+            ]
+        return indices
+
+    def _shard(self, rank: int) -> list[int]:
+        return self._padded()[rank : self.total_size : self.num_replicas]
+
+    def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
+        """This rank's indices of batch ``batch_idx`` (counted from the last reset)."""
+        return self._shard(self.rank)[batch_idx * batch_size : (batch_idx + 1) * batch_size]
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Marks batch ``batch_idx`` (counted from the last reset) of every rank processed."""
+        start, end = batch_idx * batch_size, (batch_idx + 1) * batch_size
+        for rank in range(self.num_replicas):
+            self.processed_indices.update(self._shard(rank)[start:end])
+
+    def record_indices(self, indices: list[int]) -> None:
+        self.processed_indices.update(indices)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.processed_indices = set(state["processed_indices"])
+        self.reset()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._shard(self.rank))
+
+    def __len__(self) -> int:
+        return self.num_samples

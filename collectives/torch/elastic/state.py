@@ -1,0 +1,162 @@
+"""Training state that survives a reset: commit (save), restore, and sync from rank 0.
+
+``commit()`` saves a copy of the state in memory and then checks for host updates: every
+rank contributes the newest membership generation it has heard of to one small allreduce
+(max), so all ranks agree whether to raise :class:`HostsUpdatedInterrupt` at this very
+commit. A rank of a removed host therefore takes part in the decision like any other and
+nobody waits on it afterwards: a graceful removal cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from collectives.torch import runtime
+from collectives.torch.common import ReduceOp
+from collectives.torch.errors import HostsUpdatedInterrupt
+from collectives.torch.functions import (
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from collectives.torch.mpi_ops import allreduce
+
+__all__ = ["ObjectState", "State", "TorchState"]
+
+
+class State:
+    """Base of elastic states: subclasses implement ``save``, ``restore`` and ``sync``."""
+
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Functions called (in order) after every reset, e.g. to rescale the learning rate
+        to the new ``hvd.size()``."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Saves the state (the point a failure rolls back to), then checks for host updates."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raises :class:`HostsUpdatedInterrupt` on every rank at once when hosts were added
+        or removed since this generation started (a collective: call it on every rank)."""
+        current = runtime.generation()
+        newest = torch.tensor([runtime.newest_generation()], dtype=torch.int64)
+        agreed = int(allreduce(newest, name="elastic.check_host_updates", op=ReduceOp.MAX))
+        if agreed > current:
+            raise HostsUpdatedInterrupt(skip_sync=False)
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """Picklable attributes (``ObjectState(epoch=0, batch=0)`` → ``state.epoch``), saved
+    as deep copies and synced from rank 0 with ``broadcast_object``."""
+
+    def __init__(
+        self,
+        bcast_object: Callable[..., Any] = broadcast_object,
+        get_rank: Callable[[], int] = runtime.rank,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self._bcast_object = bcast_object
+        self._get_rank = get_rank
+        self._saved_state: dict[str, Any] = copy.deepcopy(kwargs)
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    def _current(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._saved_state}
+
+    def save(self) -> None:
+        self._saved_state = copy.deepcopy(self._current())
+
+    def restore(self) -> None:
+        for name, value in copy.deepcopy(self._saved_state).items():
+            setattr(self, name, value)
+
+    def sync(self) -> None:
+        if self._saved_state:
+            synced = self._bcast_object(self._current(), 0, name="elastic.object_state")
+            for name, value in synced.items():
+                setattr(self, name, value)
+            self.save()
+
+
+class TorchState(ObjectState):
+    """A model, an optimizer and any other attributes (numbers, lists, an
+    :class:`~collectives.torch.elastic.ElasticSampler`), as in Horovod."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        **kwargs: Any,
+    ) -> None:
+        from collectives.torch.elastic.sampler import ElasticSampler
+
+        self.model = model
+        self.optimizer = optimizer
+        self._samplers = {k: v for k, v in kwargs.items() if isinstance(v, ElasticSampler)}
+        plain = {k: v for k, v in kwargs.items() if k not in self._samplers}
+        super().__init__(**plain)
+        for name, sampler in self._samplers.items():
+            setattr(self, name, sampler)
+        self._saved_model: dict[str, torch.Tensor] | None = None
+        self._saved_optimizer: dict[str, Any] | None = None
+        self._saved_samplers: dict[str, dict[str, Any]] = {}
+        self._save_torch()
+
+    def _save_torch(self) -> None:
+        if self.model is not None:
+            self._saved_model = {
+                name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()
+            }
+        if self.optimizer is not None:
+            self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
+        self._saved_samplers = {
+            name: copy.deepcopy(sampler.state_dict()) for name, sampler in self._samplers.items()
+        }
+
+    def save(self) -> None:
+        self._save_torch()
+        super().save()
+
+    def restore(self) -> None:
+        if self.model is not None and self._saved_model is not None:
+            self.model.load_state_dict(self._saved_model)
+        if self.optimizer is not None and self._saved_optimizer is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(self._saved_optimizer))
+        for name, sampler in self._samplers.items():
+            sampler.load_state_dict(copy.deepcopy(self._saved_samplers[name]))
+        super().restore()
+
+    def sync(self) -> None:
+        if self.model is not None:
+            broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if self.optimizer is not None:
+            broadcast_optimizer_state(self.optimizer, root_rank=0)
+        for name, sampler in self._samplers.items():
+            state = self._bcast_object(sampler.state_dict(), 0, name=f"elastic.sampler.{name}")
+            sampler.load_state_dict(state)
+        super().sync()
+        self._save_torch()
