@@ -62,6 +62,10 @@ from collectives.torch.timeline import Timeline
 __all__ = ["KEEPALIVE_SECONDS", "Engine"]
 
 _NONAME = [f"{kind.label}.noname." for kind in Kind]
+#: The per-rank parts of ops that have none (never written to).
+_NO_VARS: dict[int, str] = {}
+#: Device types whose tensors the executor can move (Gloo and NCCL).
+_MOVABLE = frozenset(("cpu", "cuda"))
 
 logger = logging.getLogger(__name__)
 
@@ -427,7 +431,7 @@ class Engine:
             if kind == Kind.BARRIER:
                 controls.append((None, request))
                 continue
-            vars_ = {}
+            vars_ = _NO_VARS
             if kind == Kind.ALLGATHER or kind == Kind.ALLTOALL:
                 vars_ = {rank_: request.var for rank_ in members}
                 if kind == Kind.ALLTOALL:
@@ -517,12 +521,18 @@ class Engine:
         """Runs the data ops (fused into buckets), then the control ops, of one round."""
         groups = self.groups
         tl = self.timeline
-        works = [work for work in works if self._supported(work)]
+        works = [
+            work
+            for work in works
+            if (len(work.specs) == 1 and work.specs[0].device_type in _MOVABLE)
+            or self._supported(work)
+        ]
         members = {set_id: group.ranks for set_id, group in groups.items()}
         buckets = plan(works, members, self.config.fusion_threshold)
         for work in works:
             if work.remaining == 0:
                 self._complete(work.request, None)
+        complete = self._complete
         for bucket in buckets:
             if tl is not None:
                 started = time.monotonic()
@@ -532,8 +542,14 @@ class Engine:
             for slot in bucket.slots:
                 work = slot.work
                 work.remaining -= 1
-                if work.remaining == 0 and work.request is not None:
-                    self._complete(work.request, event)
+                if work.remaining == 0:
+                    request = work.request
+                    if request is None:
+                        continue
+                    if tl is None and request.finish is not None:  # the common case, inlined
+                        request.handle.complete(request.finish(request), event)
+                    else:
+                        complete(request, event)
         for entry, control in controls:
             result = self._control(entry) if entry is not None else None
             self._complete(control, None, result)

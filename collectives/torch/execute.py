@@ -123,8 +123,10 @@ def split_rows(rows: int, size: int) -> list[int]:
 
 
 def _copy_in(slots: Sequence[Slot], buf: torch.Tensor) -> None:
-    """Packs the slots' inputs into ``buf``, back to back, in one torch call."""
-    torch.cat([_flat_in(slot) for slot in slots], out=buf)
+    """Packs the slots' inputs into ``buf``, back to back, in one torch call (cat reads any
+    strides; a 1-D input needs no view)."""
+    inputs = [slot.work.request.inputs[slot.index] for slot in slots]  # type: ignore[union-attr]
+    torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in inputs], out=buf)
 
 
 def _copy_out(slots: Sequence[Slot], buf: torch.Tensor, counts: list[int]) -> None:
@@ -241,7 +243,7 @@ class Executor:
         work_dtype = _UPCAST[device.type].get(dtype, dtype)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TORCH_OPS[op]
-        counts = [slot.spec.numel for slot in slots]
+        counts = [slot.work.specs[slot.index].numel for slot in slots]
         request = slots[0].request
         if len(slots) == 1 and request is not None and work_dtype == dtype:
             inp = request.inputs[slots[0].index]
@@ -262,7 +264,7 @@ class Executor:
             return
         buf = self.buffer(device, work_dtype, total)
         start = time.monotonic()
-        real = [slot for slot in slots if slot.request is not None]
+        real = [slot for slot in slots if slot.work.request is not None]
         if len(real) == len(slots) and work_dtype == dtype:
             _copy_in(slots, buf)
             views = None
