@@ -25,9 +25,9 @@ from collectives.torch import ops, runtime
 from collectives.torch.common import ProcessSet, global_process_set
 
 try:  # cloudpickle also handles lambdas and locally defined classes, as in Horovod
-    import cloudpickle as _pickler
+    import cloudpickle
 except ImportError:  # pragma: no cover - optional
-    _pickler = pickle
+    cloudpickle = None
 
 __all__ = [
     "allgather_object",
@@ -38,8 +38,17 @@ __all__ = [
 
 
 def _dumps(obj: Any) -> torch.Tensor:
+    # The standard pickle first: it refers to classes by name, so the receiver gets instances
+    # of its own classes (cloudpickle would send classes of a script's __main__ by value, and
+    # the copies compare unequal); cloudpickle only for what pickle cannot do.
     buffer = io.BytesIO()
-    _pickler.dump(obj, buffer)
+    try:
+        pickle.dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        if cloudpickle is None:
+            raise
+        buffer = io.BytesIO()
+        cloudpickle.dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 

@@ -1,0 +1,114 @@
+"""The training API on real jobs of 2, 3 and 4 ranks: DistributedOptimizer against
+single-process training, broadcasts of optimizer state and objects, fp16 compression,
+Adasum against a direct reference, SyncBatchNorm against BatchNorm on the whole batch, and
+the error cases (see workers/training_worker.py for every check)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.collectives.conftest import WORKERS, run_hvdrun
+
+GROUPS = [
+    "equivalence",
+    "hooks",
+    "dynamic_graphs",
+    "name_errors",
+    "sparse",
+    "optimizer_state",
+    "objects",
+    "adasum_allreduce",
+    "adasum_optimizer",
+    "sync_batch_norm",
+]
+
+CHECKS = [
+    *(
+        f"equivalence.{label}{suffix}"
+        for label in (
+            "sgd.passes1",
+            "sgd.passes2",
+            "adam.passes1",
+            "adam.passes2",
+            "sum",
+            "predivide",
+            "fp16",
+            "fp16.adam",
+            "requires_grad_changes",
+        )
+        for suffix in ("", ".same_on_ranks")
+    ),
+    "hooks.reduced_before_step",
+    "hooks.zero_grad_raises",
+    "hooks.zero_grad_after_step",
+    "hooks.too_many_passes_raises",
+    "hooks.set_backward_passes_per_step",
+    "dynamic.same_on_ranks",
+    "dynamic.extra_weight",
+    "names.missing",
+    "names.duplicate",
+    "names.twice",
+    "names.not_pairs",
+    "sparse.allgather",
+    "sparse.as_dense",
+    *(
+        f"state.{name}.{what}"
+        for name in (
+            "SGD",
+            "Adam",
+            "AdamW",
+            "Adagrad",
+            "Adadelta",
+            "Adamax",
+            "ASGD",
+            "NAdam",
+            "RAdam",
+            "RMSprop",
+            "Rprop",
+        )
+        for what in ("equal_root", "same_after_steps")
+    ),
+    "state.lbfgs_raises",
+    "broadcast_parameters.pairs",
+    "objects.broadcast",
+    "objects.allgather",
+    "objects.lambda",
+    *(
+        f"adasum.{what}.{dtype}"
+        for what in ("allreduce", "allreduce", "grouped", "inplace")
+        for dtype in ("float32", "float64")
+    ),
+    "adasum.allreduce.float32.identical",
+    "adasum.allreduce.float64.identical",
+    "adasum.parallel_averaged",
+    "adasum.half.identical",
+    "adasum.int_raises",
+    *(f"adasum.optimizer.{label}{s}" for label in ("sgd", "adam") for s in ("", ".identical")),
+    *(
+        f"syncbn.{dims}.{what}"
+        for dims in ("1d", "2d")
+        for what in (
+            "output",
+            "input_grad",
+            "param_grad",
+            "running_mean",
+            "running_var",
+            "batches_tracked",
+            "eval",
+        )
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_proc", [2, 3, 4])
+def test_training_api(num_proc: int) -> None:
+    code, output = run_hvdrun(num_proc, WORKERS / "training_worker.py", timeout=300)
+    assert code == 0, output
+    assert "FAIL" not in output, output
+    for rank in range(num_proc):
+        assert f"[{rank}]<stdout>:ALL OK rank {rank}:" in output, output
+        for name in CHECKS:
+            assert f"[{rank}]<stdout>:OK {name}\n" in output, f"rank {rank} lacks {name}\n{output}"
+    if num_proc == 2:
+        assert "[0]<stdout>:OK adasum.orthogonal_summed\n" in output
