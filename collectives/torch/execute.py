@@ -140,7 +140,8 @@ def _copy_out(slots: Sequence[Slot], buf: torch.Tensor, counts: list[int]) -> No
         for slot in slots
     ]
     if all(out is None for out in outputs) and buf.dtype == slots[0].spec.dtype:
-        pieces = torch.split_with_sizes_copy(buf, counts)
+        # (torch's stubs only know the out= form, which returns nothing)
+        pieces: list[torch.Tensor] = torch.split_with_sizes_copy(buf, counts)  # type: ignore[func-returns-value,assignment]
         for slot, piece in zip(slots, pieces, strict=True):
             request = slot.work.request
             assert request is not None
