@@ -23,7 +23,7 @@ from typing import Any
 
 from launcher.connection import AgentConnection
 from launcher.hosts import HostSpec
-from launcher.options import LaunchOptions
+from launcher.options import ElasticOptions, LaunchOptions
 from launcher.output import OutputSink
 from launcher.protocol import AgentSpec, WorkerLaunch, bytes_of
 from launcher.report import report_failure
@@ -52,6 +52,7 @@ class JobSpec:
     cwd: str
     term_grace: float = 5.0
     launch: LaunchOptions = field(default_factory=LaunchOptions)
+    elastic: ElasticOptions | None = None  # set: an elastic job (launcher.elastic)
 
 
 @dataclass
@@ -286,6 +287,10 @@ class Supervisor:
 
 def run_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     """Starts and supervises the job; raises LaunchError when a host cannot be started."""
+    if spec.elastic is not None:
+        from launcher.elastic import run_elastic_job
+
+        return run_elastic_job(spec, sink)
     slots = assign_slots([(h.hostname, h.slots) for h in spec.hosts], spec.num_proc)
     hostnames = list(dict.fromkeys(slot.hostname for slot in slots))
     secret = secrets.token_urlsafe(32)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 HOST_KEY_POLICIES = ("strict", "accept-new", "off")
 
@@ -30,3 +31,22 @@ class LaunchOptions:
     rendezvous_addr: str | None = None  # ADDR[:PORT] every host reaches this machine at
     check_versions: bool = True
     python: str = field(default_factory=lambda: sys.executable)
+
+
+#: Elastic jobs: how long a silent peer or host may stay silent before it counts as failed
+#: (the workers' Gloo timeout and the agents' heartbeat timeout, unless set explicitly).
+ELASTIC_FAILURE_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """``--min-np``/``--max-np``/``--host-discovery-script``...: see launcher.elastic."""
+
+    min_np: int
+    max_np: int | None  # None: as many as discovery offers
+    discovery: Any  # a launcher.discovery.HostDiscovery
+    elastic_timeout: float = 600.0
+    reset_limit: int | None = None
+    cooldown: tuple[float, float] | None = None
+    discovery_interval: float = 1.0
+    failure_timeout: float = ELASTIC_FAILURE_TIMEOUT

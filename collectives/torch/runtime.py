@@ -20,11 +20,19 @@ Why it is built this way:
   directly without its collectives interleaving with the engine's. Those groups wait at
   most ``HVDRUN_GLOO_TIMEOUT_SECONDS`` (30) for a peer; the default group keeps a longer
   timeout because it also bootstraps the job while slow workers are still starting.
+* Elastic jobs (``hvdrun --min-np/--max-np``, ``HVDRUN_ELASTIC=1``) change membership while
+  they run. :func:`reset` leaves the current membership generation without waiting on dead
+  peers (the engine is stopped, its process groups destroyed) and joins the next one: it
+  registers again, waits for the launcher's next slot table and bootstraps fresh process
+  groups under that generation's key prefix ``hvdrun/g<N>/``. A bootstrap that fails (a peer
+  died meanwhile, or the launcher published a newer generation) moves on to the next
+  generation. ``collectives.torch.elastic.run`` calls it; user code need not.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -41,7 +49,7 @@ import torch.distributed as dist
 from collectives.torch import config as config_module
 from collectives.torch.config import EngineConfig
 from collectives.torch.engine import FINAL_CYCLE_SECONDS, Engine
-from collectives.torch.errors import NotInitializedError
+from collectives.torch.errors import HorovodInternalError, NotInitializedError
 from collectives.torch.timeline import Timeline
 
 __all__ = [
@@ -74,6 +82,16 @@ logger = logging.getLogger(__name__)
 BOOTSTRAP_TIMEOUT_SECONDS = 300.0
 #: How long the rendezvous heartbeat may stay silent before the job counts as lost.
 DEFAULT_LOST_AFTER_SECONDS = 5.0
+#: Elastic jobs: how long a worker waits for the launcher's next membership generation.
+DEFAULT_ELASTIC_TIMEOUT_SECONDS = 600.0
+
+
+class HostRemoved(SystemExit):
+    """Elastic jobs: this worker's host is no longer part of the job; the worker exits (0)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -101,6 +119,17 @@ class _Runtime:
     closed: threading.Event = field(default_factory=threading.Event)
     config: EngineConfig = field(default_factory=EngineConfig)
     engine: Engine | None = None
+    # Elastic jobs: the membership generation this process is part of, the newest one the
+    # rendezvous announced, and the slot this process registers with.
+    elastic: bool = False
+    generation: int = 0
+    newest_generation: int = 0
+    host: str = ""
+    slot: int = 0
+
+    def saw_generation(self, generation: int) -> None:
+        if generation > self.newest_generation:
+            self.newest_generation = generation
 
 
 _lock = threading.RLock()
@@ -198,69 +227,137 @@ def _init_single(backend: str, timeout: datetime.timedelta) -> _Runtime:
     return _Runtime(topology=topology, backend=backend, timeout=timeout, store=store)
 
 
+def _elastic_timeout() -> float:
+    return config_module._number(
+        "ELASTIC_TIMEOUT", DEFAULT_ELASTIC_TIMEOUT_SECONDS, minimum=0.0, strict=True
+    )
+
+
+def _register(runtime_: _Runtime, min_generation: int) -> Any:
+    from rendezvous.client import RendezvousError, RendezvousRemoved
+
+    client = runtime_.client
+    assert client is not None
+    timeout = _elastic_timeout() if runtime_.elastic else 0.0
+    try:
+        info = client.register(runtime_.host, runtime_.slot, min_generation, timeout=timeout)
+    except RendezvousRemoved:
+        raise HostRemoved(
+            f"host {runtime_.host!r} is no longer part of the job (removed by host discovery)"
+        ) from None
+    except RendezvousError as error:
+        raise RuntimeError(f"hvd.init() could not register with the rendezvous: {error}") from None
+    runtime_.topology = Topology(
+        rank=info.rank,
+        size=info.size,
+        local_rank=info.local_rank,
+        local_size=info.local_size,
+        cross_rank=info.cross_rank,
+        cross_size=info.cross_size,
+    )
+    runtime_.generation = info.generation
+    runtime_.saw_generation(info.generation)
+    return info
+
+
+def _bootstrap(runtime_: _Runtime, counter: int) -> None:
+    """Creates the default process group of the registered generation."""
+    from rendezvous.client import RendezvousError
+    from rendezvous.store import RendezvousStore
+
+    topology = runtime_.topology
+    client = runtime_.client
+    assert client is not None
+    _select_cuda_device(runtime_.backend, topology.local_rank)
+    runtime_.store = RendezvousStore(
+        client,
+        prefix=f"hvdrun/g{runtime_.generation}/i{counter}/",
+        timeout=runtime_.timeout,
+    )
+    try:
+        dist.init_process_group(
+            runtime_.backend,
+            store=runtime_.store,
+            rank=topology.rank,
+            world_size=topology.size,
+            timeout=runtime_.timeout,
+        )
+    except (RuntimeError, RendezvousError) as error:
+        raise RuntimeError(
+            f"hvd.init() could not connect rank {topology.rank} to its "
+            f"{topology.size - 1} peers: {error}"
+        ) from None
+
+
+def _destroy_groups() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as error:  # the groups may be broken already
+        logger.debug("destroy_process_group failed: %s", error)
+
+
+def _join_elastic(runtime_: _Runtime) -> None:
+    """Bootstraps the registered generation and starts the engine; on failure (a peer died,
+    or a newer generation superseded this one) registers for the next generation and tries
+    again, until the launcher's elastic timeout or a removal ends it."""
+    while True:
+        try:
+            _bootstrap(runtime_, 1)  # one bootstrap per generation: the prefix is unique
+            runtime_.engine = _start_engine(runtime_)
+            return
+        except (RuntimeError, HorovodInternalError) as error:
+            logger.warning(
+                "rank %d could not join generation %d (%s); waiting for the next one",
+                runtime_.topology.rank,
+                runtime_.generation,
+                error,
+            )
+        _destroy_groups()
+        _register(runtime_, runtime_.generation + 1)
+
+
 def _init_from_rendezvous(
     addr: str, backend: str, timeout: datetime.timedelta, counter: int
 ) -> _Runtime:
     # Imported here: the size-1 path must work without the rendezvous (and gRPC) loaded.
-    from rendezvous.client import RendezvousClient, RendezvousError
-    from rendezvous.store import RendezvousStore
+    from rendezvous.client import RendezvousClient
 
     secret = os.environ.get("HVDRUN_SECRET", "")
     job_id = os.environ.get("HVDRUN_JOB_ID", "")
-    host = os.environ.get("HVDRUN_HOSTNAME") or socket.gethostname()
-    local_rank_ = _int_env("HVDRUN_LOCAL_RANK", 0)
-
     client = RendezvousClient(addr, secret, job_id)
+    runtime_ = _Runtime(
+        topology=Topology(0, 1, 0, 1, 0, 1),
+        backend=backend,
+        timeout=timeout,
+        store=None,
+        client=client,
+        rendezvous_addr=addr,
+        elastic=config_module._flag("ELASTIC"),
+        host=os.environ.get("HVDRUN_HOSTNAME") or socket.gethostname(),
+        slot=_int_env("HVDRUN_LOCAL_RANK", 0),
+    )
     try:
-        try:
-            info = client.register(host, local_rank_)
-        except RendezvousError as error:
-            raise RuntimeError(
-                f"hvd.init() could not register with the rendezvous: {error}"
-            ) from None
-        topology = Topology(
-            rank=info.rank,
-            size=info.size,
-            local_rank=info.local_rank,
-            local_size=info.local_size,
-            cross_rank=info.cross_rank,
-            cross_size=info.cross_size,
-        )
+        min_generation = _int_env("HVDRUN_GENERATION", 0) if runtime_.elastic else 0
+        _register(runtime_, min_generation)
+        topology = runtime_.topology
         env_rank = os.environ.get("HVDRUN_RANK")
         if env_rank is not None and env_rank != str(topology.rank):
             logger.info("the rendezvous assigned rank %d (HVDRUN_RANK=%s)", topology.rank, env_rank)
-        runtime = _Runtime(
-            topology=topology,
-            backend=backend,
-            timeout=timeout,
-            store=None,
-            client=client,
-            rendezvous_addr=addr,
-        )
         # Watch before bootstrapping: a launcher that dies while peers are still missing must
         # not leave this worker blocked in the store until the timeout.
         lost_after = config_module._number(
             "RENDEZVOUS_LOST_AFTER_SECONDS", DEFAULT_LOST_AFTER_SECONDS, strict=True
         )
-        client.watch(topology.rank, _make_on_lost(runtime), lost_after=lost_after)
-        _select_cuda_device(backend, topology.local_rank)
-        runtime.store = RendezvousStore(
-            client, prefix=f"hvdrun/g{info.generation}/i{counter}/", timeout=timeout
+        client.watch(
+            topology.rank,
+            _make_on_lost(runtime_),
+            lost_after=lost_after,
+            on_generation=runtime_.saw_generation if runtime_.elastic else None,
         )
-        try:
-            dist.init_process_group(
-                backend,
-                store=runtime.store,
-                rank=topology.rank,
-                world_size=topology.size,
-                timeout=timeout,
-            )
-        except (RuntimeError, RendezvousError) as error:
-            raise RuntimeError(
-                f"hvd.init() could not connect rank {topology.rank} to its "
-                f"{topology.size - 1} peers: {error}"
-            ) from None
-        return runtime
+        if not runtime_.elastic:
+            _bootstrap(runtime_, counter)
+        return runtime_
     except BaseException:
         client.close()
         raise
@@ -338,7 +435,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             runtime_ = _init_single(backend, timeout)
         runtime_.config = cfg
         try:
-            runtime_.engine = _start_engine(runtime_)
+            if runtime_.elastic:
+                _join_elastic(runtime_)
+            else:
+                runtime_.engine = _start_engine(runtime_)
         except BaseException:
             _teardown(runtime_)
             raise
@@ -368,13 +468,56 @@ def _teardown(runtime_: _Runtime) -> None:
     runtime_.closed.set()
     if runtime_.engine is not None:
         runtime_.engine.stop(timeout=FINAL_CYCLE_SECONDS + 2.0)
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception as error:  # tearing down must not mask the user's own exit path
-        logger.debug("destroy_process_group failed: %s", error)
+    _destroy_groups()
     if runtime_.client is not None:
         runtime_.client.close()
+
+
+def reset() -> None:
+    """Elastic jobs: leaves this membership generation and joins the next one.
+
+    Does not wait on dead peers: after a failure the engine has stopped already, and after
+    a host update every rank calls this together. Raises :class:`HostRemoved` (exit 0)
+    when the launcher removed this worker's host from the job.
+    """
+    global _runtime
+    with _lock:
+        runtime_ = require("collectives.torch.elastic reset")
+        if not runtime_.elastic:
+            raise RuntimeError(
+                "elastic reset needs an elastic job: start it with hvdrun --min-np/--max-np"
+            )
+        engine_, runtime_.engine = runtime_.engine, None
+        if engine_ is not None:
+            engine_.stop(timeout=FINAL_CYCLE_SECONDS + 1.0)
+        _destroy_groups()
+        try:
+            _register(runtime_, runtime_.generation + 1)
+            _join_elastic(runtime_)
+        except BaseException as error:
+            _runtime = None
+            runtime_.engine = None
+            _teardown(runtime_)
+            if isinstance(error, HostRemoved):
+                with contextlib.suppress(Exception):
+                    sys.stderr.write(f"hvdrun: leaving the elastic job: {error.message}\n")
+                    sys.stderr.flush()
+            raise
+
+
+def generation() -> int:
+    """Elastic jobs: the membership generation this process is part of (0 otherwise)."""
+    return require("generation()").generation
+
+
+def newest_generation() -> int:
+    """Elastic jobs: the newest membership generation the rendezvous has announced."""
+    return require("newest_generation()").newest_generation
+
+
+def is_elastic() -> bool:
+    """Whether this process runs in an elastic job."""
+    return require("is_elastic()").elastic
 
 
 def shutdown() -> None:

@@ -84,6 +84,11 @@ class ObjectState(State):
         for name, value in kwargs.items():
             setattr(self, name, value)
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes that do not exist; typed as Any so that scripts can
+        # use ``state.epoch`` and friends under a type checker.
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
     def _current(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._saved_state}
 

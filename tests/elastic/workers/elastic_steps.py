@@ -26,7 +26,7 @@ with torch.no_grad():
     model.weight.zero_()
 optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
 state = elastic.TorchState(model=model, optimizer=optimizer, step=0)
-resets = []
+resets: list[int] = []
 state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 
 

@@ -1,0 +1,134 @@
+"""Where an elastic job may run: host discovery and the blacklist of failed hosts.
+
+``--host-discovery-script SCRIPT`` is run (through ``/bin/sh``, so it may carry arguments)
+every second; it prints one ``host`` or ``host:slots`` per line (a bare host has
+``--slots-per-host`` slots; blank lines and ``#`` comments are ignored). Its first run must
+succeed, or the job does not start; a later failure (non-zero exit, unparsable output, no
+answer within the timeout) is logged and the previous answer stays in force until a run
+succeeds again. A fixed ``-H`` list is the same without the script.
+
+A host whose worker failed is blacklisted. Without ``--blacklist-cooldown-range`` it stays
+out for the rest of the job (Horovod's default); with ``MIN MAX`` its n-th failure keeps it out
+for ``min(MAX, MIN * 2**(n-1))`` seconds, after which it comes back as soon as discovery
+lists it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from dataclasses import dataclass
+
+from launcher.hosts import HostSpec, HostSpecError, parse_host_entry
+
+log = logging.getLogger(__name__)
+
+#: How long one run of the discovery script may take.
+DISCOVERY_TIMEOUT = 10.0
+
+
+class DiscoveryError(Exception):
+    """The discovery script failed or printed something that is not a host list."""
+
+
+def parse_discovery_output(text: str, slots_per_host: int) -> list[HostSpec]:
+    """``host`` / ``host:slots`` lines → hosts in the order printed; raises DiscoveryError."""
+    hosts: list[HostSpec] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            entry = parse_host_entry(line if ":" in line else f"{line}:{slots_per_host}")
+        except HostSpecError as exc:
+            raise DiscoveryError(f"line {number}: {exc}") from None
+        if entry.hostname in seen:
+            raise DiscoveryError(f"line {number}: host '{entry.hostname}' is listed twice")
+        seen.add(entry.hostname)
+        hosts.append(entry)
+    return hosts
+
+
+class HostDiscovery:
+    """A source of the hosts an elastic job may use right now."""
+
+    def find(self) -> list[HostSpec]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass
+class FixedHosts(HostDiscovery):
+    """``-H``/``--hostfile`` in an elastic job: always the same hosts."""
+
+    hosts: list[HostSpec]
+
+    def find(self) -> list[HostSpec]:
+        return list(self.hosts)
+
+    def describe(self) -> str:
+        return "the host list"
+
+
+@dataclass
+class ScriptDiscovery(HostDiscovery):
+    """``--host-discovery-script``: the hosts its latest successful run printed."""
+
+    script: str
+    slots_per_host: int = 1
+    timeout: float = DISCOVERY_TIMEOUT
+    cwd: str | None = None
+
+    def describe(self) -> str:
+        return f"host discovery script {self.script!r}"
+
+    def find(self) -> list[HostSpec]:
+        try:
+            result = subprocess.run(
+                ["/bin/sh", "-c", self.script],
+                capture_output=True,
+                timeout=self.timeout,
+                stdin=subprocess.DEVNULL,
+                cwd=self.cwd,
+            )
+        except subprocess.TimeoutExpired:
+            raise DiscoveryError(f"did not finish within {self.timeout:g} s") from None
+        except OSError as exc:
+            raise DiscoveryError(f"cannot run it: {exc.strerror or exc}") from None
+        if result.returncode != 0:
+            lines = result.stderr.decode("utf-8", "replace").strip().splitlines()
+            last = f": {lines[-1]}" if lines else ""
+            raise DiscoveryError(f"exited with code {result.returncode}{last}")
+        return parse_discovery_output(result.stdout.decode("utf-8", "replace"), self.slots_per_host)
+
+
+class Blacklist:
+    """Failed hosts, kept out for good or for an exponentially growing cooldown."""
+
+    def __init__(self, cooldown: tuple[float, float] | None = None) -> None:
+        self.cooldown = cooldown
+        self._failures: dict[str, int] = {}
+        self._until: dict[str, float] = {}
+
+    def add(self, host: str, now: float | None = None) -> float | None:
+        """Records a failure; returns the cooldown in seconds (None: for good)."""
+        now = time.monotonic() if now is None else now
+        failures = self._failures[host] = self._failures.get(host, 0) + 1
+        if self.cooldown is None:
+            self._until[host] = float("inf")
+            return None
+        low, high = self.cooldown
+        delay = min(high, low * 2 ** (failures - 1))
+        self._until[host] = now + delay
+        return delay
+
+    def blocked(self, host: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return now < self._until.get(host, float("-inf"))
+
+    def failures(self, host: str) -> int:
+        return self._failures.get(host, 0)

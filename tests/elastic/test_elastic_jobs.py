@@ -1,0 +1,259 @@
+"""Elastic jobs on real sshd hosts (network namespaces): failures, growth, shrinking, limits.
+
+Every job runs workers/elastic_steps.py, whose every step lowers one weight by exactly 1 and
+commits: after the planned number of steps the weight must be exactly -steps on every rank,
+whatever failed or changed on the way (a step lost, or applied twice, would show).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from tests.cluster import Cluster, ClusterHost
+from tests.launcher.test_ssh import assert_hosts_clean
+
+WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
+PY = sys.executable
+COMMITTED = re.compile(
+    r"^\[\d+\]<stdout>:committed step=(\d+) rank=(\d+) size=(\d+) generation=(\d+)"
+)
+FINAL = re.compile(r"^\[\d+\]<stdout>:final rank=(\d+) size=(\d+) step=(\d+) weight=(\S+)")
+
+
+class Job:
+    """hvdrun as a subprocess whose output is read line by line, with a trigger on a line."""
+
+    def __init__(self, cluster: Cluster, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            cluster.hvdrun_argv(*args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=cluster.env(),
+        )
+        self.lines: list[str] = []
+        self._triggers: list[tuple[Callable[[str], bool], Callable[[], None]]] = []
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def when(self, matches: Callable[[str], bool], action: Callable[[], None]) -> None:
+        with self._lock:
+            self._triggers.append((matches, action))
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            with self._lock:
+                fired = [t for t in self._triggers if t[0](line)]
+                for trigger in fired:
+                    self._triggers.remove(trigger)
+            for _, action in fired:
+                action()
+
+    def wait(self, timeout: float = 150) -> tuple[int, str]:
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(10)
+        return code, "\n".join(self.lines)
+
+
+def committed(output: str) -> list[tuple[int, int, int, int]]:
+    """(step, rank, size, generation) of every commit line."""
+    return [tuple(map(int, m.groups())) for m in map(COMMITTED.match, output.splitlines()) if m]  # type: ignore[misc]
+
+
+def finals(output: str) -> dict[int, tuple[int, int, float]]:
+    """rank -> (size, steps, weight) of every worker that finished."""
+    found = {}
+    for match in map(FINAL.match, output.splitlines()):
+        if match:
+            rank, size, step, weight = match.groups()
+            found[int(rank)] = (int(size), int(step), float(weight))
+    return found
+
+
+def after_step(step: int, size: int | None = None) -> Callable[[str], bool]:
+    def matches(line: str) -> bool:
+        found = COMMITTED.match(line)
+        return (
+            bool(found)
+            and int(found.group(1)) >= step
+            and (size is None or int(found.group(3)) == size)
+        )
+
+    return matches
+
+
+def kill_host(cluster: Cluster, host: ClusterHost) -> None:
+    """Kills every process of the host (its agent, workers and SSH session) at once; only
+    the listening sshd stays, so that later tests can use the host again."""
+    victims = []
+    for proc in cluster.processes_on(host):
+        with contextlib.suppress(psutil.Error):
+            if "sshd" in proc.name() and "-D -f" in " ".join(proc.cmdline()):
+                continue
+            victims.append(proc)
+    for proc in victims:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGKILL)
+
+
+def hosts_file(tmp_path: Path, *hosts: ClusterHost) -> Path:
+    path = tmp_path / "hosts.txt"
+    write_hosts(path, *hosts)
+    return path
+
+
+def write_hosts(path: Path, *hosts: ClusterHost) -> None:
+    temporary = path.with_suffix(".new")
+    temporary.write_text("".join(f"{host.alias}\n" for host in hosts))
+    os.replace(temporary, path)  # the script never sees half a file
+
+
+def elastic_args(discovery: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        "--host-discovery-script",
+        f"cat {discovery}",
+        *extra,
+        "-x",
+        f"STEPS={steps}",
+        "-x",
+        "STEP_INTERVAL=0.1",
+        PY,
+        str(WORKER),
+    ]
+
+
+def check_finished_exactly(output: str, steps: int, size: int) -> None:
+    done = finals(output)
+    assert sorted(done) == list(range(size)), output
+    for rank_size, rank_steps, weight in done.values():
+        assert (rank_size, rank_steps, weight) == (size, steps, -steps), output
+    # every step committed once, in order, on the final ranks
+    last_commits = [c for c in committed(output) if c[2] == size and c[1] == 0]
+    assert last_commits and last_commits[-1][0] == steps, output
+
+
+def test_killed_host_training_finishes_on_the_rest(
+    elastic_cluster: Cluster, tmp_path: Path
+) -> None:
+    node1, node2, node3 = elastic_cluster.hosts
+    discovery = hosts_file(tmp_path, node1, node2, node3)
+    steps = 50
+    job = Job(elastic_cluster, "-np", "3", "--min-np", "2", *elastic_args(discovery, steps))
+    job.when(after_step(10), lambda: kill_host(elastic_cluster, node3))
+    code, output = job.wait()
+    assert code == 0, output
+    assert f"host {node3.alias} failed" in output, output
+    check_finished_exactly(output, steps, size=2)
+    sizes = {c[2] for c in committed(output)}
+    assert sizes == {3, 2}, output
+    assert_hosts_clean(elastic_cluster, [node1, node2, node3], within=10)
+
+
+def test_cut_link_training_finishes_on_the_rest(elastic_cluster: Cluster, tmp_path: Path) -> None:
+    node1, node2, node3 = elastic_cluster.hosts
+    discovery = hosts_file(tmp_path, node1, node2, node3)
+    steps = 40
+    job = Job(elastic_cluster, "-np", "3", "--min-np", "2", *elastic_args(discovery, steps))
+    job.when(after_step(10), lambda: elastic_cluster.set_link(node3, up=False))
+    try:
+        code, output = job.wait()
+    finally:
+        elastic_cluster.set_link(node3, up=True)
+    assert code == 0, output
+    assert f"host {node3.alias} failed (heard nothing from its agent" in output, output
+    check_finished_exactly(output, steps, size=2)
+    # cut off, the host's own agent stopped its workers
+    assert_hosts_clean(elastic_cluster, [node1, node2, node3], within=15)
+
+
+def test_rank_0_host_dies_a_new_rank_0_carries_on(elastic_cluster: Cluster, tmp_path: Path) -> None:
+    node1, node2, node3 = elastic_cluster.hosts
+    discovery = hosts_file(tmp_path, node1, node2, node3)
+    steps = 40
+    job = Job(elastic_cluster, "-np", "3", "--min-np", "2", *elastic_args(discovery, steps))
+    job.when(after_step(10), lambda: kill_host(elastic_cluster, node1))
+    code, output = job.wait()
+    assert code == 0, output
+    check_finished_exactly(output, steps, size=2)
+    assert f"generation 2: 2 worker(s) on 2 host(s): {node2.alias}, {node3.alias}" in output
+    assert_hosts_clean(elastic_cluster, [node1, node2, node3], within=10)
+
+
+def test_discovery_grows_then_shrinks_the_job(elastic_cluster: Cluster, tmp_path: Path) -> None:
+    node1, node2, node3 = elastic_cluster.hosts
+    discovery = hosts_file(tmp_path, node1, node2)
+    steps = 60
+    job = Job(
+        elastic_cluster,
+        "-np",
+        "2",
+        "--min-np",
+        "2",
+        "--max-np",
+        "3",
+        *elastic_args(discovery, steps),
+    )
+    job.when(after_step(5), lambda: write_hosts(discovery, node1, node2, node3))
+    # once the job runs on three, discovery drops the second host: a graceful removal
+    job.when(after_step(1, size=3), lambda: write_hosts(discovery, node1, node3))
+    code, output = job.wait()
+    assert code == 0, output
+    commits = committed(output)
+    generations = [c[3] for c in commits]
+    assert generations == sorted(generations), output  # a rank never goes back
+    sizes = [size for _, _, size, _ in commits]
+    first3, first2 = sizes.index(3), len(sizes) - sizes[::-1].index(2)
+    assert 0 < first3 < first2, output  # 2 -> 3 -> 2
+    # the new host got the state: it went on from the step the others had reached
+    grown = [c for c in commits if c[2] == 3]
+    assert min(c[0] for c in grown) > 1, output
+    assert f"host {node2.alias} is no longer discovered" in output
+    assert " failed (" not in output, output  # no host failed: a graceful removal
+    assert f"leaving the elastic job: host '{node2.alias}' is no longer part" in output
+    check_finished_exactly(output, steps, size=2)
+    assert_hosts_clean(elastic_cluster, [node1, node2, node3], within=10)
+
+
+def test_too_few_slots_for_longer_than_the_elastic_timeout(
+    elastic_cluster: Cluster, tmp_path: Path
+) -> None:
+    node1, node2 = elastic_cluster.hosts[:2]
+    discovery = hosts_file(tmp_path, node1, node2)
+    job = Job(
+        elastic_cluster,
+        "-np",
+        "2",
+        "--min-np",
+        "2",
+        "--elastic-timeout",
+        "2",
+        *elastic_args(discovery, 1000),
+    )
+    job.when(after_step(3), lambda: kill_host(elastic_cluster, node2))
+    code, output = job.wait()
+    assert code == 1, output
+    assert (
+        "hvdrun: only 1 slot(s) were available for longer than the elastic timeout (2 s), "
+        "fewer than --min-np 2; stopping the job" in output
+    ), output
+    assert_hosts_clean(elastic_cluster, [node1, node2], within=10)
