@@ -2,14 +2,21 @@
 
 Run it alone (``python examples/pytorch_digits.py``) or on several processes
 (``hvdrun -np 2 python examples/pytorch_digits.py``): each process trains on its shard of the
-training set, ``hvd.DistributedOptimizer`` averages the gradients, and rank 0 reports the loss
-and the test accuracy averaged over all ranks. The data ships with scikit-learn, so nothing is
-downloaded.
+training set, ``hvd.DistributedOptimizer`` averages the gradients while the backward pass
+runs, ``hvd.SyncBatchNorm`` normalises over the whole job's batch, and rank 0 reports the
+loss and the test accuracy averaged over all ranks. The data ships with scikit-learn, so
+nothing is downloaded.
+
+Horovod's options are there too: ``--fp16-allreduce`` (gradients travel as float16),
+``--use-adasum`` (Adasum instead of averaging), ``--batches-per-allreduce`` (gradient
+accumulation) and ``--checkpoint`` (rank 0 saves after every epoch; a restart resumes from
+it, every rank getting the weights, optimizer state and epoch from rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -28,6 +35,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="batch size per process")
     parser.add_argument("--lr", type=float, default=0.01, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=42, help="seed of the data split and model")
+    parser.add_argument("--fp16-allreduce", action="store_true", help="send gradients as float16")
+    parser.add_argument("--use-adasum", action="store_true", help="combine gradients with Adasum")
+    parser.add_argument(
+        "--batches-per-allreduce",
+        type=int,
+        default=1,
+        help="backward passes (of --batch-size samples) accumulated per allreduce",
+    )
+    parser.add_argument("--checkpoint", help="file to save to after every epoch and resume from")
     return parser.parse_args()
 
 
@@ -76,35 +92,81 @@ def main() -> None:
     test_sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
         test_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=False
     )
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler)
+    # One step takes batches_per_allreduce sub-batches, accumulated before the allreduce.
+    step_batch = args.batch_size * args.batches_per_allreduce
+    train_loader = DataLoader(train_set, batch_size=step_batch, sampler=train_sampler)
     test_loader = DataLoader(test_set, batch_size=256, sampler=test_sampler)
 
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 128),
+        hvd.SyncBatchNorm(128),  # statistics over every rank's batch
         torch.nn.ReLU(),
         torch.nn.Linear(128, 10),
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    # Rank 0 alone reads the checkpoint; the others get the epoch, weights and state from it.
+    saved = None
+    if hvd.rank() == 0 and args.checkpoint and os.path.exists(args.checkpoint):
+        saved = torch.load(args.checkpoint)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+    resume = hvd.broadcast_object(
+        {"epoch": saved["epoch"], "scheduler": saved["scheduler"]} if saved else None,
+        root_rank=0,
+        name="resume",
+    )
     # Every rank starts from rank 0's weights and optimizer state.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    # Annealing the learning rate to zero makes the last epochs' accuracy stable.
+    optimizer = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none,
+        backward_passes_per_step=args.batches_per_allreduce,
+        op=hvd.Adasum if args.use_adasum else hvd.Average,
+    )
+    # Annealing the learning rate to zero makes the last epochs' accuracy stable. (LR
+    # schedulers go on the wrapped optimizer, whose step() they count.)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    first_epoch = 1
+    if resume is not None:
+        scheduler.load_state_dict(resume["scheduler"])
+        first_epoch = resume["epoch"] + 1
+        if hvd.rank() == 0:
+            print(f"resuming from {args.checkpoint} after epoch {first_epoch - 1}", flush=True)
 
     accuracy = 0.0
-    for epoch in range(1, args.epochs + 1):
+    seen = 0
+    for epoch in range(first_epoch, args.epochs + 1):
         model.train()
         train_sampler.set_epoch(epoch)
         loss_sum, batches = 0.0, 0
         for x, y in train_loader:
             optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
+            # A short last batch may hold fewer sub-batches: always run exactly
+            # batches_per_allreduce backward passes, so every rank reduces once per step.
+            parts = [
+                p for p in torch.tensor_split(torch.arange(len(y)), args.batches_per_allreduce)
+            ]
+            for part in parts:
+                loss = F.cross_entropy(model(x[part]), y[part]) * len(part) / len(y)
+                loss.backward()
+                loss_sum += loss.item()
             optimizer.step()
-            loss_sum += loss.item()
             batches += 1
+            seen += len(y)
         scheduler.step()
+        if hvd.rank() == 0 and args.checkpoint:
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "epoch": epoch,
+                },
+                args.checkpoint,
+            )
         train_loss = metric_average(loss_sum / max(batches, 1), "train_loss")
         test_loss, accuracy = evaluate(model, test_loader)
         if hvd.rank() == 0:
@@ -113,9 +175,11 @@ def main() -> None:
                 f"test accuracy {accuracy:.4f}",
                 flush=True,
             )
+    per_rank = hvd.allgather_object(seen, name="samples_per_rank")
     if hvd.rank() == 0:
         elapsed = time.perf_counter() - started
         print(f"trained on {hvd.size()} process(es) in {elapsed:.1f} s", flush=True)
+        print(f"training samples per rank: {per_rank}", flush=True)
         print(f"final test accuracy: {accuracy:.4f}", flush=True)
     hvd.shutdown()
 

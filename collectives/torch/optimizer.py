@@ -300,7 +300,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients, as the wrapped optimizer does; an error while gradients of
         a backward pass wait for step() or synchronize()."""
-        if self._hvd_pending:
+        if self._hvd_pending and not self._hvd_discard_failed():
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(): the gradients are being "
@@ -310,6 +310,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         self._hvd_synchronized = False
         super().zero_grad(set_to_none)
+
+
+    def _hvd_discard_failed(self) -> bool:
+        """Forgets the pending reductions if one of them failed (a peer died, the job is
+        being reset): their gradients are lost anyway, and the next step starts afresh."""
+        failed = any(
+            entry is not None and entry is not _SPARSE and entry[0].error is not None
+            for entry in self._hvd_pending.values()
+        )
+        if failed:
+            self._hvd_reset()
+        return failed
+
+    def _hvd_reset(self) -> None:
+        self._hvd_pending.clear()
+        self._hvd_delay.clear()
+        self._hvd_synchronized = False
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads the wrapped optimizer's state; pending reductions are forgotten (as after
+        an elastic reset, which restores state this way)."""
+        self._hvd_reset()
+        super().load_state_dict(state_dict)
 
 
 class _DistributedAdasumOptimizer(_DistributedOptimizer):
@@ -424,6 +447,9 @@ def DistributedOptimizer(
     cls: Any = _wrapper_class(mixin, type(optimizer))
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
+    # An LR scheduler made before wrapping replaced step() on the optimizer instance (to
+    # count calls); copied over, it would bypass the wrapper's step and its reduction.
+    wrapped.__dict__.pop("step", None)
     if resolved == ReduceOp.ADASUM:
         wrapped._hvd_starts = {}
     wrapped._hvd_setup(

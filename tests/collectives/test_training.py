@@ -5,9 +5,12 @@ the error cases (see workers/training_worker.py for every check)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
-from tests.collectives.conftest import WORKERS, run_hvdrun
+from tests.collectives.conftest import REPO, WORKERS, run_hvdrun
 
 GROUPS = [
     "equivalence",
@@ -43,6 +46,7 @@ CHECKS = [
     "hooks.zero_grad_after_step",
     "hooks.too_many_passes_raises",
     "hooks.set_backward_passes_per_step",
+    "hooks.scheduler_before_wrap",
     "dynamic.same_on_ranks",
     "dynamic.extra_weight",
     "names.missing",
@@ -112,3 +116,22 @@ def test_training_api(num_proc: int) -> None:
             assert f"[{rank}]<stdout>:OK {name}\n" in output, f"rank {rank} lacks {name}\n{output}"
     if num_proc == 2:
         assert "[0]<stdout>:OK adasum.orthogonal_summed\n" in output
+
+
+@pytest.mark.slow
+def test_digits_example_with_every_option_resumes(tmp_path: Path) -> None:
+    """Adasum, fp16 compression, gradient accumulation and SyncBatchNorm still learn; a
+    second run resumes from rank 0's checkpoint."""
+    options = ["--use-adasum", "--fp16-allreduce", "--batches-per-allreduce", "2"]
+    checkpoint = ["--checkpoint", str(tmp_path / "digits.pt")]
+    script = REPO / "examples" / "pytorch_digits.py"
+    code, output = run_hvdrun(2, script, "--epochs", "3", *options, *checkpoint)
+    assert code == 0, output
+    match = re.search(r"\[0\]<stdout>:final test accuracy: ([0-9.]+)", output)
+    assert match and float(match.group(1)) >= 0.9, output
+    assert "[0]<stdout>:training samples per rank: [2157, 2157]" in output, output
+    code, output = run_hvdrun(2, script, "--epochs", "4", *options, *checkpoint)
+    assert code == 0, output
+    assert "[0]<stdout>:resuming from" in output and "after epoch 3" in output, output
+    assert "[0]<stdout>:epoch  4:" in output and "epoch  3:" not in output, output
+    assert "[0]<stdout>:training samples per rank: [719, 719]" in output, output

@@ -212,6 +212,24 @@ def main() -> None:
         F.cross_entropy(reference(x), y).mul(3).backward()
         ref_opt.step()
         c.expect("hooks.set_backward_passes_per_step", max_diff(model, reference) <= 1e-6)
+        # An LR scheduler made before wrapping (it patches step() on the instance).
+        reference, model = make_model(), make_model()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+        base = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        for step in range(3):
+            x, y = batch(step)
+            ref_opt.zero_grad()
+            F.cross_entropy(reference(x), y).backward()
+            ref_opt.step()
+            ref_sched.step()
+            opt.zero_grad()
+            F.cross_entropy(model(x[mine]), y[mine]).backward()
+            opt.step()
+            sched.step()
+        c.expect("hooks.scheduler_before_wrap", max_diff(model, reference) <= 1e-6)
 
     def dynamic_graphs() -> None:
         # A layer only rank 0 uses: the others reduce zeros for it, nobody hangs.
