@@ -15,7 +15,10 @@ lists it again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -88,17 +91,25 @@ class ScriptDiscovery(HostDiscovery):
 
     def find(self) -> list[HostSpec]:
         try:
-            result = subprocess.run(
+            # A session of its own, so that a timeout stops whatever the script started.
+            proc = subprocess.Popen(
                 ["/bin/sh", "-c", self.script],
-                capture_output=True,
-                timeout=self.timeout,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,
                 cwd=self.cwd,
+                start_new_session=True,
             )
-        except subprocess.TimeoutExpired:
-            raise DiscoveryError(f"did not finish within {self.timeout:g} s") from None
         except OSError as exc:
             raise DiscoveryError(f"cannot run it: {exc.strerror or exc}") from None
+        try:
+            stdout, stderr = proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise DiscoveryError(f"did not finish within {self.timeout:g} s") from None
+        result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         if result.returncode != 0:
             lines = result.stderr.decode("utf-8", "replace").strip().splitlines()
             last = f": {lines[-1]}" if lines else ""

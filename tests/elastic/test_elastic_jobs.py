@@ -93,11 +93,9 @@ def finals(output: str) -> dict[int, tuple[int, int, float]]:
 def after_step(step: int, size: int | None = None) -> Callable[[str], bool]:
     def matches(line: str) -> bool:
         found = COMMITTED.match(line)
-        return (
-            bool(found)
-            and int(found.group(1)) >= step
-            and (size is None or int(found.group(3)) == size)
-        )
+        if found is None:
+            return False
+        return int(found.group(1)) >= step and (size is None or int(found.group(3)) == size)
 
     return matches
 

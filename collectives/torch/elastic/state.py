@@ -89,6 +89,9 @@ class ObjectState(State):
         # use ``state.epoch`` and friends under a type checker.
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+
     def _current(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._saved_state}
 

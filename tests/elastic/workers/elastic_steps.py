@@ -18,6 +18,9 @@ from collectives.torch import elastic, runtime
 
 STEPS = int(os.environ.get("STEPS", "40"))
 INTERVAL = float(os.environ.get("STEP_INTERVAL", "0.1"))
+# FAIL_HOST=h FAIL_AT_STEP=n: the workers on host h exit 1 after committing step n.
+FAIL_AT_STEP = int(os.environ.get("FAIL_AT_STEP", "0"))
+FAIL_HOST = os.environ.get("FAIL_HOST")
 
 torch.set_num_threads(1)
 hvd.init()
@@ -44,6 +47,8 @@ def train(state: elastic.TorchState) -> None:
             f"generation={runtime.generation()} time={time.time():.4f}",
             flush=True,
         )
+        if state.step == FAIL_AT_STEP and os.environ.get("HVDRUN_HOSTNAME") == FAIL_HOST:
+            raise SystemExit(f"failing on purpose after step {state.step}")
 
 
 train(state)

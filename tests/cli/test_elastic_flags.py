@@ -1,0 +1,75 @@
+"""The elastic flags at the CLI boundary: each mistake is one line and exit code 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hvdrun.cli import run_cli
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--min-np", "3", "-np", "2", "true"],
+            "invalid '--min-np': must be between 1 and -np (2)",
+        ),
+        (["--min-np", "0", "-np", "2", "true"], "invalid '--min-np': must be between 1 and -np"),
+        (["--max-np", "1", "-np", "2", "true"], "invalid '--max-np': must be at least -np (2)"),
+        (["--max-np", "4", "true"], "an elastic job needs -np N"),
+        (["--min-np", "1", "-np", "2", "--reset-limit", "-1", "true"], "must not be negative"),
+        (
+            ["--min-np", "1", "-np", "2", "--blacklist-cooldown-range", "5", "1", "true"],
+            "invalid '--blacklist-cooldown-range': needs 0 < MIN <= MAX, got 5 1",
+        ),
+        (
+            ["--min-np", "1", "-np", "2", "--slots-per-host", "0", "true"],
+            "invalid '--slots-per-host': must be at least 1, got 0",
+        ),
+        (["--min-np", "1", "-np", "2", "--elastic-timeout", "0", "true"], "0 is not in the range"),
+        (["-np", "2", "--reset-limit", "3", "true"], "--reset-limit is for elastic jobs"),
+        (["-np", "2", "--elastic-timeout", "3", "true"], "--elastic-timeout is for elastic jobs"),
+        (
+            ["--host-discovery-script", "true", "-H", "a:1", "-np", "1", "true"],
+            "give the hosts with --host-discovery-script or with -H/--hostfile, not both",
+        ),
+        (
+            ["--host-discovery-script", "exit 3", "-np", "1", "true"],
+            "invalid '--host-discovery-script': exit 3: exited with code 3",
+        ),
+        (
+            ["--host-discovery-script", "echo 'a:x'", "-np", "1", "true"],
+            "invalid '--host-discovery-script': echo 'a:x': line 1: slot count 'x' in 'a:x'",
+        ),
+        (
+            ["--host-discovery-script", "printf 'a\\na\\n'", "-np", "1", "true"],
+            "line 2: host 'a' is listed twice",
+        ),
+        (["--min-np", "1", "-np", "2"], "no command given"),
+    ],
+)
+def test_bad_elastic_input_is_one_line_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hvdrun: error: ")
+    assert message in err
+    assert err.count("\n") == 1
+    assert "Traceback" not in err
+
+
+def test_discovery_script_failing_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho 'cannot reach the scheduler' >&2\nexit 1\n")
+    script.chmod(0o755)
+    assert run_cli(["--host-discovery-script", str(script), "-np", "1", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"hvdrun: error: invalid '--host-discovery-script': {script}: exited with code 1: "
+        "cannot reach the scheduler\n"
+    )

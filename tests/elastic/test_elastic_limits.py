@@ -1,0 +1,64 @@
+"""The limits of an elastic job, on this machine's own hosts (no SSH needed).
+
+``localhost`` and ``127.0.0.1`` are two hosts to hvdrun (an agent each), so a job can lose
+one and go on with the other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.collectives.conftest import run_hvdrun
+
+WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
+
+
+def test_every_host_failed_ends_the_job() -> None:
+    code, output = run_hvdrun(
+        2,
+        WORKER,
+        options=["--min-np", "1", "-H", "localhost:2"],
+        env={
+            "STEPS": "100",
+            "STEP_INTERVAL": "0.05",
+            "FAIL_HOST": "localhost",
+            "FAIL_AT_STEP": "3",
+        },
+        timeout=120,
+    )
+    assert code == 1, output
+    assert "hvdrun: host localhost failed (worker " in output, output
+    assert "exited with exit code 1); blacklisted for the rest of the job" in output, output
+    assert (
+        "hvdrun: every worker of the elastic job has failed or left, and its training state "
+        "with them; stopping the job" in output
+    ), output
+    assert "final" not in output
+
+
+def test_more_resets_than_the_limit_end_the_job() -> None:
+    code, output = run_hvdrun(
+        2,
+        WORKER,
+        options=[
+            "--min-np",
+            "1",
+            "--reset-limit",
+            "0",
+            "--host-discovery-script",
+            "printf 'localhost\\n127.0.0.1\\n'",
+        ],
+        env={
+            "STEPS": "100",
+            "STEP_INTERVAL": "0.05",
+            "FAIL_HOST": "127.0.0.1",
+            "FAIL_AT_STEP": "3",
+        },
+        timeout=120,
+    )
+    assert code == 1, output
+    assert "hvdrun: host 127.0.0.1 failed (worker 1 exited with exit code 1)" in output, output
+    assert (
+        "hvdrun: the elastic job would need reset 1, more than --reset-limit 0; stopping the job"
+        in output
+    ), output
