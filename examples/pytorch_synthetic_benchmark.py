@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--num-batches-per-iter", type=int, default=5)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--fp16-allreduce", action="store_true")
+    parser.add_argument("--use-adasum", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--no-cuda", action="store_true")
     args = parser.parse_args()
@@ -99,10 +100,15 @@ def main() -> None:
     torch.manual_seed(1234)
 
     model = MODELS[args.model]().to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+    # Averaged gradients allow a learning rate that grows with the job; Adasum needs none.
+    lr_scaler = 1 if args.use_adasum else hvd.size()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler, momentum=0.9)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(), compression=compression
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=hvd.Adasum if args.use_adasum else hvd.Average,
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

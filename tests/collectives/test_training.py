@@ -135,3 +135,19 @@ def test_digits_example_with_every_option_resumes(tmp_path: Path) -> None:
     assert "[0]<stdout>:resuming from" in output and "after epoch 3" in output, output
     assert "[0]<stdout>:epoch  4:" in output and "epoch  3:" not in output, output
     assert "[0]<stdout>:training samples per rank: [719, 719]" in output, output
+
+
+@pytest.mark.slow
+def test_synthetic_benchmark_example_reports_rates() -> None:
+    script = REPO / "examples" / "pytorch_synthetic_benchmark.py"
+    args = ["--model", "resnet_small", "--batch-size", "4", "--image-size", "32"]
+    args += ["--num-warmup-batches", "1", "--num-batches-per-iter", "1", "--num-iters", "2"]
+    code, output = run_hvdrun(2, script, *args, "--fp16-allreduce")
+    assert code == 0, output
+    assert "[0]<stdout>:Model: resnet_small, batch size: 4 per worker, workers: 2" in output
+    assert re.search(r"\[0\]<stdout>:Iter #1: [0-9.]+ img/sec per worker", output), output
+    per_worker = re.search(r"\[0\]<stdout>:Img/sec per worker: ([0-9.]+) \+-", output)
+    total = re.search(r"\[0\]<stdout>:Total img/sec on 2 worker\(s\): ([0-9.]+) \+-", output)
+    assert per_worker and total, output
+    assert float(total.group(1)) == pytest.approx(2 * float(per_worker.group(1)), rel=0.01)
+    assert "[1]<stdout>:" not in output
