@@ -87,7 +87,11 @@ CHECKS = [
     "adasum.parallel_averaged",
     "adasum.half.identical",
     "adasum.int_raises",
-    *(f"adasum.optimizer.{label}{s}" for label in ("sgd", "adam") for s in ("", ".identical")),
+    *(
+        f"adasum.optimizer.{label}{s}"
+        for label in ("sgd", "adam", "sgd.fp16")
+        for s in ("", ".identical")
+    ),
     *(
         f"syncbn.{dims}.{what}"
         for dims in ("1d", "2d")

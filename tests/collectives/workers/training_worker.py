@@ -396,12 +396,18 @@ def main() -> None:
             # rounding in components near zero flips whole steps (the reference is float64).
             return torch.optim.Adam(params, lr=0.01, eps=1e-3)
 
-        for label, factory in (("sgd", sgd), ("adam", adam_eps)):
+        fp16 = {"compression": hvd.Compression.fp16}
+        for label, factory, options, atol in (
+            ("sgd", sgd, {}, 1e-5),
+            ("adam", adam_eps, {}, 1e-5),
+            ("sgd.fp16", sgd, fp16, 1e-3),
+        ):
             model = make_model()
             opt = hvd.DistributedOptimizer(
                 factory(list(model.parameters())),
                 named_parameters=model.named_parameters(),
                 op=hvd.Adasum,
+                **options,
             )
             # The reference: every rank's own optimizer steps on its own slice from the
             # shared parameters; the parameters' changes combine with Adasum.
@@ -431,7 +437,7 @@ def main() -> None:
                 F.cross_entropy(model(x[mine]), y[mine]).backward()
                 opt.step()
                 worst = max(worst, max_diff(model, shared))
-            c.expect(f"adasum.optimizer.{label}", worst <= 1e-5, f"max difference {worst:g}")
+            c.expect(f"adasum.optimizer.{label}", worst <= atol, f"max difference {worst:g}")
             c.expect(f"adasum.optimizer.{label}.identical", same_on_all_ranks(flat(model)))
 
     def sync_batch_norm() -> None:
