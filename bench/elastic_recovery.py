@@ -3,9 +3,9 @@
 One elastic job (``-np 3 --min-np 2``) on three hosts of the test cluster (tests/cluster.py:
 network namespaces with their own sshd, so this needs root and openssh-server), Gloo, a
 step every 0.1 s (tests/elastic/workers/elastic_steps.py: allreduce, SGD step, commit).
-Each round takes the third host away, measures from that moment to the first step the two
-survivors commit together in the new generation, and lets the host come back (a 1-2 s
-blacklist cooldown) before the next round:
+Each round takes the third host away at a random moment of a step, measures from then to
+the first step the two survivors commit together in the new generation, and lets the host
+come back (a 1-2 s blacklist cooldown) before the next round:
 
 * killed host: every process of the host (agent, workers, SSH session) gets SIGKILL;
 * cut link: the host's cable is pulled (no RST); detection is bounded by the elastic
@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import os
 import queue
+import random
 import re
 import signal
 import statistics
@@ -114,6 +115,8 @@ def measure_elastic(
             for _ in range(5):  # a few steps on three hosts first
                 commits.next(3)
             commits.drain()
+            # A host dies at any moment of a step, not just after a commit.
+            time.sleep(random.uniform(0.0, 0.1))
             lost = time.time()
             if what == "killed host":
                 kill_host(cluster, node3)
