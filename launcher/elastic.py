@@ -129,6 +129,10 @@ class ElasticDriver:
         self._worker_ids = itertools.count()
         self._done = threading.Event()
         self._versions = installed_versions() if spec.launch.check_versions else None
+        self._rejoin_since: float | None = None
+        # Survivors of a failed collective wait in Register; a member that has not joined
+        # them this long after is hung or cut off (twice the workers' Gloo timeout).
+        self.rejoin_timeout = 2 * _gloo_timeout(spec.env, options.failure_timeout)
         self._discovery_error: str | None = None
 
     # ---- the loop -------------------------------------------------------------------
@@ -380,8 +384,42 @@ class ElasticDriver:
                     if host.agent is not None:
                         host.agent.close()
         self._start_new_hosts(listed, now)
+        self._check_rejoin(now)
         self._publish_if_needed(now)
         self._stop_removed_hosts()
+
+    def _check_rejoin(self, now: float) -> None:
+        """Workers whose collectives failed wait for the next generation. If every member
+        waits, publish one (a transient error); a member that does not join them within
+        the rejoin timeout is hung or cut off: its host fails."""
+        if self.generation == 0 or self.need_publish:
+            self._rejoin_since = None
+            return
+        running = [h for h in self.hosts.values() if h.state == "running"]
+        waiting = self.server.waiting_slots()
+        members = {(h.name, local) for h in running for local in range(h.slots)}
+        if not waiting & members:
+            self._rejoin_since = None
+            return
+        if members <= waiting:
+            self.need_publish = True
+            self._rejoin_since = None
+            return
+        if self._rejoin_since is None:
+            self._rejoin_since = now
+            return
+        if now - self._rejoin_since < self.rejoin_timeout:
+            return
+        self._rejoin_since = None
+        for host in running:
+            if any((host.name, local) not in waiting for local in range(host.slots)):
+                self._fail_host(
+                    host,
+                    f"its workers did not rejoin within {self.rejoin_timeout:g} s after the "
+                    "others' collectives failed: hung or cut off",
+                )
+                if host.agent is not None:
+                    host.agent.kill()  # a stopped process ignores SIGTERM until it runs
 
     def _retire_finished(self) -> None:
         for name, host in list(self.hosts.items()):
@@ -555,6 +593,15 @@ class ElasticDriver:
             address = _remote_address(remote) if remote is not None else None
             return f"{_bracket(address or '127.0.0.1')}:{port}"
         return f"{_bracket(_remote_address(agent) or '127.0.0.1')}:{port}"
+
+
+def _gloo_timeout(env: dict[str, str], default: float) -> float:
+    for name in ("HVDRUN_GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"):
+        try:
+            return float(env[name])
+        except (KeyError, ValueError):
+            continue
+    return default
 
 
 def _explicit_host(addr: str) -> str:

@@ -277,6 +277,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self._lock = threading.Lock()
         self._registered: set[tuple[str, int]] = set()
         self._registered_generation: set[tuple[str, int]] = set()  # of the newest generation
+        self._waiting: dict[tuple[str, int], int] = {}  # slot -> blocked Register calls
         self._watching: dict[int, int] = {}  # rank -> number of open Watch streams
         self._open_watches = 0  # loop-confined twin of sum(_watching.values())
         self._watches_closed: asyncio.Event | None = None
@@ -414,20 +415,8 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         error = self._check_timeout(request.timeout_ms)
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + request.timeout_ms / 1000
-        while self._generation < request.min_generation:
-            if self._stopping:
-                await self._abort_shutting_down(context)
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"no membership generation {request.min_generation} was published "
-                    f"within {_seconds(request.timeout_ms)} (newest: {self._generation})",
-                )
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake_event().wait(), remaining)
+        if self._generation < request.min_generation:
+            await self._wait_for_generation(request, context)
         slot = self._slots.get((request.host, request.local_rank))
         if slot is None:
             if self._elastic:
@@ -463,6 +452,39 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             cross_size=slot.cross_size,
             generation=self._generation,
         )
+
+    async def _wait_for_generation(
+        self, request: rendezvous_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Blocks a Register until its generation is published; the slot counts as waiting
+        meanwhile (the elastic driver watches for survivors that wait)."""
+        key = (request.host, request.local_rank)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request.timeout_ms / 1000
+        with self._lock:
+            self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            while self._generation < request.min_generation:
+                if self._stopping:
+                    await self._abort_shutting_down(context)
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no membership generation {request.min_generation} was published "
+                        f"within {_seconds(request.timeout_ms)} (newest: {self._generation})",
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake_event().wait(), remaining)
+        finally:
+            with self._lock:
+                count = self._waiting.pop(key, 1) - 1
+                if count > 0:
+                    self._waiting[key] = count
+
+    def waiting_slots(self) -> set[tuple[str, int]]:
+        with self._lock:
+            return set(self._waiting)
 
     async def Set(
         self, request: rendezvous_pb2.SetRequest, context: grpc.aio.ServicerContext
@@ -869,6 +891,11 @@ class RendezvousServer:
             return self._servicer.publish(slots)
 
         return loop_thread.run(publish(), timeout=30)
+
+    def waiting_slots(self) -> set[tuple[str, int]]:
+        """Elastic jobs: (host, local_rank) of workers blocked in Register until a generation
+        newer than the newest is published (survivors of a failed collective)."""
+        return self._servicer.waiting_slots()
 
     @property
     def generation(self) -> int:

@@ -1,4 +1,4 @@
-"""The limits of an elastic job, on this machine's own hosts (no SSH needed).
+"""Limits and hung peers of an elastic job, on this machine's own hosts (no SSH needed).
 
 ``localhost`` and ``127.0.0.1`` are two hosts to hvdrun (an agent each), so a job can lose
 one and go on with the other.
@@ -62,3 +62,27 @@ def test_more_resets_than_the_limit_end_the_job() -> None:
         "hvdrun: the elastic job would need reset 1, more than --reset-limit 0; stopping the job"
         in output
     ), output
+
+
+def test_hung_worker_is_dropped_after_the_rejoin_timeout() -> None:
+    code, output = run_hvdrun(
+        2,
+        WORKER,
+        options=["--min-np", "1", "--host-discovery-script", "printf 'localhost\\n127.0.0.1\\n'"],
+        env={
+            "STEPS": "30",
+            "STEP_INTERVAL": "0.05",
+            "FAIL_HOST": "127.0.0.1",
+            "FAIL_AT_STEP": "5",
+            "FAIL_MODE": "hang",
+            "HVDRUN_GLOO_TIMEOUT_SECONDS": "1",
+        },
+        timeout=120,
+    )
+    assert code == 0, output
+    assert "hanging on purpose after step 5" in output, output
+    assert (
+        "hvdrun: host 127.0.0.1 failed (its workers did not rejoin within 2 s after the "
+        "others' collectives failed: hung or cut off)" in output
+    ), output
+    assert "[0]<stdout>:final rank=0 size=1 step=30 weight=-30" in output, output

@@ -32,9 +32,11 @@ def test_register_waits_for_the_generation_and_follows_it(
     waiter.start()
     time.sleep(0.2)
     assert not got  # nothing published yet
+    assert elastic.waiting_slots() == {("b", 0)}
     assert elastic.publish(assign_slots([("a", 1), ("b", 1)], 2)) == 1
     waiter.join(10)
     (info,) = got
+    assert elastic.waiting_slots() == set()
     assert (info.rank, info.size, info.generation) == (1, 2, 1)  # type: ignore[attr-defined]
     assert elastic.registered_count() == 1
     # host a fails: b is rank 0 of generation 2

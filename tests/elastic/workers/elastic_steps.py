@@ -9,6 +9,7 @@ would show. Prints one ``committed`` line per commit (rank, size, generation, wa
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import torch
@@ -18,7 +19,8 @@ from collectives.torch import elastic, runtime
 
 STEPS = int(os.environ.get("STEPS", "40"))
 INTERVAL = float(os.environ.get("STEP_INTERVAL", "0.1"))
-# FAIL_HOST=h FAIL_AT_STEP=n: the workers on host h exit 1 after committing step n.
+# FAIL_HOST=h FAIL_AT_STEP=n: the workers on host h exit 1 after committing step n (with
+# FAIL_MODE=hang: stop themselves with SIGSTOP instead).
 FAIL_AT_STEP = int(os.environ.get("FAIL_AT_STEP", "0"))
 FAIL_HOST = os.environ.get("FAIL_HOST")
 
@@ -48,6 +50,9 @@ def train(state: elastic.TorchState) -> None:
             flush=True,
         )
         if state.step == FAIL_AT_STEP and os.environ.get("HVDRUN_HOSTNAME") == FAIL_HOST:
+            if os.environ.get("FAIL_MODE") == "hang":
+                print(f"hanging on purpose after step {state.step}", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
             raise SystemExit(f"failing on purpose after step {state.step}")
 
 
