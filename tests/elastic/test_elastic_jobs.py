@@ -184,16 +184,38 @@ def test_cut_link_training_finishes_on_the_rest(elastic_cluster: Cluster, tmp_pa
     assert_hosts_clean(elastic_cluster, [node1, node2, node3], within=15)
 
 
-def test_rank_0_host_dies_a_new_rank_0_carries_on(elastic_cluster: Cluster, tmp_path: Path) -> None:
+def test_rank_0_host_dies_a_new_rank_0_carries_on_and_the_host_comes_back(
+    elastic_cluster: Cluster, tmp_path: Path
+) -> None:
     node1, node2, node3 = elastic_cluster.hosts
     discovery = hosts_file(tmp_path, node1, node2, node3)
-    steps = 40
-    job = Job(elastic_cluster, "-np", "3", "--min-np", "2", *elastic_args(discovery, steps))
+    steps = 70
+    job = Job(
+        elastic_cluster,
+        "-np",
+        "3",
+        "--min-np",
+        "2",
+        "--blacklist-cooldown-range",
+        "1",
+        "1",
+        *elastic_args(discovery, steps),
+    )
     job.when(after_step(10), lambda: kill_host(elastic_cluster, node1))
     code, output = job.wait()
     assert code == 0, output
-    check_finished_exactly(output, steps, size=2)
+    assert (
+        f"host {node1.alias} failed (lost the connection to its agent); blacklisted for 1 s"
+        in output
+    ), output
+    # the survivors keep their order: node2 is the new rank 0
     assert f"generation 2: 2 worker(s) on 2 host(s): {node2.alias}, {node3.alias}" in output
+    # after its cooldown node1 is back, as the newest host: the highest rank
+    assert (
+        f"generation 3: 3 worker(s) on 3 host(s): {node2.alias}, {node3.alias}, {node1.alias}"
+        in output
+    ), output
+    check_finished_exactly(output, steps, size=3)
     assert_hosts_clean(elastic_cluster, [node1, node2, node3], within=10)
 
 
