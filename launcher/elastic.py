@@ -625,7 +625,7 @@ def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
 
     options = spec.elastic
     assert options is not None
-    initial = options.discovery.find()  # the CLI has checked that it works
+    initial = list(spec.hosts)  # the discovery's first answer (the CLI's run of it)
     secret = secrets.token_urlsafe(32)
     job_id = uuid.uuid4().hex[:16]
     # Hosts may join from anywhere later: listen on every interface unless told otherwise.

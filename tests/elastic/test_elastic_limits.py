@@ -86,3 +86,27 @@ def test_hung_worker_is_dropped_after_the_rejoin_timeout() -> None:
         "others' collectives failed: hung or cut off)" in output
     ), output
     assert "[0]<stdout>:final rank=0 size=1 step=30 weight=-30" in output, output
+
+
+def test_later_discovery_failures_are_reported_and_the_job_goes_on(tmp_path: Path) -> None:
+    flag = tmp_path / "ran-once"
+    script = (
+        f"if [ -f {flag} ]; then echo 'scheduler unreachable' >&2; exit 3; fi; "
+        f"touch {flag}; echo localhost:2"
+    )
+    code, output = run_hvdrun(
+        2,
+        WORKER,
+        options=["--min-np", "1", "--host-discovery-script", script],
+        env={"STEPS": "40", "STEP_INTERVAL": "0.05"},
+        timeout=120,
+    )
+    assert code == 0, output
+    assert (
+        "hvdrun: host discovery script " in output
+        and "failed: exited with code 3: scheduler unreachable (keeping the last host list; "
+        "retrying every second)"
+        in output
+    ), output
+    assert output.count("failed: exited with code 3") == 1, output  # once, not every second
+    assert "[0]<stdout>:final rank=0 size=2 step=40 weight=-40" in output, output
