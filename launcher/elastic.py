@@ -9,12 +9,13 @@ join and leave, without restarting the workers that survive:
 * Each generation is published to the rendezvous server. Workers of the newest one start
   (new hosts) or re-register (survivors) and bootstrap fresh process groups; running
   workers hear of it on their Watch stream and switch at their next ``state.commit()``.
-* A worker that fails, or a host whose agent is lost (connection dropped, or silent for the
-  failure timeout: a cut link), fails its host: it is blacklisted, its other workers are
-  stopped, and the next generation is published from the rest at once. The survivors'
-  collectives have failed meanwhile (Gloo notices a dead peer within milliseconds, a silent
-  one after ``HVDRUN_GLOO_TIMEOUT_SECONDS``, 5 s in elastic jobs): they restore their last
-  commit and join the new generation.
+* A worker that fails, a host whose agent is lost (connection dropped, or silent for the
+  failure timeout: a cut link), or whose workers do not rejoin the survivors of a failed
+  collective within twice the Gloo timeout (a hung process) fails its host: it is
+  blacklisted, its other workers are stopped, and the next generation is published from
+  the rest at once. The survivors' collectives have failed meanwhile (Gloo notices a dead
+  peer within milliseconds, a silent one after ``HVDRUN_GLOO_TIMEOUT_SECONDS``, 5 s in
+  elastic jobs): they restore their last commit and join the new generation.
 * Discovery runs every second; new hosts are started up to ``--max-np`` slots, hosts it no
   longer lists are removed gracefully (their workers take part in the commit that switches
   generations, then leave; their agents are stopped once the new generation is complete).
@@ -26,6 +27,9 @@ join and leave, without restarting the workers that survive:
 A host's slot count is fixed while its agent runs; a changed count applies when the host
 comes back after leaving the job. Output lines are prefixed with a worker number, which is
 the worker's rank in the generation it started with; later workers get new numbers.
+
+The decisions (which hosts, when a generation is due) live in :mod:`launcher.membership`;
+this module carries them out with agents, the rendezvous server and the output.
 """
 
 from __future__ import annotations
@@ -33,23 +37,17 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.connection import AgentConnection
-from launcher.discovery import Blacklist, DiscoveryError, HostDiscovery
+from launcher.discovery import DiscoveryError
 from launcher.hostinfo import installed_versions, source_address
 from launcher.hosts import HostSpec
-from launcher.job import (
-    AGENT_REPORT_SLACK,
-    JobResult,
-    JobSpec,
-    WorkerFailure,
-    _Signals,
-    agent_spec,
-)
+from launcher.job import AGENT_REPORT_SLACK, JobResult, JobSpec, WorkerFailure, _Signals, agent_spec
+from launcher.membership import HostRecord, Membership, Publish, Stop, Wait
 from launcher.options import ElasticOptions
 from launcher.output import OutputSink
 from launcher.protocol import bytes_of
@@ -63,7 +61,7 @@ from launcher.startup import (
     version_problems,
 )
 from rendezvous.server import RendezvousServer
-from rendezvous.slots import SlotInfo, assign_slots
+from rendezvous.slots import SlotInfo
 
 log = logging.getLogger(__name__)
 
@@ -73,27 +71,9 @@ ELASTIC_FAILURE_EXIT = 1
 #: launcher's clear message, not a worker's timeout, ends a job that runs out of hosts.
 WORKER_TIMEOUT_SLACK = 30.0
 
-ACTIVE = ("starting", "ready", "running")
-
-
-@dataclass
-class _Host:
-    name: str
-    slots: int
-    order: int  # when it joined: older hosts get the lower ranks
-    state: str = "starting"  # starting, ready, running, removed, failed, done
-    agent: AgentConnection | None = None
-    workers: dict[int, int] = field(default_factory=dict)  # worker number -> local rank
-    exits: dict[int, int] = field(default_factory=dict)
-    agent_finished: bool = False
-    terminated: bool = False
-
-    def all_exited(self) -> bool:
-        return bool(self.workers) and len(self.exits) == len(self.workers)
-
 
 class ElasticDriver:
-    """Discovers hosts, starts their agents, publishes generations and supervises workers."""
+    """Runs discovery, starts agents, publishes generations and supervises the workers."""
 
     def __init__(
         self,
@@ -113,32 +93,23 @@ class ElasticDriver:
         self.secret = secret
         self.job_id = job_id
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.hosts: dict[str, _Host] = {}
-        self.retired: list[_Host] = []  # earlier incarnations whose agents may still run
-        self.blacklist = Blacklist(options.cooldown)
-        self.discovered: list[HostSpec] = []
+        # Survivors of a failed collective wait in Register; a member that has not joined
+        # them this long after is hung or cut off (twice the workers' Gloo timeout).
+        rejoin_timeout = 2 * _gloo_timeout(spec.env, options.failure_timeout)
+        self.members = Membership(options, spec.num_proc, rejoin_timeout)
         self.result = JobResult(exit_code=0)
-        self.generation = 0
-        self.resets = 0
-        self.need_publish = False
-        self.finishing = False
+        self.finishing = False  # a worker exited 0: no more generations
         self.stopping = False
         self._stop_deadline: float | None = None
-        self._short_since: float | None = None
-        self._orders = itertools.count()
         self._worker_ids = itertools.count()
         self._done = threading.Event()
         self._versions = installed_versions() if spec.launch.check_versions else None
-        self._rejoin_since: float | None = None
-        # Survivors of a failed collective wait in Register; a member that has not joined
-        # them this long after is hung or cut off (twice the workers' Gloo timeout).
-        self.rejoin_timeout = 2 * _gloo_timeout(spec.env, options.failure_timeout)
         self._discovery_error: str | None = None
 
     # ---- the loop -------------------------------------------------------------------
 
     def run(self, initial: list[HostSpec]) -> JobResult:
-        self.discovered = initial
+        self.members.discovered = initial
         threading.Thread(target=self._discover, daemon=True).start()
         handled_signals = 0
         try:
@@ -149,7 +120,7 @@ class ElasticDriver:
                 now = time.monotonic()
                 if self._stop_deadline is not None and now > self._stop_deadline:
                     log.warning("agents did not report in time; killing them")
-                    for host in self._all_hosts():
+                    for host in self.members.all_hosts():
                         if host.agent is not None and not host.agent_finished:
                             host.agent.kill()
                             host.agent_finished = True
@@ -167,20 +138,16 @@ class ElasticDriver:
                 self._reconcile(time.monotonic())
         finally:
             self._done.set()
-            stop_agents([h.agent for h in self._all_hosts() if h.agent is not None])
+            stop_agents([h.agent for h in self.members.all_hosts() if h.agent is not None])
         return self.result
 
-    def _all_hosts(self) -> list[_Host]:
-        return [*self.retired, *self.hosts.values()]
-
     def _finished(self) -> bool:
-        hosts = self._all_hosts()
+        hosts = self.members.all_hosts()
         if self.stopping:
             return all(h.agent is None or h.agent_finished for h in hosts)
         if not self.finishing:
             return False
-        running = [h for h in hosts if h.state == "running"]
-        if all(h.all_exited() or h.agent_finished for h in running):
+        if all(h.all_exited() or h.agent_finished for h in hosts if h.state == "running"):
             for host in hosts:  # removed or failed hosts still shutting down
                 if host.agent is not None and not host.agent_finished:
                     host.agent.terminate()
@@ -188,9 +155,8 @@ class ElasticDriver:
         return False
 
     def _discover(self) -> None:
-        interval = self.options.discovery_interval
-        discovery: HostDiscovery = self.options.discovery
-        while not self._done.wait(interval):
+        discovery = self.options.discovery
+        while not self._done.wait(self.options.discovery_interval):
             try:
                 found = discovery.find()
             except DiscoveryError as exc:
@@ -200,24 +166,13 @@ class ElasticDriver:
 
     # ---- events ---------------------------------------------------------------------
 
-    def _host_of(self, event: dict[str, Any]) -> _Host | None:
-        name = event.get("host")
-        order = event.get("order")
-        host = self.hosts.get(name) if isinstance(name, str) else None
-        if host is not None and (order is None or order == host.order):
-            return host
-        for old in self.retired:
-            if old.name == name and (order is None or order == old.order):
-                return old
-        return None
-
     def _on_event(self, event: dict[str, Any]) -> None:
         kind = event["ev"]
         if kind == "discovered":
             if self._discovery_error is not None:
                 self.sink.message("host discovery works again")
                 self._discovery_error = None
-            self.discovered = event["hosts"]
+            self.members.discovered = event["hosts"]
             return
         if kind == "discovery_failed":
             if event["error"] != self._discovery_error:
@@ -230,7 +185,8 @@ class ElasticDriver:
         if kind == "out":
             self.sink.line(event["rank"], event["stream"], bytes_of(event["data"]))
             return
-        host = self._host_of(event)
+        name = event.get("host")
+        host = self.members.find(name, event.get("order")) if isinstance(name, str) else None
         if host is None:
             return
         if kind == "agent_ready":
@@ -244,7 +200,7 @@ class ElasticDriver:
         elif kind in ("done", "agent_exit"):
             self._on_agent_gone(host, kind, event)
 
-    def _on_agent_ready(self, host: _Host) -> None:
+    def _on_agent_ready(self, host: HostRecord) -> None:
         agent = host.agent
         assert agent is not None
         if self._versions is not None:
@@ -258,10 +214,9 @@ class ElasticDriver:
             host.state = "done"
             agent.close()
             return
-        host.state = "ready"
-        self.need_publish = True
+        self.members.ready(host)
 
-    def _on_exit(self, host: _Host, worker: int, code: int, error: str | None) -> None:
+    def _on_exit(self, host: HostRecord, worker: int, code: int, error: str | None) -> None:
         host.exits[worker] = code
         self.result.exits[worker] = code
         if error:
@@ -272,19 +227,20 @@ class ElasticDriver:
             return
         if code == 0:
             self.finishing = True
-            return
-        if self.finishing:
+        elif self.finishing:
             self._fail_job(WorkerFailure(worker, host.name, code, error))
-            return
-        self._fail_host(host, f"worker {worker} exited with {describe_exit(code)}")
+        else:
+            self._fail_host(host, f"worker {worker} exited with {describe_exit(code)}")
 
-    def _on_agent_gone(self, host: _Host, kind: str, event: dict[str, Any]) -> None:
+    def _on_agent_gone(self, host: HostRecord, kind: str, event: dict[str, Any]) -> None:
         host.agent_finished = True
-        if host.state in ("starting", "ready") and not self.stopping:
+        if self.stopping:
+            return
+        if host.state in ("starting", "ready"):
             self._fail_host(host, "its agent was lost before its workers started")
             return
-        if host.state != "running" or self.stopping or host.all_exited():
-            if host.state == "running" and host.all_exited():
+        if host.state != "running" or host.all_exited():
+            if host.state == "running":
                 host.state = "done"
             return
         code = event.get("code")
@@ -302,9 +258,9 @@ class ElasticDriver:
             self._fail_host(host, why)
 
     def _check_heartbeats(self, now: float) -> None:
-        for host in list(self.hosts.values()):
+        for host in self.members.running():
             agent = host.agent
-            if agent is None or host.agent_finished or host.state != "running":
+            if agent is None or host.agent_finished:
                 continue
             timeout = agent.heartbeat_timeout
             if timeout > 0 and now - agent.last_heard > timeout:
@@ -312,20 +268,30 @@ class ElasticDriver:
                 agent.abort()  # its agent stops its workers on its own heartbeat timeout
                 host.agent_finished = True
 
-    # ---- membership -----------------------------------------------------------------
+    def _on_signal(self, first: bool) -> None:
+        signum = self.signals.received[0]
+        if first:
+            self.sink.message(f"received {signal.Signals(signum).name}; stopping all workers")
+            if self.result.failure is None:
+                self.result.interrupted_by = signum
+                self.result.exit_code = 128 + signum
+            self._stop_all()
+        else:
+            self.sink.message("second signal: killing all workers now")
+            for host in self.members.all_hosts():
+                if host.agent is not None and not host.agent_finished:
+                    host.agent.kill()
 
-    def _fail_host(self, host: _Host, why: str) -> None:
+    # ---- carrying out the membership's decisions -------------------------------------
+
+    def _fail_host(self, host: HostRecord, why: str) -> None:
         if host.state in ("failed", "removed", "done"):
             return
-        was_member = host.state in ("ready", "running")
-        host.state = "failed"
-        cooldown = self.blacklist.add(host.name)
+        _, cooldown = self.members.fail(host, time.monotonic())
         until = "for the rest of the job" if cooldown is None else f"for {cooldown:g} s"
         self.sink.message(f"host {host.name} failed ({why}); blacklisted {until}")
         if host.agent is not None and not host.agent_finished:
             host.agent.terminate()
-        if was_member:
-            self.need_publish = True
 
     def _fail_job(self, failure: WorkerFailure | None, message: str | None = None) -> None:
         if self.stopping:
@@ -344,7 +310,7 @@ class ElasticDriver:
             return
         self.stopping = True
         self._stop_deadline = time.monotonic() + self.spec.term_grace + AGENT_REPORT_SLACK
-        for host in self._all_hosts():
+        for host in self.members.all_hosts():
             if host.agent is not None and not host.agent_finished:
                 if host.state == "starting":
                     host.agent.abort()
@@ -352,104 +318,40 @@ class ElasticDriver:
                 else:
                     host.agent.terminate()
 
-    def _on_signal(self, first: bool) -> None:
-        signum = self.signals.received[0]
-        if first:
-            import signal
-
-            self.sink.message(f"received {signal.Signals(signum).name}; stopping all workers")
-            if self.result.failure is None:
-                self.result.interrupted_by = signum
-                self.result.exit_code = 128 + signum
-            self._stop_all()
-        else:
-            self.sink.message("second signal: killing all workers now")
-            for host in self._all_hosts():
-                if host.agent is not None and not host.agent_finished:
-                    host.agent.kill()
-
     def _reconcile(self, now: float) -> None:
         if self.stopping or self.finishing:
             return
-        self._retire_finished()
-        listed = {spec.hostname: spec for spec in self.discovered}
-        for host in list(self.hosts.values()):
-            if host.state in ACTIVE and host.name not in listed:
-                self.sink.message(f"host {host.name} is no longer discovered; removing it")
-                if host.state == "running":
-                    host.state = "removed"
-                    self.need_publish = True
-                else:
-                    host.state = "removed"
-                    if host.agent is not None:
-                        host.agent.close()
-        self._start_new_hosts(listed, now)
-        self._check_rejoin(now)
-        self._publish_if_needed(now)
-        self._stop_removed_hosts()
+        members = self.members
+        members.retire_finished()
+        for host in members.drop_undiscovered():
+            self.sink.message(f"host {host.name} is no longer discovered; removing it")
+            if not host.workers and host.agent is not None:
+                host.agent.close()
+        for host in members.hosts_to_start(now):
+            self._start_host(host)
+        for host in members.rejoin_failures(now, self.server.waiting_slots()):
+            self._fail_host(
+                host,
+                f"its workers did not rejoin within {members.rejoin_timeout:g} s after the "
+                "others' collectives failed: hung or cut off",
+            )
+            if host.agent is not None:
+                host.agent.kill()  # a stopped process ignores SIGTERM until it runs
+        decision = members.decide(now)
+        if isinstance(decision, Stop):
+            self._fail_job(None, decision.message)
+        elif isinstance(decision, Wait):
+            if decision.message:
+                self.sink.message(decision.message)
+        elif isinstance(decision, Publish):
+            self._publish(decision)
+        for host in members.removed_to_stop(self.server.registered_count()):
+            host.agent.terminate()
 
-    def _check_rejoin(self, now: float) -> None:
-        """Workers whose collectives failed wait for the next generation. If every member
-        waits, publish one (a transient error); a member that does not join them within
-        the rejoin timeout is hung or cut off: its host fails."""
-        if self.generation == 0 or self.need_publish:
-            self._rejoin_since = None
-            return
-        running = [h for h in self.hosts.values() if h.state == "running"]
-        waiting = self.server.waiting_slots()
-        members = {(h.name, local) for h in running for local in range(h.slots)}
-        if not waiting & members:
-            self._rejoin_since = None
-            return
-        if members <= waiting:
-            self.need_publish = True
-            self._rejoin_since = None
-            return
-        if self._rejoin_since is None:
-            self._rejoin_since = now
-            return
-        if now - self._rejoin_since < self.rejoin_timeout:
-            return
-        self._rejoin_since = None
-        for host in running:
-            if any((host.name, local) not in waiting for local in range(host.slots)):
-                self._fail_host(
-                    host,
-                    f"its workers did not rejoin within {self.rejoin_timeout:g} s after the "
-                    "others' collectives failed: hung or cut off",
-                )
-                if host.agent is not None:
-                    host.agent.kill()  # a stopped process ignores SIGTERM until it runs
-
-    def _retire_finished(self) -> None:
-        for name, host in list(self.hosts.items()):
-            if host.state not in ACTIVE:
-                del self.hosts[name]
-                self.retired.append(host)
-        self.retired = [h for h in self.retired if not (h.agent is None or h.agent_finished)]
-
-    def _used_slots(self) -> int:
-        return sum(h.slots for h in self.hosts.values() if h.state in ACTIVE)
-
-    def _start_new_hosts(self, listed: dict[str, HostSpec], now: float) -> None:
-        limit = self.options.max_np
-        capacity = (limit if limit is not None else 1 << 30) - self._used_slots()
-        for spec in listed.values():
-            if capacity <= 0:
-                return
-            if spec.hostname in self.hosts or self.blacklist.blocked(spec.hostname, now):
-                continue
-            if any(h.name == spec.hostname for h in self.retired):
-                continue  # its previous agent is still shutting down
-            slots = min(spec.slots, capacity)
-            capacity -= slots
-            self._start_host(spec.hostname, slots)
-
-    def _start_host(self, name: str, slots: int) -> None:
-        host = _Host(name=name, slots=slots, order=next(self._orders))
-        self.hosts[name] = host
+    def _start_host(self, host: HostRecord) -> None:
         launch = self.spec.launch
         deadline = time.monotonic() + launch.start_timeout
+        name, order = host.name, host.order
 
         def start() -> None:
             try:
@@ -459,90 +361,28 @@ class ElasticDriver:
             except Exception as exc:
                 reason = str(exc) or repr(exc)
                 self.events.put(
-                    {"ev": "agent_failed", "host": name, "order": host.order, "reason": reason}
+                    {"ev": "agent_failed", "host": name, "order": order, "reason": reason}
                 )
                 if host.agent is not None:
                     host.agent.abort()
             else:
-                self.events.put({"ev": "agent_ready", "host": name, "order": host.order})
+                self.events.put({"ev": "agent_ready", "host": name, "order": order})
 
         threading.Thread(target=start, daemon=True).start()
 
-    def _publish_if_needed(self, now: float) -> None:
-        members = sorted(
-            (h for h in self.hosts.values() if h.state in ("ready", "running")),
-            key=lambda h: h.order,
-        )
-        total = sum(h.slots for h in members)
-        starting = any(h.state == "starting" for h in self.hosts.values())
-        if self.generation == 0:
-            # The first generation: every host that discovery offered, or -np slots.
-            if (starting and total < self.spec.num_proc) or total < self.options.min_np:
-                self._wait_for_slots(now, total, starting)
-                return
-        elif not self.need_publish:
-            return
-        elif not any(h.state == "running" for h in members):
-            self._fail_job(
-                None,
-                "every worker of the elastic job has failed or left, and its training state "
-                "with them; stopping the job",
-            )
-            return
-        elif total < self.options.min_np:
-            self._wait_for_slots(now, total, starting)
-            return
-        self._short_since = None
-        if self.generation > 0:
-            self.resets += 1
-            limit = self.options.reset_limit
-            if limit is not None and self.resets > limit:
-                self._fail_job(
-                    None,
-                    f"the elastic job would need reset {self.resets}, more than --reset-limit "
-                    f"{limit}; stopping the job",
-                )
-                return
-        slots = assign_slots([(h.name, h.slots) for h in members], total)
-        self.generation = self.server.publish(slots)
-        self.need_publish = False
-        for host in members:
+    def _publish(self, decision: Publish) -> None:
+        generation = self.server.publish(decision.slots)
+        self.members.published(generation)
+        for host in decision.members:
             if host.state == "ready":
-                self._launch(host, slots)
-        names = ", ".join(h.name for h in members)
+                self._launch(host, decision.slots, generation)
+        names = ", ".join(h.name for h in decision.members)
         self.sink.message(
-            f"generation {self.generation}: {total} worker(s) on {len(members)} host(s): {names}"
+            f"generation {generation}: {len(decision.slots)} worker(s) on "
+            f"{len(decision.members)} host(s): {names}"
         )
 
-    def _wait_for_slots(self, now: float, total: int, starting: bool) -> None:
-        if self._short_since is None:
-            self._short_since = now
-            if not starting:
-                self.sink.message(
-                    f"{total} slot(s) available, --min-np is {self.options.min_np}: waiting up "
-                    f"to {self.options.elastic_timeout:g} s for more hosts"
-                )
-        elif now - self._short_since > self.options.elastic_timeout:
-            self._fail_job(
-                None,
-                f"only {total} slot(s) were available for longer than the elastic timeout "
-                f"({self.options.elastic_timeout:g} s), fewer than --min-np "
-                f"{self.options.min_np}; stopping the job",
-            )
-
-    def _stop_removed_hosts(self) -> None:
-        """Removed hosts' workers leave on their own at the switching commit; stop whatever
-        is left of them once the new generation is complete."""
-        if self.server.registered_count() < sum(
-            h.slots for h in self.hosts.values() if h.state == "running"
-        ):
-            return
-        for host in self.retired:
-            if host.state == "removed" and not host.terminated and host.agent is not None:
-                host.terminated = True
-                host.agent.terminate()
-
-    def _launch(self, host: _Host, slots: list[SlotInfo]) -> None:
+    def _launch(self, host: HostRecord, slots: list[SlotInfo], generation: int) -> None:
         agent = host.agent
         assert agent is not None
         own = [slot for slot in slots if slot.hostname == host.name]
@@ -556,9 +396,7 @@ class ElasticDriver:
             agent.heartbeat_timeout,
         )
         timeout = self.options.elastic_timeout + WORKER_TIMEOUT_SLACK
-        spec.env.update(
-            {"HVDRUN_ELASTIC": "1", "HVDRUN_ELASTIC_TIMEOUT": f"{timeout:g}"},
-        )
+        spec.env.update({"HVDRUN_ELASTIC": "1", "HVDRUN_ELASTIC_TIMEOUT": f"{timeout:g}"})
         if "HVDRUN_GLOO_TIMEOUT_SECONDS" not in spec.env and (
             "HOROVOD_GLOO_TIMEOUT_SECONDS" not in spec.env
         ):
@@ -568,7 +406,7 @@ class ElasticDriver:
             number = next(self._worker_ids)
             first = number if first is None else first
             worker.rank = number
-            worker.env["HVDRUN_GENERATION"] = str(self.generation)
+            worker.env["HVDRUN_GENERATION"] = str(generation)
             host.workers[number] = int(worker.env["HVDRUN_LOCAL_RANK"])
             self.result.hosts[number] = host.name
         if first is not None:
@@ -582,10 +420,11 @@ class ElasticDriver:
         if explicit:
             return f"{_bracket(_explicit_host(explicit))}:{port}"
         if agent.kind == "local":
+            # Local workers face the remote hosts, if there are any (see launcher.startup).
             remote = next(
                 (
                     h.agent
-                    for h in self._all_hosts()
+                    for h in self.members.all_hosts()
                     if h.agent is not None and h.agent.kind != "local"
                 ),
                 None,

@@ -277,7 +277,8 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self._lock = threading.Lock()
         self._registered: set[tuple[str, int]] = set()
         self._registered_generation: set[tuple[str, int]] = set()  # of the newest generation
-        self._waiting: dict[tuple[str, int], int] = {}  # slot -> blocked Register calls
+        # slot -> the generations its blocked Register calls wait for
+        self._waiting: dict[tuple[str, int], list[int]] = {}
         self._watching: dict[int, int] = {}  # rank -> number of open Watch streams
         self._open_watches = 0  # loop-confined twin of sum(_watching.values())
         self._watches_closed: asyncio.Event | None = None
@@ -462,7 +463,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.timeout_ms / 1000
         with self._lock:
-            self._waiting[key] = self._waiting.get(key, 0) + 1
+            self._waiting.setdefault(key, []).append(request.min_generation)
         try:
             while self._generation < request.min_generation:
                 if self._stopping:
@@ -478,13 +479,15 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
                     await asyncio.wait_for(self._wake_event().wait(), remaining)
         finally:
             with self._lock:
-                count = self._waiting.pop(key, 1) - 1
-                if count > 0:
-                    self._waiting[key] = count
+                waits = self._waiting.get(key, [])
+                waits.remove(request.min_generation)
+                if not waits:
+                    self._waiting.pop(key, None)
 
     def waiting_slots(self) -> set[tuple[str, int]]:
         with self._lock:
-            return set(self._waiting)
+            newest = self._generation
+            return {key for key, waits in self._waiting.items() if max(waits) > newest}
 
     async def Set(
         self, request: rendezvous_pb2.SetRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,244 @@
+"""Who is in an elastic job: the decisions of the elastic driver, free of processes and I/O.
+
+:class:`Membership` keeps one :class:`HostRecord` per host incarnation (an agent started on
+a host, until it is gone) and decides, from discovery's latest answer, the blacklist and the
+survivors waiting at the rendezvous, which hosts to start, which to drop, and when the next
+membership generation is due (see :mod:`launcher.elastic` for how the driver carries that
+out). Hosts keep the order in which they joined, so older hosts get the low ranks.
+
+A record's state: ``starting`` (its agent is being started), ``ready`` (agent up, no workers
+yet), ``running`` (its workers belong to the job), then ``removed`` (discovery dropped it),
+``failed`` or ``done``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher.discovery import Blacklist
+from launcher.hosts import HostSpec
+from launcher.options import ElasticOptions
+from rendezvous.slots import SlotInfo, assign_slots
+
+ACTIVE = ("starting", "ready", "running")
+
+
+@dataclass
+class HostRecord:
+    name: str
+    slots: int
+    order: int  # when it joined: older hosts get the lower ranks
+    state: str = "starting"
+    agent: Any = None  # its AgentConnection once started
+    workers: dict[int, int] = field(default_factory=dict)  # worker number -> local rank
+    exits: dict[int, int] = field(default_factory=dict)
+    agent_finished: bool = False
+    terminated: bool = False
+
+    def all_exited(self) -> bool:
+        return bool(self.workers) and len(self.exits) == len(self.workers)
+
+    def slot_keys(self) -> set[tuple[str, int]]:
+        return {(self.name, local) for local in range(self.slots)}
+
+
+@dataclass
+class Publish:
+    """Publish these slots as the next generation; start workers on the ``ready`` members."""
+
+    members: list[HostRecord]
+    slots: list[SlotInfo]
+
+
+@dataclass
+class Wait:
+    """Too few slots: wait for discovery (``message`` is said once, when waiting starts)."""
+
+    message: str | None
+
+
+@dataclass
+class Stop:
+    """The job cannot go on."""
+
+    message: str
+
+
+Decision = Publish | Wait | Stop | None
+
+
+class Membership:
+    """The elastic job's hosts, and what to do next about them."""
+
+    def __init__(self, options: ElasticOptions, num_proc: int, rejoin_timeout: float) -> None:
+        self.options = options
+        self.num_proc = num_proc
+        self.rejoin_timeout = rejoin_timeout
+        self.hosts: dict[str, HostRecord] = {}
+        self.retired: list[HostRecord] = []  # earlier incarnations whose agents may still run
+        self.blacklist = Blacklist(options.cooldown)
+        self.discovered: list[HostSpec] = []
+        self.generation = 0
+        self.resets = 0
+        self.need_publish = False
+        self._short_since: float | None = None
+        self._rejoin_since: float | None = None
+        self._orders = itertools.count()
+
+    def all_hosts(self) -> list[HostRecord]:
+        return [*self.retired, *self.hosts.values()]
+
+    def running(self) -> list[HostRecord]:
+        return [h for h in self.hosts.values() if h.state == "running"]
+
+    def find(self, name: str, order: int | None) -> HostRecord | None:
+        """The record an event of host ``name`` (incarnation ``order``, if known) is about."""
+        for host in [*self.hosts.values(), *self.retired]:
+            if host.name == name and (order is None or order == host.order):
+                return host
+        return None
+
+    def ready(self, host: HostRecord) -> None:
+        """The host's agent is up: it joins with the next generation."""
+        host.state = "ready"
+        self.need_publish = True
+
+    def fail(self, host: HostRecord, now: float) -> tuple[bool, float | None]:
+        """Marks the host failed and blacklists it; returns (whether it was a member, the
+        cooldown in seconds or None for good)."""
+        was_member = host.state in ("ready", "running")
+        host.state = "failed"
+        cooldown = self.blacklist.add(host.name, now)
+        if was_member:
+            self.need_publish = True
+        return was_member, cooldown
+
+    def drop_undiscovered(self) -> list[HostRecord]:
+        """Hosts discovery no longer lists: removed (gracefully, for running ones)."""
+        listed = {spec.hostname for spec in self.discovered}
+        dropped = []
+        for host in self.hosts.values():
+            if host.state in ACTIVE and host.name not in listed:
+                if host.state == "running":
+                    self.need_publish = True
+                host.state = "removed"
+                dropped.append(host)
+        return dropped
+
+    def retire_finished(self) -> None:
+        for name, host in list(self.hosts.items()):
+            if host.state not in ACTIVE:
+                del self.hosts[name]
+                self.retired.append(host)
+        self.retired = [h for h in self.retired if not (h.agent is None or h.agent_finished)]
+
+    def hosts_to_start(self, now: float) -> list[HostRecord]:
+        """New records for discovered hosts that fit under --max-np (in discovery's order)."""
+        limit = self.options.max_np
+        used = sum(h.slots for h in self.hosts.values() if h.state in ACTIVE)
+        capacity = (limit if limit is not None else 1 << 30) - used
+        started = []
+        for spec in self.discovered:
+            if capacity <= 0:
+                break
+            name = spec.hostname
+            if name in self.hosts or self.blacklist.blocked(name, now):
+                continue
+            if any(h.name == name for h in self.retired):
+                continue  # its previous agent is still shutting down
+            host = HostRecord(name=name, slots=min(spec.slots, capacity), order=next(self._orders))
+            capacity -= host.slots
+            self.hosts[name] = host
+            started.append(host)
+        return started
+
+    def rejoin_failures(self, now: float, waiting: Iterable[tuple[str, int]]) -> list[HostRecord]:
+        """Members that have not joined the survivors of a failed collective (waiting for the
+        next generation) within the rejoin timeout: hung or cut off. When every member
+        waits (a transient error), the next generation is simply due."""
+        if self.generation == 0 or self.need_publish:
+            self._rejoin_since = None
+            return []
+        running = self.running()
+        members = set().union(*(h.slot_keys() for h in running)) if running else set()
+        waiting = set(waiting) & members
+        if not waiting:
+            self._rejoin_since = None
+            return []
+        if members <= waiting:
+            self.need_publish = True
+            self._rejoin_since = None
+            return []
+        if self._rejoin_since is None:
+            self._rejoin_since = now
+        if now - self._rejoin_since < self.rejoin_timeout:
+            return []
+        self._rejoin_since = None
+        return [h for h in running if not h.slot_keys() <= waiting]
+
+    def decide(self, now: float) -> Decision:
+        """Whether the next generation is due, must wait for slots, or cannot come."""
+        members = sorted(
+            (h for h in self.hosts.values() if h.state in ("ready", "running")),
+            key=lambda h: h.order,
+        )
+        total = sum(h.slots for h in members)
+        starting = any(h.state == "starting" for h in self.hosts.values())
+        min_np = self.options.min_np
+        if self.generation == 0:
+            # The first one: -np slots, or every host discovery offered (at least --min-np).
+            if (starting and total < self.num_proc) or total < min_np:
+                return self._wait(now, total, starting)
+        elif not self.need_publish:
+            return None
+        elif not any(h.state == "running" for h in members):
+            return Stop(
+                "every worker of the elastic job has failed or left, and its training state "
+                "with them; stopping the job"
+            )
+        elif total < min_np:
+            return self._wait(now, total, starting)
+        self._short_since = None
+        if self.generation > 0:
+            self.resets += 1
+            limit = self.options.reset_limit
+            if limit is not None and self.resets > limit:
+                return Stop(
+                    f"the elastic job would need reset {self.resets}, more than --reset-limit "
+                    f"{limit}; stopping the job"
+                )
+        return Publish(members, assign_slots([(h.name, h.slots) for h in members], total))
+
+    def published(self, generation: int) -> None:
+        self.generation = generation
+        self.need_publish = False
+
+    def _wait(self, now: float, total: int, starting: bool) -> Decision:
+        timeout = self.options.elastic_timeout
+        if self._short_since is None:
+            self._short_since = now
+            if starting:
+                return Wait(None)
+            return Wait(
+                f"{total} slot(s) available, --min-np is {self.options.min_np}: waiting up "
+                f"to {timeout:g} s for more hosts"
+            )
+        if now - self._short_since > timeout:
+            return Stop(
+                f"only {total} slot(s) were available for longer than the elastic timeout "
+                f"({timeout:g} s), fewer than --min-np {self.options.min_np}; stopping the job"
+            )
+        return Wait(None)
+
+    def removed_to_stop(self, registered: int) -> list[HostRecord]:
+        """Removed hosts whose agents can be stopped: the new generation is complete, so
+        their workers have passed the commit that switched generations."""
+        if registered < sum(h.slots for h in self.running()):
+            return []
+        stop = [h for h in self.retired if h.state == "removed" and not h.terminated]
+        for host in stop:
+            host.terminated = True
+        return [h for h in stop if h.agent is not None]
