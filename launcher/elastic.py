@@ -208,7 +208,8 @@ class ElasticDriver:
             if problems:
                 self._fail_host(host, problems[host.name])
                 return
-        if host.state != "starting":
+        if host.state != "starting":  # removed by discovery while it started
+            agent.close()
             return
         if self.stopping or self.finishing:
             host.state = "done"

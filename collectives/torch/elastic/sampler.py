@@ -54,7 +54,13 @@ class ElasticSampler(Sampler[int]):
     def reset(self) -> None:
         """Re-splits the epoch's remaining samples over the current ranks."""
         if runtime.is_initialized():
-            self.num_replicas, self.rank = runtime.size(), runtime.rank()
+            self.split(runtime.size(), runtime.rank())
+        else:
+            self.split(self.num_replicas, self.rank)
+
+    def split(self, num_replicas: int, rank: int) -> None:
+        """Splits the epoch's remaining samples over ``num_replicas`` ranks (this is ``rank``)."""
+        self.num_replicas, self.rank = num_replicas, rank
         self.remaining_indices = [i for i in self._order() if i not in self.processed_indices]
         self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas

@@ -1,0 +1,98 @@
+"""Elastic state and sampler in one process (a job of size 1, no launcher)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import collectives.torch as hvd
+from collectives.torch import elastic
+from collectives.torch.errors import HostsUpdatedInterrupt
+
+
+@pytest.fixture
+def alone(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in ("HVDRUN_RENDEZVOUS_ADDR", "HVDRUN_SECRET", "HVDRUN_JOB_ID", "HVDRUN_ELASTIC"):
+        monkeypatch.delenv(name, raising=False)
+    hvd.init()
+    try:
+        yield
+    finally:
+        hvd.shutdown()
+
+
+def test_torch_state_commit_restore_and_sync(alone: None) -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = elastic.TorchState(model=model, optimizer=optimizer, epoch=3, history=[1])
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    state.epoch = 4
+    state.history.append(2)
+    state.commit()
+    committed = model.weight.detach().clone()
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    state.epoch = 5
+    state.history.append(3)
+    state.restore()
+    assert torch.equal(model.weight, committed)
+    assert (state.epoch, state.history) == (4, [1, 2])
+    assert optimizer.state_dict()["state"][0]["momentum_buffer"] is not None
+    state.sync()  # from rank 0: itself
+    assert (state.epoch, state.history) == (4, [1, 2])
+    with pytest.raises(AttributeError, match="has no attribute 'missing'"):
+        _ = state.missing
+
+
+def test_run_retries_after_a_host_update_and_restores_after_a_failure(alone: None) -> None:
+    state = elastic.ObjectState(tries=0, value=0)
+    calls: list[tuple[int, int]] = []
+
+    @elastic.run
+    def train(state: elastic.ObjectState) -> str:
+        calls.append((state.tries, state.value))
+        state.tries += 1
+        state.value = 10
+        state.commit()
+        if state.tries == 1:
+            state.value = 99  # not committed: rolled back
+            raise hvd.HorovodInternalError("a peer died")
+        return "done"
+
+    # In a job of size 1 without hvdrun there is no next generation to join.
+    with pytest.raises(RuntimeError, match="elastic reset needs an elastic job"):
+        train(state)
+    assert calls == [(0, 0)]
+    assert (state.tries, state.value) == (1, 10)  # the last commit
+
+
+def test_check_host_updates_without_news(alone: None) -> None:
+    state = elastic.ObjectState(x=1)
+    state.check_host_updates()  # nothing newer than this generation: no interrupt
+    assert issubclass(HostsUpdatedInterrupt, RuntimeError)
+
+
+def test_elastic_sampler_resplits_the_rest_of_the_epoch() -> None:
+    sampler = elastic.ElasticSampler(list(range(20)), shuffle=True, seed=1)
+    sampler.set_epoch(2)
+    sampler.split(num_replicas=2, rank=0)
+    shards = [sampler._shard(rank) for rank in range(2)]
+    assert sorted(shards[0] + shards[1]) == list(range(20))
+    sampler.record_batch(0, 3)  # batch 0 of both ranks: 6 samples done
+    sampler.record_batch(1, 3)  # 12 done
+    done = set(shards[0][:6] + shards[1][:6])
+    assert sampler.processed_indices == done
+    state = sampler.state_dict()
+    # three workers now: the 8 samples left, split three ways (padded to 9)
+    other = elastic.ElasticSampler(list(range(20)), shuffle=True, seed=1)
+    other.load_state_dict(state)
+    other.split(num_replicas=3, rank=2)
+    parts = [other._shard(rank) for rank in range(3)]
+    assert len(other) == 3
+    assert set().union(*map(set, parts)) == set(range(20)) - done
+    assert list(other) == parts[2]
+    sampler.set_epoch(3)
+    assert sampler.processed_indices == set()
