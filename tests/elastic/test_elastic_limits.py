@@ -75,14 +75,14 @@ def test_hung_worker_is_dropped_after_the_rejoin_timeout() -> None:
             "FAIL_HOST": "127.0.0.1",
             "FAIL_AT_STEP": "5",
             "FAIL_MODE": "hang",
-            "HVDRUN_GLOO_TIMEOUT_SECONDS": "1",
+            "HVDRUN_GLOO_TIMEOUT_SECONDS": "2",
         },
         timeout=120,
     )
     assert code == 0, output
     assert "hanging on purpose after step 5" in output, output
     assert (
-        "hvdrun: host 127.0.0.1 failed (its workers did not rejoin within 2 s after the "
+        "hvdrun: host 127.0.0.1 failed (its workers did not rejoin within 4 s after the "
         "others' collectives failed: hung or cut off)" in output
     ), output
     assert "[0]<stdout>:final rank=0 size=1 step=30 weight=-30" in output, output
