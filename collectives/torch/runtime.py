@@ -242,9 +242,11 @@ def _register(runtime_: _Runtime, min_generation: int) -> Any:
     try:
         info = client.register(runtime_.host, runtime_.slot, min_generation, timeout=timeout)
     except RendezvousRemoved:
-        raise HostRemoved(
-            f"host {runtime_.host!r} is no longer part of the job (removed by host discovery)"
-        ) from None
+        message = f"host {runtime_.host!r} is no longer part of the job (removed by host discovery)"
+        with contextlib.suppress(Exception):  # stderr may be gone with the launcher
+            sys.stderr.write(f"hvdrun: leaving the elastic job: {message}\n")
+            sys.stderr.flush()
+        raise HostRemoved(message) from None
     except RendezvousError as error:
         raise RuntimeError(f"hvd.init() could not register with the rendezvous: {error}") from None
     runtime_.topology = Topology(
@@ -494,14 +496,9 @@ def reset() -> None:
         try:
             _register(runtime_, runtime_.generation + 1)
             _join_elastic(runtime_)
-        except BaseException as error:
+        except BaseException:
             _runtime = None
-            runtime_.engine = None
             _teardown(runtime_)
-            if isinstance(error, HostRemoved):
-                with contextlib.suppress(Exception):
-                    sys.stderr.write(f"hvdrun: leaving the elastic job: {error.message}\n")
-                    sys.stderr.flush()
             raise
 
 
