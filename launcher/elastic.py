@@ -43,9 +43,9 @@ import time
 from typing import Any
 
 from launcher.connection import AgentConnection
-from launcher.discovery import DiscoveryError
+from launcher.discovery import DiscoveryError, FixedHosts
 from launcher.hostinfo import installed_versions, source_address
-from launcher.hosts import HostSpec
+from launcher.hosts import HostSpec, is_local_host
 from launcher.job import AGENT_REPORT_SLACK, JobResult, JobSpec, WorkerFailure, _Signals, agent_spec
 from launcher.membership import HostRecord, Membership, Publish, Stop, Wait
 from launcher.options import ElasticOptions
@@ -468,9 +468,17 @@ def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     initial = list(spec.hosts)  # the discovery's first answer (the CLI's run of it)
     secret = secrets.token_urlsafe(32)
     job_id = uuid.uuid4().hex[:16]
-    # Hosts may join from anywhere later: listen on every interface unless told otherwise.
+    # Hosts may join from anywhere later: listen on every interface unless told otherwise,
+    # or unless the job is bound to this machine's own fixed hosts.
     plan = plan_rendezvous([], spec.launch.rendezvous_addr)
     bind = plan.bind_host if spec.launch.rendezvous_addr else "0.0.0.0"
+    fixed = options.discovery
+    if (
+        not spec.launch.rendezvous_addr
+        and isinstance(fixed, FixedHosts)
+        and all(is_local_host(host.hostname) for host in fixed.hosts)
+    ):
+        bind = "127.0.0.1"
     server = RendezvousServer([], secret, job_id, bind_host=bind, port=plan.port, elastic=True)
     server.start()
     try:

@@ -6,6 +6,9 @@ names the rank, its host and the last lines of its stderr, with a table of every
 SIGINT/SIGTERM to hvdrun stop the job the same way and exit with 128+signal; a second signal
 kills without grace. A host that cannot be started, or whose agent is lost mid-job (SSH
 connection dropped, no heartbeat), makes hvdrun exit with 255, like ssh.
+
+Elastic jobs (``JobSpec.elastic`` set) are run by :mod:`launcher.elastic` instead, which
+keeps going when hosts fail, join or leave.
 """
 
 from __future__ import annotations
