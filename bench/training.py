@@ -15,9 +15,12 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: A run that takes longer than this has hung (a normal one takes about 15 s).
+RUN_TIMEOUT = 300
 WORKER = str(HERE / "scripts" / "mlp_train.py")
 RESULT = re.compile(r"result steps_per_s=([\d.]+) peak_rss_mb=([\d.]+)")
 
@@ -42,6 +45,7 @@ def run_hvd(steps: int) -> tuple[float, float]:
         check=True,
         capture_output=True,
         text=True,
+        timeout=RUN_TIMEOUT,
     ).stdout
     return parse(out)
 
@@ -66,7 +70,13 @@ def run_ddp(steps: int) -> tuple[float, float]:
                 text=True,
             )
         )
-    outputs = [p.communicate()[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=RUN_TIMEOUT)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     if any(p.returncode for p in procs):
         raise RuntimeError("DDP workers failed")
     return parse(outputs[0])
@@ -78,9 +88,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
     results: dict[str, list[tuple[float, float]]] = {"DistributedOptimizer": [], "DDP": []}
-    for _ in range(args.rounds):
-        results["DistributedOptimizer"].append(run_hvd(args.steps))
-        results["DDP"].append(run_ddp(args.steps))
+    for round_ in range(args.rounds):
+        for name, run in (("DistributedOptimizer", run_hvd), ("DDP", run_ddp)):
+            started = time.monotonic()
+            results[name].append(run(args.steps))
+            print(
+                f"round {round_ + 1}: {name}: {results[name][-1][0]:.2f} steps/s "
+                f"({time.monotonic() - started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     rate = {k: statistics.median(r for r, _ in v) for k, v in results.items()}
     rss = {k: statistics.median(m for _, m in v) for k, v in results.items()}
     print(

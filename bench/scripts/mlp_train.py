@@ -8,7 +8,9 @@ line ``result steps_per_s=... peak_rss_mb=...`` (peak RSS is the max over ranks)
 from __future__ import annotations
 
 import argparse
+import os
 import resource
+import sys
 import time
 
 import torch
@@ -78,6 +80,12 @@ def main() -> None:
         dist.destroy_process_group()
     if rank == 0:
         print(f"result steps_per_s={rate.item():.3f} peak_rss_mb={rss_mb.item():.1f} size={size}")
+    if args.mode == "ddp":
+        # Tearing down DDP's reducer at exit can deadlock in torch (its Gloo group is
+        # destroyed with the GIL held while a Gloo thread waits for the GIL to free a
+        # tensor); the measurement is done, so leave without the teardown.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
