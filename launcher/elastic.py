@@ -222,7 +222,7 @@ class ElasticDriver:
         self.result.exits[worker] = code
         if error:
             self.sink.message(f"worker {worker} on {host.name}: {error}")
-        if host.state in ("removed", "failed") or self.stopping:
+        if host.state in ("removed", "failed", "done") or self.stopping:
             if self.stopping:
                 self.result.stopped.add(worker)
             return
@@ -320,6 +320,8 @@ class ElasticDriver:
                     host.agent.terminate()
 
     def _reconcile(self, now: float) -> None:
+        if self.finishing and not self.stopping:
+            self._stop_stranded()
         if self.stopping or self.finishing:
             return
         members = self.members
@@ -348,6 +350,20 @@ class ElasticDriver:
             self._publish(decision)
         for host in members.removed_to_stop(self.server.registered_count()):
             host.agent.terminate()
+
+    def _stop_stranded(self) -> None:
+        """After a worker finished (exit 0) no generation comes any more: workers that wait
+        for one (their collectives failed when it left) are stopped, as Horovod does."""
+        waiting = self.server.waiting_slots()
+        for host in self.members.running():
+            if host.slot_keys() & waiting and not host.all_exited():
+                self.sink.message(
+                    f"stopping the workers on {host.name}: they wait for a new generation, "
+                    "but another worker has finished the job"
+                )
+                host.state = "done"
+                if host.agent is not None and not host.agent_finished:
+                    host.agent.terminate()
 
     def _start_host(self, host: HostRecord) -> None:
         launch = self.spec.launch

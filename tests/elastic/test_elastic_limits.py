@@ -110,3 +110,25 @@ def test_later_discovery_failures_are_reported_and_the_job_goes_on(tmp_path: Pat
     ), output
     assert output.count("failed: exited with code 3") == 1, output  # once, not every second
     assert "[0]<stdout>:final rank=0 size=2 step=40 weight=-40" in output, output
+
+
+def test_a_worker_that_finishes_ends_the_job_and_stranded_peers_are_stopped() -> None:
+    code, output = run_hvdrun(
+        2,
+        WORKER,
+        options=["--min-np", "1", "--host-discovery-script", "printf 'localhost\\n127.0.0.1\\n'"],
+        env={
+            "STEPS": "1000",
+            "STEP_INTERVAL": "0.05",
+            "FAIL_HOST": "127.0.0.1",
+            "FAIL_AT_STEP": "3",
+            "FAIL_MODE": "finish",
+        },
+        timeout=120,
+    )
+    assert code == 0, output
+    assert "finishing early after step 3" in output, output
+    assert (
+        "hvdrun: stopping the workers on localhost: they wait for a new generation, but "
+        "another worker has finished the job" in output
+    ), output

@@ -20,7 +20,7 @@ from collectives.torch import elastic, runtime
 STEPS = int(os.environ.get("STEPS", "40"))
 INTERVAL = float(os.environ.get("STEP_INTERVAL", "0.1"))
 # FAIL_HOST=h FAIL_AT_STEP=n: the workers on host h exit 1 after committing step n (with
-# FAIL_MODE=hang: stop themselves with SIGSTOP instead).
+# FAIL_MODE=hang: stop themselves with SIGSTOP instead; with FAIL_MODE=finish: exit 0).
 FAIL_AT_STEP = int(os.environ.get("FAIL_AT_STEP", "0"))
 FAIL_HOST = os.environ.get("FAIL_HOST")
 
@@ -50,6 +50,9 @@ def train(state: elastic.TorchState) -> None:
             flush=True,
         )
         if state.step == FAIL_AT_STEP and os.environ.get("HVDRUN_HOSTNAME") == FAIL_HOST:
+            if os.environ.get("FAIL_MODE") == "finish":
+                print(f"finishing early after step {state.step}", flush=True)
+                raise SystemExit(0)
             if os.environ.get("FAIL_MODE") == "hang":
                 print(f"hanging on purpose after step {state.step}", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
