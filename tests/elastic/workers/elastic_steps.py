@@ -1,9 +1,9 @@
 """An elastic training loop whose every step lowers one weight by exactly 1.
 
 Each step allreduces a gradient of ones (the average is 1 on any number of ranks) and
-applies it with SGD (lr 1), then commits. After STEPS steps the weight must be exactly
--STEPS on every rank whatever failed or changed on the way: a step lost or applied twice
-would show. Prints one ``committed`` line per commit (rank, size, generation, wall time).
+applies it with SGD (lr 1), then commits. After n steps the weight must be exactly -n on
+every rank whatever failed or changed on the way: a step lost or applied twice would show.
+Prints one ``committed`` line per commit (rank, size, generation, wall time).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ INTERVAL = float(os.environ.get("STEP_INTERVAL", "0.1"))
 # FAIL_MODE=hang: stop themselves with SIGSTOP instead; with FAIL_MODE=finish: exit 0).
 FAIL_AT_STEP = int(os.environ.get("FAIL_AT_STEP", "0"))
 FAIL_HOST = os.environ.get("FAIL_HOST")
+# STOP_FILE=path: every rank stops after the first step that follows the file's creation
+# (agreed by an allreduce), so a test can end the job once it has seen what it waits for.
+STOP_FILE = os.environ.get("STOP_FILE")
 
 torch.set_num_threads(1)
 hvd.init()
@@ -57,6 +60,10 @@ def train(state: elastic.TorchState) -> None:
                 print(f"hanging on purpose after step {state.step}", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
             raise SystemExit(f"failing on purpose after step {state.step}")
+        if STOP_FILE:
+            seen = torch.tensor([float(os.path.exists(STOP_FILE))])
+            if hvd.allreduce(seen, name="stop", op=hvd.Max).item():
+                return
 
 
 train(state)
