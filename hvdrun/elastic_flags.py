@@ -1,0 +1,175 @@
+"""hvdrun's elastic flags (``--min-np``, ``--max-np``, ``--host-discovery-script``, ...).
+
+Any of ``--min-np``, ``--max-np`` or ``--host-discovery-script`` makes a job elastic (see
+:mod:`launcher.elastic`); the other elastic flags are refused without them. Every mistake
+is a ``click.UsageError``: one line and exit code 2. The discovery script's first run
+happens here, so a script that does not work stops hvdrun before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import click
+
+from launcher.hosts import HostSpec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_OPTIONS = [
+    click.option(
+        "--min-np",
+        type=int,
+        metavar="N",
+        help="Elastic job: the fewest workers it may run on (default: -np).",
+    ),
+    click.option(
+        "--max-np",
+        type=int,
+        metavar="N",
+        help="Elastic job: the most workers it may grow to (default: every discovered slot).",
+    ),
+    click.option(
+        "--host-discovery-script",
+        metavar="SCRIPT",
+        help="Elastic job: a command that prints the usable hosts, 'host' or 'host:slots' per "
+        "line; run every second.",
+    ),
+    click.option(
+        "--slots-per-host",
+        type=int,
+        default=1,
+        show_default=True,
+        metavar="N",
+        help="Elastic job: slots of a host the discovery script prints without ':slots'.",
+    ),
+    click.option(
+        "--elastic-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=600.0,
+        show_default=True,
+        metavar="SECONDS",
+        help="Elastic job: how long it may wait for --min-np slots before it fails.",
+    ),
+    click.option(
+        "--reset-limit",
+        type=int,
+        metavar="N",
+        help="Elastic job: fail after more than N resets (default: no limit).",
+    ),
+    click.option(
+        "--blacklist-cooldown-range",
+        type=(float, float),
+        metavar="MIN MAX",
+        help="Elastic job: a failed host may come back after MIN*2^(failures-1) s, at most MAX s "
+        "(default: never).",
+    ),
+]
+
+
+def elastic_options(fn: F) -> F:
+    """Adds the elastic flags to a click command."""
+    for option in reversed(_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def explicit(name: str) -> bool:
+    """Whether the user gave option ``name`` on the command line (not its default)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source is not None and source != click.core.ParameterSource.DEFAULT
+
+
+@dataclass
+class ElasticFlags:
+    """The elastic flags as given; ``resolve`` checks them and builds ElasticOptions."""
+
+    min_np: int | None
+    max_np: int | None
+    script: str | None
+    slots_per_host: int
+    elastic_timeout: float
+    reset_limit: int | None
+    cooldown: tuple[float, float] | None
+
+    def given(self) -> bool:
+        return self.min_np is not None or self.max_np is not None or self.script is not None
+
+    def check_unused(self) -> None:
+        for name in (
+            "slots_per_host",
+            "elastic_timeout",
+            "reset_limit",
+            "blacklist_cooldown_range",
+        ):
+            if explicit(name):
+                flag = "--" + name.replace("_", "-")
+                raise click.UsageError(
+                    f"{flag} is for elastic jobs: add --min-np/--max-np or --host-discovery-script"
+                )
+
+    def resolve(
+        self, host_list: list[HostSpec] | None, num_proc: int | None
+    ) -> tuple[list[HostSpec], int, Any]:
+        from launcher.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
+        from launcher.options import ElasticOptions
+
+        if num_proc is None:
+            if self.min_np is None:
+                raise click.UsageError("an elastic job needs -np N (the workers to start with)")
+            num_proc = self.min_np
+        if num_proc < 1:
+            raise click.BadParameter(f"must be at least 1, got {num_proc}", param_hint="'-np'")
+        min_np = num_proc if self.min_np is None else self.min_np
+        if not 1 <= min_np <= num_proc:
+            raise click.BadParameter(
+                f"must be between 1 and -np ({num_proc}), got {min_np}", param_hint="'--min-np'"
+            )
+        if self.max_np is not None and self.max_np < num_proc:
+            raise click.BadParameter(
+                f"must be at least -np ({num_proc}), got {self.max_np}", param_hint="'--max-np'"
+            )
+        if self.slots_per_host < 1:
+            raise click.BadParameter(
+                f"must be at least 1, got {self.slots_per_host}", param_hint="'--slots-per-host'"
+            )
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise click.BadParameter(
+                f"must not be negative, got {self.reset_limit}", param_hint="'--reset-limit'"
+            )
+        if self.cooldown is not None:
+            low, high = self.cooldown
+            if not 0 < low <= high:
+                raise click.BadParameter(
+                    f"needs 0 < MIN <= MAX, got {low:g} {high:g}",
+                    param_hint="'--blacklist-cooldown-range'",
+                )
+        discovery: Any
+        if self.script is not None:
+            if host_list is not None:
+                raise click.UsageError(
+                    "give the hosts with --host-discovery-script or with -H/--hostfile, not both"
+                )
+            discovery = ScriptDiscovery(self.script, self.slots_per_host, cwd=os.getcwd())
+            try:
+                host_list = discovery.find()
+            except DiscoveryError as exc:
+                raise click.BadParameter(
+                    f"{self.script}: {exc}", param_hint="'--host-discovery-script'"
+                ) from None
+        else:
+            if host_list is None:
+                host_list = [HostSpec("localhost", self.max_np or num_proc)]
+            discovery = FixedHosts(host_list)
+        options = ElasticOptions(
+            min_np=min_np,
+            max_np=self.max_np,
+            discovery=discovery,
+            elastic_timeout=self.elastic_timeout,
+            reset_limit=self.reset_limit,
+            cooldown=self.cooldown,
+        )
+        return host_list, num_proc, options
