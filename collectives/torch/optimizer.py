@@ -40,10 +40,63 @@ __all__ = ["DistributedOptimizer"]
 
 logger = logging.getLogger(__name__)
 
-# A pending entry: (handle, tensor that travels, compression context); None while the
-# gradient still accumulates; _SPARSE for a sparse gradient, gathered in synchronize().
-_Pending = tuple[Handle, torch.Tensor, Any] | None
-_SPARSE: Any = object()
+#: Gradients are reduced in buckets of consecutive parameters (in backward order) of at
+#: most this many bytes; a bucket's allreduce starts once all its gradients are ready. The
+#: first bucket is smaller so that communication starts early in the backward pass.
+BUCKET_BYTES = 25 * 1024 * 1024
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+class _Bucket:
+    """Parameters whose gradients travel as one grouped allreduce (one negotiation)."""
+
+    __slots__ = ("handle", "name", "params", "sent", "waiting")
+
+    def __init__(self, params: list[torch.Tensor], name: str) -> None:
+        self.params = params
+        self.name = name
+        self.waiting = -1  # gradients still to come this step; -1: not counted yet
+        self.handle: Handle | None = None
+        # (parameter, tensor that travels, compression context) of the running allreduce.
+        self.sent: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+
+
+def _plan_buckets(
+    params: list[torch.Tensor], names: dict[torch.Tensor, str], groups: Any
+) -> list[_Bucket]:
+    """Horovod's ``groups`` (a count, or lists of parameters) or, by default, size-capped
+    buckets of parameters in reverse order, which is about the order backward makes them."""
+    if isinstance(groups, int) and groups > 0:
+        count = min(groups, len(params)) or 1
+        chunks = [
+            params[len(params) * i // count : len(params) * (i + 1) // count] for i in range(count)
+        ]
+    elif isinstance(groups, list):
+        # The listed groups, then every other parameter on its own, as in Horovod.
+        grouped = {p for group in groups for p in group}
+        chunks = [list(group) for group in groups]
+        chunks += [[p] for p in params if p not in grouped]
+    else:
+        chunks = []
+        current: list[torch.Tensor] = []
+        size, cap = 0, FIRST_BUCKET_BYTES
+        for param in reversed(params):
+            nbytes = param.numel() * param.element_size()
+            kind = (param.dtype, param.device)
+            if current and (size + nbytes > cap or (current[0].dtype, current[0].device) != kind):
+                chunks.append(current)
+                current, size, cap = [], 0, BUCKET_BYTES
+            current.append(param)
+            size += nbytes
+        if current:
+            chunks.append(current)
+    return [
+        _Bucket(
+            chunk, names[chunk[0]] if len(chunk) == 1 else f"{names[chunk[0]]}+{len(chunk) - 1}"
+        )
+        for chunk in chunks
+        if chunk
+    ]
 
 
 def _sparse_allreduce(
@@ -69,6 +122,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     _hvd_params: list[torch.Tensor]
     _hvd_names: dict[torch.Tensor, str]
+    _hvd_buckets: list[_Bucket]
+    _hvd_bucket_of: dict[torch.Tensor, _Bucket]
     _hvd_compression: type[Compressor] | Compressor
     _hvd_op: ReduceOp
     _hvd_prescale: float
@@ -77,8 +132,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _hvd_process_set: ProcessSet
     _hvd_passes: int
     _hvd_delay: dict[torch.Tensor, int]
-    _hvd_pending: dict[torch.Tensor, Any]
+    _hvd_sparse: list[torch.Tensor]
     _hvd_hooked: dict[torch.Tensor, Any]
+    _hvd_backward: bool  # a gradient arrived since the last synchronize()
     _hvd_should_synchronize: bool
     _hvd_synchronized: bool
 
@@ -89,6 +145,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int,
         op: ReduceOp,
         gradient_predivide_factor: float,
+        groups: Any,
         sparse_as_dense: bool,
         process_set: ProcessSet,
     ) -> None:
@@ -99,48 +156,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if param not in seen:
                     seen.add(param)
                     all_params.append(param)
-        if named_parameters is not None:
-            named = list(named_parameters)
-            if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-                raise ValueError(
-                    "named_parameters must be a sequence of (name, parameter) tuples, "
-                    "as model.named_parameters() yields"
-                )
-        else:
-            named = [
-                (f"noname.{i}.{j}", param)
-                for i, group in enumerate(self.param_groups)
-                for j, param in enumerate(group["params"])
-            ]
-        names = [name for name, _ in named]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(
-                f"parameter names in named_parameters must be unique; repeated: {duplicates}"
-            )
-        by_param: dict[torch.Tensor, str] = {}
-        for name, param in named:
-            if not isinstance(name, str) or not isinstance(param, torch.Tensor):
-                raise ValueError(
-                    f"named_parameters must hold (str, tensor) pairs, got "
-                    f"({type(name).__name__}, {type(param).__name__})"
-                )
-            if param in by_param:
-                raise ValueError(
-                    f"parameter {name!r} appears in named_parameters twice (also as "
-                    f"{by_param[param]!r})"
-                )
-            by_param[param] = name
-        unnamed = [param for param in all_params if param not in by_param]
-        if unnamed:
-            shapes = ", ".join(str(tuple(p.shape)) for p in unnamed[:5])
-            raise ValueError(
-                f"named_parameters was given but {len(unnamed)} of the optimizer's parameters "
-                f"are not in it (shapes {shapes}); pass model.named_parameters() of the "
-                "model whose parameters the optimizer holds"
-            )
         self._hvd_params = all_params
-        self._hvd_names = {param: by_param[param] for param in all_params}
+        self._hvd_names = _parameter_names(named_parameters, self.param_groups, all_params)
         self._hvd_compression = compression
         self._hvd_op = op
         if op == ReduceOp.AVERAGE:
@@ -152,14 +169,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hvd_prescale = self._hvd_postscale = 1.0
         self._hvd_sparse_as_dense = sparse_as_dense
         self._hvd_process_set = process_set
-        self._hvd_pending = {}
+        self._hvd_buckets = self._hvd_plan(groups)
+        self._hvd_bucket_of = {p: bucket for bucket in self._hvd_buckets for p in bucket.params}
+        self._hvd_sparse = []
         self._hvd_hooked = {}
         self._hvd_delay = {}
+        self._hvd_backward = False
         self.set_backward_passes_per_step(backward_passes_per_step)
         self._hvd_should_synchronize = True
         self._hvd_synchronized = False
         if process_set.included():
             self._hvd_attach_hooks()
+
+    def _hvd_plan(self, groups: Any) -> list[_Bucket]:
+        return _plan_buckets(self._hvd_params, self._hvd_names, groups)
 
     # ---- hooks and submission ----------------------------------------------------------
 
@@ -179,7 +202,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._hvd_hooked[param] = param.register_post_accumulate_grad_hook(hook)
 
     def _hvd_on_gradient(self, param: torch.Tensor) -> None:
-        """Counts one accumulation of the parameter's gradient; submits it on the last."""
+        """Counts one accumulation of the parameter's gradient; on the last one the
+        gradient is ready, and its bucket starts once all of the bucket's are."""
+        self._hvd_backward = True
         delay = self._hvd_delay.get(param, self._hvd_passes) - 1
         if delay < 0:
             raise RuntimeError(
@@ -189,45 +214,56 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "more passes locally"
             )
         self._hvd_delay[param] = delay
-        self._hvd_pending[param] = self._hvd_submit(param) if delay == 0 else None
+        if delay:
+            return
+        bucket = self._hvd_bucket_of[param]
+        if bucket.waiting < 0:  # the bucket's first gradient of this step
+            bucket.waiting = sum(1 for p in bucket.params if p.requires_grad)
+        bucket.waiting -= 1
+        if bucket.waiting == 0:
+            self._hvd_start(bucket)
 
-    def _hvd_submit(self, param: torch.Tensor) -> Any:
-        """Starts reducing the parameter's gradient in place; returns the pending entry."""
-        grad = param.grad
-        if grad is None:
-            # Another rank may have a gradient for it (dynamic graphs): every rank must
-            # hand the same tensors to the collective.
-            grad = param.grad = torch.zeros_like(param)
-        elif grad.is_sparse:
-            if not self._hvd_sparse_as_dense:
-                return _SPARSE
-            grad = param.grad = grad.to_dense()
-        tensor, ctx = self._hvd_compression.compress(grad)
-        handle = ops.submit_allreduce(
-            [tensor],
-            [tensor],
+    def _hvd_start(self, bucket: _Bucket) -> None:
+        """Starts the bucket's allreduce, in place (zeros for a missing gradient: another
+        rank may have one, and every rank must hand the same tensors to the collective)."""
+        sent = bucket.sent
+        for param in bucket.params:
+            if not param.requires_grad:
+                continue
+            grad = param.grad
+            if grad is None:
+                grad = param.grad = torch.zeros_like(param)
+            elif grad.is_sparse:
+                if not self._hvd_sparse_as_dense:
+                    self._hvd_sparse.append(param)
+                    continue
+                grad = param.grad = grad.to_dense()
+            tensor, ctx = self._hvd_compression.compress(grad)
+            sent.append((param, tensor, ctx))
+        if not sent:
+            bucket.handle = _NOTHING
+            return
+        tensors = [tensor for _, tensor, _ in sent]
+        bucket.handle = ops.submit_allreduce(
+            tensors,
+            tensors,
             self._hvd_op,
             self._hvd_prescale,
             self._hvd_postscale,
             self._hvd_process_set,
-            self._hvd_names[param],
-            ops.first_output,
+            bucket.name,
+            ops.outputs_of,
         )
-        return handle, tensor, ctx
 
-    def _hvd_apply(self, param: torch.Tensor, pending: Any) -> None:
-        """Waits for a submitted reduction and puts its result in place."""
-        if pending is _SPARSE:
-            assert param.grad is not None
-            param.grad = _sparse_allreduce(
-                param.grad, self._hvd_op, self._hvd_process_set, self._hvd_names[param]
-            )
-            return
-        handle, tensor, ctx = pending
-        handle.wait()
-        grad = param.grad
-        if tensor is not grad and grad is not None:
-            grad.copy_(self._hvd_compression.decompress(tensor, ctx))
+    def _hvd_finish(self, bucket: _Bucket) -> None:
+        """Waits for the bucket's allreduce and puts the results in place."""
+        assert bucket.handle is not None
+        bucket.handle.wait()
+        decompress = self._hvd_compression.decompress
+        for param, tensor, ctx in bucket.sent:
+            grad = param.grad
+            if tensor is not grad and grad is not None:
+                grad.copy_(decompress(tensor, ctx))
 
     def __del__(self) -> None:
         for hook in getattr(self, "_hvd_hooked", {}).values():
@@ -249,16 +285,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hvd_synchronized = True
             return
         runtime.require("DistributedOptimizer.synchronize()")
-        pending = self._hvd_pending
         try:
-            for param in self._hvd_params:
-                if param.requires_grad and pending.get(param) is None:
-                    pending[param] = self._hvd_submit(param)
-            for param, entry in pending.items():
-                self._hvd_apply(param, entry)
+            # Every rank starts every bucket that has a parameter requiring a gradient,
+            # whether or not its own backward pass produced them all.
+            for bucket in self._hvd_buckets:
+                if bucket.handle is None and any(p.requires_grad for p in bucket.params):
+                    self._hvd_start(bucket)
+            for bucket in self._hvd_buckets:
+                if bucket.handle is not None and bucket.handle is not _NOTHING:
+                    self._hvd_finish(bucket)
+            for param in self._hvd_sparse:
+                assert param.grad is not None
+                param.grad = _sparse_allreduce(
+                    param.grad, self._hvd_op, self._hvd_process_set, self._hvd_names[param]
+                )
         finally:
-            pending.clear()
-            self._hvd_delay.clear()
+            self._hvd_reset()
         # Parameters that were frozen before and require gradients now get their hook.
         if len(self._hvd_hooked) < len(self._hvd_params):
             self._hvd_attach_hooks()
@@ -300,7 +342,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients, as the wrapped optimizer does; an error while gradients of
         a backward pass wait for step() or synchronize()."""
-        if self._hvd_pending and not self._hvd_discard_failed():
+        if self._hvd_backward and not self._hvd_discard_failed():
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(): the gradients are being "
@@ -311,21 +353,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_synchronized = False
         super().zero_grad(set_to_none)
 
-
     def _hvd_discard_failed(self) -> bool:
-        """Forgets the pending reductions if one of them failed (a peer died, the job is
+        """Forgets the step's reductions if one of them failed (a peer died, the job is
         being reset): their gradients are lost anyway, and the next step starts afresh."""
         failed = any(
-            entry is not None and entry is not _SPARSE and entry[0].error is not None
-            for entry in self._hvd_pending.values()
+            bucket.handle is not None and bucket.handle.error is not None
+            for bucket in self._hvd_buckets
         )
         if failed:
             self._hvd_reset()
         return failed
 
     def _hvd_reset(self) -> None:
-        self._hvd_pending.clear()
+        for bucket in self._hvd_buckets:
+            bucket.waiting = -1
+            bucket.handle = None
+            bucket.sent = []
+        self._hvd_sparse = []
         self._hvd_delay.clear()
+        self._hvd_backward = False
         self._hvd_synchronized = False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -335,13 +381,72 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
 
 
+# Stands for the handle of a bucket that had nothing to send (all its gradients sparse).
+_NOTHING = Handle()
+_NOTHING.complete()
+
+
+def _parameter_names(
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+    param_groups: list[dict[str, Any]],
+    all_params: list[torch.Tensor],
+) -> dict[torch.Tensor, str]:
+    """Each parameter's name, checked as Horovod does (no duplicates, none missing)."""
+    if named_parameters is not None:
+        named = list(named_parameters)
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+            raise ValueError(
+                "named_parameters must be a sequence of (name, parameter) tuples, "
+                "as model.named_parameters() yields"
+            )
+    else:
+        named = [
+            (f"noname.{i}.{j}", param)
+            for i, group in enumerate(param_groups)
+            for j, param in enumerate(group["params"])
+        ]
+    names = [name for name, _ in named]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(
+            f"parameter names in named_parameters must be unique; repeated: {duplicates}"
+        )
+    by_param: dict[torch.Tensor, str] = {}
+    for name, param in named:
+        if not isinstance(name, str) or not isinstance(param, torch.Tensor):
+            raise ValueError(
+                f"named_parameters must hold (str, tensor) pairs, got "
+                f"({type(name).__name__}, {type(param).__name__})"
+            )
+        if param in by_param:
+            raise ValueError(
+                f"parameter {name!r} appears in named_parameters twice (also as "
+                f"{by_param[param]!r})"
+            )
+        by_param[param] = name
+    unnamed = [param for param in all_params if param not in by_param]
+    if unnamed:
+        shapes = ", ".join(str(tuple(p.shape)) for p in unnamed[:5])
+        raise ValueError(
+            f"named_parameters was given but {len(unnamed)} of the optimizer's parameters "
+            f"are not in it (shapes {shapes}); pass model.named_parameters() of the "
+            "model whose parameters the optimizer holds"
+        )
+    return {param: by_param[param] for param in all_params}
+
+
 class _DistributedAdasumOptimizer(_DistributedOptimizer):
     """Horovod's Adasum optimizer: each rank steps on its own gradient, and the changes of
     the parameters are combined with Adasum."""
 
     _hvd_starts: dict[torch.Tensor, torch.Tensor]
 
-    def _hvd_submit(self, param: torch.Tensor) -> Any:
+    def _hvd_plan(self, groups: Any) -> list[_Bucket]:
+        # One parameter per bucket: each is stepped as soon as its gradient is ready.
+        return [_Bucket([param], self._hvd_names[param]) for param in self._hvd_params]
+
+    def _hvd_start(self, bucket: _Bucket) -> None:
+        (param,) = bucket.params
         start = self._hvd_starts.get(param)
         if start is None:
             start = self._hvd_starts[param] = torch.empty_like(param)
@@ -351,17 +456,17 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
             delta = param.data
             delta.sub_(start)
         tensor, ctx = self._hvd_compression.compress(delta)
-        handle = ops.submit_allreduce(
+        bucket.sent = [(param, tensor, ctx)]
+        bucket.handle = ops.submit_allreduce(
             [tensor],
             [tensor],
             ReduceOp.ADASUM,
             1.0,
             1.0,
             self._hvd_process_set,
-            self._hvd_names[param],
+            bucket.name,
             ops.first_output,
         )
-        return handle, tensor, ctx
 
     def _hvd_step_one(self, param: torch.Tensor) -> None:
         """The wrapped optimizer's step for one parameter (its own state and group)."""
@@ -375,9 +480,10 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
             for group, params in zip(self.param_groups, stashed, strict=True):
                 group["params"] = params
 
-    def _hvd_apply(self, param: torch.Tensor, pending: Any) -> None:
-        handle, tensor, ctx = pending
-        handle.wait()
+    def _hvd_finish(self, bucket: _Bucket) -> None:
+        assert bucket.handle is not None
+        bucket.handle.wait()
+        ((param, tensor, ctx),) = bucket.sent
         start = self._hvd_starts[param]
         with torch.no_grad():
             start.add_(self._hvd_compression.decompress(tensor, ctx))
@@ -435,7 +541,7 @@ def DistributedOptimizer(
         raise ValueError("gradient_predivide_factor must be positive")
     if num_groups != 0:
         warnings.warn(
-            "num_groups is deprecated; use groups= (gradients are fused per dtype anyway)",
+            "num_groups is deprecated; use groups=",
             DeprecationWarning,
             stacklevel=2,
         )
@@ -458,6 +564,7 @@ def DistributedOptimizer(
         backward_passes_per_step,
         resolved,
         gradient_predivide_factor,
+        groups,
         sparse_as_dense,
         process_set,
     )
@@ -465,8 +572,7 @@ def DistributedOptimizer(
 
 
 def _check_groups(groups: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Validates ``groups`` as Horovod does; the engine fuses gradients that are ready
-    together anyway, so grouping needs no further work here."""
+    """Validates ``groups`` as Horovod does."""
     if groups is None:
         return
     if isinstance(groups, int):
@@ -476,7 +582,11 @@ def _check_groups(groups: Any, optimizer: torch.optim.Optimizer) -> None:
     if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
         raise ValueError("groups must be an integer or a list of lists of parameters")
     known = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    listed: set[int] = set()
     for group in groups:
         for param in group:
             if id(param) not in known:
                 raise ValueError("groups contains a tensor that is not one of the optimizer's")
+            if id(param) in listed:
+                raise ValueError("groups lists a parameter more than once")
+            listed.add(id(param))

@@ -34,6 +34,8 @@ CHECKS = [
             "adam.passes1",
             "adam.passes2",
             "sum",
+            "groups.count",
+            "groups.lists",
             "predivide",
             "fp16",
             "fp16.adam",
@@ -53,6 +55,7 @@ CHECKS = [
     "names.duplicate",
     "names.twice",
     "names.not_pairs",
+    "names.groups_twice",
     "sparse.allgather",
     "sparse.as_dense",
     *(

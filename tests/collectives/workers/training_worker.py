@@ -113,6 +113,8 @@ def main() -> None:
             freeze(reference, 0)
             freeze(model, 0)
         ref_opt = factory(list(reference.parameters()))
+        if callable(options.get("groups")):
+            options["groups"] = options["groups"](model)
         opt = hvd.DistributedOptimizer(
             factory(list(model.parameters())),
             named_parameters=model.named_parameters(),
@@ -144,6 +146,9 @@ def main() -> None:
             compare(f"sgd.passes{passes}", sgd, passes)
             compare(f"adam.passes{passes}", adam, passes)
         compare("sum", sgd, op=hvd.Sum)
+        # Horovod's groups: a number of groups, or lists (the other parameters alone).
+        compare("groups.count", adam, groups=4)
+        compare("groups.lists", adam, groups=lambda m: [[m[4].weight, m[0].bias], [m[2].weight]])
         compare("predivide", sgd, gradient_predivide_factor=float(n))
         compare("fp16", sgd, atol=2e-3, compression=hvd.Compression.fp16)
         compare("fp16.adam", adam, atol=2e-3, compression=hvd.Compression.fp16)
@@ -267,6 +272,14 @@ def main() -> None:
                 c.expect(f"names.{label}", False, "no error")
             except ValueError as error:
                 c.expect(f"names.{label}", text in str(error), error)
+        try:
+            hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                groups=[[model[0].weight], [model[0].weight, model[0].bias]],
+            )
+            c.expect("names.groups_twice", False, "no error")
+        except ValueError as error:
+            c.expect("names.groups_twice", "more than once" in str(error), error)
 
     def sparse() -> None:
         for label, options in (("allgather", {}), ("as_dense", {"sparse_as_dense": True})):
