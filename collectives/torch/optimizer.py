@@ -6,13 +6,17 @@ optimizer's own class (as Horovod does), so ``isinstance(opt, torch.optim.SGD)``
 the wrapped optimizer's attributes instead of calling its ``__init__`` again, so optimizers
 whose constructors need extra arguments can be wrapped too, and existing state is kept.
 
-Each parameter gets a post-accumulate-grad hook: on the ``backward_passes_per_step``-th
-accumulation of its gradient the hook submits an asynchronous in-place allreduce of the
-gradient, named after the parameter, so communication overlaps the rest of the backward
-pass (the engine fuses gradients that become ready together). ``step()`` (or
-``synchronize()``) waits for them; a parameter that got no gradient on this rank (dynamic
-graphs) is reduced there with zeros, since another rank may have one. Parameters whose
-``requires_grad`` is False at that moment are left alone.
+Each parameter gets a post-accumulate-grad hook that counts the accumulations of its
+gradient; on the ``backward_passes_per_step``-th the gradient is ready. Gradients travel in
+fixed *buckets*, planned once on every rank alike: Horovod's ``groups`` when given, otherwise
+consecutive parameters in reverse order (about the order backward produces them), the first
+bucket up to 1 MB so that communication starts early, the others up to 25 MB. A bucket's
+asynchronous in-place grouped allreduce starts as soon as its last gradient is ready, so it
+overlaps the rest of the backward pass, and costs one negotiation for the whole bucket (one
+per tensor costs more CPU than overlapping gains on small machines). ``step()`` (or
+``synchronize()``) starts the buckets still waiting and waits for all: a parameter without a
+gradient on this rank (dynamic graphs) is reduced there with zeros, since another rank may
+have one. Parameters whose ``requires_grad`` is False at that moment are left alone.
 
 With ``op=hvd.Adasum`` the hook instead runs the wrapped optimizer's step for that
 parameter alone on the local gradient and reduces the resulting *change* of the parameter
