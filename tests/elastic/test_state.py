@@ -69,6 +69,18 @@ def test_run_retries_after_a_host_update_and_restores_after_a_failure(alone: Non
     assert (state.tries, state.value) == (1, 10)  # the last commit
 
 
+def test_object_state_with_horovods_bcast_object_signature(alone: None) -> None:
+    seen: list[tuple[object, int]] = []
+
+    def bcast_object(obj: object, root_rank: int) -> object:
+        seen.append((obj, root_rank))
+        return obj
+
+    state = elastic.ObjectState(bcast_object, hvd.rank, epoch=2)
+    state.sync()
+    assert seen == [({"epoch": 2}, 0)]
+
+
 def test_check_host_updates_without_news(alone: None) -> None:
     state = elastic.ObjectState(x=1)
     state.check_host_updates()  # nothing newer than this generation: no interrupt

@@ -80,6 +80,9 @@ class ObjectState(State):
         super().__init__()
         self._bcast_object = bcast_object
         self._get_rank = get_rank
+        # Our own broadcast_object gets names; a user's function (Horovod's signature
+        # ``bcast_object(obj, root_rank)``) is called without one.
+        self._named = bcast_object is broadcast_object
         self._saved_state: dict[str, Any] = copy.deepcopy(kwargs)
         for name, value in kwargs.items():
             setattr(self, name, value)
@@ -95,6 +98,11 @@ class ObjectState(State):
     def _current(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._saved_state}
 
+    def _broadcast(self, obj: Any, name: str) -> Any:
+        if self._named:
+            return self._bcast_object(obj, 0, name=name)
+        return self._bcast_object(obj, 0)
+
     def save(self) -> None:
         self._saved_state = copy.deepcopy(self._current())
 
@@ -104,7 +112,7 @@ class ObjectState(State):
 
     def sync(self) -> None:
         if self._saved_state:
-            synced = self._bcast_object(self._current(), 0, name="elastic.object_state")
+            synced = self._broadcast(self._current(), "elastic.object_state")
             for name, value in synced.items():
                 setattr(self, name, value)
             self.save()
@@ -164,7 +172,7 @@ class TorchState(ObjectState):
         if self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root_rank=0)
         for name, sampler in self._samplers.items():
-            state = self._bcast_object(sampler.state_dict(), 0, name=f"elastic.sampler.{name}")
+            state = self._broadcast(sampler.state_dict(), f"elastic.sampler.{name}")
             sampler.load_state_dict(state)
         super().sync()
         self._save_torch()
