@@ -100,6 +100,18 @@ def after_step(step: int, size: int | None = None) -> Callable[[str], bool]:
     return matches
 
 
+def at_size(size: int, generation: int) -> Callable[[str], bool]:
+    """A commit at ``size`` workers in ``generation`` or a later one."""
+
+    def matches(line: str) -> bool:
+        found = COMMITTED.match(line)
+        return (
+            found is not None and int(found.group(3)) == size and int(found.group(4)) >= generation
+        )
+
+    return matches
+
+
 def kill_host(cluster: Cluster, host: ClusterHost) -> None:
     """Kills every process of the host (its agent, workers and SSH session) at once; only
     the listening sshd stays, so that later tests can use the host again."""
@@ -209,7 +221,7 @@ def test_rank_0_host_dies_a_new_rank_0_carries_on_and_the_host_comes_back(
     )
     job.when(after_step(10), lambda: kill_host(elastic_cluster, node1))
     # run until node1 is back and a step was taken on three hosts again
-    job.when(lambda line: " size=3 generation=3" in line, stop.touch)
+    job.when(at_size(3, generation=3), stop.touch)
     code, output = job.wait()
     assert code == 0, output
     assert (
@@ -247,7 +259,7 @@ def test_discovery_grows_then_shrinks_the_job(elastic_cluster: Cluster, tmp_path
     # once the job runs on three, discovery drops the second host: a graceful removal
     job.when(after_step(1, size=3), lambda: write_hosts(discovery, node1, node3))
     # once it has shrunk back to two, the job may end
-    job.when(lambda line: " size=2 generation=3" in line, stop.touch)
+    job.when(at_size(2, generation=3), stop.touch)
     code, output = job.wait()
     assert code == 0, output
     commits = committed(output)
