@@ -2,7 +2,8 @@
 
 ``--mode hvd`` runs under hvdrun with hvd.DistributedOptimizer; ``--mode ddp`` runs as a
 bare process (env:// rendezvous) with torch DistributedDataParallel. Rank 0 prints one
-line ``result steps_per_s=... peak_rss_mb=...`` (peak RSS is the max over ranks).
+line ``result steps_per_s=... peak_rss_mb=... cpu_ms_per_step=...`` (peak RSS is the max
+over ranks, CPU time per step the mean).
 """
 
 from __future__ import annotations
@@ -64,22 +65,31 @@ def main() -> None:
     for _ in range(args.warmup):
         step()
     start = time.perf_counter()
+    cpu_start = time.process_time()
     for _ in range(args.steps):
         step()
     elapsed = time.perf_counter() - start
+    # CPU time of all the process's threads: what a step costs, whatever else the machine runs.
+    cpu_ms = torch.tensor([(time.process_time() - cpu_start) / args.steps * 1000])
 
     rss_mb = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     rate = torch.tensor([args.steps / elapsed])
     if args.mode == "hvd":
         rss_mb = hvd.allreduce(rss_mb, op=hvd.Max)
         rate = hvd.allreduce(rate, op=hvd.Min)
+        cpu_ms = hvd.allreduce(cpu_ms, op=hvd.Average)
         hvd.shutdown()
     else:
         dist.all_reduce(rss_mb, op=dist.ReduceOp.MAX)
         dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+        dist.all_reduce(cpu_ms)
+        cpu_ms /= size
         dist.destroy_process_group()
     if rank == 0:
-        print(f"result steps_per_s={rate.item():.3f} peak_rss_mb={rss_mb.item():.1f} size={size}")
+        print(
+            f"result steps_per_s={rate.item():.3f} peak_rss_mb={rss_mb.item():.1f} "
+            f"cpu_ms_per_step={cpu_ms.item():.1f} size={size}"
+        )
     if args.mode == "ddp":
         # Tearing down DDP's reducer at exit can deadlock in torch (its Gloo group is
         # destroyed with the GIL held while a Gloo thread waits for the GIL to free a
