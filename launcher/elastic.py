@@ -231,7 +231,9 @@ class ElasticDriver:
         elif self.finishing:
             self._fail_job(WorkerFailure(worker, host.name, code, error))
         else:
-            self._fail_host(host, f"worker {worker} exited with {describe_exit(code)}")
+            what = describe_exit(code)
+            what = f"was {what}" if what.startswith("killed") else f"exited with {what}"
+            self._fail_host(host, f"worker {worker} {what}")
 
     def _on_agent_gone(self, host: HostRecord, kind: str, event: dict[str, Any]) -> None:
         host.agent_finished = True
