@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.collectives.conftest import run_hvdrun
+from tests.collectives.conftest import REPO, run_hvdrun
 
 WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
 
@@ -123,3 +123,25 @@ def test_a_finished_worker_ends_the_job_and_later_discovery_failures_do_not(
         "hvdrun: stopping the workers on localhost: they wait for a new generation, but "
         "another worker has finished the job" in output
     ), output
+
+
+def test_elastic_digits_example_with_its_discovery_script() -> None:
+    example = REPO / "examples" / "pytorch_elastic_digits.py"
+    code, output = run_hvdrun(
+        2,
+        example,
+        "--epochs",
+        "3",
+        options=[
+            "--min-np",
+            "1",
+            "--host-discovery-script",
+            str(REPO / "examples" / "elastic_discovery.sh"),
+        ],
+        env={"ELASTIC_HOSTS": str(REPO / "no-such-hosts-file")},  # the script's default
+        timeout=120,
+    )
+    assert code == 0, output
+    assert "hvdrun: generation 1: 2 worker(s) on 1 host(s): localhost" in output, output
+    accuracy = float(output.split("final test accuracy: ")[1].split()[0])
+    assert accuracy > 0.9, output
