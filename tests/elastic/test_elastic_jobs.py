@@ -112,13 +112,14 @@ def at_size(size: int, generation: int) -> Callable[[str], bool]:
     return matches
 
 
-def kill_host(cluster: Cluster, host: ClusterHost) -> None:
-    """Kills every process of the host (its agent, workers and SSH session) at once; only
-    the listening sshd stays, so that later tests can use the host again."""
+def kill_host(cluster: Cluster, host: ClusterHost, *, sshd: bool = False) -> None:
+    """SIGKILLs every process of the host at once: its agent, workers and SSH session, and
+    with ``sshd`` its listening sshd too (restart it with ``cluster.start_sshd``); without,
+    the host can come back later."""
     victims = []
     for proc in cluster.processes_on(host):
         with contextlib.suppress(psutil.Error):
-            if "sshd" in proc.name() and "-D -f" in " ".join(proc.cmdline()):
+            if not sshd and "sshd" in proc.name() and "-D -f" in " ".join(proc.cmdline()):
                 continue
             victims.append(proc)
     for proc in victims:
@@ -173,8 +174,12 @@ def test_killed_host_training_finishes_on_the_rest(
     discovery = hosts_file(tmp_path, node1, node2, node3)
     steps = 50
     job = Job(elastic_cluster, "-np", "3", "--min-np", "2", *elastic_args(discovery, steps))
-    job.when(after_step(10), lambda: kill_host(elastic_cluster, node3))
-    code, output = job.wait()
+    job.when(after_step(10), lambda: kill_host(elastic_cluster, node3, sshd=True))
+    try:
+        code, output = job.wait()
+    finally:
+        elastic_cluster.stop_sshd(node3)
+        elastic_cluster.start_sshd(node3)
     assert code == 0, output
     assert f"host {node3.alias} failed" in output, output
     check_finished_exactly(output, steps, size=2)
