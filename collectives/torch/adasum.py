@@ -10,6 +10,11 @@ Every rank gathers all ranks' tensors and evaluates the same tree in the same or
 ranks get bit-identical results. That costs ``size`` times the tensor's memory, which suits
 the moderate rank counts this launcher targets; a recursive-halving variant is the known
 next step for very large jobs.
+
+``DistributedOptimizer(op=hvd.Adasum)`` is Horovod's Adasum optimizer
+(:class:`DistributedAdasumOptimizer`): as soon as a parameter's gradient is ready, the
+wrapped optimizer steps that parameter on the local gradient, and the *change* of the
+parameter is what is combined with Adasum; ``step()`` applies the combined changes.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ from typing import Any
 
 import torch
 
-from collectives.torch.common import ProcessSet
+from collectives.torch import ops
+from collectives.torch.common import ProcessSet, ReduceOp
+from collectives.torch.gradient_buckets import Bucket
 from collectives.torch.handles import Handle
+from collectives.torch.optimizer import _DistributedOptimizer
 from collectives.torch.requests import Kind, Request
 
 
@@ -63,8 +71,6 @@ def submit_allreduce(
 ) -> Handle:
     """An allreduce with op=Adasum: one allgather of the flattened tensors, then the tree
     above on every rank; ``outputs`` None means new output tensors, as for other ops."""
-    from collectives.torch import ops  # ops hands Adasum requests to this function
-
     inputs = [ops.check_tensor(t, "allreduce") for t in tensors]
     for tensor in inputs:
         if not tensor.is_floating_point():
@@ -93,3 +99,66 @@ def submit_allreduce(
 
     rows = [t.reshape(1, t.numel()) for t in inputs]
     return ops.submit_allgather(rows, process_set, f"adasum.{name}", combine)
+
+
+class DistributedAdasumOptimizer(_DistributedOptimizer):
+    """Horovod's Adasum optimizer: each rank steps on its own gradient, and the changes of
+    the parameters are combined with Adasum."""
+
+    _hvd_starts: dict[torch.Tensor, torch.Tensor]
+
+    def _hvd_plan(self, groups: Any) -> list[Bucket]:
+        # One parameter per bucket: each is stepped as soon as its gradient is ready.
+        return [Bucket([param], self._hvd_names[param]) for param in self._hvd_params]
+
+    def _hvd_start(self, bucket: Bucket) -> None:
+        (param,) = bucket.params
+        start = self._hvd_starts.get(param)
+        if start is None:
+            start = self._hvd_starts[param] = torch.empty_like(param)
+        with torch.no_grad():
+            start.copy_(param)
+            self._hvd_step_one(param)
+            delta = param.data
+            delta.sub_(start)
+        tensor, ctx = self._hvd_compression.compress(delta)
+        bucket.sent = [(param, tensor, ctx)]
+        bucket.handle = ops.submit_allreduce(
+            [tensor],
+            [tensor],
+            ReduceOp.ADASUM,
+            1.0,
+            1.0,
+            self._hvd_process_set,
+            bucket.name,
+            ops.first_output,
+        )
+
+    def _hvd_step_one(self, param: torch.Tensor) -> None:
+        """The wrapped optimizer's step for one parameter (its own state and group)."""
+        stashed = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [param] if any(p is param for p in group["params"]) else []
+            base: Any = super(_DistributedOptimizer, self)
+            base.step()
+        finally:
+            for group, params in zip(self.param_groups, stashed, strict=True):
+                group["params"] = params
+
+    def _hvd_finish(self, bucket: Bucket) -> None:
+        assert bucket.handle is not None
+        bucket.handle.wait()
+        ((param, tensor, ctx),) = bucket.sent
+        start = self._hvd_starts[param]
+        with torch.no_grad():
+            start.add_(self._hvd_compression.decompress(tensor, ctx))
+            param.copy_(start)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Applies the Adasum-combined parameter changes (each rank already stepped)."""
+        loss = closure() if closure is not None else None
+        self._hvd_sync_for_step()
+        return loss
+
+    step.hooked = True  # type: ignore[attr-defined]

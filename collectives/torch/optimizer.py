@@ -38,87 +38,18 @@ import torch
 from collectives.torch import ops, runtime
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
 from collectives.torch.compression import Compression, Compressor
-from collectives.torch.handles import Handle
+from collectives.torch.gradient_buckets import (
+    NOTHING,
+    Bucket,
+    check_groups,
+    parameter_names,
+    plan_buckets,
+    sparse_allreduce,
+)
 
 __all__ = ["DistributedOptimizer"]
 
 logger = logging.getLogger(__name__)
-
-#: Gradients are reduced in buckets of consecutive parameters (in backward order) of at
-#: most this many bytes; a bucket's allreduce starts once all its gradients are ready. The
-#: first bucket is smaller so that communication starts early in the backward pass.
-BUCKET_BYTES = 25 * 1024 * 1024
-FIRST_BUCKET_BYTES = 1024 * 1024
-
-
-class _Bucket:
-    """Parameters whose gradients travel as one grouped allreduce (one negotiation)."""
-
-    __slots__ = ("handle", "name", "params", "sent", "waiting")
-
-    def __init__(self, params: list[torch.Tensor], name: str) -> None:
-        self.params = params
-        self.name = name
-        self.waiting = -1  # gradients still to come this step; -1: not counted yet
-        self.handle: Handle | None = None
-        # (parameter, tensor that travels, compression context) of the running allreduce.
-        self.sent: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
-
-
-def _plan_buckets(
-    params: list[torch.Tensor], names: dict[torch.Tensor, str], groups: Any
-) -> list[_Bucket]:
-    """Horovod's ``groups`` (a count, or lists of parameters) or, by default, size-capped
-    buckets of parameters in reverse order, which is about the order backward makes them."""
-    if isinstance(groups, int) and groups > 0:
-        count = min(groups, len(params)) or 1
-        chunks = [
-            params[len(params) * i // count : len(params) * (i + 1) // count] for i in range(count)
-        ]
-    elif isinstance(groups, list):
-        # The listed groups, then every other parameter on its own, as in Horovod.
-        grouped = {p for group in groups for p in group}
-        chunks = [list(group) for group in groups]
-        chunks += [[p] for p in params if p not in grouped]
-    else:
-        chunks = []
-        current: list[torch.Tensor] = []
-        size, cap = 0, FIRST_BUCKET_BYTES
-        for param in reversed(params):
-            nbytes = param.numel() * param.element_size()
-            kind = (param.dtype, param.device)
-            if current and (size + nbytes > cap or (current[0].dtype, current[0].device) != kind):
-                chunks.append(current)
-                current, size, cap = [], 0, BUCKET_BYTES
-            current.append(param)
-            size += nbytes
-        if current:
-            chunks.append(current)
-    return [
-        _Bucket(
-            chunk, names[chunk[0]] if len(chunk) == 1 else f"{names[chunk[0]]}+{len(chunk) - 1}"
-        )
-        for chunk in chunks
-        if chunk
-    ]
-
-
-def _sparse_allreduce(
-    grad: torch.Tensor, op: ReduceOp, process_set: ProcessSet, name: str
-) -> torch.Tensor:
-    """Reduces a sparse gradient by gathering every rank's indices and values."""
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise NotImplementedError(
-            f"sparse gradients support op=Average or Sum, not {op.name}; use sparse_as_dense=True"
-        )
-    grad = grad.coalesce()
-    # allgather concatenates along dim 0, so the (ndim, nnz) indices travel transposed.
-    indices, _ = ops.allgather(grad.indices().t().contiguous(), process_set, f"{name}.indices")
-    values, _ = ops.allgather(grad.values().contiguous(), process_set, f"{name}.values")
-    if op == ReduceOp.AVERAGE:
-        values = values / process_set.size()
-    result = torch.sparse_coo_tensor(indices.t(), values, grad.size(), check_invariants=False)
-    return result.coalesce()
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -126,8 +57,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     _hvd_params: list[torch.Tensor]
     _hvd_names: dict[torch.Tensor, str]
-    _hvd_buckets: list[_Bucket]
-    _hvd_bucket_of: dict[torch.Tensor, _Bucket]
+    _hvd_buckets: list[Bucket]
+    _hvd_bucket_of: dict[torch.Tensor, Bucket]
     _hvd_compression: type[Compressor] | Compressor
     _hvd_op: ReduceOp
     _hvd_prescale: float
@@ -161,7 +92,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     seen.add(param)
                     all_params.append(param)
         self._hvd_params = all_params
-        self._hvd_names = _parameter_names(named_parameters, self.param_groups, all_params)
+        self._hvd_names = parameter_names(named_parameters, self.param_groups, all_params)
         self._hvd_compression = compression
         self._hvd_op = op
         if op == ReduceOp.AVERAGE:
@@ -185,8 +116,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if process_set.included():
             self._hvd_attach_hooks()
 
-    def _hvd_plan(self, groups: Any) -> list[_Bucket]:
-        return _plan_buckets(self._hvd_params, self._hvd_names, groups)
+    def _hvd_plan(self, groups: Any) -> list[Bucket]:
+        return plan_buckets(self._hvd_params, self._hvd_names, groups)
 
     # ---- hooks and submission ----------------------------------------------------------
 
@@ -227,7 +158,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if bucket.waiting == 0:
             self._hvd_start(bucket)
 
-    def _hvd_start(self, bucket: _Bucket) -> None:
+    def _hvd_start(self, bucket: Bucket) -> None:
         """Starts the bucket's allreduce, in place (zeros for a missing gradient: another
         rank may have one, and every rank must hand the same tensors to the collective)."""
         sent = bucket.sent
@@ -245,7 +176,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             tensor, ctx = self._hvd_compression.compress(grad)
             sent.append((param, tensor, ctx))
         if not sent:
-            bucket.handle = _NOTHING
+            bucket.handle = NOTHING
             return
         tensors = [tensor for _, tensor, _ in sent]
         bucket.handle = ops.submit_allreduce(
@@ -259,7 +190,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ops.outputs_of,
         )
 
-    def _hvd_finish(self, bucket: _Bucket) -> None:
+    def _hvd_finish(self, bucket: Bucket) -> None:
         """Waits for the bucket's allreduce and puts the results in place."""
         assert bucket.handle is not None
         bucket.handle.wait()
@@ -296,11 +227,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if bucket.handle is None and any(p.requires_grad for p in bucket.params):
                     self._hvd_start(bucket)
             for bucket in self._hvd_buckets:
-                if bucket.handle is not None and bucket.handle is not _NOTHING:
+                if bucket.handle is not None and bucket.handle is not NOTHING:
                     self._hvd_finish(bucket)
             for param in self._hvd_sparse:
                 assert param.grad is not None
-                param.grad = _sparse_allreduce(
+                param.grad = sparse_allreduce(
                     param.grad, self._hvd_op, self._hvd_process_set, self._hvd_names[param]
                 )
         finally:
@@ -385,123 +316,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
 
 
-# Stands for the handle of a bucket that had nothing to send (all its gradients sparse).
-_NOTHING = Handle()
-_NOTHING.complete()
-
-
-def _parameter_names(
-    named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
-    param_groups: list[dict[str, Any]],
-    all_params: list[torch.Tensor],
-) -> dict[torch.Tensor, str]:
-    """Each parameter's name, checked as Horovod does (no duplicates, none missing)."""
-    if named_parameters is not None:
-        named = list(named_parameters)
-        if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-            raise ValueError(
-                "named_parameters must be a sequence of (name, parameter) tuples, "
-                "as model.named_parameters() yields"
-            )
-    else:
-        named = [
-            (f"noname.{i}.{j}", param)
-            for i, group in enumerate(param_groups)
-            for j, param in enumerate(group["params"])
-        ]
-    names = [name for name, _ in named]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise ValueError(
-            f"parameter names in named_parameters must be unique; repeated: {duplicates}"
-        )
-    by_param: dict[torch.Tensor, str] = {}
-    for name, param in named:
-        if not isinstance(name, str) or not isinstance(param, torch.Tensor):
-            raise ValueError(
-                f"named_parameters must hold (str, tensor) pairs, got "
-                f"({type(name).__name__}, {type(param).__name__})"
-            )
-        if param in by_param:
-            raise ValueError(
-                f"parameter {name!r} appears in named_parameters twice (also as "
-                f"{by_param[param]!r})"
-            )
-        by_param[param] = name
-    unnamed = [param for param in all_params if param not in by_param]
-    if unnamed:
-        shapes = ", ".join(str(tuple(p.shape)) for p in unnamed[:5])
-        raise ValueError(
-            f"named_parameters was given but {len(unnamed)} of the optimizer's parameters "
-            f"are not in it (shapes {shapes}); pass model.named_parameters() of the "
-            "model whose parameters the optimizer holds"
-        )
-    return {param: by_param[param] for param in all_params}
-
-
-class _DistributedAdasumOptimizer(_DistributedOptimizer):
-    """Horovod's Adasum optimizer: each rank steps on its own gradient, and the changes of
-    the parameters are combined with Adasum."""
-
-    _hvd_starts: dict[torch.Tensor, torch.Tensor]
-
-    def _hvd_plan(self, groups: Any) -> list[_Bucket]:
-        # One parameter per bucket: each is stepped as soon as its gradient is ready.
-        return [_Bucket([param], self._hvd_names[param]) for param in self._hvd_params]
-
-    def _hvd_start(self, bucket: _Bucket) -> None:
-        (param,) = bucket.params
-        start = self._hvd_starts.get(param)
-        if start is None:
-            start = self._hvd_starts[param] = torch.empty_like(param)
-        with torch.no_grad():
-            start.copy_(param)
-            self._hvd_step_one(param)
-            delta = param.data
-            delta.sub_(start)
-        tensor, ctx = self._hvd_compression.compress(delta)
-        bucket.sent = [(param, tensor, ctx)]
-        bucket.handle = ops.submit_allreduce(
-            [tensor],
-            [tensor],
-            ReduceOp.ADASUM,
-            1.0,
-            1.0,
-            self._hvd_process_set,
-            bucket.name,
-            ops.first_output,
-        )
-
-    def _hvd_step_one(self, param: torch.Tensor) -> None:
-        """The wrapped optimizer's step for one parameter (its own state and group)."""
-        stashed = [group["params"] for group in self.param_groups]
-        try:
-            for group in self.param_groups:
-                group["params"] = [param] if any(p is param for p in group["params"]) else []
-            base: Any = super(_DistributedOptimizer, self)
-            base.step()
-        finally:
-            for group, params in zip(self.param_groups, stashed, strict=True):
-                group["params"] = params
-
-    def _hvd_finish(self, bucket: _Bucket) -> None:
-        assert bucket.handle is not None
-        bucket.handle.wait()
-        ((param, tensor, ctx),) = bucket.sent
-        start = self._hvd_starts[param]
-        with torch.no_grad():
-            start.add_(self._hvd_compression.decompress(tensor, ctx))
-            param.copy_(start)
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Applies the Adasum-combined parameter changes (each rank already stepped)."""
-        loss = closure() if closure is not None else None
-        self._hvd_sync_for_step()
-        return loss
-
-    step.hooked = True  # type: ignore[attr-defined]
-
-
 _classes: dict[tuple[type, type], type] = {}
 
 
@@ -551,9 +365,13 @@ def DistributedOptimizer(
         )
         if groups is None:
             groups = num_groups
-    _check_groups(groups, optimizer)
+    check_groups(groups, optimizer)
 
-    mixin = _DistributedAdasumOptimizer if resolved == ReduceOp.ADASUM else _DistributedOptimizer
+    mixin: type = _DistributedOptimizer
+    if resolved == ReduceOp.ADASUM:
+        from collectives.torch.adasum import DistributedAdasumOptimizer
+
+        mixin = DistributedAdasumOptimizer
     cls: Any = _wrapper_class(mixin, type(optimizer))
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
@@ -573,24 +391,3 @@ def DistributedOptimizer(
         process_set,
     )
     return wrapped
-
-
-def _check_groups(groups: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Validates ``groups`` as Horovod does."""
-    if groups is None:
-        return
-    if isinstance(groups, int):
-        if groups < 0:
-            raise ValueError(f"groups must be a non-negative integer, got {groups}")
-        return
-    if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
-        raise ValueError("groups must be an integer or a list of lists of parameters")
-    known = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    listed: set[int] = set()
-    for group in groups:
-        for param in group:
-            if id(param) not in known:
-                raise ValueError("groups contains a tensor that is not one of the optimizer's")
-            if id(param) in listed:
-                raise ValueError("groups lists a parameter more than once")
-            listed.add(id(param))

@@ -1,0 +1,179 @@
+"""Which gradients ``DistributedOptimizer`` reduces together, and the names they travel by.
+
+Every rank plans the same buckets from the optimizer's parameters: Horovod's ``groups`` when
+given, otherwise consecutive parameters in reverse order (about the order backward produces
+their gradients), the first bucket small so that communication starts early in the backward
+pass. A bucket is one grouped allreduce, so one negotiation, however many tensors it holds.
+Parameter names (from ``named_parameters``) name the buckets, so ranks agree on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from collectives.torch import ops
+from collectives.torch.common import ProcessSet, ReduceOp
+from collectives.torch.handles import Handle
+
+__all__ = [
+    "BUCKET_BYTES",
+    "FIRST_BUCKET_BYTES",
+    "NOTHING",
+    "Bucket",
+    "check_groups",
+    "parameter_names",
+    "plan_buckets",
+    "sparse_allreduce",
+]
+
+#: Gradients are reduced in buckets of consecutive parameters (in backward order) of at
+#: most this many bytes; a bucket's allreduce starts once all its gradients are ready. The
+#: first bucket is smaller so that communication starts early in the backward pass.
+BUCKET_BYTES = 25 * 1024 * 1024
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+class Bucket:
+    """Parameters whose gradients travel as one grouped allreduce (one negotiation)."""
+
+    __slots__ = ("handle", "name", "params", "sent", "waiting")
+
+    def __init__(self, params: list[torch.Tensor], name: str) -> None:
+        self.params = params
+        self.name = name
+        self.waiting = -1  # gradients still to come this step; -1: not counted yet
+        self.handle: Handle | None = None
+        # (parameter, tensor that travels, compression context) of the running allreduce.
+        self.sent: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+
+
+def plan_buckets(
+    params: list[torch.Tensor], names: dict[torch.Tensor, str], groups: Any
+) -> list[Bucket]:
+    """Horovod's ``groups`` (a count, or lists of parameters) or, by default, size-capped
+    buckets of parameters in reverse order, which is about the order backward makes them."""
+    if isinstance(groups, int) and groups > 0:
+        count = min(groups, len(params)) or 1
+        chunks = [
+            params[len(params) * i // count : len(params) * (i + 1) // count] for i in range(count)
+        ]
+    elif isinstance(groups, list):
+        # The listed groups, then every other parameter on its own, as in Horovod.
+        grouped = {p for group in groups for p in group}
+        chunks = [list(group) for group in groups]
+        chunks += [[p] for p in params if p not in grouped]
+    else:
+        chunks = []
+        current: list[torch.Tensor] = []
+        size, cap = 0, FIRST_BUCKET_BYTES
+        for param in reversed(params):
+            nbytes = param.numel() * param.element_size()
+            kind = (param.dtype, param.device)
+            if current and (size + nbytes > cap or (current[0].dtype, current[0].device) != kind):
+                chunks.append(current)
+                current, size, cap = [], 0, BUCKET_BYTES
+            current.append(param)
+            size += nbytes
+        if current:
+            chunks.append(current)
+    return [
+        Bucket(chunk, names[chunk[0]] if len(chunk) == 1 else f"{names[chunk[0]]}+{len(chunk) - 1}")
+        for chunk in chunks
+        if chunk
+    ]
+
+
+def sparse_allreduce(
+    grad: torch.Tensor, op: ReduceOp, process_set: ProcessSet, name: str
+) -> torch.Tensor:
+    """Reduces a sparse gradient by gathering every rank's indices and values."""
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise NotImplementedError(
+            f"sparse gradients support op=Average or Sum, not {op.name}; use sparse_as_dense=True"
+        )
+    grad = grad.coalesce()
+    # allgather concatenates along dim 0, so the (ndim, nnz) indices travel transposed.
+    indices, _ = ops.allgather(grad.indices().t().contiguous(), process_set, f"{name}.indices")
+    values, _ = ops.allgather(grad.values().contiguous(), process_set, f"{name}.values")
+    if op == ReduceOp.AVERAGE:
+        values = values / process_set.size()
+    result = torch.sparse_coo_tensor(indices.t(), values, grad.size(), check_invariants=False)
+    return result.coalesce()
+
+
+# Stands for the handle of a bucket that had nothing to send (all its gradients sparse).
+NOTHING = Handle()
+NOTHING.complete()
+
+
+def parameter_names(
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+    param_groups: list[dict[str, Any]],
+    all_params: list[torch.Tensor],
+) -> dict[torch.Tensor, str]:
+    """Each parameter's name, checked as Horovod does (no duplicates, none missing)."""
+    if named_parameters is not None:
+        named = list(named_parameters)
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+            raise ValueError(
+                "named_parameters must be a sequence of (name, parameter) tuples, "
+                "as model.named_parameters() yields"
+            )
+    else:
+        named = [
+            (f"noname.{i}.{j}", param)
+            for i, group in enumerate(param_groups)
+            for j, param in enumerate(group["params"])
+        ]
+    names = [name for name, _ in named]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(
+            f"parameter names in named_parameters must be unique; repeated: {duplicates}"
+        )
+    by_param: dict[torch.Tensor, str] = {}
+    for name, param in named:
+        if not isinstance(name, str) or not isinstance(param, torch.Tensor):
+            raise ValueError(
+                f"named_parameters must hold (str, tensor) pairs, got "
+                f"({type(name).__name__}, {type(param).__name__})"
+            )
+        if param in by_param:
+            raise ValueError(
+                f"parameter {name!r} appears in named_parameters twice (also as "
+                f"{by_param[param]!r})"
+            )
+        by_param[param] = name
+    unnamed = [param for param in all_params if param not in by_param]
+    if unnamed:
+        shapes = ", ".join(str(tuple(p.shape)) for p in unnamed[:5])
+        raise ValueError(
+            f"named_parameters was given but {len(unnamed)} of the optimizer's parameters "
+            f"are not in it (shapes {shapes}); pass model.named_parameters() of the "
+            "model whose parameters the optimizer holds"
+        )
+    return {param: by_param[param] for param in all_params}
+
+
+def check_groups(groups: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Validates ``groups`` as Horovod does."""
+    if groups is None:
+        return
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError(f"groups must be a non-negative integer, got {groups}")
+        return
+    if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+        raise ValueError("groups must be an integer or a list of lists of parameters")
+    known = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    listed: set[int] = set()
+    for group in groups:
+        for param in group:
+            if id(param) not in known:
+                raise ValueError("groups contains a tensor that is not one of the optimizer's")
+            if id(param) in listed:
+                raise ValueError("groups lists a parameter more than once")
+            listed.add(id(param))
