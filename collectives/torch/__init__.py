@@ -3,8 +3,9 @@
 This module is the whole public surface; the implementation lives in submodules:
 ``runtime`` (init/shutdown, rank queries, timeline control), ``mpi_ops`` (the tensor
 collectives and their autograd), ``process_sets``, ``functions`` (parameters, optimizer state
-and objects), ``optimizer`` (``DistributedOptimizer``), ``compression``, ``adasum`` (the
-Adasum reduction) and ``sync_batch_norm`` (``SyncBatchNorm``). Underneath,
+and objects), ``optimizer`` (``DistributedOptimizer``, with ``gradient_buckets``),
+``compression``, ``adasum`` (the Adasum reduction and optimizer) and ``sync_batch_norm``
+(``SyncBatchNorm``). Underneath,
 ``ops`` checks arguments and builds requests for the background ``engine``, which negotiates
 them (``negotiation``), fuses them (``fusion``), runs them (``execute``) and records the
 ``timeline``.
