@@ -29,9 +29,9 @@ __all__ = [
     "sparse_allreduce",
 ]
 
-#: Gradients are reduced in buckets of consecutive parameters (in backward order) of at
-#: most this many bytes; a bucket's allreduce starts once all its gradients are ready. The
-#: first bucket is smaller so that communication starts early in the backward pass.
+#: Gradients are reduced in buckets of consecutive parameters (in backward order), each
+#: closed once it holds this many bytes; a bucket's allreduce starts once all its gradients
+#: are ready. The first bucket is smaller so that communication starts early in backward.
 BUCKET_BYTES = 25 * 1024 * 1024
 FIRST_BUCKET_BYTES = 1024 * 1024
 
@@ -70,13 +70,16 @@ def plan_buckets(
         current: list[torch.Tensor] = []
         size, cap = 0, FIRST_BUCKET_BYTES
         for param in reversed(params):
-            nbytes = param.numel() * param.element_size()
-            kind = (param.dtype, param.device)
-            if current and (size + nbytes > cap or (current[0].dtype, current[0].device) != kind):
+            if current and (current[0].dtype, current[0].device) != (param.dtype, param.device):
+                chunks.append(current)
+                current, size = [], 0
+            current.append(param)
+            size += param.numel() * param.element_size()
+            # Closed once it reaches the cap (as DDP does), so the first bucket holds at
+            # least the last layer's weight however large that is.
+            if size >= cap:
                 chunks.append(current)
                 current, size, cap = [], 0, BUCKET_BYTES
-            current.append(param)
-            size += nbytes
         if current:
             chunks.append(current)
     return [

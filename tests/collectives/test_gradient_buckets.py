@@ -1,0 +1,42 @@
+"""How DistributedOptimizer groups gradients into buckets (no processes needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from collectives.torch.gradient_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, plan_buckets
+
+
+def _named(*sizes: int, dtype: torch.dtype = torch.float32) -> dict[torch.Tensor, str]:
+    return {torch.zeros(size, dtype=dtype): f"p{i}" for i, size in enumerate(sizes)}
+
+
+def _plan(names: dict[torch.Tensor, str], groups: object = None) -> list[list[str]]:
+    return [
+        [names[p] for p in bucket.params] for bucket in plan_buckets(list(names), names, groups)
+    ]
+
+
+def test_default_buckets_follow_backward_order_and_close_at_the_cap() -> None:
+    floats = FIRST_BUCKET_BYTES // 4
+    names = _named(10, floats, 3, BUCKET_BYTES // 4, 5, 7)
+    # Reverse order; the first bucket closes once it reaches 1 MB, the next at 25 MB.
+    assert _plan(names) == [["p5", "p4", "p3"], ["p2", "p1", "p0"]]
+    buckets = plan_buckets(list(names), names, None)
+    assert [b.name for b in buckets] == ["p5+2", "p2+2"]
+    small = _named(4, 4, 4)
+    assert _plan(small) == [["p2", "p1", "p0"]]
+
+
+def test_a_new_dtype_starts_a_new_bucket() -> None:
+    names = {**_named(4), torch.zeros(4, dtype=torch.float64): "d", torch.zeros(2): "f"}
+    assert _plan(names) == [["f"], ["d"], ["p0"]]
+
+
+def test_horovod_groups() -> None:
+    names = _named(1, 2, 3, 4, 5)
+    params = list(names)
+    assert _plan(names, 2) == [["p0", "p1"], ["p2", "p3", "p4"]]
+    assert _plan(names, 9) == [[n] for n in ("p0", "p1", "p2", "p3", "p4")]
+    assert _plan(names, [[params[3], params[0]]]) == [["p3", "p0"], ["p1"], ["p2"], ["p4"]]
+    assert plan_buckets(params, names, [[params[1]]])[0].name == "p1"
