@@ -7,7 +7,7 @@ Each round takes the third host away at a random moment of a step, measures from
 the first step the two survivors commit together in the new generation, and lets the host
 come back (a 1-2 s blacklist cooldown) before the next round:
 
-* killed host: every process of the host (agent, workers, SSH session) gets SIGKILL;
+* killed host: every process of the host (agent, workers, sshd) gets SIGKILL;
 * cut link: the host's cable is pulled (no RST); detection is bounded by the elastic
   failure timeout (5 s: the workers' Gloo timeout and the agents' heartbeat timeout).
 
@@ -82,10 +82,10 @@ class Commits:
 
 
 def kill_host(cluster: Cluster, host: ClusterHost) -> None:
-    for proc in cluster.processes_on(host):
+    """SIGKILLs every process of the host at once, its sshd included."""
+    victims = cluster.processes_on(host)
+    for proc in victims:
         with contextlib.suppress(psutil.Error):
-            if "sshd" in proc.name() and "-D -f" in " ".join(proc.cmdline()):
-                continue  # the listening daemon: the host can come back
             proc.send_signal(signal.SIGKILL)
 
 
@@ -127,6 +127,9 @@ def measure_elastic(
             finally:
                 if what == "cut link":
                     cluster.set_link(node3, up=True)
+                else:  # the host reboots: it may come back after its cooldown
+                    cluster.stop_sshd(node3)
+                    cluster.start_sshd(node3)
             results[what].append(stamp - lost)
     finally:
         proc.send_signal(signal.SIGTERM)
