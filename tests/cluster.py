@@ -16,7 +16,8 @@ hvdrun runs through :meth:`Cluster.hvdrun_argv`, in a mount namespace whose reso
 names only 127.0.0.1: names that are not in /etc/hosts fail to resolve at once, and no DNS
 query leaves the machine.
 
-Names embed the pid of the test process (``hvdt<pid>...``), so two runs never collide;
+Names embed the pid of the test process and a per-process cluster number
+(``hvdt<pid>c<n>...``), so two runs, or two clusters of one run, never collide;
 leftovers of runs whose process is gone (a killed pytest) are removed at start. Teardown
 kills every process in the namespaces and deletes them, the veths and the bridge, whatever
 the tests did. Without root, ``ip``, ``unshare`` or ``sshd`` the tests skip and say why.
@@ -25,6 +26,7 @@ the tests did. Without root, ``ip``, ``unshare`` or ``sshd`` the tests skip and 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -45,6 +47,7 @@ PREFIX = "hvdt"
 SSH_PORTS = (22, 2222)
 SUBNET_BASE = "10.213"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+_CLUSTER_NUMBERS = itertools.count()
 
 
 def unavailable_reason() -> str | None:
@@ -337,9 +340,11 @@ def start_cluster(hosts: int, sshd_hosts: int) -> Cluster:
     """K hosts; the first ``sshd_hosts`` run sshd, the others are up but refuse SSH."""
     remove_stale()
     pid = os.getpid()
+    # At most 15 characters per interface name: hvdt + pid (<= 7 digits) + c<n> + v<i>.
+    tag = f"{pid}c{next(_CLUSTER_NUMBERS) % 10}"
     root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{pid}-"))
     os.chmod(root, 0o755)
-    cluster = Cluster(root=root, subnet=_free_subnet(), bridge=f"{PREFIX}{pid}br")
+    cluster = Cluster(root=root, subnet=_free_subnet(), bridge=f"{PREFIX}{tag}br")
     try:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation
         cluster.local_only.mkdir()
@@ -355,8 +360,8 @@ def start_cluster(hosts: int, sshd_hosts: int) -> Cluster:
                 alias=f"hvd-node{index}",
                 uts_hostname=f"{PREFIX}-node{index}-{pid}.invalid",
                 address=f"{cluster.subnet}.{10 + index}",
-                netns=f"{PREFIX}{pid}n{index}",
-                veth=f"{PREFIX}{pid}v{index}",
+                netns=f"{PREFIX}{tag}n{index}",
+                veth=f"{PREFIX}{tag}v{index}",
                 host_key=cluster.new_key(f"host{index}_key"),
                 sshd_config=root / f"sshd{index}.conf",
                 sshd_log=root / f"sshd{index}.log",
