@@ -97,7 +97,7 @@ def submit_allreduce(
         request.outputs = results
         return finish(request)
 
-    rows = [t.reshape(1, t.numel()) for t in inputs]
+    rows = [t.detach().reshape(1, t.numel()) for t in inputs]
     return ops.submit_allgather(rows, process_set, f"adasum.{name}", combine)
 
 

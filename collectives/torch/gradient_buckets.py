@@ -9,6 +9,7 @@ Parameter names (from ``named_parameters``) name the buckets, so ranks agree on 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from typing import Any
 
@@ -131,8 +132,8 @@ def parameter_names(
             for i, group in enumerate(param_groups)
             for j, param in enumerate(group["params"])
         ]
-    names = [name for name, _ in named]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    counts = collections.Counter(name for name, _ in named)
+    duplicates = sorted(name for name, count in counts.items() if count > 1)
     if duplicates:
         raise ValueError(
             f"parameter names in named_parameters must be unique; repeated: {duplicates}"
