@@ -13,6 +13,7 @@ them (``negotiation``), fuses them (``fusion``), runs them (``execute``) and rec
 
 from __future__ import annotations
 
+from collectives.torch import elastic
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
 from collectives.torch.compression import Compression
 from collectives.torch.errors import (
@@ -126,6 +127,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
