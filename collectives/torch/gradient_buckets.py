@@ -40,7 +40,7 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 class Bucket:
     """Parameters whose gradients travel as one grouped allreduce (one negotiation)."""
 
-    __slots__ = ("handle", "name", "params", "sent", "waiting")
+    __slots__ = ("flat", "handle", "name", "params", "sent", "views", "waiting")
 
     def __init__(self, params: list[torch.Tensor], name: str) -> None:
         self.params = params
@@ -49,6 +49,31 @@ class Bucket:
         self.handle: Handle | None = None
         # (parameter, tensor that travels, compression context) of the running allreduce.
         self.sent: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+        # The bucket's gradients as views of one flat tensor (see flat_views()).
+        self.flat: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+
+    def flat_views(self) -> list[torch.Tensor] | None:
+        """One view per parameter into a flat tensor the bucket keeps, shaped like the
+        parameter; None when the parameters differ in dtype or device (no flat tensor)."""
+        first = self.params[0]
+        flat = self.flat
+        if (
+            flat is not None
+            and flat.dtype == first.dtype
+            and flat.device == first.device
+            and all(v.shape == p.shape for v, p in zip(self.views, self.params, strict=True))
+        ):
+            return self.views
+        if any((p.dtype, p.device) != (first.dtype, first.device) for p in self.params):
+            return None
+        counts = [p.numel() for p in self.params]
+        flat = torch.zeros(sum(counts), dtype=first.dtype, device=first.device)
+        self.views = [
+            view.view(p.shape) for view, p in zip(flat.split(counts), self.params, strict=True)
+        ]
+        self.flat = flat
+        return self.views
 
 
 def plan_buckets(

@@ -161,6 +161,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hvd_start(self, bucket: Bucket) -> None:
         """Starts the bucket's allreduce, in place (zeros for a missing gradient: another
         rank may have one, and every rank must hand the same tensors to the collective)."""
+        if self._hvd_start_flat(bucket):
+            return
         sent = bucket.sent
         for param in bucket.params:
             if not param.requires_grad:
@@ -189,6 +191,58 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket.name,
             ops.outputs_of,
         )
+
+    def _hvd_start_flat(self, bucket: Bucket) -> bool:
+        """The fast path for dense floating gradients without compression (DDP's
+        ``gradient_as_bucket_view``): the gradients move into views of the bucket's flat
+        tensor, scaled for Average on the way (one pass), ``param.grad`` becomes that view,
+        and one in-place Sum allreduce of the flat tensor needs no fusion copies at all.
+        False when the bucket does not qualify (the same on every rank)."""
+        if (
+            self._hvd_compression is not Compression.none
+            or self._hvd_op not in (ReduceOp.AVERAGE, ReduceOp.SUM)
+            or not self._hvd_params_flat_ok(bucket)
+        ):
+            return False
+        views = bucket.flat_views()
+        if views is None:
+            return False
+        flat = bucket.flat
+        assert flat is not None
+        factor = 1.0 / self._hvd_process_set.size() if self._hvd_op == ReduceOp.AVERAGE else 1.0
+        for param, view in zip(bucket.params, views, strict=True):
+            grad = param.grad
+            if grad is view:  # accumulated in place (zero_grad(set_to_none=False))
+                if factor != 1.0:
+                    view.mul_(factor)
+            elif grad is None:
+                view.zero_()
+            elif factor != 1.0:
+                torch.mul(grad, factor, out=view)
+            else:
+                view.copy_(grad)
+            param.grad = view
+        bucket.handle = ops.submit_allreduce(
+            [flat],
+            [flat],
+            ReduceOp.SUM,
+            1.0,
+            1.0,
+            self._hvd_process_set,
+            bucket.name,
+            ops.outputs_of,
+        )
+        return True
+
+    @staticmethod
+    def _hvd_params_flat_ok(bucket: Bucket) -> bool:
+        for param in bucket.params:
+            if not param.requires_grad or not param.is_floating_point():
+                return False
+            grad = param.grad
+            if grad is not None and (grad.is_sparse or grad.dtype != param.dtype):
+                return False
+        return True
 
     def _hvd_finish(self, bucket: Bucket) -> None:
         """Waits for the bucket's allreduce and puts the results in place."""

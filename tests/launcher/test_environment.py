@@ -3,6 +3,7 @@
 import pytest
 
 from launcher.environment import (
+    MALLOC_DEFAULTS,
     EnvSpecError,
     forwarded_env,
     is_host_specific,
@@ -77,4 +78,12 @@ def test_worker_keeps_its_own_hosts_specific_values() -> None:
         "SSH_CONNECTION": "a b c d",
         "PATH": "/venv/bin",  # the caller's, not the login's
         "CUDA_VISIBLE_DEVICES": "0",  # forced with -x: the caller's wins
+        **MALLOC_DEFAULTS,
     }
+
+
+def test_malloc_defaults_yield_to_the_jobs_own_setting() -> None:
+    env = worker_base_env({}, {"MALLOC_TRIM_THRESHOLD_": "0"})
+    assert env["MALLOC_TRIM_THRESHOLD_"] == "0"
+    assert "MALLOC_MMAP_THRESHOLD_" not in env  # the job tunes malloc itself: both are its own
+    assert worker_base_env({}, {})["MALLOC_MMAP_THRESHOLD_"] == str(64 << 20)
