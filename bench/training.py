@@ -94,7 +94,7 @@ def run_ddp(steps: int) -> Result:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
     results: dict[str, list[Result]] = {"DistributedOptimizer": [], "DDP": []}
