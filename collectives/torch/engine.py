@@ -521,18 +521,12 @@ class Engine:
         """Runs the data ops (fused into buckets), then the control ops, of one round."""
         groups = self.groups
         tl = self.timeline
-        works = [
-            work
-            for work in works
-            if (len(work.specs) == 1 and work.specs[0].device_type in _MOVABLE)
-            or self._supported(work)
-        ]
+        works = [work for work in works if self._supported(work)]
         members = {set_id: group.ranks for set_id, group in groups.items()}
         buckets = plan(works, members, self.config.fusion_threshold)
         for work in works:
             if work.remaining == 0:
                 self._complete(work.request, None)
-        complete = self._complete
         for bucket in buckets:
             if tl is not None:
                 started = time.monotonic()
@@ -542,14 +536,8 @@ class Engine:
             for slot in bucket.slots:
                 work = slot.work
                 work.remaining -= 1
-                if work.remaining == 0:
-                    request = work.request
-                    if request is None:
-                        continue
-                    if tl is None and request.finish is not None:  # the common case, inlined
-                        request.handle.complete(request.finish(request), event)
-                    else:
-                        complete(request, event)
+                if work.remaining == 0 and work.request is not None:
+                    self._complete(work.request, event)
         for entry, control in controls:
             result = self._control(entry) if entry is not None else None
             self._complete(control, None, result)
@@ -565,7 +553,7 @@ class Engine:
     def _supported(self, work: Work) -> bool:
         """Only CPU (Gloo) and CUDA (NCCL) tensors can move; every rank decides alike."""
         for spec in work.specs:
-            if spec.device_type not in ("cpu", "cuda"):
+            if spec.device_type not in _MOVABLE:
                 if work.request is not None:
                     work.request.handle.fail(
                         ValueError(

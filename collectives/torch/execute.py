@@ -123,10 +123,8 @@ def split_rows(rows: int, size: int) -> list[int]:
 
 
 def _copy_in(slots: Sequence[Slot], buf: torch.Tensor) -> None:
-    """Packs the slots' inputs into ``buf``, back to back, in one torch call (cat reads any
-    strides; a 1-D input needs no view)."""
-    inputs = [slot.work.request.inputs[slot.index] for slot in slots]  # type: ignore[union-attr]
-    torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in inputs], out=buf)
+    """Packs the slots' inputs into ``buf``, back to back, in one torch call."""
+    torch.cat([_flat_in(slot) for slot in slots], out=buf)
 
 
 def _copy_out(slots: Sequence[Slot], buf: torch.Tensor, counts: list[int]) -> None:
@@ -135,23 +133,18 @@ def _copy_out(slots: Sequence[Slot], buf: torch.Tensor, counts: list[int]) -> No
     Out-of-place allreduces leave their outputs to this point (None until then): one
     ``split_with_sizes_copy`` allocates them all at once, far cheaper than one allocation
     per op at submission."""
-    outputs: list[torch.Tensor | None] = [
-        slot.work.request.outputs[slot.index]  # type: ignore[union-attr]
-        for slot in slots
-    ]
-    if all(out is None for out in outputs) and buf.dtype == slots[0].spec.dtype:
+    requests = [slot.request for slot in slots]
+    if buf.dtype == slots[0].spec.dtype and all(
+        request is not None and request.outputs[slot.index] is None
+        for request, slot in zip(requests, slots, strict=True)
+    ):
         # (torch's stubs only know the out= form, which returns nothing)
         pieces: list[torch.Tensor] = torch.split_with_sizes_copy(buf, counts)  # type: ignore[func-returns-value,assignment]
-        for slot, piece in zip(slots, pieces, strict=True):
-            request = slot.work.request
-            assert request is not None
+        for request, slot, piece in zip(requests, slots, pieces, strict=True):
             shape = slot.spec.shape
-            request.outputs[slot.index] = piece if len(shape) == 1 else piece.view(shape)
+            request.outputs[slot.index] = piece if len(shape) == 1 else piece.view(shape)  # type: ignore[union-attr]
         return
-    targets = [
-        out if out is not None else _new_output(slot)
-        for out, slot in zip(outputs, slots, strict=True)
-    ]
+    targets = [_output(slot) for slot in slots]
     if all(out.dim() == 1 for out in targets):
         torch.split_with_sizes_copy(buf, counts, out=targets)
     else:
@@ -244,14 +237,10 @@ class Executor:
         work_dtype = _UPCAST[device.type].get(dtype, dtype)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TORCH_OPS[op]
-        counts = [slot.work.specs[slot.index].numel for slot in slots]
+        counts = [slot.spec.numel for slot in slots]
         request = slots[0].request
         if len(slots) == 1 and request is not None and work_dtype == dtype:
-            inp = request.inputs[slots[0].index]
-            out = request.outputs[slots[0].index]
-            if out is None:
-                out = inp.clone(memory_format=torch.contiguous_format)
-                request.outputs[slots[0].index] = out
+            out, inp = _output(slots[0]), request.inputs[slots[0].index]
             if dense(out):
                 if out.data_ptr() != inp.data_ptr() or out.shape != inp.shape:
                     out.copy_(inp)
@@ -265,7 +254,7 @@ class Executor:
             return
         buf = self.buffer(device, work_dtype, total)
         start = time.monotonic()
-        real = [slot for slot in slots if slot.work.request is not None]
+        real = [slot for slot in slots if slot.request is not None]
         if len(real) == len(slots) and work_dtype == dtype:
             _copy_in(slots, buf)
             views = None
