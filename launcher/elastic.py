@@ -37,7 +37,6 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import signal
 import threading
 import time
 from typing import Any
@@ -46,7 +45,16 @@ from launcher.connection import AgentConnection
 from launcher.discovery import DiscoveryError, FixedHosts
 from launcher.hostinfo import installed_versions, source_address
 from launcher.hosts import HostSpec, is_local_host
-from launcher.job import AGENT_REPORT_SLACK, JobResult, JobSpec, WorkerFailure, _Signals, agent_spec
+from launcher.job import (
+    AGENT_REPORT_SLACK,
+    JobResult,
+    JobSpec,
+    WorkerFailure,
+    _Signals,
+    agent_loss_reason,
+    agent_spec,
+    note_interrupt,
+)
 from launcher.membership import HostRecord, Membership, Publish, Stop, Wait
 from launcher.options import ElasticOptions
 from launcher.output import OutputSink
@@ -246,12 +254,7 @@ class ElasticDriver:
             if host.state == "running":
                 host.state = "done"
             return
-        code = event.get("code")
-        why = "lost the connection to its agent" if code is None else f"its agent exited ({code})"
-        if kind == "done":
-            why = "its agent finished early"
-        if event.get("reason"):
-            why += f": {event['reason']}"
+        why = agent_loss_reason(kind, event)
         missing = [w for w in host.workers if w not in host.exits]
         for worker in missing:
             self.result.lost[worker] = why
@@ -274,10 +277,7 @@ class ElasticDriver:
     def _on_signal(self, first: bool) -> None:
         signum = self.signals.received[0]
         if first:
-            self.sink.message(f"received {signal.Signals(signum).name}; stopping all workers")
-            if self.result.failure is None:
-                self.result.interrupted_by = signum
-                self.result.exit_code = 128 + signum
+            note_interrupt(self.result, signum, self.sink)
             self._stop_all()
         else:
             self.sink.message("second signal: killing all workers now")

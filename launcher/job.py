@@ -128,6 +128,28 @@ def agent_spec(
     )
 
 
+def agent_loss_reason(kind: str, event: dict[str, Any]) -> str:
+    """Why a host's agent went away, from its ``done`` or ``agent_exit`` event."""
+    code = event.get("code")
+    if kind == "done":
+        why = "its agent finished early"
+    elif code is None:
+        why = "lost the connection to its agent"
+    else:
+        why = f"its agent exited (code {code})"
+    if event.get("reason"):
+        why += f": {event['reason']}"
+    return why
+
+
+def note_interrupt(result: JobResult, signum: int, sink: OutputSink) -> None:
+    """Reports the first stop signal and records it as the job's outcome unless one failed."""
+    sink.message(f"received {signal.Signals(signum).name}; stopping all workers")
+    if result.failure is None:
+        result.interrupted_by = signum
+        result.exit_code = 128 + signum
+
+
 class _Signals:
     """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-cleanup."""
 
@@ -238,16 +260,7 @@ class Supervisor:
         elif kind in ("done", "agent_exit"):
             host = event["host"]
             if host in self._pending_hosts:
-                code = event.get("code")
-                if kind == "done":
-                    why = "its agent finished early"
-                elif code is None:
-                    why = "lost the connection to its agent"
-                else:
-                    why = f"its agent exited (code {code})"
-                if event.get("reason"):
-                    why += f": {event['reason']}"
-                self._lose_host(host, why)
+                self._lose_host(host, agent_loss_reason(kind, event))
 
     def _lose_host(self, host: str, why: str) -> None:
         self._pending_hosts.discard(host)
@@ -269,10 +282,7 @@ class Supervisor:
 
     def _on_signal(self, signum: int, first: bool) -> None:
         if first:
-            self.sink.message(f"received {signal.Signals(signum).name}; stopping all workers")
-            if self.result.failure is None:
-                self.result.interrupted_by = signum
-                self.result.exit_code = 128 + signum
+            note_interrupt(self.result, signum, self.sink)
             self._stop_all()
         else:
             self.sink.message("second signal: killing all workers now")
