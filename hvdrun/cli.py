@@ -16,11 +16,11 @@ from typing import Any
 import click
 
 from hvdrun import __version__
-from hvdrun.elastic_flags import ElasticFlags, elastic_options, explicit
+from hvdrun.elastic_flags import ElasticFlags, check_num_proc, elastic_options, explicit
 from hvdrun.tuning import tuning_env, tuning_options
 from launcher.environment import EnvSpecError, forwarded_env, parse_exports
 from launcher.hosts import LOCAL_NAMES, HostSpec, HostSpecError, parse_hostfile, parse_hosts
-from launcher.options import HOST_KEY_POLICIES, LaunchOptions, SSHOptions
+from launcher.options import ELASTIC_FAILURE_TIMEOUT, HOST_KEY_POLICIES, LaunchOptions, SSHOptions
 
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
@@ -203,8 +203,6 @@ def cli(
     )
     elastic = elastic_flags.given()
     if elastic and not explicit("agent_timeout"):
-        from launcher.options import ELASTIC_FAILURE_TIMEOUT
-
         agent_timeout = ELASTIC_FAILURE_TIMEOUT
     if rendezvous_addr is not None:
         check_rendezvous_addr(rendezvous_addr)
@@ -225,16 +223,14 @@ def cli(
 
         return run_check([h.hostname for h in host_list], os.getcwd(), env, launch, click.echo)
 
+    if not command:
+        raise click.UsageError("no command given: hvdrun -np N COMMAND [ARGS...]")
     elastic_options = None
     if elastic:
-        if not command:
-            raise click.UsageError("no command given: hvdrun -np N COMMAND [ARGS...]")
         host_list, num_proc, elastic_options = elastic_flags.resolve(host_list, num_proc)
     else:
         elastic_flags.check_unused()
         host_list, num_proc = resolve_hosts(host_list, hosts, num_proc)
-    if not command:
-        raise click.UsageError("no command given: hvdrun -np N COMMAND [ARGS...]")
     if any(h.hostname in LOCAL_NAMES for h in host_list):
         check_command(command)
     if output_filename is not None:
@@ -289,8 +285,8 @@ def read_hosts(hosts: str | None, hostfile: str | None) -> list[HostSpec] | None
 def resolve_hosts(
     host_list: list[HostSpec] | None, hosts: str | None, num_proc: int | None
 ) -> tuple[list[HostSpec], int]:
-    if num_proc is not None and num_proc < 1:
-        raise click.BadParameter(f"must be at least 1, got {num_proc}", param_hint="'-np'")
+    if num_proc is not None:
+        check_num_proc(num_proc)
     if host_list is None:
         if num_proc is None:
             raise click.UsageError("give the number of processes with -np N (or hosts with -H)")

@@ -83,6 +83,12 @@ def explicit(name: str) -> bool:
     return source is not None and source != click.core.ParameterSource.DEFAULT
 
 
+def check_num_proc(num_proc: int) -> None:
+    """Rejects an -np below 1 (for fixed and elastic jobs alike)."""
+    if num_proc < 1:
+        raise click.BadParameter(f"must be at least 1, got {num_proc}", param_hint="'-np'")
+
+
 @dataclass
 class ElasticFlags:
     """The elastic flags as given; ``resolve`` checks them and builds ElasticOptions."""
@@ -121,8 +127,7 @@ class ElasticFlags:
             if self.min_np is None:
                 raise click.UsageError("an elastic job needs -np N (the workers to start with)")
             num_proc = self.min_np
-        if num_proc < 1:
-            raise click.BadParameter(f"must be at least 1, got {num_proc}", param_hint="'-np'")
+        check_num_proc(num_proc)
         min_np = num_proc if self.min_np is None else self.min_np
         if not 1 <= min_np <= num_proc:
             raise click.BadParameter(
