@@ -93,6 +93,7 @@ class ObjectState(State):
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # Declared so that type checkers accept ``state.epoch = ...`` for any attribute.
         super().__setattr__(name, value)
 
     def _current(self) -> dict[str, Any]:
@@ -115,7 +116,7 @@ class ObjectState(State):
             synced = self._broadcast(self._current(), "elastic.object_state")
             for name, value in synced.items():
                 setattr(self, name, value)
-            self.save()
+        self.save()
 
 
 class TorchState(ObjectState):
@@ -149,9 +150,8 @@ class TorchState(ObjectState):
             }
         if self.optimizer is not None:
             self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
-        self._saved_samplers = {
-            name: copy.deepcopy(sampler.state_dict()) for name, sampler in self._samplers.items()
-        }
+        # state_dict() is a fresh dict and load_state_dict() builds its own set: no copies.
+        self._saved_samplers = {name: s.state_dict() for name, s in self._samplers.items()}
 
     def save(self) -> None:
         self._save_torch()
@@ -163,7 +163,7 @@ class TorchState(ObjectState):
         if self.optimizer is not None and self._saved_optimizer is not None:
             self.optimizer.load_state_dict(copy.deepcopy(self._saved_optimizer))
         for name, sampler in self._samplers.items():
-            sampler.load_state_dict(copy.deepcopy(self._saved_samplers[name]))
+            sampler.load_state_dict(self._saved_samplers[name])
         super().restore()
 
     def sync(self) -> None:
@@ -174,5 +174,4 @@ class TorchState(ObjectState):
         for name, sampler in self._samplers.items():
             state = self._broadcast(sampler.state_dict(), f"elastic.sampler.{name}")
             sampler.load_state_dict(state)
-        super().sync()
-        self._save_torch()
+        super().sync()  # ends with self.save(), which saves the model and optimizer too
