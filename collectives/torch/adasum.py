@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from collectives.torch import ops
-from collectives.torch.common import ProcessSet, ReduceOp
+from collectives.torch.common import ProcessSet
 from collectives.torch.gradient_buckets import Bucket
 from collectives.torch.handles import Handle
 from collectives.torch.optimizer import _DistributedOptimizer
@@ -106,8 +106,15 @@ class DistributedAdasumOptimizer(_DistributedOptimizer):
     the parameters are combined with Adasum."""
 
     _hvd_starts: dict[torch.Tensor, torch.Tensor]
+    _hvd_group_of: dict[torch.Tensor, int]
 
     def _hvd_plan(self, groups: Any) -> list[Bucket]:
+        self._hvd_starts = {}
+        self._hvd_group_of = {
+            param: index
+            for index, group in enumerate(self.param_groups)
+            for param in group["params"]
+        }
         # One parameter per bucket: each is stepped as soon as its gradient is ready.
         return [Bucket([param], self._hvd_names[param]) for param in self._hvd_params]
 
@@ -123,23 +130,17 @@ class DistributedAdasumOptimizer(_DistributedOptimizer):
             delta.sub_(start)
         tensor, ctx = self._hvd_compression.compress(delta)
         bucket.sent = [(param, tensor, ctx)]
-        bucket.handle = ops.submit_allreduce(
-            [tensor],
-            [tensor],
-            ReduceOp.ADASUM,
-            1.0,
-            1.0,
-            self._hvd_process_set,
-            bucket.name,
-            ops.first_output,
+        bucket.handle = submit_allreduce(
+            [tensor], [tensor], 1.0, 1.0, self._hvd_process_set, bucket.name, ops.first_output
         )
 
     def _hvd_step_one(self, param: torch.Tensor) -> None:
         """The wrapped optimizer's step for one parameter (its own state and group)."""
         stashed = [group["params"] for group in self.param_groups]
         try:
-            for group in self.param_groups:
-                group["params"] = [param] if any(p is param for p in group["params"]) else []
+            own = self._hvd_group_of[param]
+            for index, group in enumerate(self.param_groups):
+                group["params"] = [param] if index == own else []
             base: Any = super(_DistributedOptimizer, self)
             base.step()
         finally:

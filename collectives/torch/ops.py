@@ -203,7 +203,7 @@ def submit_allreduce(
         from collectives.torch import adasum  # an allgather and local math, see adasum.py
 
         return adasum.submit_allreduce(
-            tensors, outputs, prescale, postscale, process_set, name, finish
+            inputs, outputs, prescale, postscale, process_set, name, finish
         )
     check_reduction(inputs, op, prescale, postscale, "allreduce")
     common = (int(op), float(prescale), float(postscale))

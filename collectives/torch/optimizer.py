@@ -432,8 +432,6 @@ def DistributedOptimizer(
     # An LR scheduler made before wrapping replaced step() on the optimizer instance (to
     # count calls); copied over, it would bypass the wrapper's step and its reduction.
     wrapped.__dict__.pop("step", None)
-    if resolved == ReduceOp.ADASUM:
-        wrapped._hvd_starts = {}
     wrapped._hvd_setup(
         named_parameters,
         compression,
