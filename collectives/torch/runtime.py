@@ -466,11 +466,18 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             add_process_set(process_set)
 
 
+def _stop_collectives(runtime_: _Runtime, timeout: float) -> None:
+    """Stops the engine (waiting at most ``timeout`` for its last cycle) and destroys the
+    process groups; the rendezvous connection stays."""
+    engine_, runtime_.engine = runtime_.engine, None
+    if engine_ is not None:
+        engine_.stop(timeout=timeout)
+    _destroy_groups()
+
+
 def _teardown(runtime_: _Runtime) -> None:
     runtime_.closed.set()
-    if runtime_.engine is not None:
-        runtime_.engine.stop(timeout=FINAL_CYCLE_SECONDS + 2.0)
-    _destroy_groups()
+    _stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 2.0)
     if runtime_.client is not None:
         runtime_.client.close()
 
@@ -489,10 +496,8 @@ def reset() -> None:
             raise RuntimeError(
                 "elastic reset needs an elastic job: start it with hvdrun --min-np/--max-np"
             )
-        engine_, runtime_.engine = runtime_.engine, None
-        if engine_ is not None:
-            engine_.stop(timeout=FINAL_CYCLE_SECONDS + 1.0)
-        _destroy_groups()
+        # Shorter than at shutdown: a peer that is gone must not delay the recovery.
+        _stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 1.0)
         try:
             _register(runtime_, runtime_.generation + 1)
             _join_elastic(runtime_)
