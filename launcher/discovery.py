@@ -109,12 +109,11 @@ class ScriptDiscovery(HostDiscovery):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise DiscoveryError(f"did not finish within {self.timeout:g} s") from None
-        result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-        if result.returncode != 0:
-            lines = result.stderr.decode("utf-8", "replace").strip().splitlines()
+        if proc.returncode != 0:
+            lines = stderr.decode("utf-8", "replace").strip().splitlines()
             last = f": {lines[-1]}" if lines else ""
-            raise DiscoveryError(f"exited with code {result.returncode}{last}")
-        return parse_discovery_output(result.stdout.decode("utf-8", "replace"), self.slots_per_host)
+            raise DiscoveryError(f"exited with code {proc.returncode}{last}")
+        return parse_discovery_output(stdout.decode("utf-8", "replace"), self.slots_per_host)
 
 
 class Blacklist:

@@ -290,7 +290,7 @@ class ElasticDriver:
     def _fail_host(self, host: HostRecord, why: str) -> None:
         if host.state in ("failed", "removed", "done"):
             return
-        _, cooldown = self.members.fail(host, time.monotonic())
+        cooldown = self.members.fail(host, time.monotonic())
         until = "for the rest of the job" if cooldown is None else f"for {cooldown:g} s"
         self.sink.message(f"host {host.name} failed ({why}); blacklisted {until}")
         if host.agent is not None and not host.agent_finished:
@@ -404,11 +404,10 @@ class ElasticDriver:
     def _launch(self, host: HostRecord, slots: list[SlotInfo], generation: int) -> None:
         agent = host.agent
         assert agent is not None
-        own = [slot for slot in slots if slot.hostname == host.name]
         spec = agent_spec(
             self.spec,
             host.name,
-            own,
+            slots,  # agent_spec keeps this host's own slots
             self._rendezvous_addr(agent),
             self.job_id,
             self.secret,

@@ -106,15 +106,13 @@ class Membership:
         host.state = "ready"
         self.need_publish = True
 
-    def fail(self, host: HostRecord, now: float) -> tuple[bool, float | None]:
-        """Marks the host failed and blacklists it; returns (whether it was a member, the
-        cooldown in seconds or None for good)."""
-        was_member = host.state in ("ready", "running")
-        host.state = "failed"
-        cooldown = self.blacklist.add(host.name, now)
-        if was_member:
+    def fail(self, host: HostRecord, now: float) -> float | None:
+        """Marks the host failed and blacklists it; returns the cooldown in seconds, or None
+        for good."""
+        if host.state in ("ready", "running"):
             self.need_publish = True
-        return was_member, cooldown
+        host.state = "failed"
+        return self.blacklist.add(host.name, now)
 
     def drop_undiscovered(self) -> list[HostRecord]:
         """Hosts discovery no longer lists: removed (gracefully, for running ones)."""

@@ -900,11 +900,6 @@ class RendezvousServer:
         newer than the newest is published (survivors of a failed collective)."""
         return self._servicer.waiting_slots()
 
-    @property
-    def generation(self) -> int:
-        """The newest published membership generation (0 until the first publish)."""
-        return self._servicer._generation
-
     def watching_ranks(self) -> set[int]:
         """Ranks that hold an open Watch stream right now."""
         return self._servicer.watching_ranks()
