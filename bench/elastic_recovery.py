@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import queue
 import random
 import re
@@ -33,12 +32,16 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from tests.cluster import Cluster, ClusterHost, start_cluster, unavailable_reason  # noqa: E402
+from tests.cluster import (  # noqa: E402
+    Cluster,
+    kill_host,
+    start_cluster,
+    unavailable_reason,
+    write_hosts,
+)
 
 WORKER = HERE.parent / "tests" / "elastic" / "workers" / "elastic_steps.py"
 COMMITTED = re.compile(r"committed step=(\d+) rank=(\d+) size=(\d+) generation=(\d+) time=(\S+)")
@@ -81,14 +84,6 @@ class Commits:
                     return step, stamp
 
 
-def kill_host(cluster: Cluster, host: ClusterHost) -> None:
-    """SIGKILLs every process of the host at once, its sshd included."""
-    victims = cluster.processes_on(host)
-    for proc in victims:
-        with contextlib.suppress(psutil.Error):
-            proc.send_signal(signal.SIGKILL)
-
-
 def measure_elastic(
     cluster: Cluster, hosts_file: Path, kills: int, cuts: int
 ) -> dict[str, list[float]]:
@@ -119,7 +114,7 @@ def measure_elastic(
             time.sleep(random.uniform(0.0, 0.1))
             lost = time.time()
             if what == "killed host":
-                kill_host(cluster, node3)
+                kill_host(cluster, node3, sshd=True)
             else:
                 cluster.set_link(node3, up=False)
             try:
@@ -174,8 +169,7 @@ def main() -> int:
     cluster = start_cluster(hosts=3, sshd_hosts=3)
     try:
         hosts_file = cluster.root / "elastic-hosts"
-        hosts_file.write_text("".join(f"{host.alias}\n" for host in cluster.hosts))
-        os.chmod(hosts_file, 0o644)
+        write_hosts(hosts_file, *cluster.hosts)
         measure_restart(cluster, 1)  # warm caches and record host keys, unmeasured
         elastic = measure_elastic(cluster, hosts_file, args.kills, args.cuts)
         restart = measure_restart(cluster, args.restarts)

@@ -402,3 +402,27 @@ def cluster() -> Iterator[Cluster]:
         yield built
     finally:
         built.close()
+
+
+def kill_host(cluster: Cluster, host: ClusterHost, *, sshd: bool = False) -> None:
+    """SIGKILLs every process of the host at once: its agent, workers and SSH session, and
+    with ``sshd`` its listening sshd too (restart it with ``cluster.start_sshd``); without,
+    the host can come back later."""
+    victims = []
+    for proc in cluster.processes_on(host):
+        with contextlib.suppress(psutil.Error):
+            if not sshd and "sshd" in proc.name() and "-D -f" in " ".join(proc.cmdline()):
+                continue
+            victims.append(proc)
+    for proc in victims:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGKILL)
+
+
+def write_hosts(path: Path, *hosts: ClusterHost) -> None:
+    """Writes a discovery script's answer (one ssh alias a line), atomically: a script
+    that reads it never sees half a file."""
+    temporary = path.with_suffix(".new")
+    temporary.write_text("".join(f"{host.alias}\n" for host in hosts))
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, path)

@@ -7,19 +7,14 @@ whatever failed or changed on the way (a step lost, or applied twice, would show
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
-
-from tests.cluster import Cluster, ClusterHost
+from tests.cluster import Cluster, ClusterHost, kill_host, write_hosts
 from tests.launcher.test_ssh import assert_hosts_clean
 
 WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
@@ -112,31 +107,10 @@ def at_size(size: int, generation: int) -> Callable[[str], bool]:
     return matches
 
 
-def kill_host(cluster: Cluster, host: ClusterHost, *, sshd: bool = False) -> None:
-    """SIGKILLs every process of the host at once: its agent, workers and SSH session, and
-    with ``sshd`` its listening sshd too (restart it with ``cluster.start_sshd``); without,
-    the host can come back later."""
-    victims = []
-    for proc in cluster.processes_on(host):
-        with contextlib.suppress(psutil.Error):
-            if not sshd and "sshd" in proc.name() and "-D -f" in " ".join(proc.cmdline()):
-                continue
-            victims.append(proc)
-    for proc in victims:
-        with contextlib.suppress(psutil.Error):
-            proc.send_signal(signal.SIGKILL)
-
-
 def hosts_file(tmp_path: Path, *hosts: ClusterHost) -> Path:
     path = tmp_path / "hosts.txt"
     write_hosts(path, *hosts)
     return path
-
-
-def write_hosts(path: Path, *hosts: ClusterHost) -> None:
-    temporary = path.with_suffix(".new")
-    temporary.write_text("".join(f"{host.alias}\n" for host in hosts))
-    os.replace(temporary, path)  # the script never sees half a file
 
 
 def elastic_args(discovery: Path, steps: int, *extra: str) -> list[str]:
