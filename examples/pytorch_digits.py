@@ -146,11 +146,9 @@ def main() -> None:
             optimizer.zero_grad()
             # A short last batch may hold fewer sub-batches: always run exactly
             # batches_per_allreduce backward passes, so every rank reduces once per step.
-            parts = [
-                p for p in torch.tensor_split(torch.arange(len(y)), args.batches_per_allreduce)
-            ]
-            for part in parts:
-                loss = F.cross_entropy(model(x[part]), y[part]) * len(part) / len(y)
+            # (A sum, not a mean, so that an empty sub-batch adds 0 rather than NaN.)
+            for part in torch.tensor_split(torch.arange(len(y)), args.batches_per_allreduce):
+                loss = F.cross_entropy(model(x[part]), y[part], reduction="sum") / len(y)
                 loss.backward()
                 loss_sum += loss.item()
             optimizer.step()
