@@ -43,7 +43,7 @@ from typing import Any
 
 from launcher.connection import AgentConnection
 from launcher.discovery import DiscoveryError, FixedHosts
-from launcher.hostinfo import installed_versions, source_address
+from launcher.hostinfo import installed_versions, join_addr
 from launcher.hosts import HostSpec, is_local_host
 from launcher.job import (
     AGENT_REPORT_SLACK,
@@ -61,10 +61,10 @@ from launcher.output import OutputSink
 from launcher.protocol import bytes_of
 from launcher.report import describe_exit, report_failure
 from launcher.startup import (
-    _bracket,
-    _has_port,
+    agent_address,
     make_agent,
     plan_rendezvous,
+    split_explicit,
     stop_agents,
     version_problems,
 )
@@ -436,7 +436,7 @@ class ElasticDriver:
         port = self.server.port
         explicit = self.spec.launch.rendezvous_addr
         if explicit:
-            return f"{_bracket(_explicit_host(explicit))}:{port}"
+            return join_addr(split_explicit(explicit)[0], port)
         if agent.kind == "local":
             # Local workers face the remote hosts, if there are any (see launcher.startup).
             remote = next(
@@ -447,9 +447,9 @@ class ElasticDriver:
                 ),
                 None,
             )
-            address = _remote_address(remote) if remote is not None else None
-            return f"{_bracket(address or '127.0.0.1')}:{port}"
-        return f"{_bracket(_remote_address(agent) or '127.0.0.1')}:{port}"
+            address = agent_address(remote) if remote is not None else None
+            return join_addr(address or "127.0.0.1", port)
+        return join_addr(agent_address(agent) or "127.0.0.1", port)
 
 
 def _gloo_timeout(env: dict[str, str], default: float) -> float:
@@ -459,20 +459,6 @@ def _gloo_timeout(env: dict[str, str], default: float) -> float:
         except (KeyError, ValueError):
             continue
     return default
-
-
-def _explicit_host(addr: str) -> str:
-    host = addr.rpartition(":")[0] if _has_port(addr) else addr
-    return host.strip("[]")
-
-
-def _remote_address(agent: AgentConnection) -> str | None:
-    """The address of this machine that the agent's host reaches (its SSH connection's)."""
-    address = getattr(agent, "local_address", None)
-    target = getattr(agent, "target", None)
-    if address is None and target is not None:
-        address = source_address(target.hostname)
-    return address
 
 
 def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from launcher.connection import AgentConnection, AgentStartError
-from launcher.hostinfo import installed_versions, source_address
+from launcher.hostinfo import installed_versions, join_addr, source_address
 from launcher.hosts import is_local_host
 from launcher.local import LocalAgent
 from launcher.options import LaunchOptions
@@ -210,30 +210,37 @@ class RendezvousPlan:
     addr_host: dict[str, str]  # hostname -> the address its workers use
 
 
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+def split_explicit(addr: str) -> tuple[str, int]:
+    """``--rendezvous-addr ADDR[:PORT]`` as (host without brackets, port or 0)."""
+    host, _, port_text = addr.rpartition(":") if _has_port(addr) else (addr, "", "")
+    return host.strip("[]"), int(port_text) if port_text else 0
+
+
+def agent_address(agent: AgentConnection) -> str | None:
+    """The address of this machine that a remote agent's host reaches: its SSH connection's
+    own, or through a ProxyCommand what the routes say; None when neither is known."""
+    address = getattr(agent, "local_address", None)
+    target = getattr(agent, "target", None)
+    if address is None and target is not None:
+        address = source_address(target.hostname)
+    return address
 
 
 def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> RendezvousPlan:
     """Where the server listens, and the address each host's workers dial."""
     remote = [agent for agent in agents if agent.kind != "local"]
     if explicit:
-        host, _, port_text = explicit.rpartition(":") if _has_port(explicit) else (explicit, "", "")
-        host = host.strip("[]")
+        host, port = split_explicit(explicit)
         bind = "::" if ":" in host else "0.0.0.0"
         if _is_loopback(host):  # nothing beyond this machine needs it
             bind = host
-        port = int(port_text) if port_text else 0
         return RendezvousPlan(bind, port, {agent.hostname: host for agent in agents})
     if not remote:
         return RendezvousPlan("127.0.0.1", 0, {agent.hostname: "127.0.0.1" for agent in agents})
     failures: dict[str, str] = {}
     addr_host: dict[str, str] = {}
     for agent in remote:
-        address = getattr(agent, "local_address", None)
-        target = getattr(agent, "target", None)
-        if address is None and target is not None:  # through a ProxyCommand: ask the routes
-            address = source_address(target.hostname)
+        address = agent_address(agent)
         if address is None:
             failures[agent.hostname] = (
                 "cannot tell which address of this machine it can reach (its connection "
@@ -272,4 +279,4 @@ def _is_ipv6(address: str) -> bool:
 
 
 def rendezvous_addr(plan: RendezvousPlan, hostname: str, port: int) -> str:
-    return f"{_bracket(plan.addr_host[hostname])}:{port}"
+    return join_addr(plan.addr_host[hostname], port)
