@@ -92,7 +92,8 @@ def check_reduction(
 ) -> None:
     if op == ReduceOp.ADASUM:
         raise NotImplementedError(
-            f"op=hvd.Adasum is not implemented by hvdrun; use hvd.Average or hvd.Sum ({what})"
+            f"{what} does not support op=hvd.Adasum (only allreduce does); use hvd.Average "
+            "or hvd.Sum"
         )
     for tensor in tensors:
         if tensor.dtype not in REDUCIBLE:
