@@ -145,10 +145,10 @@ def _copy_out(slots: Sequence[Slot], buf: torch.Tensor, counts: list[int]) -> No
             request.outputs[slot.index] = piece if len(shape) == 1 else piece.view(shape)  # type: ignore[union-attr]
         return
     targets = [_output(slot) for slot in slots]
-    if all(out.dim() == 1 for out in targets):
+    if buf.dtype == slots[0].spec.dtype and all(out.dim() == 1 for out in targets):
         torch.split_with_sizes_copy(buf, counts, out=targets)
-    else:
-        views = list(torch._utils._unflatten_dense_tensors(buf, targets))
+    else:  # shaped outputs, or a buffer in a wider dtype (int16 reduces as int32)
+        views = [v.view(t.shape) for v, t in zip(buf.split(counts), targets, strict=True)]
         torch._foreach_copy_(targets, views)
 
 
