@@ -2,7 +2,8 @@
 
 Runs ``hvdrun -np 2`` on bench/collectives_scripts/collectives_worker.py (2 ranks, Gloo,
 CPU, one torch thread each). Variants alternate round-robin inside one job; each sample is
-the slower rank's time after a barrier; the table shows medians and ratios of the same run.
+the slower rank's time after a barrier, following one untimed run of the same variant (the
+steady state of a loop that repeats it); the table shows medians and ratios of the same run.
 
 Targets (issue 3):
 * 100 ``allreduce_async`` of 4 KB then ``synchronize``: >= 20x faster than 100 sequential

@@ -2,8 +2,10 @@
 
 Each variant is timed on both ranks after a barrier on torch's default group (which the
 engine does not use); a sample is the slower rank's time. Variants alternate round-robin,
-every other round in reverse order; rank 0 prints one ``RESULT <json>`` line with every
-variant's samples in milliseconds.
+every other round in reverse order, and each sample follows one untimed run of the same
+variant: a sample measures the steady state of a loop that repeats the variant (as a
+training loop does), not the switch from another variant. Rank 0 prints one
+``RESULT <json>`` line with every variant's samples in milliseconds.
 """
 
 from __future__ import annotations
@@ -84,11 +86,13 @@ def main() -> None:
     samples: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants.items())
     for round_ in range(args.rounds):
-        # The in-place Sum variants double the tensors every call; keep them finite.
-        large.mul_(1.0 / (2 ** (2 * LARGE_REPEATS)))
-        torch._foreach_mul_(small, 0.25)
+        # The in-place Sum variants double the tensors every call (2 ranks), and each runs
+        # twice a round (untimed, then timed); keep them finite.
+        large.mul_(1.0 / (2 ** (4 * LARGE_REPEATS)))
+        torch._foreach_mul_(small, 1.0 / 2**4)
         # Alternate the direction, so no variant always follows the same other one.
         for name, (fn, repeats) in order if round_ % 2 == 0 else order[::-1]:
+            fn()
             dist.barrier()
             start = time.perf_counter()
             fn()

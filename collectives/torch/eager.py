@@ -1,34 +1,49 @@
 """Eager small allreduces: the data rides along with the negotiation round.
 
-A lone small allreduce (a loss, a metric, a flag) would otherwise cost two collectives: the
-negotiation round and then the allreduce itself. When a round carries only a few requests,
-each rank appends the bytes of its small CPU allreduce inputs to its announcement. If the
-round turns out to be *agreed* (every rank announced exactly the same ops, see
-``Engine._agreed``), every rank already holds every rank's data and reduces it locally, in
-rank order, so all ranks get bit-identical results and the op costs one collective. In any
-other round the data is ignored and the op runs as a normal collective.
+A small allreduce (a loss, a metric, a burst of small gradients) would otherwise cost two
+collectives: the negotiation round and then the fused allreduce. When the small CPU
+allreduces of a round fit in the negotiation slot, each rank appends their bytes to its
+announcement. If the round turns out to be *agreed* (every rank announced exactly the same
+ops, see ``Engine._agreed``), every rank already holds every rank's data and reduces it
+locally, in rank order, so all ranks get bit-identical results and the ops cost one
+collective. In any other round the data is ignored and the ops run as a normal collective.
 
-Every rank decides eligibility from the request's signature alone and the number of
-requests in the round, both identical across ranks in an agreed round.
+The data rides all or nothing: every eligible op of the round, or none. Every rank decides
+from the round's records, the slot size and the budget, all identical across ranks in an
+agreed round; a rank also checks that every peer sent as many bytes as it did, so that
+ranks configured differently fall back to the normal collective together.
+
+The slot only grows to carry data when a round asked for it (see ``Exchange``): the first
+burst of a pattern runs as a normal collective, the repetitions ride along. An allgather
+moves each rank's data to every other rank, so the budget shrinks with the number of
+ranks: ``BUDGET_BYTES / (size - 1)`` per rank, never more than the fusion threshold.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from collectives.torch.common import ReduceOp
-from collectives.torch.execute import finish_, flat, scale_
+from collectives.torch.execute import finish_, scale_
 from collectives.torch.requests import Kind, Request
 
-__all__ = ["MAX_BYTES", "MAX_OPS", "eligible", "pack", "reduce_locally", "split"]
+__all__ = [
+    "BUDGET_BYTES",
+    "Riders",
+    "budget",
+    "eligible",
+    "inline_arrived",
+    "reduce_locally",
+    "select",
+    "split",
+]
 
-#: Largest input (bytes) that travels with the negotiation.
-MAX_BYTES = 64
-#: Rounds with more requests than this use the fused collective (it is cheaper then).
-MAX_OPS = 4
+#: What one rank may receive from all its peers' data in one round.
+BUDGET_BYTES = 512 * 1024
 
 _DTYPES = {
     torch.uint8,
@@ -43,60 +58,122 @@ _DTYPES = {
 _LENGTH = struct.Struct("<I")
 
 
-def eligible(request: Request) -> bool:
+class Riders:
+    """The requests whose data rides with a round (all eligible ones, or none)."""
+
+    __slots__ = ("inline", "nbytes", "payload", "requests", "want")
+
+    def __init__(self, payload: bytes, requests: list[Request], nbytes: int, room: int) -> None:
+        self.payload = payload  # the records, length-prefixed; inline data follows them
+        self.requests = requests
+        self.nbytes = nbytes
+        self.want = len(payload) + nbytes  # the same on every rank that chose alike
+        # In the negotiation slot itself, or (too large for it) in a second allgather.
+        self.inline = bool(requests) and self.want <= room
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The riders' inputs as flat bytes: one copy per run of a dtype (one torch call
+        each, not one view per tensor)."""
+        return [
+            torch._C._nn.flatten_dense_tensors([r.inputs[0] for r in run]).view(torch.uint8)
+            for run in _runs(self.requests, same_common=False)
+        ]
+
+
+def budget(size: int, fusion_threshold: int) -> int:
+    """Data bytes a rank may send in one round."""
+    return min(fusion_threshold, BUDGET_BYTES // max(1, size - 1))
+
+
+def eligible(request: Request, limit: int) -> bool:
     if request.kind != Kind.ALLREDUCE or len(request.specs) != 1:
         return False
     spec = request.specs[0]
-    return spec.device_type == "cpu" and spec.nbytes <= MAX_BYTES and spec.dtype in _DTYPES
+    return spec.device_type == "cpu" and 0 < spec.nbytes <= limit and spec.dtype in _DTYPES
 
 
-def pack(records: bytes, requests: Sequence[Request]) -> bytes:
-    """A round's payload: the records, then the data of the eligible requests."""
-    data = b""
-    if 0 < len(requests) <= MAX_OPS:
-        parts = [
-            bytes(flat(r.inputs[0]).view(torch.uint8).tolist()) for r in requests if eligible(r)
-        ]
-        data = b"".join(parts)
-    return _LENGTH.pack(len(records)) + records + data
+def select(records: bytes, requests: Sequence[Request], room: int, limit: int) -> Riders:
+    """A round's payload and riders: every eligible request if their data fits the
+    budget, else none."""
+    payload = _LENGTH.pack(len(records)) + records
+    chosen = [r for r in requests if eligible(r, limit)]
+    nbytes = sum([r.specs[0].nbytes for r in chosen])
+    if nbytes > limit:
+        return Riders(payload, [], 0, room)
+    return Riders(payload, chosen, nbytes, room)
 
 
-def split(payload: bytes) -> tuple[bytes, bytes]:
+def _runs(requests: list[Request], same_common: bool) -> list[list[Request]]:
+    """Consecutive requests with the same dtype (and op and scaling, if ``same_common``)."""
+    runs: list[list[Request]] = []
+    key: tuple[object, ...] | None = None
+    for request in requests:
+        mine = (request.specs[0].dtype, request.common if same_common else None)
+        if mine != key:
+            runs.append([])
+            key = mine
+        runs[-1].append(request)
+    return runs
+
+
+def split(payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]:
     """(records, data) of a rank's payload."""
     if not payload:
         return b"", b""
     (length,) = _LENGTH.unpack_from(payload)
     end = _LENGTH.size + length
-    return payload[_LENGTH.size : end], payload[end:]
+    return bytes(payload[_LENGTH.size : end]), payload[end:]
 
 
-def reduce_locally(request: Request, datas: list[bytes], offset: int) -> int:
-    """Computes the allreduce from every rank's data; returns the next data offset."""
-    spec = request.specs[0]
-    size = spec.nbytes
-    values = [
-        torch.frombuffer(bytearray(data[offset : offset + size]), dtype=spec.dtype)
-        if size
-        else torch.empty(0, dtype=spec.dtype)
-        for data in datas
+def inline_arrived(riders: Riders, datas: list[bytes | memoryview]) -> bool:
+    """Whether every rank sent the riders' data in the slot (the same decision everywhere)."""
+    return riders.inline and all(len(data) == riders.nbytes for data in datas)
+
+
+def reduce_locally(riders: Riders, datas: Sequence[bytes | memoryview | torch.Tensor]) -> None:
+    """Computes the riders' allreduces from every rank's data (flat bytes) into their
+    outputs; consecutive riders with the same dtype, op and scaling reduce as one."""
+    views = [
+        d if isinstance(d, torch.Tensor) else torch.frombuffer(d, dtype=torch.uint8) for d in datas
     ]
-    op = ReduceOp(request.common[0])
-    prescale, postscale = request.common[1], request.common[2]
+    offset = 0
+    for run in _runs(riders.requests, same_common=True):
+        dtype = run[0].specs[0].dtype
+        counts = [r.specs[0].numel for r in run]
+        end = offset + sum(counts) * dtype.itemsize
+        stacked = torch.stack([view[offset:end] for view in views]).view(dtype)
+        _distribute(run, counts, _reduce(stacked, run[0].common, len(views)))
+        offset = end
+
+
+def _reduce(stacked: torch.Tensor, common: tuple[Any, ...], size: int) -> torch.Tensor:
+    op = ReduceOp(common[0])
+    prescale, postscale = float(common[1]), float(common[2])
+    dtype = stacked.dtype
     with torch.no_grad():
-        stacked = torch.stack(values)
         scale_(stacked, prescale)
         if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            result = stacked.sum(0, dtype=spec.dtype)
+            result = stacked.sum(0, dtype=dtype)
         elif op == ReduceOp.MIN:
             result = stacked.amin(0)
         elif op == ReduceOp.MAX:
             result = stacked.amax(0)
         else:
-            result = stacked.prod(0, dtype=spec.dtype)
-        finish_(result, op, postscale, len(datas))
-        out = request.outputs[0]
-        if out is None:  # out of place: the result is the output
-            request.outputs[0] = result.view(request.inputs[0].shape)
+            result = stacked.prod(0, dtype=dtype)
+        finish_(result, op, postscale, size)
+    return result
+
+
+def _distribute(run: list[Request], counts: list[int], result: torch.Tensor) -> None:
+    """Puts each request's part of ``result`` in its output. Outputs left to the engine
+    (see ``execute._copy_out``) become views of ``result``, which nothing else holds."""
+    outputs = [r.outputs[0] for r in run]
+    if all(out is not None and out.dim() == 1 for out in outputs):
+        torch.split_with_sizes_copy(result, counts, out=outputs)  # one call for all
+        return
+    for request, out, piece in zip(run, outputs, result.split(counts), strict=True):
+        shape = request.specs[0].shape
+        if out is None:
+            request.outputs[0] = piece if len(shape) == 1 else piece.view(shape)
         else:
-            out.copy_(result.view(out.shape))
-    return offset + size
+            out.copy_(piece if out.dim() == 1 else piece.view(out.shape))

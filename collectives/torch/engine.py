@@ -36,7 +36,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -105,6 +105,7 @@ class Engine:
         self._destroy_group = destroy_group
         self._cuda_device = cuda_device
         self._executor = Executor(self._trace_phase)
+        self._eager_budget = eager.budget(size, config.fusion_threshold)
 
         self.timeline: Timeline | None = None
 
@@ -315,9 +316,15 @@ class Engine:
             for request in new:
                 tl.begin(request.name, "NEGOTIATE_" + request.kind.label.upper(), request.submitted)
         records = RECORD.join([request.record() for request in new]).encode()
-        payload = eager.pack(records, new)
-        gathered = self._exchange.round(
-            payload, flags, timeout=FINAL_CYCLE_SECONDS if leaving else None
+        exchange = self._exchange
+        riders = eager.select(records, new, exchange.room, self._eager_budget)
+        timeout = FINAL_CYCLE_SECONDS if leaving else None
+        gathered = exchange.round(
+            riders.payload,
+            flags,
+            timeout=timeout,
+            data=riders.tensors() if riders.inline else (),
+            want=riders.want,
         )
         now = time.monotonic()
         self._last_round = now
@@ -331,7 +338,19 @@ class Engine:
         everything = False
         leavers, abort = [], False
         if self._agreed(new, records, results):
-            self._run_agreed(new, now, datas)
+            if eager.inline_arrived(riders, datas):
+                self._run_agreed(new, now, riders, datas)
+            elif (
+                not riders.inline
+                and riders.requests
+                and all(want == riders.want for want in exchange.wants)
+            ):
+                # Too large for the slot: the data follows in one allgather of its own,
+                # which is still cheaper than a fused allreduce (one step, not two).
+                gathered_data = exchange.gather(riders.tensors(), riders.nbytes, timeout)
+                self._run_agreed(new, now, riders, gathered_data)
+            else:
+                self._run_agreed(new, now, None, datas)
         else:
             for peer, (peer_flags, data) in enumerate(results):
                 if peer_flags & FLAG_LEAVING:
@@ -402,32 +421,38 @@ class Engine:
                 return False
         return all(request.kind <= Kind.BARRIER for request in new)
 
-    def _run_agreed(self, new: list[Request], now: float, datas: list[bytes]) -> None:
+    def _run_agreed(
+        self, new: list[Request], now: float, riders: eager.Riders | None, datas: Sequence[Any]
+    ) -> None:
         members = self.groups[0].ranks
-        eager_round = 0 < len(new) <= eager.MAX_OPS
-        offset = 0
         with self._cond:
             local = self._local
             for request in new:
                 local.pop((request.process_set_id, request.name), None)
         self._current.extend(new)
         tl = self.timeline
-        works: list[Work] = []
-        controls: list[tuple[Entry | None, Request | None]] = []
         seen = dict.fromkeys(range(self.size), now)
-        for request in new:
-            kind = request.kind
+        if tl is not None:
+            for request in new:
+                tl.negotiated(request.name, request.kind.label.upper(), seen, now)
+        if riders is not None:
+            # Every rank's data came along with the announcements.
             if tl is not None:
-                tl.negotiated(request.name, kind.label.upper(), seen, now)
-            if kind == Kind.ALLREDUCE and eager_round and eager.eligible(request):
-                # Every rank's data came along with the announcements.
-                offset = eager.reduce_locally(request, datas, offset)
-                if tl is not None:
+                for request in riders.requests:
                     tl.end(request.name, "QUEUE", now)
                     tl.begin(request.name, "REDUCE_FROM_NEGOTIATION", now)
-                    tl.end(request.name, "REDUCE_FROM_NEGOTIATION", time.monotonic())
+            eager.reduce_locally(riders, datas)
+            done = time.monotonic()
+            for request in riders.requests:
+                if tl is not None:
+                    tl.end(request.name, "REDUCE_FROM_NEGOTIATION", done)
                 self._complete(request, None)
-                continue
+            rode = {id(request) for request in riders.requests}
+            new = [request for request in new if id(request) not in rode]
+        works: list[Work] = []
+        controls: list[tuple[Entry | None, Request | None]] = []
+        for request in new:
+            kind = request.kind
             if kind == Kind.BARRIER:
                 controls.append((None, request))
                 continue

@@ -1,10 +1,12 @@
 """Negotiation: every rank learns what every other rank has submitted, in lockstep.
 
 Each engine cycle, every rank contributes one fixed-size slot to a single ``allgather`` on a
-Gloo group of its own: a small header (payload length, flags) and the text records of the
-requests it submitted since the last cycle. A payload larger than the slot travels in a
-second allgather of exactly the overflow, and the slot grows for later cycles (every rank
-sees every length, so all resize alike; it shrinks again after a long run of small rounds).
+Gloo group of its own: a small header (payload length, the length it wanted to send, flags),
+the text records of the requests it submitted since the last cycle and, when they fit, the
+data of small allreduces (see :mod:`eager`). A payload larger than the slot travels in a
+second allgather of exactly the overflow, and the slot grows for later cycles to fit what
+any rank sent or wanted to send (every rank sees every length, so all resize alike; it
+shrinks again after a run of small rounds).
 In the steady state a cycle therefore costs one small collective however many ops it
 carries.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,11 +50,14 @@ __all__ = ["Entry", "Exchange", "Table"]
 FLAG_LEAVING = 1  # this rank's engine stops after this cycle (hvd.shutdown())
 FLAG_ABORT = 2  # the stall inspector gave up: every rank fails its pending ops
 
-_HEADER = struct.Struct("<IB")
+_HEADER = struct.Struct("<IIB")  # payload length, payload length wanted, flags
 _MIN_SLOT = 512
 _MAX_SLOT = 1 << 20
-#: The slot halves after this many rounds in a row that used less than a quarter of it.
-_SHRINK_AFTER = 256
+#: The slot shrinks after a run of rounds that used less than a quarter of it: as many as
+#: move about this many bytes of slot per rank, within these bounds.
+_WASTE = 2 << 20
+_MIN_PATIENCE = 4
+_MAX_PATIENCE = 256
 
 
 class Exchange:
@@ -62,16 +68,24 @@ class Exchange:
         self._rank = rank
         self._size = size
         self._small_rounds = 0
+        self._recent = 0  # the largest of the current run of small rounds
+        self.wants: list[int] = []  # each rank's wanted payload length in the last round
         self._resize(_MIN_SLOT)
 
     def _resize(self, slot: int) -> None:
         self._slot = slot
         self._small_rounds = 0
+        self._recent = 0
         # Tensors over bytearrays: Gloo writes straight into memory Python slices for free.
         self._send_raw = bytearray(slot)
         self._recv_raw = bytearray(slot * self._size)
         self._send = torch.frombuffer(self._send_raw, dtype=torch.uint8)
         self._recv = torch.frombuffer(self._recv_raw, dtype=torch.uint8)
+
+    @property
+    def room(self) -> int:
+        """The payload bytes the next round carries without an overflow round."""
+        return self._slot - _HEADER.size
 
     def _allgather(self, out: torch.Tensor, inp: torch.Tensor, timeout: float | None) -> None:
         if timeout is None:
@@ -82,23 +96,42 @@ class Exchange:
         self._group._allgather_base(out, inp, opts).wait()
 
     def round(
-        self, payload: bytes, flags: int, timeout: float | None = None
-    ) -> list[tuple[int, bytes]]:
-        """Sends this rank's payload and flags; returns every rank's, in rank order."""
+        self,
+        payload: bytes,
+        flags: int,
+        timeout: float | None = None,
+        data: Sequence[torch.Tensor] = (),
+        want: int = 0,
+    ) -> list[tuple[int, bytes | memoryview]]:
+        """Sends this rank's payload and flags; returns every rank's, in rank order.
+
+        ``data`` (flat uint8 tensors) follows the payload; the caller makes sure that
+        both fit in :attr:`room`. ``want`` is the payload size this rank would have liked
+        to send (see :attr:`wants`): the slot grows to fit it. A rank's payload comes back
+        as a view of the receive buffer, valid until the next round (as bytes when it
+        overflowed the slot).
+        """
         slot, size = self._slot, self._size
         room = slot - _HEADER.size
-        _HEADER.pack_into(self._send_raw, 0, len(payload), flags)
+        length = len(payload) + sum([t.numel() for t in data])
+        _HEADER.pack_into(self._send_raw, 0, length, max(want, length), flags)
         head = payload[:room]
-        self._send_raw[_HEADER.size : _HEADER.size + len(head)] = head
+        start = _HEADER.size + len(head)
+        self._send_raw[_HEADER.size : start] = head
+        if data:
+            if length > room:
+                raise ValueError(f"{length} bytes of payload do not fit a round of {room}")
+            torch.cat(list(data), out=self._send[start : _HEADER.size + length])
         self._allgather(self._recv, self._send, timeout)
-        raw = self._recv_raw
-        lengths, flag_list = [], []
+        raw = memoryview(self._recv_raw)
+        lengths, wants, flag_list = [], [], []
         for peer in range(size):
-            length, peer_flags = _HEADER.unpack_from(raw, peer * slot)
-            lengths.append(length)
+            peer_length, peer_want, peer_flags = _HEADER.unpack_from(raw, peer * slot)
+            lengths.append(peer_length)
+            wants.append(peer_want)
             flag_list.append(peer_flags)
-        parts = [
-            bytes(raw[p * slot + _HEADER.size : p * slot + _HEADER.size + min(n, room)])
+        parts: list[bytes | memoryview] = [
+            raw[p * slot + _HEADER.size : p * slot + _HEADER.size + min(n, room)]
             for p, n in enumerate(lengths)
         ]
         longest = max(lengths)
@@ -115,19 +148,43 @@ class Exchange:
             )
             for p, n in enumerate(lengths):
                 if n > room:
-                    parts[p] += bytes(recv[p * extra : p * extra + n - room])
-            grown = min(_MAX_SLOT, 1 << (longest + _HEADER.size - 1).bit_length())
+                    parts[p] = bytes(parts[p]) + bytes(recv[p * extra : p * extra + n - room])
+        self.wants = wants
+        self._adapt(longest, max(wants))
+        return list(zip(flag_list, parts, strict=True))
+
+    def _adapt(self, longest: int, wanted: int) -> None:
+        """Every rank sees the same lengths, so all resize alike. The slot grows to fit the
+        largest payload any rank sent or wanted to send (saving the overflow round next
+        time, letting small allreduces ride). Every round moves the whole slot, so after a
+        run of rounds that used less than a quarter of it, it shrinks to fit them: the
+        larger the slot, the sooner (it wastes at most about ``_WASTE`` bytes per rank)."""
+        slot = self._slot
+        needed = max(longest, wanted) + _HEADER.size
+        if needed > slot:
+            grown = min(_MAX_SLOT, 1 << (needed - 1).bit_length())
             if grown > slot:
                 self._resize(grown)
-        # Every rank sees the same lengths, so all resize alike: a smaller slot is a
-        # cheaper round, a larger one saves the overflow round.
-        if (longest + _HEADER.size) * 4 <= slot and slot > _MIN_SLOT:
-            self._small_rounds += 1
-            if self._small_rounds >= _SHRINK_AFTER:
-                self._resize(slot // 2)
-        else:
+            return
+        if needed * 4 > slot or slot == _MIN_SLOT:
             self._small_rounds = 0
-        return list(zip(flag_list, parts, strict=True))
+            self._recent = 0
+            return
+        self._small_rounds += 1
+        self._recent = max(self._recent, longest + _HEADER.size)
+        if self._small_rounds >= max(_MIN_PATIENCE, min(_MAX_PATIENCE, _WASTE // slot)):
+            self._resize(max(_MIN_SLOT, 1 << (self._recent - 1).bit_length()))
+
+    def gather(
+        self, data: Sequence[torch.Tensor], nbytes: int, timeout: float | None
+    ) -> list[torch.Tensor]:
+        """Allgathers ``nbytes`` from every rank (``data``: flat uint8 tensors, back to
+        back); returns each rank's bytes, in rank order. Every rank must pass the same
+        ``nbytes``: agree on it in a round first."""
+        send = data[0] if len(data) == 1 else torch.cat(list(data))
+        recv = torch.empty(nbytes * self._size, dtype=torch.uint8)
+        self._allgather(recv, send, timeout)
+        return list(recv.split(nbytes))
 
 
 @dataclass(eq=False, slots=True)

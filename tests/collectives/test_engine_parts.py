@@ -7,12 +7,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+from collectives.torch import eager
+from collectives.torch.common import ReduceOp
 from collectives.torch.fusion import Work, plan
+from collectives.torch.handles import Handle
 from collectives.torch.negotiation import FLAG_LEAVING, Entry, Exchange, Table, check
 from collectives.torch.requests import (
     Kind,
+    Request,
+    TensorSpec,
     check_alltoall,
     describe_mismatch,
     parse_signature,
@@ -106,9 +112,57 @@ def test_exchange_small_and_overflowing_payloads() -> None:
     assert group.calls == 4  # ...and the slot has grown for the next cycles
     assert exchange.round(b"", 0) == [(0, b"")] * 3
     grown = exchange._slot
-    for _ in range(256):  # a long run of small rounds shrinks the slot again
+    assert grown == 16384
+    for _ in range(126):  # a run of 128 small rounds shrinks the slot again, to fit them...
         exchange.round(b"tiny", 0)
-    assert exchange._slot == grown // 2
+    assert exchange._slot == grown
+    exchange.round(b"tiny", 0)
+    assert exchange._slot == 512
+    exchange.round(b"", 0, want=300_000)  # ...and it grows for a payload a rank wanted
+    assert exchange._slot == 512 * 1024 and exchange.wants == [300_000] * 3
+    for _ in range(4):  # a large slot shrinks sooner
+        exchange.round(b"tiny", 0)
+    assert exchange._slot == 512
+
+
+def test_exchange_carries_data_after_the_payload_and_reports_wants() -> None:
+    group = FakeGroup(2)
+    exchange = Exchange(group, rank=0, size=2)
+    data = [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3], dtype=torch.uint8)]
+    assert exchange.round(b"ab", 0, data=data, want=5) == [(0, b"ab\x01\x02\x03")] * 2
+    assert exchange.wants == [5, 5]
+    with pytest.raises(ValueError, match="do not fit"):
+        exchange.round(b"", 0, data=[torch.zeros(exchange.room + 1, dtype=torch.uint8)])
+    # Data too large for the slot travels in an allgather of exactly its size.
+    parts = exchange.gather([torch.arange(4, dtype=torch.uint8)], 4, None)
+    assert [p.tolist() for p in parts] == [[0, 1, 2, 3]] * 2
+
+
+def _request(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, scale: float = 1.0) -> Request:
+    common = (int(op), scale, 1.0)
+    return Request(
+        Kind.ALLREDUCE, "allreduce.x", 0, [tensor], [None], Handle(), common,
+        sig=sig(Kind.ALLREDUCE, common, tensor),
+        specs=[TensorSpec.of(tensor.dtype, tuple(tensor.shape), "cpu")],
+    )  # fmt: skip
+
+
+def test_eager_riders_all_or_nothing_and_local_reduction() -> None:
+    small = [_request(torch.full((2, 2), 1.0)), _request(torch.tensor(3, dtype=torch.int32))]
+    odd = _request(torch.ones(2, dtype=torch.int16))  # int16 cannot ride (Gloo upcasts it)
+    riders = eager.select(b"rec", [*small, odd], room=100, limit=64)
+    assert riders.requests == small and riders.nbytes == 20 and riders.inline
+    assert not eager.select(b"rec", small, room=10, limit=64).inline  # ask for the allgather
+    assert eager.select(b"rec", small, room=100, limit=16).requests == []  # over the budget
+    # Two ranks' data: rank 0 sent the requests' inputs, rank 1 twice as much.
+    mine = torch.cat([t.view(torch.uint8) for t in riders.tensors()])
+    peer = torch.cat([torch.full((4,), 2.0).view(torch.uint8),
+                      torch.tensor([6], dtype=torch.int32).view(torch.uint8)])  # fmt: skip
+    eager.reduce_locally(riders, [mine, peer])
+    assert torch.equal(small[0].outputs[0], torch.full((2, 2), 3.0))
+    assert small[1].outputs[0].dtype == torch.int32 and small[1].outputs[0].item() == 9
+    assert eager.budget(size=3, fusion_threshold=1 << 30) == eager.BUDGET_BYTES // 2
+    assert eager.budget(size=2, fusion_threshold=100) == 100
 
 
 def test_table_readiness_with_joined_ranks() -> None:

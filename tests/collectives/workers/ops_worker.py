@@ -449,6 +449,40 @@ def main() -> None:
             torch.equal(hvd.synchronize(h), torch.full((10,), float(i * n)))
             for i, h in enumerate(burst)
         ))  # fmt: skip
+        # Bursts of small ops whose data rides with the negotiation (in the slot or in
+        # one allgather after it): every dtype and op, scaling, 0-d/1-d/2-d, in place or
+        # not, with ops that cannot ride (int16, a grouped op) in the same round. Repeated,
+        # since the first burst of a pattern may grow the slot.
+        shapes: list[Callable[[torch.Tensor], torch.Tensor]] = [
+            lambda t: t.clone(), lambda t: t[1, 2].clone(), lambda t: t.flatten()
+        ]  # fmt: skip
+        for repeat in range(3):
+            pending = []
+            for i in range(90):
+                dtype, op = REDUCE_DTYPES[i % len(REDUCE_DTYPES)], OPS[i % len(OPS)]
+                shape = shapes[i % 3]
+                scale = 2.0 if dtype.is_floating_point and op == hvd.Sum and i % 2 else 1.0
+                want = shape(expected_reduce(op, everyone, dtype).double() * scale).to(dtype)
+                x = shape(values(r, dtype))
+                if i % 4 == 0:
+                    pending.append((hvd.allreduce_async_(x, op=op, name=f"mix.{i}",
+                                    postscale_factor=scale), x, want, True))  # fmt: skip
+                else:
+                    pending.append((hvd.allreduce_async(x, op=op, prescale_factor=scale),
+                                    x, want, False))  # fmt: skip
+            grouped_ = hvd.grouped_allreduce_async([torch.ones(3), torch.ones(2)], op=hvd.Sum)
+            for i, (handle, x, want, in_place) in enumerate(pending):
+                out = hvd.synchronize(handle)
+                close(f"burst.mixed.{repeat}.{i}", out, want)
+                if in_place:
+                    c.expect(f"burst.mixed.{repeat}.{i}.in_place", out is x)
+                else:
+                    close(
+                        f"burst.mixed.{repeat}.{i}.untouched", x, shapes[i % 3](values(r, x.dtype))
+                    )
+            c.expect(f"burst.mixed.{repeat}.grouped", all(
+                torch.equal(t, torch.full_like(t, n)) for t in hvd.synchronize(grouped_)
+            ))  # fmt: skip
 
     def process_sets() -> None:
         hvd.barrier()

@@ -22,12 +22,15 @@ from collectives.torch import runtime
 
 
 def run_ops(prefix: str, r: int, n: int) -> None:
+    # 20 x 32 KB: fused (under the 1 MB threshold), too much to ride with the negotiation.
     handles = [
-        hvd.allreduce_async(torch.full((256,), float(i)), op=hvd.Sum, name=f"{prefix}.small.{i}")
+        hvd.allreduce_async(torch.full((8192,), float(i)), op=hvd.Sum, name=f"{prefix}.small.{i}")
         for i in range(20)
     ]
     for handle in handles:
         hvd.synchronize(handle)
+    for i in range(5):  # tiny: their data rides with the negotiation
+        hvd.allreduce(torch.ones(3), name=f"{prefix}.tiny.{i}")
     hvd.allreduce(torch.ones(400_000), name=f"{prefix}.large")  # 1.6 MB: over 1 MB, in place
     hvd.grouped_allreduce([torch.ones(3), torch.ones(4)], name=f"{prefix}.grouped")
     hvd.allgather(torch.ones(r + 1, 2), name=f"{prefix}.gather")
