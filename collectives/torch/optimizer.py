@@ -9,8 +9,9 @@ whose constructors need extra arguments can be wrapped too, and existing state i
 Each parameter gets a post-accumulate-grad hook that counts the accumulations of its
 gradient; on the ``backward_passes_per_step``-th the gradient is ready. Gradients travel in
 fixed *buckets*, planned once on every rank alike: Horovod's ``groups`` when given, otherwise
-consecutive parameters in reverse order (about the order backward produces them), the first
-bucket up to 1 MB so that communication starts early, the others up to 25 MB. A bucket's
+consecutive parameters in reverse order (about the order backward produces them), up to
+25 MB each (on accelerators the first only up to 1 MB, so that communication starts early;
+see ``gradient_buckets``). A bucket's
 asynchronous in-place grouped allreduce starts as soon as its last gradient is ready, so it
 overlaps the rest of the backward pass, and costs one negotiation for the whole bucket (one
 per tensor costs more CPU than overlapping gains on small machines). ``step()`` (or

@@ -7,8 +7,10 @@ import torch
 from collectives.torch.gradient_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, plan_buckets
 
 
-def _named(*sizes: int, dtype: torch.dtype = torch.float32) -> dict[torch.Tensor, str]:
-    return {torch.zeros(size, dtype=dtype): f"p{i}" for i, size in enumerate(sizes)}
+def _named(
+    *sizes: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> dict[torch.Tensor, str]:
+    return {torch.zeros(size, dtype=dtype, device=device): f"p{i}" for i, size in enumerate(sizes)}
 
 
 def _plan(names: dict[torch.Tensor, str], groups: object = None) -> list[list[str]]:
@@ -18,14 +20,21 @@ def _plan(names: dict[torch.Tensor, str], groups: object = None) -> list[list[st
 
 
 def test_default_buckets_follow_backward_order_and_close_at_the_cap() -> None:
-    floats = FIRST_BUCKET_BYTES // 4
-    names = _named(10, floats, 3, BUCKET_BYTES // 4, 5, 7)
-    # Reverse order; the first bucket closes once it reaches 1 MB, the next at 25 MB.
-    assert _plan(names) == [["p5", "p4", "p3"], ["p2", "p1", "p0"]]
+    floats = BUCKET_BYTES // 4
+    names = _named(10, floats, 3, floats, 5, 7)
+    # Reverse order; on the CPU every bucket closes once it reaches 25 MB.
+    assert _plan(names) == [["p5", "p4", "p3"], ["p2", "p1"], ["p0"]]
     buckets = plan_buckets(list(names), names, None)
-    assert [b.name for b in buckets] == ["p5+2", "p2+2"]
+    assert [b.name for b in buckets] == ["p5+2", "p2+1", "p0"]
     small = _named(4, 4, 4)
     assert _plan(small) == [["p2", "p1", "p0"]]
+
+
+def test_accelerator_buckets_start_small() -> None:
+    # Off the CPU (here: meta tensors) the first bucket closes at 1 MB, so that
+    # communication starts early in backward; the next ones at 25 MB.
+    names = _named(10, FIRST_BUCKET_BYTES // 4, 3, BUCKET_BYTES // 4, 5, 7, device="meta")
+    assert _plan(names) == [["p5", "p4", "p3"], ["p2", "p1", "p0"]]
 
 
 def test_a_new_dtype_starts_a_new_bucket() -> None:
