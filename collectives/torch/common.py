@@ -64,7 +64,11 @@ class ProcessSet:
 
     def size(self) -> int:
         """Number of ranks in the process set."""
-        return len(self.ranks)
+        if self._ranks is None:
+            from collectives.torch import runtime
+
+            return runtime.size()
+        return len(self._ranks)
 
     def rank(self) -> int:
         """This process's rank within the process set (-1 if it is not a member)."""

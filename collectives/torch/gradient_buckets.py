@@ -43,12 +43,30 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 class Bucket:
     """Parameters whose gradients travel as one grouped allreduce (one negotiation)."""
 
-    __slots__ = ("flat", "handle", "name", "params", "sent", "views", "waiting")
+    __slots__ = (
+        "early",
+        "factor",
+        "flat",
+        "handle",
+        "moved",
+        "name",
+        "params",
+        "position",
+        "sent",
+        "views",
+        "waiting",
+    )
 
     def __init__(self, params: list[torch.Tensor], name: str) -> None:
         self.params = params
+        self.position = {param: i for i, param in enumerate(params)}
         self.name = name
         self.waiting = -1  # gradients still to come this step; -1: not counted yet
+        # Whether this step's gradients move into the flat tensor as each becomes ready
+        # (None: not decided yet), and those that have moved.
+        self.early: bool | None = None
+        self.factor = 1.0  # what a gradient is scaled by on its way in (1/size: Average)
+        self.moved: set[torch.Tensor] = set()
         self.handle: Handle | None = None
         # (parameter, tensor that travels, compression context) of the running allreduce.
         self.sent: list[tuple[torch.Tensor, torch.Tensor, Any]] = []

@@ -108,6 +108,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_buckets = self._hvd_plan(groups)
         self._hvd_bucket_of = {p: bucket for bucket in self._hvd_buckets for p in bucket.params}
         self._hvd_sparse = []
+        self._hvd_sparse_params: set[torch.Tensor] = set()  # seen with a sparse gradient
         self._hvd_hooked = {}
         self._hvd_delay = {}
         self._hvd_backward = False
@@ -155,6 +156,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         bucket = self._hvd_bucket_of[param]
         if bucket.waiting < 0:  # the bucket's first gradient of this step
             bucket.waiting = sum(1 for p in bucket.params if p.requires_grad)
+            bucket.early = self._hvd_flat_ok(bucket)
+        if bucket.early:
+            # Into the flat tensor at once, while the gradient is still in the cache (and
+            # its memory free for the next layer's gradient).
+            self._hvd_move(bucket, param, bucket.views[bucket.position[param]])
         bucket.waiting -= 1
         if bucket.waiting == 0:
             self._hvd_start(bucket)
@@ -198,31 +204,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ``gradient_as_bucket_view``): the gradients move into views of the bucket's flat
         tensor, scaled for Average on the way (one pass), ``param.grad`` becomes that view,
         and one in-place Sum allreduce of the flat tensor needs no fusion copies at all.
+        Gradients usually moved already, as each became ready (see ``_hvd_on_gradient``).
         False when the bucket does not qualify (the same on every rank)."""
-        if (
-            self._hvd_compression is not Compression.none
-            or self._hvd_op not in (ReduceOp.AVERAGE, ReduceOp.SUM)
-            or not self._hvd_params_flat_ok(bucket)
-        ):
-            return False
-        views = bucket.flat_views()
-        if views is None:
+        if not (bucket.early if bucket.early is not None else self._hvd_flat_ok(bucket)):
             return False
         flat = bucket.flat
         assert flat is not None
-        factor = 1.0 / self._hvd_process_set.size() if self._hvd_op == ReduceOp.AVERAGE else 1.0
-        for param, view in zip(bucket.params, views, strict=True):
-            grad = param.grad
-            if grad is view:  # accumulated in place (zero_grad(set_to_none=False))
-                if factor != 1.0:
-                    view.mul_(factor)
-            elif grad is None:
-                view.zero_()
-            elif factor != 1.0:
-                torch.mul(grad, factor, out=view)
-            else:
-                view.copy_(grad)
-            param.grad = view
+        moved = bucket.moved
+        for param, view in zip(bucket.params, bucket.views, strict=True):
+            if param not in moved:
+                self._hvd_move(bucket, param, view)
         bucket.handle = ops.submit_allreduce(
             [flat],
             [flat],
@@ -235,15 +226,48 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         )
         return True
 
-    @staticmethod
-    def _hvd_params_flat_ok(bucket: Bucket) -> bool:
+    def _hvd_flat_ok(self, bucket: Bucket) -> bool:
+        """Whether the bucket reduces as one flat tensor this step (see _hvd_start_flat)."""
+        if self._hvd_compression is not Compression.none or self._hvd_op not in (
+            ReduceOp.AVERAGE,
+            ReduceOp.SUM,
+        ):
+            return False
         for param in bucket.params:
             if not param.requires_grad or not param.is_floating_point():
                 return False
-            grad = param.grad
-            if grad is not None and (grad.is_sparse or grad.dtype != param.dtype):
+            if param in self._hvd_sparse_params:  # its slot would carry zeros every step
                 return False
+        if bucket.flat_views() is None:
+            return False
+        average = self._hvd_op == ReduceOp.AVERAGE
+        bucket.factor = 1.0 / self._hvd_process_set.size() if average else 1.0
         return True
+
+    def _hvd_move(self, bucket: Bucket, param: torch.Tensor, view: torch.Tensor) -> None:
+        """Puts the parameter's gradient, scaled for Average, into its view of the flat
+        tensor and makes the view its gradient. A sparse gradient stays as it is (its slot
+        reduces zeros) and is reduced on its own, unless ``sparse_as_dense``."""
+        bucket.moved.add(param)
+        factor = bucket.factor
+        grad = param.grad
+        if grad is not None and grad.is_sparse:
+            if not self._hvd_sparse_as_dense:
+                view.zero_()
+                self._hvd_sparse.append(param)
+                self._hvd_sparse_params.add(param)
+                return
+            grad = grad.to_dense()
+        if grad is view:  # accumulated in place (zero_grad(set_to_none=False))
+            if factor != 1.0:
+                view.mul_(factor)
+        elif grad is None:
+            view.zero_()
+        elif factor != 1.0:
+            torch.mul(grad, factor, out=view)
+        else:
+            view.copy_(grad)
+        param.grad = view
 
     def _hvd_finish(self, bucket: Bucket) -> None:
         """Waits for the bucket's allreduce and puts the results in place."""
@@ -357,6 +381,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hvd_reset(self) -> None:
         for bucket in self._hvd_buckets:
             bucket.waiting = -1
+            bucket.early = None
+            bucket.moved = set()
             bucket.handle = None
             bucket.sent = []
         self._hvd_sparse = []
