@@ -125,6 +125,14 @@ def main() -> int:
             f"{rss[name]:>14.1f}{rss[name] / rss['DDP']:>8.2f}x"
             f"{cpu[name]:>14.1f}{cpu[name] / cpu['DDP']:>8.2f}x"
         )
+    paired = statistics.median(
+        h.steps_per_s / d.steps_per_s
+        for h, d in zip(results["DistributedOptimizer"], results["DDP"], strict=True)
+    )
+    print(
+        f"paired: median of the per-round steps/s ratios {paired:.2f} (each round's two runs "
+        "follow each other, so slow drifts of the machine's load cancel out)"
+    )
     print(
         f"targets: steps/s ratio {rate['DistributedOptimizer'] / rate['DDP']:.2f} (>= 1.0), "
         f"RSS ratio {rss['DistributedOptimizer'] / rss['DDP']:.2f} (<= 1.2); CPU time per "
