@@ -102,6 +102,8 @@ OPS_CHECKS = [
     "async.out_of_order",
     "threads",
     "burst",
+    "allreduce.split",
+    "allreduce_.split",
     "burst.mixed.0.1",
     "burst.mixed.2.89",
     "burst.mixed.2.88.in_place",

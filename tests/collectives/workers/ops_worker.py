@@ -133,6 +133,13 @@ def main() -> None:
             warnings.simplefilter("ignore", DeprecationWarning)
             out = hvd.allreduce(values(r, torch.float64), average=False)
         close("allreduce.average_false", out, expected_reduce(hvd.Sum, everyone, torch.float64))
+        # 9.6 MB: over execute.SPLIT_BYTES, so it runs as concurrent allreduces of its parts.
+        huge = torch.arange(2_400_000, dtype=torch.float32)
+        weight = float(sum(q + 1 for q in everyone))
+        c.equal("allreduce.split", hvd.allreduce(huge * (r + 1), op=hvd.Sum), huge * weight)
+        mine_ = huge * (r + 1)
+        hvd.allreduce_(mine_, op=hvd.Average)
+        c.close("allreduce_.split", mine_, huge * weight / n, 1e-6 * 2_400_000 * weight)
         big = torch.full((300_000,), float(r + 1))  # 1.2 MB: more than the 1 MB threshold below
         c.equal("allreduce.large", hvd.allreduce(big, op=hvd.Sum), torch.full((300_000,), float(
             sum(q + 1 for q in everyone)
