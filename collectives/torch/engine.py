@@ -20,8 +20,8 @@ When a rank enters a cycle, so that the lockstep costs no CPU while nothing happ
   the stall inspector.
 
 When every rank announced exactly the same ops (the usual SPMD case), the round needs no
-per-op bookkeeping, and a few small CPU allreduces are reduced from data that travelled with
-the negotiation itself (see :mod:`eager`).
+per-op bookkeeping, and the round's small CPU allreduces are reduced locally from data that
+travelled with the negotiation itself, or in one allgather right after it (see :mod:`eager`).
 
 Failures: a collective that raises (a peer died: Gloo notices a closed connection within
 milliseconds; a hung peer: after ``HVDRUN_GLOO_TIMEOUT_SECONDS``) stops the engine, and every
