@@ -33,10 +33,12 @@ from collectives.torch.requests import Kind, Request
 
 __all__ = [
     "BUDGET_BYTES",
+    "FOLLOW",
+    "INLINE",
     "Riders",
     "budget",
+    "delivery",
     "eligible",
-    "inline_arrived",
     "reduce_locally",
     "select",
     "split",
@@ -125,9 +127,20 @@ def split(payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]:
     return bytes(payload[_LENGTH.size : end]), payload[end:]
 
 
-def inline_arrived(riders: Riders, datas: list[bytes | memoryview]) -> bool:
-    """Whether every rank sent the riders' data in the slot (the same decision everywhere)."""
-    return riders.inline and all(len(data) == riders.nbytes for data in datas)
+INLINE = "inline"
+FOLLOW = "follow"
+
+
+def delivery(riders: Riders, datas: list[bytes | memoryview], wants: list[int]) -> str | None:
+    """How the riders' data reaches every rank in an agreed round, the same decision
+    everywhere: ``INLINE`` (every rank sent it in the slot), ``FOLLOW`` (too large for the
+    slot on every rank: it follows in one allgather of its own, still cheaper than a fused
+    allreduce), or None (the ranks chose differently: the ops run as usual)."""
+    if not riders.requests:
+        return None
+    if riders.inline:
+        return INLINE if all(len(data) == riders.nbytes for data in datas) else None
+    return FOLLOW if all(want == riders.want for want in wants) else None
 
 
 def reduce_locally(riders: Riders, datas: Sequence[bytes | memoryview | torch.Tensor]) -> None:

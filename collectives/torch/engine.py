@@ -329,7 +329,7 @@ class Engine:
         now = time.monotonic()
         self._last_round = now
         results = []
-        datas = []
+        datas: list[Any] = []
         for peer_flags, peer_payload in gathered:
             peer_records, peer_data = eager.split(peer_payload)
             results.append((peer_flags, peer_records))
@@ -338,19 +338,10 @@ class Engine:
         everything = False
         leavers, abort = [], False
         if self._agreed(new, records, results):
-            if eager.inline_arrived(riders, datas):
-                self._run_agreed(new, now, riders, datas)
-            elif (
-                not riders.inline
-                and riders.requests
-                and all(want == riders.want for want in exchange.wants)
-            ):
-                # Too large for the slot: the data follows in one allgather of its own,
-                # which is still cheaper than a fused allreduce (one step, not two).
-                gathered_data = exchange.gather(riders.tensors(), riders.nbytes, timeout)
-                self._run_agreed(new, now, riders, gathered_data)
-            else:
-                self._run_agreed(new, now, None, datas)
+            delivery = eager.delivery(riders, datas, exchange.wants)
+            if delivery == eager.FOLLOW:
+                datas = exchange.gather(riders.tensors(), riders.nbytes, timeout)
+            self._run_agreed(new, now, riders if delivery else None, datas)
         else:
             for peer, (peer_flags, data) in enumerate(results):
                 if peer_flags & FLAG_LEAVING:

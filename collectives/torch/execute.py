@@ -145,15 +145,14 @@ class _Works:
 def _allreduce(group: Group, tensor: torch.Tensor, opts: Any) -> Any:
     """Starts the allreduce of a dense tensor on the group; split in parts on the CPU when
     large (see ``SPLIT_BYTES``)."""
+    pg = group.group
     if (
         tensor.is_cpu
         and tensor.numel() * tensor.element_size() >= SPLIT_BYTES
         and tensor.is_contiguous()
     ):
-        pg = group.group
-        parts = tensor.view(-1).chunk(SPLIT_PARTS)
-        return _Works([pg.allreduce([part], opts) for part in parts])
-    return group.group.allreduce([tensor], opts)
+        return _Works([pg.allreduce([part], opts) for part in tensor.view(-1).chunk(SPLIT_PARTS)])
+    return pg.allreduce([tensor], opts)
 
 
 def _copy_in(slots: Sequence[Slot], buf: torch.Tensor) -> None:

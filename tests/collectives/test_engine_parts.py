@@ -158,6 +158,12 @@ def test_eager_riders_all_or_nothing_and_local_reduction() -> None:
     mine = torch.cat([t.view(torch.uint8) for t in riders.tensors()])
     peer = torch.cat([torch.full((4,), 2.0).view(torch.uint8),
                       torch.tensor([6], dtype=torch.int32).view(torch.uint8)])  # fmt: skip
+    # Every rank decides alike how the data arrived: in the slot, following it, or not at all.
+    assert eager.delivery(riders, [b"x" * 20] * 2, [riders.want] * 2) == eager.INLINE
+    assert eager.delivery(riders, [b"x" * 20, b""], [riders.want] * 2) is None
+    follow = eager.select(b"rec", small, room=10, limit=64)
+    assert eager.delivery(follow, [b"", b""], [follow.want] * 2) == eager.FOLLOW
+    assert eager.delivery(follow, [b"", b""], [follow.want, 7]) is None
     eager.reduce_locally(riders, [mine, peer])
     assert torch.equal(small[0].outputs[0], torch.full((2, 2), 3.0))
     assert small[1].outputs[0].dtype == torch.int32 and small[1].outputs[0].item() == 9
