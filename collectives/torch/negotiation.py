@@ -67,15 +67,13 @@ class Exchange:
         self._group = group
         self._rank = rank
         self._size = size
-        self._small_rounds = 0
-        self._recent = 0  # the largest of the current run of small rounds
         self.wants: list[int] = []  # each rank's wanted payload length in the last round
         self._resize(_MIN_SLOT)
 
     def _resize(self, slot: int) -> None:
         self._slot = slot
         self._small_rounds = 0
-        self._recent = 0
+        self._recent = 0  # the largest of the current run of small rounds
         # Tensors over bytearrays: Gloo writes straight into memory Python slices for free.
         self._send_raw = bytearray(slot)
         self._recv_raw = bytearray(slot * self._size)
@@ -171,7 +169,7 @@ class Exchange:
             self._recent = 0
             return
         self._small_rounds += 1
-        self._recent = max(self._recent, longest + _HEADER.size)
+        self._recent = max(self._recent, needed)
         if self._small_rounds >= max(_MIN_PATIENCE, min(_MAX_PATIENCE, _WASTE // slot)):
             self._resize(max(_MIN_SLOT, 1 << (self._recent - 1).bit_length()))
 
