@@ -387,21 +387,27 @@ def start_cluster(hosts: int, sshd_hosts: int) -> Cluster:
     return cluster
 
 
-@pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
-    """Three hosts: hvd-node1 and hvd-node2 run sshd; hvd-node3 is up but runs none."""
+def cluster_for_tests(hosts: int, sshd_hosts: int, tests: str) -> Iterator[Cluster]:
+    """The body of a cluster fixture: :func:`start_cluster`, closed after the tests; where
+    it cannot be built, the ``tests`` (e.g. "SSH cluster tests") skip and say why."""
     reason = unavailable_reason()
     if reason is not None:
-        pytest.skip(f"SSH cluster tests skipped: {reason}")
+        pytest.skip(f"{tests} skipped: {reason}")
     try:
-        built = start_cluster(hosts=3, sshd_hosts=2)
+        built = start_cluster(hosts=hosts, sshd_hosts=sshd_hosts)
     except (subprocess.CalledProcessError, RuntimeError, OSError) as exc:
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
-        pytest.skip(f"SSH cluster tests skipped: cannot build the test cluster: {detail}")
+        pytest.skip(f"{tests} skipped: cannot build the test cluster: {detail}")
     try:
         yield built
     finally:
         built.close()
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """Three hosts: hvd-node1 and hvd-node2 run sshd; hvd-node3 is up but runs none."""
+    yield from cluster_for_tests(hosts=3, sshd_hosts=2, tests="SSH cluster tests")
 
 
 def kill_host(cluster: Cluster, host: ClusterHost, *, sshd: bool = False) -> None:
