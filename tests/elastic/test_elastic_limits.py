@@ -11,21 +11,32 @@ from pathlib import Path
 from tests.collectives.conftest import REPO, run_hvdrun
 
 WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
+TWO_HOSTS = "printf 'localhost\\n127.0.0.1\\n'"  # a discovery script
 
 
-def test_every_host_failed_ends_the_job() -> None:
-    code, output = run_hvdrun(
+def run_steps(
+    options: list[str], steps: int, fail_host: str, fail_at_step: int, **env: str
+) -> tuple[int, str]:
+    """``hvdrun -np 2 --min-np 1 OPTIONS`` of ``steps`` steps of workers/elastic_steps.py;
+    the workers on ``fail_host`` exit 1 after step ``fail_at_step`` (or do what a
+    ``FAIL_MODE`` in ``env`` says)."""
+    return run_hvdrun(
         2,
         WORKER,
-        options=["--min-np", "1", "-H", "localhost:2"],
+        options=["--min-np", "1", *options],
         env={
-            "STEPS": "100",
+            "STEPS": str(steps),
             "STEP_INTERVAL": "0.05",
-            "FAIL_HOST": "localhost",
-            "FAIL_AT_STEP": "3",
+            "FAIL_HOST": fail_host,
+            "FAIL_AT_STEP": str(fail_at_step),
+            **env,
         },
         timeout=120,
     )
+
+
+def test_every_host_failed_ends_the_job() -> None:
+    code, output = run_steps(["-H", "localhost:2"], 100, fail_host="localhost", fail_at_step=3)
     assert code == 1, output
     assert "hvdrun: host localhost failed (worker " in output, output
     assert "exited with exit code 1); blacklisted for the rest of the job" in output, output
@@ -37,24 +48,11 @@ def test_every_host_failed_ends_the_job() -> None:
 
 
 def test_more_resets_than_the_limit_end_the_job() -> None:
-    code, output = run_hvdrun(
-        2,
-        WORKER,
-        options=[
-            "--min-np",
-            "1",
-            "--reset-limit",
-            "0",
-            "--host-discovery-script",
-            "printf 'localhost\\n127.0.0.1\\n'",
-        ],
-        env={
-            "STEPS": "100",
-            "STEP_INTERVAL": "0.05",
-            "FAIL_HOST": "127.0.0.1",
-            "FAIL_AT_STEP": "3",
-        },
-        timeout=120,
+    code, output = run_steps(
+        ["--reset-limit", "0", "--host-discovery-script", TWO_HOSTS],
+        100,
+        fail_host="127.0.0.1",
+        fail_at_step=3,
     )
     assert code == 1, output
     assert "hvdrun: host 127.0.0.1 failed (worker 1 exited with exit code 1)" in output, output
@@ -65,19 +63,13 @@ def test_more_resets_than_the_limit_end_the_job() -> None:
 
 
 def test_hung_worker_is_dropped_after_the_rejoin_timeout() -> None:
-    code, output = run_hvdrun(
-        2,
-        WORKER,
-        options=["--min-np", "1", "--host-discovery-script", "printf 'localhost\\n127.0.0.1\\n'"],
-        env={
-            "STEPS": "30",
-            "STEP_INTERVAL": "0.05",
-            "FAIL_HOST": "127.0.0.1",
-            "FAIL_AT_STEP": "5",
-            "FAIL_MODE": "hang",
-            "HVDRUN_GLOO_TIMEOUT_SECONDS": "2",
-        },
-        timeout=120,
+    code, output = run_steps(
+        ["--host-discovery-script", TWO_HOSTS],
+        30,
+        fail_host="127.0.0.1",
+        fail_at_step=5,
+        FAIL_MODE="hang",
+        HVDRUN_GLOO_TIMEOUT_SECONDS="2",
     )
     assert code == 0, output
     assert "hanging on purpose after step 5" in output, output
@@ -95,20 +87,14 @@ def test_a_finished_worker_ends_the_job_and_later_discovery_failures_do_not(
     flag = tmp_path / "ran-once"
     script = (
         f"if [ -f {flag} ]; then echo 'scheduler unreachable' >&2; exit 3; fi; "
-        f"touch {flag}; printf 'localhost\\n127.0.0.1\\n'"
+        f"touch {flag}; {TWO_HOSTS}"
     )
-    code, output = run_hvdrun(
-        2,
-        WORKER,
-        options=["--min-np", "1", "--host-discovery-script", script],
-        env={
-            "STEPS": "1000",
-            "STEP_INTERVAL": "0.05",
-            "FAIL_HOST": "127.0.0.1",
-            "FAIL_AT_STEP": "20",
-            "FAIL_MODE": "finish",
-        },
-        timeout=120,
+    code, output = run_steps(
+        ["--host-discovery-script", script],
+        1000,
+        fail_host="127.0.0.1",
+        fail_at_step=20,
+        FAIL_MODE="finish",
     )
     assert code == 0, output
     assert "hvdrun: host discovery script " in output, output
