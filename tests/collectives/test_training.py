@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.collectives.conftest import REPO, WORKERS, run_hvdrun
+from tests.collectives.test_jobs import _assert_all_ok
 
 GROUPS = [
     "equivalence",
@@ -115,12 +116,7 @@ CHECKS = [
 @pytest.mark.parametrize("num_proc", [2, 3, 4])
 def test_training_api(num_proc: int) -> None:
     code, output = run_hvdrun(num_proc, WORKERS / "training_worker.py", timeout=300)
-    assert code == 0, output
-    assert "FAIL" not in output, output
-    for rank in range(num_proc):
-        assert f"[{rank}]<stdout>:ALL OK rank {rank}:" in output, output
-        for name in CHECKS:
-            assert f"[{rank}]<stdout>:OK {name}\n" in output, f"rank {rank} lacks {name}\n{output}"
+    _assert_all_ok(code, output, num_proc, CHECKS)
     if num_proc == 2:
         assert "[0]<stdout>:OK adasum.orthogonal_summed\n" in output
 
