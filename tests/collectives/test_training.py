@@ -13,19 +13,6 @@ import pytest
 from tests.collectives.conftest import REPO, WORKERS, run_hvdrun
 from tests.collectives.test_jobs import _assert_all_ok
 
-GROUPS = [
-    "equivalence",
-    "hooks",
-    "dynamic_graphs",
-    "name_errors",
-    "sparse",
-    "optimizer_state",
-    "objects",
-    "adasum_allreduce",
-    "adasum_optimizer",
-    "sync_batch_norm",
-]
-
 CHECKS = [
     *(
         f"equivalence.{label}{suffix}"
@@ -83,7 +70,7 @@ CHECKS = [
     "objects.lambda",
     *(
         f"adasum.{what}.{dtype}"
-        for what in ("allreduce", "allreduce", "grouped", "inplace")
+        for what in ("allreduce", "grouped", "inplace")
         for dtype in ("float32", "float64")
     ),
     "adasum.allreduce.float32.identical",
