@@ -21,6 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from checks import Checks
+from optimizer_worker import states_equal
 
 import collectives.torch as hvd
 
@@ -516,21 +517,6 @@ def main() -> None:
     c.run("sync_batch_norm", sync_batch_norm)
     hvd.shutdown()
     c.finish(r)
-
-
-def states_equal(a: object, b: object) -> bool:
-    """Whether two optimizer state_dicts hold the same values, tensors compared exactly."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return (
-            type(a) is type(b)
-            and len(a) == len(b)
-            and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
-        )
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(a, b)
-    return type(a) is type(b) and a == b
 
 
 if __name__ == "__main__":
