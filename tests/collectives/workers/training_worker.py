@@ -365,11 +365,11 @@ def main() -> None:
     def adasum_allreduce() -> None:
         generator = torch.Generator().manual_seed(7 + r)
         shapes = [(5,), (3, 4), (2, 3, 2)]
+        every = [
+            [torch.randn(s, generator=torch.Generator().manual_seed(7 + k)) for s in shapes]
+            for k in range(n)
+        ]
         for dtype in (torch.float32, torch.float64):
-            every = [
-                [torch.randn(s, generator=torch.Generator().manual_seed(7 + k)) for s in shapes]
-                for k in range(n)
-            ]
             mine_t = [t.to(dtype) for t in every[r]]
             expected = [
                 reference_adasum([every[k][i].to(dtype) for k in range(n)]).to(dtype)
@@ -458,6 +458,7 @@ def main() -> None:
         # Uneven slices: rank k holds k + 2 samples.
         sizes = [k + 2 for k in range(n)]
         start = sum(sizes[:r])
+        part = slice(start, start + sizes[r])
         for label, shape, reference_type in (
             ("1d", (6,), torch.nn.BatchNorm1d),
             ("2d", (3, 4, 5), torch.nn.BatchNorm2d),
@@ -476,14 +477,13 @@ def main() -> None:
                 x = torch.randn(sum(sizes), *shape, generator=generator) * 2 + 1
                 upstream = torch.randn(sum(sizes), *shape, generator=generator)
                 x_ref = x.clone().requires_grad_()
-                x_mine = x[start : start + sizes[r]].clone().requires_grad_()
+                x_mine = x[part].clone().requires_grad_()
                 reference.zero_grad()
                 sync.zero_grad()
                 out_ref = reference(x_ref)
                 out = sync(x_mine)
                 (out_ref * upstream).sum().backward()
-                (out * upstream[start : start + sizes[r]]).sum().backward()
-                part = slice(start, start + sizes[r])
+                (out * upstream[part]).sum().backward()
                 worst_out = max(worst_out, (out - out_ref[part]).abs().max().item())
                 assert x_mine.grad is not None and x_ref.grad is not None
                 worst_grad = max(worst_grad, (x_mine.grad - x_ref.grad[part]).abs().max().item())
