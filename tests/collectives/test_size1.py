@@ -37,7 +37,7 @@ DTYPES = [
 @pytest.fixture
 def alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """No trace of a launcher in the environment."""
-    for name in ("HVDRUN_RENDEZVOUS_ADDR", "HVDRUN_SECRET", "HVDRUN_JOB_ID"):
+    for name in ("HVDRUN_RENDEZVOUS_ADDR", "HVDRUN_SECRET", "HVDRUN_JOB_ID", "HVDRUN_ELASTIC"):
         monkeypatch.delenv(name, raising=False)
 
 

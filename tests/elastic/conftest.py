@@ -1,4 +1,5 @@
-"""A network-namespace cluster of three sshd hosts for the elastic tests (tests/cluster.py)."""
+"""A network-namespace cluster of three sshd hosts for the elastic tests (tests/cluster.py),
+and test_size1's runtime of one process (``hvd``) for test_state.py."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.cluster import Cluster, cluster_for_tests
+from tests.collectives.test_size1 import alone, hvd
+
+__all__ = ["alone", "elastic_cluster", "hvd"]
 
 
 @pytest.fixture(scope="session")

@@ -1,29 +1,19 @@
-"""Elastic state and sampler in one process (a job of size 1, no launcher)."""
+"""Elastic state and sampler in one process (a job of size 1, no launcher: the ``hvd``
+fixture of tests/collectives/test_size1.py, through conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
 
-import collectives.torch as hvd
 from collectives.torch import elastic
 from collectives.torch.errors import HostsUpdatedInterrupt
 
 
-@pytest.fixture
-def alone(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in ("HVDRUN_RENDEZVOUS_ADDR", "HVDRUN_SECRET", "HVDRUN_JOB_ID", "HVDRUN_ELASTIC"):
-        monkeypatch.delenv(name, raising=False)
-    hvd.init()
-    try:
-        yield
-    finally:
-        hvd.shutdown()
-
-
-def test_torch_state_commit_restore_and_sync(alone: None) -> None:
+@pytest.mark.usefixtures("hvd")
+def test_torch_state_commit_restore_and_sync() -> None:
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = elastic.TorchState(model=model, optimizer=optimizer, epoch=3, history=[1])
@@ -47,7 +37,7 @@ def test_torch_state_commit_restore_and_sync(alone: None) -> None:
         _ = state.missing
 
 
-def test_run_retries_after_a_host_update_and_restores_after_a_failure(alone: None) -> None:
+def test_run_retries_after_a_host_update_and_restores_after_a_failure(hvd: ModuleType) -> None:
     state = elastic.ObjectState(tries=0, value=0)
     calls: list[tuple[int, int]] = []
 
@@ -69,7 +59,7 @@ def test_run_retries_after_a_host_update_and_restores_after_a_failure(alone: Non
     assert (state.tries, state.value) == (1, 10)  # the last commit
 
 
-def test_object_state_with_horovods_bcast_object_signature(alone: None) -> None:
+def test_object_state_with_horovods_bcast_object_signature(hvd: ModuleType) -> None:
     seen: list[tuple[object, int]] = []
 
     def bcast_object(obj: object, root_rank: int) -> object:
@@ -81,7 +71,8 @@ def test_object_state_with_horovods_bcast_object_signature(alone: None) -> None:
     assert seen == [({"epoch": 2}, 0)]
 
 
-def test_check_host_updates_without_news(alone: None) -> None:
+@pytest.mark.usefixtures("hvd")
+def test_check_host_updates_without_news() -> None:
     state = elastic.ObjectState(x=1)
     state.check_host_updates()  # nothing newer than this generation: no interrupt
     assert issubclass(HostsUpdatedInterrupt, RuntimeError)
