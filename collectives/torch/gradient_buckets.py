@@ -74,6 +74,14 @@ class Bucket:
         self.flat: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
 
+    def reset(self) -> None:
+        """Forgets this step: the next gradient starts a new one."""
+        self.waiting = -1
+        self.early = None
+        self.moved = set()
+        self.handle = None
+        self.sent = []
+
     def flat_views(self) -> list[torch.Tensor] | None:
         """One view per parameter into a flat tensor the bucket keeps, shaped like the
         parameter; None when the parameters differ in dtype or device (no flat tensor)."""

@@ -160,7 +160,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if bucket.early:
             # Into the flat tensor at once, while the gradient is still in the cache (and
             # its memory free for the next layer's gradient).
-            self._hvd_move(bucket, param, bucket.views[bucket.position[param]])
+            self._hvd_move(bucket, param)
         bucket.waiting -= 1
         if bucket.waiting == 0:
             self._hvd_start(bucket)
@@ -210,10 +210,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return False
         flat = bucket.flat
         assert flat is not None
-        moved = bucket.moved
-        for param, view in zip(bucket.params, bucket.views, strict=True):
-            if param not in moved:
-                self._hvd_move(bucket, param, view)
+        for param in bucket.params:
+            if param not in bucket.moved:
+                self._hvd_move(bucket, param)
         bucket.handle = ops.submit_allreduce(
             [flat],
             [flat],
@@ -244,11 +243,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         bucket.factor = 1.0 / self._hvd_process_set.size() if average else 1.0
         return True
 
-    def _hvd_move(self, bucket: Bucket, param: torch.Tensor, view: torch.Tensor) -> None:
+    def _hvd_move(self, bucket: Bucket, param: torch.Tensor) -> None:
         """Puts the parameter's gradient, scaled for Average, into its view of the flat
         tensor and makes the view its gradient. A sparse gradient stays as it is (its slot
         reduces zeros) and is reduced on its own, unless ``sparse_as_dense``."""
         bucket.moved.add(param)
+        view = bucket.views[bucket.position[param]]
         factor = bucket.factor
         grad = param.grad
         if grad is not None and grad.is_sparse:
@@ -380,11 +380,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _hvd_reset(self) -> None:
         for bucket in self._hvd_buckets:
-            bucket.waiting = -1
-            bucket.early = None
-            bucket.moved = set()
-            bucket.handle = None
-            bucket.sent = []
+            bucket.reset()
         self._hvd_sparse = []
         self._hvd_delay.clear()
         self._hvd_backward = False
