@@ -36,7 +36,7 @@ class ElasticSampler(Sampler[int]):
         self.remaining_indices: list[int] = []
         self.num_samples = 0
         self.total_size = 0
-        self._padded: list[int] = []
+        self._shards: list[list[int]] = []
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:
@@ -65,17 +65,17 @@ class ElasticSampler(Sampler[int]):
         self.remaining_indices = [i for i in self._order() if i not in self.processed_indices]
         self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
-        # Padded (by repeating from the start) so that every rank gets num_samples; built
-        # once here, since every step's record_batch() reads every rank's shard.
+        # Padded (by repeating from the start) so that every rank gets num_samples; the
+        # shards are built once here, since every step's record_batch() reads all of them.
         padded = list(self.remaining_indices)
         if padded and len(padded) < self.total_size:
             padded += (padded * math.ceil(self.total_size / len(padded)))[
                 : self.total_size - len(padded)
             ]
-        self._padded = padded
+        self._shards = [padded[r : self.total_size : num_replicas] for r in range(num_replicas)]
 
     def _shard(self, rank: int) -> list[int]:
-        return self._padded[rank : self.total_size : self.num_replicas]
+        return self._shards[rank]
 
     def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
         """This rank's indices of batch ``batch_idx`` (counted from the last reset)."""
