@@ -53,7 +53,6 @@ from launcher.job import (
     _Signals,
     agent_loss_reason,
     agent_spec,
-    note_interrupt,
 )
 from launcher.membership import HostRecord, Membership, Publish, Stop, Wait
 from launcher.options import ElasticOptions
@@ -119,12 +118,9 @@ class ElasticDriver:
     def run(self, initial: list[HostSpec]) -> JobResult:
         self.members.discovered = initial
         threading.Thread(target=self._discover, daemon=True).start()
-        handled_signals = 0
         try:
             while not self._finished():
-                while handled_signals < len(self.signals.received):
-                    self._on_signal(handled_signals == 0)
-                    handled_signals += 1
+                self.signals.handle(self.result, self.sink, self._stop_all, self._kill_all)
                 now = time.monotonic()
                 if self._stop_deadline is not None and now > self._stop_deadline:
                     log.warning("agents did not report in time; killing them")
@@ -274,16 +270,10 @@ class ElasticDriver:
                 agent.abort()  # its agent stops its workers on its own heartbeat timeout
                 host.agent_finished = True
 
-    def _on_signal(self, first: bool) -> None:
-        signum = self.signals.received[0]
-        if first:
-            note_interrupt(self.result, signum, self.sink)
-            self._stop_all()
-        else:
-            self.sink.message("second signal: killing all workers now")
-            for host in self.members.all_hosts():
-                if host.agent is not None and not host.agent_finished:
-                    host.agent.kill()
+    def _kill_all(self) -> None:
+        for host in self.members.all_hosts():
+            if host.agent is not None and not host.agent_finished:
+                host.agent.kill()
 
     # ---- carrying out the membership's decisions -------------------------------------
 

@@ -20,7 +20,7 @@ import secrets
 import signal
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,25 +142,41 @@ def agent_loss_reason(kind: str, event: dict[str, Any]) -> str:
     return why
 
 
-def note_interrupt(result: JobResult, signum: int, sink: OutputSink) -> None:
-    """Reports the first stop signal and records it as the job's outcome unless one failed."""
-    sink.message(f"received {signal.Signals(signum).name}; stopping all workers")
-    if result.failure is None:
-        result.interrupted_by = signum
-        result.exit_code = 128 + signum
-
-
 class _Signals:
     """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-cleanup."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
+        self._handled = 0
 
     def _handle(self, signum: int, frame: object) -> None:
         self.received.append(signum)
 
     def first(self) -> int | None:
         return self.received[0] if self.received else None
+
+    def handle(
+        self,
+        result: JobResult,
+        sink: OutputSink,
+        stop_all: Callable[[], None],
+        kill_all: Callable[[], None],
+    ) -> None:
+        """Acts on the signals received since the last call, as both supervision loops do:
+        the first stops every worker (and is the job's outcome unless a worker failed
+        first), a second one kills without grace."""
+        while self._handled < len(self.received):
+            signum = self.received[self._handled]
+            if self._handled == 0:
+                sink.message(f"received {signal.Signals(signum).name}; stopping all workers")
+                if result.failure is None:
+                    result.interrupted_by = signum
+                    result.exit_code = 128 + signum
+                stop_all()
+            else:
+                sink.message("second signal: killing all workers now")
+                kill_all()
+            self._handled += 1
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[_Signals]:
@@ -197,15 +213,11 @@ class Supervisor:
         self._registered = -1
 
     def run(self, signals: _Signals) -> JobResult:
-        handled_signals = 0
         while self._pending_hosts:
-            while handled_signals < len(signals.received):
-                self._on_signal(signals.received[handled_signals], first=handled_signals == 0)
-                handled_signals += 1
+            signals.handle(self.result, self.sink, self._stop_all, self._kill_all)
             if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
                 log.warning("agents did not report in time; killing them")
-                for host in list(self._pending_hosts):
-                    self.agents[host].kill()
+                self._kill_all()
                 self._stop_deadline = None
             self._check_heartbeats()
             self._show_status()
@@ -280,14 +292,9 @@ class Supervisor:
             self.result.exit_code = failure.code
             self._stop_all()
 
-    def _on_signal(self, signum: int, first: bool) -> None:
-        if first:
-            note_interrupt(self.result, signum, self.sink)
-            self._stop_all()
-        else:
-            self.sink.message("second signal: killing all workers now")
-            for host in self._pending_hosts:
-                self.agents[host].kill()
+    def _kill_all(self) -> None:
+        for host in self._pending_hosts:
+            self.agents[host].kill()
 
     def _stop_all(self) -> None:
         if self._stop_deadline is None and not self._stopping:
