@@ -271,7 +271,6 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self._waiters: dict[str, set[asyncio.Future[bytes]]] = {}
         self._barriers: dict[str, _Barrier] = {}
         self._stopping = False
-        self._shutdown: asyncio.Event | None = None  # created on the loop
         self._shutdown_message = "the rendezvous server is shutting down"
         # Read from other threads (status lines, the elastic driver): guarded by a lock.
         self._lock = threading.Lock()
@@ -284,11 +283,6 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self._watches_closed: asyncio.Event | None = None
 
     # ---- helpers -----------------------------------------------------------------------
-
-    def _shutdown_event(self) -> asyncio.Event:
-        if self._shutdown is None:
-            self._shutdown = asyncio.Event()
-        return self._shutdown
 
     def _wake_event(self) -> asyncio.Event:
         if self._wake is None:
@@ -381,7 +375,6 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         """Ends every Watch stream with SHUTDOWN and fails every blocked call (on the loop)."""
         self._stopping = True
         self._shutdown_message = message
-        self._shutdown_event().set()
         self._wake_all()
         for waiters in self._waiters.values():
             for waiter in waiters:
@@ -665,7 +658,6 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
                 f"rank {request.rank} is outside this job's ranks [0, {self._size})",
             )
         rank = request.rank
-        shutdown = self._shutdown_event()
         with self._lock:
             self._watching[rank] = self._watching.get(rank, 0) + 1
         self._open_watches += 1
@@ -676,7 +668,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         kinds = rendezvous_pb2.WatchEvent
         try:
             sent = self._generation
-            while not shutdown.is_set():
+            while not self._stopping:
                 wake = self._wake_event()
                 generation = self._generation
                 kind = kinds.HOSTS_UPDATED if generation != sent else kinds.HEARTBEAT
