@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 
 from launcher.hosts import HostSpec, HostSpecError, parse_host_entry
@@ -124,9 +123,9 @@ class Blacklist:
         self._failures: dict[str, int] = {}
         self._until: dict[str, float] = {}
 
-    def add(self, host: str, now: float | None = None) -> float | None:
-        """Records a failure; returns the cooldown in seconds (None: for good)."""
-        now = time.monotonic() if now is None else now
+    def add(self, host: str, now: float) -> float | None:
+        """Records a failure at ``now`` (monotonic time); returns the cooldown in seconds
+        (None: for good)."""
         failures = self._failures[host] = self._failures.get(host, 0) + 1
         if self.cooldown is None:
             self._until[host] = float("inf")
@@ -136,8 +135,7 @@ class Blacklist:
         self._until[host] = now + delay
         return delay
 
-    def blocked(self, host: str, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
+    def blocked(self, host: str, now: float) -> bool:
         return now < self._until.get(host, float("-inf"))
 
     def failures(self, host: str) -> int:
