@@ -104,6 +104,14 @@ class ElasticDriver:
         # them this long after is hung or cut off (twice the workers' Gloo timeout).
         rejoin_timeout = 2 * _gloo_timeout(spec.env, options.failure_timeout)
         self.members = Membership(options, spec.num_proc, rejoin_timeout)
+        # What every worker gets on top of the job's environment.
+        worker_timeout = options.elastic_timeout + WORKER_TIMEOUT_SLACK
+        self._elastic_env = {
+            "HVDRUN_ELASTIC": "1",
+            "HVDRUN_ELASTIC_TIMEOUT": f"{worker_timeout:g}",
+        }
+        if not any(name in spec.env for name in _GLOO_TIMEOUT_VARS):
+            self._elastic_env["HVDRUN_GLOO_TIMEOUT_SECONDS"] = f"{options.failure_timeout:g}"
         self.result = JobResult(exit_code=0)
         self.finishing = False  # a worker exited 0: no more generations
         self.stopping = False
@@ -403,12 +411,7 @@ class ElasticDriver:
             self.secret,
             agent.heartbeat_timeout,
         )
-        timeout = self.options.elastic_timeout + WORKER_TIMEOUT_SLACK
-        spec.env.update({"HVDRUN_ELASTIC": "1", "HVDRUN_ELASTIC_TIMEOUT": f"{timeout:g}"})
-        if "HVDRUN_GLOO_TIMEOUT_SECONDS" not in spec.env and (
-            "HOROVOD_GLOO_TIMEOUT_SECONDS" not in spec.env
-        ):
-            spec.env["HVDRUN_GLOO_TIMEOUT_SECONDS"] = f"{self.options.failure_timeout:g}"
+        spec.env.update(self._elastic_env)
         first = None
         for worker in spec.workers:
             number = next(self._worker_ids)
@@ -442,8 +445,12 @@ class ElasticDriver:
         return join_addr(agent_address(agent) or "127.0.0.1", port)
 
 
+#: The workers' Gloo timeout, in both spellings the collectives runtime reads.
+_GLOO_TIMEOUT_VARS = ("HVDRUN_GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS")
+
+
 def _gloo_timeout(env: dict[str, str], default: float) -> float:
-    for name in ("HVDRUN_GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"):
+    for name in _GLOO_TIMEOUT_VARS:
         try:
             return float(env[name])
         except (KeyError, ValueError):
