@@ -412,16 +412,13 @@ class ElasticDriver:
             agent.heartbeat_timeout,
         )
         spec.env.update(self._elastic_env)
-        first = None
         for worker in spec.workers:
             number = next(self._worker_ids)
-            first = number if first is None else first
             worker.rank = number
             worker.env["HVDRUN_GENERATION"] = str(generation)
             host.workers[number] = int(worker.env["HVDRUN_LOCAL_RANK"])
             self.result.hosts[number] = host.name
-        if first is not None:
-            self.sink.open_files(range(first, first + len(spec.workers)))
+        self.sink.open_files(host.workers)
         host.state = "running"
         agent.launch(spec, self.events)
 

@@ -17,6 +17,7 @@ import collections
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -113,7 +114,7 @@ class OutputSink:
         self._files: dict[tuple[int, str], BinaryIO] = {}
         self._status = b""
 
-    def open_files(self, ranks: range) -> None:
+    def open_files(self, ranks: Iterable[int]) -> None:
         """``--output-filename``: creates DIR/rank.N/{stdout,stderr} for every rank."""
         directory = self._options.output_dir
         if directory is None:
