@@ -133,7 +133,7 @@ class ElasticDriver:
                 if self._stop_deadline is not None and now > self._stop_deadline:
                     log.warning("agents did not report in time; killing them")
                     for host in self.members.all_hosts():
-                        if host.agent is not None and not host.agent_finished:
+                        if host.agent_alive:
                             host.agent.kill()
                             host.agent_finished = True
                 self._check_heartbeats(now)
@@ -156,12 +156,12 @@ class ElasticDriver:
     def _finished(self) -> bool:
         hosts = self.members.all_hosts()
         if self.stopping:
-            return all(h.agent is None or h.agent_finished for h in hosts)
+            return not any(h.agent_alive for h in hosts)
         if not self.finishing:
             return False
         if all(h.all_exited() or h.agent_finished for h in hosts if h.state == "running"):
             for host in hosts:  # removed or failed hosts still shutting down
-                if host.agent is not None and not host.agent_finished:
+                if host.agent_alive:
                     host.agent.terminate()
             return True
         return False
@@ -269,9 +269,9 @@ class ElasticDriver:
 
     def _check_heartbeats(self, now: float) -> None:
         for host in self.members.running():
-            agent = host.agent
-            if agent is None or host.agent_finished:
+            if not host.agent_alive:
                 continue
+            agent = host.agent
             timeout = agent.heartbeat_timeout
             if timeout > 0 and now - agent.last_heard > timeout:
                 self._fail_host(host, f"heard nothing from its agent for {timeout:g} s")
@@ -280,7 +280,7 @@ class ElasticDriver:
 
     def _kill_all(self) -> None:
         for host in self.members.all_hosts():
-            if host.agent is not None and not host.agent_finished:
+            if host.agent_alive:
                 host.agent.kill()
 
     # ---- carrying out the membership's decisions -------------------------------------
@@ -291,7 +291,7 @@ class ElasticDriver:
         cooldown = self.members.fail(host, time.monotonic())
         until = "for the rest of the job" if cooldown is None else f"for {cooldown:g} s"
         self.sink.message(f"host {host.name} failed ({why}); blacklisted {until}")
-        if host.agent is not None and not host.agent_finished:
+        if host.agent_alive:
             host.agent.terminate()
 
     def _fail_job(self, failure: WorkerFailure | None, message: str | None = None) -> None:
@@ -312,7 +312,7 @@ class ElasticDriver:
         self.stopping = True
         self._stop_deadline = time.monotonic() + self.spec.term_grace + AGENT_REPORT_SLACK
         for host in self.members.all_hosts():
-            if host.agent is not None and not host.agent_finished:
+            if host.agent_alive:
                 if host.state == "starting":
                     host.agent.abort()
                     host.agent_finished = True
@@ -362,7 +362,7 @@ class ElasticDriver:
                     "but another worker has finished the job"
                 )
                 host.state = "done"
-                if host.agent is not None and not host.agent_finished:
+                if host.agent_alive:
                     host.agent.terminate()
 
     def _start_host(self, host: HostRecord) -> None:

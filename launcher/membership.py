@@ -38,6 +38,11 @@ class HostRecord:
     agent_finished: bool = False
     terminated: bool = False
 
+    @property
+    def agent_alive(self) -> bool:
+        """Its agent was started and has not finished (or been given up on)."""
+        return self.agent is not None and not self.agent_finished
+
     def all_exited(self) -> bool:
         return bool(self.workers) and len(self.exits) == len(self.workers)
 
@@ -131,7 +136,7 @@ class Membership:
             if host.state not in ACTIVE:
                 del self.hosts[name]
                 self.retired.append(host)
-        self.retired = [h for h in self.retired if not (h.agent is None or h.agent_finished)]
+        self.retired = [h for h in self.retired if h.agent_alive]
 
     def hosts_to_start(self, now: float) -> list[HostRecord]:
         """New records for discovered hosts that fit under --max-np (in discovery's order)."""
