@@ -166,7 +166,7 @@ class Membership:
             self._rejoin_since = None
             return []
         running = self.running()
-        members = set().union(*(h.slot_keys() for h in running)) if running else set()
+        members: set[tuple[str, int]] = set().union(*(h.slot_keys() for h in running))
         waiting = set(waiting) & members
         if not waiting:
             self._rejoin_since = None
