@@ -10,6 +10,7 @@ import pytest
 
 from hvdrun import __version__
 from hvdrun.cli import run_cli
+from tests.cli.conftest import assert_usage_error
 
 
 @pytest.mark.parametrize(
@@ -46,12 +47,7 @@ from hvdrun.cli import run_cli
 def test_bad_input_is_one_line_exit_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert run_cli(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("hvdrun: error: ")
-    assert message in err
-    assert err.count("\n") == 1
-    assert "Traceback" not in err
+    assert_usage_error(argv, message, capsys)
 
 
 def test_missing_command_and_script(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hvdrun.cli import run_cli
+from tests.cli.conftest import assert_usage_error
 
 
 @pytest.mark.parametrize(
@@ -53,12 +54,7 @@ from hvdrun.cli import run_cli
 def test_bad_elastic_input_is_one_line_exit_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert run_cli(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("hvdrun: error: ")
-    assert message in err
-    assert err.count("\n") == 1
-    assert "Traceback" not in err
+    assert_usage_error(argv, message, capsys)
 
 
 def test_discovery_script_failing_with_a_message(
