@@ -261,7 +261,6 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         elastic: bool = False,
     ) -> None:
         self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
-        self._size = len(slots)
         self._elastic = elastic
         self._generation = 0
         self._wake: asyncio.Event | None = None  # set (and replaced) on publish and shutdown
@@ -300,7 +299,6 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         generation = self._generation
         with self._lock:
             self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
-            self._size = len(slots)
             self._registered_generation = set()
         for key, waiters in list(self._waiters.items()):
             old = _generation_of(key)
@@ -652,10 +650,11 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def Watch(
         self, request: rendezvous_pb2.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rendezvous_pb2.WatchEvent]:
-        if request.rank < 0 or (not self._elastic and request.rank >= self._size):
+        size = len(self._slots)
+        if request.rank < 0 or (not self._elastic and request.rank >= size):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {request.rank} is outside this job's ranks [0, {self._size})",
+                f"rank {request.rank} is outside this job's ranks [0, {size})",
             )
         rank = request.rank
         with self._lock:
