@@ -390,10 +390,9 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             await asyncio.wait_for(self._watches_closed.wait(), timeout)
 
     def registered_count(self) -> int:
+        # Only elastic jobs publish generations: otherwise this is every slot that registered.
         with self._lock:
-            if self._elastic:
-                return len(self._registered_generation)
-            return len(self._registered)
+            return len(self._registered_generation)
 
     def watching_ranks(self) -> set[int]:
         with self._lock:
