@@ -55,6 +55,17 @@ def run_hvdrun(
     return result.returncode, result.stdout
 
 
+def assert_all_ok(code: int, output: str, num_proc: int, expected: list[str]) -> None:
+    """A job of worker scripts (see workers/checks.py) passed: exit 0, no FAIL, every rank's
+    ALL OK and every expected check on every rank."""
+    assert code == 0, output
+    assert "FAIL" not in output, output
+    for rank in range(num_proc):
+        assert f"[{rank}]<stdout>:ALL OK rank {rank}:" in output, output
+        for name in expected:
+            assert f"[{rank}]<stdout>:OK {name}\n" in output, f"rank {rank} lacks {name}\n{output}"
+
+
 class Harness:
     """A rendezvous server of a local job and its workers, started without hvdrun."""
 

@@ -12,19 +12,10 @@ from typing import Any
 
 import pytest
 
-from tests.collectives.conftest import REPO, WORKERS, clean_env, run_hvdrun
+from tests.collectives.conftest import REPO, WORKERS, assert_all_ok, clean_env, run_hvdrun
 
 DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 OPS = ["Sum", "Average", "Min", "Max", "Product"]
-
-
-def _assert_all_ok(code: int, output: str, num_proc: int, expected: list[str]) -> None:
-    assert code == 0, output
-    assert "FAIL" not in output, output
-    for rank in range(num_proc):
-        assert f"[{rank}]<stdout>:ALL OK rank {rank}:" in output, output
-        for name in expected:
-            assert f"[{rank}]<stdout>:OK {name}\n" in output, f"rank {rank} lacks {name}\n{output}"
 
 
 OPS_CHECKS = [
@@ -127,20 +118,20 @@ def test_ops_on_three_ranks() -> None:
         3, WORKERS / "ops_worker.py", options=["--fusion-threshold-mb", "1"], timeout=240
     )
     # Rank 0 checks that an op is still pending while rank 1 has not submitted it.
-    _assert_all_ok(code, output, 3, OPS_CHECKS)
+    assert_all_ok(code, output, 3, OPS_CHECKS)
     assert "[2]<stdout>:OK join.sum.step2\n" in output
     assert "[0]<stdout>:OK async.pending\n" in output
 
 
 def test_ops_on_two_ranks() -> None:
     code, output = run_hvdrun(2, WORKERS / "ops_worker.py", timeout=240)
-    _assert_all_ok(code, output, 2, OPS_CHECKS)
+    assert_all_ok(code, output, 2, OPS_CHECKS)
     assert "[1]<stdout>:OK join.sum.step1\n" in output
 
 
 def test_optimizer_on_two_ranks() -> None:
     code, output = run_hvdrun(2, WORKERS / "optimizer_worker.py")
-    _assert_all_ok(
+    assert_all_ok(
         code,
         output,
         2,
@@ -215,7 +206,7 @@ def test_tuning_flags_and_timeline(tmp_path: Path) -> None:
         # Horovod's spelling of a variable reaches the runtime too.
         env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "45"},
     )
-    _assert_all_ok(code, output, 2, [])
+    assert_all_ok(code, output, 2, [])
     assert "[0]<stdout>:OK timeline.valid_while_written\n" in output
     configs = [json.loads(m) for m in re.findall(r"<stdout>:CONFIG (.*)", output)]
     assert len(configs) == 2

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.collectives.conftest import REPO, WORKERS, run_hvdrun
-from tests.collectives.test_jobs import _assert_all_ok
+from tests.collectives.conftest import REPO, WORKERS, assert_all_ok, run_hvdrun
 
 CHECKS = [
     *(
@@ -103,7 +102,7 @@ CHECKS = [
 @pytest.mark.parametrize("num_proc", [2, 3, 4])
 def test_training_api(num_proc: int) -> None:
     code, output = run_hvdrun(num_proc, WORKERS / "training_worker.py", timeout=300)
-    _assert_all_ok(code, output, num_proc, CHECKS)
+    assert_all_ok(code, output, num_proc, CHECKS)
     if num_proc == 2:
         assert "[0]<stdout>:OK adasum.orthogonal_summed\n" in output
 

@@ -49,3 +49,16 @@ class Checks:
             print(f"rank {rank}: {len(self.failed)} FAILED: {self.failed}", flush=True)
             sys.exit(1)
         print(f"ALL OK rank {rank}: {self.passed} checks", flush=True)
+
+
+def states_equal(a: dict, b: dict) -> bool:
+    """Whether two optimizer state_dicts hold the same values, tensors compared exactly."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b

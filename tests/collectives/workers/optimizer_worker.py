@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from checks import Checks
+from checks import Checks, states_equal
 
 import collectives.torch as hvd
 
@@ -34,19 +34,6 @@ def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(8, 6, generator=generator)
     y = torch.randint(0, 3, (8,), generator=generator)
     return x, y
-
-
-def states_equal(a: dict, b: dict) -> bool:
-    """Whether two optimizer state_dicts hold the same values, tensors compared exactly."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
 
 
 def main() -> None:

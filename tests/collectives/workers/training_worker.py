@@ -20,8 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from checks import Checks
-from optimizer_worker import states_equal
+from checks import Checks, states_equal
 
 import collectives.torch as hvd
 
