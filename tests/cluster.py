@@ -410,6 +410,32 @@ def cluster() -> Iterator[Cluster]:
     yield from cluster_for_tests(hosts=3, sshd_hosts=2, tests="SSH cluster tests")
 
 
+def _listening_sshd(proc: psutil.Process) -> bool:
+    """Whether the process is a host's listening sshd (not a session it forked)."""
+    return "sshd" in proc.name() and "-D -f" in " ".join(proc.cmdline())
+
+
+def assert_hosts_clean(cluster: Cluster, hosts: list[ClusterHost], within: float) -> None:
+    """Nothing but sshd itself is left running on the hosts."""
+    deadline = time.monotonic() + within
+    left: list[str] = []
+    while time.monotonic() < deadline:
+        left = []
+        for host in hosts:
+            for proc in cluster.processes_on(host):
+                try:
+                    if proc.status() == psutil.STATUS_ZOMBIE or _listening_sshd(proc):
+                        continue
+                    cmdline = " ".join(proc.cmdline())
+                except psutil.Error:
+                    continue
+                left.append(f"{host.alias}: {proc.pid} {cmdline}")
+        if not left:
+            return
+        time.sleep(0.1)
+    raise AssertionError("left running on the hosts:\n" + "\n".join(left))
+
+
 def kill_host(cluster: Cluster, host: ClusterHost, *, sshd: bool = False) -> None:
     """SIGKILLs every process of the host at once: its agent, workers and SSH session, and
     with ``sshd`` its listening sshd too (restart it with ``cluster.start_sshd``); without,
@@ -417,7 +443,7 @@ def kill_host(cluster: Cluster, host: ClusterHost, *, sshd: bool = False) -> Non
     victims = []
     for proc in cluster.processes_on(host):
         with contextlib.suppress(psutil.Error):
-            if not sshd and "sshd" in proc.name() and "-D -f" in " ".join(proc.cmdline()):
+            if not sshd and _listening_sshd(proc):
                 continue
             victims.append(proc)
     for proc in victims:

@@ -14,8 +14,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.cluster import Cluster, ClusterHost, kill_host, write_hosts
-from tests.launcher.test_ssh import assert_hosts_clean
+from tests.cluster import Cluster, ClusterHost, assert_hosts_clean, kill_host, write_hosts
 
 WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
 PY = sys.executable

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from launcher.output import RANK_COLOURS
-from tests.cluster import Cluster, ClusterHost
+from tests.cluster import Cluster, assert_hosts_clean
 
 SCRIPTS = Path(__file__).parent / "scripts"
 PY = sys.executable
@@ -68,29 +68,6 @@ def assert_gone(pids: list[int], within: float) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"processes still running: {alive}")
-
-
-def assert_hosts_clean(cluster: Cluster, hosts: list[ClusterHost], within: float) -> None:
-    """Nothing but sshd itself is left running on the hosts."""
-    deadline = time.monotonic() + within
-    left: list[str] = []
-    while time.monotonic() < deadline:
-        left = []
-        for host in hosts:
-            for proc in cluster.processes_on(host):
-                try:
-                    if proc.status() == psutil.STATUS_ZOMBIE:
-                        continue
-                    cmdline = " ".join(proc.cmdline())
-                except psutil.Error:
-                    continue
-                if "sshd" in proc.name() and "-D -f" in cmdline:
-                    continue  # the listening daemon
-                left.append(f"{host.alias}: {proc.pid} {cmdline}")
-        if not left:
-            return
-        time.sleep(0.1)
-    raise AssertionError("left running on the hosts:\n" + "\n".join(left))
 
 
 def start_job(cluster: Cluster, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
