@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import click
 
+from rendezvous import worker_env
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 _OPTIONS = [
@@ -82,19 +84,21 @@ def tuning_env(
     stall_check_shutdown_time_seconds: float | None = None,
 ) -> dict[str, str]:
     """The worker environment variables for the flags the user gave."""
+    we = worker_env
     env: dict[str, str] = {}
     if fusion_threshold_mb is not None:
-        env["HVDRUN_FUSION_THRESHOLD"] = str(int(fusion_threshold_mb * 1024 * 1024))
+        env[we.variable(we.FUSION_THRESHOLD)] = str(int(fusion_threshold_mb * 1024 * 1024))
     if cycle_time_ms is not None:
-        env["HVDRUN_CYCLE_TIME"] = f"{cycle_time_ms:g}"
+        env[we.variable(we.CYCLE_TIME)] = f"{cycle_time_ms:g}"
     if timeline_filename is not None:
-        env["HVDRUN_TIMELINE"] = os.path.abspath(timeline_filename)
+        env[we.variable(we.TIMELINE)] = os.path.abspath(timeline_filename)
     if timeline_mark_cycles:
-        env["HVDRUN_TIMELINE_MARK_CYCLES"] = "1"
+        env[we.variable(we.TIMELINE_MARK_CYCLES)] = "1"
     if no_stall_check:
-        env["HVDRUN_STALL_CHECK_DISABLE"] = "1"
+        env[we.variable(we.STALL_CHECK_DISABLE)] = "1"
     if stall_check_warning_time_seconds is not None:
-        env["HVDRUN_STALL_CHECK_TIME_SECONDS"] = f"{stall_check_warning_time_seconds:g}"
+        env[we.variable(we.STALL_CHECK_TIME_SECONDS)] = f"{stall_check_warning_time_seconds:g}"
     if stall_check_shutdown_time_seconds is not None:
-        env["HVDRUN_STALL_SHUTDOWN_TIME_SECONDS"] = f"{stall_check_shutdown_time_seconds:g}"
+        seconds = f"{stall_check_shutdown_time_seconds:g}"
+        env[we.variable(we.STALL_SHUTDOWN_TIME_SECONDS)] = seconds
     return env

@@ -67,6 +67,7 @@ from launcher.startup import (
     stop_agents,
     version_problems,
 )
+from rendezvous import worker_env
 from rendezvous.server import RendezvousServer
 from rendezvous.slots import SlotInfo
 
@@ -102,16 +103,18 @@ class ElasticDriver:
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         # Survivors of a failed collective wait in Register; a member that has not joined
         # them this long after is hung or cut off (twice the workers' Gloo timeout).
-        rejoin_timeout = 2 * _gloo_timeout(spec.env, options.failure_timeout)
+        gloo_timeout = worker_env.setting(worker_env.GLOO_TIMEOUT_SECONDS, spec.env)
+        rejoin_timeout = 2 * _seconds(gloo_timeout, options.failure_timeout)
         self.members = Membership(options, spec.num_proc, rejoin_timeout)
         # What every worker gets on top of the job's environment.
         worker_timeout = options.elastic_timeout + WORKER_TIMEOUT_SLACK
+        we = worker_env
         self._elastic_env = {
-            "HVDRUN_ELASTIC": "1",
-            "HVDRUN_ELASTIC_TIMEOUT": f"{worker_timeout:g}",
+            we.variable(we.ELASTIC): "1",
+            we.variable(we.ELASTIC_TIMEOUT): f"{worker_timeout:g}",
         }
-        if not any(name in spec.env for name in _GLOO_TIMEOUT_VARS):
-            self._elastic_env["HVDRUN_GLOO_TIMEOUT_SECONDS"] = f"{options.failure_timeout:g}"
+        if not any(name in spec.env for name in we.setting_names(we.GLOO_TIMEOUT_SECONDS)):
+            self._elastic_env[we.variable(we.GLOO_TIMEOUT_SECONDS)] = f"{options.failure_timeout:g}"
         self.result = JobResult(exit_code=0)
         self.finishing = False  # a worker exited 0: no more generations
         self.stopping = False
@@ -415,8 +418,8 @@ class ElasticDriver:
         for worker in spec.workers:
             number = next(self._worker_ids)
             worker.rank = number
-            worker.env["HVDRUN_GENERATION"] = str(generation)
-            host.workers[number] = int(worker.env["HVDRUN_LOCAL_RANK"])
+            worker.env[worker_env.GENERATION] = str(generation)
+            host.workers[number] = int(worker.env[worker_env.LOCAL_RANK])
             self.result.hosts[number] = host.name
         self.sink.open_files(host.workers)
         host.state = "running"
@@ -442,29 +445,22 @@ class ElasticDriver:
         return join_addr(agent_address(agent) or "127.0.0.1", port)
 
 
-#: The workers' Gloo timeout, in both spellings the collectives runtime reads.
-_GLOO_TIMEOUT_VARS = ("HVDRUN_GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS")
-
-
-def _gloo_timeout(env: dict[str, str], default: float) -> float:
-    for name in _GLOO_TIMEOUT_VARS:
-        try:
-            return float(env[name])
-        except (KeyError, ValueError):
-            continue
-    return default
+def _seconds(text: str | None, default: float) -> float:
+    """A number of seconds the job set, or the default where it set none (or nonsense: the
+    workers reject that themselves, with a message naming the variable)."""
+    try:
+        return float(text) if text is not None else default
+    except ValueError:
+        return default
 
 
 def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     """Runs an elastic job (``spec.elastic`` set) until it ends; see the module docstring."""
-    import secrets
-    import uuid
-
     options = spec.elastic
     assert options is not None
     initial = list(spec.hosts)  # the discovery's first answer (the CLI's run of it)
-    secret = secrets.token_urlsafe(32)
-    job_id = uuid.uuid4().hex[:16]
+    secret = worker_env.new_secret()
+    job_id = worker_env.new_job_id()
     # Hosts may join from anywhere later: listen on every interface unless told otherwise,
     # or unless the job is bound to this machine's own fixed hosts.
     plan = plan_rendezvous([], spec.launch.rendezvous_addr)

@@ -16,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import secrets
 import signal
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +35,7 @@ from launcher.startup import (
     start_agents,
     stop_agents,
 )
+from rendezvous import worker_env
 from rendezvous.server import RendezvousServer
 from rendezvous.slots import SlotInfo, assign_slots
 
@@ -77,23 +76,6 @@ class JobResult:
     hosts: dict[int, str] = field(default_factory=dict)  # rank -> host
 
 
-def worker_env(slot: SlotInfo) -> dict[str, str]:
-    """The per-rank part of a worker's environment (DESIGN.md)."""
-    return {
-        "HVDRUN_RANK": str(slot.rank),
-        "HVDRUN_SIZE": str(slot.size),
-        "HVDRUN_LOCAL_RANK": str(slot.local_rank),
-        "HVDRUN_LOCAL_SIZE": str(slot.local_size),
-        "HVDRUN_CROSS_RANK": str(slot.cross_rank),
-        "HVDRUN_CROSS_SIZE": str(slot.cross_size),
-        "HVDRUN_HOSTNAME": slot.hostname,
-        "RANK": str(slot.rank),
-        "WORLD_SIZE": str(slot.size),
-        "LOCAL_RANK": str(slot.local_rank),
-        "LOCAL_WORLD_SIZE": str(slot.local_size),
-    }
-
-
 def agent_spec(
     spec: JobSpec,
     hostname: str,
@@ -104,21 +86,15 @@ def agent_spec(
     heartbeat_timeout: float,
 ) -> AgentSpec:
     env = dict(spec.env)
-    env.update(
-        {
-            "PYTHONUNBUFFERED": "1",
-            "HVDRUN_RENDEZVOUS_ADDR": rendezvous,
-            "HVDRUN_JOB_ID": job_id,
-            "HVDRUN_SECRET": secret,
-        }
-    )
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(worker_env.connection_env(rendezvous, job_id, secret))
     return AgentSpec(
         hostname=hostname,
         command=list(spec.command),
         cwd=spec.cwd,
         env=env,
         workers=[
-            WorkerLaunch(rank=slot.rank, env=worker_env(slot))
+            WorkerLaunch(rank=slot.rank, env=worker_env.slot_env(slot))
             for slot in slots
             if slot.hostname == hostname
         ],
@@ -313,8 +289,8 @@ def run_job(spec: JobSpec, sink: OutputSink) -> JobResult:
         return run_elastic_job(spec, sink)
     slots = assign_slots([(h.hostname, h.slots) for h in spec.hosts], spec.num_proc)
     hostnames = list(dict.fromkeys(slot.hostname for slot in slots))
-    secret = secrets.token_urlsafe(32)
-    job_id = uuid.uuid4().hex[:16]
+    secret = worker_env.new_secret()
+    job_id = worker_env.new_job_id()
     events: queue.Queue[dict[str, Any]] = queue.Queue()
     options = spec.launch
     sink.open_files(range(spec.num_proc))

@@ -3,58 +3,22 @@
 ``hvdrun``'s tuning flags (``--fusion-threshold-mb``, ``--cycle-time-ms``, ...) become
 ``HVDRUN_*`` variables in every worker; each is also read under its Horovod spelling
 (``HOROVOD_FUSION_THRESHOLD``, ...) so existing Horovod job scripts keep their settings.
-The ``HVDRUN_`` spelling wins when both are set. Defaults are Horovod's.
+The ``HVDRUN_`` spelling wins when both are set (the names and their parsing are
+:mod:`rendezvous.worker_env`'s). Defaults are Horovod's.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-__all__ = ["EngineConfig", "env", "from_environment"]
+from rendezvous import worker_env
+
+__all__ = ["EngineConfig", "from_environment"]
 
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024
 DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_STALL_CHECK_SECONDS = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 30.0
-
-_TRUE = {"1", "true", "yes", "on", "y", "t"}
-_FALSE = {"0", "false", "no", "off", "n", "f", ""}
-
-
-def env(name: str, default: str | None = None) -> str | None:
-    """A tuning variable, spelled ``HVDRUN_<name>`` or (Horovod's spelling) ``HOROVOD_<name>``."""
-    for prefix in ("HVDRUN_", "HOROVOD_"):
-        value = os.environ.get(prefix + name)
-        if value is not None and value != "":
-            return value
-    return default
-
-
-def _number(name: str, default: float, minimum: float = 0.0, strict: bool = False) -> float:
-    raw = env(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"HVDRUN_{name} must be a number, got {raw!r}") from None
-    if value < minimum or (strict and value <= minimum):
-        bound = f"greater than {minimum:g}" if strict else f"at least {minimum:g}"
-        raise ValueError(f"HVDRUN_{name} must be {bound}, got {raw!r}")
-    return value
-
-
-def _flag(name: str) -> bool:
-    raw = env(name)
-    if raw is None:
-        return False
-    lowered = raw.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ValueError(f"HVDRUN_{name} must be 0 or 1, got {raw!r}")
 
 
 @dataclass(frozen=True)
@@ -85,15 +49,16 @@ class EngineConfig:
 
 def from_environment() -> EngineConfig:
     """Reads the configuration; a malformed value raises ValueError naming the variable."""
+    we = worker_env
     return EngineConfig(
-        fusion_threshold=int(_number("FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)),
-        cycle_time_ms=_number("CYCLE_TIME", DEFAULT_CYCLE_TIME_MS),
-        timeline=env("TIMELINE"),
-        timeline_mark_cycles=_flag("TIMELINE_MARK_CYCLES"),
-        stall_check=not _flag("STALL_CHECK_DISABLE"),
-        stall_warning_seconds=_number("STALL_CHECK_TIME_SECONDS", DEFAULT_STALL_CHECK_SECONDS),
-        stall_shutdown_seconds=_number("STALL_SHUTDOWN_TIME_SECONDS", 0.0),
-        collective_timeout_seconds=_number(
-            "GLOO_TIMEOUT_SECONDS", DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, strict=True
+        fusion_threshold=int(we.number(we.FUSION_THRESHOLD, DEFAULT_FUSION_THRESHOLD)),
+        cycle_time_ms=we.number(we.CYCLE_TIME, DEFAULT_CYCLE_TIME_MS),
+        timeline=we.setting(we.TIMELINE),
+        timeline_mark_cycles=we.flag(we.TIMELINE_MARK_CYCLES),
+        stall_check=not we.flag(we.STALL_CHECK_DISABLE),
+        stall_warning_seconds=we.number(we.STALL_CHECK_TIME_SECONDS, DEFAULT_STALL_CHECK_SECONDS),
+        stall_shutdown_seconds=we.number(we.STALL_SHUTDOWN_TIME_SECONDS, 0.0),
+        collective_timeout_seconds=we.number(
+            we.GLOO_TIMEOUT_SECONDS, DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, strict=True
         ),
     )

@@ -51,6 +51,7 @@ from collectives.torch.config import EngineConfig
 from collectives.torch.engine import FINAL_CYCLE_SECONDS, Engine
 from collectives.torch.errors import HorovodInternalError, NotInitializedError
 from collectives.torch.timeline import Timeline
+from rendezvous import worker_env
 
 __all__ = [
     "Topology",
@@ -138,19 +139,6 @@ _init_count = 0
 _atexit_registered = False
 
 
-env = config_module.env
-
-
-def _int_env(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-
-
 def _choose_backend() -> str:
     if torch.cuda.is_available() and dist.is_nccl_available():
         return "cpu:gloo,cuda:nccl"
@@ -228,8 +216,8 @@ def _init_single(backend: str, timeout: datetime.timedelta) -> _Runtime:
 
 
 def _elastic_timeout() -> float:
-    return config_module._number(
-        "ELASTIC_TIMEOUT", DEFAULT_ELASTIC_TIMEOUT_SECONDS, minimum=0.0, strict=True
+    return worker_env.number(
+        worker_env.ELASTIC_TIMEOUT, DEFAULT_ELASTIC_TIMEOUT_SECONDS, minimum=0.0, strict=True
     )
 
 
@@ -325,8 +313,8 @@ def _init_from_rendezvous(
     # Imported here: the size-1 path must work without the rendezvous (and gRPC) loaded.
     from rendezvous.client import RendezvousClient
 
-    secret = os.environ.get("HVDRUN_SECRET", "")
-    job_id = os.environ.get("HVDRUN_JOB_ID", "")
+    secret = os.environ.get(worker_env.SECRET, "")
+    job_id = os.environ.get(worker_env.JOB_ID, "")
     client = RendezvousClient(addr, secret, job_id)
     runtime_ = _Runtime(
         topology=Topology(0, 1, 0, 1, 0, 1),
@@ -335,21 +323,21 @@ def _init_from_rendezvous(
         store=None,
         client=client,
         rendezvous_addr=addr,
-        elastic=config_module._flag("ELASTIC"),
-        host=os.environ.get("HVDRUN_HOSTNAME") or socket.gethostname(),
-        slot=_int_env("HVDRUN_LOCAL_RANK", 0),
+        elastic=worker_env.flag(worker_env.ELASTIC),
+        host=os.environ.get(worker_env.HOSTNAME) or socket.gethostname(),
+        slot=worker_env.integer(worker_env.LOCAL_RANK, 0),
     )
     try:
-        min_generation = _int_env("HVDRUN_GENERATION", 0) if runtime_.elastic else 0
+        min_generation = worker_env.integer(worker_env.GENERATION, 0) if runtime_.elastic else 0
         _register(runtime_, min_generation)
         topology = runtime_.topology
-        env_rank = os.environ.get("HVDRUN_RANK")
+        env_rank = os.environ.get(worker_env.RANK)
         if env_rank is not None and env_rank != str(topology.rank):
             logger.info("the rendezvous assigned rank %d (HVDRUN_RANK=%s)", topology.rank, env_rank)
         # Watch before bootstrapping: a launcher that dies while peers are still missing must
         # not leave this worker blocked in the store until the timeout.
-        lost_after = config_module._number(
-            "RENDEZVOUS_LOST_AFTER_SECONDS", DEFAULT_LOST_AFTER_SECONDS, strict=True
+        lost_after = worker_env.number(
+            worker_env.RENDEZVOUS_LOST_AFTER_SECONDS, DEFAULT_LOST_AFTER_SECONDS, strict=True
         )
         client.watch(
             topology.rank,
@@ -430,7 +418,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         )
         backend = _choose_backend()
         _init_count += 1
-        addr = os.environ.get("HVDRUN_RENDEZVOUS_ADDR")
+        addr = os.environ.get(worker_env.RENDEZVOUS_ADDR)
         if addr:
             runtime_ = _init_from_rendezvous(addr, backend, timeout, _init_count)
         else:

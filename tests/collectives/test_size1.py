@@ -326,14 +326,6 @@ def test_horovod_internal_error_is_runtime_error() -> None:
     assert issubclass(hvd_module.HorovodInternalError, RuntimeError)
 
 
-def test_env_reads_both_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("HVDRUN_GLOO_TIMEOUT_SECONDS", raising=False)
-    monkeypatch.setenv("HOROVOD_GLOO_TIMEOUT_SECONDS", "12")
-    assert runtime.env("GLOO_TIMEOUT_SECONDS") == "12"
-    monkeypatch.setenv("HVDRUN_GLOO_TIMEOUT_SECONDS", "7")
-    assert runtime.env("GLOO_TIMEOUT_SECONDS") == "7"
-
-
 def test_timeout_from_environment(alone: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HVDRUN_GLOO_TIMEOUT_SECONDS", "42")
     hvd_module.init()

@@ -1,0 +1,194 @@
+"""The environment contract between a launcher and its workers: names, parsing, defaults.
+
+Everything hvdrun tells a worker travels in environment variables, and this module is the
+one place that spells them. The CLI and the launcher write them, the agent passes them on,
+the worker runtime (``collectives.torch``) reads them: all import this module, which imports
+neither torch nor gRPC, so it costs the CLI nothing.
+
+Two kinds of variables:
+
+* **Placement and connection**, set by the launcher for each worker: where it sits in the
+  job (``HVDRUN_RANK`` ... ``HVDRUN_HOSTNAME``, and torch's ``RANK``/``WORLD_SIZE``/
+  ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` for scripts that read those), how it reaches its job
+  (``HVDRUN_RENDEZVOUS_ADDR``, ``HVDRUN_JOB_ID``, ``HVDRUN_SECRET``) and, in elastic jobs,
+  its membership generation. The rendezvous server's answer to registration is what counts;
+  the placement variables let a script pick its GPU before ``hvd.init()``.
+* **Settings**, named without a prefix here (``FUSION_THRESHOLD``): a worker reads each as
+  ``HVDRUN_<name>`` or, Horovod's spelling, ``HOROVOD_<name>``; the ``HVDRUN_`` spelling wins
+  and an empty value counts as unset. :func:`setting`, :func:`number` and :func:`flag` parse
+  them, with errors that name the variable.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import uuid
+from collections.abc import Mapping
+
+from rendezvous.slots import SlotInfo
+
+__all__ = [
+    "ELASTIC",
+    "ELASTIC_TIMEOUT",
+    "GENERATION",
+    "GLOO_TIMEOUT_SECONDS",
+    "HOSTNAME",
+    "JOB_ID",
+    "LOCAL_RANK",
+    "RANK",
+    "RENDEZVOUS_ADDR",
+    "SECRET",
+    "connection_env",
+    "flag",
+    "integer",
+    "new_job_id",
+    "new_secret",
+    "number",
+    "setting",
+    "setting_names",
+    "slot_env",
+    "variable",
+]
+
+PREFIX = "HVDRUN_"
+HOROVOD_PREFIX = "HOROVOD_"
+
+# ---- placement: one value per worker ---------------------------------------------------
+RANK = "HVDRUN_RANK"
+SIZE = "HVDRUN_SIZE"
+LOCAL_RANK = "HVDRUN_LOCAL_RANK"
+LOCAL_SIZE = "HVDRUN_LOCAL_SIZE"
+CROSS_RANK = "HVDRUN_CROSS_RANK"
+CROSS_SIZE = "HVDRUN_CROSS_SIZE"
+HOSTNAME = "HVDRUN_HOSTNAME"
+#: torch.distributed's names for the same facts (torchrun sets them too).
+TORCH_RANK = "RANK"
+TORCH_WORLD_SIZE = "WORLD_SIZE"
+TORCH_LOCAL_RANK = "LOCAL_RANK"
+TORCH_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+
+# ---- connection: the same for every worker of a job -------------------------------------
+RENDEZVOUS_ADDR = "HVDRUN_RENDEZVOUS_ADDR"
+JOB_ID = "HVDRUN_JOB_ID"
+SECRET = "HVDRUN_SECRET"
+#: Elastic jobs: the membership generation a worker was started for.
+GENERATION = "HVDRUN_GENERATION"
+
+# ---- settings: read as HVDRUN_<name> or HOROVOD_<name> ---------------------------------
+FUSION_THRESHOLD = "FUSION_THRESHOLD"
+CYCLE_TIME = "CYCLE_TIME"
+TIMELINE = "TIMELINE"
+TIMELINE_MARK_CYCLES = "TIMELINE_MARK_CYCLES"
+STALL_CHECK_DISABLE = "STALL_CHECK_DISABLE"
+STALL_CHECK_TIME_SECONDS = "STALL_CHECK_TIME_SECONDS"
+STALL_SHUTDOWN_TIME_SECONDS = "STALL_SHUTDOWN_TIME_SECONDS"
+#: How long a collective (and a negotiation round) waits for a peer.
+GLOO_TIMEOUT_SECONDS = "GLOO_TIMEOUT_SECONDS"
+#: How long the rendezvous heartbeat may stay silent before the job counts as lost.
+RENDEZVOUS_LOST_AFTER_SECONDS = "RENDEZVOUS_LOST_AFTER_SECONDS"
+#: Elastic jobs: "1" marks one; how long a worker waits for the next generation.
+ELASTIC = "ELASTIC"
+ELASTIC_TIMEOUT = "ELASTIC_TIMEOUT"
+
+_TRUE = frozenset(("1", "true", "yes", "on", "y", "t"))
+_FALSE = frozenset(("0", "false", "no", "off", "n", "f", ""))
+
+
+def variable(name: str) -> str:
+    """The variable a launcher sets for a setting: ``HVDRUN_<name>``."""
+    return PREFIX + name
+
+
+def setting_names(name: str) -> tuple[str, str]:
+    """The two spellings of a setting, the one that wins first."""
+    return PREFIX + name, HOROVOD_PREFIX + name
+
+
+def setting(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """A setting's value (``HVDRUN_<name>``, else ``HOROVOD_<name>``); None when unset."""
+    source = os.environ if env is None else env
+    for variable in setting_names(name):
+        value = source.get(variable)
+        if value:
+            return value
+    return None
+
+
+def number(
+    name: str,
+    default: float,
+    *,
+    minimum: float = 0.0,
+    strict: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> float:
+    """A numeric setting; ValueError naming ``HVDRUN_<name>`` when malformed or below
+    ``minimum`` (``strict``: it must be greater)."""
+    raw = setting(name, env)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name} must be a number, got {raw!r}") from None
+    if value < minimum or (strict and value <= minimum):
+        bound = f"greater than {minimum:g}" if strict else f"at least {minimum:g}"
+        raise ValueError(f"{PREFIX}{name} must be {bound}, got {raw!r}")
+    return value
+
+
+def flag(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """A 0/1 setting (also true/false, yes/no, on/off); ValueError naming it when neither."""
+    raw = setting(name, env)
+    if raw is None:
+        return False
+    lowered = raw.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"{PREFIX}{name} must be 0 or 1, got {raw!r}")
+
+
+def integer(variable: str, default: int, env: Mapping[str, str] | None = None) -> int:
+    """A plain integer variable (spelled in full); ValueError naming it when malformed."""
+    raw = (os.environ if env is None else env).get(variable)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{variable} must be an integer, got {raw!r}") from None
+
+
+def slot_env(slot: SlotInfo) -> dict[str, str]:
+    """The placement variables of the worker that runs ``slot``."""
+    return {
+        RANK: str(slot.rank),
+        SIZE: str(slot.size),
+        LOCAL_RANK: str(slot.local_rank),
+        LOCAL_SIZE: str(slot.local_size),
+        CROSS_RANK: str(slot.cross_rank),
+        CROSS_SIZE: str(slot.cross_size),
+        HOSTNAME: slot.hostname,
+        TORCH_RANK: str(slot.rank),
+        TORCH_WORLD_SIZE: str(slot.size),
+        TORCH_LOCAL_RANK: str(slot.local_rank),
+        TORCH_LOCAL_WORLD_SIZE: str(slot.local_size),
+    }
+
+
+def connection_env(rendezvous_addr: str, job_id: str, secret: str) -> dict[str, str]:
+    """How every worker of a job reaches its rendezvous."""
+    return {RENDEZVOUS_ADDR: rendezvous_addr, JOB_ID: job_id, SECRET: secret}
+
+
+def new_secret() -> str:
+    """A fresh job secret: 256 random bits, URL-safe text."""
+    return secrets.token_urlsafe(32)
+
+
+def new_job_id() -> str:
+    """A fresh job id (not secret: it names the job in the rendezvous's metadata)."""
+    return uuid.uuid4().hex[:16]

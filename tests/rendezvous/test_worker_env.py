@@ -1,0 +1,68 @@
+"""The environment contract between the launcher and its workers (rendezvous.worker_env)."""
+
+import pytest
+
+from rendezvous import worker_env
+from rendezvous.slots import assign_slots
+
+
+def test_setting_reads_both_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HVDRUN_GLOO_TIMEOUT_SECONDS", raising=False)
+    monkeypatch.setenv("HOROVOD_GLOO_TIMEOUT_SECONDS", "12")
+    assert worker_env.setting("GLOO_TIMEOUT_SECONDS") == "12"
+    monkeypatch.setenv("HVDRUN_GLOO_TIMEOUT_SECONDS", "7")
+    assert worker_env.setting("GLOO_TIMEOUT_SECONDS") == "7"
+
+
+def test_setting_from_a_given_environment() -> None:
+    env = {"HVDRUN_CYCLE_TIME": "", "HOROVOD_CYCLE_TIME": "3"}
+    assert worker_env.setting(worker_env.CYCLE_TIME, env) == "3"  # empty counts as unset
+    assert worker_env.setting(worker_env.TIMELINE, env) is None
+    assert worker_env.number(worker_env.CYCLE_TIME, 1.0, env=env) == 3.0
+
+
+def test_number_errors_name_the_variable() -> None:
+    with pytest.raises(ValueError, match=r"HVDRUN_CYCLE_TIME must be a number, got 'soon'"):
+        worker_env.number("CYCLE_TIME", 1.0, env={"HVDRUN_CYCLE_TIME": "soon"})
+    with pytest.raises(ValueError, match="must be at least 0"):
+        worker_env.number("CYCLE_TIME", 1.0, env={"HVDRUN_CYCLE_TIME": "-1"})
+    with pytest.raises(ValueError, match="must be greater than 0"):
+        worker_env.number(
+            "GLOO_TIMEOUT_SECONDS", 1.0, strict=True, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "0"}
+        )
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"), [("1", True), ("yes", True), ("off", False), ("0", False)]
+)
+def test_flag(raw: str, value: bool) -> None:
+    assert worker_env.flag("ELASTIC", {"HVDRUN_ELASTIC": raw}) is value
+
+
+def test_flag_rejects_other_words() -> None:
+    with pytest.raises(ValueError, match="HVDRUN_ELASTIC must be 0 or 1"):
+        worker_env.flag("ELASTIC", {"HVDRUN_ELASTIC": "maybe"})
+
+
+def test_integer() -> None:
+    assert worker_env.integer(worker_env.GENERATION, 0, {}) == 0
+    assert worker_env.integer(worker_env.GENERATION, 0, {"HVDRUN_GENERATION": "4"}) == 4
+    with pytest.raises(ValueError, match="HVDRUN_GENERATION must be an integer"):
+        worker_env.integer(worker_env.GENERATION, 0, {"HVDRUN_GENERATION": "x"})
+
+
+def test_slot_env_names_the_place_in_both_vocabularies() -> None:
+    slot = assign_slots([("a", 2), ("b", 2)], 4)[3]
+    env = worker_env.slot_env(slot)
+    assert env["HVDRUN_RANK"] == env["RANK"] == "3"
+    assert env["HVDRUN_SIZE"] == env["WORLD_SIZE"] == "4"
+    assert env["HVDRUN_LOCAL_RANK"] == env["LOCAL_RANK"] == "1"
+    assert env["HVDRUN_LOCAL_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+    assert (env["HVDRUN_CROSS_RANK"], env["HVDRUN_CROSS_SIZE"]) == ("1", "2")
+    assert env["HVDRUN_HOSTNAME"] == "b"
+
+
+def test_fresh_credentials_differ() -> None:
+    assert worker_env.new_secret() != worker_env.new_secret()
+    assert len(worker_env.new_secret()) >= 43  # 256 bits
+    assert worker_env.new_job_id() != worker_env.new_job_id()
