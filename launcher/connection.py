@@ -18,6 +18,7 @@ import threading
 import time
 from typing import IO, Any, Protocol
 
+from launcher.errors import LauncherError
 from launcher.protocol import (
     KILL,
     PING,
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 NO_CWD_EXIT = 200
 
 
-class AgentStartError(Exception):
+class AgentStartError(LauncherError):
     """A host whose agent could not be started; the message says why, for the user."""
 
 

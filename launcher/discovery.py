@@ -22,6 +22,7 @@ import signal
 import subprocess
 from dataclasses import dataclass
 
+from launcher.errors import LauncherError
 from launcher.hosts import HostSpec, HostSpecError, parse_host_entry
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 DISCOVERY_TIMEOUT = 10.0
 
 
-class DiscoveryError(Exception):
+class DiscoveryError(LauncherError):
     """The discovery script failed or printed something that is not a host list."""
 
 

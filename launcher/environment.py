@@ -14,6 +14,8 @@ import fnmatch
 import re
 from collections.abc import Iterable, Mapping
 
+from launcher.errors import LauncherError
+
 #: Names (shell patterns) that are never copied from hvdrun's host; see the module docstring.
 HOST_SPECIFIC: tuple[str, ...] = (
     # the machine and the shell hvdrun was started from
@@ -54,7 +56,7 @@ HOST_SPECIFIC: tuple[str, ...] = (
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class EnvSpecError(ValueError):
+class EnvSpecError(LauncherError, ValueError):
     """A ``-x`` argument that cannot be used; the message is for the user."""
 
 

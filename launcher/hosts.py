@@ -17,8 +17,10 @@ import re
 import socket
 from dataclasses import dataclass
 
+from launcher.errors import LauncherError
 
-class HostSpecError(ValueError):
+
+class HostSpecError(LauncherError, ValueError):
     """A host list or hostfile that cannot be parsed; the message is for the user."""
 
 

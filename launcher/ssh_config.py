@@ -16,6 +16,7 @@ from typing import Any
 
 import paramiko
 
+from launcher.errors import LauncherError
 from launcher.options import SSHOptions
 
 DEFAULT_CONFIG = "~/.ssh/config"
@@ -30,7 +31,7 @@ _STRICT_FROM_CONFIG = {
 }
 
 
-class SSHConnectError(Exception):
+class SSHConnectError(LauncherError):
     """A host hvdrun could not log in to; the message says why, for the user."""
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from launcher.connection import AgentConnection, AgentStartError
+from launcher.errors import LauncherError
 from launcher.hostinfo import installed_versions, join_addr, source_address
 from launcher.hosts import is_local_host
 from launcher.local import LocalAgent
@@ -31,7 +32,7 @@ from launcher.protocol import PROTOCOL_VERSION
 AGENT_FAILURE_EXIT = 255
 
 
-class LaunchError(Exception):
+class LaunchError(LauncherError):
     """Some hosts could not be started; ``failures`` maps each to the reason."""
 
     def __init__(self, failures: dict[str, str], total: int) -> None:
@@ -43,7 +44,7 @@ class LaunchError(Exception):
         super().__init__("\n".join(lines))
 
 
-class LaunchInterrupted(Exception):
+class LaunchInterrupted(LauncherError):
     def __init__(self, signum: int) -> None:
         super().__init__(f"interrupted by signal {signum}")
         self.signum = signum
