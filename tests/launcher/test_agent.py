@@ -129,3 +129,13 @@ def test_unknown_request_is_refused() -> None:
     code, stderr = agent.close()
     assert code == 2
     assert "unexpected request 'dance'" in stderr
+
+
+def test_the_agent_starts_without_paramiko_grpc_or_torch() -> None:
+    code = (
+        "import sys\n"
+        "import launcher.agent.__main__, launcher.agent.probe\n"
+        "print(sorted(m for m in ('paramiko', 'grpc', 'torch') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout == "[]\n", result.stderr

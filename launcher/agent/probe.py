@@ -1,7 +1,7 @@
 """``hvdrun --check-hosts``' view of one host, gathered by that host's agent.
 
 The agent itself never imports torch, so the torch facts (version, CUDA, GPUs, NCCL, Gloo)
-come from ``python -m launcher.probe``, a child process that does. The agent adds its
+come from ``python -m launcher.agent.probe``, a child process that does. The agent adds its
 versions, the interface that faces hvdrun and whether a TCP connection back to hvdrun works,
 which is what a job's workers need to reach the rendezvous server.
 """
@@ -50,7 +50,7 @@ def describe_torch() -> dict[str, Any]:
 def _torch_facts() -> dict[str, Any]:
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "launcher.probe"],
+            [sys.executable, "-m", "launcher.agent.probe"],
             capture_output=True,
             timeout=TORCH_PROBE_TIMEOUT,
             stdin=subprocess.DEVNULL,

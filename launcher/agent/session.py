@@ -1,4 +1,4 @@
-"""The per-host agent: ``python -m launcher.agent``.
+"""The per-host agent's one session: ``python -m launcher.agent`` runs :func:`main`.
 
 One agent runs on every host of a job, for local and remote hosts alike (a subprocess, or
 over SSH). It announces its versions with a ``hello`` event, reads its request from stdin
@@ -28,10 +28,10 @@ import threading
 import time
 from typing import Any, BinaryIO
 
+from launcher.agent.workers import Emit, HostAgent
 from launcher.environment import worker_base_env
 from launcher.hostinfo import installed_versions, interface_facing
 from launcher.protocol import PROTOCOL_VERSION, AgentSpec, decode_request, encode_event
-from launcher.workers import Emit, HostAgent
 
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -170,7 +170,7 @@ def main() -> int:
         note(str(exc))
         return 2
     if request["op"] == "probe":
-        from launcher.probe import probe_host
+        from launcher.agent.probe import probe_host
 
         emit({"ev": "probe", **probe_host(request.get("connect_back"))})
         emit({"ev": "done"})
@@ -179,11 +179,3 @@ def main() -> int:
         note(f"unexpected request {request['op']!r}")
         return 2
     return run(AgentSpec.from_dict(request["spec"]), stdin, emit)
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    # The stdin watcher may still be blocked in readline(); a normal interpreter shutdown
-    # would then abort on the buffered reader's lock, so leave without it.
-    os._exit(code)

@@ -1,0 +1,17 @@
+"""``python -m launcher.agent``: the command hvdrun runs on every host, locally or over SSH.
+
+The module path is part of hvdrun's contract with its hosts (``launcher.transport.local``
+and ``launcher.transport.remote`` start it); the agent itself is :mod:`launcher.agent.session`.
+"""
+
+import os
+import sys
+
+from launcher.agent.session import main
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    # The stdin watcher may still be blocked in readline(); a normal interpreter shutdown
+    # would then abort on the buffered reader's lock, so leave without it.
+    os._exit(code)
