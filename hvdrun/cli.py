@@ -1,6 +1,6 @@
 """The ``hvdrun`` command line: ``hvdrun -np 4 -H host1:2,host2:2 python train.py ARGS...``.
 
-Parses and checks the user's input, builds a :class:`~launcher.job.JobSpec` and hands it to
+Parses and checks the user's input, builds a :class:`~launcher.spec.job.JobSpec` and hands it to
 the launcher. Every user mistake ends as one ``hvdrun: error: ...`` line and exit code 2,
 never a traceback. This process never imports torch (only ``--check-build`` does).
 """
@@ -18,9 +18,14 @@ import click
 from hvdrun import __version__
 from hvdrun.elastic_flags import ElasticFlags, check_num_proc, elastic_options, explicit
 from hvdrun.tuning import tuning_env, tuning_options
-from launcher.environment import EnvSpecError, forwarded_env, parse_exports
-from launcher.hosts import LOCAL_NAMES, HostSpec, HostSpecError, parse_hostfile, parse_hosts
-from launcher.options import ELASTIC_FAILURE_TIMEOUT, HOST_KEY_POLICIES, LaunchOptions, SSHOptions
+from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports
+from launcher.spec.hosts import LOCAL_NAMES, HostSpec, HostSpecError, parse_hostfile, parse_hosts
+from launcher.spec.options import (
+    ELASTIC_FAILURE_TIMEOUT,
+    HOST_KEY_POLICIES,
+    LaunchOptions,
+    SSHOptions,
+)
 
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
@@ -237,8 +242,9 @@ def cli(
         check_output_dir(output_filename)
 
     # Imported here so that --version, --help and input errors stay instant.
-    from launcher.job import JobSpec, run_job
+    from launcher.job import run_job
     from launcher.output import OutputOptions, OutputSink, use_colour
+    from launcher.spec.job import JobSpec
     from launcher.startup import LaunchError, LaunchInterrupted
 
     spec = JobSpec(
@@ -306,7 +312,7 @@ def resolve_hosts(
 def worker_env(
     exports: tuple[str, ...], network_interface: str | None, tuning: dict[str, Any]
 ) -> dict[str, str]:
-    """What every worker gets from here: see launcher.environment for the rules."""
+    """What every worker gets from here: see launcher.spec.environment for the rules."""
     try:
         exported = parse_exports(exports, os.environ)
     except EnvSpecError as exc:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from launcher.hosts import HostSpec
+from launcher.spec.hosts import HostSpec
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -121,7 +121,7 @@ class ElasticFlags:
         self, host_list: list[HostSpec] | None, num_proc: int | None
     ) -> tuple[list[HostSpec], int, Any]:
         from launcher.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
-        from launcher.options import ElasticOptions
+        from launcher.spec.options import ElasticOptions
 
         if num_proc is None:
             if self.min_np is None:

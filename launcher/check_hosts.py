@@ -19,7 +19,7 @@ from typing import Any
 
 from launcher.connection import AgentConnection, AgentStartError
 from launcher.hostinfo import installed_versions, join_addr
-from launcher.options import LaunchOptions
+from launcher.spec.options import LaunchOptions
 from launcher.startup import (
     LaunchError,
     open_agents,

@@ -23,7 +23,7 @@ import subprocess
 from dataclasses import dataclass
 
 from launcher.errors import LauncherError
-from launcher.hosts import HostSpec, HostSpecError, parse_host_entry
+from launcher.spec.hosts import HostSpec, HostSpecError, parse_host_entry
 
 log = logging.getLogger(__name__)
 

@@ -44,21 +44,21 @@ from typing import Any
 from launcher.connection import AgentConnection
 from launcher.discovery import DiscoveryError, FixedHosts
 from launcher.hostinfo import installed_versions, join_addr
-from launcher.hosts import HostSpec, is_local_host
 from launcher.job import (
     AGENT_REPORT_SLACK,
     JobResult,
-    JobSpec,
     WorkerFailure,
     _Signals,
     agent_loss_reason,
     agent_spec,
 )
 from launcher.membership import HostRecord, Membership, Publish, Stop, Wait
-from launcher.options import ElasticOptions
 from launcher.output import OutputSink
 from launcher.protocol import bytes_of
 from launcher.report import describe_exit, report_failure
+from launcher.spec.hosts import HostSpec, is_local_host
+from launcher.spec.job import JobSpec
+from launcher.spec.options import ElasticOptions
 from launcher.startup import (
     agent_address,
     make_agent,

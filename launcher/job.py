@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.connection import AgentConnection
-from launcher.hosts import HostSpec
-from launcher.options import ElasticOptions, LaunchOptions
 from launcher.output import OutputSink
 from launcher.protocol import AgentSpec, WorkerLaunch, bytes_of
 from launcher.report import report_failure
+from launcher.spec.job import JobSpec
 from launcher.startup import (
     AGENT_FAILURE_EXIT,
     plan_rendezvous,
@@ -43,18 +42,6 @@ log = logging.getLogger(__name__)
 
 # How long agents get, beyond the workers' grace period, to report before they are killed.
 AGENT_REPORT_SLACK = 10.0
-
-
-@dataclass
-class JobSpec:
-    command: list[str]
-    num_proc: int
-    hosts: list[HostSpec]
-    env: dict[str, str]  # already without host-specific variables (launcher.environment)
-    cwd: str
-    term_grace: float = 5.0
-    launch: LaunchOptions = field(default_factory=LaunchOptions)
-    elastic: ElasticOptions | None = None  # set: an elastic job (launcher.elastic)
 
 
 @dataclass

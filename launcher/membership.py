@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.discovery import Blacklist
-from launcher.hosts import HostSpec
-from launcher.options import ElasticOptions
+from launcher.spec.hosts import HostSpec
+from launcher.spec.options import ElasticOptions
 from rendezvous.slots import SlotInfo, assign_slots
 
 ACTIVE = ("starting", "ready", "running")

@@ -17,7 +17,7 @@ from typing import Any
 import paramiko
 
 from launcher.errors import LauncherError
-from launcher.options import SSHOptions
+from launcher.spec.options import SSHOptions
 
 DEFAULT_CONFIG = "~/.ssh/config"
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from launcher.connection import AgentConnection, AgentStartError
 from launcher.errors import LauncherError
 from launcher.hostinfo import installed_versions, join_addr, source_address
-from launcher.hosts import is_local_host
 from launcher.local import LocalAgent
-from launcher.options import LaunchOptions
 from launcher.protocol import PROTOCOL_VERSION
+from launcher.spec.hosts import is_local_host
+from launcher.spec.options import LaunchOptions
 
 #: hvdrun's exit code when it cannot start (or loses) an agent; ssh uses the same.
 AGENT_FAILURE_EXIT = 255

@@ -29,9 +29,9 @@ import time
 from typing import Any, BinaryIO
 
 from launcher.agent.workers import Emit, HostAgent
-from launcher.environment import worker_base_env
 from launcher.hostinfo import installed_versions, interface_facing
 from launcher.protocol import PROTOCOL_VERSION, AgentSpec, decode_request, encode_event
+from launcher.spec.environment import worker_base_env
 
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 

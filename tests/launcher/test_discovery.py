@@ -12,7 +12,7 @@ from launcher.discovery import (
     ScriptDiscovery,
     parse_discovery_output,
 )
-from launcher.hosts import HostSpec
+from launcher.spec.hosts import HostSpec
 
 
 def test_parse_discovery_output() -> None:

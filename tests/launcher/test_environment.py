@@ -2,7 +2,7 @@
 
 import pytest
 
-from launcher.environment import (
+from launcher.spec.environment import (
     MALLOC_DEFAULTS,
     EnvSpecError,
     forwarded_env,

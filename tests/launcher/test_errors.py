@@ -6,9 +6,9 @@ import pytest
 
 from launcher.connection import AgentStartError
 from launcher.discovery import DiscoveryError
-from launcher.environment import EnvSpecError
 from launcher.errors import LauncherError
-from launcher.hosts import HostSpecError
+from launcher.spec.environment import EnvSpecError
+from launcher.spec.hosts import HostSpecError
 from launcher.ssh_config import SSHConnectError
 from launcher.startup import LaunchError, LaunchInterrupted
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.hosts import (
+from launcher.spec.hosts import (
     HostSpec,
     HostSpecError,
     is_local_host,

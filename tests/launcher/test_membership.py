@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from launcher.discovery import FixedHosts
-from launcher.hosts import HostSpec
 from launcher.membership import Membership, Publish, Stop, Wait
-from launcher.options import ElasticOptions
+from launcher.spec.hosts import HostSpec
+from launcher.spec.options import ElasticOptions
 
 
 def membership(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.options import SSHOptions
+from launcher.spec.options import SSHOptions
 from launcher.ssh import SSHConnector
 from launcher.ssh_config import SSHConnectError, load_config, resolve_target
 

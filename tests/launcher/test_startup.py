@@ -9,7 +9,7 @@ import pytest
 
 from launcher import startup
 from launcher.connection import AgentConnection, AgentStartError
-from launcher.options import LaunchOptions
+from launcher.spec.options import LaunchOptions
 from launcher.startup import (
     LaunchError,
     open_agents,

@@ -1,0 +1,24 @@
+"""What one job runs: the command, how many workers, on which hosts, with which environment.
+
+The CLI builds a :class:`JobSpec` from the user's flags; the launcher only reads it. A spec
+with ``elastic`` set describes an elastic job (see :mod:`launcher.elastic`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launcher.spec.hosts import HostSpec
+from launcher.spec.options import ElasticOptions, LaunchOptions
+
+
+@dataclass
+class JobSpec:
+    command: list[str]
+    num_proc: int
+    hosts: list[HostSpec]
+    env: dict[str, str]  # already without host-specific variables (launcher.spec.environment)
+    cwd: str
+    term_grace: float = 5.0  # seconds between SIGTERM and SIGKILL when workers are stopped
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
+    elastic: ElasticOptions | None = None  # set: an elastic job
