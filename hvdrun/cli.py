@@ -245,7 +245,7 @@ def cli(
     from launcher.job import run_job
     from launcher.output import OutputOptions, OutputSink, use_colour
     from launcher.spec.job import JobSpec
-    from launcher.startup import LaunchError, LaunchInterrupted
+    from launcher.transport.startup import LaunchError, LaunchInterrupted
 
     spec = JobSpec(
         command=list(command),

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.connection import AgentConnection, AgentStartError
-from launcher.hostinfo import installed_versions, join_addr
 from launcher.spec.options import LaunchOptions
-from launcher.startup import (
+from launcher.transport.connection import AgentConnection, AgentStartError
+from launcher.transport.hostinfo import installed_versions, join_addr
+from launcher.transport.startup import (
     LaunchError,
     open_agents,
     plan_rendezvous,

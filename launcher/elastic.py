@@ -41,9 +41,7 @@ import threading
 import time
 from typing import Any
 
-from launcher.connection import AgentConnection
 from launcher.discovery import DiscoveryError, FixedHosts
-from launcher.hostinfo import installed_versions, join_addr
 from launcher.job import (
     AGENT_REPORT_SLACK,
     JobResult,
@@ -54,12 +52,14 @@ from launcher.job import (
 )
 from launcher.membership import HostRecord, Membership, Publish, Stop, Wait
 from launcher.output import OutputSink
-from launcher.protocol import bytes_of
 from launcher.report import describe_exit, report_failure
 from launcher.spec.hosts import HostSpec, is_local_host
 from launcher.spec.job import JobSpec
 from launcher.spec.options import ElasticOptions
-from launcher.startup import (
+from launcher.transport.connection import AgentConnection
+from launcher.transport.hostinfo import installed_versions, join_addr
+from launcher.transport.protocol import bytes_of
+from launcher.transport.startup import (
     agent_address,
     make_agent,
     plan_rendezvous,
@@ -431,7 +431,7 @@ class ElasticDriver:
         if explicit:
             return join_addr(split_explicit(explicit)[0], port)
         if agent.kind == "local":
-            # Local workers face the remote hosts, if there are any (see launcher.startup).
+            # Local workers face the remote hosts, if any (see launcher.transport.startup).
             remote = next(
                 (
                     h.agent

@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.connection import AgentConnection
 from launcher.output import OutputSink
-from launcher.protocol import AgentSpec, WorkerLaunch, bytes_of
 from launcher.report import report_failure
 from launcher.spec.job import JobSpec
-from launcher.startup import (
+from launcher.transport.connection import AgentConnection
+from launcher.transport.protocol import AgentSpec, WorkerLaunch, bytes_of
+from launcher.transport.startup import (
     AGENT_FAILURE_EXIT,
     plan_rendezvous,
     rendezvous_addr,

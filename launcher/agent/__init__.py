@@ -7,6 +7,7 @@
 The agent starts on every host before any worker, so it must start fast: it imports neither
 paramiko, grpc nor torch (only ``python -m launcher.agent.probe``, a child of the probe,
 imports torch). From the rest of the launcher it uses only the light leaf modules it shares
-with hvdrun's side: the wire protocol (:mod:`launcher.protocol`), host facts
-(:mod:`launcher.hostinfo`), the environment rules and the line splitter.
+with hvdrun's side: the wire protocol (:mod:`launcher.transport.protocol`), host facts
+(:mod:`launcher.transport.hostinfo`), the environment rules (:mod:`launcher.spec.environment`)
+and the line splitter (:mod:`launcher.output`).
 """

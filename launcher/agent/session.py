@@ -2,7 +2,7 @@
 
 One agent runs on every host of a job, for local and remote hosts alike (a subprocess, or
 over SSH). It announces its versions with a ``hello`` event, reads its request from stdin
-(:mod:`launcher.protocol`), starts the host's workers (each in a new session, so its whole
+(:mod:`launcher.transport.protocol`), starts the host's workers (each in a new session, so its whole
 process group can be signalled), splits their output into lines and reports them, with
 exits, as events on stdout.
 
@@ -29,9 +29,9 @@ import time
 from typing import Any, BinaryIO
 
 from launcher.agent.workers import Emit, HostAgent
-from launcher.hostinfo import installed_versions, interface_facing
-from launcher.protocol import PROTOCOL_VERSION, AgentSpec, decode_request, encode_event
 from launcher.spec.environment import worker_base_env
+from launcher.transport.hostinfo import installed_versions, interface_facing
+from launcher.transport.protocol import PROTOCOL_VERSION, AgentSpec, decode_request, encode_event
 
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 

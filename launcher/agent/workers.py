@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 import psutil
 
 from launcher.output import LineSplitter
-from launcher.protocol import AgentSpec, WorkerLaunch, text_of
+from launcher.transport.protocol import AgentSpec, WorkerLaunch, text_of
 
 Emit = Callable[[dict[str, Any]], None]
 READ_CHUNK = 65536

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from launcher.protocol import KILL, AgentSpec, WorkerLaunch, encode, run_request
+from launcher.transport.protocol import KILL, AgentSpec, WorkerLaunch, encode, run_request
 
 AGENT = [sys.executable, "-m", "launcher.agent"]
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.connection import AgentStartError
 from launcher.discovery import DiscoveryError
 from launcher.errors import LauncherError
 from launcher.spec.environment import EnvSpecError
 from launcher.spec.hosts import HostSpecError
-from launcher.ssh_config import SSHConnectError
-from launcher.startup import LaunchError, LaunchInterrupted
+from launcher.transport.connection import AgentStartError
+from launcher.transport.ssh_config import SSHConnectError
+from launcher.transport.startup import LaunchError, LaunchInterrupted
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.connection import NO_CWD_EXIT
-from launcher.remote import agent_command
+from launcher.transport.connection import NO_CWD_EXIT
+from launcher.transport.remote import agent_command
 
 
 def run_as_login_shell(command: str) -> subprocess.CompletedProcess[bytes]:

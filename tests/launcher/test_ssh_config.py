@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from launcher.spec.options import SSHOptions
-from launcher.ssh import SSHConnector
-from launcher.ssh_config import SSHConnectError, load_config, resolve_target
+from launcher.transport.ssh import SSHConnector
+from launcher.transport.ssh_config import SSHConnectError, load_config, resolve_target
 
 CONFIG = """
 Host gpu*

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from launcher import startup
-from launcher.connection import AgentConnection, AgentStartError
 from launcher.spec.options import LaunchOptions
-from launcher.startup import (
+from launcher.transport import startup
+from launcher.transport.connection import AgentConnection, AgentStartError
+from launcher.transport.startup import (
     LaunchError,
     open_agents,
     plan_rendezvous,

@@ -19,7 +19,7 @@ import time
 from typing import IO, Any, Protocol
 
 from launcher.errors import LauncherError
-from launcher.protocol import (
+from launcher.transport.protocol import (
     KILL,
     PING,
     TERMINATE,

@@ -19,10 +19,10 @@ from typing import Any
 
 import paramiko
 
-from launcher.connection import NO_CWD_EXIT, AgentConnection, AgentStartError, LineReader
-from launcher.local import AGENT_MODULE, agent_pythonpath
-from launcher.ssh import SSHConnector
-from launcher.ssh_config import SSHConnectError, SSHTarget
+from launcher.transport.connection import NO_CWD_EXIT, AgentConnection, AgentStartError, LineReader
+from launcher.transport.local import AGENT_MODULE, agent_pythonpath
+from launcher.transport.ssh import SSHConnector
+from launcher.transport.ssh_config import SSHConnectError, SSHTarget
 
 
 def agent_command(python: str, cwd: str, pythonpath: str | None) -> str:

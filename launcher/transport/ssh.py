@@ -1,6 +1,6 @@
 """SSH connections to remote hosts with paramiko, the way OpenSSH users expect.
 
-Settings come from :mod:`launcher.ssh_config`. Keys are tried in OpenSSH's order: ``-i``,
+Settings come from :mod:`launcher.transport.ssh_config`. Keys are tried in OpenSSH's order: ``-i``,
 IdentityFile, the ssh-agent, and (without IdentityFile) ``~/.ssh/id_*``; passwords never.
 
 Host keys (``--ssh-host-key-policy``):
@@ -31,7 +31,7 @@ from typing import Any, cast
 
 import paramiko
 
-from launcher.ssh_config import SSHConnectError, SSHTarget
+from launcher.transport.ssh_config import SSHConnectError, SSHTarget
 
 # paramiko logs the errors it raises; hvdrun reports them itself, once, in its own words.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())

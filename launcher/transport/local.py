@@ -16,7 +16,7 @@ import sys
 import time
 from typing import IO
 
-from launcher.connection import AgentConnection, LineReader
+from launcher.transport.connection import AgentConnection, LineReader
 
 AGENT_MODULE = "launcher.agent"
 

@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from launcher.connection import AgentConnection, AgentStartError
 from launcher.errors import LauncherError
-from launcher.hostinfo import installed_versions, join_addr, source_address
-from launcher.local import LocalAgent
-from launcher.protocol import PROTOCOL_VERSION
 from launcher.spec.hosts import is_local_host
 from launcher.spec.options import LaunchOptions
+from launcher.transport.connection import AgentConnection, AgentStartError
+from launcher.transport.hostinfo import installed_versions, join_addr, source_address
+from launcher.transport.local import LocalAgent
+from launcher.transport.protocol import PROTOCOL_VERSION
 
 #: hvdrun's exit code when it cannot start (or loses) an agent; ssh uses the same.
 AGENT_FAILURE_EXIT = 255
@@ -56,8 +56,8 @@ def make_agent(
     """A LocalAgent for this machine, else a RemoteAgent (which imports paramiko)."""
     if is_local_host(hostname):
         return LocalAgent(hostname, cwd)
-    from launcher.remote import RemoteAgent
-    from launcher.ssh_config import resolve_target
+    from launcher.transport.remote import RemoteAgent
+    from launcher.transport.ssh_config import resolve_target
 
     target = resolve_target(hostname, options.ssh)
     if target.hostname != hostname.rpartition("@")[2] and is_local_host(target.hostname):
