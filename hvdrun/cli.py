@@ -242,8 +242,8 @@ def cli(
         check_output_dir(output_filename)
 
     # Imported here so that --version, --help and input errors stay instant.
-    from launcher.job import run_job
     from launcher.output import OutputOptions, OutputSink, use_colour
+    from launcher.run import run_job
     from launcher.spec.job import JobSpec
     from launcher.transport.startup import LaunchError, LaunchInterrupted
 

@@ -1,8 +1,8 @@
 """hvdrun's elastic flags (``--min-np``, ``--max-np``, ``--host-discovery-script``, ...).
 
 Any of ``--min-np``, ``--max-np`` or ``--host-discovery-script`` makes a job elastic (see
-:mod:`launcher.elastic`); the other elastic flags are refused without them. Every mistake
-is a ``click.UsageError``: one line and exit code 2. The discovery script's first run
+:mod:`launcher.supervision.elastic`); the other elastic flags are refused without them. Every
+mistake is a ``click.UsageError``: one line and exit code 2. The discovery script's first run
 happens here, so a script that does not work stops hvdrun before anything starts.
 """
 
@@ -120,8 +120,8 @@ class ElasticFlags:
     def resolve(
         self, host_list: list[HostSpec] | None, num_proc: int | None
     ) -> tuple[list[HostSpec], int, Any]:
-        from launcher.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
         from launcher.spec.options import ElasticOptions
+        from launcher.supervision.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
 
         if num_proc is None:
             if self.min_np is None:

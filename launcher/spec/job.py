@@ -1,7 +1,7 @@
 """What one job runs: the command, how many workers, on which hosts, with which environment.
 
 The CLI builds a :class:`JobSpec` from the user's flags; the launcher only reads it. A spec
-with ``elastic`` set describes an elastic job (see :mod:`launcher.elastic`).
+with ``elastic`` set describes an elastic job (see :mod:`launcher.supervision.elastic`).
 """
 
 from __future__ import annotations

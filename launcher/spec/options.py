@@ -40,11 +40,11 @@ ELASTIC_FAILURE_TIMEOUT = 5.0
 
 @dataclass(frozen=True)
 class ElasticOptions:
-    """``--min-np``/``--max-np``/``--host-discovery-script``...: see launcher.elastic."""
+    """``--min-np``/``--max-np``/``--host-discovery-script``...: see the elastic driver."""
 
     min_np: int
     max_np: int | None  # None: as many as discovery offers
-    discovery: Any  # a launcher.discovery.HostDiscovery
+    discovery: Any  # a launcher.supervision.discovery.HostDiscovery
     elastic_timeout: float = 600.0
     reset_limit: int | None = None
     cooldown: tuple[float, float] | None = None

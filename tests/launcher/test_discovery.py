@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher.discovery import (
+from launcher.spec.hosts import HostSpec
+from launcher.supervision.discovery import (
     Blacklist,
     DiscoveryError,
     ScriptDiscovery,
     parse_discovery_output,
 )
-from launcher.spec.hosts import HostSpec
 
 
 def test_parse_discovery_output() -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.discovery import DiscoveryError
 from launcher.errors import LauncherError
 from launcher.spec.environment import EnvSpecError
 from launcher.spec.hosts import HostSpecError
+from launcher.supervision.discovery import DiscoveryError
 from launcher.transport.connection import AgentStartError
 from launcher.transport.ssh_config import SSHConnectError
 from launcher.transport.startup import LaunchError, LaunchInterrupted

@@ -1,11 +1,11 @@
-"""The elastic driver's decisions (launcher.membership), without processes."""
+"""The elastic driver's decisions (launcher.supervision.membership), without processes."""
 
 from __future__ import annotations
 
-from launcher.discovery import FixedHosts
-from launcher.membership import Membership, Publish, Stop, Wait
 from launcher.spec.hosts import HostSpec
 from launcher.spec.options import ElasticOptions
+from launcher.supervision.discovery import FixedHosts
+from launcher.supervision.membership import Membership, Publish, Stop, Wait
 
 
 def membership(

@@ -2,9 +2,9 @@
 
 import io
 
-from launcher.job import JobResult, WorkerFailure
 from launcher.output import OutputSink
-from launcher.report import report_failure, summary_table
+from launcher.supervision.core import JobResult, WorkerFailure
+from launcher.supervision.report import report_failure, summary_table
 
 
 def sink_with(tails: dict[int, list[bytes]]) -> OutputSink:

@@ -7,26 +7,31 @@ SIGINT/SIGTERM to hvdrun stop the job the same way and exit with 128+signal; a s
 kills without grace. A host that cannot be started, or whose agent is lost mid-job (SSH
 connection dropped, no heartbeat), makes hvdrun exit with 255, like ssh.
 
-Elastic jobs (``JobSpec.elastic`` set) are run by :mod:`launcher.elastic` instead, which
+Elastic jobs (``JobSpec.elastic`` set) are run by :mod:`launcher.supervision.elastic` instead, which
 keeps going when hosts fail, join or leave.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
-import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from launcher.output import OutputSink
-from launcher.report import report_failure
 from launcher.spec.job import JobSpec
+from launcher.supervision.core import (
+    AGENT_REPORT_SLACK,
+    JobResult,
+    Signals,
+    WorkerFailure,
+    agent_loss_reason,
+    agent_spec,
+)
+from launcher.supervision.report import report_failure
 from launcher.transport.connection import AgentConnection
-from launcher.transport.protocol import AgentSpec, WorkerLaunch, bytes_of
+from launcher.transport.protocol import bytes_of
 from launcher.transport.startup import (
     AGENT_FAILURE_EXIT,
     plan_rendezvous,
@@ -39,116 +44,6 @@ from rendezvous.server import RendezvousServer
 from rendezvous.slots import SlotInfo, assign_slots
 
 log = logging.getLogger(__name__)
-
-# How long agents get, beyond the workers' grace period, to report before they are killed.
-AGENT_REPORT_SLACK = 10.0
-
-
-@dataclass
-class WorkerFailure:
-    rank: int
-    hostname: str
-    code: int
-    error: str | None = None
-
-
-@dataclass
-class JobResult:
-    exit_code: int
-    failure: WorkerFailure | None = None
-    interrupted_by: int | None = None
-    exits: dict[int, int] = field(default_factory=dict)
-    stopped: set[int] = field(default_factory=set)  # exited after hvdrun began stopping
-    lost: dict[int, str] = field(default_factory=dict)  # rank -> why it was never reported
-    hosts: dict[int, str] = field(default_factory=dict)  # rank -> host
-
-
-def agent_spec(
-    spec: JobSpec,
-    hostname: str,
-    slots: Sequence[SlotInfo],
-    rendezvous: str,
-    job_id: str,
-    secret: str,
-    heartbeat_timeout: float,
-) -> AgentSpec:
-    env = dict(spec.env)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(worker_env.connection_env(rendezvous, job_id, secret))
-    return AgentSpec(
-        hostname=hostname,
-        command=list(spec.command),
-        cwd=spec.cwd,
-        env=env,
-        workers=[
-            WorkerLaunch(rank=slot.rank, env=worker_env.slot_env(slot))
-            for slot in slots
-            if slot.hostname == hostname
-        ],
-        term_grace=spec.term_grace,
-        rendezvous_addr=rendezvous,
-        heartbeat_timeout=heartbeat_timeout,
-    )
-
-
-def agent_loss_reason(kind: str, event: dict[str, Any]) -> str:
-    """Why a host's agent went away, from its ``done`` or ``agent_exit`` event."""
-    code = event.get("code")
-    if kind == "done":
-        why = "its agent finished early"
-    elif code is None:
-        why = "lost the connection to its agent"
-    else:
-        why = f"its agent exited (code {code})"
-    if event.get("reason"):
-        why += f": {event['reason']}"
-    return why
-
-
-class _Signals:
-    """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-cleanup."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self._handled = 0
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.received.append(signum)
-
-    def first(self) -> int | None:
-        return self.received[0] if self.received else None
-
-    def handle(
-        self,
-        result: JobResult,
-        sink: OutputSink,
-        stop_all: Callable[[], None],
-        kill_all: Callable[[], None],
-    ) -> None:
-        """Acts on the signals received since the last call, as both supervision loops do:
-        the first stops every worker (and is the job's outcome unless a worker failed
-        first), a second one kills without grace."""
-        while self._handled < len(self.received):
-            signum = self.received[self._handled]
-            if self._handled == 0:
-                sink.message(f"received {signal.Signals(signum).name}; stopping all workers")
-                if result.failure is None:
-                    result.interrupted_by = signum
-                    result.exit_code = 128 + signum
-                stop_all()
-            else:
-                sink.message("second signal: killing all workers now")
-                kill_all()
-            self._handled += 1
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[_Signals]:
-        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
 
 
 class Supervisor:
@@ -175,7 +70,7 @@ class Supervisor:
         self._stopping = False
         self._registered = -1
 
-    def run(self, signals: _Signals) -> JobResult:
+    def run(self, signals: Signals) -> JobResult:
         while self._pending_hosts:
             signals.handle(self.result, self.sink, self._stop_all, self._kill_all)
             if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
@@ -268,12 +163,8 @@ class Supervisor:
                 self.agents[host].terminate()
 
 
-def run_job(spec: JobSpec, sink: OutputSink) -> JobResult:
-    """Starts and supervises the job; raises LaunchError when a host cannot be started."""
-    if spec.elastic is not None:
-        from launcher.elastic import run_elastic_job
-
-        return run_elastic_job(spec, sink)
+def run_fixed_job(spec: JobSpec, sink: OutputSink) -> JobResult:
+    """Starts and supervises a fixed job; raises LaunchError when a host cannot be started."""
     slots = assign_slots([(h.hostname, h.slots) for h in spec.hosts], spec.num_proc)
     hostnames = list(dict.fromkeys(slot.hostname for slot in slots))
     secret = worker_env.new_secret()
@@ -282,7 +173,7 @@ def run_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     options = spec.launch
     sink.open_files(range(spec.num_proc))
     try:
-        with _Signals().installed() as signals:
+        with Signals().installed() as signals:
             agents = start_agents(
                 hostnames,
                 spec.cwd,
@@ -309,7 +200,7 @@ def _supervise(
     slots: Sequence[SlotInfo],
     sink: OutputSink,
     events: queue.Queue[dict[str, Any]],
-    signals: _Signals,
+    signals: Signals,
     secret: str,
     job_id: str,
 ) -> JobResult:

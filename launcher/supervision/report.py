@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from typing import TYPE_CHECKING
 
 from launcher.output import OutputSink
-
-if TYPE_CHECKING:
-    from launcher.job import JobResult
+from launcher.supervision.core import JobResult
 
 #: What a worker that hvdrun stopped exits with: SIGTERM, or SIGKILL after the grace period.
 STOP_CODES = (128 + signal.SIGTERM, 128 + signal.SIGKILL)

@@ -3,8 +3,8 @@
 :class:`Membership` keeps one :class:`HostRecord` per host incarnation (an agent started on
 a host, until it is gone) and decides, from discovery's latest answer, the blacklist and the
 survivors waiting at the rendezvous, which hosts to start, which to drop, and when the next
-membership generation is due (see :mod:`launcher.elastic` for how the driver carries that
-out). Hosts keep the order in which they joined, so older hosts get the low ranks.
+membership generation is due (see :mod:`launcher.supervision.elastic` for how the driver
+carries that out). Hosts keep the order in which they joined, so older hosts get the low ranks.
 
 A record's state: ``starting`` (its agent is being started), ``ready`` (agent up, no workers
 yet), ``running`` (its workers belong to the job), then ``removed`` (discovery dropped it),
@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.discovery import Blacklist
 from launcher.spec.hosts import HostSpec
 from launcher.spec.options import ElasticOptions
+from launcher.supervision.discovery import Blacklist
 from rendezvous.slots import SlotInfo, assign_slots
 
 ACTIVE = ("starting", "ready", "running")

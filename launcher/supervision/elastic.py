@@ -28,8 +28,9 @@ A host's slot count is fixed while its agent runs; a changed count applies when 
 comes back after leaving the job. Output lines are prefixed with a worker number, which is
 the worker's rank in the generation it started with; later workers get new numbers.
 
-The decisions (which hosts, when a generation is due) live in :mod:`launcher.membership`;
-this module carries them out with agents, the rendezvous server and the output.
+The decisions (which hosts, when a generation is due) live in
+:mod:`launcher.supervision.membership`; this module carries them out with agents, the
+rendezvous server and the output.
 """
 
 from __future__ import annotations
@@ -41,21 +42,21 @@ import threading
 import time
 from typing import Any
 
-from launcher.discovery import DiscoveryError, FixedHosts
-from launcher.job import (
-    AGENT_REPORT_SLACK,
-    JobResult,
-    WorkerFailure,
-    _Signals,
-    agent_loss_reason,
-    agent_spec,
-)
-from launcher.membership import HostRecord, Membership, Publish, Stop, Wait
 from launcher.output import OutputSink
-from launcher.report import describe_exit, report_failure
 from launcher.spec.hosts import HostSpec, is_local_host
 from launcher.spec.job import JobSpec
 from launcher.spec.options import ElasticOptions
+from launcher.supervision.core import (
+    AGENT_REPORT_SLACK,
+    JobResult,
+    Signals,
+    WorkerFailure,
+    agent_loss_reason,
+    agent_spec,
+)
+from launcher.supervision.discovery import DiscoveryError, FixedHosts
+from launcher.supervision.membership import HostRecord, Membership, Publish, Stop, Wait
+from launcher.supervision.report import describe_exit, report_failure
 from launcher.transport.connection import AgentConnection
 from launcher.transport.hostinfo import installed_versions, join_addr
 from launcher.transport.protocol import bytes_of
@@ -88,7 +89,7 @@ class ElasticDriver:
         spec: JobSpec,
         options: ElasticOptions,
         sink: OutputSink,
-        signals: _Signals,
+        signals: Signals,
         server: RendezvousServer,
         secret: str,
         job_id: str,
@@ -475,7 +476,7 @@ def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     server = RendezvousServer([], secret, job_id, bind_host=bind, port=plan.port, elastic=True)
     server.start()
     try:
-        with _Signals().installed() as signals:
+        with Signals().installed() as signals:
             driver = ElasticDriver(spec, options, sink, signals, server, secret, job_id)
             result = driver.run(initial)
     finally:
