@@ -117,7 +117,7 @@ def probe_agents(
             try:
                 report.facts = agent.request_probe(addr, PROBE_TIMEOUT)
             except AgentStartError as exc:
-                report.facts = dict(agent.hello or {})
+                report.facts = agent.hello.facts() if agent.hello is not None else {}
                 report.problems.append(str(exc))
                 return
             if report.facts.get("torch_error"):

@@ -26,12 +26,27 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from launcher.agent.workers import Emit, HostAgent
 from launcher.spec.environment import worker_base_env
 from launcher.transport.hostinfo import installed_versions, interface_facing
-from launcher.transport.protocol import PROTOCOL_VERSION, AgentSpec, decode_request, encode_event
+from launcher.transport.protocol import (
+    PROTOCOL_VERSION,
+    AgentEvent,
+    AgentSpec,
+    Done,
+    Hello,
+    KillRequest,
+    Network,
+    Ping,
+    Probe,
+    ProbeRequest,
+    RunRequest,
+    TerminateRequest,
+    decode_request,
+    encode_event,
+)
 
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -41,7 +56,7 @@ def network_env(env: dict[str, str], rendezvous_addr: str, emit: Emit) -> None:
     if not rendezvous_addr:
         return
     ifname, address = interface_facing(rendezvous_addr)
-    emit({"ev": "network", "ifname": ifname, "address": address})
+    emit(Network(ifname, address))
     if ifname is None:
         return
     for name in IFNAME_VARIABLES:
@@ -56,7 +71,7 @@ class Emitter:
         self._lock = threading.Lock()
         self.broken = threading.Event()
 
-    def __call__(self, event: dict[str, Any]) -> None:
+    def __call__(self, event: AgentEvent) -> None:
         data = encode_event(event)
         with self._lock:
             try:
@@ -65,7 +80,7 @@ class Emitter:
             except (OSError, ValueError):
                 self.broken.set()  # hvdrun is gone: nobody to report to
 
-    def try_emit(self, event: dict[str, Any], timeout: float) -> None:
+    def try_emit(self, event: AgentEvent, timeout: float) -> None:
         """Emits from a helper thread: a stalled connection must not keep the agent alive."""
         thread = threading.Thread(target=self, args=(event,), daemon=True)
         thread.start()
@@ -95,18 +110,18 @@ class Control:
                 return
             self.last_heard = time.monotonic()
             try:
-                op = decode_request(line)["op"]
+                request = decode_request(line)
             except ValueError:
                 continue
-            if op == "terminate":
+            if isinstance(request, TerminateRequest):
                 self.request_stop("asked to terminate")
-            elif op == "kill":
+            elif isinstance(request, KillRequest):
                 self.request_stop("asked to kill", kill=True)
 
     def heartbeat(self, timeout: float, emit: Emitter) -> None:
         interval = max(timeout / 4, 0.05)
         while not self.stop.wait(interval):
-            emit({"ev": "ping"})
+            emit(Ping())
             if time.monotonic() - self.last_heard > timeout:
                 self.request_stop(f"heard nothing from hvdrun for over {timeout:g} s")
 
@@ -118,14 +133,13 @@ def note(text: str) -> None:
         sys.stderr.flush()
 
 
-def hello() -> dict[str, Any]:
-    return {
-        "ev": "hello",
-        "protocol": PROTOCOL_VERSION,
-        "hostname": socket.gethostname(),
-        "pid": os.getpid(),
+def hello() -> Hello:
+    return Hello(
+        protocol=PROTOCOL_VERSION,
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
         **installed_versions(),
-    }
+    )
 
 
 def run(spec: AgentSpec, stdin: BinaryIO, emit: Emitter) -> int:
@@ -153,7 +167,7 @@ def run(spec: AgentSpec, stdin: BinaryIO, emit: Emitter) -> int:
         reason = control.reason or "hvdrun stopped reading"
         note(f"stopping workers: {reason}")
         agent.terminate(grace=0.0 if control.kill else None)
-    emit.try_emit({"ev": "done"}, timeout=5.0)
+    emit.try_emit(Done(), timeout=5.0)
     return 0
 
 
@@ -169,13 +183,14 @@ def main() -> int:
     except ValueError as exc:
         note(str(exc))
         return 2
-    if request["op"] == "probe":
-        from launcher.agent.probe import probe_host
+    match request:
+        case ProbeRequest(connect_back):
+            from launcher.agent.probe import probe_host
 
-        emit({"ev": "probe", **probe_host(request.get("connect_back"))})
-        emit({"ev": "done"})
-        return 0
-    if request["op"] != "run":
-        note(f"unexpected request {request['op']!r}")
-        return 2
-    return run(AgentSpec.from_dict(request["spec"]), stdin, emit)
+            emit(Probe(probe_host(connect_back)))
+            emit(Done())
+            return 0
+        case RunRequest(spec):
+            return run(spec, stdin, emit)
+    note(f"unexpected request {request.op!r}")
+    return 2

@@ -15,14 +15,14 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import psutil
 
 from launcher.output import LineSplitter
-from launcher.transport.protocol import AgentSpec, WorkerLaunch, text_of
+from launcher.transport.protocol import AgentEvent, AgentSpec, Exit, Output, Started, WorkerLaunch
 
-Emit = Callable[[dict[str, Any]], None]
+Emit = Callable[[AgentEvent], None]
 READ_CHUNK = 65536
 
 
@@ -70,9 +70,7 @@ class Worker:
                 chunk = b""
             lines = splitter.feed(chunk) if chunk else splitter.flush()
             for line in lines:
-                self._emit(
-                    {"ev": "out", "rank": self.rank, "stream": stream, "data": text_of(line)}
-                )
+                self._emit(Output(self.rank, stream, line))
             if not chunk:
                 pipe.close()
                 return
@@ -88,7 +86,7 @@ class Worker:
         for reader in self._readers:
             reader.join(timeout=2.0)
         # Reported before it counts as exited: the agent's "done" must come after every exit.
-        self._emit({"ev": "exit", "rank": self.rank, "code": code})
+        self._emit(Exit(self.rank, code))
         self.exited.set()
 
     def process_tree(self) -> list[psutil.Process]:
@@ -114,22 +112,21 @@ class HostAgent:
         for launch in self.spec.workers:
             with self._lock:
                 if self._terminating:
-                    self._emit({"ev": "exit", "rank": launch.rank, "code": 143})
+                    self._emit(Exit(launch.rank, 143))
                     continue
                 try:
                     worker = Worker(launch, self.spec, self.base_env, self._emit)
                 except OSError as exc:
                     self._emit(
-                        {
-                            "ev": "exit",
-                            "rank": launch.rank,
-                            "code": 127 if isinstance(exc, FileNotFoundError) else 126,
-                            "error": f"cannot run {self.spec.command[0]!r}: {exc.strerror or exc}",
-                        }
+                        Exit(
+                            launch.rank,
+                            127 if isinstance(exc, FileNotFoundError) else 126,
+                            error=f"cannot run {self.spec.command[0]!r}: {exc.strerror or exc}",
+                        )
                     )
                     continue
                 self.workers.append(worker)
-            self._emit({"ev": "started", "rank": launch.rank, "pid": worker.proc.pid})
+            self._emit(Started(launch.rank, worker.proc.pid))
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once every started worker has exited and been reported."""

@@ -12,11 +12,11 @@ import logging
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from launcher.output import OutputSink
 from launcher.spec.job import JobSpec
-from launcher.transport.protocol import AgentSpec, WorkerLaunch
+from launcher.transport.connection import AgentExit
+from launcher.transport.protocol import AgentSpec, Done, WorkerLaunch
 from rendezvous import worker_env
 from rendezvous.slots import SlotInfo
 
@@ -73,17 +73,17 @@ def agent_spec(
     )
 
 
-def agent_loss_reason(kind: str, event: dict[str, Any]) -> str:
-    """Why a host's agent went away, from its ``done`` or ``agent_exit`` event."""
-    code = event.get("code")
-    if kind == "done":
-        why = "its agent finished early"
-    elif code is None:
-        why = "lost the connection to its agent"
-    else:
-        why = f"its agent exited (code {code})"
-    if event.get("reason"):
-        why += f": {event['reason']}"
+def agent_loss_reason(event: Done | AgentExit) -> str:
+    """Why a host's agent went away, from its ``Done`` (too early) or its ``AgentExit``."""
+    if isinstance(event, Done):
+        return "its agent finished early"
+    why = (
+        "lost the connection to its agent"
+        if event.code is None
+        else f"its agent exited (code {event.code})"
+    )
+    if event.reason:
+        why += f": {event.reason}"
     return why
 
 

@@ -40,7 +40,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass
 
 from launcher.output import OutputSink
 from launcher.spec.hosts import HostSpec, is_local_host
@@ -57,9 +57,9 @@ from launcher.supervision.core import (
 from launcher.supervision.discovery import DiscoveryError, FixedHosts
 from launcher.supervision.membership import HostRecord, Membership, Publish, Stop, Wait
 from launcher.supervision.report import describe_exit, report_failure
-from launcher.transport.connection import AgentConnection
+from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
 from launcher.transport.hostinfo import installed_versions, join_addr
-from launcher.transport.protocol import bytes_of
+from launcher.transport.protocol import Done, Exit, Output
 from launcher.transport.startup import (
     agent_address,
     make_agent,
@@ -79,6 +79,37 @@ ELASTIC_FAILURE_EXIT = 1
 #: Workers wait this much longer than the launcher for the next generation, so that the
 #: launcher's clear message, not a worker's timeout, ends a job that runs out of hosts.
 WORKER_TIMEOUT_SLACK = 30.0
+
+
+@dataclass(frozen=True)
+class Discovered:
+    """Discovery's latest answer."""
+
+    hosts: list[HostSpec]
+
+
+@dataclass(frozen=True)
+class DiscoveryFailed:
+    error: str
+
+
+@dataclass(frozen=True)
+class AgentReady:
+    """The agent of incarnation ``order`` of ``host`` said hello."""
+
+    host: str
+    order: int
+
+
+@dataclass(frozen=True)
+class AgentFailed:
+    host: str
+    order: int
+    reason: str
+
+
+#: What the driver's own threads (discovery, agent start-up) put on its event queue.
+DriverEvent = Discovered | DiscoveryFailed | AgentReady | AgentFailed
 
 
 class ElasticDriver:
@@ -101,7 +132,7 @@ class ElasticDriver:
         self.server = server
         self.secret = secret
         self.job_id = job_id
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.events: queue.Queue[HostEvent | DriverEvent] = queue.Queue()
         # Survivors of a failed collective wait in Register; a member that has not joined
         # them this long after is hung or cut off (twice the workers' Gloo timeout).
         gloo_timeout = worker_env.setting(worker_env.GLOO_TIMEOUT_SECONDS, spec.env)
@@ -142,7 +173,7 @@ class ElasticDriver:
                             host.agent_finished = True
                 self._check_heartbeats(now)
                 try:
-                    event: dict[str, Any] | None = self.events.get(timeout=0.05)
+                    event: HostEvent | DriverEvent | None = self.events.get(timeout=0.05)
                 except queue.Empty:
                     event = None
                 while event is not None:
@@ -176,45 +207,47 @@ class ElasticDriver:
             try:
                 found = discovery.find()
             except DiscoveryError as exc:
-                self.events.put({"ev": "discovery_failed", "error": str(exc)})
+                self.events.put(DiscoveryFailed(str(exc)))
             else:
-                self.events.put({"ev": "discovered", "hosts": found})
+                self.events.put(Discovered(found))
 
     # ---- events ---------------------------------------------------------------------
 
-    def _on_event(self, event: dict[str, Any]) -> None:
-        kind = event["ev"]
-        if kind == "discovered":
-            if self._discovery_error is not None:
-                self.sink.message("host discovery works again")
-                self._discovery_error = None
-            self.members.discovered = event["hosts"]
-            return
-        if kind == "discovery_failed":
-            if event["error"] != self._discovery_error:
-                self._discovery_error = event["error"]
-                self.sink.message(
-                    f"{self.options.discovery.describe()} failed: {event['error']} "
-                    "(keeping the last host list; retrying every second)"
-                )
-            return
-        if kind == "out":
-            self.sink.line(event["rank"], event["stream"], bytes_of(event["data"]))
-            return
-        name = event.get("host")
-        host = self.members.find(name, event.get("order")) if isinstance(name, str) else None
-        if host is None:
-            return
-        if kind == "agent_ready":
-            self._on_agent_ready(host)
-        elif kind == "agent_failed":
-            host.agent_finished = True
-            if host.state == "starting":
-                self._fail_host(host, f"could not start its agent: {event['reason']}")
-        elif kind == "exit":
-            self._on_exit(host, int(event["rank"]), int(event["code"]), event.get("error"))
-        elif kind in ("done", "agent_exit"):
-            self._on_agent_gone(host, kind, event)
+    def _on_event(self, item: HostEvent | DriverEvent) -> None:
+        match item:
+            case Discovered(hosts):
+                if self._discovery_error is not None:
+                    self.sink.message("host discovery works again")
+                    self._discovery_error = None
+                self.members.discovered = hosts
+            case DiscoveryFailed(error):
+                if error != self._discovery_error:
+                    self._discovery_error = error
+                    self.sink.message(
+                        f"{self.options.discovery.describe()} failed: {error} "
+                        "(keeping the last host list; retrying every second)"
+                    )
+            case AgentReady(name, order):
+                host = self.members.find(name, order)
+                if host is not None:
+                    self._on_agent_ready(host)
+            case AgentFailed(name, order, reason):
+                host = self.members.find(name, order)
+                if host is not None:
+                    host.agent_finished = True
+                    if host.state == "starting":
+                        self._fail_host(host, f"could not start its agent: {reason}")
+            case HostEvent(_, Output(rank, stream, data)):
+                self.sink.line(rank, stream, data)
+            case HostEvent(name, event):
+                host = self.members.find(name, None)
+                if host is None:
+                    return
+                match event:
+                    case Exit(worker, code, message):
+                        self._on_exit(host, worker, code, message)
+                    case Done() | AgentExit():
+                        self._on_agent_gone(host, event)
 
     def _on_agent_ready(self, host: HostRecord) -> None:
         agent = host.agent
@@ -251,7 +284,7 @@ class ElasticDriver:
             what = f"was {what}" if what.startswith("killed") else f"exited with {what}"
             self._fail_host(host, f"worker {worker} {what}")
 
-    def _on_agent_gone(self, host: HostRecord, kind: str, event: dict[str, Any]) -> None:
+    def _on_agent_gone(self, host: HostRecord, event: Done | AgentExit) -> None:
         host.agent_finished = True
         if self.stopping:
             return
@@ -262,7 +295,7 @@ class ElasticDriver:
             if host.state == "running":
                 host.state = "done"
             return
-        why = agent_loss_reason(kind, event)
+        why = agent_loss_reason(event)
         missing = [w for w in host.workers if w not in host.exits]
         for worker in missing:
             self.result.lost[worker] = why
@@ -381,13 +414,11 @@ class ElasticDriver:
                 agent.start(deadline)
             except Exception as exc:
                 reason = str(exc) or repr(exc)
-                self.events.put(
-                    {"ev": "agent_failed", "host": name, "order": order, "reason": reason}
-                )
+                self.events.put(AgentFailed(name, order, reason))
                 if host.agent is not None:
                     host.agent.abort()
             else:
-                self.events.put({"ev": "agent_ready", "host": name, "order": order})
+                self.events.put(AgentReady(name, order))
 
         threading.Thread(target=start, daemon=True).start()
 

@@ -17,7 +17,6 @@ import logging
 import queue
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from launcher.output import OutputSink
 from launcher.spec.job import JobSpec
@@ -30,8 +29,8 @@ from launcher.supervision.core import (
     agent_spec,
 )
 from launcher.supervision.report import report_failure
-from launcher.transport.connection import AgentConnection
-from launcher.transport.protocol import bytes_of
+from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
+from launcher.transport.protocol import Done, Exit, Network, Output
 from launcher.transport.startup import (
     AGENT_FAILURE_EXIT,
     plan_rendezvous,
@@ -54,7 +53,7 @@ class Supervisor:
         agents: list[AgentConnection],
         slots: Sequence[SlotInfo],
         sink: OutputSink,
-        events: queue.Queue[dict[str, Any]],
+        events: queue.Queue[HostEvent],
         term_grace: float,
         server: RendezvousServer | None = None,
     ) -> None:
@@ -112,25 +111,24 @@ class Supervisor:
                 self._lose_host(host, f"heard nothing from its agent for {timeout:g} s")
                 agent.abort()  # its agent stops its workers on its own heartbeat timeout
 
-    def _on_event(self, event: dict[str, Any]) -> None:
-        kind = event["ev"]
-        if kind == "out":
-            self.sink.line(event["rank"], event["stream"], bytes_of(event["data"]))
-        elif kind == "exit":
-            rank, code = event["rank"], event["code"]
-            self.result.exits[rank] = code
-            if self._stopping:
-                self.result.stopped.add(rank)
-            if event.get("error"):
-                self.sink.message(f"rank {rank} on {event['host']}: {event['error']}")
-            if code != 0:
-                self._fail(WorkerFailure(rank, event["host"], code, event.get("error")))
-        elif kind == "network":
-            log.info("workers on %s use interface %s", event["host"], event.get("ifname"))
-        elif kind in ("done", "agent_exit"):
-            host = event["host"]
-            if host in self._pending_hosts:
-                self._lose_host(host, agent_loss_reason(kind, event))
+    def _on_event(self, item: HostEvent) -> None:
+        host, event = item.host, item.event
+        match event:
+            case Output(rank, stream, data):
+                self.sink.line(rank, stream, data)
+            case Exit(rank, code, error):
+                self.result.exits[rank] = code
+                if self._stopping:
+                    self.result.stopped.add(rank)
+                if error:
+                    self.sink.message(f"rank {rank} on {host}: {error}")
+                if code != 0:
+                    self._fail(WorkerFailure(rank, host, code, error))
+            case Network(ifname):
+                log.info("workers on %s use interface %s", host, ifname)
+            case Done() | AgentExit():
+                if host in self._pending_hosts:
+                    self._lose_host(host, agent_loss_reason(event))
 
     def _lose_host(self, host: str, why: str) -> None:
         self._pending_hosts.discard(host)
@@ -169,7 +167,7 @@ def run_fixed_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     hostnames = list(dict.fromkeys(slot.hostname for slot in slots))
     secret = worker_env.new_secret()
     job_id = worker_env.new_job_id()
-    events: queue.Queue[dict[str, Any]] = queue.Queue()
+    events: queue.Queue[HostEvent] = queue.Queue()
     options = spec.launch
     sink.open_files(range(spec.num_proc))
     try:
@@ -199,7 +197,7 @@ def _supervise(
     agents: list[AgentConnection],
     slots: Sequence[SlotInfo],
     sink: OutputSink,
-    events: queue.Queue[dict[str, Any]],
+    events: queue.Queue[HostEvent],
     signals: Signals,
     secret: str,
     job_id: str,

@@ -1,8 +1,9 @@
 """hvdrun's handle on one host's agent, whatever carries it (a pipe or an SSH channel).
 
 :class:`AgentConnection` holds everything the two transports share, in template-method
-style: reading the agent's ``hello``, pumping its events onto the job's queue tagged with
-the host name, writing requests, keeping the tail of the agent's own stderr for error
+style: reading the agent's ``hello``, pumping its events onto the job's queue as
+:class:`HostEvent` (tagged with the host name, ending with the connection's own
+:class:`AgentExit`), writing requests, keeping the tail of the agent's own stderr for error
 messages, heartbeats, and turning an agent that died before its ``hello`` into a message
 that says why (no Python at that path, hvdrun not installed, no such directory).
 Subclasses implement ``_open``, ``_write``, ``_close_stdin``, ``_exit_code`` and ``_abort``.
@@ -13,20 +14,26 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
 from launcher.errors import LauncherError
 from launcher.transport.protocol import (
-    KILL,
-    PING,
-    TERMINATE,
+    AgentEvent,
     AgentSpec,
+    Hello,
+    KillRequest,
+    PingRequest,
+    Probe,
+    ProbeRequest,
+    Request,
+    RunRequest,
+    Started,
+    TerminateRequest,
     decode_event,
-    probe_request,
-    run_request,
+    encode_request,
     text_of,
 )
 
@@ -44,6 +51,29 @@ class LineReader(Protocol):
     def readline(self) -> bytes: ...
 
 
+@dataclass(frozen=True)
+class AgentExit:
+    """The connection's own last event: the agent process ended (``code`` None: its exit
+    status is unknown, the connection was lost). ``reason`` is its last line on stderr."""
+
+    code: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class HostEvent:
+    """An event as the supervisors receive it: tagged with the host whose agent sent it."""
+
+    host: str
+    event: AgentEvent | AgentExit
+
+
+class EventQueue(Protocol):
+    """Where a launched agent's events go: the supervisor's queue (which may carry more)."""
+
+    def put(self, item: HostEvent, /) -> None: ...
+
+
 class AgentConnection:
     kind = "agent"
     heartbeat_timeout = 0.0
@@ -53,15 +83,15 @@ class AgentConnection:
         self.python = python
         self.cwd = cwd
         self.stage = "starting the agent"
-        self.hello: dict[str, Any] | None = None
-        self.probe: dict[str, Any] | None = None
+        self.hello: Hello | None = None
+        self.probe: Probe | None = None
         self.rendezvous_host: str | None = None  # where this host can reach hvdrun
         self.exit_code: int | None = None
         self.worker_pids: list[int] = []
         self.last_heard = time.monotonic()  # when the agent last wrote anything
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
-        self._events: queue.Queue[dict[str, Any]] | None = None
-        self._early: list[dict[str, Any]] = []
+        self._events: EventQueue | None = None
+        self._early: list[HostEvent] = []
         self._queue_lock = threading.Lock()
         self._answered = threading.Event()  # hello (or probe) arrived, or the agent is gone
         self._finished = threading.Event()
@@ -102,14 +132,14 @@ class AgentConnection:
             self._finished.wait(2.0)  # let the stderr reader catch the last lines
             raise AgentStartError(self._explain_early_exit())
 
-    def launch(self, spec: AgentSpec, events: queue.Queue[dict[str, Any]]) -> None:
+    def launch(self, spec: AgentSpec, events: EventQueue) -> None:
         """Sends the job; from now on the agent's events go to ``events``."""
         with self._queue_lock:
             self._events = events
             for event in self._early:
                 events.put(event)
             self._early.clear()
-        self._send(run_request(spec))
+        self._send(RunRequest(spec))
         self.last_heard = time.monotonic()
         if self.heartbeat_timeout > 0:
             threading.Thread(target=self._ping, daemon=True).start()
@@ -119,21 +149,21 @@ class AgentConnection:
         self._answered.clear()
         if self.hello is None:
             raise AgentStartError("the agent is not running")
-        self._send(probe_request(connect_back))
+        self._send(ProbeRequest(connect_back))
         if not self._answered.wait(timeout) or self.probe is None:
             raise AgentStartError(
                 "the agent did not answer the probe"
                 + (f": {self.stderr_tail[-1]}" if self.stderr_tail else "")
             )
-        return self.probe
+        return self.probe.facts
 
     def terminate(self) -> None:
         """Ask the agent to stop its workers (SIGTERM, then SIGKILL after the grace period)."""
-        self._send(TERMINATE)
+        self._send(TerminateRequest())
 
     def kill(self) -> None:
         """Stop the workers without grace and drop the agent."""
-        self._send(KILL)
+        self._send(KillRequest())
         threading.Thread(target=self._abort_later, args=(2.0,), daemon=True).start()
 
     def close(self) -> None:
@@ -160,7 +190,8 @@ class AgentConnection:
         if not self._finished.wait(delay):
             self.abort()
 
-    def _send(self, data: bytes) -> None:
+    def _send(self, request: Request) -> None:
+        data = encode_request(request)
         with self._write_lock:
             if self._stdin_closed:
                 return
@@ -172,15 +203,15 @@ class AgentConnection:
     def _ping(self) -> None:
         interval = max(self.heartbeat_timeout / 4, 0.05)
         while not self._finished.wait(interval):
-            self._send(PING)
+            self._send(PingRequest())
 
-    def _deliver(self, event: dict[str, Any]) -> None:
-        event["host"] = self.hostname
+    def _deliver(self, event: AgentEvent | AgentExit) -> None:
+        tagged = HostEvent(self.hostname, event)
         with self._queue_lock:
             if self._events is None:
-                self._early.append(event)
+                self._early.append(tagged)
             else:
-                self._events.put(event)
+                self._events.put(tagged)
 
     def _read_events(self, stdout: LineReader) -> None:
         while True:
@@ -196,16 +227,17 @@ class AgentConnection:
             except ValueError:
                 log.warning("agent on %s wrote a malformed event: %r", self.hostname, line[:200])
                 continue
-            kind = event["ev"]
-            if kind == "hello" and self.hello is None:
+            if event is None:  # a kind this hvdrun does not know: it said something, though
+                continue
+            if isinstance(event, Hello) and self.hello is None:
                 self.hello = event
                 self._answered.set()
-            elif kind == "probe":
+            elif isinstance(event, Probe):
                 self.probe = event
                 self._answered.set()
             else:
-                if kind == "started":
-                    self.worker_pids.append(int(event["pid"]))
+                if isinstance(event, Started):
+                    self.worker_pids.append(event.pid)
                 self._deliver(event)
         try:
             self.exit_code = self._exit_code()
@@ -213,7 +245,7 @@ class AgentConnection:
             self.exit_code = None
         self._finished.set()
         self._answered.set()
-        self._deliver({"ev": "agent_exit", "code": self.exit_code, "reason": self.exit_reason()})
+        self._deliver(AgentExit(self.exit_code, self.exit_reason()))
 
     def _read_stderr(self, stderr: IO[bytes] | LineReader) -> None:
         while True:

@@ -26,13 +26,19 @@ The agent answers with one JSON event per line on stdout:
 * ``{"ev": "done"}`` - every worker has been reported; the agent exits
 
 Output bytes that are not UTF-8 travel as surrogate escapes and come back byte-exact.
+
+In the code, requests and events are small dataclasses (:class:`RunRequest`, :class:`Exit`,
+...), turned into lines and back only here, by :func:`encode_request`/:func:`decode_request`
+and :func:`encode_event`/:func:`decode_event`; both sides dispatch on their types. An event
+of a kind this side does not know (a newer agent) decodes to None and is skipped.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 PROTOCOL_VERSION = 1
 
@@ -66,38 +72,215 @@ class AgentSpec:
         return cls(workers=workers, **raw)
 
 
-def run_request(spec: AgentSpec) -> bytes:
-    return encode({"op": "run", "spec": spec.to_dict()})
+# ---- requests: hvdrun -> agent -------------------------------------------------------------
 
 
-def probe_request(connect_back: str | None) -> bytes:
-    return encode({"op": "probe", "connect_back": connect_back})
+@dataclass(frozen=True)
+class RunRequest:
+    op: ClassVar[str] = "run"
+    spec: AgentSpec
 
 
-TERMINATE = b'{"op": "terminate"}\n'
-KILL = b'{"op": "kill"}\n'
-PING = b'{"op": "ping"}\n'
+@dataclass(frozen=True)
+class ProbeRequest:
+    op: ClassVar[str] = "probe"
+    connect_back: str | None  # ADDR:PORT of a listener on hvdrun's machine
+
+
+@dataclass(frozen=True)
+class PingRequest:
+    op: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True)
+class TerminateRequest:
+    op: ClassVar[str] = "terminate"
+
+
+@dataclass(frozen=True)
+class KillRequest:
+    op: ClassVar[str] = "kill"
+
+
+@dataclass(frozen=True)
+class UnknownRequest:
+    """A request this agent does not know; what it does with one depends on when it comes."""
+
+    op: str
+
+
+Request = RunRequest | ProbeRequest | PingRequest | TerminateRequest | KillRequest | UnknownRequest
+
+_BARE_REQUESTS: dict[str, Request] = {
+    request.op: request for request in (PingRequest(), TerminateRequest(), KillRequest())
+}
+
+
+def encode_request(request: Request) -> bytes:
+    match request:
+        case RunRequest(spec=spec):
+            return encode({"op": request.op, "spec": spec.to_dict()})
+        case ProbeRequest(connect_back=connect_back):
+            return encode({"op": request.op, "connect_back": connect_back})
+        case _:
+            return encode({"op": request.op})
+
+
+def decode_request(line: bytes) -> Request:
+    """One request line; raises ValueError for anything that is not a well-formed request."""
+    raw = json.loads(line)
+    if not isinstance(raw, dict) or not isinstance(raw.get("op"), str):
+        raise ValueError(f"not an agent request: {line[:200]!r}")
+    op = raw["op"]
+    try:
+        if op == "run":
+            return RunRequest(AgentSpec.from_dict(raw["spec"]))
+        if op == "probe":
+            return ProbeRequest(raw.get("connect_back"))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed {op} request: {exc}") from None
+    return _BARE_REQUESTS.get(op, UnknownRequest(op))
+
+
+# ---- events: agent -> hvdrun ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The agent's first words: its protocol and the versions installed on its host."""
+
+    protocol: int | None
+    hostname: str | None = None
+    pid: int | None = None
+    python: str | None = None
+    executable: str | None = None
+    hvdrun: str | None = None
+    torch: str | None = None
+
+    def facts(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Network:
+    """The interface (and its address) through which the host reaches the rendezvous."""
+
+    ifname: str | None
+    address: str | None
+
+
+@dataclass(frozen=True)
+class Started:
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Output:
+    """One whole line of a worker's stdout or stderr, without its terminator."""
+
+    rank: int
+    stream: str  # "stdout" or "stderr"
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Exit:
+    """A worker's exit code (128+N for signal N); ``error`` when it could not be started."""
+
+    rank: int
+    code: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Ping:
+    pass
+
+
+@dataclass(frozen=True)
+class Probe:
+    """``--check-hosts``: what the agent found out about its host."""
+
+    facts: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Done:
+    """Every worker has been reported; the agent exits."""
+
+
+AgentEvent = Hello | Network | Started | Output | Exit | Ping | Probe | Done
+
+
+def encode_event(event: AgentEvent) -> bytes:
+    match event:
+        case Hello():
+            return encode({"ev": "hello", **asdict(event)})
+        case Network(ifname, address):
+            return encode({"ev": "network", "ifname": ifname, "address": address})
+        case Started(rank, pid):
+            return encode({"ev": "started", "rank": rank, "pid": pid})
+        case Output(rank, stream, data):
+            return encode({"ev": "out", "rank": rank, "stream": stream, "data": text_of(data)})
+        case Exit(rank, code, error):
+            message: dict[str, Any] = {"ev": "exit", "rank": rank, "code": code}
+            if error is not None:
+                message["error"] = error
+            return encode(message)
+        case Ping():
+            return encode({"ev": "ping"})
+        case Probe(facts):
+            return encode({"ev": "probe", **facts})
+        case Done():
+            return encode({"ev": "done"})
+
+
+def _hello(raw: dict[str, Any]) -> Hello:
+    return Hello(
+        protocol=raw.get("protocol"),
+        hostname=raw.get("hostname"),
+        pid=raw.get("pid"),
+        python=raw.get("python"),
+        executable=raw.get("executable"),
+        hvdrun=raw.get("hvdrun"),
+        torch=raw.get("torch"),
+    )
+
+
+_EVENT_DECODERS: dict[str, Callable[[dict[str, Any]], AgentEvent]] = {
+    "hello": _hello,
+    "network": lambda raw: Network(raw.get("ifname"), raw.get("address")),
+    "started": lambda raw: Started(int(raw["rank"]), int(raw["pid"])),
+    "out": lambda raw: Output(int(raw["rank"]), str(raw["stream"]), bytes_of(raw["data"])),
+    "exit": lambda raw: Exit(int(raw["rank"]), int(raw["code"]), raw.get("error")),
+    "ping": lambda raw: Ping(),
+    "probe": lambda raw: Probe({k: v for k, v in raw.items() if k != "ev"}),
+    "done": lambda raw: Done(),
+}
+
+
+def decode_event(line: bytes) -> AgentEvent | None:
+    """One event line; None for a kind this side does not know. Raises ValueError for
+    anything that is not a well-formed event."""
+    raw = json.loads(line)
+    if not isinstance(raw, dict) or "ev" not in raw:
+        raise ValueError(f"not an agent event: {line[:200]!r}")
+    decoder = _EVENT_DECODERS.get(raw["ev"])
+    if decoder is None:
+        return None
+    try:
+        return decoder(raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"malformed {raw['ev']} event: {exc}") from None
+
+
+# ---- lines -------------------------------------------------------------------------------
 
 
 def encode(message: dict[str, Any]) -> bytes:
+    """One protocol line: compact-enough JSON, ASCII only, newline-terminated."""
     return json.dumps(message, ensure_ascii=True).encode() + b"\n"
-
-
-encode_event = encode
-
-
-def decode_event(line: bytes) -> dict[str, Any]:
-    event = json.loads(line)
-    if not isinstance(event, dict) or "ev" not in event:
-        raise ValueError(f"not an agent event: {line[:200]!r}")
-    return event
-
-
-def decode_request(line: bytes) -> dict[str, Any]:
-    request = json.loads(line)
-    if not isinstance(request, dict) or "op" not in request:
-        raise ValueError(f"not an agent request: {line[:200]!r}")
-    return request
 
 
 def text_of(data: bytes) -> str:

@@ -26,7 +26,7 @@ from launcher.spec.options import LaunchOptions
 from launcher.transport.connection import AgentConnection, AgentStartError
 from launcher.transport.hostinfo import installed_versions, join_addr, source_address
 from launcher.transport.local import LocalAgent
-from launcher.transport.protocol import PROTOCOL_VERSION
+from launcher.transport.protocol import PROTOCOL_VERSION, Hello
 
 #: hvdrun's exit code when it cannot start (or loses) an agent; ssh uses the same.
 AGENT_FAILURE_EXIT = 255
@@ -177,28 +177,28 @@ def version_problems(
     """Hosts whose Python (major.minor), hvdrun or torch (public) version differs from ours."""
     problems: dict[str, str] = {}
     for agent in agents:
-        hello = agent.hello or {}
-        if hello.get("protocol") != PROTOCOL_VERSION:
+        hello = agent.hello or Hello(protocol=None)
+        if hello.protocol != PROTOCOL_VERSION:
             problems[agent.hostname] = (
-                f"its hvdrun agent speaks protocol {hello.get('protocol')}, this one "
+                f"its hvdrun agent speaks protocol {hello.protocol}, this one "
                 f"{PROTOCOL_VERSION}: install the same hvdrun version on every host"
             )
             continue
         differences = []
-        if _minor(hello.get("python")) != _minor(reference["python"]):
-            differences.append(f"Python {hello.get('python')} (here {reference['python']})")
-        if hello.get("hvdrun") != reference["hvdrun"]:
+        if _minor(hello.python) != _minor(reference["python"]):
+            differences.append(f"Python {hello.python} (here {reference['python']})")
+        if hello.hvdrun != reference["hvdrun"]:
             differences.append(
-                f"hvdrun {hello.get('hvdrun') or 'not installed as a package'} "
+                f"hvdrun {hello.hvdrun or 'not installed as a package'} "
                 f"(here {reference['hvdrun']})"
             )
-        if _public(hello.get("torch")) != _public(reference["torch"]):
+        if _public(hello.torch) != _public(reference["torch"]):
             differences.append(
-                f"torch {hello.get('torch') or 'not installed'} (here {reference['torch']})"
+                f"torch {hello.torch or 'not installed'} (here {reference['torch']})"
             )
         if differences:
             problems[agent.hostname] = (
-                f"{hello.get('executable', 'its Python')} has {', '.join(differences)}: "
+                f"{hello.executable or 'its Python'} has {', '.join(differences)}: "
                 f"install the same versions on every host, or pass --skip-version-check"
             )
     return problems

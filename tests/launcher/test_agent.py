@@ -8,7 +8,14 @@ import sys
 import time
 from typing import Any
 
-from launcher.transport.protocol import KILL, AgentSpec, WorkerLaunch, encode, run_request
+from launcher.transport.protocol import (
+    AgentSpec,
+    KillRequest,
+    RunRequest,
+    WorkerLaunch,
+    encode,
+    encode_request,
+)
 
 AGENT = [sys.executable, "-m", "launcher.agent"]
 
@@ -73,7 +80,7 @@ def test_run_picks_the_interface_facing_the_rendezvous() -> None:
     agent = Agent()
     agent.event()
     code = "import os; print(os.environ['GLOO_SOCKET_IFNAME'], os.environ['NCCL_SOCKET_IFNAME'])"
-    agent.send(run_request(spec(code)))
+    agent.send(encode_request(RunRequest(spec(code))))
     events = agent.events_until_done()
     assert events[0] == {"ev": "network", "ifname": "lo", "address": "127.0.0.1"}
     assert {"ev": "out", "rank": 0, "stream": "stdout", "data": "lo lo"} in events
@@ -86,7 +93,7 @@ def test_interface_set_by_the_user_is_kept() -> None:
     agent.event()
     job = spec("import os; print(os.environ['GLOO_SOCKET_IFNAME'])")
     job.env["GLOO_SOCKET_IFNAME"] = "eth7"
-    agent.send(run_request(job))
+    agent.send(encode_request(RunRequest(job)))
     assert {"ev": "out", "rank": 0, "stream": "stdout", "data": "eth7"} in agent.events_until_done()
     agent.close()
 
@@ -94,7 +101,11 @@ def test_interface_set_by_the_user_is_kept() -> None:
 def test_silence_from_hvdrun_stops_the_workers() -> None:
     agent = Agent()
     agent.event()
-    agent.send(run_request(spec("import time; time.sleep(60)", ranks=2, heartbeat_timeout=0.6)))
+    agent.send(
+        encode_request(
+            RunRequest(spec("import time; time.sleep(60)", ranks=2, heartbeat_timeout=0.6))
+        )
+    )
     start = time.monotonic()
     events = agent.events_until_done()
     assert time.monotonic() - start < 10
@@ -111,11 +122,11 @@ def test_kill_skips_the_grace_period() -> None:
         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "print('ready'); time.sleep(60)"
     )
-    agent.send(run_request(spec(stubborn, term_grace=60)))
+    agent.send(encode_request(RunRequest(spec(stubborn, term_grace=60))))
     while agent.event().get("data") != "ready":
         pass
     start = time.monotonic()
-    agent.send(KILL)
+    agent.send(encode_request(KillRequest()))
     events = agent.events_until_done()
     assert time.monotonic() - start < 5
     assert {"ev": "exit", "rank": 0, "code": 137} in events

@@ -10,6 +10,7 @@ import pytest
 from launcher.spec.options import LaunchOptions
 from launcher.transport import startup
 from launcher.transport.connection import AgentConnection, AgentStartError
+from launcher.transport.protocol import Hello
 from launcher.transport.startup import (
     LaunchError,
     open_agents,
@@ -44,7 +45,8 @@ class FakeAgent(AgentConnection):
         time.sleep(self._delay)
         if self._error:
             raise AgentStartError(self._error)
-        self.hello = self._hello or {"protocol": 1, **HERE, "executable": "/usr/bin/python3"}
+        raw = self._hello or {"protocol": 1, **HERE, "executable": "/usr/bin/python3"}
+        self.hello = Hello(**raw)
 
     def abort(self) -> None:
         self.aborted = True

@@ -1,0 +1,95 @@
+"""The wire protocol: typed requests and events, and the exact lines they travel as."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.transport.protocol import (
+    AgentEvent,
+    AgentSpec,
+    Done,
+    Exit,
+    Hello,
+    KillRequest,
+    Network,
+    Output,
+    Ping,
+    PingRequest,
+    Probe,
+    ProbeRequest,
+    RunRequest,
+    Started,
+    TerminateRequest,
+    UnknownRequest,
+    WorkerLaunch,
+    decode_event,
+    decode_request,
+    encode_event,
+    encode_request,
+)
+
+EVENT_LINES = [
+    (
+        Hello(1, "node1", 42, "3.11.7", "/usr/bin/python3", "0.1.0", "2.13.0"),
+        b'{"ev": "hello", "protocol": 1, "hostname": "node1", "pid": 42, "python": "3.11.7", '
+        b'"executable": "/usr/bin/python3", "hvdrun": "0.1.0", "torch": "2.13.0"}\n',
+    ),
+    (
+        Network("eth0", "10.0.0.2"),
+        b'{"ev": "network", "ifname": "eth0", "address": "10.0.0.2"}\n',
+    ),
+    (Started(3, 1234), b'{"ev": "started", "rank": 3, "pid": 1234}\n'),
+    (
+        Output(0, "stderr", b"caf\xc3\xa9 \xff"),
+        b'{"ev": "out", "rank": 0, "stream": "stderr", "data": "caf\\u00e9 \\udcff"}\n',
+    ),
+    (Exit(1, 137), b'{"ev": "exit", "rank": 1, "code": 137}\n'),
+    (
+        Exit(2, 127, "cannot run 'x'"),
+        b'{"ev": "exit", "rank": 2, "code": 127, "error": "cannot run \'x\'"}\n',
+    ),
+    (Ping(), b'{"ev": "ping"}\n'),
+    (Probe({"hostname": "n", "gpus": []}), b'{"ev": "probe", "hostname": "n", "gpus": []}\n'),
+    (Done(), b'{"ev": "done"}\n'),
+]
+
+
+@pytest.mark.parametrize(("event", "line"), EVENT_LINES)
+def test_events_travel_as_the_same_lines_and_come_back(event: AgentEvent, line: bytes) -> None:
+    assert encode_event(event) == line
+    assert decode_event(line) == event
+
+
+def test_an_old_agents_hello_decodes_with_what_it_has() -> None:
+    assert decode_event(b'{"ev": "hello", "protocol": 0, "extra": 1}\n') == Hello(protocol=0)
+
+
+def test_unknown_event_kinds_are_skipped_and_broken_ones_refused() -> None:
+    assert decode_event(b'{"ev": "from-the-future", "x": 1}\n') is None
+    for line in (b"[1, 2]\n", b'{"rank": 1}\n', b'{"ev": "exit", "rank": 1}\n', b"{oops\n"):
+        with pytest.raises(ValueError):
+            decode_event(line)
+
+
+def test_requests_travel_as_the_same_lines_and_come_back() -> None:
+    spec = AgentSpec("h", ["python", "t.py"], "/w", {"A": "1"}, [WorkerLaunch(0, {"R": "0"})])
+    run = encode_request(RunRequest(spec))
+    assert run.startswith(b'{"op": "run", "spec": {"hostname": "h", "command": ["python"')
+    assert decode_request(run) == RunRequest(spec)
+    probe = ProbeRequest("10.0.0.1:5000")
+    assert encode_request(probe) == b'{"op": "probe", "connect_back": "10.0.0.1:5000"}\n'
+    assert decode_request(encode_request(probe)) == probe
+    for request, line in (
+        (PingRequest(), b'{"op": "ping"}\n'),
+        (TerminateRequest(), b'{"op": "terminate"}\n'),
+        (KillRequest(), b'{"op": "kill"}\n'),
+        (UnknownRequest("dance"), b'{"op": "dance"}\n'),
+    ):
+        assert encode_request(request) == line
+        assert decode_request(line) == request
+
+
+def test_broken_requests_are_refused() -> None:
+    for line in (b'{"ev": "ping"}\n', b'{"op": "run", "spec": {"hostname": "h"}}\n', b"x\n"):
+        with pytest.raises(ValueError):
+            decode_request(line)
