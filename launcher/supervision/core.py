@@ -1,17 +1,36 @@
-"""The parts of supervision that fixed and elastic jobs share.
+"""The supervision loop that fixed and elastic jobs share, and the records of how a job ended.
 
-:class:`JobResult` and :class:`WorkerFailure` record how a job ended (the failure report
-reads them); :class:`Signals` records SIGINT/SIGTERM for the supervision loop;
-:func:`agent_spec` is what one host's agent is told to run.
+Both supervisors watch agents the same way; :class:`Supervision` does it once and leaves
+them only what differs (the fixed one's pending hosts and status line; the elastic one's
+membership, discovery and generations):
+
+* Signals: the first SIGINT/SIGTERM stops every worker and, unless a worker failed first,
+  makes the job exit with 128+signal; a second one kills without grace.
+* The first failure decides the exit code and stops the job: every agent SIGTERMs its
+  workers and SIGKILLs them after ``term_grace``. Agents that have not reported
+  ``AGENT_REPORT_SLACK`` seconds after that are killed.
+* Heartbeats: an agent silent for longer than its ``heartbeat_timeout`` (a cut network
+  closes nothing) is given up on: its host counts as lost and its connection is dropped;
+  the agent stops its workers on its own heartbeat timeout.
+* Events are drained from one queue between those checks, in batches, so that a worker
+  flooding its output cannot hold off a Ctrl-C.
+
+Everything is driven by :meth:`Supervision.step` and an injectable clock, so tests can run
+it with fake agents. :class:`JobResult` and :class:`WorkerFailure` are what the failure
+report (:mod:`launcher.supervision.report`) reads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import signal
+import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from launcher.output import OutputSink
 from launcher.spec.job import JobSpec
@@ -22,8 +41,10 @@ from rendezvous.slots import SlotInfo
 
 log = logging.getLogger(__name__)
 
-# How long agents get, beyond the workers' grace period, to report before they are killed.
+#: How long agents get, beyond the workers' grace period, to report before they are killed.
 AGENT_REPORT_SLACK = 10.0
+#: At most this many events are handled between two rounds of signal and deadline checks.
+EVENT_BATCH = 1000
 
 
 @dataclass
@@ -54,6 +75,7 @@ def agent_spec(
     secret: str,
     heartbeat_timeout: float,
 ) -> AgentSpec:
+    """What one host's agent is told to run: the job, and this host's share of ``slots``."""
     env = dict(spec.env)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(worker_env.connection_env(rendezvous, job_id, secret))
@@ -92,7 +114,7 @@ class Signals:
 
     def __init__(self) -> None:
         self.received: list[int] = []
-        self._handled = 0
+        self._taken = 0
 
     def record(self, signum: int, frame: object = None) -> None:
         self.received.append(signum)
@@ -100,28 +122,11 @@ class Signals:
     def first(self) -> int | None:
         return self.received[0] if self.received else None
 
-    def handle(
-        self,
-        result: JobResult,
-        sink: OutputSink,
-        stop_all: Callable[[], None],
-        kill_all: Callable[[], None],
-    ) -> None:
-        """Acts on the signals received since the last call, as both supervision loops do:
-        the first stops every worker (and is the job's outcome unless a worker failed
-        first), a second one kills without grace."""
-        while self._handled < len(self.received):
-            signum = self.received[self._handled]
-            if self._handled == 0:
-                sink.message(f"received {signal.Signals(signum).name}; stopping all workers")
-                if result.failure is None:
-                    result.interrupted_by = signum
-                    result.exit_code = 128 + signum
-                stop_all()
-            else:
-                sink.message("second signal: killing all workers now")
-                kill_all()
-            self._handled += 1
+    def take(self) -> list[tuple[int, int]]:
+        """The signals received since the last call, each with how many came before it."""
+        new = [(index, self.received[index]) for index in range(self._taken, len(self.received))]
+        self._taken += len(new)
+        return new
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Signals]:
@@ -131,3 +136,169 @@ class Signals:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+
+class Supervised(Protocol):
+    """What supervision needs of an agent: an AgentConnection, or a fake one in tests."""
+
+    @property
+    def hostname(self) -> str: ...
+
+    @property
+    def heartbeat_timeout(self) -> float: ...
+
+    @property
+    def last_heard(self) -> float: ...  # clock time of the agent's latest line
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+E = TypeVar("E")
+
+
+class Supervision(ABC, Generic[E]):
+    """One job's supervision loop over events of type ``E``; see the module docstring.
+
+    Subclasses say when the job is finished, which agents are still to be stopped, what an
+    event means and what a silent agent means; the loop, signals, the stop deadline,
+    heartbeats and stop/kill are here.
+    """
+
+    #: How long one step waits for the first event.
+    poll_interval = 0.1
+
+    def __init__(
+        self,
+        sink: OutputSink,
+        events: queue.Queue[E],
+        term_grace: float,
+        signals: Signals,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sink = sink
+        self.events = events
+        self.term_grace = term_grace
+        self.signals = signals
+        self.clock = clock
+        self.result = JobResult(exit_code=0)
+        self.stopping = False  # every agent has been told to stop its workers
+        self.stop_deadline: float | None = None  # then agents that have not reported are killed
+
+    # ---- what differs between supervisors ----------------------------------------------
+
+    @abstractmethod
+    def finished(self) -> bool:
+        """Whether the loop is done."""
+
+    @abstractmethod
+    def live_agents(self) -> list[Supervised]:
+        """The agents that stopping and killing the job still has to reach."""
+
+    def watched_agents(self) -> list[Supervised]:
+        """The agents whose heartbeats are checked (by default every live agent)."""
+        return self.live_agents()
+
+    @abstractmethod
+    def on_event(self, event: E) -> None: ...
+
+    @abstractmethod
+    def on_silent(self, agent: Supervised, why: str) -> None:
+        """``agent`` has been silent too long; its connection is aborted right after this."""
+
+    def stop_agent(self, agent: Supervised) -> None:
+        """Tells one live agent to stop its workers (SIGTERM, SIGKILL after the grace)."""
+        agent.terminate()
+
+    def abandon(self, agent: Supervised) -> None:
+        """``agent`` was killed at the stop deadline; a supervisor that will not wait for
+        its report forgets it here."""
+
+    def after_events(self, now: float) -> None:
+        """Called once per step, after the events (status lines, decisions)."""
+
+    # ---- the loop --------------------------------------------------------------------
+
+    def run(self) -> JobResult:
+        while not self.finished():
+            self.step()
+        return self.result
+
+    def step(self) -> None:
+        self.act_on_signals()
+        now = self.clock()
+        if self.stop_deadline is not None and now > self.stop_deadline:
+            log.warning("agents did not report in time; killing them")
+            self.stop_deadline = None
+            for agent in self.live_agents():
+                agent.kill()
+                self.abandon(agent)
+        self.check_heartbeats(now)
+        self.drain_events()
+        self.after_events(self.clock())
+
+    def act_on_signals(self) -> None:
+        for before, signum in self.signals.take():
+            if before == 0:
+                self.sink.message(f"received {signal.Signals(signum).name}; stopping all workers")
+                if self.result.failure is None:
+                    self.result.interrupted_by = signum
+                    self.result.exit_code = 128 + signum
+                self.stop_all()
+            else:
+                self.sink.message("second signal: killing all workers now")
+                self.kill_all()
+
+    def check_heartbeats(self, now: float) -> None:
+        for agent in self.watched_agents():
+            timeout = agent.heartbeat_timeout
+            # The reader thread stamps last_heard, so a slow terminal cannot fake a silence.
+            if timeout > 0 and now - agent.last_heard > timeout:
+                self.on_silent(agent, f"heard nothing from its agent for {timeout:g} s")
+                agent.abort()  # its agent stops its workers on its own heartbeat timeout
+
+    def drain_events(self) -> None:
+        try:
+            event = self.events.get(timeout=self.poll_interval)
+        except queue.Empty:
+            return
+        self.on_event(event)
+        for _ in range(EVENT_BATCH - 1):
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return
+            self.on_event(event)
+
+    # ---- acting on the job --------------------------------------------------------------
+
+    def record_exit(self, rank: int, code: int) -> None:
+        self.result.exits[rank] = code
+        if self.stopping:
+            self.result.stopped.add(rank)
+
+    def fail(self, failure: WorkerFailure) -> None:
+        """The first failure decides the exit code, unless a signal came first, and stops
+        the job."""
+        if self.stopping:
+            return
+        self.result.failure = failure
+        self.result.exit_code = failure.code
+        self.stop_all()
+
+    def stop_all(self) -> None:
+        """Every live agent stops its workers; the stop deadline starts."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.sink.status(None)
+        self.stop_deadline = self.clock() + self.term_grace + AGENT_REPORT_SLACK
+        for agent in self.live_agents():
+            self.stop_agent(agent)
+
+    def kill_all(self) -> None:
+        for agent in self.live_agents():
+            agent.kill()

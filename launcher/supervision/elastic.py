@@ -30,7 +30,8 @@ the worker's rank in the generation it started with; later workers get new numbe
 
 The decisions (which hosts, when a generation is due) live in
 :mod:`launcher.supervision.membership`; this module carries them out with agents, the
-rendezvous server and the output.
+rendezvous server and the output. The loop itself, signals, the stop deadline and heartbeat
+checks are :mod:`launcher.supervision.core`'s, shared with fixed jobs.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ from launcher.spec.hosts import HostSpec, is_local_host
 from launcher.spec.job import JobSpec
 from launcher.spec.options import ElasticOptions
 from launcher.supervision.core import (
-    AGENT_REPORT_SLACK,
     JobResult,
     Signals,
+    Supervised,
+    Supervision,
     WorkerFailure,
     agent_loss_reason,
     agent_spec,
@@ -112,8 +114,10 @@ class AgentFailed:
 DriverEvent = Discovered | DiscoveryFailed | AgentReady | AgentFailed
 
 
-class ElasticDriver:
+class ElasticDriver(Supervision[HostEvent | DriverEvent]):
     """Runs discovery, starts agents, publishes generations and supervises the workers."""
+
+    poll_interval = 0.05
 
     def __init__(
         self,
@@ -124,15 +128,14 @@ class ElasticDriver:
         server: RendezvousServer,
         secret: str,
         job_id: str,
+        initial: list[HostSpec],
     ) -> None:
+        super().__init__(sink, queue.Queue(), spec.term_grace, signals)
         self.spec = spec
         self.options = options
-        self.sink = sink
-        self.signals = signals
         self.server = server
         self.secret = secret
         self.job_id = job_id
-        self.events: queue.Queue[HostEvent | DriverEvent] = queue.Queue()
         # Survivors of a failed collective wait in Register; a member that has not joined
         # them this long after is hung or cut off (twice the workers' Gloo timeout).
         gloo_timeout = worker_env.setting(worker_env.GLOO_TIMEOUT_SECONDS, spec.env)
@@ -147,10 +150,8 @@ class ElasticDriver:
         }
         if not any(name in spec.env for name in we.setting_names(we.GLOO_TIMEOUT_SECONDS)):
             self._elastic_env[we.variable(we.GLOO_TIMEOUT_SECONDS)] = f"{options.failure_timeout:g}"
-        self.result = JobResult(exit_code=0)
+        self.members.discovered = initial
         self.finishing = False  # a worker exited 0: no more generations
-        self.stopping = False
-        self._stop_deadline: float | None = None
         self._worker_ids = itertools.count()
         self._done = threading.Event()
         self._versions = installed_versions() if spec.launch.check_versions else None
@@ -158,37 +159,15 @@ class ElasticDriver:
 
     # ---- the loop -------------------------------------------------------------------
 
-    def run(self, initial: list[HostSpec]) -> JobResult:
-        self.members.discovered = initial
+    def run(self) -> JobResult:
         threading.Thread(target=self._discover, daemon=True).start()
         try:
-            while not self._finished():
-                self.signals.handle(self.result, self.sink, self._stop_all, self._kill_all)
-                now = time.monotonic()
-                if self._stop_deadline is not None and now > self._stop_deadline:
-                    log.warning("agents did not report in time; killing them")
-                    for host in self.members.all_hosts():
-                        if host.agent_alive:
-                            host.agent.kill()
-                            host.agent_finished = True
-                self._check_heartbeats(now)
-                try:
-                    event: HostEvent | DriverEvent | None = self.events.get(timeout=0.05)
-                except queue.Empty:
-                    event = None
-                while event is not None:
-                    self._on_event(event)
-                    try:
-                        event = self.events.get_nowait()
-                    except queue.Empty:
-                        event = None
-                self._reconcile(time.monotonic())
+            return super().run()
         finally:
             self._done.set()
             stop_agents([h.agent for h in self.members.all_hosts() if h.agent is not None])
-        return self.result
 
-    def _finished(self) -> bool:
+    def finished(self) -> bool:
         hosts = self.members.all_hosts()
         if self.stopping:
             return not any(h.agent_alive for h in hosts)
@@ -200,6 +179,35 @@ class ElasticDriver:
                     host.agent.terminate()
             return True
         return False
+
+    def live_agents(self) -> list[Supervised]:
+        return [h.agent for h in self.members.all_hosts() if h.agent_alive]
+
+    def watched_agents(self) -> list[Supervised]:
+        # Agents send heartbeats once their workers run; a ready agent may wait silently.
+        return [h.agent for h in self.members.running() if h.agent_alive]
+
+    def on_silent(self, agent: Supervised, why: str) -> None:
+        host = self._record_of(agent)
+        self._fail_host(host, why)
+        host.agent_finished = True
+
+    def stop_agent(self, agent: Supervised) -> None:
+        host = self._record_of(agent)
+        if host.state == "starting":  # cut its start-up short: it has no workers yet
+            agent.abort()
+            host.agent_finished = True
+        else:
+            agent.terminate()
+
+    def abandon(self, agent: Supervised) -> None:
+        self._record_of(agent).agent_finished = True
+
+    def after_events(self, now: float) -> None:
+        self._reconcile(now)
+
+    def _record_of(self, agent: Supervised) -> HostRecord:
+        return next(host for host in self.members.all_hosts() if host.agent is agent)
 
     def _discover(self) -> None:
         discovery = self.options.discovery
@@ -213,7 +221,7 @@ class ElasticDriver:
 
     # ---- events ---------------------------------------------------------------------
 
-    def _on_event(self, item: HostEvent | DriverEvent) -> None:
+    def on_event(self, item: HostEvent | DriverEvent) -> None:
         match item:
             case Discovered(hosts):
                 if self._discovery_error is not None:
@@ -268,17 +276,15 @@ class ElasticDriver:
 
     def _on_exit(self, host: HostRecord, worker: int, code: int, error: str | None) -> None:
         host.exits[worker] = code
-        self.result.exits[worker] = code
+        self.record_exit(worker, code)
         if error:
             self.sink.message(f"worker {worker} on {host.name}: {error}")
         if host.state in ("removed", "failed", "done") or self.stopping:
-            if self.stopping:
-                self.result.stopped.add(worker)
             return
         if code == 0:
             self.finishing = True
         elif self.finishing:
-            self._fail_job(WorkerFailure(worker, host.name, code, error))
+            self.fail(WorkerFailure(worker, host.name, code, error))
         else:
             what = describe_exit(code)
             what = f"was {what}" if what.startswith("killed") else f"exited with {what}"
@@ -300,61 +306,28 @@ class ElasticDriver:
         for worker in missing:
             self.result.lost[worker] = why
         if self.finishing:
-            self._fail_job(WorkerFailure(missing[0], host.name, 255, why))
+            self.fail(WorkerFailure(missing[0], host.name, 255, why))
         else:
             self._fail_host(host, why)
-
-    def _check_heartbeats(self, now: float) -> None:
-        for host in self.members.running():
-            if not host.agent_alive:
-                continue
-            agent = host.agent
-            timeout = agent.heartbeat_timeout
-            if timeout > 0 and now - agent.last_heard > timeout:
-                self._fail_host(host, f"heard nothing from its agent for {timeout:g} s")
-                agent.abort()  # its agent stops its workers on its own heartbeat timeout
-                host.agent_finished = True
-
-    def _kill_all(self) -> None:
-        for host in self.members.all_hosts():
-            if host.agent_alive:
-                host.agent.kill()
 
     # ---- carrying out the membership's decisions -------------------------------------
 
     def _fail_host(self, host: HostRecord, why: str) -> None:
         if host.state in ("failed", "removed", "done"):
             return
-        cooldown = self.members.fail(host, time.monotonic())
+        cooldown = self.members.fail(host, self.clock())
         until = "for the rest of the job" if cooldown is None else f"for {cooldown:g} s"
         self.sink.message(f"host {host.name} failed ({why}); blacklisted {until}")
         if host.agent_alive:
             host.agent.terminate()
 
-    def _fail_job(self, failure: WorkerFailure | None, message: str | None = None) -> None:
+    def _give_up(self, message: str) -> None:
+        """The job cannot go on (too few hosts, too many resets): stop it, exit 1."""
         if self.stopping:
             return
-        if failure is not None:
-            self.result.failure = failure
-            self.result.exit_code = failure.code
-        else:
-            self.result.exit_code = ELASTIC_FAILURE_EXIT
-        if message:
-            self.sink.message(message)
-        self._stop_all()
-
-    def _stop_all(self) -> None:
-        if self.stopping:
-            return
-        self.stopping = True
-        self._stop_deadline = time.monotonic() + self.spec.term_grace + AGENT_REPORT_SLACK
-        for host in self.members.all_hosts():
-            if host.agent_alive:
-                if host.state == "starting":
-                    host.agent.abort()
-                    host.agent_finished = True
-                else:
-                    host.agent.terminate()
+        self.result.exit_code = ELASTIC_FAILURE_EXIT
+        self.sink.message(message)
+        self.stop_all()
 
     def _reconcile(self, now: float) -> None:
         if self.finishing and not self.stopping:
@@ -379,7 +352,7 @@ class ElasticDriver:
                 host.agent.kill()  # a stopped process ignores SIGTERM until it runs
         decision = members.decide(now)
         if isinstance(decision, Stop):
-            self._fail_job(None, decision.message)
+            self._give_up(decision.message)
         elif isinstance(decision, Wait):
             if decision.message:
                 self.sink.message(decision.message)
@@ -508,8 +481,8 @@ def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     server.start()
     try:
         with Signals().installed() as signals:
-            driver = ElasticDriver(spec, options, sink, signals, server, secret, job_id)
-            result = driver.run(initial)
+            driver = ElasticDriver(spec, options, sink, signals, server, secret, job_id, initial)
+            result = driver.run()
     finally:
         server.stop()
         sink.close()

@@ -1,4 +1,4 @@
-"""Runs one job: one agent per host, the rendezvous server, and the supervision loop.
+"""The fixed-job supervisor: every rank runs once, and the first failure ends the job.
 
 Exit rules (mpirun's): every worker exits 0 → 0. The first worker to fail decides the exit
 code (128+N for signal N); every other worker on every host is then stopped, and hvdrun
@@ -7,8 +7,10 @@ SIGINT/SIGTERM to hvdrun stop the job the same way and exit with 128+signal; a s
 kills without grace. A host that cannot be started, or whose agent is lost mid-job (SSH
 connection dropped, no heartbeat), makes hvdrun exit with 255, like ssh.
 
-Elastic jobs (``JobSpec.elastic`` set) are run by :mod:`launcher.supervision.elastic` instead, which
-keeps going when hosts fail, join or leave.
+The loop, signals, deadlines and heartbeats are :mod:`launcher.supervision.core`'s; this
+module adds what is particular to a fixed job: every host must report each of its ranks,
+and a status line counts the workers registered at the rendezvous. Elastic jobs
+(``JobSpec.elastic`` set) are run by :mod:`launcher.supervision.elastic` instead.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from launcher.output import OutputSink
 from launcher.spec.job import JobSpec
 from launcher.supervision.core import (
-    AGENT_REPORT_SLACK,
     JobResult,
     Signals,
+    Supervised,
+    Supervision,
     WorkerFailure,
     agent_loss_reason,
     agent_spec,
@@ -45,46 +48,61 @@ from rendezvous.slots import SlotInfo, assign_slots
 log = logging.getLogger(__name__)
 
 
-class Supervisor:
+class Supervisor(Supervision[HostEvent]):
     """Consumes agent events until every host has reported, stopping the job on failure."""
 
     def __init__(
         self,
-        agents: list[AgentConnection],
+        agents: Sequence[Supervised],
         slots: Sequence[SlotInfo],
         sink: OutputSink,
         events: queue.Queue[HostEvent],
         term_grace: float,
+        signals: Signals,
         server: RendezvousServer | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(sink, events, term_grace, signals, clock)
         self.agents = {agent.hostname: agent for agent in agents}
-        self.sink = sink
-        self.events = events
-        self.term_grace = term_grace
         self.server = server
         self.host_of = {slot.rank: slot.hostname for slot in slots}
-        self.result = JobResult(exit_code=0, hosts=dict(self.host_of))
-        self._pending_hosts = set(self.agents)
-        self._stop_deadline: float | None = None
-        self._stopping = False
+        self.result.hosts = dict(self.host_of)
+        self._pending_hosts = set(self.agents)  # hosts that have not reported every rank yet
         self._registered = -1
 
-    def run(self, signals: Signals) -> JobResult:
-        while self._pending_hosts:
-            signals.handle(self.result, self.sink, self._stop_all, self._kill_all)
-            if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
-                log.warning("agents did not report in time; killing them")
-                self._kill_all()
-                self._stop_deadline = None
-            self._check_heartbeats()
-            self._show_status()
-            try:
-                event = self.events.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self._on_event(event)
+    def run(self) -> JobResult:
+        result = super().run()
         self.sink.status(None)
-        return self.result
+        return result
+
+    def finished(self) -> bool:
+        return not self._pending_hosts
+
+    def live_agents(self) -> list[Supervised]:
+        return [self.agents[host] for host in self._pending_hosts]
+
+    def on_silent(self, agent: Supervised, why: str) -> None:
+        self._lose_host(agent.hostname, why)
+
+    def after_events(self, now: float) -> None:
+        self._show_status()
+
+    def on_event(self, item: HostEvent) -> None:
+        host, event = item.host, item.event
+        match event:
+            case Output(rank, stream, data):
+                self.sink.line(rank, stream, data)
+            case Exit(rank, code, error):
+                self.record_exit(rank, code)
+                if error:
+                    self.sink.message(f"rank {rank} on {host}: {error}")
+                if code != 0:
+                    self.fail(WorkerFailure(rank, host, code, error))
+            case Network(ifname):
+                log.info("workers on %s use interface %s", host, ifname)
+            case Done() | AgentExit():
+                if host in self._pending_hosts:
+                    self._lose_host(host, agent_loss_reason(event))
 
     def _show_status(self) -> None:
         if self.server is None or self._registered >= len(self.host_of):
@@ -93,42 +111,13 @@ class Supervisor:
         if registered != self._registered:
             self._registered = registered
             total = len(self.host_of)
-            if registered >= total or self._stopping:
+            if registered >= total or self.stopping:
                 self.sink.status(None)
             else:
                 hosts = len(self.agents)
                 self.sink.status(
                     f"connected {hosts}/{hosts} hosts, {registered}/{total} workers registered"
                 )
-
-    def _check_heartbeats(self) -> None:
-        now = time.monotonic()
-        for host in list(self._pending_hosts):
-            agent = self.agents[host]
-            timeout = agent.heartbeat_timeout
-            # The reader thread stamps last_heard, so a slow terminal cannot fake a silence.
-            if timeout > 0 and now - agent.last_heard > timeout:
-                self._lose_host(host, f"heard nothing from its agent for {timeout:g} s")
-                agent.abort()  # its agent stops its workers on its own heartbeat timeout
-
-    def _on_event(self, item: HostEvent) -> None:
-        host, event = item.host, item.event
-        match event:
-            case Output(rank, stream, data):
-                self.sink.line(rank, stream, data)
-            case Exit(rank, code, error):
-                self.result.exits[rank] = code
-                if self._stopping:
-                    self.result.stopped.add(rank)
-                if error:
-                    self.sink.message(f"rank {rank} on {host}: {error}")
-                if code != 0:
-                    self._fail(WorkerFailure(rank, host, code, error))
-            case Network(ifname):
-                log.info("workers on %s use interface %s", host, ifname)
-            case Done() | AgentExit():
-                if host in self._pending_hosts:
-                    self._lose_host(host, agent_loss_reason(event))
 
     def _lose_host(self, host: str, why: str) -> None:
         self._pending_hosts.discard(host)
@@ -140,25 +129,7 @@ class Supervisor:
         )
         for rank in missing:
             self.result.lost[rank] = why
-        self._fail(WorkerFailure(missing[0], host, AGENT_FAILURE_EXIT, why))
-
-    def _fail(self, failure: WorkerFailure) -> None:
-        if self.result.failure is None and self.result.interrupted_by is None:
-            self.result.failure = failure
-            self.result.exit_code = failure.code
-            self._stop_all()
-
-    def _kill_all(self) -> None:
-        for host in self._pending_hosts:
-            self.agents[host].kill()
-
-    def _stop_all(self) -> None:
-        if self._stop_deadline is None and not self._stopping:
-            self._stopping = True
-            self.sink.status(None)
-            self._stop_deadline = time.monotonic() + self.term_grace + AGENT_REPORT_SLACK
-            for host in self._pending_hosts:
-                self.agents[host].terminate()
+        self.fail(WorkerFailure(missing[0], host, AGENT_FAILURE_EXIT, why))
 
 
 def run_fixed_job(spec: JobSpec, sink: OutputSink) -> JobResult:
@@ -213,6 +184,6 @@ def _supervise(
                 agent_spec(spec, host, slots, addr, job_id, secret, agent.heartbeat_timeout),
                 events,
             )
-        return Supervisor(agents, slots, sink, events, spec.term_grace, server).run(signals)
+        return Supervisor(agents, slots, sink, events, spec.term_grace, signals, server).run()
     finally:
         server.stop()
