@@ -1,0 +1,318 @@
+"""The supervision core (launcher.supervision.core) and the fixed-job Supervisor, driven step
+by step with fake agents, typed events and a fake clock: no processes, no sockets."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import signal
+import time
+
+import pytest
+
+from launcher.output import OutputSink
+from launcher.supervision.core import (
+    AGENT_REPORT_SLACK,
+    EVENT_BATCH,
+    Signals,
+    Supervised,
+    Supervision,
+    WorkerFailure,
+)
+from launcher.supervision.fixed import Supervisor
+from launcher.transport.connection import AgentExit, HostEvent
+from launcher.transport.protocol import Done, Exit, Output
+from rendezvous.slots import assign_slots
+
+GRACE = 5.0
+
+
+class FakeAgent:
+    """Just what supervision uses of an agent; records what it was asked to do."""
+
+    def __init__(self, hostname: str, heartbeat_timeout: float = 0.0) -> None:
+        self.hostname = hostname
+        self.heartbeat_timeout = heartbeat_timeout
+        self.last_heard = 0.0
+        self.calls: list[str] = []
+
+    def terminate(self) -> None:
+        self.calls.append("terminate")
+
+    def kill(self) -> None:
+        self.calls.append("kill")
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sink() -> tuple[OutputSink, io.BytesIO, io.BytesIO]:
+    out, err = io.BytesIO(), io.BytesIO()
+    return OutputSink(out, err), out, err
+
+
+class Hosts(Supervision[HostEvent]):
+    """The smallest supervisor on the core: a host is live until it reports Done, a
+    non-zero exit fails the job, a silent host is dropped."""
+
+    poll_interval = 0.0
+
+    def __init__(self, *agents: FakeAgent, clock: Clock, signals: Signals | None = None) -> None:
+        self.output, _, self.err = sink()
+        super().__init__(self.output, queue.Queue(), GRACE, signals or Signals(), clock)
+        self.agents = {agent.hostname: agent for agent in agents}
+        self.live = set(self.agents)
+        self.silent: list[tuple[str, str]] = []
+
+    def finished(self) -> bool:
+        return not self.live
+
+    def live_agents(self) -> list[Supervised]:
+        return [self.agents[host] for host in sorted(self.live)]
+
+    def on_event(self, item: HostEvent) -> None:
+        match item.event:
+            case Exit(rank, code):
+                self.record_exit(rank, code)
+                if code != 0:
+                    self.fail(WorkerFailure(rank, item.host, code))
+            case Done():
+                self.live.discard(item.host)
+
+    def on_silent(self, agent: Supervised, why: str) -> None:
+        self.silent.append((agent.hostname, why))
+        self.live.discard(agent.hostname)
+
+    def put(self, host: str, *events: Exit | Done) -> None:
+        for event in events:
+            self.events.put(HostEvent(host, event))
+
+    def messages(self) -> list[str]:
+        return self.err.getvalue().decode().splitlines()
+
+
+def test_first_signal_stops_every_agent_and_exits_128_plus_signal() -> None:
+    a, b = FakeAgent("a"), FakeAgent("b")
+    clock = Clock()
+    job = Hosts(a, b, clock=clock)
+    job.signals.record(signal.SIGINT)
+    job.step()
+    assert a.calls == b.calls == ["terminate"]
+    assert (job.result.exit_code, job.result.interrupted_by) == (130, signal.SIGINT)
+    assert job.messages() == ["hvdrun: received SIGINT; stopping all workers"]
+    assert job.stop_deadline == GRACE + AGENT_REPORT_SLACK
+    job.step()  # a signal is acted on once
+    assert a.calls == ["terminate"]
+
+
+def test_second_signal_kills_without_grace() -> None:
+    a = FakeAgent("a")
+    job = Hosts(a, clock=Clock())
+    job.signals.record(signal.SIGTERM)
+    job.step()
+    job.signals.record(signal.SIGINT)
+    job.step()
+    assert a.calls == ["terminate", "kill"]
+    assert job.result.exit_code == 128 + signal.SIGTERM  # the first signal is the outcome
+    assert job.messages()[-1] == "hvdrun: second signal: killing all workers now"
+
+
+def test_a_failure_before_the_signal_decides_the_exit_code() -> None:
+    a, b = FakeAgent("a"), FakeAgent("b")
+    job = Hosts(a, b, clock=Clock())
+    job.put("b", Exit(1, 3))
+    job.step()
+    assert a.calls == b.calls == ["terminate"]  # one failure stops every host
+    job.signals.record(signal.SIGINT)
+    job.step()
+    assert job.result.failure == WorkerFailure(1, "b", 3)
+    assert (job.result.exit_code, job.result.interrupted_by) == (3, None)
+    assert a.calls == ["terminate"]  # already stopping
+
+
+def test_a_signal_before_the_failure_decides_the_exit_code() -> None:
+    a = FakeAgent("a")
+    job = Hosts(a, clock=Clock())
+    job.signals.record(signal.SIGTERM)
+    job.step()
+    job.put("a", Exit(0, 143), Exit(1, 1))
+    job.step()
+    assert job.result.failure is None
+    assert job.result.exit_code == 143
+    assert job.result.stopped == {0, 1}  # exited after hvdrun began stopping
+
+
+def test_stop_deadline_escalates_to_kill_for_agents_that_have_not_reported() -> None:
+    a, b = FakeAgent("a"), FakeAgent("b")
+    clock = Clock()
+    job = Hosts(a, b, clock=clock)
+    job.put("a", Exit(0, 9))
+    job.step()
+    job.put("a", Done())  # a reports in time, b does not
+    clock.now = GRACE + AGENT_REPORT_SLACK
+    job.step()
+    assert b.calls == ["terminate"]
+    clock.now += 0.1
+    job.step()
+    assert a.calls == ["terminate"]
+    assert b.calls == ["terminate", "kill"]
+    assert job.stop_deadline is None
+    clock.now += 100
+    job.step()
+    assert b.calls == ["terminate", "kill"]  # killed once
+
+
+def test_a_silent_agent_is_lost_and_its_connection_dropped() -> None:
+    watched, unwatched = FakeAgent("a", heartbeat_timeout=2.0), FakeAgent("b")
+    clock = Clock()
+    job = Hosts(watched, unwatched, clock=clock)
+    clock.now = 2.0
+    job.step()
+    assert job.silent == []
+    watched.last_heard = 1.0  # the reader thread heard it
+    clock.now = 3.0
+    job.step()
+    assert job.silent == []
+    clock.now = 3.1
+    job.step()
+    assert job.silent == [("a", "heard nothing from its agent for 2 s")]
+    assert watched.calls == ["abort"]
+    assert unwatched.calls == []  # no heartbeat timeout: never silent
+
+
+def test_hosts_reporting_done_end_the_loop() -> None:
+    a, b = FakeAgent("a"), FakeAgent("b")
+    job = Hosts(a, b, clock=Clock())
+    job.put("a", Exit(0, 0), Done())
+    job.put("b", Exit(1, 0), Done())
+    result = job.run()
+    assert (result.exit_code, result.exits, result.failure) == (0, {0: 0, 1: 0}, None)
+    assert a.calls == b.calls == []
+
+
+def test_events_are_handled_in_batches_between_signal_checks() -> None:
+    job = Hosts(FakeAgent("a"), clock=Clock())
+    job.put("a", *(Exit(rank, 0) for rank in range(EVENT_BATCH + 5)))
+    job.step()
+    assert len(job.result.exits) == EVENT_BATCH
+    job.step()
+    assert len(job.result.exits) == EVENT_BATCH + 5
+
+
+def test_signals_are_recorded_while_installed_then_handlers_restored() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with Signals().installed() as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not signals.received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert signals.received == [signal.SIGTERM]
+        assert signals.take() == [(0, signal.SIGTERM)]
+        assert signals.take() == []
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+# ---- the fixed-job Supervisor ----------------------------------------------------------
+
+
+def fixed(
+    *agents: FakeAgent, slots_per_host: int = 2, clock: Clock | None = None
+) -> tuple[Supervisor, io.BytesIO, io.BytesIO]:
+    slots = assign_slots([(a.hostname, slots_per_host) for a in agents], 2 * len(agents))
+    output, out, err = sink()
+    supervisor = Supervisor(
+        list(agents), slots, output, queue.Queue(), GRACE, Signals(), clock=clock or Clock()
+    )
+    supervisor.poll_interval = 0.0
+    return supervisor, out, err
+
+
+def put(supervisor: Supervisor, host: str, *events: Exit | Done | Output | AgentExit) -> None:
+    for event in events:
+        supervisor.events.put(HostEvent(host, event))
+
+
+def test_fixed_job_that_succeeds() -> None:
+    a, b = FakeAgent("a"), FakeAgent("b")
+    supervisor, out, _ = fixed(a, b)
+    put(supervisor, "a", Output(0, "stdout", b"hello"), Exit(0, 0), Exit(1, 0), Done())
+    put(supervisor, "b", Exit(2, 0), Exit(3, 0), Done())
+    result = supervisor.run()
+    assert result.exit_code == 0
+    assert result.hosts == {0: "a", 1: "a", 2: "b", 3: "b"}
+    assert out.getvalue() == b"[0]<stdout>:hello\n"
+    assert a.calls == b.calls == []
+
+
+def test_fixed_job_first_failure_stops_every_host() -> None:
+    a, b = FakeAgent("a"), FakeAgent("b")
+    supervisor, _, _ = fixed(a, b)
+    put(supervisor, "b", Exit(2, 3))
+    supervisor.step()
+    assert a.calls == b.calls == ["terminate"]
+    put(supervisor, "a", Exit(0, 143), Exit(1, 143), Done())
+    put(supervisor, "b", Exit(3, 143), Done())
+    result = supervisor.run()
+    assert result.exit_code == 3
+    assert result.failure == WorkerFailure(2, "b", 3, None)
+    assert result.stopped == {0, 1, 3}
+
+
+def test_fixed_job_names_the_ranks_of_a_lost_agent() -> None:
+    a, b = FakeAgent("a"), FakeAgent("b")
+    supervisor, _, err = fixed(a, b)
+    put(supervisor, "a", Exit(0, 0), AgentExit(None, "Connection reset by peer"))
+    supervisor.step()
+    why = "lost the connection to its agent: Connection reset by peer"
+    assert err.getvalue().decode() == f"hvdrun: host a: {why}; rank(s) 1 not reported\n"
+    assert supervisor.result.exit_code == 255
+    assert supervisor.result.lost == {1: why}
+    assert (a.calls, b.calls) == ([], ["terminate"])  # a is gone already
+
+
+def test_fixed_job_loses_a_silent_host() -> None:
+    a, b = FakeAgent("a"), FakeAgent("b", heartbeat_timeout=30.0)
+    clock = Clock()
+    supervisor, _, err = fixed(a, b, clock=clock)
+    clock.now = 30.5
+    supervisor.step()
+    assert err.getvalue().decode() == (
+        "hvdrun: host b: heard nothing from its agent for 30 s; rank(s) 2, 3 not reported\n"
+    )
+    assert (a.calls, b.calls) == (["terminate"], ["abort"])
+    assert supervisor.result.failure == WorkerFailure(
+        2, "b", 255, "heard nothing from its agent for 30 s"
+    )
+
+
+def test_fixed_job_reports_a_worker_that_could_not_start() -> None:
+    supervisor, _, err = fixed(FakeAgent("a"))
+    put(supervisor, "a", Exit(1, 127, "cannot run 'trian.py': No such file or directory"))
+    supervisor.step()
+    assert err.getvalue().decode() == (
+        "hvdrun: rank 1 on a: cannot run 'trian.py': No such file or directory\n"
+    )
+    assert supervisor.result.exit_code == 127
+
+
+@pytest.mark.parametrize(
+    ("event", "why"),
+    [
+        (Done(), "its agent finished early"),
+        (AgentExit(3, ""), "its agent exited (code 3)"),
+    ],
+)
+def test_fixed_job_says_why_an_agent_went_away(event: Done | AgentExit, why: str) -> None:
+    supervisor, _, err = fixed(FakeAgent("a"))
+    put(supervisor, "a", event)
+    supervisor.run()
+    assert err.getvalue().decode() == f"hvdrun: host a: {why}; rank(s) 0, 1 not reported\n"
