@@ -1,4 +1,5 @@
-"""How hvdrun reaches the hosts: plain settings, filled in by the CLI (see ``hvdrun --help``).
+"""How hvdrun reaches the hosts, and how far an elastic job may grow and shrink: plain
+frozen settings, filled in by the CLI (see ``hvdrun --help``) and only read by the launcher.
 
 Kept free of paramiko and grpc so that the CLI can build them without paying for imports
 it may not need.
