@@ -10,14 +10,12 @@ from __future__ import annotations
 from launcher.output import OutputSink
 from launcher.spec.job import JobSpec
 from launcher.supervision.core import JobResult
+from launcher.supervision.elastic import run_elastic_job
+from launcher.supervision.fixed import run_fixed_job
 
 
 def run_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     """Starts and supervises the job; raises LaunchError when a host cannot be started."""
     if spec.elastic is not None:
-        from launcher.supervision.elastic import run_elastic_job
-
         return run_elastic_job(spec, sink)
-    from launcher.supervision.fixed import run_fixed_job
-
     return run_fixed_job(spec, sink)
