@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from collectives.torch import common
 from collectives.torch import config as config_module
 from collectives.torch.config import EngineConfig
 from collectives.torch.engine import FINAL_CYCLE_SECONDS, Engine
@@ -568,6 +569,11 @@ def cross_size() -> int:
 def cross_rank() -> int:
     """This host's index among the hosts that run a process with this local rank."""
     return require("hvd.cross_rank()").topology.cross_rank
+
+
+# Process sets answer size() and rank() through these queries (common is a leaf and does
+# not import the runtime).
+common.bind_job(size=size, rank=rank)
 
 
 def mpi_built() -> bool:
