@@ -26,10 +26,10 @@ import torch
 
 from collectives.torch import ops
 from collectives.torch.common import ProcessSet
+from collectives.torch.engine.handles import Handle
+from collectives.torch.engine.requests import Kind, Request
 from collectives.torch.gradient_buckets import Bucket
-from collectives.torch.handles import Handle
 from collectives.torch.optimizer import _DistributedOptimizer
-from collectives.torch.requests import Kind, Request
 
 
 def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from collectives.torch import mpi_ops, ops
 from collectives.torch.common import ProcessSet, ReduceOp
-from collectives.torch.requests import Request
+from collectives.torch.engine.requests import Request
 
 
 def alltoall_result(request: Request) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from collectives.torch import autograd, handles, ops, runtime
+from collectives.torch import autograd, ops, runtime
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
 from collectives.torch.compression import Compression, Compressor
-from collectives.torch.requests import Kind
+from collectives.torch.engine import handles
+from collectives.torch.engine.requests import Kind
 
 __all__ = [
     "Adasum",

@@ -1,7 +1,7 @@
 """The layer every collective goes through on its way to the engine.
 
 It checks the caller's arguments (so mistakes raise at the call, on the rank that made them),
-builds the :class:`~collectives.torch.requests.Request` with its negotiated signature, and
+builds the :class:`~collectives.torch.engine.requests.Request` with its negotiated signature, and
 submits it. The list-based synchronous helpers at the bottom serve ``functions`` and the
 optimizer, which hand over many tensors at once as one grouped op.
 
@@ -25,9 +25,9 @@ import torch
 
 from collectives.torch import runtime
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
-from collectives.torch.execute import Group, split_rows
-from collectives.torch.handles import Handle
-from collectives.torch.requests import FIELD, RECORD, Kind, Request, TensorSpec, signature
+from collectives.torch.engine.execute import Group, split_rows
+from collectives.torch.engine.handles import Handle
+from collectives.torch.engine.requests import FIELD, RECORD, Kind, Request, TensorSpec, signature
 
 __all__ = [
     "allgather",

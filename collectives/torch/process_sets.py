@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from collectives.torch import ops, runtime
 from collectives.torch.common import ProcessSet, global_process_set
-from collectives.torch.requests import Kind
+from collectives.torch.engine.requests import Kind
 
 __all__ = ["add_process_set", "remove_process_set"]
 

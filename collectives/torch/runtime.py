@@ -47,11 +47,11 @@ import torch
 import torch.distributed as dist
 
 from collectives.torch import common
-from collectives.torch import config as config_module
-from collectives.torch.config import EngineConfig
-from collectives.torch.engine import FINAL_CYCLE_SECONDS, Engine
+from collectives.torch.engine import config as config_module
+from collectives.torch.engine import timeline
+from collectives.torch.engine.config import EngineConfig
+from collectives.torch.engine.core import FINAL_CYCLE_SECONDS, Engine
 from collectives.torch.errors import HorovodInternalError, NotInitializedError
-from collectives.torch.timeline import Timeline
 from rendezvous import worker_env
 
 __all__ = [
@@ -380,17 +380,9 @@ def _start_engine(runtime_: _Runtime) -> Engine:
         cuda_device=torch.cuda.current_device() if "nccl" in runtime_.backend else None,
     )
     if cfg.timeline:
-        engine.timeline = _open_timeline(cfg.timeline, cfg.timeline_mark_cycles, topo.rank)
+        engine.timeline = timeline.open_for_rank(cfg.timeline, cfg.timeline_mark_cycles, topo.rank)
     engine.start()
     return engine
-
-
-def _open_timeline(path: str, mark_cycles: bool, rank_: int) -> Timeline | None:
-    """Rank 0 writes the timeline, as in Horovod; a ``{rank}`` in the path makes every
-    rank write its own file."""
-    if "{rank}" in path:
-        return Timeline(path.replace("{rank}", str(rank_)), mark_cycles)
-    return Timeline(path, mark_cycles) if rank_ == 0 else None
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -659,7 +651,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Starts writing a Chrome-trace timeline (rank 0; every rank if the path has
     ``{rank}``), replacing one being written."""
     engine_ = engine("hvd.start_timeline()")
-    new = _open_timeline(file_path, mark_cycles, engine_.rank)
+    new = timeline.open_for_rank(file_path, mark_cycles, engine_.rank)
     old, engine_.timeline = engine_.timeline, new
     if old is not None:
         old.close()
