@@ -10,19 +10,17 @@ Every rank gathers all ranks' tensors and evaluates the same tree in the same or
 ranks get bit-identical results. That costs ``size`` times the tensor's memory, which suits
 the moderate rank counts this launcher targets; a recursive-halving variant is the known
 next step for very large jobs.
+
+This module is the math only, a leaf: :func:`collectives.torch.ops.submit_adasum_allreduce`
+runs an allreduce with ``op=hvd.Adasum`` as an allgather followed by :func:`adasum_tree`, and
+the Adasum optimizer (:mod:`collectives.torch.optim.adasum_optimizer`) submits through it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
 import torch
 
-from collectives.torch import ops
-from collectives.torch.common import ProcessSet
-from collectives.torch.engine.handles import Handle
-from collectives.torch.engine.requests import Kind, Request
+__all__ = ["adasum_pair", "adasum_tree"]
 
 
 def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -51,44 +49,3 @@ def adasum_tree(per_rank: list[torch.Tensor], scale: float = 1.0) -> torch.Tenso
         level = nxt
     result = level[0] if scale == 1.0 else level[0] * scale
     return result.to(dtype)
-
-
-def submit_allreduce(
-    tensors: Sequence[torch.Tensor],
-    outputs: Sequence[torch.Tensor] | None,
-    prescale: float,
-    postscale: float,
-    process_set: ProcessSet | None,
-    name: str | None,
-    finish: Callable[[Request], Any],
-) -> Handle:
-    """An allreduce with op=Adasum: one allgather of the flattened tensors, then the tree
-    above on every rank; ``outputs`` None means new output tensors, as for other ops."""
-    inputs = [ops.check_tensor(t, "allreduce") for t in tensors]
-    for tensor in inputs:
-        if not tensor.is_floating_point():
-            raise TypeError(
-                f"allreduce with op=hvd.Adasum needs floating-point tensors, got {tensor.dtype}"
-            )
-    engine, group = ops.resolve_process_set(process_set, "allreduce")
-    if name is None:
-        # From the allreduce counter, so unnamed Adasum ops number like other allreduces.
-        name = engine.auto_name(Kind.ALLREDUCE, group.process_set_id)
-    targets = list(outputs) if outputs is not None else None
-    shapes = [t.shape for t in inputs]
-    scale = float(prescale) * float(postscale)
-
-    def combine(request: Request) -> Any:
-        results: list[torch.Tensor] = []
-        with torch.no_grad():
-            for index, gathered in enumerate(request.outputs):
-                combined = adasum_tree(list(gathered.unbind(0)), scale).reshape(shapes[index])
-                if targets is not None:
-                    targets[index].copy_(combined)
-                    combined = targets[index]
-                results.append(combined)
-        request.outputs = results
-        return finish(request)
-
-    rows = [t.detach().reshape(1, t.numel()) for t in inputs]
-    return ops.submit_allgather(rows, process_set, f"adasum.{name}", combine)

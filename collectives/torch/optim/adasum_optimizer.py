@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from collectives.torch import adasum, ops
+from collectives.torch import ops
 from collectives.torch.optim.base import DistributedOptimizerBase
 from collectives.torch.optim.gradient_buckets import Bucket
 
@@ -51,7 +51,7 @@ class DistributedAdasumOptimizer(DistributedOptimizerBase):
             delta.sub_(start)
         tensor, ctx = self._hvd_compression.compress(delta)
         bucket.sent = [(param, tensor, ctx)]
-        bucket.handle = adasum.submit_allreduce(
+        bucket.handle = ops.submit_adasum_allreduce(
             [tensor], [tensor], 1.0, 1.0, self._hvd_process_set, bucket.name, ops.first_output
         )
 
