@@ -385,19 +385,19 @@ def _start_engine(runtime_: _Runtime) -> Engine:
     return engine
 
 
-def init(comm: Any = None, process_sets: Any = None) -> None:
+def init(comm: Any = None) -> bool:
     """Initializes the runtime: joins the job started by ``hvdrun`` (or runs as size 1).
 
-    ``process_sets``: a list of :class:`ProcessSet` to register right away (the same on
-    every rank), or ``"dynamic"`` (accepted for Horovod compatibility; sets can always be
-    added later with ``hvd.add_process_set``).
+    Returns whether this call initialized it (False: it already was). ``hvd.init()``
+    (:func:`collectives.torch.mpi_ops.init`) calls it and then registers the process sets
+    it was given: process sets are API above the runtime, which does not import them.
     """
     global _runtime, _init_count, _atexit_registered
     if comm is not None:
         raise NotImplementedError("hvd.init(comm=...) is not supported: hvdrun does not use MPI")
     with _lock:
         if _runtime is not None:
-            return
+            return False
         if not dist.is_available():
             raise RuntimeError("this torch build has no torch.distributed support")
         if dist.is_initialized():
@@ -440,11 +440,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             topo.cross_size,
             backend,
         )
-    if process_sets is not None and process_sets != "dynamic":
-        from collectives.torch.process_sets import add_process_set
-
-        for process_set in process_sets:
-            add_process_set(process_set)
+    return True
 
 
 def _stop_collectives(runtime_: _Runtime, timeout: float) -> None:
