@@ -1,14 +1,24 @@
 """Horovod's PyTorch API on torch.distributed: ``import collectives.torch as hvd``.
 
-This module is the whole public surface; the implementation lives in submodules:
-``runtime`` (init/shutdown, rank queries, timeline control), ``mpi_ops`` (the tensor
-collectives and their autograd), ``process_sets``, ``functions`` (parameters, optimizer state
-and objects), ``optimizer`` (``DistributedOptimizer``, with ``gradient_buckets``),
-``compression``, ``adasum`` (the Adasum reduction and optimizer) and ``sync_batch_norm``
-(``SyncBatchNorm``). Underneath,
-``ops`` checks arguments and builds requests for the background ``engine``, which negotiates
-them (``negotiation``), fuses them (``fusion``), runs them (``execute``) and records the
-``timeline``.
+This module is the whole public surface; the implementation lives in layers that only
+import downward (no import cycles, not even through imports inside functions):
+
+=================== =========================================================================
+public API          ``mpi_ops`` (the tensor collectives and ``init``), ``autograd`` (their
+                    gradients), ``process_sets``, ``functions`` (parameters, optimizer state
+                    and objects), ``sync_batch_norm``, ``optimizer`` (``DistributedOptimizer``)
+                    with its family in ``optim/``, and ``elastic/`` on top of them
+submission          ``ops``: argument checks, requests, submission (Adasum allreduce included)
+process runtime     ``runtime/``: joining the job, the rank queries, the running engine
+engine core         ``engine/``: negotiation, fusion, execution, timeline on a background
+                    thread; imports none of the layers above
+leaves              ``common`` (``ReduceOp``, ``ProcessSet``), ``errors``, ``compression``,
+                    ``adasum`` (the math)
+=================== =========================================================================
+
+A layer may import any layer below it. The leaves import nothing of the package but
+``errors``; what a leaf needs from above (a process set's size and rank) is handed to it by
+the runtime (``common.bind_job``).
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from collectives.torch.mpi_ops import (
     grouped_allreduce_async_,
     grouped_reducescatter,
     grouped_reducescatter_async,
+    init,
     join,
     poll,
     reducescatter,
@@ -71,7 +82,6 @@ from collectives.torch.runtime import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,

@@ -11,25 +11,16 @@ ranks get bit-identical results. That costs ``size`` times the tensor's memory, 
 the moderate rank counts this launcher targets; a recursive-halving variant is the known
 next step for very large jobs.
 
-``DistributedOptimizer(op=hvd.Adasum)`` is Horovod's Adasum optimizer
-(:class:`DistributedAdasumOptimizer`): as soon as a parameter's gradient is ready, the
-wrapped optimizer steps that parameter on the local gradient, and the *change* of the
-parameter is what is combined with Adasum; ``step()`` applies the combined changes.
+This module is the math only, a leaf: :func:`collectives.torch.ops.submit_adasum_allreduce`
+runs an allreduce with ``op=hvd.Adasum`` as an allgather followed by :func:`adasum_tree`, and
+the Adasum optimizer (:mod:`collectives.torch.optim.adasum_optimizer`) submits through it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
 import torch
 
-from collectives.torch import ops
-from collectives.torch.common import ProcessSet
-from collectives.torch.gradient_buckets import Bucket
-from collectives.torch.handles import Handle
-from collectives.torch.optimizer import _DistributedOptimizer
-from collectives.torch.requests import Kind, Request
+__all__ = ["adasum_pair", "adasum_tree"]
 
 
 def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -58,108 +49,3 @@ def adasum_tree(per_rank: list[torch.Tensor], scale: float = 1.0) -> torch.Tenso
         level = nxt
     result = level[0] if scale == 1.0 else level[0] * scale
     return result.to(dtype)
-
-
-def submit_allreduce(
-    tensors: Sequence[torch.Tensor],
-    outputs: Sequence[torch.Tensor] | None,
-    prescale: float,
-    postscale: float,
-    process_set: ProcessSet | None,
-    name: str | None,
-    finish: Callable[[Request], Any],
-) -> Handle:
-    """An allreduce with op=Adasum: one allgather of the flattened tensors, then the tree
-    above on every rank; ``outputs`` None means new output tensors, as for other ops."""
-    inputs = [ops.check_tensor(t, "allreduce") for t in tensors]
-    for tensor in inputs:
-        if not tensor.is_floating_point():
-            raise TypeError(
-                f"allreduce with op=hvd.Adasum needs floating-point tensors, got {tensor.dtype}"
-            )
-    engine, group = ops.resolve_process_set(process_set, "allreduce")
-    if name is None:
-        # From the allreduce counter, so unnamed Adasum ops number like other allreduces.
-        name = engine.auto_name(Kind.ALLREDUCE, group.process_set_id)
-    targets = list(outputs) if outputs is not None else None
-    shapes = [t.shape for t in inputs]
-    scale = float(prescale) * float(postscale)
-
-    def combine(request: Request) -> Any:
-        results: list[torch.Tensor] = []
-        with torch.no_grad():
-            for index, gathered in enumerate(request.outputs):
-                combined = adasum_tree(list(gathered.unbind(0)), scale).reshape(shapes[index])
-                if targets is not None:
-                    targets[index].copy_(combined)
-                    combined = targets[index]
-                results.append(combined)
-        request.outputs = results
-        return finish(request)
-
-    rows = [t.detach().reshape(1, t.numel()) for t in inputs]
-    return ops.submit_allgather(rows, process_set, f"adasum.{name}", combine)
-
-
-class DistributedAdasumOptimizer(_DistributedOptimizer):
-    """Horovod's Adasum optimizer: each rank steps on its own gradient, and the changes of
-    the parameters are combined with Adasum."""
-
-    _hvd_starts: dict[torch.Tensor, torch.Tensor]
-    _hvd_group_of: dict[torch.Tensor, int]
-
-    def _hvd_plan(self, groups: Any) -> list[Bucket]:
-        self._hvd_starts = {}
-        self._hvd_group_of = {
-            param: index
-            for index, group in enumerate(self.param_groups)
-            for param in group["params"]
-        }
-        # One parameter per bucket: each is stepped as soon as its gradient is ready.
-        return [Bucket([param], self._hvd_names[param]) for param in self._hvd_params]
-
-    def _hvd_start(self, bucket: Bucket) -> None:
-        (param,) = bucket.params
-        start = self._hvd_starts.get(param)
-        if start is None:
-            start = self._hvd_starts[param] = torch.empty_like(param)
-        with torch.no_grad():
-            start.copy_(param)
-            self._hvd_step_one(param)
-            delta = param.data
-            delta.sub_(start)
-        tensor, ctx = self._hvd_compression.compress(delta)
-        bucket.sent = [(param, tensor, ctx)]
-        bucket.handle = submit_allreduce(
-            [tensor], [tensor], 1.0, 1.0, self._hvd_process_set, bucket.name, ops.first_output
-        )
-
-    def _hvd_step_one(self, param: torch.Tensor) -> None:
-        """The wrapped optimizer's step for one parameter (its own state and group)."""
-        stashed = [group["params"] for group in self.param_groups]
-        try:
-            own = self._hvd_group_of[param]
-            for index, group in enumerate(self.param_groups):
-                group["params"] = [param] if index == own else []
-            base: Any = super(_DistributedOptimizer, self)
-            base.step()
-        finally:
-            for group, params in zip(self.param_groups, stashed, strict=True):
-                group["params"] = params
-
-    def _hvd_finish(self, bucket: Bucket) -> None:
-        assert bucket.handle is not None
-        bucket.handle.wait()
-        ((param, tensor, ctx),) = bucket.sent
-        start = self._hvd_starts[param]
-        with torch.no_grad():
-            start.add_(self._hvd_compression.decompress(tensor, ctx))
-            param.copy_(start)
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Applies the Adasum-combined parameter changes (each rank already stepped)."""
-        loss = closure() if closure is not None else None
-        self._hvd_sync_for_step()
-        return loss
-
-    step.hooked = True  # type: ignore[attr-defined]

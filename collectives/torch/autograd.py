@@ -8,8 +8,12 @@ alltoall       grad = alltoall(grad) sent back along the received splits
 reducescatter  grad = allgather(grad), divided by the size for Average, times the scaling
 ============== ===========================================================================
 
-The backward passes call the public (differentiable) functions of :mod:`mpi_ops`, as
-Horovod's do, so higher-order gradients work too.
+The backward passes apply these Functions themselves (as Horovod's call its differentiable
+public functions), so a gradient is differentiable too and higher-order gradients work.
+
+Layering: this module sits between the public op API (:mod:`collectives.torch.mpi_ops`, which
+applies these Functions) and the submission layer (:mod:`collectives.torch.ops`, which they
+submit through); it never imports ``mpi_ops``.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from typing import Any
 
 import torch
 
-from collectives.torch import mpi_ops, ops
+from collectives.torch import ops
 from collectives.torch.common import ProcessSet, ReduceOp
-from collectives.torch.requests import Request
+from collectives.torch.engine.requests import Request
 
 
 def alltoall_result(request: Request) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,9 +61,7 @@ class Allreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         _check_gradient_op(ctx.op, "allreduce")
-        reduced = mpi_ops.allreduce(
-            grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post, process_set=ctx.ps
-        )
+        reduced = Allreduce.apply(grad, None, ctx.op, ctx.pre, ctx.post, ctx.ps)
         return reduced, None, None, None, None, None
 
 
@@ -83,18 +85,12 @@ class GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         _check_gradient_op(ctx.op, "grouped_allreduce")
-        reduced = mpi_ops.grouped_allreduce(
-            list(grads),
-            op=ctx.op,
-            prescale_factor=ctx.pre,
-            postscale_factor=ctx.post,
-            process_set=ctx.ps,
-        )
+        reduced = GroupedAllreduce.apply(None, ctx.op, ctx.pre, ctx.post, ctx.ps, *grads)
         return (None, None, None, None, None, *reduced)
 
 
 def _allgather_grad(grad: torch.Tensor, dims: list[int], process_set: ProcessSet) -> torch.Tensor:
-    reduced = mpi_ops.allreduce(grad, op=ReduceOp.AVERAGE, process_set=process_set)
+    reduced = Allreduce.apply(grad, None, ReduceOp.AVERAGE, 1.0, 1.0, process_set)
     own = process_set.rank()
     return reduced.narrow(0, sum(dims[:own]), dims[own])
 
@@ -128,7 +124,7 @@ class GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         own = ctx.ps.rank()
-        reduced = mpi_ops.grouped_allreduce(list(grads), op=ReduceOp.AVERAGE, process_set=ctx.ps)
+        reduced = GroupedAllreduce.apply(None, ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps, *grads)
         parts = [r.narrow(0, sum(d[:own]), d[own]) for r, d in zip(reduced, ctx.dims, strict=True)]
         return (None, None, *parts)
 
@@ -147,7 +143,7 @@ class Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = mpi_ops.allreduce(grad, op=ReduceOp.AVERAGE, process_set=ctx.ps)
+        reduced = Allreduce.apply(grad, None, ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
         if ctx.ps.rank() != ctx.root_rank:
             reduced = torch.zeros_like(reduced)
         return reduced, None, None, None
@@ -166,7 +162,7 @@ class Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> Any:
-        back, _ = mpi_ops.alltoall(grad, splits=ctx.received, process_set=ctx.ps)
+        back, _ = Alltoall.apply(grad, ctx.received, None, ctx.ps)
         return back, None, None, None
 
 
@@ -195,7 +191,7 @@ class Reducescatter(torch.autograd.Function):
 
 
 def _reducescatter_grad(grad: torch.Tensor, ctx: Any) -> torch.Tensor:
-    gathered = mpi_ops.allgather(grad.contiguous(), process_set=ctx.ps)
+    gathered = Allgather.apply(grad.contiguous(), None, ctx.ps)
     factor = ctx.scale / (ctx.ps.size() if ctx.op == ReduceOp.AVERAGE else 1)
     return gathered * factor if factor != 1.0 else gathered
 

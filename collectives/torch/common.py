@@ -1,18 +1,26 @@
-"""Reduction ops and process sets, shared by the public API, the engine and the optimizer.
+"""Reduction ops and process sets: data shared by every layer of ``collectives.torch``.
 
 The numeric values of the reduction ops are Horovod's, so code that stores or compares them
 keeps working. A :class:`ProcessSet` is a subset of the job's ranks that collectives run over;
 it gets its ``process_set_id`` when registered (``hvd.add_process_set`` or
 ``hvd.init(process_sets=[...])``), on every rank in the same order.
+
+This module is a leaf: the engine, the runtime, the op API and the optimizers all import it,
+so it imports none of them. A process set still answers ``size()`` and ``rank()``, which
+depend on the running job: the runtime hands its rank queries in with :func:`bind_job` when
+it is imported, instead of this module calling up into the runtime. Until then (and before
+``hvd.init()``, through the runtime's queries) they raise ``NotInitializedError``.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["ProcessSet", "ReduceOp", "global_process_set"]
+from collectives.torch.errors import NotInitializedError
+
+__all__ = ["ProcessSet", "ReduceOp", "bind_job", "global_process_set"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -24,6 +32,25 @@ class ReduceOp(enum.IntEnum):
     MIN = 3
     MAX = 4
     PRODUCT = 5
+
+
+def _unbound_size() -> int:
+    raise NotInitializedError("hvd.size()")
+
+
+def _unbound_rank() -> int:
+    raise NotInitializedError("hvd.rank()")
+
+
+_job_size: Callable[[], int] = _unbound_size
+_job_rank: Callable[[], int] = _unbound_rank
+
+
+def bind_job(*, size: Callable[[], int], rank: Callable[[], int]) -> None:
+    """Where process sets learn the job's size and this process's rank: the runtime passes
+    its ``size()`` and ``rank()`` queries here when it is imported."""
+    global _job_size, _job_rank
+    _job_size, _job_rank = size, rank
 
 
 class ProcessSet:
@@ -53,9 +80,7 @@ class ProcessSet:
     def ranks(self) -> list[int]:
         """The global ranks in the set, sorted."""
         if self._ranks is None:  # the global set: every rank of the job
-            from collectives.torch import runtime
-
-            return list(range(runtime.size()))
+            return list(range(_job_size()))
         return list(self._ranks)
 
     def is_global(self) -> bool:
@@ -65,16 +90,12 @@ class ProcessSet:
     def size(self) -> int:
         """Number of ranks in the process set."""
         if self._ranks is None:
-            from collectives.torch import runtime
-
-            return runtime.size()
+            return _job_size()
         return len(self._ranks)
 
     def rank(self) -> int:
         """This process's rank within the process set (-1 if it is not a member)."""
-        from collectives.torch import runtime
-
-        own = runtime.rank()
+        own = _job_rank()
         ranks = self.ranks
         return ranks.index(own) if own in ranks else -1
 

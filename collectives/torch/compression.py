@@ -3,6 +3,9 @@
 Compression trades precision for bandwidth: ``Compression.fp16`` sends floating-point tensors
 as float16 and restores the original dtype afterwards. Non-floating tensors pass unchanged,
 so the same compressor can be used for any tensor.
+
+A leaf (Horovod's ``horovod.torch.compression``): the op API and the optimizers use it, and it
+imports nothing of the package.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ shutdown) is raised as that type. Mistakes in the program stay ``ValueError``/``
 so they are never mistaken for a recoverable peer failure: bad arguments raise at the call,
 and ranks that submit the same named op with different shapes, dtypes, ops, roots, splits or
 devices all get a :class:`TensorMismatchError` (a ``ValueError``) from ``synchronize()``.
+
+A leaf: every layer raises these, so this module imports nothing of the package.
 """
 
 from __future__ import annotations

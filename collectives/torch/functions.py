@@ -9,6 +9,9 @@ the other ranks rebuild the state dict and ``load_state_dict`` it. That way the 
 exactly root's state, whatever the optimizer keeps (scalars, tensors, nested lists) and
 whatever state the other ranks had, and no optimizer step is taken to create state first
 (Horovod does that, which perturbs parameters of optimizers with weight decay).
+
+A public API module (Horovod's ``horovod.torch.functions``), built on the submission layer
+(:mod:`collectives.torch.ops`); the elastic states sync through it.
 """
 
 from __future__ import annotations

@@ -12,6 +12,14 @@ broadcast      grad = allreduce(grad, Average) on the root, zeros elsewhere
 alltoall       grad = alltoall(grad) sent back along the received splits
 reducescatter  grad = allgather(grad), divided by the size for Average, times the scaling
 ============== ===========================================================================
+
+``init()`` lives here too (``horovod.torch.mpi_ops.init`` in Horovod): it starts the runtime
+and then registers the process sets it was given, which the runtime cannot do itself since it
+sits below the process-set API.
+
+Layering: the public op API. It applies the Functions of :mod:`collectives.torch.autograd`,
+submits through :mod:`collectives.torch.ops` and registers process sets through
+:mod:`collectives.torch.process_sets`; nothing below it imports it.
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ from typing import Any
 
 import torch
 
-from collectives.torch import autograd, handles, ops, runtime
+from collectives.torch import autograd, ops, runtime
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
 from collectives.torch.compression import Compression, Compressor
-from collectives.torch.requests import Kind
+from collectives.torch.engine import handles
+from collectives.torch.engine.requests import Kind
+from collectives.torch.process_sets import add_process_set
 
 __all__ = [
     "Adasum",
@@ -55,6 +65,7 @@ __all__ = [
     "grouped_reducescatter",
     "grouped_reducescatter_async",
     "handle_average_backwards_compatibility",
+    "init",
     "join",
     "poll",
     "reducescatter",
@@ -70,6 +81,20 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
 CompressionArg = type[Compressor] | Compressor
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Initializes the runtime: joins the job started by ``hvdrun`` (or runs as size 1).
+
+    ``process_sets``: a list of :class:`ProcessSet` to register right away (the same on
+    every rank), or ``"dynamic"`` (accepted for Horovod compatibility; sets can always be
+    added later with ``hvd.add_process_set``).
+    """
+    if not runtime.init(comm):
+        return
+    if process_sets is not None and process_sets != "dynamic":
+        for process_set in process_sets:
+            add_process_set(process_set)
 
 
 def handle_average_backwards_compatibility(op: Any, average: Any) -> ReduceOp:

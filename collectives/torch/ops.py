@@ -1,9 +1,16 @@
-"""The layer every collective goes through on its way to the engine.
+"""The submission layer: every collective goes through it on its way to the engine.
 
 It checks the caller's arguments (so mistakes raise at the call, on the rank that made them),
-builds the :class:`~collectives.torch.requests.Request` with its negotiated signature, and
-submits it. The list-based synchronous helpers at the bottom serve ``functions`` and the
-optimizer, which hand over many tensors at once as one grouped op.
+builds the :class:`~collectives.torch.engine.requests.Request` with its negotiated signature,
+and submits it to the running engine (found through the runtime). An allreduce with
+``op=hvd.Adasum`` is submitted here too, as an allgather whose result is combined with the
+math of :mod:`collectives.torch.adasum`. The list-based synchronous helpers at the bottom
+serve ``functions`` and the optimizers, which hand over many tensors at once as one grouped
+op.
+
+Layering: this module sits between the public API (``mpi_ops``, ``autograd``,
+``process_sets``, ``functions``, the optimizers), which all submit through it, and the
+runtime and the engine below; it imports nothing above itself.
 
 Semantics follow Horovod:
 
@@ -24,10 +31,11 @@ from typing import Any
 import torch
 
 from collectives.torch import runtime
+from collectives.torch.adasum import adasum_tree
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
-from collectives.torch.execute import Group, split_rows
-from collectives.torch.handles import Handle
-from collectives.torch.requests import FIELD, RECORD, Kind, Request, TensorSpec, signature
+from collectives.torch.engine.execute import Group, split_rows
+from collectives.torch.engine.handles import Handle
+from collectives.torch.engine.requests import FIELD, RECORD, Kind, Request, TensorSpec, signature
 
 __all__ = [
     "allgather",
@@ -201,9 +209,7 @@ def submit_allreduce(
     if type(op) is not ReduceOp:
         op = ReduceOp(op)
     if op == ReduceOp.ADASUM:
-        from collectives.torch import adasum  # an allgather and local math, see adasum.py
-
-        return adasum.submit_allreduce(
+        return submit_adasum_allreduce(
             inputs, outputs, prescale, postscale, process_set, name, finish
         )
     check_reduction(inputs, op, prescale, postscale, "allreduce")
@@ -218,6 +224,48 @@ def submit_allreduce(
         return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, "", finish)
     outs = inputs if _same(outputs, tensors) else list(outputs)
     return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, finish=finish)
+
+
+def submit_adasum_allreduce(
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor] | None,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet | None,
+    name: str | None,
+    finish: Callable[[Request], Any],
+) -> Handle:
+    """An allreduce with op=Adasum: one allgather of the flattened tensors, then Adasum's
+    tree (:func:`collectives.torch.adasum.adasum_tree`) on every rank; ``outputs`` None
+    means new output tensors, as for other ops."""
+    inputs = [check_tensor(t, "allreduce") for t in tensors]
+    for tensor in inputs:
+        if not tensor.is_floating_point():
+            raise TypeError(
+                f"allreduce with op=hvd.Adasum needs floating-point tensors, got {tensor.dtype}"
+            )
+    engine, group = resolve_process_set(process_set, "allreduce")
+    if name is None:
+        # From the allreduce counter, so unnamed Adasum ops number like other allreduces.
+        name = engine.auto_name(Kind.ALLREDUCE, group.process_set_id)
+    targets = list(outputs) if outputs is not None else None
+    shapes = [t.shape for t in inputs]
+    scale = float(prescale) * float(postscale)
+
+    def combine(request: Request) -> Any:
+        results: list[torch.Tensor] = []
+        with torch.no_grad():
+            for index, gathered in enumerate(request.outputs):
+                combined = adasum_tree(list(gathered.unbind(0)), scale).reshape(shapes[index])
+                if targets is not None:
+                    targets[index].copy_(combined)
+                    combined = targets[index]
+                results.append(combined)
+        request.outputs = results
+        return finish(request)
+
+    rows = [t.detach().reshape(1, t.numel()) for t in inputs]
+    return submit_allgather(rows, process_set, f"adasum.{name}", combine)
 
 
 def submit_reducescatter(

@@ -4,6 +4,11 @@ Registration is itself a collective: every rank must call ``add_process_set`` /
 ``remove_process_set`` for the same sets in the same order. It is negotiated like any op,
 so all ranks assign the same id and create the set's torch process group in the same engine
 cycle; a rank that passes different ranks gets a TensorMismatchError like any mismatched op.
+
+A public API module (Horovod's ``horovod.torch`` process-set functions), on top of the
+submission layer (:mod:`collectives.torch.ops`) and the runtime. ``hvd.init(process_sets=...)``
+(:func:`collectives.torch.mpi_ops.init`) registers its sets through :func:`add_process_set`
+once the runtime is up; the runtime itself never imports this module.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from collections.abc import Sequence
 
 from collectives.torch import ops, runtime
 from collectives.torch.common import ProcessSet, global_process_set
-from collectives.torch.requests import Kind
+from collectives.torch.engine.requests import Kind
 
 __all__ = ["add_process_set", "remove_process_set"]
 

@@ -8,6 +8,9 @@ ranks hold different batch sizes. The backward pass reduces ``sum(dy)`` and
 weight and bias gradients stay local and are averaged by ``DistributedOptimizer`` like any
 other parameter. In eval mode (or a job of size 1) it is plain ``BatchNorm`` with the
 running statistics.
+
+A public API module (Horovod's ``horovod.torch.sync_batch_norm``), built on the public op API
+(:mod:`collectives.torch.mpi_ops`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from collectives.torch import mpi_ops
 from collectives.torch.common import ProcessSet, global_process_set
+
+__all__ = ["SyncBatchNorm", "SyncBatchNormFunction"]
 
 
 def _channel_shape(x: torch.Tensor) -> list[int]:
@@ -34,7 +39,10 @@ def _allreduce_sum(tensor: torch.Tensor, process_set: ProcessSet) -> torch.Tenso
     return mpi_ops.allreduce(tensor, op=mpi_ops.Sum, process_set=process_set)
 
 
-class _SyncBatchNormFunction(torch.autograd.Function):
+class SyncBatchNormFunction(torch.autograd.Function):
+    """Batch normalisation over every rank's batch, and its gradient (what
+    :class:`SyncBatchNorm` applies in training mode)."""
+
     @staticmethod
     def forward(
         ctx: Any,
@@ -146,7 +154,7 @@ class SyncBatchNorm(_BatchNorm):
                 momentum,
                 self.eps,
             )
-        result = _SyncBatchNormFunction.apply(
+        result = SyncBatchNormFunction.apply(
             input,
             self.weight,
             self.bias,

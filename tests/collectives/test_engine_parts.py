@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from collectives.torch import eager
 from collectives.torch.common import ReduceOp
-from collectives.torch.fusion import Work, plan
-from collectives.torch.handles import Handle
-from collectives.torch.negotiation import FLAG_LEAVING, Entry, Exchange, Table, check
-from collectives.torch.requests import (
+from collectives.torch.engine import eager
+from collectives.torch.engine.fusion import Work, plan
+from collectives.torch.engine.handles import Handle
+from collectives.torch.engine.negotiation import FLAG_LEAVING, Entry, Exchange, Table, check
+from collectives.torch.engine.requests import (
     Kind,
     Request,
     TensorSpec,
@@ -24,7 +24,7 @@ from collectives.torch.requests import (
     parse_signature,
     signature,
 )
-from collectives.torch.timeline import Timeline
+from collectives.torch.engine.timeline import Timeline
 
 
 def sig(kind: Kind, common: tuple[Any, ...], *tensors: torch.Tensor) -> str:

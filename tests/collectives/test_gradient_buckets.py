@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from collectives.torch.gradient_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, plan_buckets
+from collectives.torch.optim.gradient_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, plan_buckets
 
 
 def _named(

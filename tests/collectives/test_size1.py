@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import collectives.torch as hvd_module
 from collectives.torch import runtime
-from collectives.torch.config import from_environment
+from collectives.torch.engine.config import from_environment
 
 DTYPES = [
     torch.float16,

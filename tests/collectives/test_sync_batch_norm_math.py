@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import collectives.torch as hvd
-from collectives.torch.sync_batch_norm import SyncBatchNorm, _SyncBatchNormFunction
+from collectives.torch.sync_batch_norm import SyncBatchNorm, SyncBatchNormFunction
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +39,7 @@ def test_function_matches_batch_norm(shape: tuple[int, ...]) -> None:
     upstream = torch.randn(*shape)
 
     out_ref = reference(x_ref)
-    out_sync = _SyncBatchNormFunction.apply(
+    out_sync = SyncBatchNormFunction.apply(
         x_sync,
         weight,
         bias,

@@ -19,6 +19,10 @@ were added or removed (``commit()`` raises :class:`HostsUpdatedInterrupt` on eve
 the same commit) the state is kept. Either way the worker leaves the old membership
 generation, joins the next one (new rank and size, fresh process groups), syncs the state
 from the new rank 0 and calls the function again.
+
+The top layer of ``collectives.torch``: it resets the process runtime
+(:func:`collectives.torch.runtime.reset`) and syncs state through the public API
+(``functions``, ``mpi_ops``); nothing else in the package imports it but the package's face.
 """
 
 from __future__ import annotations

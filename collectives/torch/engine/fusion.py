@@ -16,7 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from collectives.torch.requests import Kind, Request, TensorSpec, parse_ragged, parse_signature
+from collectives.torch.engine.requests import (
+    Kind,
+    Request,
+    TensorSpec,
+    parse_ragged,
+    parse_signature,
+)
 
 __all__ = ["Bucket", "Slot", "Work", "plan"]
 

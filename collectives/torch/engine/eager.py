@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from collectives.torch.common import ReduceOp
-from collectives.torch.execute import finish_, scale_
-from collectives.torch.requests import Kind, Request
+from collectives.torch.engine.execute import finish_, scale_
+from collectives.torch.engine.requests import Kind, Request
 
 __all__ = [
     "BUDGET_BYTES",

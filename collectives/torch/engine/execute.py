@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from collectives.torch.common import ReduceOp
-from collectives.torch.fusion import Bucket, Slot
-from collectives.torch.requests import Kind, Request, TensorSpec, parse_ragged
+from collectives.torch.engine.fusion import Bucket, Slot
+from collectives.torch.engine.requests import Kind, Request, TensorSpec, parse_ragged
 
 __all__ = ["Executor", "Group"]
 

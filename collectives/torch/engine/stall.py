@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from collectives.torch.config import EngineConfig
-from collectives.torch.negotiation import Entry, Table
-from collectives.torch.requests import label
+from collectives.torch.engine.config import EngineConfig
+from collectives.torch.engine.negotiation import Entry, Table
+from collectives.torch.engine.requests import label
 
 __all__ = ["StallInspector"]
 

@@ -17,7 +17,7 @@ import torch
 
 from collectives.torch import ops
 from collectives.torch.common import ProcessSet, ReduceOp
-from collectives.torch.handles import Handle
+from collectives.torch.engine.handles import Handle
 
 __all__ = [
     "BUCKET_BYTES",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from collectives.torch.common import ReduceOp
-from collectives.torch.handles import Handle
+from collectives.torch.engine.handles import Handle
 
 __all__ = [
     "Kind",

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from collectives.torch.requests import (
+from collectives.torch.engine.requests import (
     FIELD,
     KIND_BY_TEXT,
     RECORD,

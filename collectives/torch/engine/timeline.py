@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "open_for_rank"]
 
 _CLOSE = b"\n]\n"
 _DATA_OPS = {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER"}
@@ -151,3 +151,11 @@ class Timeline:
             self._flush_locked()
             self._closed = True
             self._file.close()
+
+
+def open_for_rank(path: str, mark_cycles: bool, rank: int) -> Timeline | None:
+    """The timeline this rank writes, if any: rank 0 writes it, as in Horovod; a ``{rank}``
+    in the path makes every rank write its own file."""
+    if "{rank}" in path:
+        return Timeline(path.replace("{rank}", str(rank)), mark_cycles)
+    return Timeline(path, mark_cycles) if rank == 0 else None

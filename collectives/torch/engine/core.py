@@ -1,6 +1,6 @@
 """The background engine: negotiates, fuses and runs every op of this process.
 
-Any thread submits a :class:`~collectives.torch.requests.Request` and gets a handle at once.
+Any thread submits a :class:`~collectives.torch.engine.requests.Request` and gets a handle at once.
 Ops progress in *cycles*: one negotiation round (see :mod:`negotiation`) followed by the
 collectives of every op that became ready in it, fused into buckets (see :mod:`fusion` and
 :mod:`execute`), in the same order on every rank. A cycle runs on the engine's thread, or
@@ -41,14 +41,20 @@ from typing import Any
 
 import torch
 
-from collectives.torch import eager
-from collectives.torch.config import EngineConfig
-from collectives.torch.errors import HorovodInternalError, TensorMismatchError
-from collectives.torch.execute import Executor, Group
-from collectives.torch.fusion import Bucket, Work, plan
-from collectives.torch.handles import Handle
-from collectives.torch.negotiation import FLAG_ABORT, FLAG_LEAVING, Entry, Exchange, Table, check
-from collectives.torch.requests import (
+from collectives.torch.engine import eager
+from collectives.torch.engine.config import EngineConfig
+from collectives.torch.engine.execute import Executor, Group
+from collectives.torch.engine.fusion import Bucket, Work, plan
+from collectives.torch.engine.handles import Handle
+from collectives.torch.engine.negotiation import (
+    FLAG_ABORT,
+    FLAG_LEAVING,
+    Entry,
+    Exchange,
+    Table,
+    check,
+)
+from collectives.torch.engine.requests import (
     RECORD,
     Kind,
     Request,
@@ -56,8 +62,9 @@ from collectives.torch.requests import (
     label,
     parse_signature,
 )
-from collectives.torch.stall import StallInspector
-from collectives.torch.timeline import Timeline
+from collectives.torch.engine.stall import StallInspector
+from collectives.torch.engine.timeline import Timeline
+from collectives.torch.errors import HorovodInternalError, TensorMismatchError
 
 __all__ = ["KEEPALIVE_SECONDS", "Engine"]
 

@@ -1,0 +1,99 @@
+"""The process runtime: how this process joins its job, and what it knows about it.
+
+``from collectives.torch import runtime`` gives ``runtime.init()``, ``runtime.shutdown()``,
+``runtime.reset()``, the rank queries (``runtime.rank()``, ``runtime.size()``, ...),
+``runtime.require()``, ``runtime.engine()``, ``runtime.config()``, ``runtime.timeout()``,
+``runtime.generation()`` and the build queries; the modules behind them:
+
+* :mod:`.state` -- the live runtime of this process and the questions asked of it;
+* :mod:`.bootstrap` -- ``init()``, ``shutdown()`` and the elastic ``reset()``: how a process
+  joins its job (through ``hvdrun``'s rendezvous, or alone as a job of size 1);
+* :mod:`.registration` -- joining through the rendezvous: registration, the default process
+  group over the rendezvous store, the heartbeat watch, elastic generations;
+* :mod:`.groups` -- the backend, the CUDA device, and the engine on process groups of its own;
+* :mod:`.build` -- what this build supports (``gloo_built()``, ``nccl_built()``, ...).
+
+Layering: the runtime sits above the engine core (:mod:`collectives.torch.engine`), which it
+creates and hands its process groups, and below the public API, which asks it for the
+running engine. It never imports the API (not even ``process_sets``: ``hvd.init()`` in
+:mod:`collectives.torch.mpi_ops` registers those after :func:`init`). The state is apart from
+the bootstrap so that other ways of joining a job can be added without touching the queries.
+"""
+
+from __future__ import annotations
+
+from collectives.torch.runtime.bootstrap import init, reset, shutdown
+from collectives.torch.runtime.build import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
+from collectives.torch.runtime.registration import HostRemoved
+from collectives.torch.runtime.state import (
+    RuntimeState,
+    Topology,
+    backend,
+    config,
+    cross_rank,
+    cross_size,
+    engine,
+    generation,
+    is_elastic,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    newest_generation,
+    rank,
+    require,
+    size,
+    start_timeline,
+    stop_timeline,
+    timeout,
+    topology,
+)
+
+__all__ = [
+    "HostRemoved",
+    "RuntimeState",
+    "Topology",
+    "backend",
+    "ccl_built",
+    "config",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "engine",
+    "generation",
+    "gloo_built",
+    "gloo_enabled",
+    "init",
+    "is_elastic",
+    "is_homogeneous",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "newest_generation",
+    "rank",
+    "require",
+    "reset",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+    "timeout",
+    "topology",
+]

@@ -1,0 +1,164 @@
+"""Starting and stopping the runtime: ``init()``, ``shutdown()`` and the elastic ``reset()``.
+
+``init()`` decides how this process joins its job and then does what every job does: it
+starts the engine on process groups of its own (:mod:`.groups`) and installs the runtime
+(:mod:`.state`).
+
+* Under ``hvdrun`` (``HVDRUN_RENDEZVOUS_ADDR`` is set) the worker joins through the job's
+  rendezvous (:mod:`.registration`).
+* Without ``hvdrun`` the script runs as a job of size 1 on a real one-rank Gloo group over an
+  in-memory ``HashStore``: every op then takes the same code path as in a real job, so a
+  script debugged alone behaves the same under ``hvdrun``.
+
+The default torch process group keeps a longer timeout than the engine's groups, because it
+also bootstraps the job while slow workers are still starting.
+
+:func:`reset` is for elastic jobs: it leaves the current membership generation without
+waiting on dead peers (the engine is stopped, its process groups destroyed) and joins the
+next one. ``collectives.torch.elastic.run`` calls it; user code need not.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from collectives.torch.engine import config as config_module
+from collectives.torch.engine.core import FINAL_CYCLE_SECONDS
+from collectives.torch.runtime import state
+from collectives.torch.runtime.groups import (
+    choose_backend,
+    select_cuda_device,
+    start_engine,
+    stop_collectives,
+)
+from collectives.torch.runtime.registration import init_from_rendezvous, join_elastic, register
+from collectives.torch.runtime.state import RuntimeState, Topology
+from rendezvous import worker_env
+
+__all__ = ["BOOTSTRAP_TIMEOUT_SECONDS", "init", "reset", "shutdown"]
+
+logger = logging.getLogger(__name__)
+
+#: How long the job's bootstrap (the default group) waits for slow peers to start.
+BOOTSTRAP_TIMEOUT_SECONDS = 300.0
+
+# init(), shutdown() and reset() run one at a time.
+_lock = threading.RLock()
+_init_count = 0
+_atexit_registered = False
+
+
+def _init_single(backend: str, timeout: datetime.timedelta) -> RuntimeState:
+    topology = Topology(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1)
+    select_cuda_device(backend, 0)
+    store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    return RuntimeState(topology=topology, backend=backend, timeout=timeout, store=store)
+
+
+def init(comm: Any = None) -> bool:
+    """Initializes the runtime: joins the job started by ``hvdrun`` (or runs as size 1).
+
+    Returns whether this call initialized it (False: it already was). ``hvd.init()``
+    (:func:`collectives.torch.mpi_ops.init`) calls it and then registers the process sets
+    it was given: process sets are API above the runtime, which does not import them.
+    """
+    global _init_count, _atexit_registered
+    if comm is not None:
+        raise NotImplementedError("hvd.init(comm=...) is not supported: hvdrun does not use MPI")
+    with _lock:
+        if state.current() is not None:
+            return False
+        if not dist.is_available():
+            raise RuntimeError("this torch build has no torch.distributed support")
+        if dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed already has a default process group; hvd.init() creates "
+                "it itself, so do not call torch.distributed.init_process_group() as well"
+            )
+        cfg = config_module.from_environment()
+        timeout = datetime.timedelta(
+            seconds=max(BOOTSTRAP_TIMEOUT_SECONDS, cfg.collective_timeout_seconds)
+        )
+        backend = choose_backend()
+        _init_count += 1
+        addr = os.environ.get(worker_env.RENDEZVOUS_ADDR)
+        if addr:
+            runtime_ = init_from_rendezvous(addr, backend, timeout, _init_count)
+        else:
+            runtime_ = _init_single(backend, timeout)
+        runtime_.config = cfg
+        try:
+            if runtime_.elastic:
+                join_elastic(runtime_)
+            else:
+                runtime_.engine = start_engine(runtime_)
+        except BaseException:
+            _teardown(runtime_)
+            raise
+        state.set_current(runtime_)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+        topo = runtime_.topology
+        logger.debug(
+            "initialized rank %d of %d (local %d/%d, cross %d/%d) with backend %s",
+            topo.rank,
+            topo.size,
+            topo.local_rank,
+            topo.local_size,
+            topo.cross_rank,
+            topo.cross_size,
+            backend,
+        )
+    return True
+
+
+def _teardown(runtime_: RuntimeState) -> None:
+    runtime_.closed.set()
+    stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 2.0)
+    if runtime_.client is not None:
+        runtime_.client.close()
+
+
+def reset() -> None:
+    """Elastic jobs: leaves this membership generation and joins the next one.
+
+    Does not wait on dead peers: after a failure the engine has stopped already, and after
+    a host update every rank calls this together. Raises
+    :class:`~collectives.torch.runtime.registration.HostRemoved` (exit 0) when the launcher
+    removed this worker's host from the job.
+    """
+    with _lock:
+        runtime_ = state.require("collectives.torch.elastic reset")
+        if not runtime_.elastic:
+            raise RuntimeError(
+                "elastic reset needs an elastic job: start it with hvdrun --min-np/--max-np"
+            )
+        # Shorter than at shutdown: a peer that is gone must not delay the recovery.
+        stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 1.0)
+        try:
+            register(runtime_, runtime_.generation + 1)
+            join_elastic(runtime_)
+        except BaseException:
+            state.set_current(None)
+            _teardown(runtime_)
+            raise
+
+
+def shutdown() -> None:
+    """Stops the collectives (on every rank: a job's collectives end when one rank leaves),
+    destroys the process groups and leaves the rendezvous; ``init()`` may be called again."""
+    with _lock:
+        runtime_ = state.current()
+        if runtime_ is None:
+            return
+        state.set_current(None)
+        _teardown(runtime_)

@@ -1,0 +1,107 @@
+"""The torch.distributed side of the runtime: the backend, the CUDA device, and the engine on
+process groups of its own.
+
+The default torch process group stays the user's: the collectives engine runs on groups of
+its own (a Gloo group for negotiation, one data group per process set), so a script may
+still call ``torch.distributed`` directly without its collectives interleaving with the
+engine's. Those groups wait at most ``HVDRUN_GLOO_TIMEOUT_SECONDS`` (30) for a peer. The
+engine does not reach for torch.distributed to make more of them: it is handed
+``make_group``/``destroy_group`` here.
+
+How the default group itself comes about depends on how the process joined its job (see
+:mod:`.bootstrap` and :mod:`.registration`); what happens once it exists is the same for all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from collectives.torch.engine import timeline
+from collectives.torch.engine.core import Engine
+from collectives.torch.runtime.state import RuntimeState
+
+__all__ = [
+    "choose_backend",
+    "destroy_groups",
+    "select_cuda_device",
+    "start_engine",
+    "stop_collectives",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def choose_backend() -> str:
+    """Gloo for CPU tensors, and NCCL for CUDA tensors where there is a GPU."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def select_cuda_device(backend: str, local_rank_: int) -> None:
+    """With NCCL, makes the GPU of this local rank the current CUDA device."""
+    if "nccl" not in backend:
+        return
+    count = torch.cuda.device_count()
+    if local_rank_ < count:
+        torch.cuda.set_device(local_rank_)
+    else:
+        logger.warning(
+            "local rank %d has no GPU of its own (%d visible); leaving the CUDA device as is",
+            local_rank_,
+            count,
+        )
+
+
+def destroy_groups() -> None:
+    """Destroys the default process group and every other one (it may be broken already)."""
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as error:  # the groups may be broken already
+        logger.debug("destroy_process_group failed: %s", error)
+
+
+def start_engine(runtime_: RuntimeState) -> Engine:
+    """Creates the engine's own process groups (on every rank, same order) and starts it."""
+    topo, cfg = runtime_.topology, runtime_.config
+    timeout = datetime.timedelta(seconds=cfg.collective_timeout_seconds)
+    everyone = list(range(topo.size))
+    control = dist.new_group(everyone, backend="gloo", timeout=timeout)
+    data = dist.new_group(everyone, backend=runtime_.backend, timeout=timeout)
+
+    def make_group(ranks: list[int]) -> Any:
+        return dist.new_group(ranks, backend=runtime_.backend, timeout=timeout)
+
+    def destroy_group(group: Any) -> None:
+        if isinstance(group, dist.ProcessGroup):
+            dist.destroy_process_group(group)
+
+    engine = Engine(
+        rank=topo.rank,
+        size=topo.size,
+        config=cfg,
+        control_group=control,
+        global_group=data,
+        make_group=make_group,
+        destroy_group=destroy_group,
+        cuda_device=torch.cuda.current_device() if "nccl" in runtime_.backend else None,
+    )
+    if cfg.timeline:
+        engine.timeline = timeline.open_for_rank(cfg.timeline, cfg.timeline_mark_cycles, topo.rank)
+    engine.start()
+    return engine
+
+
+def stop_collectives(runtime_: RuntimeState, timeout: float) -> None:
+    """Stops the engine (waiting at most ``timeout`` for its last cycle) and destroys the
+    process groups; the rendezvous connection stays."""
+    engine_, runtime_.engine = runtime_.engine, None
+    if engine_ is not None:
+        engine_.stop(timeout=timeout)
+    destroy_groups()

@@ -1,0 +1,247 @@
+"""Joining a job through its rendezvous: registration, the default process group over the
+rendezvous store, the heartbeat watch and elastic membership generations.
+
+Why it is built this way:
+
+* A worker learns its place in the job by registering with the job's rendezvous server, and
+  torch.distributed bootstraps through the rendezvous key-value store, so no
+  MASTER_ADDR/port has to be agreed on beforehand.
+* A worker must not outlive its job. Registration opens a heartbeat stream to the
+  rendezvous; when it is lost (``hvdrun`` was killed, even with -9) the worker stops the
+  processes of its own process group and exits.
+* Each ``init()`` uses a fresh key prefix in the store: torch's group counters restart after
+  ``destroy_process_group`` and would otherwise read the keys of the previous group.
+* Elastic jobs (``hvdrun --min-np/--max-np``, ``HVDRUN_ELASTIC=1``) change membership while
+  they run: a worker registers for a generation, waits for the launcher's slot table and
+  bootstraps fresh process groups under that generation's key prefix ``hvdrun/g<N>/``. A
+  bootstrap that fails (a peer died meanwhile, or the launcher published a newer
+  generation) moves on to the next generation.
+
+The rendezvous client (and with it gRPC) is imported only here and only when a job has a
+rendezvous: a script run alone must not load it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+from collectives.torch.errors import HorovodInternalError
+from collectives.torch.runtime.groups import destroy_groups, select_cuda_device, start_engine
+from collectives.torch.runtime.state import RuntimeState, Topology
+from rendezvous import worker_env
+
+__all__ = [
+    "DEFAULT_ELASTIC_TIMEOUT_SECONDS",
+    "DEFAULT_LOST_AFTER_SECONDS",
+    "HostRemoved",
+    "init_from_rendezvous",
+    "join_elastic",
+    "register",
+]
+
+logger = logging.getLogger(__name__)
+
+#: How long the rendezvous heartbeat may stay silent before the job counts as lost.
+DEFAULT_LOST_AFTER_SECONDS = 5.0
+#: Elastic jobs: how long a worker waits for the launcher's next membership generation.
+DEFAULT_ELASTIC_TIMEOUT_SECONDS = 600.0
+
+
+class HostRemoved(SystemExit):
+    """Elastic jobs: this worker's host is no longer part of the job; the worker exits (0)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
+
+
+def _terminate_own_process_group() -> None:
+    """SIGTERMs the other members of this process's group, if this process leads one.
+
+    ``killpg`` would hit this process too and end it by the signal before it can exit with
+    status 1, so the members are signalled one by one.
+    """
+    if not hasattr(os, "getpgrp"):
+        return
+    me = os.getpid()
+    pgid = os.getpgrp()
+    if pgid != me:
+        return
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        os.killpg(pgid, signal.SIGTERM)
+        return
+    for proc in psutil.process_iter():
+        pid = proc.pid
+        if pid == me:
+            continue
+        try:
+            if os.getpgid(pid) == pgid:
+                os.kill(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def _make_on_lost(runtime: RuntimeState) -> Any:
+    def on_lost(reason: str) -> None:
+        if runtime.closed.is_set():
+            return
+        try:
+            sys.stderr.write(
+                f"hvdrun: rank {runtime.topology.rank} lost its job's rendezvous at "
+                f"{runtime.rendezvous_addr} ({reason}); exiting\n"
+            )
+            sys.stderr.flush()
+        except Exception:  # stderr may be gone with the launcher
+            pass
+        try:
+            _terminate_own_process_group()
+        finally:
+            os._exit(1)
+
+    return on_lost
+
+
+def _elastic_timeout() -> float:
+    return worker_env.number(
+        worker_env.ELASTIC_TIMEOUT, DEFAULT_ELASTIC_TIMEOUT_SECONDS, minimum=0.0, strict=True
+    )
+
+
+def register(runtime_: RuntimeState, min_generation: int) -> Any:
+    """Registers with the rendezvous (elastic jobs: for a generation >= ``min_generation``)
+    and takes over the place in the job it assigns; raises :class:`HostRemoved` when the
+    launcher removed this worker's host."""
+    from rendezvous.client import RendezvousError, RendezvousRemoved
+
+    client = runtime_.client
+    assert client is not None
+    timeout = _elastic_timeout() if runtime_.elastic else 0.0
+    try:
+        info = client.register(runtime_.host, runtime_.slot, min_generation, timeout=timeout)
+    except RendezvousRemoved:
+        message = f"host {runtime_.host!r} is no longer part of the job (removed by host discovery)"
+        with contextlib.suppress(Exception):  # stderr may be gone with the launcher
+            sys.stderr.write(f"hvdrun: leaving the elastic job: {message}\n")
+            sys.stderr.flush()
+        raise HostRemoved(message) from None
+    except RendezvousError as error:
+        raise RuntimeError(f"hvd.init() could not register with the rendezvous: {error}") from None
+    runtime_.topology = Topology(
+        rank=info.rank,
+        size=info.size,
+        local_rank=info.local_rank,
+        local_size=info.local_size,
+        cross_rank=info.cross_rank,
+        cross_size=info.cross_size,
+    )
+    runtime_.generation = info.generation
+    runtime_.saw_generation(info.generation)
+    return info
+
+
+def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
+    """Creates the default process group of the registered generation."""
+    from rendezvous.client import RendezvousError
+    from rendezvous.store import RendezvousStore
+
+    topology = runtime_.topology
+    client = runtime_.client
+    assert client is not None
+    select_cuda_device(runtime_.backend, topology.local_rank)
+    runtime_.store = RendezvousStore(
+        client,
+        prefix=f"hvdrun/g{runtime_.generation}/i{counter}/",
+        timeout=runtime_.timeout,
+    )
+    try:
+        dist.init_process_group(
+            runtime_.backend,
+            store=runtime_.store,
+            rank=topology.rank,
+            world_size=topology.size,
+            timeout=runtime_.timeout,
+        )
+    except (RuntimeError, RendezvousError) as error:
+        raise RuntimeError(
+            f"hvd.init() could not connect rank {topology.rank} to its "
+            f"{topology.size - 1} peers: {error}"
+        ) from None
+
+
+def join_elastic(runtime_: RuntimeState) -> None:
+    """Bootstraps the registered generation and starts the engine; on failure (a peer died,
+    or a newer generation superseded this one) registers for the next generation and tries
+    again, until the launcher's elastic timeout or a removal ends it."""
+    while True:
+        try:
+            _bootstrap(runtime_, 1)  # one bootstrap per generation: the prefix is unique
+            runtime_.engine = start_engine(runtime_)
+            return
+        except (RuntimeError, HorovodInternalError) as error:
+            logger.warning(
+                "rank %d could not join generation %d (%s); waiting for the next one",
+                runtime_.topology.rank,
+                runtime_.generation,
+                error,
+            )
+        destroy_groups()
+        register(runtime_, runtime_.generation + 1)
+
+
+def init_from_rendezvous(
+    addr: str, backend: str, timeout: datetime.timedelta, counter: int
+) -> RuntimeState:
+    """Registers with the rendezvous at ``addr``, starts the heartbeat watch and (unless the
+    job is elastic: :func:`join_elastic` does that) creates the default process group."""
+    # Imported here: the size-1 path must work without the rendezvous (and gRPC) loaded.
+    from rendezvous.client import RendezvousClient
+
+    secret = os.environ.get(worker_env.SECRET, "")
+    job_id = os.environ.get(worker_env.JOB_ID, "")
+    client = RendezvousClient(addr, secret, job_id)
+    runtime_ = RuntimeState(
+        topology=Topology(0, 1, 0, 1, 0, 1),
+        backend=backend,
+        timeout=timeout,
+        store=None,
+        client=client,
+        rendezvous_addr=addr,
+        elastic=worker_env.flag(worker_env.ELASTIC),
+        host=os.environ.get(worker_env.HOSTNAME) or socket.gethostname(),
+        slot=worker_env.integer(worker_env.LOCAL_RANK, 0),
+    )
+    try:
+        min_generation = worker_env.integer(worker_env.GENERATION, 0) if runtime_.elastic else 0
+        register(runtime_, min_generation)
+        topology = runtime_.topology
+        env_rank = os.environ.get(worker_env.RANK)
+        if env_rank is not None and env_rank != str(topology.rank):
+            logger.info("the rendezvous assigned rank %d (HVDRUN_RANK=%s)", topology.rank, env_rank)
+        # Watch before bootstrapping: a launcher that dies while peers are still missing must
+        # not leave this worker blocked in the store until the timeout.
+        lost_after = worker_env.number(
+            worker_env.RENDEZVOUS_LOST_AFTER_SECONDS, DEFAULT_LOST_AFTER_SECONDS, strict=True
+        )
+        client.watch(
+            topology.rank,
+            _make_on_lost(runtime_),
+            lost_after=lost_after,
+            on_generation=runtime_.saw_generation if runtime_.elastic else None,
+        )
+        if not runtime_.elastic:
+            _bootstrap(runtime_, counter)
+        return runtime_
+    except BaseException:
+        client.close()
+        raise

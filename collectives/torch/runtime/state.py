@@ -1,0 +1,221 @@
+"""The live runtime of this process and the questions asked of it: ``hvd.rank()``,
+``hvd.size()``, ..., the running engine, its configuration and its timeline.
+
+One :class:`RuntimeState` exists between ``hvd.init()`` and ``hvd.shutdown()``; the
+bootstrap (:mod:`.bootstrap`) creates it and installs it here with :func:`set_current`.
+Everything else only reads it: the queries raise ``NotInitializedError`` naming the function
+that was called too early.
+
+This module knows nothing of how a process joins its job (the rendezvous, another launcher's
+variables, a job of size 1), so the ways of joining can change without touching the
+questions. It also hands :func:`size` and :func:`rank` to :mod:`collectives.torch.common`
+when imported, so process sets answer ``size()``/``rank()`` without importing the runtime.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from collectives.torch import common
+from collectives.torch.engine import timeline
+from collectives.torch.engine.config import EngineConfig
+from collectives.torch.engine.core import Engine
+from collectives.torch.errors import NotInitializedError
+
+__all__ = [
+    "RuntimeState",
+    "Topology",
+    "backend",
+    "config",
+    "cross_rank",
+    "cross_size",
+    "current",
+    "engine",
+    "generation",
+    "is_elastic",
+    "is_homogeneous",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "newest_generation",
+    "rank",
+    "require",
+    "set_current",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+    "timeout",
+    "topology",
+]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in the job (Horovod's rank vocabulary)."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+@dataclass
+class RuntimeState:
+    """Everything ``hvd.init()`` set up in this process, until ``hvd.shutdown()``."""
+
+    topology: Topology
+    backend: str
+    timeout: datetime.timedelta
+    # Both must stay referenced as long as the process group lives: torch's C++ side calls
+    # back into the Python store, and the store into the client.
+    store: Any
+    client: Any | None = None
+    rendezvous_addr: str | None = None
+    closed: threading.Event = field(default_factory=threading.Event)
+    config: EngineConfig = field(default_factory=EngineConfig)
+    engine: Engine | None = None
+    # Elastic jobs: the membership generation this process is part of, the newest one the
+    # rendezvous announced, and the slot this process registers with.
+    elastic: bool = False
+    generation: int = 0
+    newest_generation: int = 0
+    host: str = ""
+    slot: int = 0
+
+    def saw_generation(self, generation: int) -> None:
+        if generation > self.newest_generation:
+            self.newest_generation = generation
+
+
+_current: RuntimeState | None = None
+
+
+def current() -> RuntimeState | None:
+    """The live runtime, or None before ``init()`` and after ``shutdown()``."""
+    return _current
+
+
+def set_current(state: RuntimeState | None) -> None:
+    """Installs the runtime that ``init()`` built (None: it was shut down)."""
+    global _current
+    _current = state
+
+
+def is_initialized() -> bool:
+    """Whether ``init()`` has been called (and ``shutdown()`` not since)."""
+    return _current is not None
+
+
+def require(what: str = "this function") -> RuntimeState:
+    """The live runtime, or :class:`NotInitializedError` naming ``what`` was called too early."""
+    runtime = _current
+    if runtime is None:
+        raise NotInitializedError(what)
+    return runtime
+
+
+def topology() -> Topology:
+    """This process's place in the job."""
+    return require().topology
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return require("hvd.size()").topology.size
+
+
+def rank() -> int:
+    """This process's rank, 0 .. size()-1."""
+    return require("hvd.rank()").topology.rank
+
+
+# Process sets answer size() and rank() through these queries (common is a leaf and does
+# not import the runtime).
+common.bind_job(size=size, rank=rank)
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return require("hvd.local_size()").topology.local_size
+
+
+def local_rank() -> int:
+    """This process's rank among the processes on its host."""
+    return require("hvd.local_rank()").topology.local_rank
+
+
+def cross_size() -> int:
+    """Number of hosts that run a process with this process's local rank."""
+    return require("hvd.cross_size()").topology.cross_size
+
+
+def cross_rank() -> int:
+    """This host's index among the hosts that run a process with this local rank."""
+    return require("hvd.cross_rank()").topology.cross_rank
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
+    topo = require("hvd.is_homogeneous()").topology
+    return topo.size == topo.local_size * topo.cross_size
+
+
+def generation() -> int:
+    """Elastic jobs: the membership generation this process is part of (0 otherwise)."""
+    return require("generation()").generation
+
+
+def newest_generation() -> int:
+    """Elastic jobs: the newest membership generation the rendezvous has announced."""
+    return require("newest_generation()").newest_generation
+
+
+def is_elastic() -> bool:
+    """Whether this process runs in an elastic job."""
+    return require("is_elastic()").elastic
+
+
+def backend() -> str:
+    """The torch.distributed backend string the default process group was created with."""
+    return require().backend
+
+
+def timeout() -> datetime.timedelta:
+    """How long a collective waits for its peers before failing."""
+    return datetime.timedelta(seconds=require().config.collective_timeout_seconds)
+
+
+def config() -> EngineConfig:
+    """The engine's tuning (from HVDRUN_*/HOROVOD_* variables at ``init()``)."""
+    return require().config
+
+
+def engine(what: str = "this function") -> Engine:
+    """The running engine, or :class:`NotInitializedError` naming ``what``."""
+    engine_ = require(what).engine
+    if engine_ is None:
+        raise NotInitializedError(what)
+    return engine_
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Starts writing a Chrome-trace timeline (rank 0; every rank if the path has
+    ``{rank}``), replacing one being written."""
+    engine_ = engine("hvd.start_timeline()")
+    new = timeline.open_for_rank(file_path, mark_cycles, engine_.rank)
+    old, engine_.timeline = engine_.timeline, new
+    if old is not None:
+        old.close()
+
+
+def stop_timeline() -> None:
+    """Stops the timeline and completes its file."""
+    engine_ = engine("hvd.stop_timeline()")
+    old, engine_.timeline = engine_.timeline, None
+    if old is not None:
+        old.close()
