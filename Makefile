@@ -23,10 +23,12 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q tests
 
+# ruff, mypy, and the import layers (tests/test_layers.py: no cycles, nothing imports upward).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 # Regenerates the committed gRPC code; tests/rendezvous/test_proto.py fails when it is stale.
 proto: setup
