@@ -279,25 +279,35 @@ class RendezvousClient:
     # ---- API --------------------------------------------------------------------------
 
     def register(
-        self, host: str, local_rank: int, min_generation: int = 0, timeout: float = 0.0
+        self,
+        host: str,
+        local_rank: int,
+        min_generation: int = 0,
+        timeout: float = 0.0,
+        *,
+        rank: int | None = None,
     ) -> RankInfo:
         """Announces this worker's slot and returns its place in the job.
 
         Elastic jobs: waits up to ``timeout`` seconds for membership generation
         ``min_generation`` (or a newer one) and returns the slot's place in the newest;
         raises :class:`RendezvousRemoved` when that generation does not contain the slot.
+
+        Workers another launcher started pass the ``rank`` it gave them (and its local
+        rank, or -1): the call waits up to ``timeout`` seconds for every rank to register.
         """
         timeout_ms = _to_ms(timeout)
+        request = rendezvous_pb2.RegisterRequest(
+            host=host, local_rank=local_rank, min_generation=min_generation, timeout_ms=timeout_ms
+        )
+        if rank is not None:
+            request.rank = rank
+        what = f"rank={rank}, host={host!r}" if rank is not None else f"host={host!r}"
         try:
             info = self._call(
-                f"register(host={host!r}, local_rank={local_rank})",
+                f"register({what}, local_rank={local_rank})",
                 self._stub.Register,
-                rendezvous_pb2.RegisterRequest(
-                    host=host,
-                    local_rank=local_rank,
-                    min_generation=min_generation,
-                    timeout_ms=timeout_ms,
-                ),
+                request,
                 timeout=max(timeout_ms / 1000 + _DEADLINE_SLACK, self._rpc_timeout),
             )
         except RendezvousError as error:

@@ -99,6 +99,8 @@ class RendezvousServicer:
         newest membership generation (elastic jobs publish a new one after every change).
         Blocks (up to timeout_ms) until a generation >= min_generation exists; NOT_FOUND when
         that generation does not contain the slot (the host was removed from the job).
+        A worker that another launcher started names the rank that launcher gave it instead;
+        the call returns once every rank of the job has registered (see RegisterRequest.rank).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

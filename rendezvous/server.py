@@ -46,7 +46,7 @@ import grpc
 import grpc.aio
 
 from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY, rendezvous_pb2, rendezvous_pb2_grpc
-from rendezvous.slots import SlotInfo
+from rendezvous.slots import SlotInfo, derive_slots
 
 __all__ = ["RendezvousServer"]
 
@@ -70,6 +70,11 @@ def _quote_keys(keys: Sequence[str], limit: int = 10) -> str:
     if len(keys) > limit:
         shown += f" and {len(keys) - limit} more"
     return shown
+
+
+def _list_ranks(ranks: Sequence[int], limit: int = 10) -> str:
+    shown = ", ".join(map(str, ranks[:limit]))
+    return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
 
 
 def _seconds(timeout_ms: int) -> str:
@@ -259,9 +264,16 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         heartbeat_interval: float,
         max_value_bytes: int,
         elastic: bool = False,
+        placed_size: int | None = None,
     ) -> None:
         self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
         self._elastic = elastic
+        # Jobs another launcher placed: their size, each rank's (host, local rank) as it
+        # registered, and the table derived from those once every rank has.
+        self._placed_size = placed_size
+        self._placed: dict[int, tuple[str, int | None]] = {}
+        self._placed_slots: list[SlotInfo] | None = None
+        self._placed_error = ""
         self._generation = 0
         self._wake: asyncio.Event | None = None  # set (and replaced) on publish and shutdown
         self._heartbeat_interval = heartbeat_interval
@@ -400,12 +412,17 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
 
     # ---- RPCs --------------------------------------------------------------------------
 
+    def size(self) -> int:
+        return self._placed_size if self._placed_size is not None else len(self._slots)
+
     async def Register(
         self, request: rendezvous_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.RankInfo:
         error = self._check_timeout(request.timeout_ms)
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        if request.HasField("rank") or self._placed_size is not None:
+            return _rank_info(await self._register_placed(request, context), self._generation)
         if self._generation < request.min_generation:
             await self._wait_for_generation(request, context)
         slot = self._slots.get((request.host, request.local_rank))
@@ -434,15 +451,77 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             slot.local_rank,
             self._generation,
         )
-        return rendezvous_pb2.RankInfo(
-            rank=slot.rank,
-            size=slot.size,
-            local_rank=slot.local_rank,
-            local_size=slot.local_size,
-            cross_rank=slot.cross_rank,
-            cross_size=slot.cross_size,
-            generation=self._generation,
-        )
+        return _rank_info(slot, self._generation)
+
+    async def _register_placed(
+        self, request: rendezvous_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> SlotInfo:
+        """Register of a worker another launcher placed: waits until every rank has come,
+        then answers with the slot derived from the hosts they came from."""
+        size = self._placed_size
+        if size is None or not request.HasField("rank"):
+            who = "hvdrun" if size is None else "the launcher that started the workers"
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this job's ranks are assigned by {who}; this worker registered "
+                + ("with a rank of its own" if size is None else "without its rank"),
+            )
+            raise AssertionError("unreachable")  # pragma: no cover
+        rank = request.rank
+        if not 0 <= rank < size:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank {rank} is outside this job's ranks [0, {size})",
+            )
+        host, local_rank = request.host, request.local_rank if request.local_rank >= 0 else None
+        earlier = self._placed.get(rank)
+        if earlier is not None and earlier[0] != host:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"rank {rank} registered from host {_quote(earlier[0])} and again from "
+                f"{_quote(host)}: the launcher started two processes with that rank",
+            )
+        if self._placed_slots is None:
+            self._placed[rank] = (host, local_rank)
+            if len(self._placed) == size:
+                self._complete_placed()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request.timeout_ms / 1000
+        while self._placed_slots is None:
+            if self._stopping:
+                await self._abort_shutting_down(context)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                missing = [r for r in range(size) if r not in self._placed]
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{len(missing)} of {size} ranks did not register within "
+                    f"{_seconds(request.timeout_ms)}: ranks {_list_ranks(missing)}",
+                )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake_event().wait(), remaining)
+        slots = self._placed_slots
+        if not slots:  # the hosts' local ranks did not add up: every rank is told why
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self._placed_error)
+        with self._lock:
+            self._registered.add((slots[rank].hostname, slots[rank].local_rank))
+            self._registered_generation.add((slots[rank].hostname, slots[rank].local_rank))
+        return slots[rank]
+
+    def _complete_placed(self) -> None:
+        ranks = sorted(self._placed)
+        try:
+            slots = derive_slots(
+                [self._placed[r][0] for r in ranks], [self._placed[r][1] for r in ranks]
+            )
+        except ValueError as error:
+            self._placed_error = str(error)
+            slots = []
+        with self._lock:
+            self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
+        self._placed_slots = slots
+        self._wake_all()
+        logger.info("every rank of %d registered; slot table derived", len(ranks))
 
     async def _wait_for_generation(
         self, request: rendezvous_pb2.RegisterRequest, context: grpc.aio.ServicerContext
@@ -649,7 +728,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def Watch(
         self, request: rendezvous_pb2.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rendezvous_pb2.WatchEvent]:
-        size = len(self._slots)
+        size = self.size()
         if request.rank < 0 or (not self._elastic and request.rank >= size):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -691,6 +770,18 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
 
 
 _T = TypeVar("_T")
+
+
+def _rank_info(slot: SlotInfo, generation: int) -> rendezvous_pb2.RankInfo:
+    return rendezvous_pb2.RankInfo(
+        rank=slot.rank,
+        size=slot.size,
+        local_rank=slot.local_rank,
+        local_size=slot.local_size,
+        cross_rank=slot.cross_rank,
+        cross_size=slot.cross_size,
+        generation=generation,
+    )
 
 
 def _check_slots(slots: Sequence[SlotInfo]) -> None:
@@ -744,7 +835,10 @@ class RendezvousServer:
     """One job's rendezvous service, served from a daemon thread of the calling process.
 
     ``slots`` is the job's slot table (see :func:`rendezvous.slots.assign_slots`); workers
-    register with ``(hostname, local_rank)`` and learn their :class:`SlotInfo`.
+    register with ``(hostname, local_rank)`` and learn their :class:`SlotInfo`. A job that
+    another launcher placed passes ``placed_size`` (its number of ranks) and no slots:
+    workers register with the rank that launcher gave them, and the table is derived from the
+    hosts they register from (:func:`rendezvous.slots.derive_slots`).
     """
 
     def __init__(
@@ -758,6 +852,7 @@ class RendezvousServer:
         heartbeat_interval: float = 1.0,
         max_value_bytes: int = 4 * 1024 * 1024,
         elastic: bool = False,
+        placed_size: int | None = None,
     ) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
@@ -765,6 +860,8 @@ class RendezvousServer:
             raise ValueError(f"heartbeat_interval must be positive, got {heartbeat_interval}")
         if max_value_bytes < 1:
             raise ValueError(f"max_value_bytes must be positive, got {max_value_bytes}")
+        if placed_size is not None and (placed_size < 1 or slots or elastic):
+            raise ValueError("placed_size: a positive job size, with no slots, not elastic")
         _check_slots(slots)
         self._slots = list(slots)
         self._secret = secret
@@ -772,7 +869,9 @@ class RendezvousServer:
         self._bind_host = bind_host
         self._requested_port = port
         self._max_value_bytes = max_value_bytes
-        self._servicer = _Servicer(self._slots, heartbeat_interval, max_value_bytes, elastic)
+        self._servicer = _Servicer(
+            self._slots, heartbeat_interval, max_value_bytes, elastic, placed_size
+        )
         self._loop_thread: _LoopThread | None = None
         self._server: grpc.aio.Server | None = None
         self._port: int | None = None

@@ -1,8 +1,10 @@
 """Slot assignment: which rank runs where.
 
-Ranks fill hosts in the order given, all of a host's slots before the next host. A host's
-``cross_rank`` is its index among the hosts that have a slot with the same ``local_rank``,
-so heterogeneous host lists (``a:1,b:2``) get consistent cross ranks and sizes.
+Under hvdrun (:func:`assign_slots`) ranks fill hosts in the order given, all of a host's
+slots before the next host. Under another launcher (:func:`derive_slots`) that launcher has
+placed the ranks already, and the table is derived from the hosts they register from. Either
+way a host's ``cross_rank`` is its index among the hosts that have a slot with the same
+``local_rank``, so heterogeneous jobs (``a:1,b:2``) get consistent cross ranks and sizes.
 """
 
 from __future__ import annotations
@@ -64,3 +66,50 @@ def assign_slots(hosts: Sequence[tuple[str, int]], num_proc: int) -> list[SlotIn
                 )
             )
     return result
+
+
+def derive_slots(hosts: Sequence[str], local_ranks: Sequence[int | None]) -> list[SlotInfo]:
+    """The slot table of a job whose ranks another launcher placed: rank ``i`` runs on
+    ``hosts[i]`` with local rank ``local_ranks[i]`` (None: the launcher did not say).
+
+    A host's ranks count its local ranks in rank order where the launcher gave none; its
+    local size is the number of ranks that registered from it. Cross ranks count hosts in
+    the order of their lowest rank, as :func:`assign_slots` does. Raises ValueError when the
+    launcher's local ranks do not number a host's ranks 0, 1, ...
+    """
+    if len(hosts) != len(local_ranks):
+        raise ValueError("one local rank (or None) per host entry")
+    on_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        on_host.setdefault(host, []).append(rank)
+    local: dict[int, int] = {}
+    for host, ranks in on_host.items():
+        given = [local_ranks[rank] for rank in ranks]
+        if all(value is None for value in given):
+            local.update({rank: index for index, rank in enumerate(ranks)})
+            continue
+        if sorted(v if v is not None else -1 for v in given) != list(range(len(ranks))):
+            pairs = ", ".join(f"rank {r}: {local_ranks[r]}" for r in ranks)
+            raise ValueError(
+                f"{len(ranks)} ranks registered from host {host!r}, but their local ranks "
+                f"are not 0..{len(ranks) - 1} ({pairs}); do several machines share that "
+                "host name?"
+            )
+        local.update({rank: int(local_ranks[rank]) for rank in ranks})  # type: ignore[arg-type]
+    order = list(on_host)  # dicts keep insertion order: hosts by their lowest rank
+    widest = max(len(ranks) for ranks in on_host.values())
+    with_local_rank = [
+        [host for host in order if len(on_host[host]) > local_rank] for local_rank in range(widest)
+    ]
+    return [
+        SlotInfo(
+            hostname=host,
+            rank=rank,
+            size=len(hosts),
+            local_rank=local[rank],
+            local_size=len(on_host[host]),
+            cross_rank=with_local_rank[local[rank]].index(host),
+            cross_size=len(with_local_rank[local[rank]]),
+        )
+        for rank, host in enumerate(hosts)
+    ]

@@ -1,0 +1,458 @@
+"""Who started this process: what srun, mpirun, jsrun and torchrun tell the processes they start.
+
+Most clusters start training jobs with their own launcher, not hvdrun. Each launcher hands
+every process its place in the job through variables of its own; :func:`detect` reads them
+into one :class:`Placement`, in this order:
+
+============ ===================================================== =========================
+hvdrun       ``HVDRUN_RENDEZVOUS_ADDR`` (and ``HVDRUN_*`` placement) the launcher serves it
+torchrun     ``TORCHELASTIC_RUN_ID`` with ``RANK``/``WORLD_SIZE``    ``MASTER_ADDR:MASTER_PORT``
+Open MPI     ``OMPI_COMM_WORLD_RANK``/``SIZE``/``LOCAL_RANK``/...  ``MASTER_ADDR`` or mpi4py
+MPICH, Intel ``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``/...,     ``MASTER_ADDR`` or mpi4py
+MPI, Cray    ``ALPS_APP_PE``
+LSF jsrun    ``JSM_NAMESPACE_RANK``/``SIZE``/``LOCAL_RANK``/...     ``MASTER_ADDR``
+Slurm step   ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,            the step's first node
+             ``SLURM_LOCALID``, ``SLURM_NODEID``,
+             ``SLURM_STEP_NODELIST``/``TASKS_PER_NODE``
+Kubernetes   ``RANK``/``WORLD_SIZE`` with ``MASTER_ADDR``           ``MASTER_ADDR:MASTER_PORT``
+============ ===================================================== =========================
+
+The more specific launcher wins where several have left their variables: ``srun torchrun``
+and ``mpirun`` inside a Slurm allocation start their processes from Slurm tasks (one per
+node), so those processes also carry the task's ``SLURM_PROCID`` and a step size that counts
+nodes, not processes. hvdrun's own workers never see another launcher's variables (the
+launcher removes them: :data:`FOREIGN_VARIABLES`).
+
+``HVDRUN_LAUNCHER`` (``auto`` by default) names the launcher instead: ``hvdrun``, ``slurm``,
+``mpi``, ``jsrun``, ``torchrun`` (also Kubernetes), or ``none`` for a deliberate job of size
+1. A process inside a Slurm allocation but outside any job step (a batch script or an
+``salloc`` shell that forgot ``srun``) is reported as such, so the runtime can say so instead
+of training alone.
+
+Slurm's compressed lists are parsed here too: node lists (``node[01-04,07],gpu-a[1-2]``) and
+task counts (``2(x3),1``). This module imports neither torch nor gRPC.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "CHOICES",
+    "FOREIGN_VARIABLES",
+    "DetectionError",
+    "Placement",
+    "SlurmAllocation",
+    "derived_port",
+    "detect",
+    "expand_nodelist",
+    "expand_tasks_per_node",
+    "slurm_allocation",
+]
+
+#: The values ``HVDRUN_LAUNCHER`` accepts.
+CHOICES = ("auto", "hvdrun", "slurm", "mpi", "jsrun", "torchrun", "none")
+LAUNCHER_VARIABLE = "HVDRUN_LAUNCHER"
+
+#: Shell patterns of what launchers set for each process they start (rank, size, local rank,
+#: step, rendezvous address) and of the shell functions a login shell exports: hvdrun keeps
+#: them away from its workers, whose place in the job is hvdrun's to say. Job-level variables
+#: a script may log (``SLURM_JOB_ID``, ``SLURM_JOB_NAME``) stay.
+FOREIGN_VARIABLES: tuple[str, ...] = (
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_GTIDS",
+    "SLURM_TASK_PID",
+    "SLURM_STEPID",
+    "SLURM_STEP_*",
+    "SLURM_SRUN_COMM_*",
+    "SLURM_LAUNCH_NODE_IPADDR",
+    "SLURM_CPU_BIND*",
+    "SLURM_DISTRIBUTION",
+    "OMPI_COMM_WORLD_*",
+    "OMPI_UNIVERSE_SIZE",
+    "PMI_*",
+    "PMIX_RANK",
+    "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS",
+    "ALPS_APP_PE",
+    "PALS_*",
+    "JSM_NAMESPACE_*",
+    "TORCHELASTIC_*",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "BASH_FUNC_*",
+)
+
+
+class DetectionError(ValueError):
+    """A launcher's variables that cannot describe a job (the message names them)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This process's place in a job, as the launcher that started it describes it."""
+
+    #: "hvdrun", "slurm", "mpi", "jsrun" or "torchrun" (the ``HVDRUN_LAUNCHER`` names).
+    launcher: str
+    #: The launcher in words, for messages: "Slurm (srun)", "Open MPI (mpirun)", ...
+    name: str
+    rank: int
+    size: int
+    #: None where the launcher does not say; the rendezvous derives them from the hosts.
+    local_rank: int | None = None
+    local_size: int | None = None
+    #: What the ranks of one host have in common (a Slurm node name); None: the hostname.
+    host: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    #: Slurm: the first node of the step, where task 0 runs.
+    first_host: str | None = None
+    #: Identifies this run of this job (a port and a token are derived from it).
+    job_key: str = ""
+    #: torchrun's agent serves a TCPStore on MASTER_ADDR:MASTER_PORT.
+    agent_store: bool = False
+
+
+@dataclass(frozen=True)
+class SlurmAllocation:
+    """A Slurm job's allocation, seen from a process outside its job steps."""
+
+    job_id: str
+    nodes: list[str]
+    tasks_per_node: list[int]
+    #: "batch script" or "salloc shell": where this process runs.
+    where: str
+
+    @property
+    def tasks(self) -> int:
+        return sum(self.tasks_per_node)
+
+
+# ---- Slurm's compressed lists ----------------------------------------------------------
+
+_TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def expand_tasks_per_node(text: str) -> list[int]:
+    """``2(x3),1`` → ``[2, 2, 2, 1]`` (Slurm's ``SLURM_TASKS_PER_NODE`` format)."""
+    counts: list[int] = []
+    for part in text.split(","):
+        match = _TASKS.match(part.strip())
+        if match is None:
+            raise DetectionError(f"cannot read the task counts {text!r} (expected e.g. 2(x3),1)")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Splits on the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise DetectionError(f"unbalanced brackets in the node list {text!r}")
+        elif char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    if depth != 0:
+        raise DetectionError(f"unbalanced brackets in the node list {text!r}")
+    parts.append(text[start:])
+    return [part for part in parts if part]
+
+
+def _expand_range(spec: str, whole: str) -> list[str]:
+    values: list[str] = []
+    for item in spec.split(","):
+        low, dash, high = item.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise DetectionError(f"cannot read the range [{spec}] in the node list {whole!r}")
+        if not dash:
+            values.append(low)
+            continue
+        width = len(low)  # node[01-10]: zero-padded to the width of the lower bound
+        if int(high) < int(low):
+            raise DetectionError(f"the range [{spec}] in the node list {whole!r} is reversed")
+        values += [str(n).zfill(width) for n in range(int(low), int(high) + 1)]
+    return values
+
+
+def _expand_name(name: str, whole: str) -> list[str]:
+    open_at = name.find("[")
+    if open_at < 0:
+        return [name]
+    close_at = name.index("]", open_at)
+    head, spec, tail = name[:open_at], name[open_at + 1 : close_at], name[close_at + 1 :]
+    return [
+        head + value + rest
+        for value in _expand_range(spec, whole)
+        for rest in _expand_name(tail, whole)
+    ]
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """``node[01-04,07],gpu-a[1-2]`` → every node name, in order (Slurm's hostlist format)."""
+    names: list[str] = []
+    for part in _split_top_level(text.strip()):
+        names += _expand_name(part, text)
+    return names
+
+
+# ---- detection -------------------------------------------------------------------------
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise DetectionError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _first(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        value = _int(env, name)
+        if value is not None:
+            return value
+    return None
+
+
+def _master(env: Mapping[str, str]) -> tuple[str | None, int | None]:
+    addr = env.get("MASTER_ADDR") or None
+    port = _int(env, "MASTER_PORT")
+    return addr, port
+
+
+def _checked(placement: Placement) -> Placement:
+    what = placement.name
+    if placement.size < 1:
+        raise DetectionError(f"{what} says the job has {placement.size} processes")
+    if not 0 <= placement.rank < placement.size:
+        raise DetectionError(
+            f"{what} says this is rank {placement.rank} of a job of {placement.size}"
+        )
+    local_rank, local_size = placement.local_rank, placement.local_size
+    if local_rank is not None and local_size is not None and not 0 <= local_rank < local_size:
+        raise DetectionError(
+            f"{what} says this is local rank {local_rank} of {local_size} on its host"
+        )
+    return placement
+
+
+def _torchrun(env: Mapping[str, str], elastic_agent: bool) -> Placement | None:
+    rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    if rank is None or size is None:
+        return None
+    addr, port = _master(env)
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    name = "torchrun" if elastic_agent else "the RANK/WORLD_SIZE/MASTER_ADDR environment"
+    return Placement(
+        launcher="torchrun",
+        name=name,
+        rank=rank,
+        size=size,
+        local_rank=_int(env, "LOCAL_RANK"),
+        local_size=_int(env, "LOCAL_WORLD_SIZE"),
+        master_addr=addr,
+        master_port=port,
+        job_key=f"torchrun/{run_id}/{restarts}" if elastic_agent else f"env/{addr}/{port}",
+        agent_store=elastic_agent and env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+    )
+
+
+def _open_mpi(env: Mapping[str, str]) -> Placement | None:
+    rank, size = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+    if rank is None or size is None:
+        return None
+    addr, port = _master(env)
+    job = env.get("OMPI_MCA_ess_base_jobid") or env.get("OMPI_MCA_orte_ess_jobid") or ""
+    return Placement(
+        launcher="mpi",
+        name="Open MPI (mpirun)",
+        rank=rank,
+        size=size,
+        local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
+        local_size=_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        master_addr=addr,
+        master_port=port,
+        job_key=f"ompi/{job}",
+    )
+
+
+def _pmi(env: Mapping[str, str]) -> Placement | None:
+    rank = _first(env, "PMI_RANK", "ALPS_APP_PE", "PALS_RANKID")
+    size = _first(env, "PMI_SIZE")
+    if rank is None or size is None:
+        return None
+    addr, port = _master(env)
+    return Placement(
+        launcher="mpi",
+        name="MPI (PMI: MPICH, Intel MPI or Cray)",
+        rank=rank,
+        size=size,
+        local_rank=_first(env, "MPI_LOCALRANKID", "PALS_LOCAL_RANKID"),
+        local_size=_first(env, "MPI_LOCALNRANKS", "PALS_LOCAL_SIZE"),
+        master_addr=addr,
+        master_port=port,
+        job_key=f"pmi/{env.get('PMI_JOBID') or env.get('PMI_ID') or ''}",
+    )
+
+
+def _jsrun(env: Mapping[str, str]) -> Placement | None:
+    rank, size = _int(env, "JSM_NAMESPACE_RANK"), _int(env, "JSM_NAMESPACE_SIZE")
+    if rank is None or size is None:
+        return None
+    addr, port = _master(env)
+    return Placement(
+        launcher="jsrun",
+        name="LSF (jsrun)",
+        rank=rank,
+        size=size,
+        local_rank=_int(env, "JSM_NAMESPACE_LOCAL_RANK"),
+        local_size=_int(env, "JSM_NAMESPACE_LOCAL_SIZE"),
+        master_addr=addr,
+        master_port=port,
+        job_key=f"lsf/{env.get('LSB_JOBID', '')}",
+    )
+
+
+def _slurm_step(env: Mapping[str, str]) -> Placement | None:
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+    rank = _int(env, "SLURM_PROCID")
+    if step is None or rank is None:
+        return None
+    size = _first(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    if size is None:
+        raise DetectionError("a Slurm job step without SLURM_STEP_NUM_TASKS or SLURM_NTASKS")
+    nodes_text = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+    nodes = expand_nodelist(nodes_text) if nodes_text else []
+    node_id = _int(env, "SLURM_NODEID")
+    local_size = None
+    tasks = env.get("SLURM_STEP_TASKS_PER_NODE")
+    if tasks and node_id is not None:
+        counts = expand_tasks_per_node(tasks)
+        if node_id < len(counts):
+            local_size = counts[node_id]
+    host = env.get("SLURMD_NODENAME")
+    if host is None and node_id is not None and node_id < len(nodes):
+        host = nodes[node_id]
+    addr, port = _master(env)
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or ""
+    return Placement(
+        launcher="slurm",
+        name="Slurm (srun)",
+        rank=rank,
+        size=size,
+        local_rank=_int(env, "SLURM_LOCALID"),
+        local_size=local_size,
+        host=host,
+        master_addr=addr,
+        master_port=port,
+        first_host=nodes[0] if nodes else None,
+        job_key=f"slurm/{job}/{step}",
+    )
+
+
+def _hvdrun(env: Mapping[str, str]) -> Placement | None:
+    if not env.get("HVDRUN_RENDEZVOUS_ADDR"):
+        return None
+    return Placement(
+        launcher="hvdrun",
+        name="hvdrun",
+        rank=_int(env, "HVDRUN_RANK") or 0,
+        size=_int(env, "HVDRUN_SIZE") or 1,
+        local_rank=_int(env, "HVDRUN_LOCAL_RANK"),
+        local_size=_int(env, "HVDRUN_LOCAL_SIZE"),
+        job_key=f"hvdrun/{env.get('HVDRUN_JOB_ID', '')}",
+    )
+
+
+def _auto(env: Mapping[str, str]) -> Placement | None:
+    if env.get("TORCHELASTIC_RUN_ID"):
+        found = _torchrun(env, elastic_agent=True)
+        if found is not None:
+            return found
+    for read in (_open_mpi, _pmi, _jsrun, _slurm_step):
+        found = read(env)
+        if found is not None:
+            return found
+    if env.get("MASTER_ADDR") or env.get("MASTER_PORT"):
+        return _torchrun(env, elastic_agent=False)
+    return None
+
+
+def detect(env: Mapping[str, str] | None = None) -> Placement | None:
+    """Who started this process and where it sits, or None for a process on its own.
+
+    Raises :class:`DetectionError` for an unknown ``HVDRUN_LAUNCHER``, for variables that
+    cannot describe a job, and where ``HVDRUN_LAUNCHER`` names a launcher whose variables
+    are missing.
+    """
+    source = os.environ if env is None else env
+    choice = (source.get(LAUNCHER_VARIABLE) or "auto").strip().lower()
+    if choice not in CHOICES:
+        raise DetectionError(
+            f"{LAUNCHER_VARIABLE}={source.get(LAUNCHER_VARIABLE)!r} is not one of "
+            f"{', '.join(CHOICES)}"
+        )
+    if choice == "none":
+        return None
+    hvdrun = _hvdrun(source)
+    if hvdrun is not None and choice in ("auto", "hvdrun"):
+        return hvdrun  # checked by the rendezvous, which hvdrun serves
+    readers = {
+        "hvdrun": lambda e: None,
+        "slurm": _slurm_step,
+        "mpi": lambda e: _open_mpi(e) or _pmi(e),
+        "jsrun": _jsrun,
+        "torchrun": lambda e: _torchrun(e, elastic_agent=bool(e.get("TORCHELASTIC_RUN_ID"))),
+        "auto": _auto,
+    }
+    found = readers[choice](source)
+    if found is None and choice != "auto":
+        raise DetectionError(
+            f"{LAUNCHER_VARIABLE}={choice}, but this process has none of that launcher's "
+            "variables (was it started by it?)"
+        )
+    return _checked(found) if found is not None else None
+
+
+def slurm_allocation(env: Mapping[str, str] | None = None) -> SlurmAllocation | None:
+    """The Slurm allocation this process runs in outside any job step (a batch script or
+    an ``salloc`` shell), or None: not in an allocation, or inside a job step."""
+    source = os.environ if env is None else env
+    job = source.get("SLURM_JOB_ID") or source.get("SLURM_JOBID")
+    nodelist = source.get("SLURM_JOB_NODELIST") or source.get("SLURM_NODELIST")
+    if not job or not nodelist or source.get("SLURM_STEP_ID") or source.get("SLURM_STEPID"):
+        return None
+    nodes = expand_nodelist(nodelist)
+    tasks_text = source.get("SLURM_TASKS_PER_NODE")
+    tasks = expand_tasks_per_node(tasks_text) if tasks_text else [1] * len(nodes)
+    if len(tasks) != len(nodes):
+        raise DetectionError(
+            f"SLURM_TASKS_PER_NODE={tasks_text!r} does not match the {len(nodes)} node(s) of "
+            f"SLURM_JOB_NODELIST={nodelist!r}"
+        )
+    where = "batch script" if "SLURM_PROCID" in source else "salloc shell"
+    return SlurmAllocation(job_id=job, nodes=nodes, tasks_per_node=tasks, where=where)
+
+
+def derived_port(job_key: str, low: int = 10000, span: int = 20000) -> int:
+    """A port every process of one job computes alike (below Linux's ephemeral range)."""
+    return low + zlib.crc32(job_key.encode()) % span

@@ -1,0 +1,169 @@
+"""Jobs another launcher placed: ranks register with the rank srun/mpirun/torchrun gave them,
+and the server derives local and cross ranks from the hosts they came from."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from rendezvous.client import RankInfo, RendezvousClient, RendezvousError, RendezvousTimeout
+from rendezvous.server import RendezvousServer
+from rendezvous.slots import assign_slots, derive_slots
+from tests.rendezvous.conftest import JOB_ID, SECRET, ClientFactory
+
+
+def test_derive_slots_matches_hvdruns_own_assignment() -> None:
+    hosts = ["a", "a", "b", "b", "c"]
+    derived = derive_slots(hosts, [None] * 5)
+    assert derived == assign_slots([("a", 2), ("b", 2), ("c", 1)], 5)
+
+
+def test_derive_slots_cyclic_placement() -> None:
+    # srun -m cyclic: ranks alternate between the nodes.
+    slots = derive_slots(["n1", "n2", "n1", "n2"], [0, 0, 1, 1])
+    assert [(s.hostname, s.local_rank, s.local_size) for s in slots] == [
+        ("n1", 0, 2),
+        ("n2", 0, 2),
+        ("n1", 1, 2),
+        ("n2", 1, 2),
+    ]
+    assert [(s.cross_rank, s.cross_size) for s in slots] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+
+
+def test_derive_slots_uneven_hosts() -> None:
+    slots = derive_slots(["a", "b", "b", "b"], [None] * 4)
+    assert [(s.local_rank, s.local_size, s.cross_rank, s.cross_size) for s in slots] == [
+        (0, 1, 0, 2),
+        (0, 3, 1, 2),
+        (1, 3, 0, 1),
+        (2, 3, 0, 1),
+    ]
+
+
+def test_derive_slots_rejects_local_ranks_that_do_not_add_up() -> None:
+    # Two machines that both call themselves "localhost".
+    with pytest.raises(ValueError, match=r"2 ranks registered from host 'localhost'.*share"):
+        derive_slots(["localhost", "localhost"], [0, 0])
+
+
+@pytest.fixture
+def placed() -> Iterator[RendezvousServer]:
+    with RendezvousServer(
+        [], SECRET, JOB_ID, bind_host="127.0.0.1", heartbeat_interval=0.2, placed_size=4
+    ) as server:
+        yield server
+
+
+def _register_all(
+    server: RendezvousServer, make_client: ClientFactory, hosts: list[str], timeout: float = 10
+) -> dict[int, RankInfo | BaseException]:
+    results: dict[int, RankInfo | BaseException] = {}
+
+    def register(rank: int) -> None:
+        client = make_client(server)
+        try:
+            results[rank] = client.register(hosts[rank], -1, timeout=timeout, rank=rank)
+        except BaseException as error:
+            results[rank] = error
+
+    threads = [threading.Thread(target=register, args=(r,)) for r in range(len(hosts))]
+    for thread in reversed(threads):  # the highest rank first: registration order is free
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+def test_every_rank_learns_its_place_once_all_registered(
+    placed: RendezvousServer, make_client: ClientFactory
+) -> None:
+    results = _register_all(placed, make_client, ["n2", "n1", "n2", "n1"])
+    infos = [results[r] for r in range(4)]
+    assert all(isinstance(info, RankInfo) for info in infos), infos
+    assert [(i.rank, i.size, i.local_rank, i.local_size, i.cross_rank) for i in infos] == [  # type: ignore[union-attr]
+        (0, 4, 0, 2, 0),
+        (1, 4, 0, 2, 1),
+        (2, 4, 1, 2, 0),
+        (3, 4, 1, 2, 1),
+    ]
+    assert placed.registered_count() == 4
+
+
+def test_missing_ranks_are_named_after_the_timeout(
+    placed: RendezvousServer, make_client: ClientFactory
+) -> None:
+    client = make_client(placed)
+    with pytest.raises(RendezvousTimeout, match=r"3 of 4 ranks did not register within .*1, 2, 3"):
+        client.register("n1", 0, timeout=0.5, rank=0)
+
+
+def test_the_same_rank_from_two_hosts_is_refused(
+    placed: RendezvousServer, make_client: ClientFactory
+) -> None:
+    def register_first() -> None:
+        with pytest.raises(RendezvousTimeout):
+            make_client(placed).register("n1", 0, timeout=1, rank=2)
+
+    first = threading.Thread(target=register_first)
+    first.start()
+    time.sleep(0.2)
+    with pytest.raises(
+        RendezvousError, match="rank 2 registered from host 'n1' and again from 'n9'"
+    ):
+        make_client(placed).register("n9", 0, timeout=1, rank=2)
+    first.join()
+
+
+def test_rank_outside_the_job(placed: RendezvousServer, make_client: ClientFactory) -> None:
+    with pytest.raises(RendezvousError, match=r"rank 4 is outside this job's ranks \[0, 4\)"):
+        make_client(placed).register("n1", 0, timeout=1, rank=4)
+
+
+def test_modes_do_not_mix(
+    placed: RendezvousServer, server: RendezvousServer, make_client: ClientFactory
+) -> None:
+    with pytest.raises(RendezvousError, match="registered without its rank"):
+        make_client(placed).register("n1", 0)
+    with pytest.raises(
+        RendezvousError, match="assigned by hvdrun; this worker registered with a rank"
+    ):
+        make_client(server).register("host-a", 0, rank=0)
+
+
+def test_local_ranks_that_do_not_add_up_fail_every_rank(
+    placed: RendezvousServer, make_client: ClientFactory
+) -> None:
+    results: dict[int, object] = {}
+
+    def register(rank: int) -> None:
+        try:
+            results[rank] = make_client(placed).register("same", 0, timeout=10, rank=rank)
+        except RendezvousError as error:
+            results[rank] = error
+
+    threads = [threading.Thread(target=register, args=(r,)) for r in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert all(isinstance(results[r], RendezvousError) for r in range(4)), results
+    assert "4 ranks registered from host 'same'" in str(results[0])
+
+
+def test_server_refuses_a_placed_size_with_slots() -> None:
+    with pytest.raises(ValueError, match="placed_size"):
+        RendezvousServer(assign_slots([("a", 1)], 1), SECRET, JOB_ID, placed_size=1)
+
+
+def test_a_client_of_a_placed_job_can_watch(
+    placed: RendezvousServer, make_client: ClientFactory
+) -> None:
+    results = _register_all(placed, make_client, ["a", "a", "a", "a"])
+    assert all(isinstance(results[r], RankInfo) for r in range(4))
+    client: RendezvousClient = make_client(placed)
+    lost = threading.Event()
+    client.watch(3, lambda reason: lost.set(), lost_after=2.0)
+    assert not lost.wait(0.6)
