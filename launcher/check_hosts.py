@@ -19,7 +19,7 @@ from typing import Any
 
 from launcher.spec.options import LaunchOptions
 from launcher.transport.connection import AgentConnection, AgentStartError
-from launcher.transport.hostinfo import installed_versions, join_addr
+from launcher.transport.hostinfo import installed_versions
 from launcher.transport.startup import (
     LaunchError,
     open_agents,
@@ -27,6 +27,7 @@ from launcher.transport.startup import (
     stop_agents,
     version_problems,
 )
+from rendezvous.addresses import join_addr
 
 PROBE_TIMEOUT = 180.0
 COLUMNS = ("HOST", "STATUS", "PYTHON", "TORCH", "HVDRUN", "GPUS", "NCCL", "INTERFACE")

@@ -15,7 +15,8 @@ import sys
 import time
 from typing import Any
 
-from launcher.transport.hostinfo import installed_versions, interface_facing, split_addr
+from launcher.transport.hostinfo import installed_versions
+from rendezvous.addresses import interface_facing, split_addr
 
 TORCH_PROBE_TIMEOUT = 120.0
 CONNECT_BACK_TIMEOUT = 5.0

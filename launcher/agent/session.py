@@ -30,7 +30,7 @@ from typing import BinaryIO
 
 from launcher.agent.workers import Emit, HostAgent
 from launcher.spec.environment import worker_base_env
-from launcher.transport.hostinfo import installed_versions, interface_facing
+from launcher.transport.hostinfo import installed_versions
 from launcher.transport.protocol import (
     PROTOCOL_VERSION,
     AgentEvent,
@@ -47,6 +47,7 @@ from launcher.transport.protocol import (
     decode_request,
     encode_event,
 )
+from rendezvous.addresses import interface_facing
 
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 

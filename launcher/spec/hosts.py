@@ -12,12 +12,12 @@ addresses, and any name that resolves to an address of one of this machine's int
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import socket
 from dataclasses import dataclass
 
 from launcher.errors import LauncherError
+from rendezvous.addresses import is_ipv6, is_loopback
 
 
 class HostSpecError(LauncherError, ValueError):
@@ -114,18 +114,11 @@ def _parse_keyword_line(fields: list[str], line: str) -> HostSpec:
             raise HostSpecError(f"cannot read '{option}' in '{line}' (expected 'host slots=N')")
         if option.startswith("slots="):
             slots = _parse_slots(match.group(1), line)
-    if ":" in hostname and not _is_ipv6(hostname):
+    if ":" in hostname and not is_ipv6(hostname):
         raise HostSpecError(f"'{line}' gives slots twice (use 'host slots=N' or 'host:N')")
     if slots is None:
         raise HostSpecError(f"no slots= in '{line}'")
     return HostSpec(_check_hostname(hostname, line), slots)
-
-
-def _is_ipv6(text: str) -> bool:
-    try:
-        return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
-    except ValueError:
-        return False
 
 
 def parse_hostfile(path: str) -> list[HostSpec]:
@@ -165,13 +158,6 @@ def local_addresses() -> set[str]:
     return addresses
 
 
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
-
-
 def is_local_host(hostname: str) -> bool:
     """True for this machine: hvdrun then starts the host's agent without SSH.
 
@@ -187,6 +173,6 @@ def is_local_host(hostname: str) -> bool:
     except (OSError, UnicodeError):
         return False
     resolved = {str(info[4][0]).split("%", 1)[0] for info in infos}
-    if any(_is_loopback(address) for address in resolved):
+    if any(is_loopback(address) for address in resolved):
         return True
     return bool(resolved & local_addresses())

@@ -60,7 +60,7 @@ from launcher.supervision.discovery import DiscoveryError, FixedHosts
 from launcher.supervision.membership import HostRecord, Membership, Publish, Stop, Wait
 from launcher.supervision.report import describe_exit, report_failure
 from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
-from launcher.transport.hostinfo import installed_versions, join_addr
+from launcher.transport.hostinfo import installed_versions
 from launcher.transport.protocol import Done, Exit, Output
 from launcher.transport.startup import (
     agent_address,
@@ -71,6 +71,7 @@ from launcher.transport.startup import (
     version_problems,
 )
 from rendezvous import worker_env
+from rendezvous.addresses import join_addr
 from rendezvous.server import RendezvousServer
 from rendezvous.slots import SlotInfo
 

@@ -14,7 +14,6 @@ and NCCL sockets face the other hosts too.
 
 from __future__ import annotations
 
-import ipaddress
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,9 +23,10 @@ from launcher.errors import LauncherError
 from launcher.spec.hosts import is_local_host
 from launcher.spec.options import LaunchOptions
 from launcher.transport.connection import AgentConnection, AgentStartError
-from launcher.transport.hostinfo import installed_versions, join_addr, source_address
+from launcher.transport.hostinfo import installed_versions
 from launcher.transport.local import LocalAgent
 from launcher.transport.protocol import PROTOCOL_VERSION, Hello
+from rendezvous.addresses import is_ipv6, is_loopback, join_addr, source_address
 
 #: hvdrun's exit code when it cannot start (or loses) an agent; ssh uses the same.
 AGENT_FAILURE_EXIT = 255
@@ -233,7 +233,7 @@ def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> 
     if explicit:
         host, port = split_explicit(explicit)
         bind = "::" if ":" in host else "0.0.0.0"
-        if _is_loopback(host):  # nothing beyond this machine needs it
+        if is_loopback(host):  # nothing beyond this machine needs it
             bind = host
         return RendezvousPlan(bind, port, {agent.hostname: host for agent in agents})
     if not remote:
@@ -255,7 +255,7 @@ def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> 
     first = addr_host[remote[0].hostname]
     for agent in agents:
         addr_host.setdefault(agent.hostname, first)
-    ipv6 = any(_is_ipv6(address) for address in addr_host.values())
+    ipv6 = any(is_ipv6(address) for address in addr_host.values())
     return RendezvousPlan("::" if ipv6 else "0.0.0.0", 0, addr_host)
 
 
@@ -263,20 +263,6 @@ def _has_port(text: str) -> bool:
     if text.startswith("["):
         return "]:" in text
     return text.count(":") == 1
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
-def _is_ipv6(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).version == 6
-    except ValueError:
-        return False
 
 
 def rendezvous_addr(plan: RendezvousPlan, hostname: str, port: int) -> str:

@@ -1,0 +1,118 @@
+"""Addresses and the interfaces that carry them, found without DNS.
+
+The hosts of a job often have names that resolve nowhere (containers, namespaces, clusters
+whose nodes know each other only by address), so nothing here depends on a name resolving.
+The interface that faces an address is found the way the kernel would route a packet there:
+a connected UDP socket (nothing is sent) tells the local address, and the interface holding
+that address is the one Gloo and NCCL should use. Both the launcher (its agents) and the
+worker runtime (jobs another launcher started) use these; the module imports neither torch
+nor gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+
+import psutil
+
+__all__ = [
+    "interface_facing",
+    "interface_of",
+    "is_ipv6",
+    "is_loopback",
+    "join_addr",
+    "local_networks",
+    "source_address",
+    "split_addr",
+]
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` → (host, port); raises ValueError."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"'{addr}' is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise ValueError(f"'{addr}' has no host part")
+    return host, int(port)
+
+
+def join_addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` is a loopback IP address (a name is not)."""
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def is_ipv6(address: str) -> bool:
+    """Whether ``address`` is an IPv6 address (a name is not)."""
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).version == 6
+    except ValueError:
+        return False
+
+
+def source_address(host: str, port: int = 9) -> str | None:
+    """The local address the kernel would use to reach ``host`` (None if unroutable)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, kind, proto, _, sockaddr in infos:
+        with contextlib.suppress(OSError), socket.socket(family, kind, proto) as sock:
+            sock.connect(sockaddr)
+            return str(sock.getsockname()[0]).split("%", 1)[0]
+    return None
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface that holds ``address``."""
+    try:
+        wanted = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+    for name, entries in psutil.net_if_addrs().items():
+        for entry in entries:
+            if entry.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_address(entry.address.split("%", 1)[0]) == wanted:
+                    return name
+    return None
+
+
+def interface_facing(addr: str) -> tuple[str | None, str | None]:
+    """(interface name, local address) used to reach ``host:port``; Nones if unknown.
+
+    For an address of this host itself that is the interface holding it."""
+    try:
+        host, port = split_addr(addr)
+    except ValueError:
+        return None, None
+    local = source_address(host, port)
+    if local is None:
+        return None, None
+    return interface_of(local), local
+
+
+def local_networks() -> list[ipaddress.IPv4Interface]:
+    """This host's IPv4 addresses with their networks, loopback excluded, by interface name."""
+    found = []
+    for _, entries in sorted(psutil.net_if_addrs().items()):
+        for entry in entries:
+            if entry.family != socket.AF_INET or not entry.netmask:
+                continue
+            with contextlib.suppress(ValueError):
+                interface = ipaddress.IPv4Interface(f"{entry.address}/{entry.netmask}")
+                if not interface.ip.is_loopback:
+                    found.append(interface)
+    return found
