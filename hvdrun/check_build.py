@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from hvdrun import __version__
+from rendezvous import launchers
 
 
 def _mark(available: bool) -> str:
@@ -58,3 +59,6 @@ def build_report() -> Iterator[str]:
     yield f"    {_mark(cuda_devices > 0)} CUDA {cuda_version}, {cuda_devices} device(s)"
     for index in range(cuda_devices):
         yield f"        {index}: {torch.cuda.get_device_name(index)}"
+    yield ""
+    yield "Launcher of this process (what hvd.init() would join):"
+    yield f"    {launchers.describe()}"

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 # Extra time the gRPC deadline of a blocking call gets beyond the timeout sent to the server.
 _DEADLINE_SLACK = 5.0
+# How long close() waits for a watch stream's threads to end.
+_CLOSE_WAIT = 2.0
 # Message size limits: generous, the server enforces the real value limit with a clear error.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -134,14 +136,19 @@ class _Watch:
         self._reader.start()
         self._watchdog.start()
 
-    def close(self) -> None:
-        """Stops watching without calling on_lost."""
+    def close(self, wait: float = 0.0) -> None:
+        """Stops watching without calling on_lost; waits up to ``wait`` seconds for the
+        stream's threads to end."""
         with self._lock:
             self._done = True
             call = self._call
         self._finished.set()
         if call is not None:
             call.cancel()
+        deadline = time.monotonic() + wait
+        for thread in (self._reader, self._watchdog):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(max(deadline - time.monotonic(), 0))
 
     def _report(self, reason: str) -> None:
         with self._lock:
@@ -219,6 +226,12 @@ class RendezvousClient:
                 ("grpc.keepalive_timeout_ms", 10_000),
                 # Its own connection: a client's calls never queue behind another client's.
                 ("grpc.use_local_subchannel_pool", 1),
+                # Reconnect soon after a refused connection: under another launcher the
+                # ranks dial while rank 0 may still be starting its server, and gRPC's
+                # default first backoff (1 s) would be most of a job's start-up.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
             ],
         )
         self._stub = rendezvous_pb2_grpc.RendezvousStub(self._channel)
@@ -434,14 +447,17 @@ class RendezvousClient:
         watch.start()
 
     def close(self) -> None:
-        """Stops every watch (without calling on_lost) and closes the channel. Idempotent."""
+        """Stops every watch (without calling on_lost) and closes the channel. Idempotent.
+
+        Waits (briefly) for the watch threads to leave gRPC: a process that exits while one
+        of its threads is still inside a call can abort in gRPC's teardown."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             watches, self._watches = self._watches, []
         for watch in watches:
-            watch.close()
+            watch.close(wait=_CLOSE_WAIT)
         self._channel.close()
 
     def __enter__(self) -> RendezvousClient:

@@ -37,6 +37,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import socket
+import subprocess
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,9 +51,11 @@ __all__ = [
     "Placement",
     "SlurmAllocation",
     "derived_port",
+    "describe",
     "detect",
     "expand_nodelist",
     "expand_tasks_per_node",
+    "node_address",
     "slurm_allocation",
 ]
 
@@ -456,3 +461,57 @@ def slurm_allocation(env: Mapping[str, str] | None = None) -> SlurmAllocation | 
 def derived_port(job_key: str, low: int = 10000, span: int = 20000) -> int:
     """A port every process of one job computes alike (below Linux's ephemeral range)."""
     return low + zlib.crc32(job_key.encode()) % span
+
+
+def node_address(name: str, timeout: float = 10.0) -> str | None:
+    """The address of a Slurm node (or any host): DNS and /etc/hosts first, then what Slurm
+    knows as its ``NodeAddr`` (clusters whose node names resolve nowhere); None if neither."""
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        infos = []
+    if infos:
+        return str(infos[0][4][0])
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return None
+    try:
+        shown = subprocess.run(
+            [scontrol, "show", "node", "-o", name],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"\bNodeAddr=(\S+)", shown.stdout)
+    if shown.returncode != 0 or match is None or match.group(1) == name:
+        return None
+    return match.group(1)
+
+
+def describe(env: Mapping[str, str] | None = None) -> str:
+    """One line: who started this process and where it sits (for ``--check-build``)."""
+    source = os.environ if env is None else env
+    try:
+        placement = detect(source)
+        allocation = slurm_allocation(source) if placement is None else None
+    except DetectionError as error:
+        return f"cannot tell: {error}"
+    if placement is None:
+        if source.get(LAUNCHER_VARIABLE, "").strip().lower() == "none":
+            return "none (HVDRUN_LAUNCHER=none): hvd.init() runs a job of size 1"
+        if allocation is not None:
+            return (
+                f"none: a Slurm {allocation.where} of job {allocation.job_id} "
+                f"({allocation.tasks} tasks on {len(allocation.nodes)} node(s)) outside any job "
+                "step; start workers with srun or hvdrun"
+            )
+        return "none: hvd.init() runs a job of size 1"
+    local = ""
+    if placement.local_rank is not None:
+        of = f" of {placement.local_size}" if placement.local_size is not None else ""
+        local = f", local rank {placement.local_rank}{of}"
+    host = f" on {placement.host}" if placement.host else ""
+    return f"{placement.name}: rank {placement.rank} of {placement.size}{local}{host}"

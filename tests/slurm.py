@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
@@ -39,6 +40,7 @@ import pytest
 
 from tests.cluster import Cluster, ClusterHost, cluster_for_tests
 
+_FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "salloc", "sbatch", "scancel", "scontrol", "munged")
 _PR_SET_PDEATHSIG = 1
 
@@ -102,7 +104,11 @@ class SlurmCluster:
         return ["unshare", "--mount", "--", "sh", "-c", script, str(self.hosts.resolv_conf), *args]
 
     def run(
-        self, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+        self,
+        *args: str,
+        timeout: float = 120,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             self.argv(*args),
@@ -111,7 +117,43 @@ class SlurmCluster:
             timeout=timeout,
             env=env or self.env(),
             stdin=subprocess.DEVNULL,
+            cwd=cwd,
         )
+
+    def sbatch(
+        self,
+        script: str,
+        *args: str,
+        options: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        timeout: float = 300,
+    ) -> tuple[int, str]:
+        """Submits a batch job and waits for it; returns its exit code and its output.
+
+        Polls the job itself: ``sbatch --wait`` sleeps ever longer between its checks and
+        would add up to half a minute to a ten-second job."""
+        log = self.root / f"sbatch-{time.monotonic_ns()}.out"
+        submitted = self.run(
+            "sbatch", "--parsable", "-o", str(log), *options, script, *args, env=env, cwd=cwd
+        )
+        if submitted.returncode != 0:
+            raise AssertionError(f"sbatch failed: {submitted.stderr}")
+        job = submitted.stdout.strip().split(";")[0]
+        deadline = time.monotonic() + timeout
+        while True:
+            shown = self.run("scontrol", "show", "job", "-o", job, timeout=30).stdout
+            state = re.search(r"\bJobState=(\S+)", shown)
+            if state is not None and state.group(1) in _FINISHED:
+                code = re.search(r"\bExitCode=(\d+):(\d+)", shown)
+                assert code is not None, shown
+                status, signal_number = int(code.group(1)), int(code.group(2))
+                exit_code = 128 + signal_number if signal_number else status
+                return exit_code, log.read_text() if log.exists() else ""
+            if time.monotonic() > deadline:
+                self.run("scancel", job, timeout=30)
+                raise AssertionError(f"batch job {job} did not finish in {timeout:g} s: {shown}")
+            time.sleep(0.25)
 
     def python_argv(self, *args: str) -> list[str]:
         """``python ARGS`` with this interpreter (the hosts share the filesystem)."""

@@ -51,7 +51,7 @@ COLLECTIVES = [
     {"mpi_ops", "functions"},  # Horovod's op API
     {"optim", "sync_batch_norm"},
     {"optimizer"},
-    {"elastic"},
+    {"elastic", "info"},  # elastic training; python -m collectives.torch.info
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,26 @@ def test_check_build_lists_what_is_available() -> None:
     assert f"{mpi_mark} MPI" in out
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert f"{devices} device(s)" in out
+
+
+def test_check_build_says_which_launcher_started_the_process() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HVDRUN_"))}
+    env.update(
+        OMPI_COMM_WORLD_RANK="1",
+        OMPI_COMM_WORLD_SIZE="4",
+        OMPI_COMM_WORLD_LOCAL_RANK="1",
+        OMPI_COMM_WORLD_LOCAL_SIZE="2",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "hvdrun", "--check-build"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Launcher of this process (what hvd.init() would join):" in result.stdout
+    assert "    Open MPI (mpirun): rank 1 of 4, local rank 1 of 2\n" in result.stdout
 
 
 def test_hostfile_errors_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

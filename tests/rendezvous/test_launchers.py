@@ -7,6 +7,7 @@ import pytest
 from rendezvous.launchers import (
     DetectionError,
     derived_port,
+    describe,
     detect,
     expand_nodelist,
     expand_tasks_per_node,
@@ -252,3 +253,14 @@ def test_derived_port_is_stable_and_unprivileged() -> None:
     assert port == derived_port("slurm/17/0")
     assert 10000 <= port < 30000
     assert derived_port("slurm/17/1") != port
+
+
+def test_describe() -> None:
+    assert describe(SLURM_TASK) == "Slurm (srun): rank 3 of 4, local rank 1 of 2 on hvdh2"
+    assert describe({}) == "none: hvd.init() runs a job of size 1"
+    assert describe({"HVDRUN_LAUNCHER": "none", **OPEN_MPI}).startswith(
+        "none (HVDRUN_LAUNCHER=none)"
+    )
+    assert describe({"HVDRUN_LAUNCHER": "bad"}).startswith("cannot tell: HVDRUN_LAUNCHER='bad'")
+    salloc = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "2"}
+    assert "Slurm salloc shell of job 5 (2 tasks on 1 node(s))" in describe(salloc)

@@ -28,6 +28,12 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> _R:
+        started_by = runtime.started_by()
+        if started_by not in ("hvdrun", ""):
+            raise RuntimeError(
+                f"elastic training needs hvdrun: this job was started by {started_by}, which "
+                "cannot replace a lost host; start it with hvdrun --min-np N --max-np M ..."
+            )
         reset_needed = False
         skip_sync = False
         while True:

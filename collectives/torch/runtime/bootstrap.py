@@ -6,9 +6,13 @@ starts the engine on process groups of its own (:mod:`.groups`) and installs the
 
 * Under ``hvdrun`` (``HVDRUN_RENDEZVOUS_ADDR`` is set) the worker joins through the job's
   rendezvous (:mod:`.registration`).
-* Without ``hvdrun`` the script runs as a job of size 1 on a real one-rank Gloo group over an
+* Started by another launcher (srun, mpirun, jsrun, torchrun, a Kubernetes operator: see
+  :mod:`rendezvous.launchers`) it joins through a rendezvous that rank 0 serves
+  (:mod:`.launched`), and from registration on everything is the same.
+* Started by no one the script runs as a job of size 1 on a real one-rank Gloo group over an
   in-memory ``HashStore``: every op then takes the same code path as in a real job, so a
-  script debugged alone behaves the same under ``hvdrun``.
+  script debugged alone behaves the same under ``hvdrun``. A process whose launcher says it
+  has peers never falls back to that silently: :func:`init` raises instead.
 
 The default torch process group keeps a longer timeout than the engine's groups, because it
 also bootstraps the job while slow workers are still starting.
@@ -38,6 +42,7 @@ from collectives.torch.runtime.groups import (
     start_engine,
     stop_collectives,
 )
+from collectives.torch.runtime.launched import detect_placement, init_launched
 from collectives.torch.runtime.registration import init_from_rendezvous, join_elastic, register
 from collectives.torch.runtime.state import RuntimeState, Topology
 from rendezvous import worker_env
@@ -90,10 +95,14 @@ def init(comm: Any = None) -> bool:
         backend = choose_backend()
         _init_count += 1
         addr = os.environ.get(worker_env.RENDEZVOUS_ADDR)
+        placement = None if addr else detect_placement()
         if addr:
             runtime_ = init_from_rendezvous(addr, backend, timeout, _init_count)
+        elif placement is not None and placement.size > 1:
+            runtime_ = init_launched(placement, backend, timeout, _init_count)
         else:
             runtime_ = _init_single(backend, timeout)
+            runtime_.started_by = placement.name if placement is not None else ""
         runtime_.config = cfg
         try:
             if runtime_.elastic:
@@ -124,7 +133,9 @@ def init(comm: Any = None) -> bool:
 def _teardown(runtime_: RuntimeState) -> None:
     runtime_.closed.set()
     stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 2.0)
-    if runtime_.client is not None:
+    if runtime_.leave is not None:
+        runtime_.leave()
+    elif runtime_.client is not None:
         runtime_.client.close()
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "init_from_rendezvous",
     "join_elastic",
     "register",
+    "watch_and_join",
 ]
 
 logger = logging.getLogger(__name__)
@@ -202,8 +203,7 @@ def join_elastic(runtime_: RuntimeState) -> None:
 def init_from_rendezvous(
     addr: str, backend: str, timeout: datetime.timedelta, counter: int
 ) -> RuntimeState:
-    """Registers with the rendezvous at ``addr``, starts the heartbeat watch and (unless the
-    job is elastic: :func:`join_elastic` does that) creates the default process group."""
+    """Under hvdrun: registers with the rendezvous at ``addr``, then :func:`watch_and_join`."""
     # Imported here: the size-1 path must work without the rendezvous (and gRPC) loaded.
     from rendezvous.client import RendezvousClient
 
@@ -217,6 +217,7 @@ def init_from_rendezvous(
         store=None,
         client=client,
         rendezvous_addr=addr,
+        started_by="hvdrun",
         elastic=worker_env.flag(worker_env.ELASTIC),
         host=os.environ.get(worker_env.HOSTNAME) or socket.gethostname(),
         slot=worker_env.integer(worker_env.LOCAL_RANK, 0),
@@ -224,24 +225,33 @@ def init_from_rendezvous(
     try:
         min_generation = worker_env.integer(worker_env.GENERATION, 0) if runtime_.elastic else 0
         register(runtime_, min_generation)
-        topology = runtime_.topology
         env_rank = os.environ.get(worker_env.RANK)
-        if env_rank is not None and env_rank != str(topology.rank):
-            logger.info("the rendezvous assigned rank %d (HVDRUN_RANK=%s)", topology.rank, env_rank)
-        # Watch before bootstrapping: a launcher that dies while peers are still missing must
-        # not leave this worker blocked in the store until the timeout.
-        lost_after = worker_env.number(
-            worker_env.RENDEZVOUS_LOST_AFTER_SECONDS, DEFAULT_LOST_AFTER_SECONDS, strict=True
-        )
-        client.watch(
-            topology.rank,
-            _make_on_lost(runtime_),
-            lost_after=lost_after,
-            on_generation=runtime_.saw_generation if runtime_.elastic else None,
-        )
-        if not runtime_.elastic:
-            _bootstrap(runtime_, counter)
+        if env_rank is not None and env_rank != str(runtime_.topology.rank):
+            logger.info(
+                "the rendezvous assigned rank %d (HVDRUN_RANK=%s)", runtime_.topology.rank, env_rank
+            )
+        watch_and_join(runtime_, counter)
         return runtime_
     except BaseException:
         client.close()
         raise
+
+
+def watch_and_join(runtime_: RuntimeState, counter: int) -> None:
+    """For a registered worker: starts the heartbeat watch and (unless the job is elastic:
+    :func:`join_elastic` does that) creates the default process group."""
+    client = runtime_.client
+    assert client is not None
+    # Watch before bootstrapping: a launcher that dies while peers are still missing must
+    # not leave this worker blocked in the store until the timeout.
+    lost_after = worker_env.number(
+        worker_env.RENDEZVOUS_LOST_AFTER_SECONDS, DEFAULT_LOST_AFTER_SECONDS, strict=True
+    )
+    client.watch(
+        runtime_.topology.rank,
+        _make_on_lost(runtime_),
+        lost_after=lost_after,
+        on_generation=runtime_.saw_generation if runtime_.elastic else None,
+    )
+    if not runtime_.elastic:
+        _bootstrap(runtime_, counter)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "set_current",
     "size",
     "start_timeline",
+    "started_by",
     "stop_timeline",
     "timeout",
     "topology",
@@ -77,6 +79,10 @@ class RuntimeState:
     client: Any | None = None
     rendezvous_addr: str | None = None
     closed: threading.Event = field(default_factory=threading.Event)
+    #: Who started this process, in words ("hvdrun", "Slurm (srun)", ...; "" when no one).
+    started_by: str = ""
+    #: How this process leaves its job at shutdown; None: by closing the client.
+    leave: Callable[[], None] | None = None
     config: EngineConfig = field(default_factory=EngineConfig)
     engine: Engine | None = None
     # Elastic jobs: the membership generation this process is part of, the newest one the
@@ -117,6 +123,11 @@ def require(what: str = "this function") -> RuntimeState:
     if runtime is None:
         raise NotInitializedError(what)
     return runtime
+
+
+def started_by() -> str:
+    """Who started this process ("hvdrun", "Slurm (srun)", ...; "" when it runs alone)."""
+    return require("started_by()").started_by
 
 
 def topology() -> Topology:

@@ -1,0 +1,464 @@
+"""Joining a job that another launcher started: srun, mpirun, jsrun, torchrun, Kubernetes.
+
+Under hvdrun, the launcher serves the job's rendezvous and tells every worker where it is.
+Here nobody does, so rank 0 serves the same gRPC rendezvous in its own process and every
+rank meets it at an address all of them can work out on their own:
+
+* ``MASTER_ADDR:MASTER_PORT`` when set (Kubernetes' PyTorchJob sets them, and ``mpirun -x``
+  or an sbatch script can). Without ``MASTER_PORT``: ``HVDRUN_RENDEZVOUS_PORT``, else a port
+  derived from the job's id.
+* torchrun: its agent already serves a TCPStore on ``MASTER_ADDR:MASTER_PORT``, so that port
+  is taken; rank 0 serves on a free port and publishes its address in that store.
+* Slurm: the first node of the step (where task 0 runs), found without DNS if need be (its
+  ``NodeAddr``), and a port derived from the job and step id (``HVDRUN_RENDEZVOUS_PORT``
+  overrides it).
+* MPI (Open MPI, MPICH, Intel MPI, Cray) without ``MASTER_ADDR``: rank 0 sends its address
+  over MPI when mpi4py is importable, and a fresh secret with it.
+
+Rank 0 listens on every interface; the others dial the address and retry until rank 0
+serves or ``HVDRUN_START_TIMEOUT`` passes. Each rank then points Gloo and NCCL at the
+interface that faces the rendezvous (unless ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` are
+set): a host's name need not resolve for its peers to reach it.
+
+Authentication: ``HVDRUN_SECRET`` when set (srun and ``mpirun -x`` pass it on); under MPI a
+fresh one from rank 0. Otherwise calls carry a token derived from the job's id, which keeps
+out anyone who does not know the job, no weaker than torch's own TCPStore (which checks
+nothing), and rank 0 says once that the rendezvous is unauthenticated.
+
+The job ends as under hvdrun: when a rank dies the others' collectives fail within the Gloo
+timeout, and when rank 0 (and with it the rendezvous) disappears the others notice on their
+heartbeat stream and exit. Rank 0 leaving normally serves on until every other rank has left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from collectives.torch.runtime.registration import watch_and_join
+from collectives.torch.runtime.state import RuntimeState, Topology
+from rendezvous import launchers, worker_env
+from rendezvous.addresses import (
+    interface_facing,
+    is_loopback,
+    join_addr,
+    local_networks,
+    source_address,
+)
+from rendezvous.launchers import Placement, derived_port, node_address
+
+__all__ = [
+    "JoinError",
+    "Joined",
+    "Meeting",
+    "detect_placement",
+    "init_launched",
+    "join",
+    "plan_meeting",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Settings (HVDRUN_<name> or HOROVOD_<name>).
+START_TIMEOUT = "START_TIMEOUT"
+RENDEZVOUS_PORT = "RENDEZVOUS_PORT"
+DEFAULT_START_TIMEOUT_SECONDS = 120.0
+#: How often a rank retries a rendezvous that does not answer yet.
+RETRY_SECONDS = 0.2
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+class JoinError(RuntimeError):
+    """The job another launcher started cannot be formed; the message says why and the fix."""
+
+
+@dataclass
+class Meeting:
+    """Where the ranks of a job meet, and how they prove they belong to it."""
+
+    #: HOST:PORT every rank other than 0 dials (rank 0 dials its own server on loopback).
+    addr: str
+    #: Rank 0: where its server listens; port 0 = any free port (published afterwards).
+    bind_host: str
+    port: int
+    secret: str
+    job_id: str
+    #: In words, for messages: how the address was found, where the secret came from.
+    how: str
+    secret_from: str
+    #: The secret is only a token derived from the job's id.
+    unauthenticated: bool = False
+
+
+@dataclass
+class Joined:
+    """A rank that has joined: its client, its place, and (rank 0) the server it serves."""
+
+    placement: Placement
+    meeting: Meeting
+    client: Any  # rendezvous.client.RendezvousClient
+    info: Any  # rendezvous.client.RankInfo
+    server: Any | None = None  # rendezvous.server.RendezvousServer
+
+    def leave(self) -> None:
+        """Closes this rank's client; rank 0 serves until every other rank has left."""
+        self.client.close()
+        server, self.server = self.server, None
+        if server is None:
+            return
+        announced = False
+        while server.watching_ranks() - {self.info.rank}:
+            if not announced:
+                logger.info("rank 0 serves the rendezvous until the other ranks leave")
+                announced = True
+            time.sleep(0.1)
+        server.stop()
+
+
+def start_timeout() -> float:
+    return worker_env.number(START_TIMEOUT, DEFAULT_START_TIMEOUT_SECONDS, strict=True)
+
+
+def _token(placement: Placement) -> str:
+    return "job-token-" + hashlib.sha256(placement.job_key.encode()).hexdigest()[:32]
+
+
+def _job_id(placement: Placement) -> str:
+    return hashlib.sha256(("job-id/" + placement.job_key).encode()).hexdigest()[:16]
+
+
+def _port_of(placement: Placement) -> tuple[int, str]:
+    configured = worker_env.setting(RENDEZVOUS_PORT)
+    if configured is not None:
+        if not configured.isdigit() or not 0 < int(configured) < 65536:
+            raise JoinError(
+                f"HVDRUN_RENDEZVOUS_PORT must be a port number (1-65535), got {configured!r}"
+            )
+        return int(configured), "HVDRUN_RENDEZVOUS_PORT"
+    if placement.master_port is not None and not placement.agent_store:
+        return placement.master_port, "MASTER_PORT"
+    return derived_port(placement.job_key), "derived from the job id"
+
+
+def _fix(placement: Placement) -> str:
+    """How a user gives the job an address to meet at, in that launcher's words."""
+    if placement.launcher == "mpi":
+        return (
+            "install mpi4py (rank 0 then sends its address over MPI), or pass rank 0's "
+            "host: mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<free port> ..."
+        )
+    if placement.launcher == "jsrun":
+        return "export MASTER_ADDR=<rank 0's host> and MASTER_PORT=<free port> before jsrun"
+    if placement.launcher == "slurm":
+        return "export MASTER_ADDR=<the address of the step's first node> before srun"
+    return "export MASTER_ADDR=<rank 0's host> and MASTER_PORT=<free port> on every rank"
+
+
+def _wildcard(host: str) -> str:
+    if is_loopback(host) or host == "localhost":
+        return "::1" if ":" in host else "127.0.0.1"
+    return "::" if ":" in host else "0.0.0.0"
+
+
+def plan_meeting(placement: Placement) -> Meeting:
+    """Where this job's ranks meet, from what every rank knows alike (no communication).
+
+    The MPI case without ``MASTER_ADDR`` and torchrun's agent store are settled in
+    :func:`join` (they communicate); here they get a placeholder address."""
+    secret = os.environ.get(worker_env.SECRET, "")
+    secret_from = "HVDRUN_SECRET"
+    unauthenticated = not secret
+    if unauthenticated:
+        secret, secret_from = _token(placement), "a token derived from the job id"
+    job_id = _job_id(placement)
+    name = placement.name
+    if placement.agent_store:
+        addr = join_addr(placement.master_addr or "127.0.0.1", placement.master_port or 0)
+        return Meeting(
+            addr, _wildcard(placement.master_addr or ""), 0, secret, job_id,
+            f"published by rank 0 in torchrun's store at {addr}", secret_from, unauthenticated,
+        )  # fmt: skip
+    if placement.master_addr:
+        port, port_from = _port_of(placement)
+        host = placement.master_addr
+        return Meeting(
+            join_addr(host, port), _wildcard(host), port, secret, job_id,
+            f"MASTER_ADDR={host} and port {port} ({port_from})", secret_from, unauthenticated,
+        )  # fmt: skip
+    if placement.launcher == "slurm" and placement.first_host:
+        first = placement.first_host
+        address = node_address(first)
+        if address is None:
+            raise JoinError(
+                f"hvd.init(): started by {name} as rank {placement.rank} of "
+                f"{placement.size}, but the address of {first}, the step's first node (where "
+                f"rank 0 serves the rendezvous), is unknown: the name does not resolve and "
+                f"Slurm knows no NodeAddr for it. Fix: {_fix(placement)}"
+            )
+        port, port_from = _port_of(placement)
+        return Meeting(
+            join_addr(address, port), _wildcard(address), port, secret, job_id,
+            f"the step's first node {first} ({address}) and port {port} ({port_from})",
+            secret_from, unauthenticated,
+        )  # fmt: skip
+    if placement.launcher == "mpi":
+        return Meeting(
+            "", "0.0.0.0", 0, secret, job_id, "sent by rank 0 over MPI", secret_from,
+            unauthenticated,
+        )  # fmt: skip
+    raise JoinError(
+        f"hvd.init(): started by {name} as rank {placement.rank} of {placement.size}, but "
+        f"there is no address to meet rank 0 at (MASTER_ADDR is not set). Fix: {_fix(placement)}"
+    )
+
+
+# ---- the address sent over MPI -----------------------------------------------------------
+
+
+def choose_address(own: list[str], peers: list[list[str]]) -> str:
+    """Rank 0's address that most other ranks share a network with.
+
+    ``own``/``peers``: each rank's IPv4 interfaces as ``address/prefix`` (rank 0's first);
+    loopback when every rank is on rank 0's host (all report the same interfaces)."""
+    mine = [ipaddress.IPv4Interface(text) for text in own]
+    if not mine or all(sorted(p) == sorted(own) for p in peers):
+        return "127.0.0.1"
+    best, score = mine[0], -1
+    for interface in mine:
+        reached = sum(
+            any(ipaddress.IPv4Interface(text).ip in interface.network for text in peer)
+            for peer in peers
+        )
+        if reached > score:
+            best, score = interface, reached
+    return str(best.ip)
+
+
+def _over_mpi(placement: Placement, meeting: Meeting, serve: Any) -> Meeting:
+    """MPI without MASTER_ADDR: rank 0 serves, then sends address and secret to everyone."""
+    try:
+        from mpi4py import MPI
+    except Exception as error:  # ImportError, or no MPI library for it to load
+        raise JoinError(
+            f"hvd.init(): started by {placement.name} as rank {placement.rank} of "
+            f"{placement.size}, but there is no address to meet rank 0 at: MASTER_ADDR is not "
+            f"set and mpi4py cannot be used ({type(error).__name__}: {error}). "
+            f"Fix: {_fix(placement)}"
+        ) from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != placement.size or comm.Get_rank() != placement.rank:
+        raise JoinError(
+            f"hvd.init(): MPI's COMM_WORLD says rank {comm.Get_rank()} of {comm.Get_size()}, "
+            f"the environment of {placement.name} says rank {placement.rank} of "
+            f"{placement.size}"
+        )
+    networks = [str(interface) for interface in local_networks()]
+    everyone = comm.gather(networks, root=0)
+    sent: tuple[str, str, str] | None = None
+    if everyone is not None:  # rank 0
+        address = choose_address(networks, list(everyone[1:]))
+        secret = meeting.secret
+        if meeting.unauthenticated:
+            secret = worker_env.new_secret()
+        port = serve(_wildcard(address), 0, secret)
+        sent = (join_addr(address, port), secret, meeting.job_id)
+    addr, secret, job_id = comm.bcast(sent, root=0)
+    from_env = not meeting.unauthenticated
+    return Meeting(
+        addr, meeting.bind_host, 0, secret, job_id, "sent by rank 0 over MPI",
+        meeting.secret_from if from_env else "sent by rank 0 over MPI",
+    )  # fmt: skip
+
+
+def _torchrun_store(placement: Placement, timeout: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        placement.master_addr or "127.0.0.1",
+        placement.master_port or 29500,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
+# ---- joining -------------------------------------------------------------------------------
+
+
+def _point_gloo_at(addr: str) -> None:
+    """Gloo and NCCL use the interface that faces the rendezvous, unless the user chose."""
+    ifname, _ = interface_facing(addr)
+    if ifname is None:
+        return
+    for name in IFNAME_VARIABLES:
+        if not os.environ.get(name):
+            os.environ[name] = ifname
+
+
+def _say_unauthenticated(meeting: Meeting) -> None:
+    with contextlib.suppress(Exception):  # stderr may be closed
+        sys.stderr.write(
+            "hvdrun: this job's rendezvous is not authenticated (no HVDRUN_SECRET): a process "
+            f"that knows the job id and reaches {meeting.addr} could join it. Export "
+            "HVDRUN_SECRET=<a random string> to every rank (srun and mpirun -x pass it on) "
+            "to require it.\n"
+        )
+        sys.stderr.flush()
+
+
+def join(placement: Placement, host: str) -> Joined:
+    """Meets the job's other ranks (rank 0 serves) and registers; raises :class:`JoinError`."""
+    from rendezvous.client import (
+        RendezvousAuthError,
+        RendezvousClient,
+        RendezvousError,
+        RendezvousTimeout,
+        RendezvousUnavailable,
+    )
+    from rendezvous.server import RendezvousServer
+
+    timeout = start_timeout()
+    deadline = time.monotonic() + timeout
+    rank = placement.rank
+    meeting = plan_meeting(placement)
+    servers: list[RendezvousServer] = []
+
+    def serve(bind_host: str, port: int, secret: str) -> int:
+        server = RendezvousServer(
+            [], secret, meeting.job_id, bind_host=bind_host, port=port,
+            placed_size=placement.size,
+        )  # fmt: skip
+        try:
+            bound = server.start()
+        except OSError as error:
+            raise JoinError(
+                f"hvd.init(): rank 0 cannot serve the rendezvous on port {port} "
+                f"({meeting.how}): {error}. Choose a free port with HVDRUN_RENDEZVOUS_PORT "
+                "(or MASTER_PORT) on every rank"
+            ) from None
+        servers.append(server)
+        return bound
+
+    try:
+        if placement.launcher == "mpi" and not meeting.addr:
+            meeting = _over_mpi(placement, meeting, serve)
+        elif rank == 0:
+            port = serve(meeting.bind_host, meeting.port, meeting.secret)
+            if placement.agent_store:
+                host_part = placement.master_addr or "127.0.0.1"
+                if not is_loopback(host_part) and host_part != "localhost":
+                    host_part = source_address(host_part) or host_part
+                meeting.addr = join_addr(host_part, port)
+                _torchrun_store(placement, timeout).set(
+                    f"hvdrun/{placement.job_key}/rendezvous", meeting.addr.encode()
+                )
+        elif placement.agent_store:
+            store = _torchrun_store(placement, timeout)
+            meeting.addr = store.get(f"hvdrun/{placement.job_key}/rendezvous").decode()
+        if rank == 0 and meeting.unauthenticated:
+            _say_unauthenticated(meeting)
+        _point_gloo_at(meeting.addr)
+        dial = meeting.addr
+        if servers:  # rank 0 reaches its own server on loopback, whatever the address
+            loopback = "::1" if ":" in meeting.bind_host else "127.0.0.1"
+            dial = join_addr(loopback, servers[0].port)
+        client = RendezvousClient(dial, meeting.secret, meeting.job_id)
+        local_rank = placement.local_rank if placement.local_rank is not None else -1
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                info = client.register(
+                    placement.host or host, local_rank, timeout=max(remaining, 0.1), rank=rank
+                )
+                break
+            except RendezvousUnavailable as error:
+                if time.monotonic() + RETRY_SECONDS >= deadline:
+                    client.close()
+                    raise JoinError(
+                        f"hvd.init(): rank {rank} of {placement.size} ({placement.name}) could "
+                        f"not reach the rendezvous that rank 0 serves at {meeting.addr} "
+                        f"({meeting.how}) within {timeout:g} s: {error}. Is rank 0 running "
+                        "there? (HVDRUN_START_TIMEOUT sets how long to wait)"
+                    ) from None
+                time.sleep(RETRY_SECONDS)
+            except RendezvousTimeout as error:
+                client.close()
+                raise JoinError(
+                    f"hvd.init(): {placement.name} started {placement.size} processes, but "
+                    f"not all of them joined within {timeout:g} s (HVDRUN_START_TIMEOUT): "
+                    f"{error}"
+                ) from None
+            except (RendezvousAuthError, RendezvousError) as error:
+                client.close()
+                raise JoinError(
+                    f"hvd.init(): rank {rank} ({placement.name}) could not join the job at "
+                    f"{meeting.addr}: {error}"
+                ) from None
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return Joined(placement, meeting, client, info, servers[0] if servers else None)
+
+
+# ---- the runtime's entry points ------------------------------------------------------------
+
+
+def detect_placement() -> Placement | None:
+    """Who started this process, if another launcher did; None for a process on its own.
+
+    Raises :class:`JoinError` for launcher variables that cannot describe a job, and for a
+    process inside a Slurm allocation of several tasks but outside any job step (a batch
+    script or an ``salloc`` shell that forgot ``srun``), which would otherwise train alone.
+    """
+    try:
+        placement = launchers.detect()
+        if placement is not None or os.environ.get(launchers.LAUNCHER_VARIABLE) == "none":
+            return placement
+        allocation = launchers.slurm_allocation()
+    except launchers.DetectionError as error:
+        raise JoinError(f"hvd.init(): {error}") from None
+    if allocation is not None and allocation.tasks > 1:
+        raise JoinError(
+            f"hvd.init(): this process runs in the Slurm {allocation.where} of job "
+            f"{allocation.job_id} ({allocation.tasks} tasks on {len(allocation.nodes)} "
+            "node(s)), not as a task of a job step, so it would train alone. Start it with "
+            "srun (srun python train.py) or hvdrun (hvdrun python train.py); "
+            "HVDRUN_LAUNCHER=none runs it alone on purpose"
+        )
+    return None
+
+
+def init_launched(
+    placement: Placement, backend: str, timeout: datetime.timedelta, counter: int
+) -> RuntimeState:
+    """Joins the job ``placement`` describes and creates the default process group."""
+    joined = join(placement, socket.gethostname())
+    info = joined.info
+    runtime_ = RuntimeState(
+        topology=Topology(
+            info.rank, info.size, info.local_rank, info.local_size, info.cross_rank, info.cross_size
+        ),
+        backend=backend,
+        timeout=timeout,
+        store=None,
+        client=joined.client,
+        rendezvous_addr=joined.meeting.addr,
+        started_by=placement.name,
+        leave=joined.leave,
+        host=placement.host or socket.gethostname(),
+    )
+    try:
+        watch_and_join(runtime_, counter)
+    except BaseException:
+        joined.leave()
+        raise
+    return runtime_

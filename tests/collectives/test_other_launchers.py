@@ -1,0 +1,365 @@
+"""``hvd.init()`` joins jobs that other launchers started: srun, sbatch, mpirun, torchrun, and
+processes with a Kubernetes-style RANK/WORLD_SIZE/MASTER_ADDR environment.
+
+The Slurm jobs run on a real Slurm cluster (tests/slurm.py) whose two hosts are network
+namespaces with names that resolve nowhere; mpirun reaches the same hosts over their sshd.
+Every job checks identities on the right hosts, collective values and a DistributedOptimizer
+step (workers/joined_worker.py); a killed rank must end the job with an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.collectives.conftest import REPO, WORKERS, clean_env
+from tests.slurm import SlurmCluster, mpi_unavailable_reason, mpirun_argv, slurm_for_tests
+
+WORKER = str(WORKERS / "joined_worker.py")
+ID_LINE = re.compile(r"ID rank=(\d+) size=(\d+) local=(\d+)/(\d+) cross=(\d+)/(\d+) host=(\S+)")
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[SlurmCluster]:
+    yield from slurm_for_tests(hosts=2)
+
+
+def identities(output: str) -> dict[int, tuple[int, int, int, int, int, str]]:
+    """rank -> (size, local rank, local size, cross rank, cross size, host)."""
+    found = {}
+    for match in ID_LINE.finditer(output):
+        rank, *rest = match.groups()
+        size, local, local_size, cross, cross_size = map(int, rest[:5])
+        found[int(rank)] = (size, local, local_size, cross, cross_size, rest[5])
+    return found
+
+
+def assert_two_by_two(output: str, host_a: str, host_b: str) -> None:
+    """Four ranks, two per host, placed block-wise: the identities hvdrun would give."""
+    assert identities(output) == {
+        0: (4, 0, 2, 0, 2, host_a),
+        1: (4, 1, 2, 0, 2, host_a),
+        2: (4, 0, 2, 1, 2, host_b),
+        3: (4, 1, 2, 1, 2, host_b),
+    }, output
+    for rank in range(4):
+        assert f"ALL OK rank {rank}:" in output, output
+    assert "FAIL" not in output, output
+
+
+def python_left_on(slurm: SlurmCluster, within: float = 10.0) -> list[str]:
+    """Worker processes still running on the cluster's hosts after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    left: list[str] = []
+    while time.monotonic() < deadline:
+        left = []
+        for host in slurm.nodes:
+            for proc in slurm.hosts.processes_on(host):
+                try:
+                    if proc.status() != psutil.STATUS_ZOMBIE and WORKER in " ".join(proc.cmdline()):
+                        left.append(f"{host.alias}: {proc.pid}")
+                except psutil.Error:
+                    continue
+        if not left:
+            return []
+        time.sleep(0.2)
+    return left
+
+
+# ---- Slurm ---------------------------------------------------------------------------------
+
+
+def test_srun_two_nodes_two_tasks_each(slurm: SlurmCluster) -> None:
+    result = slurm.run("srun", "-N2", "--ntasks-per-node=2", sys.executable, WORKER)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert_two_by_two(output, "hvdh1", "hvdh2")
+    assert "not authenticated (no HVDRUN_SECRET)" in output  # said once, by rank 0
+    assert output.count("not authenticated") == 1
+
+
+def test_srun_cyclic_with_a_secret(slurm: SlurmCluster) -> None:
+    env = slurm.env(HVDRUN_SECRET="s3cret-from-the-user")
+    result = slurm.run(
+        "srun", "-N2", "--ntasks-per-node=2", "-m", "cyclic", sys.executable, WORKER, env=env
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert identities(output) == {
+        0: (4, 0, 2, 0, 2, "hvdh1"),
+        1: (4, 0, 2, 1, 2, "hvdh2"),
+        2: (4, 1, 2, 0, 2, "hvdh1"),
+        3: (4, 1, 2, 1, 2, "hvdh2"),
+    }, output
+    assert "not authenticated" not in output
+
+
+def test_info_shows_what_init_would_do(slurm: SlurmCluster) -> None:
+    result = slurm.run(
+        "srun", "-N2", "--ntasks-per-node=1", "-l", sys.executable, "-m", "collectives.torch.info"
+    )
+    output = result.stdout
+    assert result.returncode == 0, output + result.stderr
+    assert "1: launcher: Slurm (srun): rank 1 of 2, local rank 0 of 1 on hvdh2" in output, output
+    address = slurm.nodes[0].address
+    assert f"the step's first node hvdh1 ({address}) and port" in output, output
+    assert "authentication: none beyond a token derived from the job id" in output, output
+
+
+def test_sbatch_example(slurm: SlurmCluster) -> None:
+    """examples/slurm_digits.sbatch as a user submits it: from the repository, with this
+    installation's python first on PATH."""
+    path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
+    code, output = slurm.sbatch(
+        "examples/slurm_digits.sbatch", "--epochs", "2", env=slurm.env(PATH=path), cwd=REPO
+    )
+    assert code == 0, output
+    assert "trained on 4 process(es)" in output, output  # 2 nodes x 2 tasks, one job
+    accuracy = re.search(r"final test accuracy: ([0-9.]+)", output)
+    assert accuracy is not None and float(accuracy.group(1)) > 0.8, output
+    assert "not authenticated" not in output  # the script exports HVDRUN_SECRET
+
+
+def test_srun_killed_rank_ends_the_job(slurm: SlurmCluster) -> None:
+    env = slurm.env(HVDRUN_GLOO_TIMEOUT_SECONDS="5")
+    started = time.monotonic()
+    result = slurm.run(
+        "srun", "-N2", "--ntasks-per-node=2", sys.executable, WORKER, "die", env=env, timeout=120
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "PEER LOST" in output, output
+    assert time.monotonic() - started < 60, output
+    assert python_left_on(slurm) == []
+
+
+def test_srun_without_a_way_to_the_first_node(slurm: SlurmCluster) -> None:
+    # The node names resolve nowhere, and without scontrol on PATH Slurm cannot be asked.
+    result = slurm.run(
+        "srun",
+        "-N2",
+        "--ntasks-per-node=1",
+        "/usr/bin/env",
+        "PATH=/nonexistent",
+        sys.executable,
+        WORKER,
+        timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "started by Slurm (srun) as rank" in output, output
+    assert "hvdh1, the step's first node" in output, output
+    assert "export MASTER_ADDR=" in output, output
+    assert "ALL OK" not in output
+
+
+def test_batch_script_without_srun_says_so(slurm: SlurmCluster) -> None:
+    script = slurm.root / "nosrun.sbatch"
+    script.write_text(f"#!/bin/sh\n{sys.executable} {WORKER}\n")
+    code, output = slurm.sbatch(str(script), options=["-N2", "--ntasks-per-node=2"])
+    assert code != 0, output
+    assert "Slurm batch script" in output and "srun" in output, output
+    assert "HVDRUN_LAUNCHER=none" in output, output
+
+
+# ---- Open MPI ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mpi(slurm: SlurmCluster) -> SlurmCluster:
+    reason = mpi_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"MPI tests skipped: {reason}")
+    return slurm
+
+
+def mpirun(
+    mpi: SlurmCluster, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    hosts = [(host, 2) for host in mpi.nodes]
+    argv = mpirun_argv(mpi.hosts, hosts, *args)
+    return subprocess.run(
+        mpi.argv(*argv),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env or mpi.hosts.env(),
+        stdin=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+
+
+def test_mpirun_with_master_addr(mpi: SlurmCluster) -> None:
+    first = mpi.nodes[0]
+    result = mpirun(
+        mpi, "-x", f"MASTER_ADDR={first.address}", "-x", "MASTER_PORT=29517",
+        sys.executable, WORKER,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert_two_by_two(output, first.uts_hostname, mpi.nodes[1].uts_hostname)
+
+
+def test_mpirun_without_master_addr_uses_mpi4py(mpi: SlurmCluster) -> None:
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed")
+    result = mpirun(mpi, sys.executable, WORKER)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert_two_by_two(output, mpi.nodes[0].uts_hostname, mpi.nodes[1].uts_hostname)
+    assert "not authenticated" not in output  # rank 0 sent a fresh secret over MPI
+
+
+def test_mpirun_without_master_addr_or_mpi4py(mpi: SlurmCluster, tmp_path: Path) -> None:
+    blocker = tmp_path / "mpi4py"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text(
+        "raise ImportError('mpi4py is unavailable in this test')\n"
+    )
+    env = mpi.hosts.env(PYTHONPATH=str(tmp_path))
+    result = mpirun(mpi, "-x", "PYTHONPATH", sys.executable, WORKER, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "started by Open MPI (mpirun) as rank" in output, output
+    assert "mpirun -x MASTER_ADDR=" in output, output
+
+
+def test_mpirun_killed_rank_ends_the_job(mpi: SlurmCluster) -> None:
+    env = mpi.hosts.env(HVDRUN_GLOO_TIMEOUT_SECONDS="5")
+    started = time.monotonic()
+    result = mpirun(
+        mpi, "-x", "HVDRUN_GLOO_TIMEOUT_SECONDS", sys.executable, WORKER, "die", env=env
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert time.monotonic() - started < 90, output
+    assert python_left_on(mpi) == []
+
+
+# ---- torchrun and Kubernetes-style environments (this machine) ------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_torchrun() -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), WORKER,
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, env=clean_env(), cwd=REPO
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    host = socket.gethostname()
+    assert identities(output) == {0: (2, 0, 2, 0, 1, host), 1: (2, 1, 2, 0, 1, host)}, output
+    for rank in range(2):
+        assert f"ALL OK rank {rank}:" in output, output
+
+
+def start_pods(size: int, *args: str, port: int, **extra: str) -> list[subprocess.Popen[str]]:
+    """One process per rank with what a Kubernetes PyTorchJob gives its pods."""
+    procs = []
+    for rank in range(size):
+        env = clean_env()
+        env.update(RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1")
+        env.update(MASTER_PORT=str(port), **extra)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, WORKER, *args],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float = 120) -> tuple[list[int], str]:
+    outputs, codes = [], []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=timeout)
+        outputs.append(out)
+        codes.append(proc.returncode)
+    return codes, "\n".join(outputs)
+
+
+def test_kubernetes_style_environment() -> None:
+    codes, output = finish(start_pods(2, port=free_port()))
+    assert codes == [0, 0], output
+    host = socket.gethostname()
+    assert identities(output) == {0: (2, 0, 2, 0, 1, host), 1: (2, 1, 2, 0, 1, host)}, output
+
+
+def test_kubernetes_style_killed_rank_ends_the_job() -> None:
+    started = time.monotonic()
+    codes, output = finish(start_pods(3, "die", port=free_port(), HVDRUN_GLOO_TIMEOUT_SECONDS="5"))
+    assert codes[1] == -9, output
+    assert codes[0] == 3 and codes[2] == 3, output
+    assert "PEER LOST" in output
+    assert time.monotonic() - started < 60, output
+
+
+def test_peers_that_never_arrive() -> None:
+    # Rank 0 of a job of 2 whose rank 1 never starts.
+    procs = start_pods(1, port=free_port(), WORLD_SIZE="2", HVDRUN_START_TIMEOUT="3")
+    codes, output = finish(procs)
+    assert codes == [1], output
+    assert "the RANK/WORLD_SIZE/MASTER_ADDR environment started 2 processes" in output, output
+    assert re.search(r"1 of 2 ranks did not register within [0-9.]+ s: ranks 1\n", output), output
+
+
+def test_no_address_to_meet_at_fails_at_once() -> None:
+    env = clean_env()
+    env.update(JSM_NAMESPACE_RANK="1", JSM_NAMESPACE_SIZE="2")
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, WORKER], capture_output=True, text=True, timeout=60, env=env, cwd=REPO
+    )
+    assert result.returncode == 1, result.stderr
+    assert "started by LSF (jsrun) as rank 1 of 2" in result.stderr, result.stderr
+    assert "export MASTER_ADDR=" in result.stderr, result.stderr
+    assert time.monotonic() - started < 20
+
+
+def test_launcher_none_runs_alone() -> None:
+    env = clean_env()
+    env.update(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="4", HVDRUN_LAUNCHER="none")
+    result = subprocess.run(
+        [sys.executable, WORKER], capture_output=True, text=True, timeout=60, env=env, cwd=REPO
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ID rank=0 size=1 " in result.stdout
+
+
+def test_elastic_needs_hvdrun() -> None:
+    env = clean_env()
+    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    code = (
+        "import collectives.torch as hvd\n"
+        "hvd.init()\n"
+        "@hvd.elastic.run\n"
+        "def train(state): pass\n"
+        "train(hvd.elastic.ObjectState(epoch=0))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=REPO
+    )
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if "elastic" in line]
+    assert any("elastic training needs hvdrun" in line for line in lines), result.stderr
