@@ -52,6 +52,8 @@ def main() -> int:
         ("100 x 4 KB allreduce", "small.dist", "small.hvd", "async, unnamed"),
         ("100 x 4 KB allreduce", "small.dist", "small.hvd_named", "async_, named"),
         ("64 MiB allreduce", "large.dist", "large.hvd", "allreduce_ (in place)"),
+        ("64 MiB allreduce", "large.dist", "large.hvd_out", "allreduce, Sum"),
+        ("64 MiB allreduce", "large.dist", "large.hvd_average", "allreduce, Average"),
         ("4 B allreduce (latency)", "scalar.dist", "scalar.hvd", "allreduce_, one op"),
     ]
     print(f"collectives: 2 ranks, Gloo, CPU; medians of {args.rounds} round-robin rounds")

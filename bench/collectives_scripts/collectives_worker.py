@@ -63,6 +63,14 @@ def main() -> None:
         for _ in range(LARGE_REPEATS):
             hvd.allreduce_(large, op=hvd.Sum)
 
+    def hvd_large_out() -> None:
+        for _ in range(LARGE_REPEATS):
+            hvd.allreduce(large, op=hvd.Sum)
+
+    def hvd_large_average() -> None:
+        for _ in range(LARGE_REPEATS):
+            hvd.allreduce(large, op=hvd.Average)
+
     def dist_scalar() -> None:
         for _ in range(LATENCY_REPEATS):
             dist.all_reduce(scalar)
@@ -77,6 +85,8 @@ def main() -> None:
         "small.hvd_named": (hvd_small_named, 1),
         "large.dist": (dist_large, LARGE_REPEATS),
         "large.hvd": (hvd_large, LARGE_REPEATS),
+        "large.hvd_out": (hvd_large_out, LARGE_REPEATS),
+        "large.hvd_average": (hvd_large_average, LARGE_REPEATS),
         "scalar.dist": (dist_scalar, LATENCY_REPEATS),
         "scalar.hvd": (hvd_scalar, LATENCY_REPEATS),
     }

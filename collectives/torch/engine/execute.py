@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -142,17 +143,85 @@ class _Works:
             work.wait()
 
 
-def _allreduce(group: Group, tensor: torch.Tensor, opts: Any) -> Any:
+def _allreduce(
+    group: Group, tensor: torch.Tensor, opts: Any, source: torch.Tensor | None = None
+) -> Any:
     """Starts the allreduce of a dense tensor on the group; split in parts on the CPU when
-    large (see ``SPLIT_BYTES``)."""
+    large (see ``SPLIT_BYTES``). With ``source`` (same shape), the tensor is first filled
+    from it, part by part: the copy of a part overlaps the reduction of the previous one."""
     pg = group.group
     if (
         tensor.is_cpu
         and tensor.numel() * tensor.element_size() >= SPLIT_BYTES
         and tensor.is_contiguous()
     ):
-        return _Works([pg.allreduce([part], opts) for part in tensor.view(-1).chunk(SPLIT_PARTS)])
+        parts = tensor.view(-1).chunk(SPLIT_PARTS)
+        if source is None:
+            return _Works([pg.allreduce([part], opts) for part in parts])
+        works = []
+        for part, src in zip(parts, source.reshape(-1).chunk(SPLIT_PARTS), strict=True):
+            part.copy_(src)
+            works.append(pg.allreduce([part], opts))
+        return _Works(works)
+    if source is not None:
+        tensor.copy_(source)
     return pg.allreduce([tensor], opts)
+
+
+#: CPU outputs at least this large come from :class:`OutputPool`.
+POOLED_BYTES = 4 * 1024 * 1024
+#: At most this many bytes of outputs that their users dropped wait in the pool for reuse.
+POOL_BYTES = 256 * 1024 * 1024
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    """How many tensors (and other owners) share the tensor's memory."""
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+
+
+class OutputPool:
+    """Memory for large out-of-place CPU results, reused once their users dropped them.
+
+    Fresh memory from malloc costs a page fault per 4 KB on first touch, which for a
+    64 MiB result took as long as the allreduce itself. The pool keeps the results it
+    handed out; one whose memory nobody else references any more (the caller dropped the
+    result, as ``x = hvd.allreduce(x)`` does every step) is handed out again, already
+    mapped. New memory is mapped with transparent huge pages where the kernel offers them
+    (``madvise``), so even a first touch costs few faults. At most ``POOL_BYTES`` of
+    results are kept (the oldest go first; whoever still holds one keeps it).
+    """
+
+    def __init__(self) -> None:
+        self._kept: list[torch.Tensor] = []  # flat uint8, oldest first
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < POOLED_BYTES:
+            return torch.empty(tuple(shape), dtype=dtype)
+        memory = None
+        for index, kept in enumerate(self._kept):
+            # 2: the pool's own tensor and the storage object asked about it.
+            if kept.numel() == nbytes and _use_count(kept) <= 2:
+                memory = self._kept.pop(index)
+                break
+        if memory is None:
+            memory = _mapped(nbytes)
+        self._kept.append(memory)
+        total = sum(kept.numel() for kept in self._kept)
+        while total > POOL_BYTES and len(self._kept) > 1:
+            total -= self._kept.pop(0).numel()
+        return memory.view(dtype).view(tuple(shape))
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
+def _mapped(nbytes: int) -> torch.Tensor:
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no THP here: 4 KB pages then
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    # The tensor keeps the mmap object alive: the memory is unmapped with its last view.
+    return torch.frombuffer(memory, dtype=torch.uint8)
 
 
 def _copy_in(slots: Sequence[Slot], buf: torch.Tensor) -> None:
@@ -192,6 +261,7 @@ class Executor:
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._streams: dict[torch.device, Any] = {}
         self._trace = tracer
+        self.outputs = OutputPool()
 
     def buffer(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A view of ``numel`` elements of the device's fusion buffer."""
@@ -205,6 +275,7 @@ class Executor:
 
     def release_buffers(self) -> None:
         self._buffers.clear()
+        self.outputs.clear()
 
     def _device(self, bucket: Bucket) -> torch.device:
         for slot in bucket.slots:
@@ -273,14 +344,26 @@ class Executor:
         counts = [slot.spec.numel for slot in slots]
         request = slots[0].request
         if len(slots) == 1 and request is not None and work_dtype == dtype:
-            out, inp = _output(slots[0]), request.inputs[slots[0].index]
+            index = slots[0].index
+            inp = request.inputs[index]
+            out = request.outputs[index]
+            if out is None:  # out of place, left to the engine
+                out = request.outputs[index] = self.outputs.empty(inp.shape, inp.dtype)
             if dense(out):
-                if out.data_ptr() != inp.data_ptr() or out.shape != inp.shape:
-                    out.copy_(inp)
-                if out.numel():
-                    scale_(out, prescale)
-                    self._collective(bucket, device, lambda: _allreduce(group, out, opts))
-                    finish_(out, op, postscale, group.size)
+                copy = out.data_ptr() != inp.data_ptr() or out.shape != inp.shape
+                if out.numel() == 0:
+                    return
+                if prescale != 1.0:  # scaled on the way in: one pass over the data
+                    if copy and (out.is_floating_point() or out.is_complex()):
+                        torch.mul(inp, prescale, out=out)
+                    else:
+                        if copy:
+                            out.copy_(inp)
+                        scale_(out, prescale)
+                    copy = False
+                source = inp if copy else None
+                self._collective(bucket, device, lambda: _allreduce(group, out, opts, source))
+                finish_(out, op, postscale, group.size)
                 return
         total = sum(counts)
         if total == 0:
