@@ -2,9 +2,10 @@
 
 A 16-layer, 512-wide MLP, batch 64 per rank, SGD, 2 ranks on the CPU with one torch thread
 each, the same model and data for both. Runs alternate (round-robin) and the table shows
-medians. Targets (issue 4): steps/s >= 1.0x DDP's; peak RSS of a rank <= 1.2x DDP's. The
-CPU time per step (mean over ranks, all threads) is shown too: on a shared machine it varies
-far less than steps/s.
+medians; the engine runs with its response cache (the default) and without it (issue 15).
+Targets (issue 4): steps/s >= 1.0x DDP's (issue 15: >= 1.05x with the cache); peak RSS of a
+rank <= 1.2x DDP's. The CPU time per step (mean over ranks, all threads) is shown too: on a
+shared machine it varies far less than steps/s.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,10 +50,21 @@ def parse(output: str) -> Result:
     return Result(float(match.group(1)), float(match.group(2)), float(match.group(3)))
 
 
-def run_hvd(steps: int) -> Result:
+def run_hvd(steps: int, options: tuple[str, ...] = ()) -> Result:
     hvdrun = shutil.which("hvdrun", path=str(Path(sys.executable).parent)) or "hvdrun"
     out = subprocess.run(
-        [hvdrun, "-np", "2", sys.executable, WORKER, "--mode", "hvd", "--steps", str(steps)],
+        [
+            hvdrun,
+            "-np",
+            "2",
+            *options,
+            sys.executable,
+            WORKER,
+            "--mode",
+            "hvd",
+            "--steps",
+            str(steps),
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -97,9 +110,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
-    results: dict[str, list[Result]] = {"DistributedOptimizer": [], "DDP": []}
+    variants: dict[str, Callable[[int], Result]] = {
+        "DistributedOptimizer": run_hvd,
+        "  without cache": lambda steps: run_hvd(steps, ("--cache-capacity", "0")),
+        "DDP": run_ddp,
+    }
+    results: dict[str, list[Result]] = {name: [] for name in variants}
     for round_ in range(args.rounds):
-        for name, run in (("DistributedOptimizer", run_hvd), ("DDP", run_ddp)):
+        for name, run in variants.items():
             started = time.monotonic()
             results[name].append(run(args.steps))
             print(
@@ -125,14 +143,16 @@ def main() -> int:
             f"{rss[name]:>14.1f}{rss[name] / rss['DDP']:>8.2f}x"
             f"{cpu[name]:>14.1f}{cpu[name] / cpu['DDP']:>8.2f}x"
         )
-    paired = statistics.median(
-        h.steps_per_s / d.steps_per_s
-        for h, d in zip(results["DistributedOptimizer"], results["DDP"], strict=True)
-    )
-    print(
-        f"paired: median of the per-round steps/s ratios {paired:.2f} (each round's two runs "
-        "follow each other, so slow drifts of the machine's load cancel out)"
-    )
+    for name in ("DistributedOptimizer", "  without cache"):
+        paired = statistics.median(
+            h.steps_per_s / d.steps_per_s
+            for h, d in zip(results[name], results["DDP"], strict=True)
+        )
+        print(
+            f"paired ({name.strip()}): median of the per-round steps/s ratios vs DDP "
+            f"{paired:.2f} (each round's runs follow each other, so slow drifts of the "
+            "machine's load cancel out)"
+        )
     print(
         f"targets: steps/s ratio {rate['DistributedOptimizer'] / rate['DDP']:.2f} (>= 1.0), "
         f"RSS ratio {rss['DistributedOptimizer'] / rss['DDP']:.2f} (<= 1.2); CPU time per "

@@ -64,6 +64,54 @@ _OPTIONS = [
         help="Fail every rank's collectives after a stall this long; 0 never "
         "(HVDRUN_STALL_SHUTDOWN_TIME_SECONDS; default 0).",
     ),
+    click.option(
+        "--cache-capacity",
+        type=click.IntRange(min=0),
+        metavar="N",
+        help="Ops the response cache remembers, so that repeated ops negotiate in a few "
+        "bytes; 0 disables it (HVDRUN_CACHE_CAPACITY; default 1024).",
+    ),
+    click.option(
+        "--autotune",
+        is_flag=True,
+        default=None,
+        help="Tune the fusion threshold, cycle time and response cache online, while the job "
+        "runs (HVDRUN_AUTOTUNE).",
+    ),
+    click.option(
+        "--autotune-log-file",
+        type=click.Path(dir_okay=False),
+        metavar="FILE",
+        help="CSV of every autotune sample: its parameters and score (HVDRUN_AUTOTUNE_LOG).",
+    ),
+    click.option(
+        "--autotune-warmup-samples",
+        type=click.IntRange(min=0),
+        metavar="N",
+        help="Samples discarded before autotuning starts (HVDRUN_AUTOTUNE_WARMUP_SAMPLES; "
+        "default 3).",
+    ),
+    click.option(
+        "--autotune-steps-per-sample",
+        type=click.IntRange(min=1),
+        metavar="N",
+        help="Engine cycles that carried data per autotune sample "
+        "(HVDRUN_AUTOTUNE_STEPS_PER_SAMPLE; default 10).",
+    ),
+    click.option(
+        "--autotune-bayes-opt-max-samples",
+        type=click.IntRange(min=1),
+        metavar="N",
+        help="Samples of Bayesian optimisation before the best settings are kept "
+        "(HVDRUN_AUTOTUNE_BAYES_OPT_MAX_SAMPLES; default 20).",
+    ),
+    click.option(
+        "--autotune-gaussian-process-noise",
+        type=click.FloatRange(min=0, max=1),
+        metavar="ALPHA",
+        help="Noise of the autotuner's Gaussian process, 0 to 1 "
+        "(HVDRUN_AUTOTUNE_GAUSSIAN_PROCESS_NOISE; default 0.8).",
+    ),
 ]
 
 
@@ -82,6 +130,13 @@ def tuning_env(
     no_stall_check: bool | None = None,
     stall_check_warning_time_seconds: float | None = None,
     stall_check_shutdown_time_seconds: float | None = None,
+    cache_capacity: int | None = None,
+    autotune: bool | None = None,
+    autotune_log_file: str | None = None,
+    autotune_warmup_samples: int | None = None,
+    autotune_steps_per_sample: int | None = None,
+    autotune_bayes_opt_max_samples: int | None = None,
+    autotune_gaussian_process_noise: float | None = None,
 ) -> dict[str, str]:
     """The worker environment variables for the flags the user gave."""
     we = worker_env
@@ -101,4 +156,18 @@ def tuning_env(
     if stall_check_shutdown_time_seconds is not None:
         seconds = f"{stall_check_shutdown_time_seconds:g}"
         env[we.variable(we.STALL_SHUTDOWN_TIME_SECONDS)] = seconds
+    if cache_capacity is not None:
+        env[we.variable(we.CACHE_CAPACITY)] = str(cache_capacity)
+    if autotune:
+        env[we.variable(we.AUTOTUNE)] = "1"
+    if autotune_log_file is not None:
+        env[we.variable(we.AUTOTUNE_LOG)] = os.path.abspath(autotune_log_file)
+    for name, value in (
+        (we.AUTOTUNE_WARMUP_SAMPLES, autotune_warmup_samples),
+        (we.AUTOTUNE_STEPS_PER_SAMPLE, autotune_steps_per_sample),
+        (we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES, autotune_bayes_opt_max_samples),
+        (we.AUTOTUNE_GAUSSIAN_PROCESS_NOISE, autotune_gaussian_process_noise),
+    ):
+        if value is not None:
+            env[we.variable(name)] = f"{value:g}"
     return env

@@ -3,9 +3,11 @@ results, the response cache and the autotuner's search."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from collectives.torch.engine.execute import POOLED_BYTES, OutputPool
+from tests.collectives.conftest import WORKERS, assert_all_ok, run_hvdrun
 
 
 def test_output_pool_reuses_only_dropped_results() -> None:
@@ -35,3 +37,15 @@ def test_output_pool_reuses_only_dropped_results() -> None:
     pool.clear()
     held.fill_(2.0)  # still the caller's after the pool let go
     assert float(held.sum()) == 2.0 * numel
+
+
+@pytest.mark.parametrize("capacity", ["1024", "0", "1"])
+def test_cache_on_off_and_evicting_give_the_same_results(capacity: str) -> None:
+    code, output = run_hvdrun(
+        2, WORKERS / "cache_worker.py", options=["--cache-capacity", capacity], timeout=120
+    )
+    checks = [f"step.{i}.{what}" for i in (0, 7, 100) for what in ("grad.0", "unnamed")]
+    checks += ["large.2.sum", "large.2.average", "large.2.prescale", "mismatch.raises"]
+    checks.append({"1024": "cache.used", "0": "cache.off", "1": "cache.evicts"}[capacity])
+    assert_all_ok(code, output, 2, checks)
+    assert f"[0]<stdout>:CAPACITY {capacity}\n" in output

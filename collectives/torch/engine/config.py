@@ -19,6 +19,7 @@ DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024
 DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_STALL_CHECK_SECONDS = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 30.0
+DEFAULT_CACHE_CAPACITY = 1024
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class EngineConfig:
     stall_shutdown_seconds: float = 0.0
     #: How long one collective (and one negotiation round) may wait for a peer.
     collective_timeout_seconds: float = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
+    #: Ops the response cache remembers (see :mod:`.cache`); 0 = no cache.
+    cache_capacity: int = DEFAULT_CACHE_CAPACITY
 
     @property
     def cycle_time(self) -> float:
@@ -61,4 +64,5 @@ def from_environment() -> EngineConfig:
         collective_timeout_seconds=we.number(
             we.GLOO_TIMEOUT_SECONDS, DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, strict=True
         ),
+        cache_capacity=int(we.number(we.CACHE_CAPACITY, DEFAULT_CACHE_CAPACITY)),
     )

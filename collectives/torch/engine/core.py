@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from collectives.torch.engine import eager
+from collectives.torch.engine.cache import CacheRound, ResponseCache, key_of, request_key
 from collectives.torch.engine.config import EngineConfig
 from collectives.torch.engine.execute import Executor, Group
 from collectives.torch.engine.fusion import Bucket, Work, plan
@@ -113,6 +114,11 @@ class Engine:
         self._cuda_device = cuda_device
         self._executor = Executor(self._trace_phase)
         self._eager_budget = eager.budget(size, config.fusion_threshold)
+        self._cache_round: CacheRound | None = None
+        if config.cache_capacity > 0:
+            self._cache_round = CacheRound(ResponseCache(config.cache_capacity), size)
+        #: How many cycles the cache agreed on, and how many ran the full negotiation.
+        self.stats = {"cache_rounds": 0, "full_rounds": 0}
 
         self.timeline: Timeline | None = None
 
@@ -139,6 +145,11 @@ class Engine:
         self._current: list[Request] = []
         self._stall = StallInspector(config, rank)
         self._thread = threading.Thread(target=self._run, name="hvdrun-engine", daemon=True)
+
+    @property
+    def response_cache(self) -> ResponseCache | None:
+        """The response cache (None when it is off)."""
+        return self._cache_round.cache if self._cache_round is not None else None
 
     # ---- the submitting side ---------------------------------------------------------
 
@@ -322,10 +333,26 @@ class Engine:
             tl.cycle(start)
             for request in new:
                 tl.begin(request.name, "NEGOTIATE_" + request.kind.label.upper(), request.submitted)
+        timeout = FINAL_CYCLE_SECONDS if leaving else None
+        cache_round = self._cache_round
+        if cache_round is not None and not self._table.entries and not self._table.joined:
+            outcome = cache_round.run(self._control_group, new, bool(flags), timeout)
+            if outcome is not None:
+                self.stats["cache_rounds"] += 1
+                now = time.monotonic()
+                self._last_round = now
+                self._run_cached(*outcome, now)
+                if tl is not None:
+                    tl.flush()
+                self._awaiting = False
+                self._quiet = not outcome[0]
+                return True
+        self.stats["full_rounds"] += 1
+        if cache_round is not None:
+            cache_round.forget()
         records = RECORD.join([request.record() for request in new]).encode()
         exchange = self._exchange
         riders = eager.select(records, new, exchange.room, self._eager_budget)
-        timeout = FINAL_CYCLE_SECONDS if leaving else None
         gathered = exchange.round(
             riders.payload,
             flags,
@@ -379,6 +406,28 @@ class Engine:
                 self._abort_requested = True
         return True
 
+    def _run_cached(self, agreed: list[Request], riders: list[Request], now: float) -> None:
+        """Runs the ops a cache round agreed on; the riders' results are already in."""
+        if riders:
+            with self._cond:
+                for request in riders:
+                    self._local.pop((request.process_set_id, request.name), None)
+            tl = self.timeline
+            seen = dict.fromkeys(range(self.size), now)
+            for request in riders:
+                if tl is not None:
+                    tl.negotiated(request.name, request.kind.label.upper(), seen, now)
+                self._complete(request, None)
+            rode = {id(request) for request in riders}
+            agreed = [request for request in agreed if id(request) not in rode]
+        if agreed:
+            self._run_agreed(agreed, now, None, (), cache=False)
+
+    def _cache_ran(self, key: tuple[int, int, str, str, str]) -> None:
+        """Records an op that ran alike on every rank (same order everywhere)."""
+        if self._cache_round is not None:
+            self._cache_round.cache.use(key)
+
     # ---- readiness -------------------------------------------------------------------
 
     def _members(self, entry: Entry) -> list[int]:
@@ -420,9 +469,18 @@ class Engine:
         return all(request.kind <= Kind.BARRIER for request in new)
 
     def _run_agreed(
-        self, new: list[Request], now: float, riders: eager.Riders | None, datas: Sequence[Any]
+        self,
+        new: list[Request],
+        now: float,
+        riders: eager.Riders | None,
+        datas: Sequence[Any],
+        cache: bool = True,
     ) -> None:
         members = self.groups[0].ranks
+        if cache and self._cache_round is not None:
+            for request in new:
+                if request.kind <= Kind.REDUCESCATTER:
+                    self._cache_ran(request_key(request)[0])
         with self._cond:
             local = self._local
             for request in new:
@@ -506,6 +564,8 @@ class Engine:
                 continue
             assert group is not None
             kind = entry.kind
+            if self._cache_round is not None and kind <= Kind.REDUCESCATTER:
+                self._cache_entry(entry, group.ranks)
             if kind > Kind.REDUCESCATTER:
                 controls.append((entry, request))
             elif group.index < 0:
@@ -537,6 +597,16 @@ class Engine:
                     )
                 )
         self._execute(works, controls)
+
+    def _cache_entry(self, entry: Entry, members: list[int]) -> None:
+        """Caches a ready, consistent op if every member described it alike."""
+        if len(entry.sigs) != len(members) or len(set(entry.vars.values())) > 1:
+            return
+        if entry.vars and len(entry.vars) != len(members):
+            return
+        sig = next(iter(entry.sigs.values()))
+        var = next(iter(entry.vars.values()), "")
+        self._cache_ran(key_of(entry.kind, entry.process_set_id, entry.name, sig, var)[0])
 
     def _execute(
         self, works: list[Work], controls: list[tuple[Entry | None, Request | None]]

@@ -1,0 +1,348 @@
+"""The response cache: ops seen before are agreed by one number per cached op.
+
+Horovod's response cache, for this engine. Every rank keeps the same least-recently-used
+table of op descriptions (kind, process set, name, signature, per-rank part) that already
+ran with the same description on every rank. While the table of pending ops is empty (the
+steady state of a training loop), a cycle starts with a *cache round* instead of the
+allgather of full descriptions: one allreduce (Sum, float64) of a small vector holding
+
+* per cached op, how many ranks submitted it (every rank or none: agreed; the AND of
+  Horovod's bit vector) -- and, for unnamed ops, whose auto-generated names differ only in
+  their counter, the counter's sum and sum of squares, so that ranks whose counters differ
+  never match;
+* how many ranks have something the cache cannot say (a new op, an op whose description
+  changed, a control op, a shutdown): any, and the cycle falls back to the full
+  negotiation (the allgather of :mod:`negotiation`) right away, as if there were no cache;
+* the data of the small Sum/Average allreduces that rode the previous cache round
+  (*riders*): ranks lay them out alike from the shared cache, so the op costs one
+  collective. A rider runs from this data only when every rank contributed it.
+
+All ranks update the cache from the same information in the same order (the ops that ran,
+in the order they ran), so evictions happen alike everywhere and indices stay valid.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from collectives.torch.common import ReduceOp
+from collectives.torch.engine.execute import finish_, scale_
+from collectives.torch.engine.requests import Kind, Request
+
+__all__ = ["CacheRound", "ResponseCache", "key_of"]
+
+DEFAULT_CAPACITY = 1024
+#: Riders' elements (as float64) one cache round may carry.
+RIDER_ELEMENTS = 16 * 1024
+#: Rounds of full negotiation after a burst of small allreduces too large to ride.
+BURST_ROUNDS = 100
+_SUM: Any = dist.ReduceOp.SUM
+_RIDER_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+#: (kind, process set, name with an auto-name's counter replaced by "*", signature, part)
+Key = tuple[int, int, str, str, str]
+
+
+def key_of(kind: Kind, process_set_id: int, name: str, sig: str, var: str) -> tuple[Key, int]:
+    """The cache key of an op, and its auto-name counter plus one (0 for named ops)."""
+    prefix = f"{kind.label}.noname."
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        return (int(kind), process_set_id, prefix + "*", sig, var), int(name[len(prefix) :]) + 1
+    return (int(kind), process_set_id, name, sig, var), 0
+
+
+def request_key(request: Request) -> tuple[Key, int]:
+    return key_of(request.kind, request.process_set_id, request.name, request.sig, request.var)
+
+
+class ResponseCache:
+    """Op descriptions that ran alike on every rank, least recently used first out."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._index: dict[Key, int] = {}
+        self.keys: list[Key] = []  # by index
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def lookup(self, key: Key) -> int | None:
+        return self._index.get(key)
+
+    def use(self, key: Key) -> int:
+        """Marks the key as just used, adding it (evicting the least recently used entry
+        when full); returns its index."""
+        index = self._index.get(key)
+        if index is not None:
+            self._lru.move_to_end(index)
+            return index
+        if len(self.keys) < self.capacity:
+            index = len(self.keys)
+            self.keys.append(key)
+        else:
+            index, _ = self._lru.popitem(last=False)
+            del self._index[self.keys[index]]
+            self.keys[index] = key
+            self.evictions += 1
+        self._index[key] = index
+        self._lru[index] = None
+        return index
+
+
+@dataclass(frozen=True)
+class _Rider:
+    index: int  # cache index
+    key: Key
+    numel: int
+
+
+def rides(request: Request) -> bool:
+    """Whether a request's data can ride a cache round."""
+    if request.kind != Kind.ALLREDUCE or len(request.specs) != 1:
+        return False
+    spec = request.specs[0]
+    op = ReduceOp(request.common[0])
+    return (
+        spec.device_type == "cpu"
+        and spec.dtype in _RIDER_DTYPES
+        and 0 < spec.numel <= RIDER_ELEMENTS
+        and op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+    )
+
+
+class CacheRound:
+    """Builds and reads the cache round's vector; holds the riders' layout between rounds
+    (derived only from what every rank saw alike)."""
+
+    def __init__(self, cache: ResponseCache, size: int) -> None:
+        self.cache = cache
+        self.size = size
+        self._layout: list[_Rider] = []
+        # The last clean round's ops as (cache index, counter), and the ops predicted for
+        # the next round (the same ops again, unnamed ones with the next counter): set
+        # once two clean rounds in a row agreed on the same ops.
+        self._last: list[tuple[int, int]] = []
+        self._prediction: list[tuple[int, int]] | None = None
+        self.predicted_rounds = 0  # rounds the prediction agreed
+        # Set (alike everywhere) when a clean round held more small allreduce data than a
+        # cache round carries: the next BURST_ROUNDS rounds negotiate in full, where such
+        # bursts ride the allgather whole (see :mod:`eager`): one collective instead of a
+        # cache round and a fused allreduce.
+        self._full_left = 0
+
+    def forget(self) -> None:
+        """A full negotiation ran: predict nothing until the pattern repeats again."""
+        self._last = []
+        self._prediction = None
+
+    def _slots(self) -> list[int]:
+        """Each cache entry's first slot in the vector (after slot 0, the dirty count)."""
+        starts, at = [], 1
+        for key in self.cache.keys:
+            starts.append(at)
+            at += 3 if key[2].endswith(".noname.*") else 1
+        starts.append(at)
+        return starts
+
+    def run(
+        self, group: Any, new: Sequence[Request], dirty: bool, timeout: float | None
+    ) -> tuple[list[Request], list[Request]] | None:
+        """One cache round. Returns (ops agreed, in cache order; riders among them, already
+        complete but for their handles), or None when the cycle must fall back to the full
+        negotiation (every rank decides alike)."""
+        if self._full_left:
+            self._full_left -= 1
+            return None
+        cache = self.cache
+        layout = [r for r in self._layout if r.index < len(cache.keys)]
+        layout = [r for r in layout if cache.keys[r.index] == r.key]
+        if self._prediction is not None:
+            outcome = self._predicted(group, new, dirty, timeout, layout)
+            if outcome is not None:
+                self.predicted_rounds += 1
+                return outcome
+            layout = []  # the riders' data was spent on the prediction
+        starts = self._slots()
+        data_at = starts[-1]
+        length = data_at + sum(r.numel for r in layout)
+        vector = torch.zeros(length, dtype=torch.float64)
+        mine: dict[int, tuple[Request, int]] = {}
+        for request in new:
+            key, counter = request_key(request)
+            index = cache.lookup(key)
+            if index is None or index in mine or request.kind > Kind.REDUCESCATTER:
+                dirty = True
+                break
+            mine[index] = (request, counter)
+        if dirty:
+            vector[0] = 1.0
+        else:
+            for index, (_request, counter) in mine.items():
+                at = starts[index]
+                vector[at] = 1.0
+                if starts[index + 1] - at == 3:
+                    vector[at + 1] = counter
+                    vector[at + 2] = counter * counter
+            offset = data_at
+            for rider in layout:
+                held = mine.get(rider.index)
+                if held is not None:
+                    request = held[0]
+                    part = vector[offset : offset + rider.numel]
+                    part.copy_(request.inputs[0].reshape(-1))
+                    scale_(part, float(request.common[1]))
+                offset += rider.numel
+        _allreduce(group, vector, timeout)
+        if vector[0].item() != 0.0:
+            return None
+        counts = vector[:data_at].tolist()
+        agreed: list[int] = []
+        size = self.size
+        for index in range(len(cache.keys)):
+            at = starts[index]
+            count = counts[at]
+            if count == 0.0:
+                continue
+            if count != size:
+                return None
+            if starts[index + 1] - at == 3:
+                counter = mine[index][1]
+                if counts[at + 1] != size * counter or counts[at + 2] != size * counter**2:
+                    return None
+            agreed.append(index)
+        # Agreed on every rank alike: run in cache order; the riders complete here.
+        riders: list[Request] = []
+        offset = data_at
+        for rider in layout:
+            held = mine.get(rider.index)
+            if held is not None:
+                request = held[0]
+                _finish_rider(request, vector[offset : offset + rider.numel], size)
+                riders.append(request)
+            offset += rider.numel
+        return self._agreed([(index, mine[index][0], mine[index][1]) for index in agreed], riders)
+
+    def _agreed(
+        self, ops: list[tuple[int, Request, int]], riders: list[Request]
+    ) -> tuple[list[Request], list[Request]]:
+        """Bookkeeping of a clean round (alike on every rank): ``ops`` as (index, request,
+        counter) in cache order."""
+        cache = self.cache
+        for index, _, _ in ops:
+            cache.use(cache.keys[index])
+        requests = [request for _, request, _ in ops]
+        if ops:
+            current = [(index, counter) for index, _, counter in ops]
+            expected = [(index, counter + 1 if counter else 0) for index, counter in self._last]
+            self._prediction = None
+            if current == expected:
+                self._prediction = [(i, c + 1 if c else 0) for i, c in current]
+            self._last = current
+            self._plan_riders(requests)
+        return requests, riders
+
+    def _predicted(
+        self,
+        group: Any,
+        new: Sequence[Request],
+        dirty: bool,
+        timeout: float | None,
+        layout: list[_Rider],
+    ) -> tuple[list[Request], list[Request]] | None:
+        """The round of a repeating pattern: one allreduce of just the riders' data (one
+        element when there are none). A rank whose ops are not exactly the predicted ones
+        sends NaN: the sum is NaN on every rank, and all fall back to the cache round.
+        (A NaN in the data itself only costs that fallback.)"""
+        prediction = self._prediction
+        assert prediction is not None
+        cache = self.cache
+        ops: list[tuple[int, Request, int]] = []
+        if not dirty and len(new) == len(prediction):
+            wanted = dict(prediction)
+            for request in new:
+                key, counter = request_key(request)
+                index = cache.lookup(key)
+                if index is None or wanted.get(index, -1) != counter:
+                    break
+                ops.append((index, request, counter))
+            if len({index for index, _, _ in ops}) != len(prediction):
+                ops = []
+        by_index = {index: request for index, request, _ in ops}
+        length = sum(r.numel for r in layout) or 1
+        if ops and all(r.index in by_index for r in layout):
+            if layout:
+                parts = [by_index[r.index].inputs[0].reshape(-1) for r in layout]
+                vector = torch.cat(parts).to(torch.float64)
+                offset = 0
+                for rider in layout:
+                    prescale = float(by_index[rider.index].common[1])
+                    scale_(vector[offset : offset + rider.numel], prescale)
+                    offset += rider.numel
+            else:
+                vector = torch.zeros(1, dtype=torch.float64)
+        else:
+            vector = torch.full((length,), math.nan, dtype=torch.float64)
+        _allreduce(group, vector, timeout)
+        if math.isnan(vector[0].item()):
+            self._prediction = None
+            self._last = []
+            return None
+        riders: list[Request] = []
+        offset = 0
+        for rider in layout:
+            request = by_index[rider.index]
+            _finish_rider(request, vector[offset : offset + rider.numel], self.size)
+            riders.append(request)
+            offset += rider.numel
+        ops.sort(key=lambda op: op[0])
+        return self._agreed(ops, riders)
+
+    def _plan_riders(self, requests: Sequence[Request]) -> None:
+        """The next round's riders: this round's small Sum/Average allreduces (the same
+        list on every rank: the same agreed ops, in cache order)."""
+        layout, total = [], 0
+        for request in requests:
+            if rides(request):
+                numel = request.specs[0].numel
+                if total + numel > RIDER_ELEMENTS:
+                    self._full_left = BURST_ROUNDS
+                    layout = []
+                    break
+                key, _ = request_key(request)
+                index = self.cache.lookup(key)
+                assert index is not None
+                layout.append(_Rider(index, key, numel))
+                total += numel
+        self._layout = layout
+
+    def forget_riders(self) -> None:
+        self._layout = []
+
+
+def _allreduce(group: Any, vector: torch.Tensor, timeout: float | None) -> None:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _SUM
+    if timeout is not None:
+        opts.timeout = datetime.timedelta(seconds=timeout)
+    group.allreduce([vector], opts).wait()
+
+
+def _finish_rider(request: Request, summed: torch.Tensor, size: int) -> None:
+    spec = request.specs[0]
+    result = summed.to(spec.dtype)
+    finish_(result, ReduceOp(request.common[0]), float(request.common[2]), size)
+    out = request.outputs[0]
+    if out is None:
+        request.outputs[0] = result.view(spec.shape)
+    else:
+        out.copy_(result.view(out.shape))

@@ -1,0 +1,103 @@
+"""Worker for the response cache and out-of-place tests (2 ranks; run with and without the
+cache and with a capacity of 1): repeated steps of named, unnamed, riding, fused and large
+out-of-place ops give exact results, the cache takes over the steady state when it is on,
+and a mismatch after the cache learnt an op still raises the same error."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from checks import Checks
+
+import collectives.torch as hvd
+from collectives.torch import runtime
+
+BIG = 5 * 1024 * 1024 // 4  # 5 MiB of float32: a pooled out-of-place result
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    checks = Checks()
+    ranks = torch.arange(size, dtype=torch.float64)
+    capacity = runtime.engine().config.cache_capacity
+    print(f"CAPACITY {capacity}", flush=True)
+
+    def step(i: int) -> None:
+        # Named grads, an unnamed scalar, a riding Average, an int allgather, a broadcast.
+        grads = [torch.full((3, 4), float(rank + i + k)) for k in range(3)]
+        handles = [
+            hvd.allreduce_async_(g, name=f"grad.{k}", op=hvd.Sum) for k, g in enumerate(grads)
+        ]
+        loss = hvd.allreduce(torch.tensor([float(rank * i)]), op=hvd.Sum)
+        mean = hvd.allreduce(torch.tensor([rank + 0.5, 1.0]), name="metric")
+        gathered = hvd.allgather(torch.full((2,), rank + i, dtype=torch.int32), name="ids")
+        root = hvd.broadcast(torch.tensor([rank + i]), root_rank=1, name="seed")
+        for k, handle in enumerate(handles):
+            want = float(sum(r + i + k for r in range(size)))
+            checks.expect(f"step.{i}.grad.{k}", bool((hvd.synchronize(handle) == want).all()))
+        checks.equal(f"step.{i}.unnamed", loss, torch.tensor([float(ranks.sum() * i)]))
+        expected_mean = torch.tensor([float(ranks.mean()) + 0.5, 1.0])
+        checks.equal(f"step.{i}.average", mean, expected_mean)
+        want_ids = torch.tensor([r + i for r in range(size) for _ in range(2)], dtype=torch.int32)
+        checks.equal(f"step.{i}.allgather", gathered, want_ids)
+        checks.equal(f"step.{i}.broadcast", root, torch.tensor([1 + i]))
+
+    for i in range(8):
+        step(i)
+
+    def large() -> None:
+        # Out of place, large enough for the pool: Sum, Average, prescale; the inputs stay.
+        for i in range(3):
+            x = torch.full((BIG,), float(rank + 1 + i))
+            total = float(sum(r + 1 + i for r in range(size)))
+            summed = hvd.allreduce(x, op=hvd.Sum, name="big")
+            averaged = hvd.allreduce(x, op=hvd.Average, name="big.avg")
+            scaled = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, name="big.pre")
+            checks.expect(f"large.{i}.sum", bool((summed == total).all()))
+            checks.expect(f"large.{i}.average", bool((averaged == total / size).all()))
+            checks.expect(f"large.{i}.prescale", bool((scaled == 2 * total).all()))
+            checks.expect(f"large.{i}.input_kept", bool((x == rank + 1 + i).all()))
+            del summed, averaged, scaled
+
+    checks.run("large", large)
+
+    stats = runtime.engine().stats
+    engine_cache = runtime.engine().response_cache
+    if capacity == 0:
+        checks.expect("cache.off", stats["cache_rounds"] == 0 and engine_cache is None, stats)
+    else:
+        assert engine_cache is not None
+        if capacity > 1:  # one op at a time in the cache cannot agree on a whole step
+            checks.expect("cache.used", stats["cache_rounds"] > stats["full_rounds"], stats)
+        checks.expect("cache.bounded", len(engine_cache) <= capacity)
+        if capacity == 1:
+            checks.expect("cache.evicts", engine_cache.evictions > 0)
+        print(f"STATS {stats} evictions={engine_cache.evictions}", flush=True)
+
+    # A mismatch after the op was cached: the full negotiation reports it as before.
+    for _ in range(3):
+        hvd.allreduce(torch.ones(4), name="shape.changes")
+    try:
+        hvd.allreduce(torch.ones(4 + rank), name="shape.changes")
+        checks.expect("mismatch.raises", False, "no error")
+    except Exception as error:
+        checks.expect(
+            "mismatch.raises",
+            "ranks disagree on the shape" in str(error) and "shape.changes" in str(error),
+            repr(error),
+        )
+    # ... and the job goes on.
+    step(100)
+    checks.finish(rank)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
