@@ -310,7 +310,8 @@ class CacheRound:
     def _plan_riders(self, requests: Sequence[Request]) -> None:
         """The next round's riders: this round's small Sum/Average allreduces (the same
         list on every rank: the same agreed ops, in cache order)."""
-        layout, total = [], 0
+        layout: list[_Rider] = []
+        total = 0
         for request in requests:
             if rides(request):
                 numel = request.specs[0].numel
