@@ -50,7 +50,7 @@ def parse(output: str) -> Result:
     return Result(float(match.group(1)), float(match.group(2)), float(match.group(3)))
 
 
-def run_hvd(steps: int, options: tuple[str, ...] = ()) -> Result:
+def run_hvd(steps: int, options: tuple[str, ...] = (), warmup: int = 10) -> Result:
     hvdrun = shutil.which("hvdrun", path=str(Path(sys.executable).parent)) or "hvdrun"
     out = subprocess.run(
         [
@@ -64,6 +64,8 @@ def run_hvd(steps: int, options: tuple[str, ...] = ()) -> Result:
             "hvd",
             "--steps",
             str(steps),
+            "--warmup",
+            str(warmup),
         ],
         check=True,
         capture_output=True,
@@ -105,11 +107,71 @@ def run_ddp(steps: int) -> Result:
     return parse(outputs[0])
 
 
+#: The manual grid of the autotune comparison: (fusion threshold MB, cycle time ms).
+GRID = [(1.0, 20.0), (1.0, 1.0), (128.0, 20.0), (128.0, 1.0), (16.0, 1.0)]
+#: Short autotune settings: 2 warm-up and 12 scored samples of 5 busy cycles (about 70
+#: training steps here), all within the run's warm-up steps.
+AUTOTUNE = (
+    "--autotune",
+    "--autotune-warmup-samples",
+    "2",
+    "--autotune-steps-per-sample",
+    "5",
+    "--autotune-bayes-opt-max-samples",
+    "12",
+)
+
+
+def autotune_vs_grid(rounds: int, steps: int, warmup: int, log_file: str) -> int:
+    """Autotune started from bad settings (1 MB, 20 ms) against a manual grid, round-robin:
+    every run trains ``warmup`` steps (autotune finishes its search in them), then measures
+    ``steps``."""
+    variants: dict[str, tuple[str, ...]] = {
+        f"grid {mb:g} MB, {ms:g} ms": (
+            "--fusion-threshold-mb",
+            f"{mb:g}",
+            "--cycle-time-ms",
+            f"{ms:g}",
+        )
+        for mb, ms in GRID
+    }
+    bad = ("--fusion-threshold-mb", "1", "--cycle-time-ms", "20")
+    variants["autotune from 1 MB, 20 ms"] = (*bad, *AUTOTUNE, "--autotune-log-file", log_file)
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    for round_ in range(rounds):
+        for name, options in variants.items():
+            rate = run_hvd(steps, options, warmup).steps_per_s
+            results[name].append(rate)
+            print(f"round {round_ + 1}: {name}: {rate:.2f} steps/s", file=sys.stderr, flush=True)
+    rate = {name: statistics.median(values) for name, values in results.items()}
+    best = max((name for name in rate if name.startswith("grid")), key=rate.__getitem__)
+    print(
+        f"autotune: 16x512 MLP, 2 ranks, median of {rounds} round-robin runs of {warmup} "
+        f"warm-up + {steps} measured steps"
+    )
+    print(f"{'variant':<32}{'steps/s':>10}{'vs best grid':>14}")
+    for name in results:
+        print(f"{name:<32}{rate[name]:>10.2f}{rate[name] / rate[best]:>13.2f}x")
+    auto = rate["autotune from 1 MB, 20 ms"] / rate[best]
+    print(f"target: autotune / best grid setting ({best}) = {auto:.2f} (>= 0.95)")
+    print(f"the last autotune run's samples: {log_file}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument(
+        "--autotune",
+        action="store_true",
+        help="compare autotune started from bad settings with a manual grid instead",
+    )
+    parser.add_argument("--warmup", type=int, default=100, help="warm-up steps (--autotune)")
+    parser.add_argument("--autotune-log", default="autotune.csv", help="(--autotune)")
     args = parser.parse_args()
+    if args.autotune:
+        return autotune_vs_grid(args.rounds, args.steps, args.warmup, args.autotune_log)
     variants: dict[str, Callable[[int], Result]] = {
         "DistributedOptimizer": run_hvd,
         "  without cache": lambda steps: run_hvd(steps, ("--cache-capacity", "0")),

@@ -3,9 +3,14 @@ results, the response cache and the autotuner's search."""
 
 from __future__ import annotations
 
+import csv
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
+from collectives.torch.engine.autotune import Autotuner, Setting, expected_improvement, suggest
 from collectives.torch.engine.execute import POOLED_BYTES, OutputPool
 from tests.collectives.conftest import WORKERS, assert_all_ok, run_hvdrun
 
@@ -49,3 +54,77 @@ def test_cache_on_off_and_evicting_give_the_same_results(capacity: str) -> None:
     checks.append({"1024": "cache.used", "0": "cache.off", "1": "cache.evicts"}[capacity])
     assert_all_ok(code, output, 2, checks)
     assert f"[0]<stdout>:CAPACITY {capacity}\n" in output
+
+
+def test_autotune_logs_samples_and_keeps_ranks_in_step(tmp_path: Path) -> None:
+    log = tmp_path / "autotune.csv"
+    options = ["--fusion-threshold-mb", "1", "--cycle-time-ms", "20", "--autotune"]
+    options += ["--autotune-log-file", str(log), "--autotune-warmup-samples", "1"]
+    options += ["--autotune-steps-per-sample", "2", "--autotune-bayes-opt-max-samples", "4"]
+    code, output = run_hvdrun(2, WORKERS / "cache_worker.py", options=options, timeout=120)
+    assert_all_ok(code, output, 2, ["step.7.grad.0", "large.2.average", "mismatch.raises"])
+    finals = re.findall(r"\[(\d)\]<stdout>:FINAL (.*)", output)
+    assert len(finals) == 2 and finals[0][1] == finals[1][1], finals
+    with open(log) as file:
+        rows = list(csv.DictReader(file))
+    assert [row["phase"] for row in rows] == ["warmup", *["sample"] * 4, "final"], rows
+    assert rows[0]["score_mb_per_s"] == ""
+    scores = [float(row["score_mb_per_s"]) for row in rows[1:5]]
+    assert all(score > 0 for score in scores)
+    # The search starts from the given setting, and keeps the best sample's.
+    assert (rows[1]["fusion_threshold_mb"], rows[1]["cycle_time_ms"]) == ("1", "20")
+    best = rows[1 + scores.index(max(scores))]
+    final = rows[-1]
+    keys = ("fusion_threshold_mb", "cycle_time_ms", "cache_enabled")
+    assert [final[k] for k in keys] == [best[k] for k in keys]
+    threshold, cycle_ms, cache = finals[0][1].split()
+    assert int(cache) == int(final["cache_enabled"])
+    assert abs(int(threshold) / 2**20 - float(final["fusion_threshold_mb"])) < 1e-3
+    assert float(cycle_ms) == float(final["cycle_time_ms"])
+
+
+def test_setting_round_trips_through_the_unit_cube() -> None:
+    setting = Setting(8 * 1024 * 1024, 2.0, True)
+    back = Setting.at(setting.point())
+    assert abs(back.fusion_threshold - setting.fusion_threshold) < 1024
+    assert back.cycle_time_ms == 2.0 and back.cache
+    assert Setting.at([0.0, 0.0, 0.2]) == Setting(256 * 1024, 0.5, False)
+
+
+def test_expected_improvement_favours_promising_unexplored_points() -> None:
+    xs = torch.tensor([[0.1, 0.1, 0.0], [0.5, 0.5, 0.0], [0.9, 0.9, 0.0]], dtype=torch.float64)
+    ys = torch.tensor([1.0, 5.0, 1.0], dtype=torch.float64)
+    candidates = torch.tensor(
+        [[0.55, 0.5, 0.0], [0.1, 0.1, 0.0], [0.9, 0.9, 0.0]], dtype=torch.float64
+    )
+    ei = expected_improvement(xs, ys, candidates, noise=0.01)
+    assert int(ei.argmax()) == 0
+    assert bool((ei >= 0).all())
+    point = suggest(xs.tolist(), ys.tolist(), 0.01, torch.Generator().manual_seed(0))
+    assert len(point) == 3 and point[2] in (0.0, 1.0)
+    assert all(0.0 <= v <= 1.0 for v in point)
+
+
+def test_autotuner_skips_warmup_and_settles_on_the_best(tmp_path: Path) -> None:
+    log = tmp_path / "tune.csv"
+    tuner = Autotuner(
+        0,
+        Setting(1024 * 1024, 20.0, True),
+        warmup_samples=1,
+        steps_per_sample=2,
+        max_samples=3,
+        noise=0.5,
+        log_file=str(log),
+    )
+    chosen = []
+    for sample in range(4):
+        assert not tuner.step(100)
+        assert tuner.step(100 * (sample + 1))
+        setting = tuner.decide()
+        chosen.append(setting)
+        tuner.apply(setting, tuner.finishing)
+    assert tuner.done and not tuner.step(1)
+    with open(log) as file:
+        rows = list(csv.DictReader(file))
+    assert [row["phase"] for row in rows] == ["warmup", "sample", "sample", "sample", "final"]
+    assert chosen[0] == Setting(1024 * 1024, 20.0, True)  # warm-up keeps the setting

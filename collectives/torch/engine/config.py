@@ -20,6 +20,10 @@ DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_STALL_CHECK_SECONDS = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 30.0
 DEFAULT_CACHE_CAPACITY = 1024
+DEFAULT_AUTOTUNE_WARMUP_SAMPLES = 3
+DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE = 10
+DEFAULT_AUTOTUNE_MAX_SAMPLES = 20
+DEFAULT_AUTOTUNE_NOISE = 0.8
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,14 @@ class EngineConfig:
     collective_timeout_seconds: float = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
     #: Ops the response cache remembers (see :mod:`.cache`); 0 = no cache.
     cache_capacity: int = DEFAULT_CACHE_CAPACITY
+    #: Search the fusion threshold, cycle time and cache online (see :mod:`.autotune`).
+    autotune: bool = False
+    #: CSV written by rank 0: one row per autotune sample.
+    autotune_log: str | None = None
+    autotune_warmup_samples: int = DEFAULT_AUTOTUNE_WARMUP_SAMPLES
+    autotune_steps_per_sample: int = DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE
+    autotune_bayes_opt_max_samples: int = DEFAULT_AUTOTUNE_MAX_SAMPLES
+    autotune_gaussian_process_noise: float = DEFAULT_AUTOTUNE_NOISE
 
     @property
     def cycle_time(self) -> float:
@@ -65,4 +77,18 @@ def from_environment() -> EngineConfig:
             we.GLOO_TIMEOUT_SECONDS, DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, strict=True
         ),
         cache_capacity=int(we.number(we.CACHE_CAPACITY, DEFAULT_CACHE_CAPACITY)),
+        autotune=we.flag(we.AUTOTUNE),
+        autotune_log=we.setting(we.AUTOTUNE_LOG),
+        autotune_warmup_samples=int(
+            we.number(we.AUTOTUNE_WARMUP_SAMPLES, DEFAULT_AUTOTUNE_WARMUP_SAMPLES)
+        ),
+        autotune_steps_per_sample=int(
+            we.number(we.AUTOTUNE_STEPS_PER_SAMPLE, DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE, minimum=1)
+        ),
+        autotune_bayes_opt_max_samples=int(
+            we.number(we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES, DEFAULT_AUTOTUNE_MAX_SAMPLES, minimum=1)
+        ),
+        autotune_gaussian_process_noise=we.number(
+            we.AUTOTUNE_GAUSSIAN_PROCESS_NOISE, DEFAULT_AUTOTUNE_NOISE
+        ),
     )

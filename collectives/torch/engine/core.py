@@ -32,6 +32,7 @@ one rank leaves).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -40,10 +41,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.distributed import BroadcastOptions
 
 from collectives.torch.engine import eager
+from collectives.torch.engine.autotune import Autotuner, Setting
 from collectives.torch.engine.cache import CacheRound, ResponseCache, key_of, request_key
-from collectives.torch.engine.config import EngineConfig
+from collectives.torch.engine.config import DEFAULT_CACHE_CAPACITY, EngineConfig
 from collectives.torch.engine.execute import Executor, Group
 from collectives.torch.engine.fusion import Bucket, Work, plan
 from collectives.torch.engine.handles import Handle
@@ -119,6 +122,19 @@ class Engine:
             self._cache_round = CacheRound(ResponseCache(config.cache_capacity), size)
         #: How many cycles the cache agreed on, and how many ran the full negotiation.
         self.stats = {"cache_rounds": 0, "full_rounds": 0}
+        self._busy = False  # the current cycle ran ops (alike on every rank)
+        self._round_bytes = 0
+        self._tuner: Autotuner | None = None
+        if config.autotune:
+            self._tuner = Autotuner(
+                rank,
+                Setting(config.fusion_threshold, config.cycle_time_ms, config.cache_capacity > 0),
+                warmup_samples=config.autotune_warmup_samples,
+                steps_per_sample=config.autotune_steps_per_sample,
+                max_samples=config.autotune_bayes_opt_max_samples,
+                noise=config.autotune_gaussian_process_noise,
+                log_file=config.autotune_log,
+            )
 
         self.timeline: Timeline | None = None
 
@@ -225,6 +241,8 @@ class Engine:
         tl, self.timeline = self.timeline, None
         if tl is not None:
             tl.close()
+        if self._tuner is not None:
+            self._tuner.close()
         self._executor.release_buffers()
 
     # ---- the engine thread -----------------------------------------------------------
@@ -243,8 +261,12 @@ class Engine:
     def _guarded_cycle(self) -> None:
         """Runs one cycle (holding the cycle lock); any failure stops the engine."""
         try:
+            self._busy = False
+            self._round_bytes = 0
             if not self._cycle():
                 self._running = False
+            elif self._busy and self._tuner is not None:
+                self._autotune(self._tuner)
         except BaseException as error:
             logger.debug("collectives engine of rank %d stopped", self.rank, exc_info=True)
             self._running = False
@@ -255,6 +277,40 @@ class Engine:
         if not self._running or threading.current_thread() is not self._thread:
             with self._cond:  # the engine thread's deadline may have changed
                 self._cond.notify_all()
+
+    def _autotune(self, tuner: Autotuner) -> None:
+        """Counts a cycle that ran ops; at a sample's end, every rank takes rank 0's next
+        setting (one broadcast on the negotiation's group, at the same cycle everywhere)."""
+        if not tuner.step(self._round_bytes):
+            return
+        vector = torch.zeros(4, dtype=torch.float64)
+        if self.rank == 0:
+            chosen = tuner.decide()
+            vector[:] = torch.tensor(
+                [
+                    chosen.fusion_threshold,
+                    chosen.cycle_time_ms,
+                    float(chosen.cache),
+                    float(tuner.finishing),
+                ],
+                dtype=torch.float64,
+            )
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        self._control_group.broadcast([vector], opts).wait()
+        threshold, cycle_ms, cache, final = vector.tolist()
+        setting = Setting(int(threshold), cycle_ms, cache >= 0.5)
+        tuner.apply(setting, final >= 0.5)
+        self.config = dataclasses.replace(
+            self.config, fusion_threshold=setting.fusion_threshold, cycle_time_ms=cycle_ms
+        )
+        self._eager_budget = eager.budget(self.size, setting.fusion_threshold)
+        if setting.cache != (self._cache_round is not None):
+            capacity = self.config.cache_capacity or DEFAULT_CACHE_CAPACITY
+            self._cache_round = CacheRound(ResponseCache(capacity), self.size) if cache else None
+        if final >= 0.5:
+            logger.info("autotune settled on %s", setting)
 
     def _abandon_groups(self) -> None:
         """Closes this engine's connections, so that peers still inside a collective with
@@ -408,6 +464,7 @@ class Engine:
 
     def _run_cached(self, agreed: list[Request], riders: list[Request], now: float) -> None:
         """Runs the ops a cache round agreed on; the riders' results are already in."""
+        self._count(agreed)
         if riders:
             with self._cond:
                 for request in riders:
@@ -422,6 +479,13 @@ class Engine:
             agreed = [request for request in agreed if id(request) not in rode]
         if agreed:
             self._run_agreed(agreed, now, None, (), cache=False)
+
+    def _count(self, requests: list[Request]) -> None:
+        """Notes a round's ops for the autotuner (their bytes, on this rank)."""
+        if requests:
+            self._busy = True
+            if self._tuner is not None:
+                self._round_bytes += sum([spec.nbytes for r in requests for spec in r.specs])
 
     def _cache_ran(self, key: tuple[int, int, str, str, str]) -> None:
         """Records an op that ran alike on every rank (same order everywhere)."""
@@ -477,6 +541,8 @@ class Engine:
         cache: bool = True,
     ) -> None:
         members = self.groups[0].ranks
+        if cache:
+            self._count(new)
         if cache and self._cache_round is not None:
             for request in new:
                 if request.kind <= Kind.REDUCESCATTER:
@@ -537,9 +603,12 @@ class Engine:
     def _run_ready(self, ready: list[Entry], now: float) -> None:
         if not ready:
             return
+        self._busy = True
         with self._cond:
             local = self._local
             requests = [local.pop(entry.key, None) for entry in ready]
+        if self._tuner is not None:
+            self._count([request for request in requests if request is not None])
         tl = self.timeline
         groups = self.groups
         works: list[Work] = []
