@@ -140,9 +140,13 @@ def autotune_vs_grid(rounds: int, steps: int, warmup: int, log_file: str) -> int
     results: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(rounds):
         for name, options in variants.items():
-            rate = run_hvd(steps, options, warmup).steps_per_s
-            results[name].append(rate)
-            print(f"round {round_ + 1}: {name}: {rate:.2f} steps/s", file=sys.stderr, flush=True)
+            steps_per_s = run_hvd(steps, options, warmup).steps_per_s
+            results[name].append(steps_per_s)
+            print(
+                f"round {round_ + 1}: {name}: {steps_per_s:.2f} steps/s",
+                file=sys.stderr,
+                flush=True,
+            )
     rate = {name: statistics.median(values) for name, values in results.items()}
     best = max((name for name in rate if name.startswith("grid")), key=rate.__getitem__)
     print(
