@@ -42,6 +42,9 @@ __all__ = ["CacheRound", "ResponseCache", "key_of"]
 DEFAULT_CAPACITY = 1024
 #: Riders' elements (as float64) one cache round may carry.
 RIDER_ELEMENTS = 16 * 1024
+#: Unnamed ops with counters this large always negotiate in full: the sums of squares that
+#: tell the ranks' counters apart must stay exact in float64.
+MAX_COUNTER = 1 << 24
 #: Rounds of full negotiation after a burst of small allreduces too large to ride.
 BURST_ROUNDS = 100
 _SUM: Any = dist.ReduceOp.SUM
@@ -180,7 +183,12 @@ class CacheRound:
         for request in new:
             key, counter = request_key(request)
             index = cache.lookup(key)
-            if index is None or index in mine or request.kind > Kind.REDUCESCATTER:
+            if (
+                index is None
+                or index in mine
+                or request.kind > Kind.REDUCESCATTER
+                or counter >= MAX_COUNTER
+            ):
                 dirty = True
                 break
             mine[index] = (request, counter)
@@ -244,11 +252,11 @@ class CacheRound:
         if ops:
             current = [(index, counter) for index, _, counter in ops]
             expected = [(index, counter + 1 if counter else 0) for index, counter in self._last]
-            self._prediction = None
-            if current == expected:
-                self._prediction = [(i, c + 1 if c else 0) for i, c in current]
+            repeated = current == expected
+            self._prediction = [(i, c + 1 if c else 0) for i, c in current] if repeated else None
             self._last = current
-            self._plan_riders(requests)
+            if not repeated:  # (a repetition keeps its riders)
+                self._plan_riders(requests)
         return requests, riders
 
     def _predicted(
@@ -272,7 +280,7 @@ class CacheRound:
             for request in new:
                 key, counter = request_key(request)
                 index = cache.lookup(key)
-                if index is None or wanted.get(index, -1) != counter:
+                if index is None or wanted.get(index, -1) != counter or counter >= MAX_COUNTER:
                     break
                 ops.append((index, request, counter))
             if len({index for index, _, _ in ops}) != len(prediction):
@@ -340,9 +348,13 @@ def _allreduce(group: Any, vector: torch.Tensor, timeout: float | None) -> None:
 
 def _finish_rider(request: Request, summed: torch.Tensor, size: int) -> None:
     spec = request.specs[0]
-    result = summed.to(spec.dtype)
-    finish_(result, ReduceOp(request.common[0]), float(request.common[2]), size)
+    op, postscale = ReduceOp(request.common[0]), float(request.common[2])
     out = request.outputs[0]
+    if out is not None and op == ReduceOp.SUM and postscale == 1.0:
+        out.copy_(summed.view(out.shape))  # casts on the way
+        return
+    result = summed.to(spec.dtype)
+    finish_(result, op, postscale, size)
     if out is None:
         request.outputs[0] = result.view(spec.shape)
     else:
