@@ -13,6 +13,8 @@ they agree, fusion of ready small tensors into one buffer, and one collective pe
 * :mod:`.fusion` -- which ready tensors travel together;
 * :mod:`.execute` -- runs the planned buckets on torch.distributed groups;
 * :mod:`.eager` -- small allreduces whose data rides along with the negotiation;
+* :mod:`.cache` -- the response cache: repeated ops agreed in one small allreduce;
+* :mod:`.autotune` -- Bayesian optimisation of the tuning, online;
 * :mod:`.stall` -- finds ops that some ranks never submit;
 * :mod:`.timeline` -- the Chrome-trace timeline.
 

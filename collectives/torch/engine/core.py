@@ -19,6 +19,12 @@ When a rank enters a cycle, so that the lockstep costs no CPU while nothing happ
   ranks' keepalive rounds coincide; it bounds how long a peer waits for this rank and paces
   the stall inspector.
 
+While no op is pending, a cycle first tries the response cache (see :mod:`cache`): one small
+allreduce agrees on ops every rank ran before, and carries the data of repeated small
+allreduces; anything else falls back to the full round below in the same cycle. With
+``--autotune`` (see :mod:`autotune`), every rank takes rank 0's next tuning at the end of each
+sample, at the same cycle everywhere.
+
 When every rank announced exactly the same ops (the usual SPMD case), the round needs no
 per-op bookkeeping, and the round's small CPU allreduces are reduced locally from data that
 travelled with the negotiation itself, or in one allgather right after it (see :mod:`eager`).
