@@ -10,7 +10,8 @@ The search is Bayesian optimisation, as in Horovod: a Gaussian process (RBF kern
 configured noise on its diagonal) over the normalised parameters (log2 of the threshold and
 of the cycle time, the cache as 0/1) models the score; the next sample takes the candidate
 with the largest expected improvement over the best score so far. After
-``bayes_opt_max_samples`` scored samples the best one's parameters stay for the rest of the job.
+``bayes_opt_max_samples`` scored samples, the sampled setting with the best score by the
+process's mean (which smooths the noise of a single lucky sample) stays for the rest of the job.
 
 Only rank 0 scores and decides. Every rank reaches a sample's end at the same cycle (it
 counts cycles that ran ops, which every rank sees alike), and there all ranks take rank 0's
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Autotuner", "Setting", "expected_improvement", "suggest"]
+__all__ = ["Autotuner", "Setting", "expected_improvement", "posterior_mean", "suggest"]
 
 #: Search ranges, as log2: fusion threshold 256 KiB .. 128 MiB, cycle time 0.5 .. 32 ms.
 THRESHOLD_LOG2_MB = (-2.0, 7.0)
@@ -71,6 +72,17 @@ def _scaled(unit: float, bounds: tuple[float, float]) -> float:
 
 def _kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.exp(-torch.cdist(a, b).square() / (2 * LENGTH_SCALE**2))
+
+
+def posterior_mean(
+    xs: torch.Tensor, ys: torch.Tensor, points: torch.Tensor, noise: float
+) -> torch.Tensor:
+    """The Gaussian process's mean score at ``points`` (in the units of ``ys``)."""
+    mean, std = ys.mean(), ys.std() if len(ys) > 1 else torch.tensor(1.0, dtype=ys.dtype)
+    scale = std if std > 0 else torch.tensor(1.0, dtype=ys.dtype)
+    k = _kernel(xs, xs) + (noise + 1e-9) * torch.eye(len(xs), dtype=xs.dtype)
+    alpha = torch.linalg.solve(k, ((ys - mean) / scale).unsqueeze(1))
+    return mean + scale * (_kernel(points, xs) @ alpha).squeeze(1)
 
 
 def expected_improvement(
@@ -177,8 +189,8 @@ class Autotuner:
         self._settings.append(sample)
         self._row("sample", sample, score)
         if len(self._scores) >= self.max_samples:
-            best = self._settings[max(range(len(self._scores)), key=self._scores.__getitem__)]
-            self._row("final", best, max(self._scores))
+            best = self._settings[self._best()]
+            self._row("final", best, None)
             return best
         return Setting.at(suggest(self._points, self._scores, self.noise, self._generator))
 
@@ -191,6 +203,14 @@ class Autotuner:
         if final:
             self.done = True
             self.close()
+
+    def _best(self) -> int:
+        """The sample whose setting the Gaussian process rates best: its mean at the
+        sampled points, which smooths the noise a single lucky sample would carry."""
+        xs = torch.tensor(self._points, dtype=torch.float64)
+        ys = torch.tensor(self._scores, dtype=torch.float64)
+        mean = posterior_mean(xs, ys, xs, self.noise)
+        return int(mean.argmax())
 
     @property
     def finishing(self) -> bool:

@@ -45,6 +45,8 @@ RIDER_ELEMENTS = 16 * 1024
 #: Unnamed ops with counters this large always negotiate in full: the sums of squares that
 #: tell the ranks' counters apart must stay exact in float64.
 MAX_COUNTER = 1 << 24
+#: At most this many rounds of full negotiation after cache rounds failed in a row.
+MAX_BACKOFF = 32
 #: Rounds of full negotiation after a burst of small allreduces too large to ride.
 BURST_ROUNDS = 100
 _SUM: Any = dist.ReduceOp.SUM
@@ -142,6 +144,7 @@ class CacheRound:
         # bursts ride the allgather whole (see :mod:`eager`): one collective instead of a
         # cache round and a fused allreduce.
         self._full_left = 0
+        self._misses = 0  # cache rounds that failed in a row
 
     def forget(self) -> None:
         """A full negotiation ran: predict nothing until the pattern repeats again."""
@@ -170,11 +173,32 @@ class CacheRound:
         layout = [r for r in self._layout if r.index < len(cache.keys)]
         layout = [r for r in layout if cache.keys[r.index] == r.key]
         if self._prediction is not None:
+            # A pattern that stopped repeating goes straight to the full negotiation: at
+            # most one small extra collective.
             outcome = self._predicted(group, new, dirty, timeout, layout)
             if outcome is not None:
                 self.predicted_rounds += 1
-                return outcome
-            layout = []  # the riders' data was spent on the prediction
+            return outcome
+        outcome = self._counted(group, new, dirty, timeout, layout)
+        if outcome is None:
+            # Back off while cache rounds keep failing (ops that arrive split differently
+            # over the ranks' cycles): each failure costs a collective.
+            self._misses += 1
+            self._full_left = min(1 << self._misses, MAX_BACKOFF)
+        else:
+            self._misses = 0
+        return outcome
+
+    def _counted(
+        self,
+        group: Any,
+        new: Sequence[Request],
+        dirty: bool,
+        timeout: float | None,
+        layout: list[_Rider],
+    ) -> tuple[list[Request], list[Request]] | None:
+        """The round with a count per cached op (see the module's docstring)."""
+        cache = self.cache
         starts = self._slots()
         data_at = starts[-1]
         length = data_at + sum(r.numel for r in layout)
