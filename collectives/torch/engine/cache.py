@@ -46,9 +46,9 @@ RIDER_ELEMENTS = 16 * 1024
 #: tell the ranks' counters apart must stay exact in float64.
 MAX_COUNTER = 1 << 24
 #: At most this many rounds of full negotiation after cache rounds failed in a row.
-MAX_BACKOFF = 32
+MAX_BACKOFF = 16
 #: Rounds of full negotiation after a burst of small allreduces too large to ride.
-BURST_ROUNDS = 100
+BURST_ROUNDS = 16
 _SUM: Any = dist.ReduceOp.SUM
 _RIDER_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 

@@ -144,7 +144,11 @@ class _Works:
 
 
 def _allreduce(
-    group: Group, tensor: torch.Tensor, opts: Any, source: torch.Tensor | None = None
+    group: Group,
+    tensor: torch.Tensor,
+    opts: Any,
+    source: torch.Tensor | None = None,
+    factor: float = 1.0,
 ) -> Any:
     """Starts the allreduce of a dense tensor on the group; split in parts on the CPU when
     large (see ``SPLIT_BYTES``). With ``source`` (same shape), the tensor is first filled
@@ -160,12 +164,19 @@ def _allreduce(
             return _Works([pg.allreduce([part], opts) for part in parts])
         works = []
         for part, src in zip(parts, source.reshape(-1).chunk(SPLIT_PARTS), strict=True):
-            part.copy_(src)
+            _fill(part, src, factor)
             works.append(pg.allreduce([part], opts))
         return _Works(works)
     if source is not None:
-        tensor.copy_(source)
+        _fill(tensor, source, factor)
     return pg.allreduce([tensor], opts)
+
+
+def _fill(target: torch.Tensor, source: torch.Tensor, factor: float) -> None:
+    if factor == 1.0:
+        target.copy_(source)
+    else:
+        torch.mul(source, factor, out=target)
 
 
 #: CPU outputs at least this large come from :class:`OutputPool`.
@@ -362,8 +373,22 @@ class Executor:
                         scale_(out, prescale)
                     copy = False
                 source = inp if copy else None
-                self._collective(bucket, device, lambda: _allreduce(group, out, opts, source))
-                finish_(out, op, postscale, group.size)
+                factor = 1.0
+                size = group.size
+                if (
+                    copy
+                    and op == ReduceOp.AVERAGE
+                    and postscale == 1.0
+                    and out.is_floating_point()
+                    and size & (size - 1) == 0
+                ):
+                    # Dividing by a power of two is exact (but for subnormals): divide on the way in; the
+                    # sum is then the average, with no pass of its own.
+                    factor, op = 1.0 / size, ReduceOp.SUM
+                self._collective(
+                    bucket, device, lambda: _allreduce(group, out, opts, source, factor)
+                )
+                finish_(out, op, postscale, size)
                 return
         total = sum(counts)
         if total == 0:
