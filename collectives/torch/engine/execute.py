@@ -382,8 +382,8 @@ class Executor:
                     and out.is_floating_point()
                     and size & (size - 1) == 0
                 ):
-                    # Dividing by a power of two is exact (but for subnormals): divide on the way in; the
-                    # sum is then the average, with no pass of its own.
+                    # Dividing by a power of two is exact (but for subnormals): divide on
+                    # the way in; the sum is then the average, with no pass of its own.
                     factor, op = 1.0 / size, ReduceOp.SUM
                 self._collective(
                     bucket, device, lambda: _allreduce(group, out, opts, source, factor)
