@@ -17,7 +17,9 @@ from collectives.torch.engine.autotune import (
     posterior_mean,
     suggest,
 )
+from collectives.torch.engine.cache import ResponseCache, key_of
 from collectives.torch.engine.execute import POOLED_BYTES, OutputPool
+from collectives.torch.engine.requests import Kind
 from tests.collectives.conftest import WORKERS, assert_all_ok, run_hvdrun
 
 
@@ -135,3 +137,21 @@ def test_autotuner_skips_warmup_and_settles_on_the_best(tmp_path: Path) -> None:
         rows = list(csv.DictReader(file))
     assert [row["phase"] for row in rows] == ["warmup", "sample", "sample", "sample", "final"]
     assert chosen[0] == Setting(1024 * 1024, 20.0, True)  # warm-up keeps the setting
+
+
+def test_response_cache_evicts_least_recently_used_into_the_same_index() -> None:
+    cache = ResponseCache(2)
+    a, b, c = [key_of(Kind.ALLREDUCE, 0, f"allreduce.{n}", "sig", "")[0] for n in "abc"]
+    assert (cache.use(a), cache.use(b)) == (0, 1)
+    assert cache.use(a) == 0  # a is now the most recently used
+    assert cache.use(c) == 1  # b goes, c takes its index
+    assert cache.lookup(b) is None and cache.lookup(c) == 1 and cache.evictions == 1
+    assert len(cache) == 2
+
+
+def test_unnamed_ops_share_a_key_and_carry_their_counter() -> None:
+    key, counter = key_of(Kind.ALLREDUCE, 0, "allreduce.noname.41", "sig", "")
+    other, other_counter = key_of(Kind.ALLREDUCE, 0, "allreduce.noname.42", "sig", "")
+    assert key == other and (counter, other_counter) == (42, 43)
+    named, zero = key_of(Kind.ALLREDUCE, 0, "allreduce.noname.x", "sig", "")
+    assert named != key and zero == 0

@@ -674,7 +674,10 @@ class Engine:
         self._execute(works, controls)
 
     def _cache_entry(self, entry: Entry, members: list[int]) -> None:
-        """Caches a ready, consistent op if every member described it alike."""
+        """Caches a ready, consistent op if every member described it alike. Only ops of
+        every rank: a cache round agrees on what all ranks submitted."""
+        if len(members) != self.size:
+            return
         if len(entry.sigs) != len(members) or len(set(entry.vars.values())) > 1:
             return
         if entry.vars and len(entry.vars) != len(members):
