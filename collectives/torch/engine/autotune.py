@@ -2,9 +2,11 @@
 
 What is tuned: the fusion threshold, the cycle time and whether the response cache is on --
 everything the engine exposes that changes its speed and not its results. A *sample* is
-``steps_per_sample`` engine cycles that ran ops; its score is the bytes those ops moved per
-second on rank 0 (for a training loop, proportional to its steps per second). The first
-``warmup_samples`` samples are not scored (buffers grow, caches fill, the allocator settles).
+at least ``steps_per_sample`` engine cycles that ran ops, and about half a second (rank 0
+sets each sample's length in cycles from the pace of the one before), so that it spans whole
+training steps; its score is the bytes those ops moved per second on rank 0 (for a training
+loop, proportional to its steps per second). The first ``warmup_samples`` samples are not
+scored (buffers grow, caches fill, the allocator settles).
 
 The search is Bayesian optimisation, as in Horovod: a Gaussian process (RBF kernel, the
 configured noise on its diagonal) over the normalised parameters (log2 of the threshold and
@@ -36,6 +38,11 @@ THRESHOLD_LOG2_MB = (-2.0, 7.0)
 CYCLE_LOG2_MS = (-1.0, 5.0)
 LENGTH_SCALE = 0.3
 CANDIDATES = 2000
+#: A sample also lasts about this long (in busy cycles at the last sample's pace), so that it
+#: spans whole training steps: a window over part of a step (its backward pass, where the
+#: bytes flow) would score settings that split a step into many cycles too well.
+SAMPLE_SECONDS = 0.5
+MAX_SAMPLE_CYCLES = 2000
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,7 @@ class Autotuner:
         self._steps = 0
         self._bytes = 0
         self._started = time.monotonic()
+        self.sample_cycles = steps_per_sample  # the current sample's length, alike everywhere
         self._samples = 0
         self._points: list[list[float]] = []
         self._scores: list[float] = []
@@ -172,7 +180,13 @@ class Autotuner:
             return False
         self._steps += 1
         self._bytes += nbytes
-        return self._steps >= self.steps_per_sample
+        return self._steps >= self.sample_cycles
+
+    def next_sample_cycles(self) -> int:
+        """Rank 0, at a sample's end: the next sample's length in busy cycles."""
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        paced = math.ceil(self._steps / elapsed * SAMPLE_SECONDS)
+        return min(MAX_SAMPLE_CYCLES, max(self.steps_per_sample, paced))
 
     def decide(self) -> Setting:
         """Rank 0, at a sample's end: scores it and returns the next setting."""
@@ -194,9 +208,12 @@ class Autotuner:
             return best
         return Setting.at(suggest(self._points, self._scores, self.noise, self._generator))
 
-    def apply(self, setting: Setting, final: bool) -> None:
-        """Every rank, after the broadcast: the next sample starts with ``setting``."""
+    def apply(self, setting: Setting, final: bool, cycles: int | None = None) -> None:
+        """Every rank, after the broadcast: the next sample starts with ``setting`` and
+        lasts ``cycles`` busy cycles."""
         self.current = setting
+        if cycles is not None:
+            self.sample_cycles = cycles
         self._steps = 0
         self._bytes = 0
         self._started = time.monotonic()

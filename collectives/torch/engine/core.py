@@ -289,8 +289,9 @@ class Engine:
         setting (one broadcast on the negotiation's group, at the same cycle everywhere)."""
         if not tuner.step(self._round_bytes):
             return
-        vector = torch.zeros(4, dtype=torch.float64)
+        vector = torch.zeros(5, dtype=torch.float64)
         if self.rank == 0:
+            cycles = tuner.next_sample_cycles()
             chosen = tuner.decide()
             vector[:] = torch.tensor(
                 [
@@ -298,6 +299,7 @@ class Engine:
                     chosen.cycle_time_ms,
                     float(chosen.cache),
                     float(tuner.finishing),
+                    cycles,
                 ],
                 dtype=torch.float64,
             )
@@ -305,9 +307,9 @@ class Engine:
         opts.rootRank = 0
         opts.rootTensor = 0
         self._control_group.broadcast([vector], opts).wait()
-        threshold, cycle_ms, cache, final = vector.tolist()
+        threshold, cycle_ms, cache, final, cycles = vector.tolist()
         setting = Setting(int(threshold), cycle_ms, cache >= 0.5)
-        tuner.apply(setting, final >= 0.5)
+        tuner.apply(setting, final >= 0.5, int(cycles))
         self.config = dataclasses.replace(
             self.config, fusion_threshold=setting.fusion_threshold, cycle_time_ms=cycle_ms
         )
