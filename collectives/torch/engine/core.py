@@ -169,6 +169,11 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="hvdrun-engine", daemon=True)
 
     @property
+    def autotuning(self) -> bool:
+        """Whether autotune is still searching (False when it is off or has settled)."""
+        return self._tuner is not None and not self._tuner.done
+
+    @property
     def response_cache(self) -> ResponseCache | None:
         """The response cache (None when it is off)."""
         return self._cache_round.cache if self._cache_round is not None else None
