@@ -75,15 +75,22 @@ def test_autotune_logs_samples_and_keeps_ranks_in_step(tmp_path: Path) -> None:
     assert len(finals) == 2 and finals[0][1] == finals[1][1], finals
     with open(log) as file:
         rows = list(csv.DictReader(file))
-    assert [row["phase"] for row in rows] == ["warmup", *["sample"] * 4, "final"], rows
-    assert rows[0]["score_mb_per_s"] == ""
-    scores = [float(row["score_mb_per_s"]) for row in rows[1:5]]
-    assert all(score > 0 for score in scores)
-    # The search starts from the given setting, and keeps one it sampled.
-    assert (rows[1]["fusion_threshold_mb"], rows[1]["cycle_time_ms"]) == ("1", "20")
+    assert [row["phase"] for row in rows] == [
+        "warmup",
+        *["baseline", "sample"] * 4,
+        "final",
+    ], rows
+    assert rows[0]["score"] == "" and float(rows[0]["mb_per_s"]) > 0
+    samples = [row for row in rows if row["phase"] == "sample"]
+    assert all(float(row["score"]) > 0 for row in samples)
+    # The baseline is the given setting; the search keeps one it sampled.
+    baselines = [row for row in rows if row["phase"] == "baseline"]
+    assert {(row["fusion_threshold_mb"], row["cycle_time_ms"]) for row in baselines} == {
+        ("1", "20")
+    }
     final = rows[-1]
     keys = ("fusion_threshold_mb", "cycle_time_ms", "cache_enabled")
-    assert [final[k] for k in keys] in [[row[k] for k in keys] for row in rows[1:5]]
+    assert [final[k] for k in keys] in [[row[k] for k in keys] for row in rows[1:-1]]
     threshold, cycle_ms, cache = finals[0][1].split()
     assert int(cache) == int(final["cache_enabled"])
     assert abs(int(threshold) / 2**20 - float(final["fusion_threshold_mb"])) < 1e-3
@@ -126,17 +133,22 @@ def test_autotuner_skips_warmup_and_settles_on_the_best(tmp_path: Path) -> None:
         log_file=str(log),
     )
     chosen = []
-    for sample in range(4):
+    for sample in range(20):
         assert not tuner.step(100)
         assert tuner.step(100 * (sample + 1))
         setting = tuner.decide()
         chosen.append(setting)
         tuner.apply(setting, tuner.finishing)
+        if tuner.done:
+            break
     assert tuner.done and not tuner.step(1)
     with open(log) as file:
         rows = list(csv.DictReader(file))
-    assert [row["phase"] for row in rows] == ["warmup", "sample", "sample", "sample", "final"]
-    assert chosen[0] == Setting(1024 * 1024, 20.0, True)  # warm-up keeps the setting
+    phases = [row["phase"] for row in rows]
+    assert phases == ["warmup", *["baseline", "sample"] * 3, "final"], phases
+    # Candidates alternate with the starting setting, which the warm-up keeps too.
+    start = Setting(1024 * 1024, 20.0, True)
+    assert chosen[0] == start and chosen[2] == start and chosen[1] != start
 
 
 def test_response_cache_evicts_least_recently_used_into_the_same_index() -> None:

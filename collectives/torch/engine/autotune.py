@@ -4,15 +4,18 @@ What is tuned: the fusion threshold, the cycle time and whether the response cac
 everything the engine exposes that changes its speed and not its results. A *sample* is
 at least ``steps_per_sample`` engine cycles that ran ops, and about half a second (rank 0
 sets each sample's length in cycles from the pace of the one before), so that it spans whole
-training steps; its score is the bytes those ops moved per second on rank 0 (for a training
+training steps; its rate is the bytes those ops moved per second on rank 0 (for a training
 loop, proportional to its steps per second). The first ``warmup_samples`` samples are not
-scored (buffers grow, caches fill, the allocator settles).
+scored (buffers grow, caches fill, the allocator settles). After them, samples alternate
+between the starting setting (the baseline) and a candidate, and a candidate's score is its
+rate relative to the baseline sample just before it: on a shared machine the load drifts by
+more than settings differ, and a ratio of neighbours cancels the drift.
 
 The search is Bayesian optimisation, as in Horovod: a Gaussian process (RBF kernel, the
 configured noise on its diagonal) over the normalised parameters (log2 of the threshold and
 of the cycle time, the cache as 0/1) models the score; the next sample takes the candidate
 with the largest expected improvement over the best score so far. After
-``bayes_opt_max_samples`` scored samples, the sampled setting with the best score by the
+``bayes_opt_max_samples`` scored candidates, the sampled setting with the best score by the
 process's mean (which smooths the noise of a single lucky sample) stays for the rest of the job.
 
 Only rank 0 scores and decides. Every rank reaches a sample's end at the same cycle (it
@@ -156,6 +159,16 @@ class Autotuner:
         self._scores: list[float] = []
         self._settings: list[Setting] = []
         self._generator = torch.Generator().manual_seed(15)
+        self._start = start
+        # The baseline counts as a sampled point of relative score 1; the first candidate
+        # is drawn at random (expected improvement needs two points to mean anything).
+        self._points.append(start.point())
+        self._scores.append(1.0)
+        self._settings.append(start)
+        first = torch.rand(3, generator=self._generator, dtype=torch.float64)
+        first[2] = first[2].round()
+        self._candidate = Setting.at([float(v) for v in first])
+        self._baseline_rate: float | None = None
         self._log: Any = None
         self._writer: Any = None
         if rank == 0 and log_file:
@@ -168,7 +181,8 @@ class Autotuner:
                     "fusion_threshold_mb",
                     "cycle_time_ms",
                     "cache_enabled",
-                    "score_mb_per_s",
+                    "mb_per_s",
+                    "score",
                 ]
             )
             self._log.flush()
@@ -189,24 +203,39 @@ class Autotuner:
         return min(MAX_SAMPLE_CYCLES, max(self.steps_per_sample, paced))
 
     def decide(self) -> Setting:
-        """Rank 0, at a sample's end: scores it and returns the next setting."""
+        """Rank 0, at a sample's end: scores it and returns the next setting.
+
+        After the warm-up, samples alternate between the starting setting (the *baseline*)
+        and a candidate; a candidate's score is its rate relative to the baseline sample
+        just before it, so that the load of a shared machine, which drifts by more than
+        the settings differ, cancels out. The baseline itself counts as a point of score 1.
+        """
         now = time.monotonic()
         elapsed = max(now - self._started, 1e-9)
-        score = self._bytes / elapsed / 1e6
+        rate = self._bytes / elapsed / 1e6
         self._samples += 1
         sample = self.current
         if self._samples <= self.warmup_samples:
-            self._row("warmup", sample, None)
+            self._row("warmup", sample, rate, None)
             return sample
+        if self._baseline_rate is None:  # a baseline sample ended: try the candidate
+            self._baseline_rate = rate
+            self._row("baseline", sample, rate, None)
+            return self._candidate
+        score = rate / max(self._baseline_rate, 1e-12)
+        self._baseline_rate = None
         self._points.append(sample.point())
         self._scores.append(score)
         self._settings.append(sample)
-        self._row("sample", sample, score)
-        if len(self._scores) >= self.max_samples:
+        self._row("sample", sample, rate, score)
+        if len(self._scores) > self.max_samples:  # (the first point is the baseline)
             best = self._settings[self._best()]
-            self._row("final", best, None)
+            self._row("final", best, None, None)
             return best
-        return Setting.at(suggest(self._points, self._scores, self.noise, self._generator))
+        self._candidate = Setting.at(
+            suggest(self._points, self._scores, self.noise, self._generator)
+        )
+        return self._start
 
     def apply(self, setting: Setting, final: bool, cycles: int | None = None) -> None:
         """Every rank, after the broadcast: the next sample starts with ``setting`` and
@@ -232,9 +261,11 @@ class Autotuner:
     @property
     def finishing(self) -> bool:
         """Rank 0: whether the sample that just ended was the last one."""
-        return len(self._scores) >= self.max_samples
+        return len(self._scores) > self.max_samples
 
-    def _row(self, phase: str, setting: Setting, score: float | None) -> None:
+    def _row(
+        self, phase: str, setting: Setting, rate: float | None, relative: float | None
+    ) -> None:
         if self._writer is None:
             return
         self._writer.writerow(
@@ -244,7 +275,8 @@ class Autotuner:
                 f"{setting.fusion_threshold / (1024 * 1024):g}",
                 f"{setting.cycle_time_ms:g}",
                 int(setting.cache),
-                "" if score is None else f"{score:.3f}",
+                "" if rate is None else f"{rate:.3f}",
+                "" if relative is None else f"{relative:.4f}",
             ]
         )
         self._log.flush()
