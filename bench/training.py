@@ -109,8 +109,8 @@ def run_ddp(steps: int) -> Result:
 
 #: The manual grid of the autotune comparison: (fusion threshold MB, cycle time ms).
 GRID = [(1.0, 20.0), (1.0, 1.0), (128.0, 20.0), (128.0, 1.0), (16.0, 1.0)]
-#: Short autotune settings: 3 warm-up and 12 scored samples of 10 busy cycles (about 150
-#: cycles, 60 to 150 training steps here), within the run's warm-up steps.
+#: Short autotune settings: 3 warm-up samples, then 12 candidates each after a baseline
+#: sample: 27 samples of about half a second, within the run's warm-up steps.
 AUTOTUNE = (
     "--autotune",
     "--autotune-warmup-samples",
@@ -171,7 +171,7 @@ def main() -> int:
         action="store_true",
         help="compare autotune started from bad settings with a manual grid instead",
     )
-    parser.add_argument("--warmup", type=int, default=160, help="warm-up steps (--autotune)")
+    parser.add_argument("--warmup", type=int, default=300, help="warm-up steps (--autotune)")
     parser.add_argument("--autotune-log", default="autotune.csv", help="(--autotune)")
     args = parser.parse_args()
     if args.autotune:
