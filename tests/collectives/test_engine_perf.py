@@ -18,8 +18,11 @@ from collectives.torch.engine.autotune import (
     suggest,
 )
 from collectives.torch.engine.cache import ResponseCache, key_of
+from collectives.torch.engine.config import from_environment
 from collectives.torch.engine.execute import POOLED_BYTES, OutputPool
 from collectives.torch.engine.requests import Kind
+from hvdrun.tuning import tuning_env
+from tests.cli.conftest import assert_usage_error
 from tests.collectives.conftest import WORKERS, assert_all_ok, run_hvdrun
 
 
@@ -167,3 +170,42 @@ def test_unnamed_ops_share_a_key_and_carry_their_counter() -> None:
     assert key == other and (counter, other_counter) == (42, 43)
     named, zero = key_of(Kind.ALLREDUCE, 0, "allreduce.noname.x", "sig", "")
     assert named != key and zero == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cache-capacity", "-1", "true"], "-1 is not in the range x>=0"),
+        (["--autotune-steps-per-sample", "0", "true"], "0 is not in the range x>=1"),
+        (["--autotune-gaussian-process-noise", "2", "true"], "2.0 is not in the range 0<=x<=1"),
+    ],
+)
+def test_bad_tuning_flags_are_one_line_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_usage_error(argv, message, capsys)
+
+
+def test_tuning_flags_become_worker_variables_horovod_spelling_read_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = tuning_env(
+        cache_capacity=0,
+        autotune=True,
+        autotune_log_file="tune.csv",
+        autotune_warmup_samples=2,
+        autotune_steps_per_sample=5,
+        autotune_bayes_opt_max_samples=7,
+        autotune_gaussian_process_noise=0.5,
+    )
+    assert env["HVDRUN_CACHE_CAPACITY"] == "0"
+    assert env["HVDRUN_AUTOTUNE"] == "1"
+    assert Path(env["HVDRUN_AUTOTUNE_LOG"]).is_absolute()
+    assert env["HVDRUN_AUTOTUNE_STEPS_PER_SAMPLE"] == "5"
+    for name, value in env.items():
+        monkeypatch.setenv(name.replace("HVDRUN_", "HOROVOD_"), value)
+    config = from_environment()
+    assert (config.cache_capacity, config.autotune, config.autotune_warmup_samples) == (0, True, 2)
+    assert config.autotune_bayes_opt_max_samples == 7
+    assert config.autotune_gaussian_process_noise == 0.5
+    assert config.autotune_log == env["HVDRUN_AUTOTUNE_LOG"]
