@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import grpc
 
 from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY, rendezvous_pb2, rendezvous_pb2_grpc
+from rendezvous.tls import TARGET_NAME, channel_credentials
 
 __all__ = [
     "RankInfo",
@@ -209,31 +210,44 @@ class _Watch:
 class RendezvousClient:
     """Synchronous client of a job's rendezvous server; safe to share between threads."""
 
-    def __init__(self, addr: str, secret: str, job_id: str, *, rpc_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        addr: str,
+        secret: str,
+        job_id: str,
+        *,
+        rpc_timeout: float = 30.0,
+        cert_pem: bytes | str | None = None,
+    ) -> None:
+        """``cert_pem``: the job's certificate (``HVDRUN_RENDEZVOUS_CERT``); when given, the
+        client speaks TLS and trusts that certificate alone."""
         self.addr = addr
         self._rpc_timeout = rpc_timeout
         self._metadata: tuple[tuple[str, str], ...] = (
             (TOKEN_METADATA_KEY, secret),
             (JOB_METADATA_KEY, job_id),
         )
-        self._channel = grpc.insecure_channel(
-            addr,
-            options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                # Ping during long blocking calls so a cut network fails them.
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.keepalive_timeout_ms", 10_000),
-                # Its own connection: a client's calls never queue behind another client's.
-                ("grpc.use_local_subchannel_pool", 1),
-                # Reconnect soon after a refused connection: under another launcher the
-                # ranks dial while rank 0 may still be starting its server, and gRPC's
-                # default first backoff (1 s) would be most of a job's start-up.
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            # Ping during long blocking calls so a cut network fails them.
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            # Its own connection: a client's calls never queue behind another client's.
+            ("grpc.use_local_subchannel_pool", 1),
+            # Reconnect soon after a refused connection: under another launcher the
+            # ranks dial while rank 0 may still be starting its server, and gRPC's
+            # default first backoff (1 s) would be most of a job's start-up.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        if cert_pem:
+            # The certificate names TARGET_NAME, whatever address the worker dials.
+            options.append(("grpc.ssl_target_name_override", TARGET_NAME))
+            self._channel = grpc.secure_channel(addr, channel_credentials(cert_pem), options)
+        else:
+            self._channel = grpc.insecure_channel(addr, options=options)
         self._stub = rendezvous_pb2_grpc.RendezvousStub(self._channel)
         self._watches: list[_Watch] = []
         self._lock = threading.Lock()

@@ -47,6 +47,7 @@ import grpc.aio
 
 from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY, rendezvous_pb2, rendezvous_pb2_grpc
 from rendezvous.slots import SlotInfo, derive_slots
+from rendezvous.tls import JobCertificate
 
 __all__ = ["RendezvousServer"]
 
@@ -839,6 +840,10 @@ class RendezvousServer:
     another launcher placed passes ``placed_size`` (its number of ranks) and no slots:
     workers register with the rank that launcher gave them, and the table is derived from the
     hosts they register from (:func:`rendezvous.slots.derive_slots`).
+
+    ``tls`` (the job's :class:`~rendezvous.tls.JobCertificate`) makes it serve TLS only; its
+    clients then pin that certificate. Without it the server speaks plain HTTP/2, which is
+    only for servers bound to loopback.
     """
 
     def __init__(
@@ -853,6 +858,7 @@ class RendezvousServer:
         max_value_bytes: int = 4 * 1024 * 1024,
         elastic: bool = False,
         placed_size: int | None = None,
+        tls: JobCertificate | None = None,
     ) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
@@ -869,6 +875,7 @@ class RendezvousServer:
         self._bind_host = bind_host
         self._requested_port = port
         self._max_value_bytes = max_value_bytes
+        self._tls = tls
         self._servicer = _Servicer(
             self._slots, heartbeat_interval, max_value_bytes, elastic, placed_size
         )
@@ -930,7 +937,10 @@ class RendezvousServer:
             host = f"[{host}]"
         address = f"{host}:{self._requested_port}"
         try:
-            port = server.add_insecure_port(address)
+            if self._tls is not None:
+                port = server.add_secure_port(address, self._tls.server_credentials())
+            else:
+                port = server.add_insecure_port(address)
         except RuntimeError as error:
             raise OSError(f"rendezvous server cannot listen on {address}: {error}") from None
         if port == 0:

@@ -10,7 +10,8 @@ Two kinds of variables:
 * **Placement and connection**, set by the launcher for each worker: where it sits in the
   job (``HVDRUN_RANK`` ... ``HVDRUN_HOSTNAME``, and torch's ``RANK``/``WORLD_SIZE``/
   ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` for scripts that read those), how it reaches its job
-  (``HVDRUN_RENDEZVOUS_ADDR``, ``HVDRUN_JOB_ID``, ``HVDRUN_SECRET``) and, in elastic jobs,
+  (``HVDRUN_RENDEZVOUS_ADDR``, ``HVDRUN_JOB_ID``, ``HVDRUN_SECRET``, and
+  ``HVDRUN_RENDEZVOUS_CERT`` where the rendezvous speaks TLS) and, in elastic jobs,
   its membership generation. The rendezvous server's answer to registration is what counts;
   the placement variables let a script pick its GPU before ``hvd.init()``.
 * **Settings**, named without a prefix here (``FUSION_THRESHOLD``): a worker reads each as
@@ -38,6 +39,7 @@ __all__ = [
     "LOCAL_RANK",
     "RANK",
     "RENDEZVOUS_ADDR",
+    "RENDEZVOUS_CERT",
     "SECRET",
     "connection_env",
     "flag",
@@ -72,6 +74,9 @@ TORCH_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 RENDEZVOUS_ADDR = "HVDRUN_RENDEZVOUS_ADDR"
 JOB_ID = "HVDRUN_JOB_ID"
 SECRET = "HVDRUN_SECRET"
+#: The job's TLS certificate (PEM) where the rendezvous speaks TLS (multi-host jobs); public,
+#: but it travels with the secret so that a worker trusts exactly its own job's server.
+RENDEZVOUS_CERT = "HVDRUN_RENDEZVOUS_CERT"
 #: Elastic jobs: the membership generation a worker was started for.
 GENERATION = "HVDRUN_GENERATION"
 
@@ -179,9 +184,14 @@ def slot_env(slot: SlotInfo) -> dict[str, str]:
     }
 
 
-def connection_env(rendezvous_addr: str, job_id: str, secret: str) -> dict[str, str]:
-    """How every worker of a job reaches its rendezvous."""
-    return {RENDEZVOUS_ADDR: rendezvous_addr, JOB_ID: job_id, SECRET: secret}
+def connection_env(
+    rendezvous_addr: str, job_id: str, secret: str, cert_pem: str = ""
+) -> dict[str, str]:
+    """How every worker of a job reaches its rendezvous (``cert_pem``: its TLS certificate)."""
+    env = {RENDEZVOUS_ADDR: rendezvous_addr, JOB_ID: job_id, SECRET: secret}
+    if cert_pem:
+        env[RENDEZVOUS_CERT] = cert_pem
+    return env
 
 
 def new_secret() -> str:

@@ -26,6 +26,7 @@ else:
         os.environ["HVDRUN_RENDEZVOUS_ADDR"],
         os.environ["HVDRUN_SECRET"],
         os.environ["HVDRUN_JOB_ID"],
+        cert_pem=os.environ.get("HVDRUN_RENDEZVOUS_CERT"),
     )
     client.register(os.environ["HVDRUN_HOSTNAME"], int(os.environ["HVDRUN_LOCAL_RANK"]))
     print(f"registered_at {time.time():.6f}", flush=True)

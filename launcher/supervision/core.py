@@ -74,11 +74,15 @@ def agent_spec(
     job_id: str,
     secret: str,
     heartbeat_timeout: float,
+    cert_pem: str = "",
 ) -> AgentSpec:
-    """What one host's agent is told to run: the job, and this host's share of ``slots``."""
+    """What one host's agent is told to run: the job, and this host's share of ``slots``.
+
+    The secret and the rendezvous's TLS certificate (``cert_pem``) travel in the workers'
+    environment inside the start message, never in argv or a file."""
     env = dict(spec.env)
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(worker_env.connection_env(rendezvous, job_id, secret))
+    env.update(worker_env.connection_env(rendezvous, job_id, secret, cert_pem))
     return AgentSpec(
         hostname=hostname,
         command=list(spec.command),

@@ -44,6 +44,7 @@ from launcher.transport.startup import (
 from rendezvous import worker_env
 from rendezvous.server import RendezvousServer
 from rendezvous.slots import SlotInfo, assign_slots
+from rendezvous.tls import certificate_for
 
 log = logging.getLogger(__name__)
 
@@ -174,14 +175,21 @@ def _supervise(
     job_id: str,
 ) -> JobResult:
     plan = plan_rendezvous(agents, spec.launch.rendezvous_addr)
-    server = RendezvousServer(slots, secret, job_id, bind_host=plan.bind_host, port=plan.port)
+    # Reachable from other hosts: TLS with a certificate of this job (the key stays here).
+    tls = certificate_for(plan.bind_host, job_id)
+    cert_pem = tls.cert_pem.decode("ascii") if tls is not None else ""
+    server = RendezvousServer(
+        slots, secret, job_id, bind_host=plan.bind_host, port=plan.port, tls=tls
+    )
     port = server.start()
     try:
         for agent in agents:
             host = agent.hostname
             addr = rendezvous_addr(plan, host, port)
             agent.launch(
-                agent_spec(spec, host, slots, addr, job_id, secret, agent.heartbeat_timeout),
+                agent_spec(
+                    spec, host, slots, addr, job_id, secret, agent.heartbeat_timeout, cert_pem
+                ),
                 events,
             )
         return Supervisor(agents, slots, sink, events, spec.term_grace, signals, server).run()

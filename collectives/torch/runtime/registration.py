@@ -209,7 +209,8 @@ def init_from_rendezvous(
 
     secret = os.environ.get(worker_env.SECRET, "")
     job_id = os.environ.get(worker_env.JOB_ID, "")
-    client = RendezvousClient(addr, secret, job_id)
+    cert_pem = os.environ.get(worker_env.RENDEZVOUS_CERT) or None
+    client = RendezvousClient(addr, secret, job_id, cert_pem=cert_pem)
     runtime_ = RuntimeState(
         topology=Topology(0, 1, 0, 1, 0, 1),
         backend=backend,
