@@ -197,9 +197,16 @@ async def _grpc_ranks(plan: Plan, mine: list[int], start: Any, report: Any, rele
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
 
+    # Connected before the clock starts, like the TCPStore clients: the table measures the
+    # rendezvous calls, not TCP and TLS handshakes.
+    per_host = plan.pattern == "host"
+    owners = sorted({rank // LOCAL_SIZE for rank in mine}) if per_host else mine
+    channels = {owner: channel() for owner in owners}
+    await asyncio.gather(*(ch.channel_ready() for ch in channels.values()))
+
     async def one_rank(rank: int) -> None:
         nonlocal rpcs
-        stub = rendezvous_pb2_grpc.RendezvousStub(channel())
+        stub = rendezvous_pb2_grpc.RendezvousStub(channels[rank])
         n = plan.ranks
         info = await stub.Register(
             pb.RegisterRequest(host=_host_of(rank), local_rank=rank % LOCAL_SIZE),
@@ -238,7 +245,7 @@ async def _grpc_ranks(plan: Plan, mine: list[int], start: Any, report: Any, rele
         # One agent for the host: its ranks register in one call, one Watch stream carries
         # their heartbeats, job-wide keys are read once and handed to the local workers.
         nonlocal rpcs
-        stub = rendezvous_pb2_grpc.RendezvousStub(channel())
+        stub = rendezvous_pb2_grpc.RendezvousStub(channels[host])
         n = plan.ranks
         infos = await stub.RegisterHost(
             pb.RegisterHostRequest(host=f"h{host}", local_ranks=[r % LOCAL_SIZE for r in ranks]),
@@ -259,8 +266,9 @@ async def _grpc_ranks(plan: Plan, mine: list[int], start: Any, report: Any, rele
         )
         rpcs += 1
 
+    report.put(("ready",))
     await asyncio.get_running_loop().run_in_executor(None, start.wait)
-    if plan.pattern == "host":
+    if per_host:
         hosts = sorted({rank // LOCAL_SIZE for rank in mine})
         await asyncio.gather(
             *(one_host(h, [r for r in mine if r // LOCAL_SIZE == h]) for h in hosts)
@@ -386,11 +394,10 @@ def measure(
             proc = ctx.Process(target=load, args=(plan, mine, start, report, release), daemon=True)
             proc.start()
             loaders.append(proc)
-        if store == "tcpstore":
-            for _ in loaders:
-                item = report.get(timeout=900)
-                if item[0] == "error":
-                    raise RuntimeError(f"load process failed: {item[1]}")
+        for _ in loaders:  # every load process connects its clients first
+            item = report.get(timeout=900)
+            if item[0] == "error":
+                raise RuntimeError(f"load process failed: {item[1]}")
         time.sleep(1.0 + 0.2 * len(loaders))  # imports done before the clock starts
         cpu0 = server.cpu()
         t0 = time.time()

@@ -111,13 +111,17 @@ class _Watch:
     def __init__(
         self,
         client: RendezvousClient,
-        rank: int,
+        ranks: Sequence[int],
         on_lost: Callable[[str], None],
         lost_after: float,
         on_generation: Callable[[int], None] | None = None,
+        *,
+        per_host: bool = False,
     ) -> None:
         self._client = client
-        self._rank = rank
+        self._ranks = list(ranks)
+        self._per_host = per_host
+        rank = self._ranks[0] if len(self._ranks) == 1 else f"{self._ranks[0]}+"
         self._on_lost = on_lost
         self._on_generation = on_generation
         self._lost_after = lost_after
@@ -160,7 +164,7 @@ class _Watch:
         self._finished.set()
         if call is not None:
             call.cancel()
-        logger.warning("lost the rendezvous server (rank %d): %s", self._rank, reason)
+        logger.warning("lost the rendezvous server (rank(s) %s): %s", self._ranks, reason)
         try:
             self._on_lost(reason)
         except Exception:
@@ -168,11 +172,19 @@ class _Watch:
 
     def _read(self) -> None:
         try:
-            call = self._client._stub.Watch(
-                rendezvous_pb2.WatchRequest(rank=self._rank),
-                metadata=self._client._metadata,
-                wait_for_ready=False,
-            )
+            stub = self._client._stub
+            if self._per_host:
+                call = stub.WatchHost(
+                    rendezvous_pb2.WatchHostRequest(ranks=self._ranks),
+                    metadata=self._client._metadata,
+                    wait_for_ready=False,
+                )
+            else:
+                call = stub.Watch(
+                    rendezvous_pb2.WatchRequest(rank=self._ranks[0]),
+                    metadata=self._client._metadata,
+                    wait_for_ready=False,
+                )
             with self._lock:
                 if self._done:
                     call.cancel()
@@ -351,6 +363,69 @@ class RendezvousClient:
             generation=info.generation,
         )
 
+    def register_host(
+        self,
+        host: str,
+        local_ranks: Sequence[int],
+        min_generation: int = 0,
+        timeout: float = 0.0,
+    ) -> list[RankInfo]:
+        """:meth:`register` for several local ranks of one host in one call (what a host's
+        agent sends for its workers); the places come back in the order asked."""
+        timeout_ms = _to_ms(timeout)
+        request = rendezvous_pb2.RegisterHostRequest(
+            host=host,
+            local_ranks=list(local_ranks),
+            min_generation=min_generation,
+            timeout_ms=timeout_ms,
+        )
+        try:
+            response = self._call(
+                f"register_host(host={host!r}, {len(request.local_ranks)} local ranks)",
+                self._stub.RegisterHost,
+                request,
+                timeout=max(timeout_ms / 1000 + _DEADLINE_SLACK, self._rpc_timeout),
+            )
+        except RendezvousError as error:
+            if min_generation > 0 and error.code == grpc.StatusCode.NOT_FOUND:
+                raise RendezvousRemoved(str(error), error.code) from None
+            raise
+        return [
+            RankInfo(
+                rank=info.rank,
+                size=info.size,
+                local_rank=info.local_rank,
+                local_size=info.local_size,
+                cross_rank=info.cross_rank,
+                cross_size=info.cross_size,
+                generation=info.generation,
+            )
+            for info in response.ranks
+        ]
+
+    def multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes]:
+        """The keys' values in one call, waiting up to ``timeout`` seconds for all of them."""
+        keys = list(keys)
+        timeout_ms = _to_ms(timeout)
+        response = self._call(
+            f"multi_get({keys!r})" if len(keys) <= 5 else f"multi_get({len(keys)} keys)",
+            self._stub.MultiGet,
+            rendezvous_pb2.MultiGetRequest(keys=keys, timeout_ms=timeout_ms),
+            timeout=timeout_ms / 1000 + _DEADLINE_SLACK,
+        )
+        return list(response.values)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        """Sets every key in one call."""
+        keys = list(keys)
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        self._call(
+            f"multi_set({len(keys)} keys)",
+            self._stub.MultiSet,
+            rendezvous_pb2.MultiSetRequest(keys=keys, values=list(values)),
+        )
+
     def set(self, key: str, value: bytes) -> None:
         self._call(f"set({key!r})", self._stub.Set, rendezvous_pb2.SetRequest(key=key, value=value))
 
@@ -456,7 +531,28 @@ class RendezvousClient:
         with self._lock:
             if self._closed:
                 raise RendezvousError("rendezvous watch: the client is closed")
-            watch = _Watch(self, rank, on_lost, lost_after, on_generation)
+            watch = _Watch(self, [rank], on_lost, lost_after, on_generation)
+            self._watches.append(watch)
+        watch.start()
+
+    def watch_host(
+        self,
+        ranks: Sequence[int],
+        on_lost: Callable[[str], None],
+        *,
+        lost_after: float = 5.0,
+        on_generation: Callable[[int], None] | None = None,
+    ) -> None:
+        """:meth:`watch` for several ranks (one host's) on one stream: the server counts
+        each of them as watching while it is open."""
+        if lost_after <= 0:
+            raise ValueError(f"lost_after must be positive, got {lost_after}")
+        if not ranks:
+            raise ValueError("watch_host needs at least one rank")
+        with self._lock:
+            if self._closed:
+                raise RendezvousError("rendezvous watch: the client is closed")
+            watch = _Watch(self, ranks, on_lost, lost_after, on_generation, per_host=True)
             self._watches.append(watch)
         watch.start()
 
