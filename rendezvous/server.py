@@ -25,6 +25,7 @@ Why it looks the way it does:
   Publishing generation G fails every store call still waiting on a key of an older
   generation (``hvdrun/g<N>/...``, N < G) with ABORTED: a worker stuck bootstrapping a
   generation that can never complete moves on at once instead of waiting for its timeout.
+  Writes to such keys (a late or replaying client) are refused with ABORTED as well.
 * This module must not import torch: the CLI imports it and has to start fast.
 """
 
@@ -365,6 +366,13 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
                 if not waiter.done():
                     waiter.set_result(value)
 
+    async def _refuse_stale_write(self, key: str, context: grpc.aio.ServicerContext) -> None:
+        """A write to a superseded generation's keys (a late or replaying client) is refused
+        with ABORTED: nobody will read it, and it must not pile up in the store."""
+        old = _generation_of(key)
+        if old is not None and old < self._generation:
+            await self._abort_superseded(context, _Superseded(old, self._generation))
+
     def _check_value(self, key: str, value: bytes) -> str | None:
         if len(value) > self._max_value_bytes:
             return (
@@ -646,6 +654,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         error = self._check_value(request.key, request.value)
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        await self._refuse_stale_write(request.key, context)
         self._store(request.key, request.value)
         return rendezvous_pb2.Empty()
 
@@ -736,6 +745,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             error = self._check_value(key, value)
             if error is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            await self._refuse_stale_write(key, context)
         for key, value in zip(request.keys, request.values, strict=True):
             self._store(key, value)
         return rendezvous_pb2.Empty()
@@ -743,6 +753,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def Add(
         self, request: rendezvous_pb2.AddRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.AddResponse:
+        await self._refuse_stale_write(request.key, context)
         current = self._data.get(request.key, b"0")
         try:
             number = int(current.decode("ascii"))
@@ -767,6 +778,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         error = self._check_value(request.key, request.desired)
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        await self._refuse_stale_write(request.key, context)
         current = self._data.get(request.key)
         if current is None:
             # TCPStore: a missing key is set only when the caller expected it to be empty.
