@@ -155,7 +155,7 @@ def tls_server() -> Iterator[RendezvousServer]:
 
 
 def test_wrong_secret_over_tls(tls_server: RendezvousServer) -> None:
-    tls = tls_server._tls  # noqa: SLF001 - the certificate the server serves
+    tls = tls_server._tls  # the certificate it serves
     assert tls is not None
     addr = f"127.0.0.1:{tls_server.port}"
     with RendezvousClient(addr, "guessed", JOB_ID, cert_pem=tls.cert_pem) as bad:
@@ -214,10 +214,12 @@ def test_flood_of_connections_does_not_stop_the_job(
         errors: list[BaseException] = []
 
         def intruder() -> None:
-            with RendezvousClient(f"127.0.0.1:{server.port}", "x", JOB_ID) as bad:
-                with contextlib.suppress(RendezvousAuthError):
-                    bad.set("hostile/flood", b"x")
-                    errors.append(AssertionError("an unauthenticated set went through"))
+            with (
+                RendezvousClient(f"127.0.0.1:{server.port}", "x", JOB_ID) as bad,
+                contextlib.suppress(RendezvousAuthError),
+            ):
+                bad.set("hostile/flood", b"x")
+                errors.append(AssertionError("an unauthenticated set went through"))
 
         threads = [threading.Thread(target=intruder) for _ in range(50)]
         for thread in threads:
