@@ -40,6 +40,7 @@ __all__ = [
     "RANK",
     "RENDEZVOUS_ADDR",
     "RENDEZVOUS_CERT",
+    "RENDEZVOUS_RELAY",
     "SECRET",
     "connection_env",
     "flag",
@@ -94,6 +95,8 @@ GLOO_TIMEOUT_SECONDS = "GLOO_TIMEOUT_SECONDS"
 RENDEZVOUS_LOST_AFTER_SECONDS = "RENDEZVOUS_LOST_AFTER_SECONDS"
 #: Elastic jobs: "1" marks one; how long a worker waits for the next generation.
 ELASTIC = "ELASTIC"
+#: 0 turns the per-host rendezvous relay off (workers then dial the server themselves).
+RENDEZVOUS_RELAY = "RENDEZVOUS_RELAY"
 ELASTIC_TIMEOUT = "ELASTIC_TIMEOUT"
 
 _TRUE = frozenset(("1", "true", "yes", "on", "y", "t"))

@@ -26,7 +26,7 @@ import socket
 import sys
 import threading
 import time
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from launcher.agent.workers import Emit, HostAgent
 from launcher.spec.environment import worker_base_env
@@ -47,9 +47,55 @@ from launcher.transport.protocol import (
     decode_request,
     encode_event,
 )
-from rendezvous.addresses import interface_facing
+from rendezvous import worker_env
+from rendezvous.addresses import interface_facing, is_loopback, split_addr
+
+if TYPE_CHECKING:
+    from rendezvous.relay import HostRelay
 
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def start_relay(spec: AgentSpec, env: dict[str, str]) -> HostRelay | None:
+    """Multi-host fixed jobs: starts the host's rendezvous relay and points the workers at
+    it (see :mod:`rendezvous.relay`), so the server deals with one connection and one
+    heartbeat stream per host. None (workers dial the server) for jobs on this machine
+    alone, elastic jobs, ``HVDRUN_RENDEZVOUS_RELAY=0``, or when the relay cannot start."""
+    addr = env.get(worker_env.RENDEZVOUS_ADDR, "")
+    secret = env.get(worker_env.SECRET, "")
+    if not addr or not secret or not spec.workers:
+        return None
+    try:
+        if worker_env.flag(worker_env.ELASTIC, env) or (
+            worker_env.setting(worker_env.RENDEZVOUS_RELAY, env) == "0"
+        ):
+            return None
+        if is_loopback(split_addr(addr)[0]):
+            return None
+        lost_after = worker_env.number(
+            worker_env.RENDEZVOUS_LOST_AFTER_SECONDS, 5.0, strict=True, env=env
+        )
+    except ValueError:
+        return None  # the workers report the bad setting themselves
+    from rendezvous.relay import HostRelay  # gRPC: loaded only by agents of multi-host jobs
+
+    relay = HostRelay(
+        addr,
+        secret,
+        env.get(worker_env.JOB_ID, ""),
+        [worker.rank for worker in spec.workers],
+        cert_pem=env.get(worker_env.RENDEZVOUS_CERT) or None,
+        lost_after=lost_after,
+    )
+    try:
+        local = relay.start()
+    except Exception as error:
+        note(f"rendezvous relay did not start ({error}); workers dial the server")
+        relay.stop()
+        return None
+    env[worker_env.RENDEZVOUS_ADDR] = local
+    env.pop(worker_env.RENDEZVOUS_CERT, None)  # the local leg is a private Unix socket
+    return relay
 
 
 def network_env(env: dict[str, str], rendezvous_addr: str, emit: Emit) -> None:
@@ -159,15 +205,20 @@ def run(spec: AgentSpec, stdin: BinaryIO, emit: Emitter) -> int:
 
     env = worker_base_env(os.environ, spec.env)
     network_env(env, spec.rendezvous_addr, emit)
-    agent = HostAgent(spec, env, emit)
-    agent.start()
-    while not control.stop.is_set() and not emit.broken.is_set():
-        if agent.wait(timeout=0.1):
-            break
-    if control.stop.is_set() or emit.broken.is_set():
-        reason = control.reason or "hvdrun stopped reading"
-        note(f"stopping workers: {reason}")
-        agent.terminate(grace=0.0 if control.kill else None)
+    relay = start_relay(spec, env)
+    try:
+        agent = HostAgent(spec, env, emit)
+        agent.start()
+        while not control.stop.is_set() and not emit.broken.is_set():
+            if agent.wait(timeout=0.1):
+                break
+        if control.stop.is_set() or emit.broken.is_set():
+            reason = control.reason or "hvdrun stopped reading"
+            note(f"stopping workers: {reason}")
+            agent.terminate(grace=0.0 if control.kill else None)
+    finally:
+        if relay is not None:
+            relay.stop()
     emit.try_emit(Done(), timeout=5.0)
     return 0
 

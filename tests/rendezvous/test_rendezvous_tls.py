@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -175,8 +176,31 @@ def _non_loopback_address() -> str | None:
 
 
 def test_hvdrun_serves_tls_when_the_rendezvous_leaves_loopback() -> None:
-    """A job whose rendezvous listens on a network address: workers get the certificate in
-    their environment and register over TLS."""
+    """A job whose rendezvous listens on a network address: the server speaks TLS, the
+    host's relay dials it with the job's certificate, the workers register through the relay."""
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    script = ROOT / "tests" / "launcher" / "scripts" / "register.py"
+    show = "import os; print('addr', os.environ['HVDRUN_RENDEZVOUS_ADDR'][:5])"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "hvdrun", "-np", "2", "--rendezvous-addr", address),
+            *("sh", "-c", f'{sys.executable} -c "{show}" && {sys.executable} {script}'),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        # Workers reach the (TLS) server through their host's relay, on a Unix socket.
+        assert f"[{rank}]<stdout>:addr unix:" in result.stdout
+        assert f"[{rank}]<stdout>:registered rank {rank}" in result.stdout
+
+
+def test_without_relay_workers_get_the_certificate() -> None:
     address = _non_loopback_address()
     if address is None:
         pytest.skip("this machine has no non-loopback IPv4 address")
@@ -191,6 +215,7 @@ def test_hvdrun_serves_tls_when_the_rendezvous_leaves_loopback() -> None:
         text=True,
         timeout=60,
         cwd=ROOT,
+        env={**os.environ, "HVDRUN_RENDEZVOUS_RELAY": "0"},
     )
     assert result.returncode == 0, result.stderr
     for rank in range(2):
