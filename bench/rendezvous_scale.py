@@ -12,9 +12,11 @@ simulated rank has its own connection, as real workers do. Patterns:
 * ``gloo``: Gloo's full-mesh bootstrap on top: every rank sets its address and reads all
   N-1 others (``per-key``: one Get per peer, what torch's Gloo does on a store without the
   extended API; ``batched``: one MultiGet of all peers).
-* ``host``: the per-host path (``--aggregate``): one agent per host registers its local
-  ranks in one call, holds one Watch stream for them and reads job-wide keys once for the
-  host; workers are served locally by the agent, so the server sees hosts, not ranks.
+* ``relay``: what the server sees from hosts whose agents relay their workers
+  (:mod:`rendezvous.relay`, multi-host jobs): one connection and one WatchHost stream per
+  host, the workers' own Registers and Barriers, one Get of the unique id per host.
+* ``host``: the fully per-host protocol: one RegisterHost, one WatchHost and one barrier
+  arrival per host (what a relay that also batched registrations and barriers would send).
 
 After the init, the Watch streams stay open for ``--window`` seconds: the server's CPU in
 that window is the steady heartbeat cost.
@@ -199,7 +201,7 @@ async def _grpc_ranks(plan: Plan, mine: list[int], start: Any, report: Any, rele
 
     # Connected before the clock starts, like the TCPStore clients: the table measures the
     # rendezvous calls, not TCP and TLS handshakes.
-    per_host = plan.pattern == "host"
+    per_host = plan.pattern in ("host", "relay")
     owners = sorted({rank // LOCAL_SIZE for rank in mine}) if per_host else mine
     channels = {owner: channel() for owner in owners}
     await asyncio.gather(*(ch.channel_ready() for ch in channels.values()))
@@ -247,6 +249,9 @@ async def _grpc_ranks(plan: Plan, mine: list[int], start: Any, report: Any, rele
         nonlocal rpcs
         stub = rendezvous_pb2_grpc.RendezvousStub(channels[host])
         n = plan.ranks
+        if plan.pattern == "relay":
+            await relayed_host(stub, host, ranks)
+            return
         infos = await stub.RegisterHost(
             pb.RegisterHostRequest(host=f"h{host}", local_ranks=[r % LOCAL_SIZE for r in ranks]),
             metadata=metadata,
@@ -267,6 +272,39 @@ async def _grpc_ranks(plan: Plan, mine: list[int], start: Any, report: Any, rele
         rpcs += 1
 
     report.put(("ready",))
+
+    async def relayed_host(stub: Any, host: int, ranks: list[int]) -> None:
+        # What rendezvous.relay sends for a host: its workers' own Registers and Barriers,
+        # one WatchHost stream, and their identical reads of the unique id as one Get.
+        nonlocal rpcs
+        n = plan.ranks
+        infos = await asyncio.gather(
+            *(
+                stub.Register(
+                    pb.RegisterRequest(host=f"h{host}", local_rank=r % LOCAL_SIZE),
+                    metadata=metadata,
+                )
+                for r in ranks
+            )
+        )
+        assert [info.rank for info in infos] == ranks
+        watch = stub.WatchHost(pb.WatchHostRequest(ranks=ranks), metadata=metadata)
+        watches.append(asyncio.ensure_future(drain(watch)))
+        if 0 in ranks:
+            await stub.Set(pb.SetRequest(key="uid", value=b"u" * UID_BYTES), metadata=metadata)
+        else:
+            await stub.Get(pb.GetRequest(key="uid", timeout_ms=timeout_ms), metadata=metadata)
+        await asyncio.gather(
+            *(
+                stub.Barrier(
+                    pb.BarrierRequest(name="init", participants=n, timeout_ms=timeout_ms),
+                    metadata=metadata,
+                )
+                for _ in ranks
+            )
+        )
+        rpcs += 2 * len(ranks) + 2
+
     await asyncio.get_running_loop().run_in_executor(None, start.wait)
     if per_host:
         hosts = sorted({rank // LOCAL_SIZE for rank in mine})
@@ -454,7 +492,7 @@ def main() -> None:
     parser.add_argument("--tls", action="store_true", help="the rendezvous server uses TLS")
     parser.add_argument("--ranks", default="256,1024,4096")
     parser.add_argument("--gloo-ranks", default="256")
-    parser.add_argument("--pattern", default="nccl,gloo")
+    parser.add_argument("--pattern", default="nccl,relay,host,gloo,gloo-batched")
     parser.add_argument("--stores", default="rendezvous,tcpstore")
     parser.add_argument("--procs", type=int, default=8, help="load processes")
     parser.add_argument("--window", type=float, default=3.0, help="heartbeat window, s")
@@ -470,7 +508,7 @@ def main() -> None:
         sizes = args.gloo_ranks if pattern.startswith("gloo") else args.ranks
         for ranks in (int(n) for n in sizes.split(",")):
             for store in args.stores.split(","):
-                if store == "tcpstore" and pattern in ("host", "gloo-batched"):
+                if store == "tcpstore" and pattern in ("host", "relay", "gloo-batched"):
                     continue
                 result = measure(store, pattern, ranks, args.procs, args.window, args.tls)
                 print(_row(result), flush=True)
