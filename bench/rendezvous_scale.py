@@ -14,7 +14,7 @@ simulated rank has its own connection, as real workers do. Patterns:
   extended API; ``batched``: one MultiGet of all peers).
 * ``relay``: what the server sees from hosts whose agents relay their workers
   (:mod:`rendezvous.relay`, multi-host jobs): one connection and one WatchHost stream per
-  host, the workers' own Registers and Barriers, one Get of the unique id per host.
+  host, one RegisterHost and one Get of the unique id per host, each worker's own barrier.
 * ``host``: the fully per-host protocol: one RegisterHost, one WatchHost and one barrier
   arrival per host (what a relay that also batched registrations and barriers would send).
 
@@ -274,20 +274,16 @@ async def _grpc_ranks(plan: Plan, mine: list[int], start: Any, report: Any, rele
     report.put(("ready",))
 
     async def relayed_host(stub: Any, host: int, ranks: list[int]) -> None:
-        # What rendezvous.relay sends for a host: its workers' own Registers and Barriers,
-        # one WatchHost stream, and their identical reads of the unique id as one Get.
+        # What rendezvous.relay sends for a host: its workers' Registers as one RegisterHost,
+        # one WatchHost stream, their identical reads of the unique id as one Get, and each
+        # worker's own barrier arrival.
         nonlocal rpcs
         n = plan.ranks
-        infos = await asyncio.gather(
-            *(
-                stub.Register(
-                    pb.RegisterRequest(host=f"h{host}", local_rank=r % LOCAL_SIZE),
-                    metadata=metadata,
-                )
-                for r in ranks
-            )
+        infos = await stub.RegisterHost(  # the host's workers' Registers, arriving together
+            pb.RegisterHostRequest(host=f"h{host}", local_ranks=[r % LOCAL_SIZE for r in ranks]),
+            metadata=metadata,
         )
-        assert [info.rank for info in infos] == ranks
+        assert [info.rank for info in infos.ranks] == ranks
         watch = stub.WatchHost(pb.WatchHostRequest(ranks=ranks), metadata=metadata)
         watches.append(asyncio.ensure_future(drain(watch)))
         if 0 in ranks:
@@ -303,7 +299,7 @@ async def _grpc_ranks(plan: Plan, mine: list[int], start: Any, report: Any, rele
                 for _ in ranks
             )
         )
-        rpcs += 2 * len(ranks) + 2
+        rpcs += len(ranks) + 3
 
     await asyncio.get_running_loop().run_in_executor(None, start.wait)
     if per_host:

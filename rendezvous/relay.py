@@ -14,7 +14,8 @@ this relay instead (``launcher.agent``), so the server sees hosts, not ranks:
   silent for ``lost_after`` seconds, every local stream ends with SHUTDOWN at once: a worker
   notices a lost job within the same bound as with a stream of its own.
 * Reads of the same key by several local workers at once (the NCCL unique id, a peer's
-  Gloo address) go to the server once; every waiting worker gets that answer.
+  Gloo address) go to the server once; every waiting worker gets that answer. Registers of
+  the host's workers that arrive within a few milliseconds go as one ``RegisterHost``.
 
 Only fixed (non-elastic) jobs use it: the host's ranks are known when it starts.
 This module must not import torch.
@@ -47,6 +48,14 @@ _SERVICE = rendezvous_pb2.DESCRIPTOR.services_by_name["Rendezvous"]
 _PREFIX = f"/{_SERVICE.full_name}/"
 _STREAMING = {method.name for method in _SERVICE.methods if method.server_streaming}
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+#: How long the relay holds a worker's Register for the host's other workers to join it.
+_REGISTER_WINDOW = 0.02
+#: (host, min_generation, timeout_ms, metadata) of Registers that can go as one RegisterHost
+_BatchKey = tuple[str, int, int, tuple[tuple[str, str], ...]]
+#: a waiting Register: (local rank, its request, where its answer goes)
+_Pending = tuple[int, bytes, "asyncio.Future[bytes]"]
 
 
 class _Failed(Exception):
@@ -92,6 +101,8 @@ class HostRelay:
         self._server: grpc.aio.Server | None = None
         self._calls: dict[str, Any] = {}
         self._inflight: dict[tuple[bytes, tuple[tuple[str, str], ...]], asyncio.Future[bytes]] = {}
+        self._batches: dict[_BatchKey, list[_Pending]] = {}
+        self._tasks: set[asyncio.Future[None]] = set()
         self._pulse = asyncio.Event()
         self._ended: str | None = None  # why the upstream stream ended (then every Watch ends)
         self._generation = 0
@@ -255,7 +266,10 @@ class HostRelay:
         metadata: tuple[tuple[str, str], ...],
         timeout: float | None,
     ) -> bytes:
-        """One call to the server; concurrent identical Gets share one."""
+        """One call to the server; concurrent identical Gets share one, and Registers of
+        this host's workers that arrive together go as one RegisterHost."""
+        if method == "Register":
+            return await self._register(request, metadata, timeout)
         if method != "Get":
             return await self._send(method, request, metadata, timeout)
         key = (request, metadata)
@@ -266,6 +280,65 @@ class HostRelay:
             )
             shared.add_done_callback(lambda _: self._inflight.pop(key, None))
         return await asyncio.shield(shared)
+
+    async def _register(
+        self, request: bytes, metadata: tuple[tuple[str, str], ...], timeout: float | None
+    ) -> bytes:
+        try:
+            parsed = rendezvous_pb2.RegisterRequest.FromString(request)
+        except Exception:  # the server gives the malformed request its answer
+            return await self._send("Register", request, metadata, timeout)
+        if parsed.HasField("rank"):  # placed by another launcher: the server waits for all
+            return await self._send("Register", request, metadata, timeout)
+        key = (parsed.host, parsed.min_generation, parsed.timeout_ms, metadata)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = []
+            self._loop.call_later(_REGISTER_WINDOW, self._flush_registers, key, timeout)
+        waiter: asyncio.Future[bytes] = self._loop.create_future()
+        batch.append((parsed.local_rank, request, waiter))
+        if len(batch) >= len(self._ranks):  # every local worker is here: no need to wait
+            self._flush_registers(key, timeout)
+        return await waiter
+
+    def _flush_registers(self, key: _BatchKey, timeout: float | None) -> None:
+        batch = self._batches.pop(key, None)
+        if batch:
+            task = asyncio.ensure_future(self._register_batch(key, batch, timeout))
+            self._tasks.add(task)  # held until done: the loop keeps only weak references
+            task.add_done_callback(self._tasks.discard)
+
+    async def _register_batch(
+        self, key: _BatchKey, batch: list[_Pending], timeout: float | None
+    ) -> None:
+        host, min_generation, timeout_ms, metadata = key
+        if len(batch) > 1:
+            request = rendezvous_pb2.RegisterHostRequest(
+                host=host,
+                local_ranks=[local_rank for local_rank, _, _ in batch],
+                min_generation=min_generation,
+                timeout_ms=timeout_ms,
+            )
+            try:
+                answer = await self._send(
+                    "RegisterHost", request.SerializeToString(), metadata, timeout
+                )
+                infos = rendezvous_pb2.RegisterHostResponse.FromString(answer).ranks
+                for (_, _, waiter), info in zip(batch, infos, strict=True):
+                    if not waiter.done():
+                        waiter.set_result(info.SerializeToString())
+                return
+            except Exception:
+                pass  # each worker gets its own answer (and its own error) below
+        for _, request_bytes, waiter in batch:
+            try:
+                result = await self._send("Register", request_bytes, metadata, timeout)
+            except Exception as error:
+                if not waiter.done():
+                    waiter.set_exception(error)
+            else:
+                if not waiter.done():
+                    waiter.set_result(result)
 
     async def _send(
         self,

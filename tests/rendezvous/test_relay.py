@@ -43,9 +43,22 @@ def test_workers_through_the_relay_meet_workers_without_one(
     direct = [RendezvousClient(f"127.0.0.1:{served.port}", SECRET, JOB_ID) for _ in range(2)]
     results: dict[int, bytes] = {}
     try:
-        infos = [local[i].register("host-a", i) for i in range(2)]
+        before = relay.upstream_calls
+        registered: dict[int, object] = {}
+        threads = [
+            threading.Thread(
+                target=lambda i=i: registered.update({i: local[i].register("host-a", i)})
+            )
+            for i in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        assert relay.upstream_calls - before == 1  # both Registers went as one RegisterHost
+        infos = [registered[0], registered[1]]
         infos += [direct[i].register("host-b", i) for i in range(2)]
-        assert [info.rank for info in infos] == [0, 1, 2, 3]
+        assert [info.rank for info in infos] == [0, 1, 2, 3]  # type: ignore[attr-defined]
         lost: list[str] = []
         for i, client in enumerate(local):
             client.watch(i, lost.append, lost_after=2)
