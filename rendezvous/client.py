@@ -21,15 +21,22 @@ This module must not import torch.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 
-from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY, rendezvous_pb2, rendezvous_pb2_grpc
+from rendezvous import (
+    JOB_METADATA_KEY,
+    TOKEN_METADATA_KEY,
+    rendezvous_pb2,
+    rendezvous_pb2_grpc,
+    worker_env,
+)
 from rendezvous.tls import TARGET_NAME, channel_credentials
 
 __all__ = [
@@ -267,6 +274,27 @@ class RendezvousClient:
 
     def __repr__(self) -> str:  # never shows the secret
         return f"RendezvousClient(addr={self.addr!r})"
+
+    @classmethod
+    def from_environment(
+        cls, env: Mapping[str, str] | None = None, *, rpc_timeout: float = 30.0
+    ) -> RendezvousClient:
+        """The client of a worker that hvdrun started: through its host's relay where there
+        is one (``HVDRUN_RENDEZVOUS_RELAY_ADDR``), else to the server itself, over TLS with
+        the job's certificate where it speaks TLS (``HVDRUN_RENDEZVOUS_CERT``)."""
+        env = os.environ if env is None else env
+        secret = env.get(worker_env.SECRET, "")
+        job_id = env.get(worker_env.JOB_ID, "")
+        relay = env.get(worker_env.RENDEZVOUS_RELAY_ADDR)
+        if relay:  # a private local socket: no TLS on this leg
+            return cls(relay, secret, job_id, rpc_timeout=rpc_timeout)
+        return cls(
+            env[worker_env.RENDEZVOUS_ADDR],
+            secret,
+            job_id,
+            rpc_timeout=rpc_timeout,
+            cert_pem=env.get(worker_env.RENDEZVOUS_CERT) or None,
+        )
 
     # ---- plumbing -------------------------------------------------------------------
 

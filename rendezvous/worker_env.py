@@ -41,6 +41,7 @@ __all__ = [
     "RENDEZVOUS_ADDR",
     "RENDEZVOUS_CERT",
     "RENDEZVOUS_RELAY",
+    "RENDEZVOUS_RELAY_ADDR",
     "SECRET",
     "connection_env",
     "flag",
@@ -78,6 +79,9 @@ SECRET = "HVDRUN_SECRET"
 #: The job's TLS certificate (PEM) where the rendezvous speaks TLS (multi-host jobs); public,
 #: but it travels with the secret so that a worker trusts exactly its own job's server.
 RENDEZVOUS_CERT = "HVDRUN_RENDEZVOUS_CERT"
+#: Multi-host jobs: the host's rendezvous relay (``unix:...``), which workers dial instead of
+#: ``HVDRUN_RENDEZVOUS_ADDR`` (that stays the server's address).
+RENDEZVOUS_RELAY_ADDR = "HVDRUN_RENDEZVOUS_RELAY_ADDR"
 #: Elastic jobs: the membership generation a worker was started for.
 GENERATION = "HVDRUN_GENERATION"
 

@@ -57,10 +57,11 @@ IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def start_relay(spec: AgentSpec, env: dict[str, str]) -> HostRelay | None:
-    """Multi-host fixed jobs: starts the host's rendezvous relay and points the workers at
-    it (see :mod:`rendezvous.relay`), so the server deals with one connection and one
-    heartbeat stream per host. None (workers dial the server) for jobs on this machine
-    alone, elastic jobs, ``HVDRUN_RENDEZVOUS_RELAY=0``, or when the relay cannot start."""
+    """Multi-host fixed jobs: starts the host's rendezvous relay and points the workers at it
+    (``HVDRUN_RENDEZVOUS_RELAY_ADDR``, see :mod:`rendezvous.relay`), so the server deals with
+    one connection and one heartbeat stream per host. None (workers dial the server) for
+    jobs on this machine alone, elastic jobs, ``HVDRUN_RENDEZVOUS_RELAY=0``, or when the
+    relay cannot start."""
     addr = env.get(worker_env.RENDEZVOUS_ADDR, "")
     secret = env.get(worker_env.SECRET, "")
     if not addr or not secret or not spec.workers:
@@ -93,8 +94,7 @@ def start_relay(spec: AgentSpec, env: dict[str, str]) -> HostRelay | None:
         note(f"rendezvous relay did not start ({error}); workers dial the server")
         relay.stop()
         return None
-    env[worker_env.RENDEZVOUS_ADDR] = local
-    env.pop(worker_env.RENDEZVOUS_CERT, None)  # the local leg is a private Unix socket
+    env[worker_env.RENDEZVOUS_RELAY_ADDR] = local
     return relay
 
 

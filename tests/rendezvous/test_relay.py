@@ -142,7 +142,7 @@ def test_hvd_init_through_the_relay_over_tls() -> None:
     code = (
         "import os, torch; import collectives.torch as hvd; hvd.init(); "
         "s = hvd.allreduce(torch.tensor(float(hvd.rank() + 1)), op=hvd.Sum).item(); "
-        "print('via', os.environ['HVDRUN_RENDEZVOUS_ADDR'][:5], 'sum', s); hvd.shutdown()"
+        "print('via', os.environ['HVDRUN_RENDEZVOUS_RELAY_ADDR'][:5], 'sum', s); hvd.shutdown()"
     )
     result = subprocess.run(
         [

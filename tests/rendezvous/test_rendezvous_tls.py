@@ -182,7 +182,10 @@ def test_hvdrun_serves_tls_when_the_rendezvous_leaves_loopback() -> None:
     if address is None:
         pytest.skip("this machine has no non-loopback IPv4 address")
     script = ROOT / "tests" / "launcher" / "scripts" / "register.py"
-    show = "import os; print('addr', os.environ['HVDRUN_RENDEZVOUS_ADDR'][:5])"
+    show = (
+        "import os; e = os.environ; "
+        "print('via', e['HVDRUN_RENDEZVOUS_RELAY_ADDR'][:5], e['HVDRUN_RENDEZVOUS_CERT'][:27])"
+    )
     result = subprocess.run(
         [
             *(sys.executable, "-m", "hvdrun", "-np", "2", "--rendezvous-addr", address),
@@ -196,7 +199,7 @@ def test_hvdrun_serves_tls_when_the_rendezvous_leaves_loopback() -> None:
     assert result.returncode == 0, result.stderr
     for rank in range(2):
         # Workers reach the (TLS) server through their host's relay, on a Unix socket.
-        assert f"[{rank}]<stdout>:addr unix:" in result.stdout
+        assert f"[{rank}]<stdout>:via unix: -----BEGIN CERTIFICATE-----" in result.stdout
         assert f"[{rank}]<stdout>:registered rank {rank}" in result.stdout
 
 

@@ -207,10 +207,9 @@ def init_from_rendezvous(
     # Imported here: the size-1 path must work without the rendezvous (and gRPC) loaded.
     from rendezvous.client import RendezvousClient
 
-    secret = os.environ.get(worker_env.SECRET, "")
-    job_id = os.environ.get(worker_env.JOB_ID, "")
-    cert_pem = os.environ.get(worker_env.RENDEZVOUS_CERT) or None
-    client = RendezvousClient(addr, secret, job_id, cert_pem=cert_pem)
+    # Multi-host jobs: the host's relay (a local Unix socket) carries the calls to the server.
+    client = RendezvousClient.from_environment({**os.environ, worker_env.RENDEZVOUS_ADDR: addr})
+    addr = client.addr
     runtime_ = RuntimeState(
         topology=Topology(0, 1, 0, 1, 0, 1),
         backend=backend,
