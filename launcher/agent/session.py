@@ -62,6 +62,7 @@ def start_relay(spec: AgentSpec, env: dict[str, str]) -> HostRelay | None:
     one connection and one heartbeat stream per host. None (workers dial the server) for
     jobs on this machine alone, elastic jobs, ``HVDRUN_RENDEZVOUS_RELAY=0``, or when the
     relay cannot start."""
+    env.pop(worker_env.RENDEZVOUS_RELAY_ADDR, None)  # only ever this agent's own relay
     addr = env.get(worker_env.RENDEZVOUS_ADDR, "")
     secret = env.get(worker_env.SECRET, "")
     if not addr or not secret or not spec.workers:

@@ -165,3 +165,50 @@ def test_hvd_init_through_the_relay_over_tls() -> None:
     assert result.returncode == 0, result.stderr
     for rank in range(2):
         assert f"[{rank}]<stdout>:via unix: sum 3.0" in result.stdout
+
+
+def test_agent_starts_a_relay_only_for_a_fixed_job_that_leaves_this_machine(
+    served: RendezvousServer,
+) -> None:
+    from launcher.agent.session import start_relay
+    from launcher.transport.protocol import AgentSpec, WorkerLaunch
+    from rendezvous import worker_env
+
+    def decide(addr: str, **extra: str) -> tuple[HostRelay | None, dict[str, str]]:
+        env = {
+            worker_env.RENDEZVOUS_ADDR: addr,
+            worker_env.SECRET: SECRET,
+            worker_env.JOB_ID: JOB_ID,
+            worker_env.RENDEZVOUS_RELAY_ADDR: "unix:/stale",
+            **extra,
+        }
+        spec = AgentSpec(
+            hostname="host-a",
+            command=["true"],
+            cwd="/",
+            env=dict(env),
+            workers=[WorkerLaunch(rank=r, env={}) for r in (0, 1)],
+            rendezvous_addr=addr,
+        )
+        return start_relay(spec, env), env
+
+    port = served.port
+    for addr, extra in (
+        (f"127.0.0.1:{port}", {}),  # this machine alone
+        (f"localhost-free.invalid:{port}", {"HVDRUN_ELASTIC": "1"}),
+        (f"localhost-free.invalid:{port}", {"HVDRUN_RENDEZVOUS_RELAY": "0"}),
+    ):
+        relay, env = decide(addr, **extra)
+        assert relay is None, addr
+        assert worker_env.RENDEZVOUS_RELAY_ADDR not in env  # no stale address survives
+    # A name, not a loopback address: the job spans machines, so the relay runs.
+    relay, env = decide(f"localhost:{port}")
+    assert relay is not None
+    try:
+        assert env[worker_env.RENDEZVOUS_RELAY_ADDR] == relay.addr
+        assert env[worker_env.RENDEZVOUS_ADDR] == f"localhost:{port}"  # still the server
+        with RendezvousClient.from_environment(env) as client:
+            assert client.addr == relay.addr
+            assert client.register("host-a", 1).rank == 1
+    finally:
+        relay.stop()
