@@ -393,6 +393,12 @@ def root_index(root_rank: Any, group: Group, what: str) -> int:
         ) from None
 
 
+def _split(value: Any) -> int:
+    if isinstance(value, bool):  # an int to Python, not a row count
+        raise TypeError("bool")
+    return operator.index(value)
+
+
 def submit_alltoall(
     tensor: torch.Tensor,
     splits: Any,
@@ -406,7 +412,7 @@ def submit_alltoall(
     else:
         raw = splits.tolist() if isinstance(splits, torch.Tensor) else splits
         try:
-            values = [operator.index(v) for v in raw]
+            values = [_split(v) for v in raw]
         except TypeError:
             raise InvalidSplitsError(
                 f"alltoall: splits must be integers (a list or an integer tensor), got {raw!r}"

@@ -312,15 +312,14 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
                 if bucket.handle is not None and bucket.handle is not NOTHING:
                     self._hvd_finish(bucket)
             # Sparse gradients: every rank's indices and values allgathered, all at once.
-            sparse = [
-                (
-                    param,
-                    ops.submit_sparse_allreduce(
-                        param.grad, self._hvd_op, self._hvd_process_set, self._hvd_names[param]
-                    ),
+            sparse = []
+            for param in self._hvd_sparse:
+                assert param.grad is not None
+                name = self._hvd_names[param]
+                handle = ops.submit_sparse_allreduce(
+                    param.grad, self._hvd_op, self._hvd_process_set, name
                 )
-                for param in self._hvd_sparse
-            ]
+                sparse.append((param, handle))
             for param, handle in sparse:
                 param.grad = handle.wait()
             self._hvd_resparsify()
