@@ -221,6 +221,18 @@ def test_ops_join_does_not_support_are_refused_while_a_rank_has_joined() -> None
     assert check(touched[0], [0, 1, 2], table.joined) is None  # allreduce goes on
 
 
+def test_root_mismatch_in_a_process_set_names_global_ranks() -> None:
+    from collectives.torch.errors import TensorMismatchError
+
+    # Set [1, 3]: rank 1 passed root_rank=1 (position 0), rank 3 root_rank=3 (position 1).
+    entry = Entry(Kind.BROADCAST, "broadcast.b", 1, (1, "broadcast.b"), 0, 0.0)
+    entry.sigs = {1: sig(Kind.BROADCAST, (0,), torch.ones(2)), 3: sig(Kind.BROADCAST, (1,),
+                                                                       torch.ones(2))}  # fmt: skip
+    error = check(entry, [1, 3], {})
+    assert isinstance(error, TensorMismatchError)
+    assert str(error) == "broadcast 'b': ranks disagree on the root_rank: rank 1: 1; rank 3: 3"
+
+
 def _work(name: str, order: int, kind: Kind, common: tuple[Any, ...], *tensors: torch.Tensor,
           set_id: int = 0) -> Work:  # fmt: skip
     text = sig(kind, common, *tensors)

@@ -41,6 +41,7 @@ EVERY_RANK = [
     "root.outside.broadcast_object",
     "root.outside.broadcast_parameters",
     "root.outside.set_usable_after",
+    "root.mismatch_in_set",
     "root.out_of_job",
     "grad.reducescatter.sum",
     "grad.reducescatter.average",

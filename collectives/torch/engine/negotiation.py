@@ -269,6 +269,10 @@ def check(entry: Entry, members: list[int], joined: dict[int, int]) -> Collectiv
     first = next(values)
     for sig in values:
         if sig != first:
+            if entry.kind == Kind.BROADCAST:
+                roots = _root_mismatch(entry, members)
+                if roots is not None:
+                    return TensorMismatchError(roots)
             return TensorMismatchError(describe_mismatch(entry.kind, entry.name, sigs))
     if joined and entry.kind in _JOIN_UNSUPPORTED:
         gone = [r for r in members if r in joined]
@@ -290,3 +294,16 @@ def check(entry: Entry, members: list[int], joined: dict[int, int]) -> Collectiv
                 f"process set (size {len(members)})"
             )
     return None
+
+
+def _root_mismatch(entry: Entry, members: list[int]) -> str | None:
+    """Ranks that disagree on a broadcast's root, named by global ranks as the callers
+    passed them (requests carry the root's position in the set)."""
+    roots: dict[int, int] = {}
+    for rank_, sig in entry.sigs.items():
+        index = int(parse_signature(entry.kind, sig).common[0])
+        roots[rank_] = members[index] if 0 <= index < len(members) else index
+    if len(set(roots.values())) < 2:
+        return None
+    shown = "; ".join(f"rank {rank_}: {root}" for rank_, root in sorted(roots.items()))
+    return f"{label(entry.kind, entry.name)}: ranks disagree on the root_rank: {shown}"

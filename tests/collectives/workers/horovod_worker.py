@@ -213,6 +213,16 @@ def main() -> None:
                 )
             got = hvd.broadcast(torch.tensor([r]), root_rank=root, process_set=tail)
             c.equal("root.outside.set_usable_after", got, torch.tensor([root]))
+            # Members that disagree on the root: the message names the global ranks passed.
+            if len(tail.ranks) > 1:
+                raises(
+                    "root.mismatch_in_set",
+                    lambda: hvd.broadcast(torch.ones(1), r, process_set=tail, name="r.mm"),
+                    hvd.TensorMismatchError,
+                    ["root_rank", *(f"rank {q}: {q}" for q in tail.ranks)],
+                )
+            else:
+                c.expect("root.mismatch_in_set", True)
         else:
             for name in (
                 "broadcast",
@@ -226,6 +236,7 @@ def main() -> None:
             for name in ("broadcast", "broadcast_object", "broadcast_parameters"):
                 c.expect(f"root.outside.{name}", True)
             c.expect("root.outside.set_usable_after", True)
+            c.expect("root.mismatch_in_set", True)
         raises(
             "root.out_of_job",
             lambda: hvd.broadcast(torch.ones(1), root_rank=n),
