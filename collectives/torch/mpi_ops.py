@@ -573,7 +573,10 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 def join(device: int = -1) -> int:
     """Declares this rank done: until every rank has joined, it takes part in the others'
-    collectives with neutral values (zeros for Sum/Average). Returns the last rank to join."""
+    allreduces with neutral values (zeros for Sum/Average) and lets their barriers pass.
+    As in Horovod, an allgather, broadcast, alltoall or reducescatter that involves a
+    joined rank raises :class:`NotSupportedWithJoinError` on the ranks that called it.
+    Returns the last rank to join."""
     runtime.engine("hvd.join()")
     result: int = ops.submit(Kind.JOIN, "join", global_process_set, [], []).wait()
     return result
