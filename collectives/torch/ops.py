@@ -374,8 +374,12 @@ def root_index(root_rank: Any, group: Group, what: str) -> int:
     """The position in the process set of ``root_rank``, a *global* rank as in Horovod
     (``hvd.broadcast(t, root_rank=3, process_set=hvd.ProcessSet([1, 3]))`` sends rank 3's
     tensor); ValueError, on every member that passes it, for a rank outside the set."""
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
-        raise TypeError(f"{what}: root_rank must be an int, got {type(root_rank).__name__}")
+    try:
+        root_rank = _integer(root_rank)
+    except TypeError:
+        raise TypeError(
+            f"{what}: root_rank must be an int, got {type(root_rank).__name__}"
+        ) from None
     ranks = group.ranks
     if group.process_set_id == 0:
         if not 0 <= root_rank < len(ranks):
@@ -393,8 +397,9 @@ def root_index(root_rank: Any, group: Group, what: str) -> int:
         ) from None
 
 
-def _split(value: Any) -> int:
-    if isinstance(value, bool):  # an int to Python, not a row count
+def _integer(value: Any) -> int:
+    """An int from anything integral (numpy and 0-d torch integers too), but not a bool."""
+    if isinstance(value, bool):  # an int to Python, not a rank or a row count
         raise TypeError("bool")
     return operator.index(value)
 
@@ -412,7 +417,7 @@ def submit_alltoall(
     else:
         raw = splits.tolist() if isinstance(splits, torch.Tensor) else splits
         try:
-            values = [_split(v) for v in raw]
+            values = [_integer(v) for v in raw]
         except TypeError:
             raise InvalidSplitsError(
                 f"alltoall: splits must be integers (a list or an integer tensor), got {raw!r}"
