@@ -332,7 +332,7 @@ def submit_sparse_allreduce(
     shape = sparse.shape
 
     def combine(request: Request) -> torch.Tensor:
-        indices, values = request.outputs
+        indices, values, _ = request.outputs
         if divisor != 1:
             values = values / divisor
         # Indices travelled transposed: (nnz, sparse_dim), so that dim 0 is the ragged one.
@@ -341,7 +341,12 @@ def submit_sparse_allreduce(
 
     # allgather concatenates along dim 0, so the (sparse_dim, nnz) indices travel transposed.
     indices = sparse.indices().t().contiguous()
-    return submit_allgather([indices, sparse.values().contiguous()], process_set, name, combine)
+    # An empty tensor whose dims after the first are the sparse tensor's shape: it moves no
+    # data, but ranks whose tensors have different shapes now fail negotiation's check (a
+    # TensorMismatchError) instead of combining indices that are out of range.
+    shape_check = torch.empty((0, *shape), dtype=torch.uint8, device=indices.device)
+    tensors = [indices, sparse.values().contiguous(), shape_check]
+    return submit_allgather(tensors, process_set, name, combine)
 
 
 def _describe_value(value: Any) -> str:

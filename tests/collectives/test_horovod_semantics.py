@@ -54,6 +54,8 @@ EVERY_RANK = [
     "sparse.sum.is_sparse",
     "sparse.callable",
     "sparse.process_set",
+    "sparse.shape_mismatch",
+    "sparse.shape_mismatch.class",
     "sparse.dense_refused",
     "optimizer_state.partial.params_with_state",
     "optimizer_state.partial.no_grad_left",

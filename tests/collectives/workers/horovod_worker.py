@@ -302,6 +302,17 @@ def main() -> None:
             c.close("sparse.process_set", hvd.synchronize(handle).to_dense(), want, 1e-6)
         else:
             c.expect("sparse.process_set", True)
+        # Tensors of different shapes (an embedding of another size): a mismatch, as for
+        # dense ops, not indices combined out of range.
+        error = raises(
+            "sparse.shape_mismatch",
+            lambda: hvd.synchronize(
+                hvd.sparse_allreduce_async(torch.ones(4 + r, 2).to_sparse(1), "s.shape", hvd.Sum)
+            ),
+            hvd.TensorMismatchError,
+            ["allgather 's.shape'", "shape"],
+        )
+        program_error("sparse.shape_mismatch", error, hvd.TensorMismatchError)
         raises(
             "sparse.dense_refused",
             lambda: hvd.sparse_allreduce_async(torch.ones(2), "s.dense", hvd.Sum),
