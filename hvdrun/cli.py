@@ -16,7 +16,18 @@ from typing import Any
 import click
 
 from hvdrun import __version__
+from hvdrun.config_file import config_env, config_file_option
+from hvdrun.dry_run import dry_run_option
 from hvdrun.elastic_flags import ElasticFlags, check_num_proc, elastic_options, explicit
+from hvdrun.help_sections import SectionedCommand
+from hvdrun.horovod_flags import (
+    HorovodFlags,
+    check_hosts_flag,
+    horovod_options,
+    interfaces,
+    notices,
+)
+from hvdrun.logging_setup import LogSettings, configure_logging, logging_options
 from hvdrun.tuning import tuning_env, tuning_options
 from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports
 from launcher.spec.hosts import LOCAL_NAMES, HostSpec, HostSpecError, parse_hostfile, parse_hosts
@@ -30,7 +41,7 @@ from launcher.spec.options import (
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
 
-@click.command(context_settings=CONTEXT_SETTINGS)
+@click.command(cls=SectionedCommand, context_settings=CONTEXT_SETTINGS)
 @click.option(
     "-np",
     "--num-proc",
@@ -47,6 +58,7 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     help="Hosts and their slots, e.g. host1:4,host2:4 (default: localhost:N).",
 )
 @click.option(
+    "-hostfile",
     "--hostfile",
     type=click.Path(dir_okay=False),
     metavar="FILE",
@@ -57,8 +69,10 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     type=click.FloatRange(min=0, min_open=True),
     default=30.0,
     show_default=True,
+    envvar="HOROVOD_START_TIMEOUT",
     metavar="SECONDS",
-    help="How long connecting to every host and starting its agent may take.",
+    help="How long connecting to every host and starting its agent may take "
+    "(HOROVOD_START_TIMEOUT).",
 )
 @click.option(
     "-p",
@@ -104,6 +118,7 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
 )
 @click.option(
     "--network-interface",
+    multiple=True,
     metavar="IFNAME[,IFNAME]",
     help="Interface(s) for Gloo and NCCL on every host (default: the one facing the "
     "rendezvous); sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME.",
@@ -129,7 +144,10 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     help="Also write each rank's output to DIR/rank.N/stdout and DIR/rank.N/stderr.",
 )
 @click.option(
+    "-prefix-timestamp",
     "--prefix-timestamp",
+    "--prefix-output-with-timestamp",
+    "prefix_timestamp",
     is_flag=True,
     help="Start every output line with the time hvdrun received it.",
 )
@@ -147,13 +165,18 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     help="Connect to every host of -H/--hostfile, print a table of what it runs, and exit.",
 )
 @click.option(
+    "-cb",
     "--check-build",
     is_flag=True,
     help="Show which frameworks, controllers and tensor operations are available.",
 )
 @elastic_options
-@click.option("--version", is_flag=True, help="Show hvdrun's version and exit.")
+@click.option("-v", "--version", is_flag=True, help="Show hvdrun's version and exit.")
 @tuning_options
+@horovod_options
+@logging_options
+@config_file_option
+@dry_run_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(
     num_proc: int | None,
@@ -166,7 +189,7 @@ def cli(
     ssh_host_key_policy: str | None,
     exports: tuple[str, ...],
     rendezvous_addr: str | None,
-    network_interface: str | None,
+    network_interface: tuple[str, ...],
     agent_timeout: float,
     skip_version_check: bool,
     output_filename: str | None,
@@ -196,6 +219,13 @@ def cli(
             click.echo(line)
         return 0
 
+    log_settings = LogSettings.take(tuning)
+    configure_logging(log_settings)
+    compat = HorovodFlags.take(tuning)
+    compat.adjust_tuning(tuning)
+    dry_run = bool(tuning.pop("dry_run", False))
+    if hosts is not None:
+        check_hosts_flag(hosts)
     host_list = read_hosts(hosts, hostfile)
     elastic_flags = ElasticFlags(
         min_np,
@@ -211,13 +241,18 @@ def cli(
         agent_timeout = ELASTIC_FAILURE_TIMEOUT
     if rendezvous_addr is not None:
         check_rendezvous_addr(rendezvous_addr)
-    env = worker_env(exports, network_interface, tuning)
+    env = worker_env(exports, interfaces(network_interface, compat.network_interfaces), tuning)
+    env.update(compat.env())
+    env.update(log_settings.env())
+    for name, value in config_env(click.get_current_context()).items():
+        env.setdefault(name, value)
     launch = LaunchOptions(
         ssh=SSHOptions(ssh_port, identity_files, ssh_config_file, ssh_host_key_policy),
         start_timeout=start_timeout,
         agent_timeout=agent_timeout,
         rendezvous_addr=rendezvous_addr,
         check_versions=not skip_version_check,
+        log_level=log_settings.agent_level(),
     )
     if check_hosts:
         if host_list is None:
@@ -236,10 +271,12 @@ def cli(
     else:
         elastic_flags.check_unused()
         host_list, num_proc = resolve_hosts(host_list, hosts, num_proc)
-    if any(h.hostname in LOCAL_NAMES for h in host_list):
+    if any(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
         check_command(command)
-    if output_filename is not None:
+    if output_filename is not None and not dry_run:
         check_output_dir(output_filename)
+    for notice in notices(compat, env, host_list, num_proc):
+        click.echo(f"hvdrun: {notice}", err=True)
 
     # Imported here so that --version, --help and input errors stay instant.
     from launcher.output import OutputOptions, OutputSink, use_colour
@@ -257,6 +294,11 @@ def cli(
         launch=launch,
         elastic=elastic_options,
     )
+    if dry_run:
+        from hvdrun.dry_run import print_plan
+
+        print_plan(spec, click.echo)
+        return 0
     stdout, stderr = sys.stdout.buffer, sys.stderr.buffer
     options = OutputOptions(
         prefix_timestamp=prefix_timestamp,
@@ -264,6 +306,7 @@ def cli(
         colour_stderr=use_colour(stderr, os.environ),
         output_dir=output_filename,
         status_line=stderr.isatty(),
+        num_ranks=max(num_proc, (elastic_options.max_np or 0) if elastic_options else 0),
     )
     try:
         return run_job(spec, OutputSink(stdout, stderr, options=options)).exit_code

@@ -8,7 +8,9 @@ exits, as events on stdout.
 
 Before starting workers it finds the interface that faces the rendezvous server and sets
 ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` to it unless they are set: a host's own name
-need not resolve anywhere for Gloo and NCCL to find each other.
+need not resolve anywhere for Gloo and NCCL to find each other. Unless the job sets
+``OMP_NUM_THREADS``, each worker gets the host's cores divided by the host's workers (only
+the agent knows its host's cores).
 
 The agent is the middleman that guarantees no worker outlives the job: when its stdin
 closes (hvdrun exited or was killed with -9, the SSH connection dropped), when it hears
@@ -20,6 +22,7 @@ then SIGKILL after the grace period. It imports neither torch nor grpc, so it st
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -50,6 +53,7 @@ from launcher.transport.protocol import (
 from rendezvous.addresses import interface_facing
 
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+log = logging.getLogger(__name__)
 
 
 def network_env(env: dict[str, str], rendezvous_addr: str, emit: Emit) -> None:
@@ -143,7 +147,35 @@ def hello() -> Hello:
     )
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its affinity, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def omp_default(env: dict[str, str], workers: int) -> None:
+    """OMP_NUM_THREADS unless the job set it: the host's cores shared among its workers
+    (torch would otherwise start a thread per core in every worker)."""
+    if not env.get("OMP_NUM_THREADS") and workers > 0:
+        env["OMP_NUM_THREADS"] = str(max(1, host_cores() // workers))
+
+
+def configure_logging(level: str) -> None:
+    """The level hvdrun asked for (--verbose/--log-level); records go to stderr, which
+    hvdrun shows as the agent's lines."""
+    if not level:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("hvdrun agent: %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
 def run(spec: AgentSpec, stdin: BinaryIO, emit: Emitter) -> int:
+    configure_logging(spec.log_level)
     control = Control()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -159,6 +191,13 @@ def run(spec: AgentSpec, stdin: BinaryIO, emit: Emitter) -> int:
 
     env = worker_base_env(os.environ, spec.env)
     network_env(env, spec.rendezvous_addr, emit)
+    omp_default(env, len(spec.workers))
+    log.debug(
+        "starting %d worker(s) on %s, OMP_NUM_THREADS=%s",
+        len(spec.workers),
+        socket.gethostname(),
+        env.get("OMP_NUM_THREADS"),
+    )
     agent = HostAgent(spec, env, emit)
     agent.start()
     while not control.stop.is_set() and not emit.broken.is_set():

@@ -31,6 +31,7 @@ class LaunchOptions:
     agent_timeout: float = 30.0  # silence after which a remote host counts as cut off
     rendezvous_addr: str | None = None  # ADDR[:PORT] every host reaches this machine at
     check_versions: bool = True
+    log_level: str = ""  # the agents' logging level (--verbose/--log-level); "" quiet
     python: str = field(default_factory=lambda: sys.executable)
 
 

@@ -92,6 +92,7 @@ def agent_spec(
         term_grace=spec.term_grace,
         rendezvous_addr=rendezvous,
         heartbeat_timeout=heartbeat_timeout,
+        log_level=spec.launch.log_level,
     )
 
 

@@ -61,6 +61,9 @@ class AgentSpec:
     # > 0: the agent pings every heartbeat_timeout/4 s and stops its workers when it has
     # heard nothing from hvdrun for heartbeat_timeout s (a cut network closes nothing).
     heartbeat_timeout: float = 0.0
+    # A logging level name ("DEBUG", ...): the agent logs to its stderr at that level,
+    # which hvdrun shows with --verbose/--log-level. Empty: the agent stays quiet.
+    log_level: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
