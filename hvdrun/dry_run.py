@@ -122,11 +122,17 @@ def print_plan(spec: JobSpec, echo: Echo) -> None:
     echo(f"hvdrun dry run: {spec.num_proc} worker(s) on {len(hosts)} host(s); nothing was started")
     echo(f"command: {shlex.join(spec.command)}")
     echo(f"working directory: {spec.cwd}")
+    launch = spec.launch
+    echo(
+        f"start timeout: {launch.start_timeout:g} s; agent timeout: {launch.agent_timeout:g} s; "
+        f"rendezvous: {launch.rendezvous_addr or 'on this machine, port chosen at start'}"
+    )
     if elastic is not None:
         max_np = elastic.max_np if elastic.max_np is not None else "every discovered slot"
         echo(
-            f"elastic: min-np {elastic.min_np}, max-np {max_np}; the plan of the first "
-            f"discovery ({', '.join(f'{h.hostname}:{h.slots}' for h in spec.hosts)})"
+            f"elastic: min-np {elastic.min_np}, max-np {max_np}, elastic timeout "
+            f"{elastic.elastic_timeout:g} s; the plan of the first discovery "
+            f"({', '.join(f'{h.hostname}:{h.slots}' for h in spec.hosts)})"
         )
     echo("")
     echo("hosts:")

@@ -110,6 +110,9 @@ class LogSettings:
         return env
 
 
+#: The loggers the flags set the level of; others (grpc, asyncio, paramiko) stay at WARNING.
+PACKAGES = ("hvdrun", "launcher", "rendezvous")
+
 _handler: logging.Handler | None = None
 
 
@@ -131,7 +134,8 @@ def configure_logging(settings: LogSettings, who: str = "hvdrun") -> None:
     _handler = logging.StreamHandler(sys.stderr)
     _handler.setFormatter(log_format(bool(settings.hide_timestamp), who))
     root.addHandler(_handler)
-    root.setLevel(settings.python_level())
+    for name in PACKAGES:
+        logging.getLogger(name).setLevel(settings.python_level())
 
 
 def reset_logging() -> None:
@@ -140,4 +144,5 @@ def reset_logging() -> None:
     if _handler is not None:
         logging.getLogger().removeHandler(_handler)
         _handler = None
-    logging.getLogger().setLevel(logging.WARNING)
+    for name in PACKAGES:
+        logging.getLogger(name).setLevel(logging.NOTSET)

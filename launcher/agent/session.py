@@ -169,9 +169,8 @@ def configure_logging(level: str) -> None:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("hvdrun agent: %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(level)
+    logging.getLogger().addHandler(handler)
+    logging.getLogger("launcher").setLevel(level)
 
 
 def run(spec: AgentSpec, stdin: BinaryIO, emit: Emitter) -> int:
