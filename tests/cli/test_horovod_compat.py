@@ -215,7 +215,9 @@ def test_verbose_shows_hvdrun_and_agent_messages_and_omp_default(
     """One real launch: --verbose turns on the logs of hvdrun and of the host's agent, and
     two workers on this machine share its cores through OMP_NUM_THREADS."""
     code = "import os; print('omp', os.environ['OMP_NUM_THREADS'], os.environ['HOROVOD_LOG_LEVEL'])"
-    assert run_cli(["-np", "2", "--verbose", "--log-level", "INFO", sys.executable, "-c", code]) == 0
+    assert (
+        run_cli(["-np", "2", "--verbose", "--log-level", "INFO", sys.executable, "-c", code]) == 0
+    )
     out, err = capsys.readouterr()
     cores = len(os.sched_getaffinity(0))
     assert out.count(f"omp {max(1, cores // 2)} INFO") == 2, out
