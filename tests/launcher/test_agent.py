@@ -150,3 +150,18 @@ def test_the_agent_starts_without_paramiko_grpc_or_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout == "[]\n", result.stderr
+
+
+def test_omp_num_threads_default_shares_the_hosts_cores(monkeypatch: Any) -> None:
+    from launcher.agent import session
+
+    monkeypatch.setattr(session, "host_cores", lambda: 8)
+    env: dict[str, str] = {}
+    session.omp_default(env, 3)
+    assert env["OMP_NUM_THREADS"] == "2"
+    env = {}
+    session.omp_default(env, 16)  # more workers than cores: one thread each
+    assert env["OMP_NUM_THREADS"] == "1"
+    env = {"OMP_NUM_THREADS": "5"}
+    session.omp_default(env, 2)  # the job's own setting stays
+    assert env["OMP_NUM_THREADS"] == "5"

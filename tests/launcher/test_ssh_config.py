@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from launcher.spec.options import SSHOptions
-from launcher.transport.ssh import SSHConnector
 from launcher.transport import ssh_config
+from launcher.transport.ssh import SSHConnector
 from launcher.transport.ssh_config import (
     SSHConnectError,
     jump_target,
