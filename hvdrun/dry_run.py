@@ -61,8 +61,10 @@ def describe_reach(hostname: str, launch: LaunchOptions) -> str:
     parts = [f"ssh {target.user}@{target.hostname}:{target.port}"]
     if target.identity_files:
         parts.append("key " + ", ".join(target.identity_files))
-    if not target.identities_only:
-        parts.append("ssh-agent and ~/.ssh/id_* keys" if not target.identity_files else "")
+    if not target.identities_only:  # the keys OpenSSH (and hvdrun) also offer
+        parts.append(
+            "ssh-agent keys" if target.identity_files else "ssh-agent and ~/.ssh/id_* keys"
+        )
     if target.proxy_jump:
         parts.append(f"via ProxyJump {target.proxy_jump}")
     if target.proxy_command:
