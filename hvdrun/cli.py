@@ -255,6 +255,8 @@ def cli(
         log_level=log_settings.agent_level(),
     )
     if check_hosts:
+        if dry_run:
+            raise click.UsageError("--check-hosts contacts the hosts, --dry-run does not: give one")
         if host_list is None:
             raise click.UsageError("--check-hosts needs the hosts: -H HOST:SLOTS,... or --hostfile")
         if command:
@@ -432,10 +434,25 @@ def run_cli(argv: Sequence[str] | None = None) -> int:
 
 def _usage_message(exc: click.UsageError) -> str:
     message = exc.format_message()
+    variable = _from_environment(exc)
+    if variable is not None:
+        message += f" (from {variable})"
     if isinstance(exc, click.BadParameter) and exc.param_hint and exc.param is None:
         hint = exc.param_hint if isinstance(exc.param_hint, str) else "/".join(exc.param_hint)
         return f"invalid {hint}: {exc.message}"
     return message.replace("\n", " ")
+
+
+def _from_environment(exc: click.UsageError) -> str | None:
+    """The variable a bad value came from (HOROVOD_START_TIMEOUT=abc), if it did."""
+    param = getattr(exc, "param", None)
+    if param is None or exc.ctx is None or not param.name or not param.envvar:
+        return None
+    source = exc.ctx.get_parameter_source(param.name)
+    if source != click.core.ParameterSource.ENVIRONMENT:
+        return None
+    names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar)
+    return next((name for name in names if os.environ.get(name)), None)
 
 
 def main() -> None:

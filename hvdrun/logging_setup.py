@@ -48,6 +48,7 @@ _OPTIONS = [
         "--log-without-timestamp/--log-with-timestamp",
         "log_without_timestamp",
         default=None,
+        envvar="HOROVOD_LOG_HIDE_TIME",
         help="Leave the time out of log messages (HOROVOD_LOG_HIDE_TIME for the workers).",
     ),
     # horovodrun's older spelling of the same.

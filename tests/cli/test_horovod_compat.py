@@ -226,3 +226,21 @@ def test_verbose_shows_hvdrun_and_agent_messages_and_omp_default(
     assert "grpc" not in err
     assert "hvdrun agent: DEBUG launcher.agent.session: starting 2 worker(s)" in err
     assert err.count("OMP_NUM_THREADS is not set") == 1
+
+
+def test_a_bad_horovod_variable_is_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HOROVOD_START_TIMEOUT", "soon")
+    assert_usage_error(["-np", "1", "true"], "(from HOROVOD_START_TIMEOUT)", capsys)
+    monkeypatch.delenv("HOROVOD_START_TIMEOUT")
+    monkeypatch.setenv("HOROVOD_LOG_LEVEL", "loud")
+    assert_usage_error(["-np", "1", "true"], "'loud' is not one of", capsys)
+
+
+def test_dry_run_never_contacts_hosts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_usage_error(
+        ["--dry-run", "--check-hosts", "-H", "a.invalid"],
+        "--check-hosts contacts the hosts",
+        capsys,
+    )
