@@ -37,6 +37,7 @@ from launcher.transport.ssh_config import SSHConnectError, SSHTarget, jump_targe
 # paramiko logs the errors it raises; hvdrun reports them itself, once, in its own words.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 logging.getLogger("paramiko").propagate = False
+log = logging.getLogger(__name__)
 
 GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
 KEEPALIVE_SECONDS = 10
@@ -127,6 +128,21 @@ class SSHConnector:
     def connect(self, deadline: float) -> SSHSession:
         target = self.target
         local_address: str | None = None
+        via = (
+            f" via ProxyJump {target.proxy_jump}"
+            if target.proxy_jump
+            else f" via ProxyCommand {target.proxy_command!r}"
+            if target.proxy_command
+            else ""
+        )
+        log.debug(
+            "%s: connecting to %s@%s port %d%s",
+            target.alias,
+            target.user,
+            target.hostname,
+            target.port,
+            via,
+        )
         if target.proxy_jump:
             self._sock = self._open_jump_channel(target.proxy_jump, deadline)
         elif target.proxy_command:
@@ -188,6 +204,7 @@ class SSHConnector:
         transport = client.get_transport()
         if transport is not None:
             transport.set_keepalive(KEEPALIVE_SECONDS)
+        log.debug("%s: logged in as %s", target.alias, target.user)
         return SSHSession(client, local_address)
 
     def _open_jump_channel(self, hops: str, deadline: float) -> paramiko.Channel:

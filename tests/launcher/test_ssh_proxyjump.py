@@ -46,11 +46,17 @@ def test_proxy_jump_reaches_a_host_behind_another(
     assert direct.returncode == 255
     assert "authentication failed for user root" in direct.stderr
 
-    result = cluster.hvdrun(
-        "--ssh-config-file", str(config), "-H", "jump1:1,inner2:1", PY, "-c", WHERE
-    )
+    argv = ["--verbose", "--ssh-config-file", str(config), "-H", "jump1:1,inner2:1"]
+    result = cluster.hvdrun(*argv, PY, "-c", WHERE)
     assert result.returncode == 0, result.stderr
     assert f"[0]<stdout>:on {node1.uts_hostname}" in result.stdout
     assert f"[1]<stdout>:on {node2.uts_hostname}" in result.stdout
+    # --verbose tells how each host was reached, and the remote agents' own messages
+    assert (
+        f"inner2: connecting to root@{node2.address} port 22 via ProxyJump jump1" in result.stderr
+    )
+    assert "agent on inner2: hvdrun agent: DEBUG launcher.agent.session: starting 1 worker(s)" in (
+        result.stderr
+    )
     # node2 saw the login come from node1
     assert f"Accepted publickey for root from {node1.address}" in node2.sshd_log.read_text()
