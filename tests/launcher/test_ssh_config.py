@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import getpass
+import shutil
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -248,3 +250,49 @@ def test_jump_host_failure_is_named(home: Path) -> None:
         f"ProxyJump host 127.0.0.1:{port}: connection refused by 127.0.0.1 port {port} "
         "(is sshd running there?)"
     )
+
+
+def _openssh_view(config: Path, alias: str) -> dict[str, list[str]]:
+    """What ``ssh -G`` (OpenSSH's own resolution) says about ``alias``."""
+    result = subprocess.run(
+        ["ssh", "-G", "-F", str(config), alias],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+        check=True,
+    )
+    view: dict[str, list[str]] = {}
+    for line in result.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        view.setdefault(key, []).append(value)
+    return view
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="needs OpenSSH's ssh client")
+def test_resolution_agrees_with_openssh(tmp_path: Path, system_config: Path) -> None:
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "a.conf").write_text(
+        f"Host gpu*\n  User trainer\n  IdentityFile {tmp_path}/k1\n"
+    )
+    (tmp_path / "inc2").write_text(f"IdentityFile {tmp_path}/k2\n")
+    config = tmp_path / "cfg"
+    config.write_text(
+        f"Include {tmp_path}/inc/*.conf\n"
+        "Host gpu2\n"
+        "  Port 2300\n"
+        f"  Include {tmp_path}/inc2\n"
+        "  ProxyJump ops@bastion:2022\n"
+        "  HostName 10.8.0.2\n"
+        "Host *\n"
+        "  User everyone\n"
+        f"  IdentityFile {tmp_path}/k3\n"
+    )
+    for alias in ("gpu1", "gpu2", "other"):
+        ours = resolve_target(alias, SSHOptions(config_file=str(config)))
+        theirs = _openssh_view(config, alias)
+        assert ours.user == theirs["user"][0]
+        assert ours.hostname == theirs["hostname"][0]
+        assert ours.port == int(theirs["port"][0])
+        assert list(ours.identity_files) == theirs["identityfile"]
+        assert ours.proxy_jump == theirs.get("proxyjump", [None])[0]
