@@ -245,8 +245,8 @@ def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> 
         if address is None:
             failures[agent.hostname] = (
                 "cannot tell which address of this machine it can reach (its connection "
-                "runs through a ProxyCommand and its name does not resolve here): pass "
-                "--rendezvous-addr"
+                "runs through a ProxyCommand or ProxyJump and its name does not resolve "
+                "here): pass --rendezvous-addr"
             )
             continue
         addr_host[agent.hostname] = address
