@@ -16,6 +16,7 @@ import dataclasses
 import getpass
 import glob
 import io
+import logging
 import os
 import re
 import threading
@@ -30,6 +31,7 @@ from launcher.spec.options import SSHOptions
 DEFAULT_CONFIG = "~/.ssh/config"
 SYSTEM_CONFIG = "/etc/ssh/ssh_config"
 MAX_INCLUDE_DEPTH = 16  # OpenSSH's limit
+log = logging.getLogger(__name__)
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 
 _STRICT_FROM_CONFIG = {
@@ -125,22 +127,42 @@ def load_config(path: str | None) -> paramiko.SSHConfig | None:
         if key not in _config_cache:
             if path is not None and not os.path.exists(expanded):
                 raise SSHConnectError(f"ssh config file {path} does not exist")
-            texts = []
+            user = ""
             if os.path.exists(expanded):
-                texts.append(expand_includes(expanded, os.path.expanduser("~/.ssh")))
-            if path is None and os.path.exists(SYSTEM_CONFIG):
-                system = expand_includes(SYSTEM_CONFIG, os.path.dirname(SYSTEM_CONFIG))
-                texts.append("Host *\n" + system)
-            if not texts:
+                user = expand_includes(expanded, os.path.expanduser("~/.ssh"))
+            system = _system_config() if path is None else ""
+            if not user and not system:
                 _config_cache[key] = None
-            else:
-                config = paramiko.SSHConfig()
+                return None
+            try:
+                _config_cache[key] = _parse(user + system)
+            except Exception as exc:
+                if not system:
+                    raise SSHConnectError(f"cannot read ssh config {expanded}: {exc}") from None
+                # The system's file is not the user's to fix: go on without it.
+                log.warning("ignoring %s, which paramiko cannot read: %s", SYSTEM_CONFIG, exc)
                 try:
-                    config.parse(io.StringIO("".join(texts)))
+                    _config_cache[key] = _parse(user)
                 except Exception as exc:
                     raise SSHConnectError(f"cannot read ssh config {expanded}: {exc}") from None
-                _config_cache[key] = config
         return _config_cache[key]
+
+
+def _system_config() -> str:
+    """/etc/ssh/ssh_config with its Includes, as a ``Host *`` block after the user's file."""
+    if not os.path.exists(SYSTEM_CONFIG):
+        return ""
+    try:
+        return "Host *\n" + expand_includes(SYSTEM_CONFIG, os.path.dirname(SYSTEM_CONFIG))
+    except SSHConnectError as exc:
+        log.warning("ignoring %s: %s", SYSTEM_CONFIG, exc)
+        return ""
+
+
+def _parse(text: str) -> paramiko.SSHConfig:
+    config = paramiko.SSHConfig()
+    config.parse(io.StringIO(text))
+    return config
 
 
 def resolve_target(alias: str, options: SSHOptions) -> SSHTarget:

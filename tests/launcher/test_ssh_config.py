@@ -296,3 +296,18 @@ def test_resolution_agrees_with_openssh(tmp_path: Path, system_config: Path) -> 
         assert ours.port == int(theirs["port"][0])
         assert list(ours.identity_files) == theirs["identityfile"]
         assert ours.proxy_jump == theirs.get("proxyjump", [None])[0]
+
+
+def test_a_system_config_paramiko_cannot_read_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, system_config: Path
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "config").write_text("Host n1\n    User alice\n")
+    system_config.write_text("Match all host x\n    User root\n")
+    assert resolve_target("n1", SSHOptions()).user == "alice"
+    # the user's own broken file is an error, as before
+    (tmp_path / ".ssh" / "config").write_text("Match user\n")
+    monkeypatch.setattr(ssh_config, "SYSTEM_CONFIG", str(tmp_path / "none"))
+    with pytest.raises(SSHConnectError, match="cannot read ssh config"):
+        resolve_target("n1", SSHOptions())
