@@ -244,3 +244,11 @@ def test_dry_run_never_contacts_hosts(capsys: pytest.CaptureFixture[str]) -> Non
         "--check-hosts contacts the hosts",
         capsys,
     )
+
+
+def test_output_directories_are_zero_padded_from_ten_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_dir = tmp_path / "out"
+    assert run_cli(["-np", "11", "--output-filename", str(out_dir), "true"]) == 0
+    assert sorted(os.listdir(out_dir)) == [f"rank.{rank:02d}" for rank in range(11)]
