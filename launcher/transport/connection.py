@@ -26,6 +26,8 @@ from launcher.transport.protocol import (
     Hello,
     KillRequest,
     PingRequest,
+    Prepared,
+    PrepareRequest,
     Probe,
     ProbeRequest,
     Request,
@@ -85,6 +87,7 @@ class AgentConnection:
         self.stage = "starting the agent"
         self.hello: Hello | None = None
         self.probe: Probe | None = None
+        self.prepared: Prepared | None = None
         self.rendezvous_host: str | None = None  # where this host can reach hvdrun
         self.exit_code: int | None = None
         self.worker_pids: list[int] = []
@@ -156,6 +159,19 @@ class AgentConnection:
                 + (f": {self.stderr_tail[-1]}" if self.stderr_tail else "")
             )
         return self.probe.facts
+
+    def request_prepare(self, rendezvous_addr: str, timeout: float) -> Prepared:
+        """Rank 0's host: where plain torch.distributed scripts meet (MASTER_ADDR/PORT)."""
+        self._answered.clear()
+        if self.hello is None:
+            raise AgentStartError("the agent is not running")
+        self._send(PrepareRequest(rendezvous_addr))
+        if not self._answered.wait(timeout) or self.prepared is None:
+            raise AgentStartError(
+                "the agent did not say which port torch.distributed can use there"
+                + (f": {self.stderr_tail[-1]}" if self.stderr_tail else "")
+            )
+        return self.prepared
 
     def terminate(self) -> None:
         """Ask the agent to stop its workers (SIGTERM, then SIGKILL after the grace period)."""
@@ -234,6 +250,9 @@ class AgentConnection:
                 self._answered.set()
             elif isinstance(event, Probe):
                 self.probe = event
+                self._answered.set()
+            elif isinstance(event, Prepared):
+                self.prepared = event
                 self._answered.set()
             else:
                 if isinstance(event, Started):
