@@ -258,7 +258,11 @@ AgentEvent = Hello | Network | Prepared | Started | Output | Exit | Ping | Probe
 def encode_event(event: AgentEvent) -> bytes:
     match event:
         case Hello():
-            return encode({"ev": "hello", **asdict(event)})
+            facts = asdict(event)
+            for name in ("node", "task", "step"):  # only an agent under srun has them
+                if facts[name] is None:
+                    del facts[name]
+            return encode({"ev": "hello", **facts})
         case Network(ifname, address):
             return encode({"ev": "network", "ifname": ifname, "address": address})
         case Prepared(address, port):
