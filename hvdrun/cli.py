@@ -38,14 +38,15 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     "num_proc",
     type=int,
     metavar="N",
-    help="Number of worker processes (default: every slot in -H).",
+    help="Number of worker processes (default: every slot in -H or the batch allocation).",
 )
 @click.option(
     "-H",
     "--hosts",
     "hosts",
     metavar="HOST:SLOTS,...",
-    help="Hosts and their slots, e.g. host1:4,host2:4 (default: localhost:N).",
+    help="Hosts and their slots, e.g. host1:4,host2:4 (default: the batch allocation "
+    "hvdrun runs in, else localhost:N).",
 )
 @click.option(
     "--hostfile",
