@@ -26,6 +26,7 @@ from launcher.spec.options import (
     LaunchOptions,
     SSHOptions,
 )
+from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
 
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
@@ -37,14 +38,15 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     "num_proc",
     type=int,
     metavar="N",
-    help="Number of worker processes (default: every slot in -H).",
+    help="Number of worker processes (default: every slot in -H or the batch allocation).",
 )
 @click.option(
     "-H",
     "--hosts",
     "hosts",
     metavar="HOST:SLOTS,...",
-    help="Hosts and their slots, e.g. host1:4,host2:4 (default: localhost:N).",
+    help="Hosts and their slots, e.g. host1:4,host2:4 (default: the batch allocation "
+    "hvdrun runs in, else localhost:N).",
 )
 @click.option(
     "--hostfile",
@@ -219,7 +221,11 @@ def cli(
         rendezvous_addr=rendezvous_addr,
         check_versions=not skip_version_check,
     )
+    # Inside a batch job the allocation is the default host list (-H/--hostfile win).
+    allocation = current_allocation() if host_list is None and not elastic else None
     if check_hosts:
+        if host_list is None and allocation is not None:
+            host_list = allocation.hosts
         if host_list is None:
             raise click.UsageError("--check-hosts needs the hosts: -H HOST:SLOTS,... or --hostfile")
         if command:
@@ -235,7 +241,7 @@ def cli(
         host_list, num_proc, elastic_options = elastic_flags.resolve(host_list, num_proc)
     else:
         elastic_flags.check_unused()
-        host_list, num_proc = resolve_hosts(host_list, hosts, num_proc)
+        host_list, num_proc = resolve_hosts(host_list, hosts, num_proc, allocation)
     if any(h.hostname in LOCAL_NAMES for h in host_list):
         check_command(command)
     if output_filename is not None:
@@ -288,11 +294,34 @@ def read_hosts(hosts: str | None, hostfile: str | None) -> list[HostSpec] | None
     return None
 
 
+def current_allocation() -> Allocation | None:
+    """The batch allocation hvdrun runs in (launcher.spec.schedulers), or None."""
+    try:
+        return read_allocation(os.environ)
+    except AllocationError as exc:
+        raise click.UsageError(f"cannot use the batch allocation: {exc}") from None
+
+
 def resolve_hosts(
-    host_list: list[HostSpec] | None, hosts: str | None, num_proc: int | None
+    host_list: list[HostSpec] | None,
+    hosts: str | None,
+    num_proc: int | None,
+    allocation: Allocation | None = None,
 ) -> tuple[list[HostSpec], int]:
+    """The hosts and process count of a fixed-size job: -H/--hostfile, else the batch
+    allocation (its first ``-np`` slots), else ``localhost:-np``."""
     if num_proc is not None:
         check_num_proc(num_proc)
+    if host_list is None and allocation is not None:
+        if num_proc is None:
+            num_proc = allocation.slots
+        if num_proc > allocation.slots:
+            raise click.BadParameter(
+                f"{num_proc} processes requested but {allocation.source} has only "
+                f"{allocation.slots} slot(s)",
+                param_hint="'-np'",
+            )
+        return allocation.first_slots(num_proc), num_proc
     if host_list is None:
         if num_proc is None:
             raise click.UsageError("give the number of processes with -np N (or hosts with -H)")
