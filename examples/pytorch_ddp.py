@@ -43,7 +43,9 @@ def main() -> None:
     y = torch.tensor(digits.target)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=42)
     train = TensorDataset(x_train, y_train)
-    sampler = DistributedSampler(train, num_replicas=size, rank=rank, seed=42)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
+        train, num_replicas=size, rank=rank, seed=42
+    )
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler)
 
     model = torch.nn.Sequential(

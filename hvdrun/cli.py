@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -19,14 +20,23 @@ from hvdrun import __version__
 from hvdrun.elastic_flags import ElasticFlags, check_num_proc, elastic_options, explicit
 from hvdrun.tuning import tuning_env, tuning_options
 from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports
-from launcher.spec.hosts import LOCAL_NAMES, HostSpec, HostSpecError, parse_hostfile, parse_hosts
+from launcher.spec.hosts import (
+    LOCAL_NAMES,
+    HostSpec,
+    HostSpecError,
+    is_local_host,
+    parse_hostfile,
+    parse_hosts,
+)
 from launcher.spec.options import (
     ELASTIC_FAILURE_TIMEOUT,
     HOST_KEY_POLICIES,
+    LAUNCHERS,
     LaunchOptions,
     SSHOptions,
 )
 from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
+from rendezvous.launchers import DetectionError, slurm_allocation
 
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
@@ -61,6 +71,15 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     show_default=True,
     metavar="SECONDS",
     help="How long connecting to every host and starting its agent may take.",
+)
+@click.option(
+    "--launcher",
+    type=click.Choice(LAUNCHERS),
+    default="auto",
+    show_default=True,
+    help="How agents start on the hosts: srun inside a Slurm allocation (slurm), SSH (ssh), "
+    "or on this machine only (local); auto picks slurm when every host is a node of the "
+    "Slurm allocation hvdrun runs in, else SSH for remote hosts.",
 )
 @click.option(
     "-p",
@@ -162,6 +181,7 @@ def cli(
     hosts: str | None,
     hostfile: str | None,
     start_timeout: float,
+    launcher: str,
     ssh_port: int | None,
     identity_files: tuple[str, ...],
     ssh_config_file: str | None,
@@ -242,6 +262,7 @@ def cli(
     else:
         elastic_flags.check_unused()
         host_list, num_proc = resolve_hosts(host_list, hosts, num_proc, allocation)
+    launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic))
     if any(h.hostname in LOCAL_NAMES for h in host_list):
         check_command(command)
     if output_filename is not None:
@@ -336,6 +357,50 @@ def resolve_hosts(
             param_hint="'-np'",
         )
     return host_list, num_proc
+
+
+def choose_launcher(requested: str, host_list: Sequence[HostSpec], elastic: bool) -> str:
+    """``--launcher`` for these hosts: "slurm" (one srun step) or "ssh" (local or SSH per
+    host); see launcher.spec.options.LAUNCHERS."""
+    try:
+        allocation = slurm_allocation(os.environ)
+    except DetectionError as exc:
+        if requested == "slurm":
+            raise click.UsageError(f"--launcher slurm: {exc}") from None
+        allocation = None
+    names = [h.hostname for h in host_list]
+    if requested == "local":
+        remote = [name for name in names if not is_local_host(name)]
+        if remote:
+            raise click.BadParameter(
+                f"'local' starts workers on this machine only, but the hosts include "
+                f"{', '.join(remote)}",
+                param_hint="'--launcher'",
+            )
+        return "ssh"
+    outside = [] if allocation is None else [n for n in names if n not in allocation.nodes]
+    if requested == "slurm":
+        if allocation is None:
+            raise click.BadParameter(
+                "'slurm' starts the agents with srun inside a Slurm allocation; run hvdrun "
+                "inside salloc or an sbatch script (not inside srun)",
+                param_hint="'--launcher'",
+            )
+        if elastic:
+            raise click.BadParameter(
+                "elastic jobs start their agents over SSH; use --launcher ssh (or auto)",
+                param_hint="'--launcher'",
+            )
+        if outside:
+            raise click.BadParameter(
+                f"srun starts agents on the allocation's nodes "
+                f"({','.join(allocation.nodes)}) only, not on {', '.join(outside)}",
+                param_hint="'--launcher'",
+            )
+        return "slurm"
+    if requested == "auto" and allocation is not None and not elastic and not outside:
+        return "slurm"
+    return "ssh"
 
 
 def worker_env(

@@ -37,6 +37,7 @@ from launcher.transport.connection import (
     AgentExit,
     AgentStartError,
     HostEvent,
+    StepCancelled,
 )
 from launcher.transport.protocol import Done, Exit, Network, Output
 from launcher.transport.startup import (
@@ -106,6 +107,8 @@ class Supervisor(Supervision[HostEvent]):
                     self.fail(WorkerFailure(rank, host, code, error))
             case Network(ifname):
                 log.info("workers on %s use interface %s", host, ifname)
+            case StepCancelled(message):
+                self.cancel(message)
             case Done() | AgentExit():
                 if host in self._pending_hosts:
                     self._lose_host(host, agent_loss_reason(event))

@@ -63,11 +63,19 @@ class AgentExit:
 
 
 @dataclass(frozen=True)
+class StepCancelled:
+    """The transport's news that the whole job was cancelled under it (``scancel`` of the
+    Slurm step that carries the agents); ``message`` says so, for the user."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class HostEvent:
     """An event as the supervisors receive it: tagged with the host whose agent sent it."""
 
     host: str
-    event: AgentEvent | AgentExit
+    event: AgentEvent | AgentExit | StepCancelled
 
 
 class EventQueue(Protocol):
@@ -221,7 +229,11 @@ class AgentConnection:
         while not self._finished.wait(interval):
             self._send(PingRequest())
 
-    def _deliver(self, event: AgentEvent | AgentExit) -> None:
+    def deliver_event(self, event: StepCancelled) -> None:
+        """Queues news from the transport itself, as if the agent had sent it."""
+        self._deliver(event)
+
+    def _deliver(self, event: AgentEvent | AgentExit | StepCancelled) -> None:
         tagged = HostEvent(self.hostname, event)
         with self._queue_lock:
             if self._events is None:
