@@ -45,7 +45,11 @@ class FakeAgent(AgentConnection):
         time.sleep(self._delay)
         if self._error:
             raise AgentStartError(self._error)
-        raw = self._hello or {"protocol": PROTOCOL_VERSION, **HERE, "executable": "/usr/bin/python3"}
+        raw = self._hello or {
+            "protocol": PROTOCOL_VERSION,
+            **HERE,
+            "executable": "/usr/bin/python3",
+        }
         self.hello = Hello(**raw)
 
     def abort(self) -> None:
