@@ -1,4 +1,4 @@
-"""A plain ``torch.distributed`` DDP script (no hvdrun import) that runs under hvdrun as under torchrun.
+"""A plain ``torch.distributed`` DDP script (no hvdrun import): runs under hvdrun as under torchrun.
 
 ``hvdrun -np 2 python examples/pytorch_ddp.py`` (or ``-H a:2,b:2``, or inside a Slurm
 allocation): every worker gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,

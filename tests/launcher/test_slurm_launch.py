@@ -187,7 +187,7 @@ def test_scancel_ends_hvdrun_and_every_worker_on_every_node(slurm: SlurmCluster)
     (job,) = slurm.jobs()
     cancelled = time.monotonic()
     assert slurm.run("scancel", job).returncode == 0
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert time.monotonic() - cancelled < 10
     assert "the Slurm job step running hvdrun's agents was cancelled" in err, err
     # salloc passes hvdrun's own exit code on: 128 + SIGTERM, as for a scancel'd srun
@@ -216,7 +216,7 @@ def test_ctrl_c_on_hvdrun_cancels_its_step(slurm: SlurmCluster) -> None:
         if child.cmdline()[1:3] == ["-m", "hvdrun"]
     )
     hvdrun.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert "received SIGINT; stopping all workers" in err, err
     assert proc.returncode == 130, err
     assert left_on_nodes(slurm, within=10) == []
