@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -30,13 +31,23 @@ from hvdrun.horovod_flags import (
 from hvdrun.logging_setup import LogSettings, configure_logging, logging_options
 from hvdrun.tuning import tuning_env, tuning_options
 from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports
-from launcher.spec.hosts import LOCAL_NAMES, HostSpec, HostSpecError, parse_hostfile, parse_hosts
+from launcher.spec.hosts import (
+    LOCAL_NAMES,
+    HostSpec,
+    HostSpecError,
+    is_local_host,
+    parse_hostfile,
+    parse_hosts,
+)
 from launcher.spec.options import (
     ELASTIC_FAILURE_TIMEOUT,
     HOST_KEY_POLICIES,
+    LAUNCHERS,
     LaunchOptions,
     SSHOptions,
 )
+from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
+from rendezvous.launchers import DetectionError, slurm_allocation
 
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
@@ -48,14 +59,15 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     "num_proc",
     type=int,
     metavar="N",
-    help="Number of worker processes (default: every slot in -H).",
+    help="Number of worker processes (default: every slot in -H or the batch allocation).",
 )
 @click.option(
     "-H",
     "--hosts",
     "hosts",
     metavar="HOST:SLOTS,...",
-    help="Hosts and their slots, e.g. host1:4,host2:4 (default: localhost:N).",
+    help="Hosts and their slots, e.g. host1:4,host2:4 (default: the batch allocation "
+    "hvdrun runs in, else localhost:N).",
 )
 @click.option(
     "-hostfile",
@@ -73,6 +85,15 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     metavar="SECONDS",
     help="How long connecting to every host and starting its agent may take "
     "(HOROVOD_START_TIMEOUT).",
+)
+@click.option(
+    "--launcher",
+    type=click.Choice(LAUNCHERS),
+    default="auto",
+    show_default=True,
+    help="How agents start on the hosts: srun inside a Slurm allocation (slurm), SSH (ssh), "
+    "or on this machine only (local); auto picks slurm when every host is a node of the "
+    "Slurm allocation hvdrun runs in, else SSH for remote hosts.",
 )
 @click.option(
     "-p",
@@ -183,6 +204,7 @@ def cli(
     hosts: str | None,
     hostfile: str | None,
     start_timeout: float,
+    launcher: str,
     ssh_port: int | None,
     identity_files: tuple[str, ...],
     ssh_config_file: str | None,
@@ -254,9 +276,13 @@ def cli(
         check_versions=not skip_version_check,
         log_level=log_settings.agent_level(),
     )
+    # Inside a batch job the allocation is the default host list (-H/--hostfile win).
+    allocation = current_allocation() if host_list is None and not elastic else None
     if check_hosts:
         if dry_run:
             raise click.UsageError("--check-hosts contacts the hosts, --dry-run does not: give one")
+        if host_list is None and allocation is not None:
+            host_list = allocation.hosts
         if host_list is None:
             raise click.UsageError("--check-hosts needs the hosts: -H HOST:SLOTS,... or --hostfile")
         if command:
@@ -272,7 +298,8 @@ def cli(
         host_list, num_proc, elastic_options = elastic_flags.resolve(host_list, num_proc)
     else:
         elastic_flags.check_unused()
-        host_list, num_proc = resolve_hosts(host_list, hosts, num_proc)
+        host_list, num_proc = resolve_hosts(host_list, hosts, num_proc, allocation)
+    launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic))
     if any(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
         check_command(command)
     if output_filename is not None and not dry_run:
@@ -333,11 +360,34 @@ def read_hosts(hosts: str | None, hostfile: str | None) -> list[HostSpec] | None
     return None
 
 
+def current_allocation() -> Allocation | None:
+    """The batch allocation hvdrun runs in (launcher.spec.schedulers), or None."""
+    try:
+        return read_allocation(os.environ)
+    except AllocationError as exc:
+        raise click.UsageError(f"cannot use the batch allocation: {exc}") from None
+
+
 def resolve_hosts(
-    host_list: list[HostSpec] | None, hosts: str | None, num_proc: int | None
+    host_list: list[HostSpec] | None,
+    hosts: str | None,
+    num_proc: int | None,
+    allocation: Allocation | None = None,
 ) -> tuple[list[HostSpec], int]:
+    """The hosts and process count of a fixed-size job: -H/--hostfile, else the batch
+    allocation (its first ``-np`` slots), else ``localhost:-np``."""
     if num_proc is not None:
         check_num_proc(num_proc)
+    if host_list is None and allocation is not None:
+        if num_proc is None:
+            num_proc = allocation.slots
+        if num_proc > allocation.slots:
+            raise click.BadParameter(
+                f"{num_proc} processes requested but {allocation.source} has only "
+                f"{allocation.slots} slot(s)",
+                param_hint="'-np'",
+            )
+        return allocation.first_slots(num_proc), num_proc
     if host_list is None:
         if num_proc is None:
             raise click.UsageError("give the number of processes with -np N (or hosts with -H)")
@@ -352,6 +402,50 @@ def resolve_hosts(
             param_hint="'-np'",
         )
     return host_list, num_proc
+
+
+def choose_launcher(requested: str, host_list: Sequence[HostSpec], elastic: bool) -> str:
+    """``--launcher`` for these hosts: "slurm" (one srun step) or "ssh" (local or SSH per
+    host); see launcher.spec.options.LAUNCHERS."""
+    try:
+        allocation = slurm_allocation(os.environ)
+    except DetectionError as exc:
+        if requested == "slurm":
+            raise click.UsageError(f"--launcher slurm: {exc}") from None
+        allocation = None
+    names = [h.hostname for h in host_list]
+    if requested == "local":
+        remote = [name for name in names if not is_local_host(name)]
+        if remote:
+            raise click.BadParameter(
+                f"'local' starts workers on this machine only, but the hosts include "
+                f"{', '.join(remote)}",
+                param_hint="'--launcher'",
+            )
+        return "ssh"
+    outside = [] if allocation is None else [n for n in names if n not in allocation.nodes]
+    if requested == "slurm":
+        if allocation is None:
+            raise click.BadParameter(
+                "'slurm' starts the agents with srun inside a Slurm allocation; run hvdrun "
+                "inside salloc or an sbatch script (not inside srun)",
+                param_hint="'--launcher'",
+            )
+        if elastic:
+            raise click.BadParameter(
+                "elastic jobs start their agents over SSH; use --launcher ssh (or auto)",
+                param_hint="'--launcher'",
+            )
+        if outside:
+            raise click.BadParameter(
+                f"srun starts agents on the allocation's nodes "
+                f"({','.join(allocation.nodes)}) only, not on {', '.join(outside)}",
+                param_hint="'--launcher'",
+            )
+        return "slurm"
+    if requested == "auto" and allocation is not None and not elastic and not outside:
+        return "slurm"
+    return "ssh"
 
 
 def worker_env(

@@ -46,8 +46,9 @@ def masked(name: str, value: str) -> str:
 
 def describe_reach(hostname: str, launch: LaunchOptions) -> str:
     """How hvdrun would reach ``hostname``: the same decision launcher.transport.startup
-    makes, without connecting. (A scheduler launcher, e.g. srun inside a Slurm
-    allocation, describes itself here once it exists.)"""
+    makes, without connecting."""
+    if launch.launcher == "slurm":
+        return "srun (one task of hvdrun's job step in the Slurm allocation, no SSH)"
     if is_local_host(hostname):
         return "this machine (agent as a local process)"
     from launcher.transport.ssh_config import SSHConnectError, resolve_target
