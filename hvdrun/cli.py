@@ -287,6 +287,7 @@ def cli(
             raise click.UsageError("--check-hosts needs the hosts: -H HOST:SLOTS,... or --hostfile")
         if command:
             raise click.UsageError("--check-hosts runs no command; remove it")
+        launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic=False))
         from launcher.check_hosts import check_hosts as run_check
 
         return run_check([h.hostname for h in host_list], os.getcwd(), env, launch, click.echo)

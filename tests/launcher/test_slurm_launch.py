@@ -233,3 +233,13 @@ def test_hvdrun_in_an_sbatch_script_and_a_plain_ddp_script(
     assert code == 0, output
     assert "[0]<stdout>:ddp: 2 ranks, test accuracy" in output
     assert "[1]<stdout>:ddp rank 1: weights equal rank 0's: True" in output
+
+
+def test_check_hosts_inside_the_allocation_goes_through_srun(slurm: SlurmCluster) -> None:
+    result = slurm.run(*SALLOC, *HVDRUN, "--check-hosts")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert [row[:2] for row in rows if row and row[0].startswith("hvdh")] == [
+        ["hvdh1", "ok"],
+        ["hvdh2", "ok"],
+    ], result.stdout
