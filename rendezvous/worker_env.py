@@ -78,6 +78,9 @@ TORCH_RANK = "RANK"
 TORCH_WORLD_SIZE = "WORLD_SIZE"
 TORCH_LOCAL_RANK = "LOCAL_RANK"
 TORCH_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+#: Where init_process_group(init_method="env://") meets (fixed jobs; picked on rank 0's host).
+TORCH_MASTER_ADDR = "MASTER_ADDR"
+TORCH_MASTER_PORT = "MASTER_PORT"
 
 # ---- connection: the same for every worker of a job -------------------------------------
 RENDEZVOUS_ADDR = "HVDRUN_RENDEZVOUS_ADDR"
@@ -222,6 +225,11 @@ def horovod_placement_env(
         HOROVOD_CROSS_SIZE: str(cross_size),
         HOROVOD_HOSTNAME: hostname,
     }
+
+
+def master_env(address: str, port: int) -> dict[str, str]:
+    """Where plain ``torch.distributed`` scripts meet with ``init_method="env://"``."""
+    return {TORCH_MASTER_ADDR: address, TORCH_MASTER_PORT: str(port)}
 
 
 def connection_env(rendezvous_addr: str, job_id: str, secret: str) -> dict[str, str]:

@@ -26,6 +26,8 @@ from launcher.transport.protocol import (
     Hello,
     KillRequest,
     PingRequest,
+    Prepared,
+    PrepareRequest,
     Probe,
     ProbeRequest,
     Request,
@@ -61,11 +63,19 @@ class AgentExit:
 
 
 @dataclass(frozen=True)
+class StepCancelled:
+    """The transport's news that the whole job was cancelled under it (``scancel`` of the
+    Slurm step that carries the agents); ``message`` says so, for the user."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class HostEvent:
     """An event as the supervisors receive it: tagged with the host whose agent sent it."""
 
     host: str
-    event: AgentEvent | AgentExit
+    event: AgentEvent | AgentExit | StepCancelled
 
 
 class EventQueue(Protocol):
@@ -85,6 +95,7 @@ class AgentConnection:
         self.stage = "starting the agent"
         self.hello: Hello | None = None
         self.probe: Probe | None = None
+        self.prepared: Prepared | None = None
         self.rendezvous_host: str | None = None  # where this host can reach hvdrun
         self.exit_code: int | None = None
         self.worker_pids: list[int] = []
@@ -157,6 +168,19 @@ class AgentConnection:
             )
         return self.probe.facts
 
+    def request_prepare(self, rendezvous_addr: str, timeout: float) -> Prepared:
+        """Rank 0's host: where plain torch.distributed scripts meet (MASTER_ADDR/PORT)."""
+        self._answered.clear()
+        if self.hello is None:
+            raise AgentStartError("the agent is not running")
+        self._send(PrepareRequest(rendezvous_addr))
+        if not self._answered.wait(timeout) or self.prepared is None:
+            raise AgentStartError(
+                "the agent did not say which port torch.distributed can use there"
+                + (f": {self.stderr_tail[-1]}" if self.stderr_tail else "")
+            )
+        return self.prepared
+
     def terminate(self) -> None:
         """Ask the agent to stop its workers (SIGTERM, then SIGKILL after the grace period)."""
         self._send(TerminateRequest())
@@ -205,7 +229,11 @@ class AgentConnection:
         while not self._finished.wait(interval):
             self._send(PingRequest())
 
-    def _deliver(self, event: AgentEvent | AgentExit) -> None:
+    def deliver_event(self, event: StepCancelled) -> None:
+        """Queues news from the transport itself, as if the agent had sent it."""
+        self._deliver(event)
+
+    def _deliver(self, event: AgentEvent | AgentExit | StepCancelled) -> None:
         tagged = HostEvent(self.hostname, event)
         with self._queue_lock:
             if self._events is None:
@@ -234,6 +262,9 @@ class AgentConnection:
                 self._answered.set()
             elif isinstance(event, Probe):
                 self.probe = event
+                self._answered.set()
+            elif isinstance(event, Prepared):
+                self.prepared = event
                 self._answered.set()
             else:
                 if isinstance(event, Started):
