@@ -157,29 +157,32 @@ class AgentConnection:
 
     def request_probe(self, connect_back: str | None, timeout: float) -> dict[str, Any]:
         """``--check-hosts``: the agent's description of its host."""
-        self._answered.clear()
-        if self.hello is None:
-            raise AgentStartError("the agent is not running")
-        self._send(ProbeRequest(connect_back))
-        if not self._answered.wait(timeout) or self.probe is None:
-            raise AgentStartError(
-                "the agent did not answer the probe"
-                + (f": {self.stderr_tail[-1]}" if self.stderr_tail else "")
-            )
+        self._ask(ProbeRequest(connect_back), timeout, "did not answer the probe")
+        assert self.probe is not None
         return self.probe.facts
 
     def request_prepare(self, rendezvous_addr: str, timeout: float) -> Prepared:
         """Rank 0's host: where plain torch.distributed scripts meet (MASTER_ADDR/PORT)."""
+        self.prepared = None
+        self._ask(
+            PrepareRequest(rendezvous_addr),
+            timeout,
+            "did not say which port torch.distributed can use there",
+        )
+        assert self.prepared is not None
+        return self.prepared
+
+    def _ask(self, request: ProbeRequest | PrepareRequest, timeout: float, silent: str) -> None:
+        """Sends a request the agent answers before the job; AgentStartError without one."""
         self._answered.clear()
         if self.hello is None:
             raise AgentStartError("the agent is not running")
-        self._send(PrepareRequest(rendezvous_addr))
-        if not self._answered.wait(timeout) or self.prepared is None:
-            raise AgentStartError(
-                "the agent did not say which port torch.distributed can use there"
-                + (f": {self.stderr_tail[-1]}" if self.stderr_tail else "")
-            )
-        return self.prepared
+        self._send(request)
+        answered = self._answered.wait(timeout)
+        answer = self.probe if isinstance(request, ProbeRequest) else self.prepared
+        if not answered or answer is None:
+            last = f": {self.stderr_tail[-1]}" if self.stderr_tail else ""
+            raise AgentStartError(f"the agent {silent}{last}")
 
     def terminate(self) -> None:
         """Ask the agent to stop its workers (SIGTERM, then SIGKILL after the grace period)."""

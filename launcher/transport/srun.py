@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 
 from launcher.transport.connection import AgentConnection, AgentStartError, StepCancelled
-from launcher.transport.local import AGENT_MODULE, agent_pythonpath
+from launcher.transport.local import AGENT_MODULE, agent_env
 from launcher.transport.protocol import EXIT_MARKER, SHARED_STDIN_FLAG, Hello, decode_event
 from rendezvous.addresses import source_address
 from rendezvous.launchers import node_address
@@ -184,7 +184,6 @@ class SlurmStep:
         hostnames: Sequence[str],
         python: str,
         cwd: str,
-        pythonpath: str | None,
         heartbeat_timeout: float,
     ) -> None:
         self.hostnames = list(hostnames)
@@ -195,7 +194,7 @@ class SlurmStep:
         self.step_id: str | None = None  # "JOB.STEP", from the agents' hellos
         self.cancelled = False
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
-        self._pythonpath = agent_pythonpath(pythonpath, cwd)
+        self._cwd = cwd
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
         self._tasks: dict[int, SrunAgent] = {}
@@ -213,10 +212,7 @@ class SlurmStep:
             srun = shutil.which("srun")
             if srun is None:
                 raise AgentStartError("srun is not on PATH here (--launcher slurm needs it)")
-            env = dict(os.environ)
-            env.pop("PYTHONPATH", None)
-            if self._pythonpath:
-                env["PYTHONPATH"] = self._pythonpath
+            env = agent_env(os.environ, self._cwd)
             try:
                 self._proc = subprocess.Popen(
                     srun_argv(srun, self.hostnames, self.python),

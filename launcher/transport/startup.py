@@ -89,9 +89,7 @@ def open_agents(
     if options.launcher == "slurm":
         from launcher.transport.srun import SlurmStep
 
-        step = SlurmStep(
-            hostnames, options.python, cwd, env.get("PYTHONPATH"), options.agent_timeout
-        )
+        step = SlurmStep(hostnames, options.python, cwd, options.agent_timeout)
 
     def start_one(hostname: str) -> None:
         try:

@@ -8,7 +8,6 @@ script meets at ``MASTER_ADDR``/``MASTER_PORT``.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.launcher.reports import placements
 from tests.slurm import SlurmCluster, slurm_for_tests
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -45,15 +45,6 @@ def idle(slurm: SlurmCluster) -> Iterator[None]:
     slurm.wait_idle()
 
 
-def placements(stdout: str) -> dict[int, dict]:
-    found = {}
-    for line in stdout.splitlines():
-        match = re.match(r"\[(\d+)\]<stdout>:placement (.*)$", line)
-        if match:
-            found[int(match.group(1))] = json.loads(match.group(2))
-    return found
-
-
 def left_on_nodes(slurm: SlurmCluster, within: float) -> list[str]:
     """Processes other than Slurm's daemons still on the nodes after ``within`` s."""
     deadline = time.monotonic() + within
@@ -70,6 +61,25 @@ def left_on_nodes(slurm: SlurmCluster, within: float) -> list[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+def running_job(slurm: SlurmCluster) -> subprocess.Popen[str]:
+    """``salloc ... hvdrun fail_rank.py``, once all 4 workers (and their children) run."""
+    proc = subprocess.Popen(
+        slurm.argv(*SALLOC, *HVDRUN, sys.executable, str(SCRIPTS / "fail_rank.py")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=slurm.env(),
+    )
+    assert proc.stdout is not None
+    started = 0
+    while started < 4:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        started += "pids " in line
+    return proc
 
 
 def test_the_allocation_is_the_host_list_and_srun_places_the_ranks(slurm: SlurmCluster) -> None:
@@ -170,20 +180,7 @@ def test_a_failing_rank_ends_the_job_with_its_code_and_nothing_is_left(
 
 
 def test_scancel_ends_hvdrun_and_every_worker_on_every_node(slurm: SlurmCluster) -> None:
-    proc = subprocess.Popen(
-        slurm.argv(*SALLOC, *HVDRUN, sys.executable, str(SCRIPTS / "fail_rank.py")),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=slurm.env(),
-    )
-    assert proc.stdout is not None
-    started = 0
-    while started < 4:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read() if proc.stderr else ""
-        started += "pids " in line
+    proc = running_job(slurm)
     (job,) = slurm.jobs()
     cancelled = time.monotonic()
     assert slurm.run("scancel", job).returncode == 0
@@ -196,20 +193,7 @@ def test_scancel_ends_hvdrun_and_every_worker_on_every_node(slurm: SlurmCluster)
 
 
 def test_ctrl_c_on_hvdrun_cancels_its_step(slurm: SlurmCluster) -> None:
-    proc = subprocess.Popen(
-        slurm.argv(*SALLOC, *HVDRUN, sys.executable, str(SCRIPTS / "fail_rank.py")),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=slurm.env(),
-    )
-    assert proc.stdout is not None
-    started = 0
-    while started < 4:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read() if proc.stderr else ""
-        started += "pids " in line
+    proc = running_job(slurm)
     hvdrun = next(
         child
         for child in psutil.Process(proc.pid).children(recursive=True)

@@ -7,7 +7,6 @@ every check below is made from inside the hosts.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -22,18 +21,10 @@ import pytest
 
 from launcher.output import RANK_COLOURS
 from tests.cluster import Cluster, assert_hosts_clean
+from tests.launcher.reports import placements
 
 SCRIPTS = Path(__file__).parent / "scripts"
 PY = sys.executable
-
-
-def placements(stdout: str) -> dict[int, dict]:
-    found = {}
-    for line in stdout.splitlines():
-        match = re.match(r"\[(\d+)\]<stdout>:placement (.*)$", line)
-        if match:
-            found[int(match.group(1))] = json.loads(match.group(2))
-    return found
 
 
 def worker_pids(line: str) -> list[int]:
