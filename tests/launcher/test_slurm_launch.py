@@ -8,6 +8,7 @@ script meets at ``MASTER_ADDR``/``MASTER_PORT``.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -227,3 +228,15 @@ def test_check_hosts_inside_the_allocation_goes_through_srun(slurm: SlurmCluster
         ["hvdh1", "ok"],
         ["hvdh2", "ok"],
     ], result.stdout
+
+
+def test_the_hvdrun_sbatch_example(slurm: SlurmCluster) -> None:
+    """examples/hvdrun_digits.sbatch as a user submits it: from the repository, with this
+    installation first on PATH, and no SSH between the nodes."""
+    repo = EXAMPLES.parent
+    path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
+    code, output = slurm.sbatch(
+        "examples/hvdrun_digits.sbatch", "--epochs", "1", env=slurm.env(PATH=path), cwd=repo
+    )
+    assert code == 0, output
+    assert "trained on 4 process(es)" in output, output
