@@ -8,8 +8,9 @@ neither torch nor gRPC, so it costs the CLI nothing.
 Two kinds of variables:
 
 * **Placement and connection**, set by the launcher for each worker: where it sits in the
-  job (``HVDRUN_RANK`` ... ``HVDRUN_HOSTNAME``, and torch's ``RANK``/``WORLD_SIZE``/
-  ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` for scripts that read those), how it reaches its job
+  job (``HVDRUN_RANK`` ... ``HVDRUN_HOSTNAME``, Horovod's ``HOROVOD_RANK`` ...
+  ``HOROVOD_HOSTNAME`` and torch's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+  ``LOCAL_WORLD_SIZE`` for scripts that read those), how it reaches its job
   (``HVDRUN_RENDEZVOUS_ADDR``, ``HVDRUN_JOB_ID``, ``HVDRUN_SECRET``, and
   ``HVDRUN_RENDEZVOUS_CERT`` where the rendezvous speaks TLS) and, in elastic jobs,
   its membership generation. The rendezvous server's answer to registration is what counts;
@@ -45,6 +46,7 @@ __all__ = [
     "SECRET",
     "connection_env",
     "flag",
+    "horovod_placement_env",
     "integer",
     "new_job_id",
     "new_secret",
@@ -66,11 +68,23 @@ LOCAL_SIZE = "HVDRUN_LOCAL_SIZE"
 CROSS_RANK = "HVDRUN_CROSS_RANK"
 CROSS_SIZE = "HVDRUN_CROSS_SIZE"
 HOSTNAME = "HVDRUN_HOSTNAME"
+#: Horovod's names for the same facts (horovodrun sets them; scripts read them before
+#: ``hvd.init()``, e.g. ``HOROVOD_LOCAL_RANK`` to pick a GPU).
+HOROVOD_RANK = "HOROVOD_RANK"
+HOROVOD_SIZE = "HOROVOD_SIZE"
+HOROVOD_LOCAL_RANK = "HOROVOD_LOCAL_RANK"
+HOROVOD_LOCAL_SIZE = "HOROVOD_LOCAL_SIZE"
+HOROVOD_CROSS_RANK = "HOROVOD_CROSS_RANK"
+HOROVOD_CROSS_SIZE = "HOROVOD_CROSS_SIZE"
+HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
 #: torch.distributed's names for the same facts (torchrun sets them too).
 TORCH_RANK = "RANK"
 TORCH_WORLD_SIZE = "WORLD_SIZE"
 TORCH_LOCAL_RANK = "LOCAL_RANK"
 TORCH_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+#: Where init_process_group(init_method="env://") meets (fixed jobs; picked on rank 0's host).
+TORCH_MASTER_ADDR = "MASTER_ADDR"
+TORCH_MASTER_PORT = "MASTER_PORT"
 
 # ---- connection: the same for every worker of a job -------------------------------------
 RENDEZVOUS_ADDR = "HVDRUN_RENDEZVOUS_ADDR"
@@ -175,7 +189,8 @@ def integer(variable: str, default: int, env: Mapping[str, str] | None = None) -
 
 
 def slot_env(slot: SlotInfo) -> dict[str, str]:
-    """The placement variables of the worker that runs ``slot``."""
+    """The placement variables of the worker that runs ``slot``: hvdrun's, Horovod's
+    (:func:`horovod_placement_env`) and torch's names."""
     return {
         RANK: str(slot.rank),
         SIZE: str(slot.size),
@@ -184,11 +199,49 @@ def slot_env(slot: SlotInfo) -> dict[str, str]:
         CROSS_RANK: str(slot.cross_rank),
         CROSS_SIZE: str(slot.cross_size),
         HOSTNAME: slot.hostname,
+        **horovod_placement_env(
+            slot.rank,
+            slot.size,
+            slot.local_rank,
+            slot.local_size,
+            slot.cross_rank,
+            slot.cross_size,
+            slot.hostname,
+        ),
         TORCH_RANK: str(slot.rank),
         TORCH_WORLD_SIZE: str(slot.size),
         TORCH_LOCAL_RANK: str(slot.local_rank),
         TORCH_LOCAL_WORLD_SIZE: str(slot.local_size),
     }
+
+
+def horovod_placement_env(
+    rank: int,
+    size: int,
+    local_rank: int,
+    local_size: int,
+    cross_rank: int,
+    cross_size: int,
+    hostname: str,
+) -> dict[str, str]:
+    """Horovod's placement variables (``HOROVOD_RANK`` ... ``HOROVOD_HOSTNAME``), as
+    horovodrun sets them. An elastic worker's runtime sets them again to each new
+    assignment, as Horovod's does on a reset; the ``HVDRUN_*`` ones keep naming the slot
+    the worker was started for (the runtime registers with them)."""
+    return {
+        HOROVOD_RANK: str(rank),
+        HOROVOD_SIZE: str(size),
+        HOROVOD_LOCAL_RANK: str(local_rank),
+        HOROVOD_LOCAL_SIZE: str(local_size),
+        HOROVOD_CROSS_RANK: str(cross_rank),
+        HOROVOD_CROSS_SIZE: str(cross_size),
+        HOROVOD_HOSTNAME: hostname,
+    }
+
+
+def master_env(address: str, port: int) -> dict[str, str]:
+    """Where plain ``torch.distributed`` scripts meet with ``init_method="env://"``."""
+    return {TORCH_MASTER_ADDR: address, TORCH_MASTER_PORT: str(port)}
 
 
 def connection_env(

@@ -96,6 +96,7 @@ def agent_spec(
         term_grace=spec.term_grace,
         rendezvous_addr=rendezvous,
         heartbeat_timeout=heartbeat_timeout,
+        log_level=spec.launch.log_level,
     )
 
 
@@ -114,7 +115,7 @@ def agent_loss_reason(event: Done | AgentExit) -> str:
 
 
 class Signals:
-    """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-cleanup."""
+    """Records SIGINT/SIGTERM/SIGHUP for the supervision loop instead of raising mid-cleanup."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -134,7 +135,8 @@ class Signals:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Signals]:
-        previous = {s: signal.signal(s, self.record) for s in (signal.SIGINT, signal.SIGTERM)}
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {s: signal.signal(s, self.record) for s in handled}
         try:
             yield self
         finally:
@@ -255,6 +257,16 @@ class Supervision(ABC, Generic[E]):
             else:
                 self.sink.message("second signal: killing all workers now")
                 self.kill_all()
+
+    def cancel(self, message: str) -> None:
+        """The job was cancelled under hvdrun (``scancel``): stop it as a SIGTERM would."""
+        if self.stopping and self.result.interrupted_by is not None:
+            return
+        self.sink.message(message)
+        if self.result.failure is None and self.result.interrupted_by is None:
+            self.result.interrupted_by = signal.SIGTERM
+            self.result.exit_code = 128 + signal.SIGTERM
+        self.stop_all()
 
     def check_heartbeats(self, now: float) -> None:
         for agent in self.watched_agents():

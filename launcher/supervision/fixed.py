@@ -32,10 +32,17 @@ from launcher.supervision.core import (
     agent_spec,
 )
 from launcher.supervision.report import report_failure
-from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
+from launcher.transport.connection import (
+    AgentConnection,
+    AgentExit,
+    AgentStartError,
+    HostEvent,
+    StepCancelled,
+)
 from launcher.transport.protocol import Done, Exit, Network, Output
 from launcher.transport.startup import (
     AGENT_FAILURE_EXIT,
+    LaunchError,
     plan_rendezvous,
     rendezvous_addr,
     start_agents,
@@ -101,6 +108,8 @@ class Supervisor(Supervision[HostEvent]):
                     self.fail(WorkerFailure(rank, host, code, error))
             case Network(ifname):
                 log.info("workers on %s use interface %s", host, ifname)
+            case StepCancelled(message):
+                self.cancel(message)
             case Done() | AgentExit():
                 if host in self._pending_hosts:
                     self._lose_host(host, agent_loss_reason(event))
@@ -164,6 +173,26 @@ def run_fixed_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     return result
 
 
+def master_env(
+    spec: JobSpec, agents: Sequence[AgentConnection], slots: Sequence[SlotInfo], addr: str
+) -> dict[str, str]:
+    """``MASTER_ADDR``/``MASTER_PORT`` for plain torch.distributed scripts, picked by rank 0's
+    agent on its host, unless the user set both with ``-x``."""
+    if worker_env.TORCH_MASTER_ADDR in spec.env and worker_env.TORCH_MASTER_PORT in spec.env:
+        return {}
+    host = next(slot.hostname for slot in slots if slot.rank == 0)
+    agent = next(agent for agent in agents if agent.hostname == host)
+    try:
+        prepared = agent.request_prepare(addr, timeout=spec.launch.start_timeout)
+    except AgentStartError as exc:
+        raise LaunchError({host: str(exc)}, len(agents)) from None
+    env = worker_env.master_env(prepared.address, prepared.port)
+    for name in env:  # a user's -x MASTER_ADDR=... (or MASTER_PORT) wins
+        if name in spec.env:
+            env[name] = spec.env[name]
+    return env
+
+
 def _supervise(
     spec: JobSpec,
     agents: list[AgentConnection],
@@ -183,15 +212,16 @@ def _supervise(
     )
     port = server.start()
     try:
+        rank0 = next(slot.hostname for slot in slots if slot.rank == 0)
+        master = master_env(spec, agents, slots, rendezvous_addr(plan, rank0, port))
         for agent in agents:
             host = agent.hostname
             addr = rendezvous_addr(plan, host, port)
-            agent.launch(
-                agent_spec(
-                    spec, host, slots, addr, job_id, secret, agent.heartbeat_timeout, cert_pem
-                ),
-                events,
+            launch = agent_spec(
+                spec, host, slots, addr, job_id, secret, agent.heartbeat_timeout, cert_pem
             )
+            launch.env.update(master)
+            agent.launch(launch, events)
         return Supervisor(agents, slots, sink, events, spec.term_grace, signals, server).run()
     finally:
         server.stop()

@@ -148,6 +148,20 @@ def register(runtime_: RuntimeState, min_generation: int) -> Any:
     )
     runtime_.generation = info.generation
     runtime_.saw_generation(info.generation)
+    # Horovod's variables follow the assignment (an elastic worker's changes with each
+    # generation, as Horovod sets them on a reset); HVDRUN_* keep naming the slot this
+    # worker was started for, which it registers with.
+    os.environ.update(
+        worker_env.horovod_placement_env(
+            info.rank,
+            info.size,
+            info.local_rank,
+            info.local_size,
+            info.cross_rank,
+            info.cross_size,
+            runtime_.host,
+        )
+    )
     return info
 
 
