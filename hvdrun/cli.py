@@ -11,42 +11,66 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import click
 
 from hvdrun import __version__
+from hvdrun.config_file import config_env, config_file_option
+from hvdrun.dry_run import dry_run_option
 from hvdrun.elastic_flags import ElasticFlags, check_num_proc, elastic_options, explicit
+from hvdrun.help_sections import SectionedCommand
+from hvdrun.horovod_flags import (
+    HorovodFlags,
+    check_hosts_flag,
+    horovod_options,
+    interfaces,
+    notices,
+)
+from hvdrun.logging_setup import LogSettings, configure_logging, logging_options
 from hvdrun.tuning import tuning_env, tuning_options
 from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports
-from launcher.spec.hosts import LOCAL_NAMES, HostSpec, HostSpecError, parse_hostfile, parse_hosts
+from launcher.spec.hosts import (
+    LOCAL_NAMES,
+    HostSpec,
+    HostSpecError,
+    is_local_host,
+    parse_hostfile,
+    parse_hosts,
+)
 from launcher.spec.options import (
     ELASTIC_FAILURE_TIMEOUT,
     HOST_KEY_POLICIES,
+    LAUNCHERS,
     LaunchOptions,
     SSHOptions,
 )
+from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
+from rendezvous.launchers import DetectionError, slurm_allocation
 
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
 
-@click.command(context_settings=CONTEXT_SETTINGS)
+@click.command(cls=SectionedCommand, context_settings=CONTEXT_SETTINGS)
 @click.option(
     "-np",
     "--num-proc",
     "num_proc",
     type=int,
     metavar="N",
-    help="Number of worker processes (default: every slot in -H).",
+    help="Number of worker processes (default: every slot in -H or the batch allocation).",
 )
 @click.option(
     "-H",
     "--hosts",
     "hosts",
     metavar="HOST:SLOTS,...",
-    help="Hosts and their slots, e.g. host1:4,host2:4 (default: localhost:N).",
+    help="Hosts and their slots, e.g. host1:4,host2:4 (default: the batch allocation "
+    "hvdrun runs in, else localhost:N).",
 )
 @click.option(
+    "-hostfile",
     "--hostfile",
     type=click.Path(dir_okay=False),
     metavar="FILE",
@@ -57,8 +81,19 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     type=click.FloatRange(min=0, min_open=True),
     default=30.0,
     show_default=True,
+    envvar="HOROVOD_START_TIMEOUT",
     metavar="SECONDS",
-    help="How long connecting to every host and starting its agent may take.",
+    help="How long connecting to every host and starting its agent may take "
+    "(HOROVOD_START_TIMEOUT).",
+)
+@click.option(
+    "--launcher",
+    type=click.Choice(LAUNCHERS),
+    default="auto",
+    show_default=True,
+    help="How agents start on the hosts: srun inside a Slurm allocation (slurm), SSH (ssh), "
+    "or on this machine only (local); auto picks slurm when every host is a node of the "
+    "Slurm allocation hvdrun runs in, else SSH for remote hosts.",
 )
 @click.option(
     "-p",
@@ -104,6 +139,7 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
 )
 @click.option(
     "--network-interface",
+    multiple=True,
     metavar="IFNAME[,IFNAME]",
     help="Interface(s) for Gloo and NCCL on every host (default: the one facing the "
     "rendezvous); sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME.",
@@ -129,7 +165,10 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     help="Also write each rank's output to DIR/rank.N/stdout and DIR/rank.N/stderr.",
 )
 @click.option(
+    "-prefix-timestamp",
     "--prefix-timestamp",
+    "--prefix-output-with-timestamp",
+    "prefix_timestamp",
     is_flag=True,
     help="Start every output line with the time hvdrun received it.",
 )
@@ -147,26 +186,32 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     help="Connect to every host of -H/--hostfile, print a table of what it runs, and exit.",
 )
 @click.option(
+    "-cb",
     "--check-build",
     is_flag=True,
     help="Show which frameworks, controllers and tensor operations are available.",
 )
 @elastic_options
-@click.option("--version", is_flag=True, help="Show hvdrun's version and exit.")
+@click.option("-v", "--version", is_flag=True, help="Show hvdrun's version and exit.")
 @tuning_options
+@horovod_options
+@logging_options
+@config_file_option
+@dry_run_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(
     num_proc: int | None,
     hosts: str | None,
     hostfile: str | None,
     start_timeout: float,
+    launcher: str,
     ssh_port: int | None,
     identity_files: tuple[str, ...],
     ssh_config_file: str | None,
     ssh_host_key_policy: str | None,
     exports: tuple[str, ...],
     rendezvous_addr: str | None,
-    network_interface: str | None,
+    network_interface: tuple[str, ...],
     agent_timeout: float,
     skip_version_check: bool,
     output_filename: str | None,
@@ -196,6 +241,13 @@ def cli(
             click.echo(line)
         return 0
 
+    log_settings = LogSettings.take(tuning)
+    configure_logging(log_settings)
+    compat = HorovodFlags.take(tuning)
+    compat.adjust_tuning(tuning)
+    dry_run = bool(tuning.pop("dry_run", False))
+    if hosts is not None:
+        check_hosts_flag(hosts)
     host_list = read_hosts(hosts, hostfile)
     elastic_flags = ElasticFlags(
         min_np,
@@ -211,19 +263,31 @@ def cli(
         agent_timeout = ELASTIC_FAILURE_TIMEOUT
     if rendezvous_addr is not None:
         check_rendezvous_addr(rendezvous_addr)
-    env = worker_env(exports, network_interface, tuning)
+    env = worker_env(exports, interfaces(network_interface, compat.network_interfaces), tuning)
+    env.update(compat.env())
+    env.update(log_settings.env())
+    for name, value in config_env(click.get_current_context()).items():
+        env.setdefault(name, value)
     launch = LaunchOptions(
         ssh=SSHOptions(ssh_port, identity_files, ssh_config_file, ssh_host_key_policy),
         start_timeout=start_timeout,
         agent_timeout=agent_timeout,
         rendezvous_addr=rendezvous_addr,
         check_versions=not skip_version_check,
+        log_level=log_settings.agent_level(),
     )
+    # Inside a batch job the allocation is the default host list (-H/--hostfile win).
+    allocation = current_allocation() if host_list is None and not elastic else None
     if check_hosts:
+        if dry_run:
+            raise click.UsageError("--check-hosts contacts the hosts, --dry-run does not: give one")
+        if host_list is None and allocation is not None:
+            host_list = allocation.hosts
         if host_list is None:
             raise click.UsageError("--check-hosts needs the hosts: -H HOST:SLOTS,... or --hostfile")
         if command:
             raise click.UsageError("--check-hosts runs no command; remove it")
+        launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic=False))
         from launcher.check_hosts import check_hosts as run_check
 
         return run_check([h.hostname for h in host_list], os.getcwd(), env, launch, click.echo)
@@ -235,11 +299,14 @@ def cli(
         host_list, num_proc, elastic_options = elastic_flags.resolve(host_list, num_proc)
     else:
         elastic_flags.check_unused()
-        host_list, num_proc = resolve_hosts(host_list, hosts, num_proc)
-    if any(h.hostname in LOCAL_NAMES for h in host_list):
+        host_list, num_proc = resolve_hosts(host_list, hosts, num_proc, allocation)
+    launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic))
+    if any(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
         check_command(command)
-    if output_filename is not None:
+    if output_filename is not None and not dry_run:
         check_output_dir(output_filename)
+    for notice in notices(compat, env, host_list, num_proc):
+        click.echo(f"hvdrun: {notice}", err=True)
 
     # Imported here so that --version, --help and input errors stay instant.
     from launcher.output import OutputOptions, OutputSink, use_colour
@@ -257,6 +324,11 @@ def cli(
         launch=launch,
         elastic=elastic_options,
     )
+    if dry_run:
+        from hvdrun.dry_run import print_plan
+
+        print_plan(spec, click.echo)
+        return 0
     stdout, stderr = sys.stdout.buffer, sys.stderr.buffer
     options = OutputOptions(
         prefix_timestamp=prefix_timestamp,
@@ -264,6 +336,7 @@ def cli(
         colour_stderr=use_colour(stderr, os.environ),
         output_dir=output_filename,
         status_line=stderr.isatty(),
+        num_ranks=max(num_proc, (elastic_options.max_np or 0) if elastic_options else 0),
     )
     try:
         return run_job(spec, OutputSink(stdout, stderr, options=options)).exit_code
@@ -288,11 +361,34 @@ def read_hosts(hosts: str | None, hostfile: str | None) -> list[HostSpec] | None
     return None
 
 
+def current_allocation() -> Allocation | None:
+    """The batch allocation hvdrun runs in (launcher.spec.schedulers), or None."""
+    try:
+        return read_allocation(os.environ)
+    except AllocationError as exc:
+        raise click.UsageError(f"cannot use the batch allocation: {exc}") from None
+
+
 def resolve_hosts(
-    host_list: list[HostSpec] | None, hosts: str | None, num_proc: int | None
+    host_list: list[HostSpec] | None,
+    hosts: str | None,
+    num_proc: int | None,
+    allocation: Allocation | None = None,
 ) -> tuple[list[HostSpec], int]:
+    """The hosts and process count of a fixed-size job: -H/--hostfile, else the batch
+    allocation (its first ``-np`` slots), else ``localhost:-np``."""
     if num_proc is not None:
         check_num_proc(num_proc)
+    if host_list is None and allocation is not None:
+        if num_proc is None:
+            num_proc = allocation.slots
+        if num_proc > allocation.slots:
+            raise click.BadParameter(
+                f"{num_proc} processes requested but {allocation.source} has only "
+                f"{allocation.slots} slot(s)",
+                param_hint="'-np'",
+            )
+        return allocation.first_slots(num_proc), num_proc
     if host_list is None:
         if num_proc is None:
             raise click.UsageError("give the number of processes with -np N (or hosts with -H)")
@@ -307,6 +403,50 @@ def resolve_hosts(
             param_hint="'-np'",
         )
     return host_list, num_proc
+
+
+def choose_launcher(requested: str, host_list: Sequence[HostSpec], elastic: bool) -> str:
+    """``--launcher`` for these hosts: "slurm" (one srun step) or "ssh" (local or SSH per
+    host); see launcher.spec.options.LAUNCHERS."""
+    try:
+        allocation = slurm_allocation(os.environ)
+    except DetectionError as exc:
+        if requested == "slurm":
+            raise click.UsageError(f"--launcher slurm: {exc}") from None
+        allocation = None
+    names = [h.hostname for h in host_list]
+    if requested == "local":
+        remote = [name for name in names if not is_local_host(name)]
+        if remote:
+            raise click.BadParameter(
+                f"'local' starts workers on this machine only, but the hosts include "
+                f"{', '.join(remote)}",
+                param_hint="'--launcher'",
+            )
+        return "ssh"
+    outside = [] if allocation is None else [n for n in names if n not in allocation.nodes]
+    if requested == "slurm":
+        if allocation is None:
+            raise click.BadParameter(
+                "'slurm' starts the agents with srun inside a Slurm allocation; run hvdrun "
+                "inside salloc or an sbatch script (not inside srun)",
+                param_hint="'--launcher'",
+            )
+        if elastic:
+            raise click.BadParameter(
+                "elastic jobs start their agents over SSH; use --launcher ssh (or auto)",
+                param_hint="'--launcher'",
+            )
+        if outside:
+            raise click.BadParameter(
+                f"srun starts agents on the allocation's nodes "
+                f"({','.join(allocation.nodes)}) only, not on {', '.join(outside)}",
+                param_hint="'--launcher'",
+            )
+        return "slurm"
+    if requested == "auto" and allocation is not None and not elastic and not outside:
+        return "slurm"
+    return "ssh"
 
 
 def worker_env(
@@ -389,10 +529,25 @@ def run_cli(argv: Sequence[str] | None = None) -> int:
 
 def _usage_message(exc: click.UsageError) -> str:
     message = exc.format_message()
+    variable = _from_environment(exc)
+    if variable is not None:
+        message += f" (from {variable})"
     if isinstance(exc, click.BadParameter) and exc.param_hint and exc.param is None:
         hint = exc.param_hint if isinstance(exc.param_hint, str) else "/".join(exc.param_hint)
         return f"invalid {hint}: {exc.message}"
     return message.replace("\n", " ")
+
+
+def _from_environment(exc: click.UsageError) -> str | None:
+    """The variable a bad value came from (HOROVOD_START_TIMEOUT=abc), if it did."""
+    param = getattr(exc, "param", None)
+    if param is None or exc.ctx is None or not param.name or not param.envvar:
+        return None
+    source = exc.ctx.get_parameter_source(param.name)
+    if source != click.core.ParameterSource.ENVIRONMENT:
+        return None
+    names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar)
+    return next((name for name in names if os.environ.get(name)), None)
 
 
 def main() -> None:

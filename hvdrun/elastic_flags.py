@@ -22,12 +22,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 _OPTIONS = [
     click.option(
         "--min-np",
+        "--min-num-proc",
+        "min_np",
         type=int,
         metavar="N",
         help="Elastic job: the fewest workers it may run on (default: -np).",
     ),
     click.option(
         "--max-np",
+        "--max-num-proc",
+        "max_np",
         type=int,
         metavar="N",
         help="Elastic job: the most workers it may grow to (default: every discovered slot).",
@@ -51,8 +55,10 @@ _OPTIONS = [
         type=click.FloatRange(min=0, min_open=True),
         default=600.0,
         show_default=True,
+        envvar="HOROVOD_ELASTIC_TIMEOUT",
         metavar="SECONDS",
-        help="Elastic job: how long it may wait for --min-np slots before it fails.",
+        help="Elastic job: how long it may wait for --min-np slots before it fails "
+        "(HOROVOD_ELASTIC_TIMEOUT).",
     ),
     click.option(
         "--reset-limit",
@@ -83,6 +89,12 @@ def explicit(name: str) -> bool:
     return source is not None and source != click.core.ParameterSource.DEFAULT
 
 
+def on_command_line(name: str) -> bool:
+    """Whether the user gave option ``name`` on the command line itself."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source == click.core.ParameterSource.COMMANDLINE
+
+
 def check_num_proc(num_proc: int) -> None:
     """Rejects an -np below 1 (for fixed and elastic jobs alike)."""
     if num_proc < 1:
@@ -111,7 +123,7 @@ class ElasticFlags:
             "reset_limit",
             "blacklist_cooldown_range",
         ):
-            if explicit(name):
+            if on_command_line(name):
                 flag = "--" + name.replace("_", "-")
                 raise click.UsageError(
                     f"{flag} is for elastic jobs: add --min-np/--max-np or --host-discovery-script"

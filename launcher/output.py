@@ -7,8 +7,10 @@ and a line longer than ``max_line`` bytes is cut into pieces rather than buffere
 
 :class:`OutputSink` prints ``[rank]<stream>:line`` (optionally after Horovod's timestamp,
 with the prefix coloured per rank), copies each rank's raw lines to
-``DIR/rank.N/stdout|stderr`` with ``--output-filename DIR``, and keeps hvdrun's one-line
-status ("connected 3/4 hosts, 12/16 workers registered") at the bottom of a terminal.
+``DIR/rank.N/stdout|stderr`` with ``--output-filename DIR`` (``N`` zero-padded to the width
+of the largest rank, as Horovod does, so that the directories sort in rank order), and
+keeps hvdrun's one-line status ("connected 3/4 hosts, 12/16 workers registered") at the
+bottom of a terminal.
 """
 
 from __future__ import annotations
@@ -82,6 +84,13 @@ class OutputOptions:
     colour_stderr: bool = False
     output_dir: str | None = None
     status_line: bool = False  # hvdrun's stderr is a terminal
+    num_ranks: int = 0  # the most ranks the job has at once: the width of rank.N
+
+
+def rank_dir_name(rank: int, num_ranks: int) -> str:
+    """``rank.N`` with N padded like Horovod's: ``rank.07`` in a job of 8 to 100 ranks."""
+    width = len(str(max(num_ranks - 1, 0)))
+    return f"rank.{rank:0{width}d}"
 
 
 def use_colour(stream: BinaryIO, env: dict[str, str] | os._Environ[str]) -> bool:
@@ -120,7 +129,8 @@ class OutputSink:
         if directory is None:
             return
         for rank in ranks:
-            rank_dir = os.path.join(directory, f"rank.{rank}")
+            name = rank_dir_name(rank, max(self._options.num_ranks, rank + 1))
+            rank_dir = os.path.join(directory, name)
             os.makedirs(rank_dir, exist_ok=True)
             for stream in ("stdout", "stderr"):
                 self._files[(rank, stream)] = open(os.path.join(rank_dir, stream), "wb")  # noqa: SIM115

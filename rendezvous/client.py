@@ -21,15 +21,23 @@ This module must not import torch.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 
-from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY, rendezvous_pb2, rendezvous_pb2_grpc
+from rendezvous import (
+    JOB_METADATA_KEY,
+    TOKEN_METADATA_KEY,
+    rendezvous_pb2,
+    rendezvous_pb2_grpc,
+    worker_env,
+)
+from rendezvous.tls import TARGET_NAME, channel_credentials
 
 __all__ = [
     "RankInfo",
@@ -110,13 +118,17 @@ class _Watch:
     def __init__(
         self,
         client: RendezvousClient,
-        rank: int,
+        ranks: Sequence[int],
         on_lost: Callable[[str], None],
         lost_after: float,
         on_generation: Callable[[int], None] | None = None,
+        *,
+        per_host: bool = False,
     ) -> None:
         self._client = client
-        self._rank = rank
+        self._ranks = list(ranks)
+        self._per_host = per_host
+        rank = self._ranks[0] if len(self._ranks) == 1 else f"{self._ranks[0]}+"
         self._on_lost = on_lost
         self._on_generation = on_generation
         self._lost_after = lost_after
@@ -159,7 +171,7 @@ class _Watch:
         self._finished.set()
         if call is not None:
             call.cancel()
-        logger.warning("lost the rendezvous server (rank %d): %s", self._rank, reason)
+        logger.warning("lost the rendezvous server (rank(s) %s): %s", self._ranks, reason)
         try:
             self._on_lost(reason)
         except Exception:
@@ -167,11 +179,19 @@ class _Watch:
 
     def _read(self) -> None:
         try:
-            call = self._client._stub.Watch(
-                rendezvous_pb2.WatchRequest(rank=self._rank),
-                metadata=self._client._metadata,
-                wait_for_ready=False,
-            )
+            stub = self._client._stub
+            if self._per_host:
+                call = stub.WatchHost(
+                    rendezvous_pb2.WatchHostRequest(ranks=self._ranks),
+                    metadata=self._client._metadata,
+                    wait_for_ready=False,
+                )
+            else:
+                call = stub.Watch(
+                    rendezvous_pb2.WatchRequest(rank=self._ranks[0]),
+                    metadata=self._client._metadata,
+                    wait_for_ready=False,
+                )
             with self._lock:
                 if self._done:
                     call.cancel()
@@ -209,31 +229,44 @@ class _Watch:
 class RendezvousClient:
     """Synchronous client of a job's rendezvous server; safe to share between threads."""
 
-    def __init__(self, addr: str, secret: str, job_id: str, *, rpc_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        addr: str,
+        secret: str,
+        job_id: str,
+        *,
+        rpc_timeout: float = 30.0,
+        cert_pem: bytes | str | None = None,
+    ) -> None:
+        """``cert_pem``: the job's certificate (``HVDRUN_RENDEZVOUS_CERT``); when given, the
+        client speaks TLS and trusts that certificate alone."""
         self.addr = addr
         self._rpc_timeout = rpc_timeout
         self._metadata: tuple[tuple[str, str], ...] = (
             (TOKEN_METADATA_KEY, secret),
             (JOB_METADATA_KEY, job_id),
         )
-        self._channel = grpc.insecure_channel(
-            addr,
-            options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                # Ping during long blocking calls so a cut network fails them.
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.keepalive_timeout_ms", 10_000),
-                # Its own connection: a client's calls never queue behind another client's.
-                ("grpc.use_local_subchannel_pool", 1),
-                # Reconnect soon after a refused connection: under another launcher the
-                # ranks dial while rank 0 may still be starting its server, and gRPC's
-                # default first backoff (1 s) would be most of a job's start-up.
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            # Ping during long blocking calls so a cut network fails them.
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            # Its own connection: a client's calls never queue behind another client's.
+            ("grpc.use_local_subchannel_pool", 1),
+            # Reconnect soon after a refused connection: under another launcher the
+            # ranks dial while rank 0 may still be starting its server, and gRPC's
+            # default first backoff (1 s) would be most of a job's start-up.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        if cert_pem:
+            # The certificate names TARGET_NAME, whatever address the worker dials.
+            options.append(("grpc.ssl_target_name_override", TARGET_NAME))
+            self._channel = grpc.secure_channel(addr, channel_credentials(cert_pem), options)
+        else:
+            self._channel = grpc.insecure_channel(addr, options=options)
         self._stub = rendezvous_pb2_grpc.RendezvousStub(self._channel)
         self._watches: list[_Watch] = []
         self._lock = threading.Lock()
@@ -241,6 +274,27 @@ class RendezvousClient:
 
     def __repr__(self) -> str:  # never shows the secret
         return f"RendezvousClient(addr={self.addr!r})"
+
+    @classmethod
+    def from_environment(
+        cls, env: Mapping[str, str] | None = None, *, rpc_timeout: float = 30.0
+    ) -> RendezvousClient:
+        """The client of a worker that hvdrun started: through its host's relay where there
+        is one (``HVDRUN_RENDEZVOUS_RELAY_ADDR``), else to the server itself, over TLS with
+        the job's certificate where it speaks TLS (``HVDRUN_RENDEZVOUS_CERT``)."""
+        env = os.environ if env is None else env
+        secret = env.get(worker_env.SECRET, "")
+        job_id = env.get(worker_env.JOB_ID, "")
+        relay = env.get(worker_env.RENDEZVOUS_RELAY_ADDR)
+        if relay:  # a private local socket: no TLS on this leg
+            return cls(relay, secret, job_id, rpc_timeout=rpc_timeout)
+        return cls(
+            env[worker_env.RENDEZVOUS_ADDR],
+            secret,
+            job_id,
+            rpc_timeout=rpc_timeout,
+            cert_pem=env.get(worker_env.RENDEZVOUS_CERT) or None,
+        )
 
     # ---- plumbing -------------------------------------------------------------------
 
@@ -335,6 +389,69 @@ class RendezvousClient:
             cross_rank=info.cross_rank,
             cross_size=info.cross_size,
             generation=info.generation,
+        )
+
+    def register_host(
+        self,
+        host: str,
+        local_ranks: Sequence[int],
+        min_generation: int = 0,
+        timeout: float = 0.0,
+    ) -> list[RankInfo]:
+        """:meth:`register` for several local ranks of one host in one call (what a host's
+        agent sends for its workers); the places come back in the order asked."""
+        timeout_ms = _to_ms(timeout)
+        request = rendezvous_pb2.RegisterHostRequest(
+            host=host,
+            local_ranks=list(local_ranks),
+            min_generation=min_generation,
+            timeout_ms=timeout_ms,
+        )
+        try:
+            response = self._call(
+                f"register_host(host={host!r}, {len(request.local_ranks)} local ranks)",
+                self._stub.RegisterHost,
+                request,
+                timeout=max(timeout_ms / 1000 + _DEADLINE_SLACK, self._rpc_timeout),
+            )
+        except RendezvousError as error:
+            if min_generation > 0 and error.code == grpc.StatusCode.NOT_FOUND:
+                raise RendezvousRemoved(str(error), error.code) from None
+            raise
+        return [
+            RankInfo(
+                rank=info.rank,
+                size=info.size,
+                local_rank=info.local_rank,
+                local_size=info.local_size,
+                cross_rank=info.cross_rank,
+                cross_size=info.cross_size,
+                generation=info.generation,
+            )
+            for info in response.ranks
+        ]
+
+    def multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes]:
+        """The keys' values in one call, waiting up to ``timeout`` seconds for all of them."""
+        keys = list(keys)
+        timeout_ms = _to_ms(timeout)
+        response = self._call(
+            f"multi_get({keys!r})" if len(keys) <= 5 else f"multi_get({len(keys)} keys)",
+            self._stub.MultiGet,
+            rendezvous_pb2.MultiGetRequest(keys=keys, timeout_ms=timeout_ms),
+            timeout=timeout_ms / 1000 + _DEADLINE_SLACK,
+        )
+        return list(response.values)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        """Sets every key in one call."""
+        keys = list(keys)
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        self._call(
+            f"multi_set({len(keys)} keys)",
+            self._stub.MultiSet,
+            rendezvous_pb2.MultiSetRequest(keys=keys, values=list(values)),
         )
 
     def set(self, key: str, value: bytes) -> None:
@@ -442,7 +559,28 @@ class RendezvousClient:
         with self._lock:
             if self._closed:
                 raise RendezvousError("rendezvous watch: the client is closed")
-            watch = _Watch(self, rank, on_lost, lost_after, on_generation)
+            watch = _Watch(self, [rank], on_lost, lost_after, on_generation)
+            self._watches.append(watch)
+        watch.start()
+
+    def watch_host(
+        self,
+        ranks: Sequence[int],
+        on_lost: Callable[[str], None],
+        *,
+        lost_after: float = 5.0,
+        on_generation: Callable[[int], None] | None = None,
+    ) -> None:
+        """:meth:`watch` for several ranks (one host's) on one stream: the server counts
+        each of them as watching while it is open."""
+        if lost_after <= 0:
+            raise ValueError(f"lost_after must be positive, got {lost_after}")
+        if not ranks:
+            raise ValueError("watch_host needs at least one rank")
+        with self._lock:
+            if self._closed:
+                raise RendezvousError("rendezvous watch: the client is closed")
+            watch = _Watch(self, ranks, on_lost, lost_after, on_generation, per_host=True)
             self._watches.append(watch)
         watch.start()
 

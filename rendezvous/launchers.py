@@ -35,6 +35,7 @@ task counts (``2(x3),1``). This module imports neither torch nor gRPC.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import shutil
@@ -55,6 +56,8 @@ __all__ = [
     "detect",
     "expand_nodelist",
     "expand_tasks_per_node",
+    "in_slurm_step",
+    "is_foreign",
     "node_address",
     "slurm_allocation",
 ]
@@ -65,9 +68,15 @@ LAUNCHER_VARIABLE = "HVDRUN_LAUNCHER"
 
 #: Shell patterns of what launchers set for each process they start (rank, size, local rank,
 #: step, rendezvous address) and of the shell functions a login shell exports: hvdrun keeps
-#: them away from its workers, whose place in the job is hvdrun's to say. Job-level variables
-#: a script may log (``SLURM_JOB_ID``, ``SLURM_JOB_NAME``) stay.
+#: them away from its workers, whose place in the job is hvdrun's to say (:func:`is_foreign`).
+#: Job-level variables a script may log stay: ``SLURM_JOB_ID``, ``SLURM_JOB_NAME``,
+#: ``SLURM_JOB_NODELIST``, ``SLURM_JOB_NUM_NODES``, ``SLURM_TASKS_PER_NODE``, ``PBS_JOBID``,
+#: ``LSB_JOBID``, ... ``SLURM_NTASKS`` goes although it describes the job: Lightning takes it
+#: as "srun started this process" and then reads ``SLURM_PROCID`` as the rank, and submitit
+#: takes it as the world size. ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and
+#: ``LOCAL_WORLD_SIZE`` are not listed: hvdrun sets them for every worker.
 FOREIGN_VARIABLES: tuple[str, ...] = (
+    # Slurm: a task of a job step (srun), or the batch script's own task
     "SLURM_PROCID",
     "SLURM_LOCALID",
     "SLURM_NODEID",
@@ -81,23 +90,59 @@ FOREIGN_VARIABLES: tuple[str, ...] = (
     "SLURM_LAUNCH_NODE_IPADDR",
     "SLURM_CPU_BIND*",
     "SLURM_DISTRIBUTION",
+    # PBS/Torque (pbsdsh, tm_spawn)
+    "PBS_TASKNUM",
+    "PBS_NODENUM",
+    "PBS_VNODENUM",
+    # Open MPI, MVAPICH, MPICH/Intel MPI/Cray (PMI), PMIx
     "OMPI_COMM_WORLD_*",
     "OMPI_UNIVERSE_SIZE",
+    "OMPI_FIRST_RANKS",
+    "OMPI_APP_CTX_NUM_PROCS",
+    "OMPI_NUM_APP_CTX",
+    "OMPI_MCA_ess_*",
+    "OMPI_MCA_orte_*",
+    "MV2_COMM_WORLD_*",
     "PMI_*",
-    "PMIX_RANK",
+    "PMIX_*",
     "MPI_LOCALRANKID",
     "MPI_LOCALNRANKS",
     "ALPS_APP_PE",
     "PALS_*",
+    # LSF jsrun
     "JSM_NAMESPACE_*",
+    # torchrun
     "TORCHELASTIC_*",
     "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
     "ROLE_RANK",
+    "ROLE_NAME",
     "ROLE_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    # functions a login shell exported (``export -f``): bash definitions, not settings
     "BASH_FUNC_*",
 )
+
+
+def is_foreign(name: str) -> bool:
+    """True for a variable another launcher set for one process (:data:`FOREIGN_VARIABLES`)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in FOREIGN_VARIABLES)
+
+
+#: Slurm's step ids that are not job steps a process can be a task of: the batch script
+#: (``batch``, 0xfffffffb), the ``extern`` step and ``salloc``'s interactive step, by name
+#: or as the numbers some Slurm versions put in ``SLURM_STEP_ID``.
+_SPECIAL_STEPS = frozenset(
+    {"batch", "extern", "interactive", *(str(0xFFFFFFF0 + n) for n in range(10, 16))}
+)
+
+
+def in_slurm_step(env: Mapping[str, str]) -> bool:
+    """True inside a task of a Slurm job step (srun), False in a batch script or an
+    ``salloc`` shell (also one in Slurm's interactive step) and outside Slurm."""
+    step = (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "").strip()
+    return bool(step) and step.lower() not in _SPECIAL_STEPS
 
 
 class DetectionError(ValueError):
@@ -340,7 +385,7 @@ def _jsrun(env: Mapping[str, str]) -> Placement | None:
 def _slurm_step(env: Mapping[str, str]) -> Placement | None:
     step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
     rank = _int(env, "SLURM_PROCID")
-    if step is None or rank is None:
+    if not in_slurm_step(env) or rank is None:
         return None
     size = _first(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
     if size is None:
@@ -444,7 +489,7 @@ def slurm_allocation(env: Mapping[str, str] | None = None) -> SlurmAllocation | 
     source = os.environ if env is None else env
     job = source.get("SLURM_JOB_ID") or source.get("SLURM_JOBID")
     nodelist = source.get("SLURM_JOB_NODELIST") or source.get("SLURM_NODELIST")
-    if not job or not nodelist or source.get("SLURM_STEP_ID") or source.get("SLURM_STEPID"):
+    if not job or not nodelist or in_slurm_step(source):
         return None
     nodes = expand_nodelist(nodelist)
     tasks_text = source.get("SLURM_TASKS_PER_NODE")

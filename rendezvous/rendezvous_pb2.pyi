@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -160,3 +160,49 @@ class WatchEvent(_message.Message):
     message: str
     generation: int
     def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., message: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class RegisterHostRequest(_message.Message):
+    __slots__ = ("host", "local_ranks", "min_generation", "timeout_ms")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MIN_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    local_ranks: _containers.RepeatedScalarFieldContainer[int]
+    min_generation: int
+    timeout_ms: int
+    def __init__(self, host: _Optional[str] = ..., local_ranks: _Optional[_Iterable[int]] = ..., min_generation: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class RegisterHostResponse(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
+
+class WatchHostRequest(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MultiGetRequest(_message.Message):
+    __slots__ = ("keys", "timeout_ms")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    timeout_ms: int
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class MultiGetResponse(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, values: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class MultiSetRequest(_message.Message):
+    __slots__ = ("keys", "values")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -89,6 +89,26 @@ class RendezvousStub:
                 request_serializer=rendezvous_dot_rendezvous__pb2.WatchRequest.SerializeToString,
                 response_deserializer=rendezvous_dot_rendezvous__pb2.WatchEvent.FromString,
                 _registered_method=True)
+        self.RegisterHost = channel.unary_unary(
+                '/hvdrun.rendezvous.Rendezvous/RegisterHost',
+                request_serializer=rendezvous_dot_rendezvous__pb2.RegisterHostRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_rendezvous__pb2.RegisterHostResponse.FromString,
+                _registered_method=True)
+        self.WatchHost = channel.unary_stream(
+                '/hvdrun.rendezvous.Rendezvous/WatchHost',
+                request_serializer=rendezvous_dot_rendezvous__pb2.WatchHostRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_rendezvous__pb2.WatchEvent.FromString,
+                _registered_method=True)
+        self.MultiGet = channel.unary_unary(
+                '/hvdrun.rendezvous.Rendezvous/MultiGet',
+                request_serializer=rendezvous_dot_rendezvous__pb2.MultiGetRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_rendezvous__pb2.MultiGetResponse.FromString,
+                _registered_method=True)
+        self.MultiSet = channel.unary_unary(
+                '/hvdrun.rendezvous.Rendezvous/MultiSet',
+                request_serializer=rendezvous_dot_rendezvous__pb2.MultiSetRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_rendezvous__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer:
@@ -177,6 +197,40 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterHost(self, request, context):
+        """---- the per-host and batched calls: server work that grows with hosts, not ranks ----
+
+        Register for every listed local rank of one host at once (what one host's agent sends
+        for its workers); the answer lists their places in the same order. Same rules as
+        Register otherwise (min_generation, timeout_ms, NOT_FOUND for an unknown slot).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchHost(self, request, context):
+        """One heartbeat stream for several ranks (a host's): the same events as Watch, and every
+        listed rank counts as watching while it is open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MultiGet(self, request, context):
+        """Blocks until every key exists (or timeout_ms: DEADLINE_EXCEEDED naming the missing
+        ones) and returns their values in the order asked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MultiSet(self, request, context):
+        """Sets every key; each value obeys the value limit (nothing is set if one does not).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +288,26 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=rendezvous_dot_rendezvous__pb2.WatchRequest.FromString,
                     response_serializer=rendezvous_dot_rendezvous__pb2.WatchEvent.SerializeToString,
+            ),
+            'RegisterHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterHost,
+                    request_deserializer=rendezvous_dot_rendezvous__pb2.RegisterHostRequest.FromString,
+                    response_serializer=rendezvous_dot_rendezvous__pb2.RegisterHostResponse.SerializeToString,
+            ),
+            'WatchHost': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchHost,
+                    request_deserializer=rendezvous_dot_rendezvous__pb2.WatchHostRequest.FromString,
+                    response_serializer=rendezvous_dot_rendezvous__pb2.WatchEvent.SerializeToString,
+            ),
+            'MultiGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.MultiGet,
+                    request_deserializer=rendezvous_dot_rendezvous__pb2.MultiGetRequest.FromString,
+                    response_serializer=rendezvous_dot_rendezvous__pb2.MultiGetResponse.SerializeToString,
+            ),
+            'MultiSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.MultiSet,
+                    request_deserializer=rendezvous_dot_rendezvous__pb2.MultiSetRequest.FromString,
+                    response_serializer=rendezvous_dot_rendezvous__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -533,6 +607,114 @@ class Rendezvous:
             '/hvdrun.rendezvous.Rendezvous/Watch',
             rendezvous_dot_rendezvous__pb2.WatchRequest.SerializeToString,
             rendezvous_dot_rendezvous__pb2.WatchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hvdrun.rendezvous.Rendezvous/RegisterHost',
+            rendezvous_dot_rendezvous__pb2.RegisterHostRequest.SerializeToString,
+            rendezvous_dot_rendezvous__pb2.RegisterHostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hvdrun.rendezvous.Rendezvous/WatchHost',
+            rendezvous_dot_rendezvous__pb2.WatchHostRequest.SerializeToString,
+            rendezvous_dot_rendezvous__pb2.WatchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MultiGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hvdrun.rendezvous.Rendezvous/MultiGet',
+            rendezvous_dot_rendezvous__pb2.MultiGetRequest.SerializeToString,
+            rendezvous_dot_rendezvous__pb2.MultiGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MultiSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hvdrun.rendezvous.Rendezvous/MultiSet',
+            rendezvous_dot_rendezvous__pb2.MultiSetRequest.SerializeToString,
+            rendezvous_dot_rendezvous__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,6 +25,7 @@ Why it looks the way it does:
   Publishing generation G fails every store call still waiting on a key of an older
   generation (``hvdrun/g<N>/...``, N < G) with ABORTED: a worker stuck bootstrapping a
   generation that can never complete moves on at once instead of waiting for its timeout.
+  Writes to such keys (a late or replaying client) are refused with ABORTED as well.
 * This module must not import torch: the CLI imports it and has to start fast.
 """
 
@@ -47,6 +48,7 @@ import grpc.aio
 
 from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY, rendezvous_pb2, rendezvous_pb2_grpc
 from rendezvous.slots import SlotInfo, derive_slots
+from rendezvous.tls import JobCertificate
 
 __all__ = ["RendezvousServer"]
 
@@ -122,6 +124,8 @@ class _GuardInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, secret: str, job_id: str) -> None:
         self._secret = secret.encode("utf-8")
         self._job_id = job_id
+        # method -> its lenient handler: built once, not on every call (thousands per second)
+        self._lenient: dict[str, grpc.RpcMethodHandler] = {}
 
     def _reject_reason(
         self, metadata: Sequence[tuple[str, str | bytes]] | None
@@ -171,7 +175,10 @@ class _GuardInterceptor(grpc.aio.ServerInterceptor):
             # Never logs the token itself.
             logger.warning("rejected %s: %s", handler_call_details.method, message)
             return _denying_handler(handler, code, message)
-        return _lenient_handler(handler)
+        lenient = self._lenient.get(handler_call_details.method)
+        if lenient is None:
+            lenient = self._lenient[handler_call_details.method] = _lenient_handler(handler)
+        return lenient
 
 
 @dataclass(frozen=True)
@@ -276,6 +283,10 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self._placed_error = ""
         self._generation = 0
         self._wake: asyncio.Event | None = None  # set (and replaced) on publish and shutdown
+        # Set (and replaced) every heartbeat interval by one timer, and on every wake: all
+        # Watch streams beat together, with no timer of their own.
+        self._pulse: asyncio.Event | None = None
+        self._pulse_timer: asyncio.TimerHandle | None = None
         self._heartbeat_interval = heartbeat_interval
         self._max_value_bytes = max_value_bytes
         self._data: dict[str, bytes] = {}
@@ -304,6 +315,30 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         old, self._wake = self._wake, asyncio.Event()
         if old is not None:
             old.set()
+        self._beat()
+
+    def _beat(self) -> None:
+        """Wakes every Watch stream for its next event."""
+        old, self._pulse = self._pulse, None
+        if old is not None:
+            old.set()
+
+    def _on_pulse_timer(self) -> None:
+        self._pulse_timer = None
+        self._beat()
+        if self._open_watches > 0 and not self._stopping:
+            self._pulse_timer = asyncio.get_running_loop().call_later(
+                self._heartbeat_interval, self._on_pulse_timer
+            )
+
+    def _pulse_event(self) -> asyncio.Event:
+        if self._pulse is None:
+            self._pulse = asyncio.Event()
+        if self._pulse_timer is None:
+            self._pulse_timer = asyncio.get_running_loop().call_later(
+                self._heartbeat_interval, self._on_pulse_timer
+            )
+        return self._pulse
 
     def publish(self, slots: Sequence[SlotInfo]) -> int:
         """Makes ``slots`` the newest generation (on the loop); returns its number."""
@@ -330,6 +365,13 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(value)
+
+    async def _refuse_stale_write(self, key: str, context: grpc.aio.ServicerContext) -> None:
+        """A write to a superseded generation's keys (a late or replaying client) is refused
+        with ABORTED: nobody will read it, and it must not pile up in the store."""
+        old = _generation_of(key)
+        if old is not None and old < self._generation:
+            await self._abort_superseded(context, _Superseded(old, self._generation))
 
     def _check_value(self, key: str, value: bytes) -> str | None:
         if len(value) > self._max_value_bytes:
@@ -424,21 +466,64 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         if request.HasField("rank") or self._placed_size is not None:
             return _rank_info(await self._register_placed(request, context), self._generation)
         if self._generation < request.min_generation:
-            await self._wait_for_generation(request, context)
-        slot = self._slots.get((request.host, request.local_rank))
+            await self._wait_for_generation(
+                [(request.host, request.local_rank)],
+                request.min_generation,
+                request.timeout_ms,
+                context,
+            )
+        return await self._register_slot(request.host, request.local_rank, context)
+
+    async def RegisterHost(
+        self, request: rendezvous_pb2.RegisterHostRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.RegisterHostResponse:
+        error = self._check_timeout(request.timeout_ms)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        if self._placed_size is not None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this job's ranks are assigned by the launcher that started the workers; "
+                "they register one by one, with their ranks",
+            )
+        local_ranks = list(request.local_ranks)
+        if len(set(local_ranks)) != len(local_ranks):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"host {_quote(request.host)}: a local rank is listed twice",
+            )
+        if self._generation < request.min_generation:
+            await self._wait_for_generation(
+                [(request.host, local_rank) for local_rank in local_ranks],
+                request.min_generation,
+                request.timeout_ms,
+                context,
+            )
+        infos = [
+            await self._register_slot(request.host, local_rank, context)
+            for local_rank in local_ranks
+        ]
+        return rendezvous_pb2.RegisterHostResponse(ranks=infos)
+
+    async def _register_slot(
+        self, host: str, local_rank: int, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.RankInfo:
+        """Registers one slot of the newest generation and returns its place."""
+        slot = self._slots.get((host, local_rank))
         if slot is None:
             if self._elastic:
                 await context.abort(
                     grpc.StatusCode.NOT_FOUND,
-                    f"host {_quote(request.host)} local_rank {request.local_rank} is not part "
+                    f"host {_quote(host)} local_rank {local_rank} is not part "
                     f"of generation {self._generation} of this job (its host was removed)",
                 )
             known = sorted({host for host, _ in self._slots})
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"no slot for host {_quote(request.host)} local_rank {request.local_rank} "
+                f"no slot for host {_quote(host)} local_rank {local_rank} "
                 f"in this job (hosts: {_quote_keys(known)})",
             )
+            raise AssertionError("unreachable")  # pragma: no cover
         with self._lock:
             first = (slot.hostname, slot.local_rank) not in self._registered
             self._registered.add((slot.hostname, slot.local_rank))
@@ -524,34 +609,39 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         logger.info("every rank of %d registered; slot table derived", len(ranks))
 
     async def _wait_for_generation(
-        self, request: rendezvous_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+        self,
+        keys: Sequence[tuple[str, int]],
+        min_generation: int,
+        timeout_ms: int,
+        context: grpc.aio.ServicerContext,
     ) -> None:
-        """Blocks a Register until its generation is published; the slot counts as waiting
+        """Blocks a Register until its generation is published; the slots count as waiting
         meanwhile (the elastic driver watches for survivors that wait)."""
-        key = (request.host, request.local_rank)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + request.timeout_ms / 1000
+        deadline = loop.time() + timeout_ms / 1000
         with self._lock:
-            self._waiting.setdefault(key, []).append(request.min_generation)
+            for key in keys:
+                self._waiting.setdefault(key, []).append(min_generation)
         try:
-            while self._generation < request.min_generation:
+            while self._generation < min_generation:
                 if self._stopping:
                     await self._abort_shutting_down(context)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     await context.abort(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"no membership generation {request.min_generation} was published "
-                        f"within {_seconds(request.timeout_ms)} (newest: {self._generation})",
+                        f"no membership generation {min_generation} was published "
+                        f"within {_seconds(timeout_ms)} (newest: {self._generation})",
                     )
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake_event().wait(), remaining)
         finally:
             with self._lock:
-                waits = self._waiting.get(key, [])
-                waits.remove(request.min_generation)
-                if not waits:
-                    self._waiting.pop(key, None)
+                for key in keys:
+                    waits = self._waiting.get(key, [])
+                    waits.remove(min_generation)
+                    if not waits:
+                        self._waiting.pop(key, None)
 
     def waiting_slots(self) -> set[tuple[str, int]]:
         with self._lock:
@@ -564,6 +654,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         error = self._check_value(request.key, request.value)
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        await self._refuse_stale_write(request.key, context)
         self._store(request.key, request.value)
         return rendezvous_pb2.Empty()
 
@@ -616,9 +707,53 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             await self._abort_superseded(context, superseded)
         return rendezvous_pb2.Empty()
 
+    async def MultiGet(
+        self, request: rendezvous_pb2.MultiGetRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.MultiGetResponse:
+        error = self._check_timeout(request.timeout_ms)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        keys = list(request.keys)
+        data = self._data
+        if all(key in data for key in keys):  # the common case: no waiting, no coroutines
+            return rendezvous_pb2.MultiGetResponse(values=[data[key] for key in keys])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request.timeout_ms / 1000
+        try:
+            values = [await self._wait_for_key(key, deadline) for key in keys]
+        except asyncio.TimeoutError:
+            missing = [key for key in keys if key not in self._data]
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"keys not set within {_seconds(request.timeout_ms)}: {_quote_keys(missing)}",
+            )
+        except _ShuttingDown:
+            await self._abort_shutting_down(context)
+        except _Superseded as superseded:
+            await self._abort_superseded(context, superseded)
+        return rendezvous_pb2.MultiGetResponse(values=values)
+
+    async def MultiSet(
+        self, request: rendezvous_pb2.MultiSetRequest, context: grpc.aio.ServicerContext
+    ) -> rendezvous_pb2.Empty:
+        if len(request.keys) != len(request.values):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(request.keys)} keys but {len(request.values)} values",
+            )
+        for key, value in zip(request.keys, request.values, strict=True):
+            error = self._check_value(key, value)
+            if error is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            await self._refuse_stale_write(key, context)
+        for key, value in zip(request.keys, request.values, strict=True):
+            self._store(key, value)
+        return rendezvous_pb2.Empty()
+
     async def Add(
         self, request: rendezvous_pb2.AddRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.AddResponse:
+        await self._refuse_stale_write(request.key, context)
         current = self._data.get(request.key, b"0")
         try:
             number = int(current.decode("ascii"))
@@ -643,6 +778,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         error = self._check_value(request.key, request.desired)
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        await self._refuse_stale_write(request.key, context)
         current = self._data.get(request.key)
         if current is None:
             # TCPStore: a missing key is set only when the caller expected it to be empty.
@@ -728,45 +864,66 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def Watch(
         self, request: rendezvous_pb2.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rendezvous_pb2.WatchEvent]:
+        await self._check_ranks([request.rank], context)
+        async for event in self._watch([request.rank]):
+            yield event
+
+    async def WatchHost(
+        self, request: rendezvous_pb2.WatchHostRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rendezvous_pb2.WatchEvent]:
+        ranks = list(request.ranks)
+        if not ranks:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WatchHost lists no ranks")
+        await self._check_ranks(ranks, context)
+        async for event in self._watch(ranks):
+            yield event
+
+    async def _check_ranks(self, ranks: Sequence[int], context: grpc.aio.ServicerContext) -> None:
         size = self.size()
-        if request.rank < 0 or (not self._elastic and request.rank >= size):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {request.rank} is outside this job's ranks [0, {size})",
-            )
-        rank = request.rank
+        for rank in ranks:
+            if rank < 0 or (not self._elastic and rank >= size):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"rank {rank} is outside this job's ranks [0, {size})",
+                )
+
+    async def _watch(self, ranks: Sequence[int]) -> AsyncIterator[rendezvous_pb2.WatchEvent]:
+        """The events of one Watch stream for ``ranks``: a heartbeat at once and then every
+        heartbeat interval (one shared timer beats all streams), HOSTS_UPDATED after a
+        publish, SHUTDOWN at the end."""
         with self._lock:
-            self._watching[rank] = self._watching.get(rank, 0) + 1
+            for rank in ranks:
+                self._watching[rank] = self._watching.get(rank, 0) + 1
         self._open_watches += 1
         if self._watches_closed is None:
             self._watches_closed = asyncio.Event()
         self._watches_closed.clear()
-        logger.debug("rank %d is watching", rank)
+        logger.debug("rank(s) %s watching", _list_ranks(ranks))
         kinds = rendezvous_pb2.WatchEvent
         try:
             sent = self._generation
             while not self._stopping:
-                wake = self._wake_event()
+                pulse = self._pulse_event()
                 generation = self._generation
                 kind = kinds.HOSTS_UPDATED if generation != sent else kinds.HEARTBEAT
                 sent = generation
                 yield rendezvous_pb2.WatchEvent(kind=kind, generation=generation)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self._heartbeat_interval)
+                await pulse.wait()
             yield rendezvous_pb2.WatchEvent(
                 kind=kinds.SHUTDOWN, message=self._shutdown_message, generation=self._generation
             )
         finally:
             with self._lock:
-                count = self._watching.get(rank, 0) - 1
-                if count > 0:
-                    self._watching[rank] = count
-                else:
-                    self._watching.pop(rank, None)
+                for rank in ranks:
+                    count = self._watching.get(rank, 0) - 1
+                    if count > 0:
+                        self._watching[rank] = count
+                    else:
+                        self._watching.pop(rank, None)
             self._open_watches -= 1
             if self._open_watches == 0:
                 self._watches_closed.set()
-            logger.debug("rank %d stopped watching", rank)
+            logger.debug("rank(s) %s stopped watching", _list_ranks(ranks))
 
 
 _T = TypeVar("_T")
@@ -839,6 +996,10 @@ class RendezvousServer:
     another launcher placed passes ``placed_size`` (its number of ranks) and no slots:
     workers register with the rank that launcher gave them, and the table is derived from the
     hosts they register from (:func:`rendezvous.slots.derive_slots`).
+
+    ``tls`` (the job's :class:`~rendezvous.tls.JobCertificate`) makes it serve TLS only; its
+    clients then pin that certificate. Without it the server speaks plain HTTP/2, which is
+    only for servers bound to loopback.
     """
 
     def __init__(
@@ -853,6 +1014,7 @@ class RendezvousServer:
         max_value_bytes: int = 4 * 1024 * 1024,
         elastic: bool = False,
         placed_size: int | None = None,
+        tls: JobCertificate | None = None,
     ) -> None:
         if not secret:
             raise ValueError("the job secret must not be empty")
@@ -869,6 +1031,7 @@ class RendezvousServer:
         self._bind_host = bind_host
         self._requested_port = port
         self._max_value_bytes = max_value_bytes
+        self._tls = tls
         self._servicer = _Servicer(
             self._slots, heartbeat_interval, max_value_bytes, elastic, placed_size
         )
@@ -930,7 +1093,10 @@ class RendezvousServer:
             host = f"[{host}]"
         address = f"{host}:{self._requested_port}"
         try:
-            port = server.add_insecure_port(address)
+            if self._tls is not None:
+                port = server.add_secure_port(address, self._tls.server_credentials())
+            else:
+                port = server.add_insecure_port(address)
         except RuntimeError as error:
             raise OSError(f"rendezvous server cannot listen on {address}: {error}") from None
         if port == 0:

@@ -17,8 +17,9 @@ what this class provides:
   give up after the store's timeout (``self.timeout``, changed with ``set_timeout``).
 * Values arrive as ``bytes`` from C++ and sometimes as ``str`` from Python (torch's
   ``_store_based_barrier`` sets ``"1"``); both are stored as bytes.
-* ``multi_get``/``multi_set``/``append`` fall back to the basic calls; ``has_extended_api``
-  stays False so Gloo takes its plain bootstrap path.
+* ``multi_get``/``multi_set`` are one batched call each (``MultiGet``/``MultiSet``);
+  ``append`` is built from compare-and-set; ``has_extended_api`` stays False so Gloo takes
+  its plain bootstrap path.
 * NCCL calls the store from C++ background threads: the only state here is the thread-safe
   client and an immutable prefix.
 
@@ -177,16 +178,27 @@ class RendezvousStore(dist.Store):
     # ---- the extended API, on top of the basic calls -----------------------------------
 
     def has_extended_api(self) -> bool:
+        # torch 2.13's Gloo never asks a Python store (it reads peer by peer regardless), and
+        # False keeps the plain bootstrap path that every torch version takes.
         return False
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        return [self.get(key) for key in keys]
+        """Every key's value, in one call; blocks like :meth:`get` until all are set."""
+        timeout = _seconds(None, self._store_timeout())
+        try:
+            return self._client.multi_get([self._key(key) for key in keys], timeout)
+        except RendezvousError as error:
+            raise self._fail(error) from error
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        for key, value in zip(keys, values, strict=True):
-            self.set(key, value)
+        try:
+            self._client.multi_set(
+                [self._key(key) for key in keys], [_as_bytes(value) for value in values]
+            )
+        except RendezvousError as error:
+            raise self._fail(error) from error
 
     def append(self, key: str, value: bytes | str) -> None:
         """Appends to the key's value (creating it), by compare-and-set retries.

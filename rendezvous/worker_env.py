@@ -8,9 +8,11 @@ neither torch nor gRPC, so it costs the CLI nothing.
 Two kinds of variables:
 
 * **Placement and connection**, set by the launcher for each worker: where it sits in the
-  job (``HVDRUN_RANK`` ... ``HVDRUN_HOSTNAME``, and torch's ``RANK``/``WORLD_SIZE``/
-  ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` for scripts that read those), how it reaches its job
-  (``HVDRUN_RENDEZVOUS_ADDR``, ``HVDRUN_JOB_ID``, ``HVDRUN_SECRET``) and, in elastic jobs,
+  job (``HVDRUN_RANK`` ... ``HVDRUN_HOSTNAME``, Horovod's ``HOROVOD_RANK`` ...
+  ``HOROVOD_HOSTNAME`` and torch's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+  ``LOCAL_WORLD_SIZE`` for scripts that read those), how it reaches its job
+  (``HVDRUN_RENDEZVOUS_ADDR``, ``HVDRUN_JOB_ID``, ``HVDRUN_SECRET``, and
+  ``HVDRUN_RENDEZVOUS_CERT`` where the rendezvous speaks TLS) and, in elastic jobs,
   its membership generation. The rendezvous server's answer to registration is what counts;
   the placement variables let a script pick its GPU before ``hvd.init()``.
 * **Settings**, named without a prefix here (``FUSION_THRESHOLD``): a worker reads each as
@@ -38,9 +40,13 @@ __all__ = [
     "LOCAL_RANK",
     "RANK",
     "RENDEZVOUS_ADDR",
+    "RENDEZVOUS_CERT",
+    "RENDEZVOUS_RELAY",
+    "RENDEZVOUS_RELAY_ADDR",
     "SECRET",
     "connection_env",
     "flag",
+    "horovod_placement_env",
     "integer",
     "new_job_id",
     "new_secret",
@@ -62,16 +68,34 @@ LOCAL_SIZE = "HVDRUN_LOCAL_SIZE"
 CROSS_RANK = "HVDRUN_CROSS_RANK"
 CROSS_SIZE = "HVDRUN_CROSS_SIZE"
 HOSTNAME = "HVDRUN_HOSTNAME"
+#: Horovod's names for the same facts (horovodrun sets them; scripts read them before
+#: ``hvd.init()``, e.g. ``HOROVOD_LOCAL_RANK`` to pick a GPU).
+HOROVOD_RANK = "HOROVOD_RANK"
+HOROVOD_SIZE = "HOROVOD_SIZE"
+HOROVOD_LOCAL_RANK = "HOROVOD_LOCAL_RANK"
+HOROVOD_LOCAL_SIZE = "HOROVOD_LOCAL_SIZE"
+HOROVOD_CROSS_RANK = "HOROVOD_CROSS_RANK"
+HOROVOD_CROSS_SIZE = "HOROVOD_CROSS_SIZE"
+HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
 #: torch.distributed's names for the same facts (torchrun sets them too).
 TORCH_RANK = "RANK"
 TORCH_WORLD_SIZE = "WORLD_SIZE"
 TORCH_LOCAL_RANK = "LOCAL_RANK"
 TORCH_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+#: Where init_process_group(init_method="env://") meets (fixed jobs; picked on rank 0's host).
+TORCH_MASTER_ADDR = "MASTER_ADDR"
+TORCH_MASTER_PORT = "MASTER_PORT"
 
 # ---- connection: the same for every worker of a job -------------------------------------
 RENDEZVOUS_ADDR = "HVDRUN_RENDEZVOUS_ADDR"
 JOB_ID = "HVDRUN_JOB_ID"
 SECRET = "HVDRUN_SECRET"
+#: The job's TLS certificate (PEM) where the rendezvous speaks TLS (multi-host jobs); public,
+#: but it travels with the secret so that a worker trusts exactly its own job's server.
+RENDEZVOUS_CERT = "HVDRUN_RENDEZVOUS_CERT"
+#: Multi-host jobs: the host's rendezvous relay (``unix:...``), which workers dial instead of
+#: ``HVDRUN_RENDEZVOUS_ADDR`` (that stays the server's address).
+RENDEZVOUS_RELAY_ADDR = "HVDRUN_RENDEZVOUS_RELAY_ADDR"
 #: Elastic jobs: the membership generation a worker was started for.
 GENERATION = "HVDRUN_GENERATION"
 
@@ -97,6 +121,8 @@ GLOO_TIMEOUT_SECONDS = "GLOO_TIMEOUT_SECONDS"
 RENDEZVOUS_LOST_AFTER_SECONDS = "RENDEZVOUS_LOST_AFTER_SECONDS"
 #: Elastic jobs: "1" marks one; how long a worker waits for the next generation.
 ELASTIC = "ELASTIC"
+#: 0 turns the per-host rendezvous relay off (workers then dial the server themselves).
+RENDEZVOUS_RELAY = "RENDEZVOUS_RELAY"
 ELASTIC_TIMEOUT = "ELASTIC_TIMEOUT"
 
 _TRUE = frozenset(("1", "true", "yes", "on", "y", "t"))
@@ -171,7 +197,8 @@ def integer(variable: str, default: int, env: Mapping[str, str] | None = None) -
 
 
 def slot_env(slot: SlotInfo) -> dict[str, str]:
-    """The placement variables of the worker that runs ``slot``."""
+    """The placement variables of the worker that runs ``slot``: hvdrun's, Horovod's
+    (:func:`horovod_placement_env`) and torch's names."""
     return {
         RANK: str(slot.rank),
         SIZE: str(slot.size),
@@ -180,6 +207,15 @@ def slot_env(slot: SlotInfo) -> dict[str, str]:
         CROSS_RANK: str(slot.cross_rank),
         CROSS_SIZE: str(slot.cross_size),
         HOSTNAME: slot.hostname,
+        **horovod_placement_env(
+            slot.rank,
+            slot.size,
+            slot.local_rank,
+            slot.local_size,
+            slot.cross_rank,
+            slot.cross_size,
+            slot.hostname,
+        ),
         TORCH_RANK: str(slot.rank),
         TORCH_WORLD_SIZE: str(slot.size),
         TORCH_LOCAL_RANK: str(slot.local_rank),
@@ -187,9 +223,43 @@ def slot_env(slot: SlotInfo) -> dict[str, str]:
     }
 
 
-def connection_env(rendezvous_addr: str, job_id: str, secret: str) -> dict[str, str]:
-    """How every worker of a job reaches its rendezvous."""
-    return {RENDEZVOUS_ADDR: rendezvous_addr, JOB_ID: job_id, SECRET: secret}
+def horovod_placement_env(
+    rank: int,
+    size: int,
+    local_rank: int,
+    local_size: int,
+    cross_rank: int,
+    cross_size: int,
+    hostname: str,
+) -> dict[str, str]:
+    """Horovod's placement variables (``HOROVOD_RANK`` ... ``HOROVOD_HOSTNAME``), as
+    horovodrun sets them. An elastic worker's runtime sets them again to each new
+    assignment, as Horovod's does on a reset; the ``HVDRUN_*`` ones keep naming the slot
+    the worker was started for (the runtime registers with them)."""
+    return {
+        HOROVOD_RANK: str(rank),
+        HOROVOD_SIZE: str(size),
+        HOROVOD_LOCAL_RANK: str(local_rank),
+        HOROVOD_LOCAL_SIZE: str(local_size),
+        HOROVOD_CROSS_RANK: str(cross_rank),
+        HOROVOD_CROSS_SIZE: str(cross_size),
+        HOROVOD_HOSTNAME: hostname,
+    }
+
+
+def master_env(address: str, port: int) -> dict[str, str]:
+    """Where plain ``torch.distributed`` scripts meet with ``init_method="env://"``."""
+    return {TORCH_MASTER_ADDR: address, TORCH_MASTER_PORT: str(port)}
+
+
+def connection_env(
+    rendezvous_addr: str, job_id: str, secret: str, cert_pem: str = ""
+) -> dict[str, str]:
+    """How every worker of a job reaches its rendezvous (``cert_pem``: its TLS certificate)."""
+    env = {RENDEZVOUS_ADDR: rendezvous_addr, JOB_ID: job_id, SECRET: secret}
+    if cert_pem:
+        env[RENDEZVOUS_CERT] = cert_pem
+    return env
 
 
 def new_secret() -> str:

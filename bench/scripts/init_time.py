@@ -1,6 +1,7 @@
 """Prints ``init_seconds RANK SECONDS``: from this process's start (the kernel's clock) until
-its job's init returned. ``hvd``: ``hvd.init()``; ``dist``: torch.distributed's
-``init_process_group("gloo")`` with the ``env://`` method, fed from srun's variables."""
+its job's init returned, and ``init_done_at RANK EPOCH``: when. ``hvd``: ``hvd.init()``;
+``dist``: torch.distributed's ``init_process_group("gloo")`` with the ``env://`` method, fed
+from srun's variables."""
 
 from __future__ import annotations
 
@@ -31,3 +32,4 @@ else:
     dist.barrier()
     dist.destroy_process_group()
 print(f"init_seconds {rank} {done - started:.3f}", flush=True)
+print(f"init_done_at {rank} {done:.3f}", flush=True)

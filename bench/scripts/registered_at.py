@@ -22,11 +22,7 @@ if "--init" in sys.argv:
 else:
     from rendezvous.client import RendezvousClient
 
-    client = RendezvousClient(
-        os.environ["HVDRUN_RENDEZVOUS_ADDR"],
-        os.environ["HVDRUN_SECRET"],
-        os.environ["HVDRUN_JOB_ID"],
-    )
+    client = RendezvousClient.from_environment()  # relay, or the server (TLS where it speaks it)
     client.register(os.environ["HVDRUN_HOSTNAME"], int(os.environ["HVDRUN_LOCAL_RANK"]))
     print(f"registered_at {time.time():.6f}", flush=True)
     client.close()

@@ -27,8 +27,11 @@ from collectives.torch import elastic
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
 from collectives.torch.compression import Compression
 from collectives.torch.errors import (
+    CollectiveError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
+    InvalidSplitsError,
+    NotSupportedWithJoinError,
     TensorMismatchError,
 )
 from collectives.torch.functions import (
@@ -70,6 +73,7 @@ from collectives.torch.mpi_ops import (
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from collectives.torch.optimizer import DistributedOptimizer
@@ -102,12 +106,15 @@ from collectives.torch.sync_batch_norm import SyncBatchNorm
 __all__ = [
     "Adasum",
     "Average",
+    "CollectiveError",
     "Compression",
     "DistributedOptimizer",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "InvalidSplitsError",
     "Max",
     "Min",
+    "NotSupportedWithJoinError",
     "ProcessSet",
     "Product",
     "ReduceOp",
@@ -167,6 +174,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",

@@ -5,8 +5,15 @@ allreduce      grad = allreduce(grad) with the same op and scaling (Average and 
 allgather      grad = this rank's rows of allreduce(grad, Average)
 broadcast      grad = allreduce(grad, Average) on the root, zeros elsewhere
 alltoall       grad = alltoall(grad) sent back along the received splits
-reducescatter  grad = allgather(grad), divided by the size for Average, times the scaling
+reducescatter  grad = allgather(grad * size) for Sum, allgather(grad) for Average, times
+               prescale_factor * postscale_factor
 ============== ===========================================================================
+
+These are Horovod 0.28's conventions, kept so that a model ported from Horovod trains the
+same. They are not all the exact gradient of one objective: for the sum of every rank's loss
+(what allreduce's rule computes), allgather's and broadcast's exact gradients would sum
+rather than average, and a Sum reducescatter's would be ``allgather(grad)`` without the
+factor ``size``. All run within the op's process set; a broadcast's root is a global rank.
 
 The backward passes apply these Functions themselves (as Horovod's call its differentiable
 public functions), so a gradient is differentiable too and higher-order gradients work.
@@ -22,7 +29,7 @@ from typing import Any
 
 import torch
 
-from collectives.torch import ops
+from collectives.torch import ops, runtime
 from collectives.torch.common import ProcessSet, ReduceOp
 from collectives.torch.engine.requests import Request
 
@@ -144,7 +151,7 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         reduced = Allreduce.apply(grad, None, ReduceOp.AVERAGE, 1.0, 1.0, ctx.ps)
-        if ctx.ps.rank() != ctx.root_rank:
+        if runtime.rank() != ctx.root_rank:  # a global rank, also in a process set
             reduced = torch.zeros_like(reduced)
         return reduced, None, None, None
 
@@ -191,9 +198,12 @@ class Reducescatter(torch.autograd.Function):
 
 
 def _reducescatter_grad(grad: torch.Tensor, ctx: Any) -> torch.Tensor:
-    gathered = Allgather.apply(grad.contiguous(), None, ctx.ps)
-    factor = ctx.scale / (ctx.ps.size() if ctx.op == ReduceOp.AVERAGE else 1)
-    return gathered * factor if factor != 1.0 else gathered
+    # Horovod's convention: Sum scales by the set's size, Average not at all (the inverse of
+    # the allgather's backward, which averages), then the pre/postscale factors.
+    factor = ctx.scale * (ctx.ps.size() if ctx.op == ReduceOp.SUM else 1)
+    scaled = grad * factor if factor != 1.0 else grad
+    result: torch.Tensor = Allgather.apply(scaled.contiguous(), None, ctx.ps)
+    return result
 
 
 class GroupedReducescatter(torch.autograd.Function):

@@ -1,12 +1,22 @@
 """Exceptions of the worker runtime, named as Horovod names them.
 
-Training scripts (and Horovod's elastic mode) catch ``HorovodInternalError`` to tell "a peer
-died or the network broke" apart from their own bugs, so every failure of a collective that
-comes from the communication layer (a dead or hung peer, a rank that shut down, a stall
-shutdown) is raised as that type. Mistakes in the program stay ``ValueError``/``TypeError``
-so they are never mistaken for a recoverable peer failure: bad arguments raise at the call,
-and ranks that submit the same named op with different shapes, dtypes, ops, roots, splits or
-devices all get a :class:`TensorMismatchError` (a ``ValueError``) from ``synchronize()``.
+Two families, which a training script (and elastic mode) must be able to tell apart:
+
+* :class:`HorovodInternalError`: the communication layer failed (a peer died or hung, a rank
+  shut down, the stall inspector gave up). Elastic mode restores the last commit and carries
+  on with the surviving ranks.
+* :class:`CollectiveError`: the ranks' *program* is at fault, so retrying cannot help and
+  elastic mode lets it propagate: ranks submitted the same named op with different shapes,
+  dtypes, ops, roots, splits or devices (:class:`TensorMismatchError`); an op that
+  ``hvd.join()`` does not support was called while a rank had joined
+  (:class:`NotSupportedWithJoinError`); alltoall splits that are not integers
+  (:class:`InvalidSplitsError`). Negotiation raises the first two on every member rank that
+  submitted the op, from ``synchronize()``; the job stays usable.
+
+Both derive from ``RuntimeError``: Horovod raises ``RuntimeError`` (its
+``HorovodInternalError``) for mismatches and join conflicts, and scripts catch that. Mistakes
+one rank can see alone (a bad argument, a root that is not in the process set) raise
+``ValueError``/``TypeError`` at the call, as Horovod's argument checks do.
 
 A leaf: every layer raises these, so this module imports nothing of the package.
 """
@@ -14,9 +24,12 @@ A leaf: every layer raises these, so this module imports nothing of the package.
 from __future__ import annotations
 
 __all__ = [
+    "CollectiveError",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "InvalidSplitsError",
     "NotInitializedError",
+    "NotSupportedWithJoinError",
     "TensorMismatchError",
 ]
 
@@ -33,12 +46,29 @@ class HostsUpdatedInterrupt(RuntimeError):
         self.skip_sync = skip_sync
 
 
-class TensorMismatchError(ValueError):
+class CollectiveError(RuntimeError):
+    """An op that cannot run as the ranks submitted it: a bug in the program, not a lost
+    peer (never a :class:`HorovodInternalError`). Later ops run normally."""
+
+
+class TensorMismatchError(CollectiveError, ValueError):
     """Ranks submitted the same named operation with different arguments.
 
-    Raised on every member rank of the operation; the message names the operation, the
-    ranks and what differs. The job stays usable: later operations run normally.
+    Raised on every member rank that submitted the operation; the message names the
+    operation, the ranks and what differs. Also a ``ValueError``, as it was in earlier
+    hvdrun releases.
     """
+
+
+class NotSupportedWithJoinError(CollectiveError):
+    """An allgather, broadcast, alltoall or reducescatter (or an op built on them, such as
+    ``broadcast_object`` or a sparse allreduce) ran while a member rank had called
+    ``hvd.join()``: as in Horovod, only allreduce (and barrier) go on with joined ranks."""
+
+
+class InvalidSplitsError(CollectiveError, TypeError, ValueError):
+    """Alltoall splits that are not integers. Horovod raises ``ValueError`` here; earlier
+    hvdrun releases ``TypeError``: both still catch it."""
 
 
 class NotInitializedError(ValueError):

@@ -62,8 +62,9 @@ def _loads(data: torch.Tensor) -> Any:
 def broadcast_parameters(
     params: Any, root_rank: int, process_set: ProcessSet = global_process_set
 ) -> None:
-    """Overwrites parameters in place with root_rank's: a state_dict/dict, or a list of
-    tensors or (name, tensor) pairs such as ``model.named_parameters()``."""
+    """Overwrites parameters in place with root_rank's (a global rank, also in a process
+    set): a state_dict/dict, or a list of tensors or (name, tensor) pairs such as
+    ``model.named_parameters()``."""
     if isinstance(params, Mapping):
         items = sorted(params.items(), key=lambda item: str(item[0]))
     elif isinstance(params, Iterable) and not isinstance(params, (str, bytes, torch.Tensor)):
@@ -134,7 +135,9 @@ def broadcast_optimizer_state(
     process_set: ProcessSet = global_process_set,
 ) -> None:
     """Makes every rank's optimizer state (tensors, step counts and param_group
-    hyper-parameters) equal to root_rank's. ``model`` is accepted for Horovod compatibility."""
+    hyper-parameters) equal to root_rank's (a global rank, also in a process set); parameters
+    without state on the root (no gradient yet) end up without state everywhere. ``model``
+    is accepted for Horovod compatibility."""
     runtime.require("hvd.broadcast_optimizer_state()")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
@@ -142,7 +145,7 @@ def broadcast_optimizer_state(
             "is not per parameter; broadcast the parameters and build LBFGS alike on every rank"
         )
     skeleton_name = "broadcast_optimizer_state.skeleton"
-    if process_set.rank() == root_rank:
+    if runtime.rank() == root_rank:
         tensors: list[torch.Tensor] = []
         skeleton = _strip(optimizer.state_dict(), tensors)
         broadcast_object(skeleton, root_rank, name=skeleton_name, process_set=process_set)
@@ -173,14 +176,14 @@ def broadcast_object(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> Any:
-    """Pickles obj on root_rank and returns it, unpickled, on every rank (root_rank counts
-    within the process set)."""
+    """Pickles obj on root_rank and returns it, unpickled, on every rank of the process set
+    (root_rank is a global rank, as in Horovod)."""
     runtime.require("hvd.broadcast_object()")
     # Unnamed calls get the engine's automatic names: a name derived from obj (Horovod uses
     # its type) would differ between the root and ranks that pass None.
     size_name = f"{name}.sz" if name else None
     data_name = f"{name}.t" if name else None
-    if process_set.rank() == root_rank:
+    if runtime.rank() == root_rank:
         payload = _dumps(obj)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
         ops.broadcast_([length], root_rank, process_set, size_name)

@@ -10,8 +10,12 @@ allreduce      grad = allreduce(grad) with the same op and scaling (Average and 
 allgather      grad = this rank's rows of allreduce(grad, Average)
 broadcast      grad = allreduce(grad, Average) on the root, zeros elsewhere
 alltoall       grad = alltoall(grad) sent back along the received splits
-reducescatter  grad = allgather(grad), divided by the size for Average, times the scaling
+reducescatter  grad = allgather(grad * size) for Sum, allgather(grad) for Average, times
+               the scaling
 ============== ===========================================================================
+
+(Horovod 0.28's conventions, see :mod:`collectives.torch.autograd`.) A broadcast's
+``root_rank`` is a global rank, also within a process set, as in Horovod.
 
 ``init()`` lives here too (``horovod.torch.mpi_ops.init`` in Horovod): it starts the runtime
 and then registers the process sets it was given, which the runtime cannot do itself since it
@@ -70,6 +74,7 @@ __all__ = [
     "poll",
     "reducescatter",
     "reducescatter_async",
+    "sparse_allreduce_async",
     "synchronize",
 ]
 
@@ -370,7 +375,8 @@ def broadcast(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """Returns root_rank's tensor on every rank (root_rank counts within the process set)."""
+    """Returns root_rank's tensor on every rank of the process set; root_rank is a global
+    rank (``hvd.rank()``), also within a process set, as in Horovod."""
     result: torch.Tensor = autograd.Broadcast.apply(tensor, root_rank, name, process_set)
     return result
 
@@ -398,6 +404,34 @@ def broadcast_(
     """Overwrites the tensor in place with root_rank's values and returns it."""
     ops.submit_broadcast([tensor], [tensor], root_rank, process_set, name, _first).wait()
     return tensor
+
+
+# ---- sparse allreduce ---------------------------------------------------------------------
+
+
+class SparseHandle(int):
+    """The handle of :func:`sparse_allreduce_async`: an integer handle like the others
+    (``poll``/``synchronize``) that can also be called, as Horovod's callable is
+    (``handle()`` returns the result)."""
+
+    def __call__(self) -> torch.Tensor:
+        result: torch.Tensor = synchronize(self)
+        return result
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor,
+    name: str | None,
+    op: ReduceOp | int,
+    process_set: ProcessSet = global_process_set,
+) -> SparseHandle:
+    """Starts reducing a sparse COO tensor (Horovod's signature): every rank's indices and
+    values are allgathered, so the result is the sparse sum of the ranks' tensors, its
+    values divided by the process set's size for Average. ``synchronize(handle)`` (or
+    ``handle()``) returns it, coalesced."""
+    return SparseHandle(
+        handles.register(ops.submit_sparse_allreduce(tensor, ReduceOp(op), process_set, name))
+    )
 
 
 # ---- alltoall and reducescatter -----------------------------------------------------------
@@ -539,7 +573,10 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 def join(device: int = -1) -> int:
     """Declares this rank done: until every rank has joined, it takes part in the others'
-    collectives with neutral values (zeros for Sum/Average). Returns the last rank to join."""
+    allreduces with neutral values (zeros for Sum/Average) and lets their barriers pass.
+    As in Horovod, an allgather, broadcast, alltoall or reducescatter that involves a
+    joined rank raises :class:`NotSupportedWithJoinError` on the ranks that called it.
+    Returns the last rank to join."""
     runtime.engine("hvd.join()")
     result: int = ops.submit(Kind.JOIN, "join", global_process_set, [], []).wait()
     return result

@@ -18,12 +18,15 @@ Semantics follow Horovod:
   are rounded toward zero.
 * ``prescale_factor``/``postscale_factor`` multiply before/after the reduction; integer
   tensors are scaled in float64 and truncated toward zero.
+* A broadcast's ``root_rank`` is a global rank, also within a process set; a root that is
+  not a member of the set is a ``ValueError`` at the call.
 * Unnamed ops get the names ``allreduce.noname.0``, ``allreduce.noname.1``, ... counted per
   process set and kind, so ranks calling the same ops in the same order agree on them.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +39,7 @@ from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
 from collectives.torch.engine.execute import Group, split_rows
 from collectives.torch.engine.handles import Handle
 from collectives.torch.engine.requests import FIELD, RECORD, Kind, Request, TensorSpec, signature
+from collectives.torch.errors import InvalidSplitsError
 
 __all__ = [
     "allgather",
@@ -43,6 +47,7 @@ __all__ = [
     "barrier",
     "broadcast_",
     "resolve_process_set",
+    "root_index",
     "submit",
 ]
 
@@ -301,6 +306,55 @@ def submit_allgather(
     return submit(Kind.ALLGATHER, name, process_set, inputs, outs, var=var, finish=finish)
 
 
+def submit_sparse_allreduce(
+    tensor: torch.Tensor,
+    op: ReduceOp,
+    process_set: ProcessSet | None,
+    name: str | None,
+) -> Handle:
+    """Horovod's sparse allreduce: one allgather of every rank's indices and values (as one
+    grouped op); the handle's result is the sparse sum, divided by the set's size for
+    Average (coalesced: entries at the same index are added)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.sparse_coo:
+        raise TypeError(
+            "sparse_allreduce_async expects a sparse COO tensor (such as the gradient of "
+            f"nn.Embedding(sparse=True)), got {_describe_value(tensor)}"
+        )
+    op = ReduceOp(op)
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise NotImplementedError(
+            f"a sparse allreduce supports op=Average or Sum, not {op.name}; reduce the "
+            "dense tensor instead (or DistributedOptimizer(sparse_as_dense=True))"
+        )
+    sparse = tensor.coalesce()
+    _, group = resolve_process_set(process_set, "allgather")
+    divisor = group.size if op == ReduceOp.AVERAGE else 1
+    shape = sparse.shape
+
+    def combine(request: Request) -> torch.Tensor:
+        indices, values, _ = request.outputs
+        if divisor != 1:
+            values = values / divisor
+        # Indices travelled transposed: (nnz, sparse_dim), so that dim 0 is the ragged one.
+        result = torch.sparse_coo_tensor(indices.t(), values, shape, check_invariants=False)
+        return result.coalesce()
+
+    # allgather concatenates along dim 0, so the (sparse_dim, nnz) indices travel transposed.
+    indices = sparse.indices().t().contiguous()
+    # An empty tensor whose dims after the first are the sparse tensor's shape: it moves no
+    # data, but ranks whose tensors have different shapes now fail negotiation's check (a
+    # TensorMismatchError) instead of combining indices that are out of range.
+    shape_check = torch.empty((0, *shape), dtype=torch.uint8, device=indices.device)
+    tensors = [indices, sparse.values().contiguous(), shape_check]
+    return submit_allgather(tensors, process_set, name, combine)
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.layout).removeprefix('torch.')} tensor"
+    return type(value).__name__
+
+
 def submit_broadcast(
     tensors: Sequence[torch.Tensor],
     outputs: Sequence[torch.Tensor] | None,
@@ -311,15 +365,48 @@ def submit_broadcast(
 ) -> Handle:
     inputs = [check_tensor(t, "broadcast") for t in tensors]
     _, group = resolve_process_set(process_set, "broadcast")
-    if not isinstance(root_rank, int) or not 0 <= root_rank < group.size:
-        raise ValueError(
-            f"root_rank {root_rank} is out of range for a process set of size {group.size}"
-        )
+    root = root_index(root_rank, group, "broadcast")
     if outputs is None:
         outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
     else:
         outs = inputs if _same(outputs, tensors) else list(outputs)
-    return submit(Kind.BROADCAST, name, process_set, inputs, outs, (root_rank,), finish=finish)
+    # The engine broadcasts from the root's position in the set (every member computes it
+    # alike from the same global rank).
+    return submit(Kind.BROADCAST, name, process_set, inputs, outs, (root,), finish=finish)
+
+
+def root_index(root_rank: Any, group: Group, what: str) -> int:
+    """The position in the process set of ``root_rank``, a *global* rank as in Horovod
+    (``hvd.broadcast(t, root_rank=3, process_set=hvd.ProcessSet([1, 3]))`` sends rank 3's
+    tensor); ValueError, on every member that passes it, for a rank outside the set."""
+    try:
+        root_rank = _integer(root_rank)
+    except TypeError:
+        raise TypeError(
+            f"{what}: root_rank must be an int, got {type(root_rank).__name__}"
+        ) from None
+    ranks = group.ranks
+    if group.process_set_id == 0:
+        if not 0 <= root_rank < len(ranks):
+            raise ValueError(
+                f"{what}: root_rank {root_rank} is out of range for a job of size {len(ranks)}"
+            )
+        return root_rank
+    try:
+        return ranks.index(root_rank)
+    except ValueError:
+        raise ValueError(
+            f"{what}: root_rank {root_rank} is not a member of the process set {ranks}; "
+            "root_rank is a global rank (hvd.rank()), as in Horovod, and must be one of "
+            "the set's ranks"
+        ) from None
+
+
+def _integer(value: Any) -> int:
+    """An int from anything integral (numpy and 0-d torch integers too), but not a bool."""
+    if isinstance(value, bool):  # an int to Python, not a rank or a row count
+        raise TypeError("bool")
+    return operator.index(value)
 
 
 def submit_alltoall(
@@ -333,9 +420,13 @@ def submit_alltoall(
     if splits is None:
         split_text = ""
     else:
-        values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
-        if not all(isinstance(v, int) for v in values):
-            raise TypeError(f"alltoall: splits must be integers, got {values}")
+        raw = splits.tolist() if isinstance(splits, torch.Tensor) else splits
+        try:
+            values = [_integer(v) for v in raw]
+        except TypeError:
+            raise InvalidSplitsError(
+                f"alltoall: splits must be integers (a list or an integer tensor), got {raw!r}"
+            ) from None
         split_text = ",".join(map(str, values))
     var = f"{inp.shape[0]}/{split_text}"
     return submit(Kind.ALLTOALL, name, process_set, [inp], [None], var=var, finish=finish)
@@ -368,7 +459,8 @@ def broadcast_(
 ) -> None:
     """Overwrites every tensor with root_rank's values, as one grouped op."""
     if not tensors:
-        runtime.engine("broadcast")
+        _, group = resolve_process_set(process_set, "broadcast")
+        root_index(root_rank, group, "broadcast")
         return
     submit_broadcast(tensors, tensors, root_rank, process_set, name, outputs_of).wait()
 

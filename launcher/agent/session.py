@@ -8,7 +8,9 @@ exits, as events on stdout.
 
 Before starting workers it finds the interface that faces the rendezvous server and sets
 ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` to it unless they are set: a host's own name
-need not resolve anywhere for Gloo and NCCL to find each other.
+need not resolve anywhere for Gloo and NCCL to find each other. Unless the job sets
+``OMP_NUM_THREADS``, each worker gets the host's cores divided by the host's workers (only
+the agent knows its host's cores).
 
 The agent is the middleman that guarantees no worker outlives the job: when its stdin
 closes (hvdrun exited or was killed with -9, the SSH connection dropped), when it hears
@@ -20,13 +22,14 @@ then SIGKILL after the grace period. It imports neither torch nor grpc, so it st
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from launcher.agent.workers import Emit, HostAgent
 from launcher.spec.environment import worker_base_env
@@ -40,6 +43,8 @@ from launcher.transport.protocol import (
     KillRequest,
     Network,
     Ping,
+    Prepared,
+    PrepareRequest,
     Probe,
     ProbeRequest,
     RunRequest,
@@ -47,9 +52,57 @@ from launcher.transport.protocol import (
     decode_request,
     encode_event,
 )
-from rendezvous.addresses import interface_facing
+from rendezvous import worker_env
+from rendezvous.addresses import interface_facing, is_ipv6, is_loopback, split_addr
+
+if TYPE_CHECKING:
+    from rendezvous.relay import HostRelay
 
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+log = logging.getLogger(__name__)
+
+
+def start_relay(spec: AgentSpec, env: dict[str, str]) -> HostRelay | None:
+    """Multi-host fixed jobs: starts the host's rendezvous relay and points the workers at it
+    (``HVDRUN_RENDEZVOUS_RELAY_ADDR``, see :mod:`rendezvous.relay`), so the server deals with
+    one connection and one heartbeat stream per host. None (workers dial the server) for
+    jobs on this machine alone, elastic jobs, ``HVDRUN_RENDEZVOUS_RELAY=0``, or when the
+    relay cannot start."""
+    env.pop(worker_env.RENDEZVOUS_RELAY_ADDR, None)  # only ever this agent's own relay
+    addr = env.get(worker_env.RENDEZVOUS_ADDR, "")
+    secret = env.get(worker_env.SECRET, "")
+    if not addr or not secret or not spec.workers:
+        return None
+    try:
+        if worker_env.flag(worker_env.ELASTIC, env) or (
+            worker_env.setting(worker_env.RENDEZVOUS_RELAY, env) == "0"
+        ):
+            return None
+        if is_loopback(split_addr(addr)[0]):
+            return None
+        lost_after = worker_env.number(
+            worker_env.RENDEZVOUS_LOST_AFTER_SECONDS, 5.0, strict=True, env=env
+        )
+    except ValueError:
+        return None  # the workers report the bad setting themselves
+    from rendezvous.relay import HostRelay  # gRPC: loaded only by agents of multi-host jobs
+
+    relay = HostRelay(
+        addr,
+        secret,
+        env.get(worker_env.JOB_ID, ""),
+        [worker.rank for worker in spec.workers],
+        cert_pem=env.get(worker_env.RENDEZVOUS_CERT) or None,
+        lost_after=lost_after,
+    )
+    try:
+        local = relay.start()
+    except Exception as error:
+        note(f"rendezvous relay did not start ({error}); workers dial the server")
+        relay.stop()
+        return None
+    env[worker_env.RENDEZVOUS_RELAY_ADDR] = local
+    return relay
 
 
 def network_env(env: dict[str, str], rendezvous_addr: str, emit: Emit) -> None:
@@ -62,6 +115,52 @@ def network_env(env: dict[str, str], rendezvous_addr: str, emit: Emit) -> None:
         return
     for name in IFNAME_VARIABLES:
         env.setdefault(name, ifname)
+
+
+class LineSource(Protocol):
+    def readline(self) -> bytes: ...
+
+
+class AddressedStdin:
+    """This agent's lines of a stdin that every agent of an srun step reads (``--input=all``).
+
+    hvdrun writes ``TASK LINE`` for one agent (its Slurm task number) and ``* LINE`` for all;
+    ``TASK EOF`` is that agent's end of file. Lines for other tasks are skipped.
+    """
+
+    def __init__(self, raw: LineSource, task: int) -> None:
+        self._raw = raw
+        self._me = str(task).encode()
+        self._ended = False
+
+    def readline(self) -> bytes:
+        while not self._ended:
+            line = self._raw.readline()
+            if not line:
+                self._ended = True
+                break
+            target, _, payload = line.partition(b" ")
+            if target not in (self._me, b"*"):
+                continue
+            if payload.rstrip(b"\r\n") == b"EOF":
+                self._ended = True
+                break
+            return payload
+        return b""
+
+
+def pick_master(rendezvous_addr: str) -> Prepared:
+    """``MASTER_ADDR``/``MASTER_PORT`` on this host: the address through which it reaches the
+    rendezvous (so other hosts can route to it too) and a TCP port free on every interface,
+    as torch's store will bind it."""
+    _, address = interface_facing(rendezvous_addr)
+    if address is None:
+        address = socket.gethostbyname(socket.gethostname())
+    family = socket.AF_INET6 if is_ipv6(address) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+        port = probe.getsockname()[1]
+    return Prepared(address, port)
 
 
 class Emitter:
@@ -103,7 +202,7 @@ class Control:
         self.kill = self.kill or kill
         self.stop.set()
 
-    def watch_stdin(self, stdin: BinaryIO) -> None:
+    def watch_stdin(self, stdin: LineSource) -> None:
         while True:
             line = stdin.readline()
             if not line:
@@ -134,16 +233,49 @@ def note(text: str) -> None:
         sys.stderr.flush()
 
 
-def hello() -> Hello:
+def hello(slurm_task: int | None = None) -> Hello:
+    step = None
+    if slurm_task is not None:
+        step = f"{os.environ.get('SLURM_JOB_ID', '?')}.{os.environ.get('SLURM_STEP_ID', '?')}"
     return Hello(
         protocol=PROTOCOL_VERSION,
         hostname=socket.gethostname(),
         pid=os.getpid(),
         **installed_versions(),
+        node=os.environ.get("SLURMD_NODENAME") if slurm_task is not None else None,
+        task=slurm_task,
+        step=step,
     )
 
 
-def run(spec: AgentSpec, stdin: BinaryIO, emit: Emitter) -> int:
+def host_cores() -> int:
+    """The cores this process may run on (its affinity, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def omp_default(env: dict[str, str], workers: int) -> None:
+    """OMP_NUM_THREADS unless the job set it: the host's cores shared among its workers
+    (torch would otherwise start a thread per core in every worker)."""
+    if not env.get("OMP_NUM_THREADS") and workers > 0:
+        env["OMP_NUM_THREADS"] = str(max(1, host_cores() // workers))
+
+
+def configure_logging(level: str) -> None:
+    """The level hvdrun asked for (--verbose/--log-level); records go to stderr, which
+    hvdrun shows as the agent's lines."""
+    if not level:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("hvdrun agent: %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    logging.getLogger("launcher").setLevel(level)
+
+
+def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
+    configure_logging(spec.log_level)
     control = Control()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -159,39 +291,60 @@ def run(spec: AgentSpec, stdin: BinaryIO, emit: Emitter) -> int:
 
     env = worker_base_env(os.environ, spec.env)
     network_env(env, spec.rendezvous_addr, emit)
-    agent = HostAgent(spec, env, emit)
-    agent.start()
-    while not control.stop.is_set() and not emit.broken.is_set():
-        if agent.wait(timeout=0.1):
-            break
-    if control.stop.is_set() or emit.broken.is_set():
-        reason = control.reason or "hvdrun stopped reading"
-        note(f"stopping workers: {reason}")
-        agent.terminate(grace=0.0 if control.kill else None)
+    omp_default(env, len(spec.workers))
+    log.debug(
+        "starting %d worker(s) on %s, OMP_NUM_THREADS=%s",
+        len(spec.workers),
+        socket.gethostname(),
+        env.get("OMP_NUM_THREADS"),
+    )
+    relay = start_relay(spec, env)
+    try:
+        agent = HostAgent(spec, env, emit)
+        agent.start()
+        while not control.stop.is_set() and not emit.broken.is_set():
+            if agent.wait(timeout=0.1):
+                break
+        if control.stop.is_set() or emit.broken.is_set():
+            reason = control.reason or "hvdrun stopped reading"
+            note(f"stopping workers: {reason}")
+            agent.terminate(grace=0.0 if control.kill else None)
+    finally:
+        if relay is not None:
+            relay.stop()
     emit.try_emit(Done(), timeout=5.0)
     return 0
 
 
-def main() -> int:
-    stdin = sys.stdin.buffer
+def main(shared_stdin: bool = False) -> int:
+    """The agent; ``shared_stdin``: one task of an srun step, reading :class:`AddressedStdin`."""
+    stdin: LineSource = sys.stdin.buffer
+    task = None
+    if shared_stdin:
+        task = int(os.environ.get("SLURM_PROCID", "0"))
+        stdin = AddressedStdin(stdin, task)
     emit = Emitter(sys.stdout.buffer)
-    emit(hello())
-    line = stdin.readline()
-    if not line:
-        return 0  # hvdrun only wanted the hello, or gave up
-    try:
-        request = decode_request(line)
-    except ValueError as exc:
-        note(str(exc))
-        return 2
-    match request:
-        case ProbeRequest(connect_back):
-            from launcher.agent.probe import probe_host
+    emit(hello(task))
+    while True:
+        line = stdin.readline()
+        if not line:
+            return 0  # hvdrun only wanted the hello, or gave up
+        try:
+            request = decode_request(line)
+        except ValueError as exc:
+            note(str(exc))
+            return 2
+        match request:
+            case PrepareRequest(rendezvous_addr):
+                emit(pick_master(rendezvous_addr))
+                continue
+            case ProbeRequest(connect_back):
+                from launcher.agent.probe import probe_host
 
-            emit(Probe(probe_host(connect_back)))
-            emit(Done())
-            return 0
-        case RunRequest(spec):
-            return run(spec, stdin, emit)
-    note(f"unexpected request {request.op!r}")
-    return 2
+                emit(Probe(probe_host(connect_back)))
+                emit(Done())
+                return 0
+            case RunRequest(spec):
+                return run(spec, stdin, emit)
+        note(f"unexpected request {request.op!r}")
+        return 2

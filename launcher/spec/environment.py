@@ -6,6 +6,13 @@ another host would be wrong there. For them each worker keeps the value its own 
 has (on a remote host: what the SSH login set; on the local host: hvdrun's own value).
 ``-x VAR`` forwards such a variable anyway and ``-x VAR=VALUE`` sets one (mpirun's syntax).
 hvdrun then adds ``PYTHONUNBUFFERED=1`` and the ``HVDRUN_*``/torch rank variables.
+
+Nor do workers inherit another launcher's per-process variables, from hvdrun's environment or
+from their agent's (an agent that srun started is a Slurm task): ``SLURM_PROCID``,
+``SLURM_NTASKS``, ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, torchrun's ``MASTER_ADDR``,
+exported bash functions, ... (:data:`rendezvous.launchers.FOREIGN_VARIABLES`). Libraries that
+look for them (Lightning, Accelerate, submitit, mpi4py) would otherwise take a rank or a job
+size that is not the worker's. ``-x`` forwards one of them all the same.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from launcher.errors import LauncherError
+from rendezvous.launchers import is_foreign
 
 #: Names (shell patterns) that are never copied from hvdrun's host; see the module docstring.
 HOST_SPECIFIC: tuple[str, ...] = (
@@ -51,6 +59,12 @@ HOST_SPECIFIC: tuple[str, ...] = (
     "HIP_VISIBLE_DEVICES",
     "GPU_DEVICE_ORDINAL",
     "ZE_AFFINITY_MASK",
+    # the node of a batch allocation
+    "SLURMD_NODENAME",
+    "SLURM_CPUS_ON_NODE",
+    "SLURM_GPUS_ON_NODE",
+    "SLURM_JOB_GPUS",
+    "SLURM_TOPOLOGY_ADDR*",
 )
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -80,8 +94,13 @@ def parse_exports(exports: Iterable[str], caller_env: Mapping[str, str]) -> dict
 
 
 def forwarded_env(caller_env: Mapping[str, str], exports: Mapping[str, str]) -> dict[str, str]:
-    """The caller's environment minus host-specific variables, plus the ``-x`` variables."""
-    env = {name: value for name, value in caller_env.items() if not is_host_specific(name)}
+    """The caller's environment minus host-specific and other launchers' per-process
+    variables, plus the ``-x`` variables."""
+    env = {
+        name: value
+        for name, value in caller_env.items()
+        if not is_host_specific(name) and not is_foreign(name)
+    }
     env.update(exports)
     return env
 
@@ -99,8 +118,13 @@ MALLOC_DEFAULTS: dict[str, str] = {
 
 def worker_base_env(agent_env: Mapping[str, str], forwarded: Mapping[str, str]) -> dict[str, str]:
     """On the worker's host: the agent's own host-specific variables, then what hvdrun sent,
-    then the malloc defaults unless the job set its own."""
-    env = {name: value for name, value in agent_env.items() if is_host_specific(name)}
+    then the malloc defaults unless the job set its own. Nothing else of the agent's own
+    environment reaches the workers (in particular no launcher's rank variables)."""
+    env = {
+        name: value
+        for name, value in agent_env.items()
+        if is_host_specific(name) and not is_foreign(name)
+    }
     env.update(forwarded)
     if not any(name in env for name in MALLOC_DEFAULTS):
         env.update(MALLOC_DEFAULTS)

@@ -2,7 +2,9 @@
 
 A bare ``host`` means one slot. A hostfile holds one host per line, as ``host slots=N``
 (mpirun/Horovod) or ``host:N``; ``#`` starts a comment and blank lines are ignored.
-Malformed entries, zero or negative slot counts and duplicate hosts are user errors:
+A host listed on several lines of a hostfile gets the sum of their slots (as with mpirun),
+at the place of its first line; in a ``-H`` list a repeated host is a mistake.
+Malformed entries, zero or negative slot counts and repeated ``-H`` hosts are user errors:
 :class:`HostSpecError` carries a message that names the offending entry (and line), and the
 CLI turns it into one line with exit code 2.
 
@@ -79,7 +81,7 @@ _SLOTS_KEYWORD = re.compile(r"^(?:slots|max_slots|max-slots)=(.*)$")
 def parse_hostfile_text(text: str, source: str = "hostfile") -> list[HostSpec]:
     """Parse a hostfile's lines (``host slots=N`` or ``host:N``); raises HostSpecError."""
     hosts: list[HostSpec] = []
-    seen: dict[str, int] = {}
+    seen: dict[str, int] = {}  # host name -> its index in hosts
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -93,12 +95,11 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> list[HostSpec]:
                 host = _parse_keyword_line(fields, line)
         except HostSpecError as exc:
             raise HostSpecError(f"{where}: {exc}") from None
-        if host.hostname in seen:
-            raise HostSpecError(
-                f"{where}: host '{host.hostname}' is already listed on line "
-                f"{seen[host.hostname]}; give its slots in one entry"
-            )
-        seen[host.hostname] = number
+        index = seen.get(host.hostname)
+        if index is not None:  # mpirun's rule: the slots add up
+            hosts[index] = HostSpec(host.hostname, hosts[index].slots + host.slots)
+            continue
+        seen[host.hostname] = len(hosts)
         hosts.append(host)
     if not hosts:
         raise HostSpecError(f"{source} lists no hosts")

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HOST_KEY_POLICIES = ("strict", "accept-new", "off")
+#: ``--launcher``: how agents start. auto: srun inside a Slurm allocation whose nodes are the
+#: hosts, else SSH for remote hosts; local hosts always get a subprocess except under srun.
+LAUNCHERS = ("auto", "ssh", "slurm", "local")
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,10 @@ class LaunchOptions:
     agent_timeout: float = 30.0  # silence after which a remote host counts as cut off
     rendezvous_addr: str | None = None  # ADDR[:PORT] every host reaches this machine at
     check_versions: bool = True
+    log_level: str = ""  # the agents' logging level (--verbose/--log-level); "" quiet
     python: str = field(default_factory=lambda: sys.executable)
+    #: "slurm": every agent is a task of one srun step; otherwise local or SSH per host.
+    launcher: str = "ssh"
 
 
 #: Elastic jobs: how long a silent peer or host may stay silent before it counts as failed

@@ -74,11 +74,15 @@ def agent_spec(
     job_id: str,
     secret: str,
     heartbeat_timeout: float,
+    cert_pem: str = "",
 ) -> AgentSpec:
-    """What one host's agent is told to run: the job, and this host's share of ``slots``."""
+    """What one host's agent is told to run: the job, and this host's share of ``slots``.
+
+    The secret and the rendezvous's TLS certificate (``cert_pem``) travel in the workers'
+    environment inside the start message, never in argv or a file."""
     env = dict(spec.env)
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(worker_env.connection_env(rendezvous, job_id, secret))
+    env.update(worker_env.connection_env(rendezvous, job_id, secret, cert_pem))
     return AgentSpec(
         hostname=hostname,
         command=list(spec.command),
@@ -92,6 +96,7 @@ def agent_spec(
         term_grace=spec.term_grace,
         rendezvous_addr=rendezvous,
         heartbeat_timeout=heartbeat_timeout,
+        log_level=spec.launch.log_level,
     )
 
 
@@ -110,7 +115,7 @@ def agent_loss_reason(event: Done | AgentExit) -> str:
 
 
 class Signals:
-    """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-cleanup."""
+    """Records SIGINT/SIGTERM/SIGHUP for the supervision loop instead of raising mid-cleanup."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -130,7 +135,8 @@ class Signals:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Signals]:
-        previous = {s: signal.signal(s, self.record) for s in (signal.SIGINT, signal.SIGTERM)}
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {s: signal.signal(s, self.record) for s in handled}
         try:
             yield self
         finally:
@@ -251,6 +257,16 @@ class Supervision(ABC, Generic[E]):
             else:
                 self.sink.message("second signal: killing all workers now")
                 self.kill_all()
+
+    def cancel(self, message: str) -> None:
+        """The job was cancelled under hvdrun (``scancel``): stop it as a SIGTERM would."""
+        if self.stopping and self.result.interrupted_by is not None:
+            return
+        self.sink.message(message)
+        if self.result.failure is None and self.result.interrupted_by is None:
+            self.result.interrupted_by = signal.SIGTERM
+            self.result.exit_code = 128 + signal.SIGTERM
+        self.stop_all()
 
     def check_heartbeats(self, now: float) -> None:
         for agent in self.watched_agents():

@@ -74,6 +74,7 @@ from rendezvous import worker_env
 from rendezvous.addresses import join_addr
 from rendezvous.server import RendezvousServer
 from rendezvous.slots import SlotInfo
+from rendezvous.tls import certificate_for
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,10 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         secret: str,
         job_id: str,
         initial: list[HostSpec],
+        cert_pem: str = "",
     ) -> None:
         super().__init__(sink, queue.Queue(), spec.term_grace, signals)
+        self.cert_pem = cert_pem  # the rendezvous's TLS certificate, "" on loopback
         self.spec = spec
         self.options = options
         self.server = server
@@ -419,6 +422,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             self.job_id,
             self.secret,
             agent.heartbeat_timeout,
+            self.cert_pem,
         )
         spec.env.update(self._elastic_env)
         for worker in spec.workers:
@@ -478,11 +482,17 @@ def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
         and all(is_local_host(host.hostname) for host in fixed.hosts)
     ):
         bind = "127.0.0.1"
-    server = RendezvousServer([], secret, job_id, bind_host=bind, port=plan.port, elastic=True)
+    tls = certificate_for(bind, job_id)  # hosts may join over the network: TLS
+    server = RendezvousServer(
+        [], secret, job_id, bind_host=bind, port=plan.port, elastic=True, tls=tls
+    )
     server.start()
     try:
         with Signals().installed() as signals:
-            driver = ElasticDriver(spec, options, sink, signals, server, secret, job_id, initial)
+            cert_pem = tls.cert_pem.decode("ascii") if tls is not None else ""
+            driver = ElasticDriver(
+                spec, options, sink, signals, server, secret, job_id, initial, cert_pem
+            )
             result = driver.run()
     finally:
         server.stop()

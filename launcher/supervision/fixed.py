@@ -32,10 +32,17 @@ from launcher.supervision.core import (
     agent_spec,
 )
 from launcher.supervision.report import report_failure
-from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
+from launcher.transport.connection import (
+    AgentConnection,
+    AgentExit,
+    AgentStartError,
+    HostEvent,
+    StepCancelled,
+)
 from launcher.transport.protocol import Done, Exit, Network, Output
 from launcher.transport.startup import (
     AGENT_FAILURE_EXIT,
+    LaunchError,
     plan_rendezvous,
     rendezvous_addr,
     start_agents,
@@ -44,6 +51,7 @@ from launcher.transport.startup import (
 from rendezvous import worker_env
 from rendezvous.server import RendezvousServer
 from rendezvous.slots import SlotInfo, assign_slots
+from rendezvous.tls import certificate_for
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +108,8 @@ class Supervisor(Supervision[HostEvent]):
                     self.fail(WorkerFailure(rank, host, code, error))
             case Network(ifname):
                 log.info("workers on %s use interface %s", host, ifname)
+            case StepCancelled(message):
+                self.cancel(message)
             case Done() | AgentExit():
                 if host in self._pending_hosts:
                     self._lose_host(host, agent_loss_reason(event))
@@ -163,6 +173,26 @@ def run_fixed_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     return result
 
 
+def master_env(
+    spec: JobSpec, agents: Sequence[AgentConnection], slots: Sequence[SlotInfo], addr: str
+) -> dict[str, str]:
+    """``MASTER_ADDR``/``MASTER_PORT`` for plain torch.distributed scripts, picked by rank 0's
+    agent on its host, unless the user set both with ``-x``."""
+    if worker_env.TORCH_MASTER_ADDR in spec.env and worker_env.TORCH_MASTER_PORT in spec.env:
+        return {}
+    host = next(slot.hostname for slot in slots if slot.rank == 0)
+    agent = next(agent for agent in agents if agent.hostname == host)
+    try:
+        prepared = agent.request_prepare(addr, timeout=spec.launch.start_timeout)
+    except AgentStartError as exc:
+        raise LaunchError({host: str(exc)}, len(agents)) from None
+    env = worker_env.master_env(prepared.address, prepared.port)
+    for name in env:  # a user's -x MASTER_ADDR=... (or MASTER_PORT) wins
+        if name in spec.env:
+            env[name] = spec.env[name]
+    return env
+
+
 def _supervise(
     spec: JobSpec,
     agents: list[AgentConnection],
@@ -174,16 +204,24 @@ def _supervise(
     job_id: str,
 ) -> JobResult:
     plan = plan_rendezvous(agents, spec.launch.rendezvous_addr)
-    server = RendezvousServer(slots, secret, job_id, bind_host=plan.bind_host, port=plan.port)
+    # Reachable from other hosts: TLS with a certificate of this job (the key stays here).
+    tls = certificate_for(plan.bind_host, job_id)
+    cert_pem = tls.cert_pem.decode("ascii") if tls is not None else ""
+    server = RendezvousServer(
+        slots, secret, job_id, bind_host=plan.bind_host, port=plan.port, tls=tls
+    )
     port = server.start()
     try:
+        rank0 = next(slot.hostname for slot in slots if slot.rank == 0)
+        master = master_env(spec, agents, slots, rendezvous_addr(plan, rank0, port))
         for agent in agents:
             host = agent.hostname
             addr = rendezvous_addr(plan, host, port)
-            agent.launch(
-                agent_spec(spec, host, slots, addr, job_id, secret, agent.heartbeat_timeout),
-                events,
+            launch = agent_spec(
+                spec, host, slots, addr, job_id, secret, agent.heartbeat_timeout, cert_pem
             )
+            launch.env.update(master)
+            agent.launch(launch, events)
         return Supervisor(agents, slots, sink, events, spec.term_grace, signals, server).run()
     finally:
         server.stop()

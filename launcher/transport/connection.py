@@ -26,6 +26,8 @@ from launcher.transport.protocol import (
     Hello,
     KillRequest,
     PingRequest,
+    Prepared,
+    PrepareRequest,
     Probe,
     ProbeRequest,
     Request,
@@ -61,11 +63,19 @@ class AgentExit:
 
 
 @dataclass(frozen=True)
+class StepCancelled:
+    """The transport's news that the whole job was cancelled under it (``scancel`` of the
+    Slurm step that carries the agents); ``message`` says so, for the user."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class HostEvent:
     """An event as the supervisors receive it: tagged with the host whose agent sent it."""
 
     host: str
-    event: AgentEvent | AgentExit
+    event: AgentEvent | AgentExit | StepCancelled
 
 
 class EventQueue(Protocol):
@@ -85,6 +95,7 @@ class AgentConnection:
         self.stage = "starting the agent"
         self.hello: Hello | None = None
         self.probe: Probe | None = None
+        self.prepared: Prepared | None = None
         self.rendezvous_host: str | None = None  # where this host can reach hvdrun
         self.exit_code: int | None = None
         self.worker_pids: list[int] = []
@@ -146,16 +157,32 @@ class AgentConnection:
 
     def request_probe(self, connect_back: str | None, timeout: float) -> dict[str, Any]:
         """``--check-hosts``: the agent's description of its host."""
+        self._ask(ProbeRequest(connect_back), timeout, "did not answer the probe")
+        assert self.probe is not None
+        return self.probe.facts
+
+    def request_prepare(self, rendezvous_addr: str, timeout: float) -> Prepared:
+        """Rank 0's host: where plain torch.distributed scripts meet (MASTER_ADDR/PORT)."""
+        self.prepared = None
+        self._ask(
+            PrepareRequest(rendezvous_addr),
+            timeout,
+            "did not say which port torch.distributed can use there",
+        )
+        assert self.prepared is not None
+        return self.prepared
+
+    def _ask(self, request: ProbeRequest | PrepareRequest, timeout: float, silent: str) -> None:
+        """Sends a request the agent answers before the job; AgentStartError without one."""
         self._answered.clear()
         if self.hello is None:
             raise AgentStartError("the agent is not running")
-        self._send(ProbeRequest(connect_back))
-        if not self._answered.wait(timeout) or self.probe is None:
-            raise AgentStartError(
-                "the agent did not answer the probe"
-                + (f": {self.stderr_tail[-1]}" if self.stderr_tail else "")
-            )
-        return self.probe.facts
+        self._send(request)
+        answered = self._answered.wait(timeout)
+        answer = self.probe if isinstance(request, ProbeRequest) else self.prepared
+        if not answered or answer is None:
+            last = f": {self.stderr_tail[-1]}" if self.stderr_tail else ""
+            raise AgentStartError(f"the agent {silent}{last}")
 
     def terminate(self) -> None:
         """Ask the agent to stop its workers (SIGTERM, then SIGKILL after the grace period)."""
@@ -205,7 +232,11 @@ class AgentConnection:
         while not self._finished.wait(interval):
             self._send(PingRequest())
 
-    def _deliver(self, event: AgentEvent | AgentExit) -> None:
+    def deliver_event(self, event: StepCancelled) -> None:
+        """Queues news from the transport itself, as if the agent had sent it."""
+        self._deliver(event)
+
+    def _deliver(self, event: AgentEvent | AgentExit | StepCancelled) -> None:
         tagged = HostEvent(self.hostname, event)
         with self._queue_lock:
             if self._events is None:
@@ -234,6 +265,9 @@ class AgentConnection:
                 self._answered.set()
             elif isinstance(event, Probe):
                 self.probe = event
+                self._answered.set()
+            elif isinstance(event, Prepared):
+                self.prepared = event
                 self._answered.set()
             else:
                 if isinstance(event, Started):

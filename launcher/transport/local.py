@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import IO
 
 from launcher.transport.connection import AgentConnection, LineReader
@@ -29,6 +30,15 @@ def agent_pythonpath(pythonpath: str | None, cwd: str) -> str | None:
     return os.pathsep.join(entries) or None
 
 
+def agent_env(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
+    """The environment of an agent this machine starts in ``/`` (itself, or with srun)."""
+    env = dict(environ)
+    pythonpath = agent_pythonpath(env.pop("PYTHONPATH", None), cwd)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return env
+
+
 class LocalAgent(AgentConnection):
     kind = "local"
 
@@ -37,10 +47,7 @@ class LocalAgent(AgentConnection):
         self._proc: subprocess.Popen[bytes] | None = None
 
     def _open(self, deadline: float) -> tuple[LineReader, IO[bytes]]:
-        env = dict(os.environ)
-        pythonpath = agent_pythonpath(env.pop("PYTHONPATH", None), self.cwd)
-        if pythonpath:
-            env["PYTHONPATH"] = pythonpath
+        env = agent_env(os.environ, self.cwd)
         self._proc = subprocess.Popen(
             [self.python, "-m", AGENT_MODULE],
             stdin=subprocess.PIPE,

@@ -10,6 +10,8 @@ writes one JSON line per request to the agent's stdin:
 * ``{"op": "run", "spec": AgentSpec}`` - command, working directory, environment, the host's
   ranks and with them the job secret, which therefore never appears in any process's argv
 * ``{"op": "probe", "connect_back": "ADDR:PORT"}`` - describe the host (``--check-hosts``)
+* ``{"op": "prepare", "rendezvous_addr": "ADDR:PORT"}`` - before ``run``, on rank 0's host:
+  pick the ``MASTER_ADDR``/``MASTER_PORT`` of plain torch.distributed scripts there
 * ``{"op": "ping"}`` - hvdrun is alive (remote hosts; see ``AgentSpec.heartbeat_timeout``)
 * ``{"op": "terminate"}`` - stop the workers: SIGTERM, SIGKILL after the grace period
 * ``{"op": "kill"}`` - SIGKILL the workers now
@@ -23,6 +25,7 @@ The agent answers with one JSON event per line on stdout:
 * ``{"ev": "exit", "rank": R, "code": C, "error": MESSAGE?}`` - 128+N for signal N
 * ``{"ev": "ping"}`` - the agent is alive
 * ``{"ev": "probe", ...}`` - the answer to a probe
+* ``{"ev": "prepared", "address": A, "port": P}`` - the answer to a prepare
 * ``{"ev": "done"}`` - every worker has been reported; the agent exits
 
 Output bytes that are not UTF-8 travel as surrogate escapes and come back byte-exact.
@@ -40,7 +43,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+
+#: ``python -m launcher.agent --shared-stdin``: one task of an srun step, whose stdin every
+#: task reads; hvdrun addresses each line (see launcher.agent.session.AddressedStdin).
+SHARED_STDIN_FLAG = "--shared-stdin"
+#: The last line such an agent writes, with its exit code (srun reports only failures).
+EXIT_MARKER = "hvdrun-agent-exit"
 
 
 @dataclass
@@ -61,6 +70,9 @@ class AgentSpec:
     # > 0: the agent pings every heartbeat_timeout/4 s and stops its workers when it has
     # heard nothing from hvdrun for heartbeat_timeout s (a cut network closes nothing).
     heartbeat_timeout: float = 0.0
+    # A logging level name ("DEBUG", ...): the agent logs to its stderr at that level,
+    # which hvdrun shows with --verbose/--log-level. Empty: the agent stays quiet.
+    log_level: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +100,15 @@ class ProbeRequest:
 
 
 @dataclass(frozen=True)
+class PrepareRequest:
+    """Rank 0's host picks the address and a free port for ``MASTER_ADDR``/``MASTER_PORT``:
+    its address on the interface facing ``rendezvous_addr``, a port free there."""
+
+    op: ClassVar[str] = "prepare"
+    rendezvous_addr: str
+
+
+@dataclass(frozen=True)
 class PingRequest:
     op: ClassVar[str] = "ping"
 
@@ -109,7 +130,15 @@ class UnknownRequest:
     op: str
 
 
-Request = RunRequest | ProbeRequest | PingRequest | TerminateRequest | KillRequest | UnknownRequest
+Request = (
+    RunRequest
+    | ProbeRequest
+    | PrepareRequest
+    | PingRequest
+    | TerminateRequest
+    | KillRequest
+    | UnknownRequest
+)
 
 _BARE_REQUESTS: dict[str, Request] = {
     request.op: request for request in (PingRequest(), TerminateRequest(), KillRequest())
@@ -122,6 +151,8 @@ def encode_request(request: Request) -> bytes:
             return encode({"op": request.op, "spec": spec.to_dict()})
         case ProbeRequest(connect_back=connect_back):
             return encode({"op": request.op, "connect_back": connect_back})
+        case PrepareRequest(rendezvous_addr=addr):
+            return encode({"op": request.op, "rendezvous_addr": addr})
         case _:
             return encode({"op": request.op})
 
@@ -137,6 +168,8 @@ def decode_request(line: bytes) -> Request:
             return RunRequest(AgentSpec.from_dict(raw["spec"]))
         if op == "probe":
             return ProbeRequest(raw.get("connect_back"))
+        if op == "prepare":
+            return PrepareRequest(str(raw["rendezvous_addr"]))
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"malformed {op} request: {exc}") from None
     return _BARE_REQUESTS.get(op, UnknownRequest(op))
@@ -156,6 +189,10 @@ class Hello:
     executable: str | None = None
     hvdrun: str | None = None
     torch: str | None = None
+    # under srun: the Slurm node and task the agent runs as, and the step ("JOB.STEP")
+    node: str | None = None
+    task: int | None = None
+    step: str | None = None
 
     def facts(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,6 +204,14 @@ class Network:
 
     ifname: str | None
     address: str | None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Where plain torch.distributed scripts meet: ``MASTER_ADDR`` and ``MASTER_PORT``."""
+
+    address: str
+    port: int
 
 
 @dataclass(frozen=True)
@@ -210,15 +255,21 @@ class Done:
     """Every worker has been reported; the agent exits."""
 
 
-AgentEvent = Hello | Network | Started | Output | Exit | Ping | Probe | Done
+AgentEvent = Hello | Network | Prepared | Started | Output | Exit | Ping | Probe | Done
 
 
 def encode_event(event: AgentEvent) -> bytes:
     match event:
         case Hello():
-            return encode({"ev": "hello", **asdict(event)})
+            facts = asdict(event)
+            for name in ("node", "task", "step"):  # only an agent under srun has them
+                if facts[name] is None:
+                    del facts[name]
+            return encode({"ev": "hello", **facts})
         case Network(ifname, address):
             return encode({"ev": "network", "ifname": ifname, "address": address})
+        case Prepared(address, port):
+            return encode({"ev": "prepared", "address": address, "port": port})
         case Started(rank, pid):
             return encode({"ev": "started", "rank": rank, "pid": pid})
         case Output(rank, stream, data):
@@ -245,12 +296,16 @@ def _hello(raw: dict[str, Any]) -> Hello:
         executable=raw.get("executable"),
         hvdrun=raw.get("hvdrun"),
         torch=raw.get("torch"),
+        node=raw.get("node"),
+        task=raw.get("task"),
+        step=raw.get("step"),
     )
 
 
 _EVENT_DECODERS: dict[str, Callable[[dict[str, Any]], AgentEvent]] = {
     "hello": _hello,
     "network": lambda raw: Network(raw.get("ifname"), raw.get("address")),
+    "prepared": lambda raw: Prepared(str(raw["address"]), int(raw["port"])),
     "started": lambda raw: Started(int(raw["rank"]), int(raw["pid"])),
     "out": lambda raw: Output(int(raw["rank"]), str(raw["stream"]), bytes_of(raw["data"])),
     "exit": lambda raw: Exit(int(raw["rank"]), int(raw["code"]), raw.get("error")),

@@ -31,14 +31,17 @@ from typing import Any, cast
 
 import paramiko
 
-from launcher.transport.ssh_config import SSHConnectError, SSHTarget
+from launcher.spec.options import SSHOptions
+from launcher.transport.ssh_config import SSHConnectError, SSHTarget, jump_target
 
 # paramiko logs the errors it raises; hvdrun reports them itself, once, in its own words.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 logging.getLogger("paramiko").propagate = False
+log = logging.getLogger(__name__)
 
 GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
 KEEPALIVE_SECONDS = 10
+MAX_JUMPS = 8  # a ProxyJump chain longer than this is a loop in the ssh config
 
 
 class UnknownHostKeyError(paramiko.SSHException):
@@ -90,23 +93,31 @@ class _AcceptAny(paramiko.MissingHostKeyPolicy):
 class SSHSession:
     client: paramiko.SSHClient
     # This machine's address on the connection's socket: remote hosts can route to it.
-    # None when the connection runs through a ProxyCommand.
+    # None when the connection runs through a ProxyCommand or a ProxyJump host.
     local_address: str | None
 
 
 class SSHConnector:
     """Opens one connection; ``stage`` says what it is doing, ``abort()`` gives up on it."""
 
-    def __init__(self, target: SSHTarget) -> None:
+    def __init__(self, target: SSHTarget, depth: int = 0) -> None:
         self.target = target
         self.stage = "resolving the host name"
         self._sock: Any = None
         self._client: paramiko.SSHClient | None = None
         self._address = f"{target.hostname} port {target.port}"
         self._aborted = False
+        # Jump hosts are looked up in the same config, under the same host key policy.
+        self._options = SSHOptions(
+            config_file=target.config_file, host_key_policy=target.host_key_policy
+        )
+        self._depth = depth
+        self._jump: SSHConnector | None = None  # the ProxyJump host's connection
 
     def abort(self) -> None:
         self._aborted = True
+        if self._jump is not None:
+            self._jump.abort()
         with contextlib.suppress(Exception):
             if self._client is not None:
                 self._client.close()
@@ -117,7 +128,24 @@ class SSHConnector:
     def connect(self, deadline: float) -> SSHSession:
         target = self.target
         local_address: str | None = None
-        if target.proxy_command:
+        via = (
+            f" via ProxyJump {target.proxy_jump}"
+            if target.proxy_jump
+            else f" via ProxyCommand {target.proxy_command!r}"
+            if target.proxy_command
+            else ""
+        )
+        log.debug(
+            "%s: connecting to %s@%s port %d%s",
+            target.alias,
+            target.user,
+            target.hostname,
+            target.port,
+            via,
+        )
+        if target.proxy_jump:
+            self._sock = self._open_jump_channel(target.proxy_jump, deadline)
+        elif target.proxy_command:
             self.stage = "starting its ProxyCommand"
             try:
                 self._sock = paramiko.ProxyCommand(target.proxy_command)
@@ -176,7 +204,44 @@ class SSHConnector:
         transport = client.get_transport()
         if transport is not None:
             transport.set_keepalive(KEEPALIVE_SECONDS)
+        log.debug("%s: logged in as %s", target.alias, target.user)
         return SSHSession(client, local_address)
+
+    def _open_jump_channel(self, hops: str, deadline: float) -> paramiko.Channel:
+        """ProxyJump: log in to the jump host, then have it open a TCP channel to the target
+        (``direct-tcpip``, what ``ssh -J`` does); the SSH session runs over that channel."""
+        if self._depth >= MAX_JUMPS:
+            raise SSHConnectError(
+                f"more than {MAX_JUMPS} ProxyJump hops: a loop in the ssh config?"
+            )
+        last = hops.split(",")[-1].strip()
+        self.stage = f"connecting to its ProxyJump host {last}"
+        jump = jump_target(hops, self._options)
+        self._jump = SSHConnector(jump, self._depth + 1)
+        if self._aborted:
+            raise SSHConnectError("aborted")
+        try:
+            session = self._jump.connect(deadline)
+        except SSHConnectError as exc:
+            raise SSHConnectError(f"ProxyJump host {last}: {exc}") from None
+        transport = session.client.get_transport()
+        target = self.target
+        self.stage = f"opening a channel from {last} to {target.hostname} port {target.port}"
+        try:
+            assert transport is not None
+            channel = transport.open_channel(
+                "direct-tcpip",
+                (target.hostname, target.port),
+                ("127.0.0.1", 0),
+                timeout=max(deadline - time.monotonic(), 0.1),
+            )
+        except Exception as exc:
+            raise SSHConnectError(
+                f"the ProxyJump host {last} could not connect to {target.hostname} port "
+                f"{target.port}: {exc or type(exc).__name__}"
+            ) from None
+        self._address = f"{target.hostname} port {target.port} (via {last})"
+        return channel
 
     def _open_socket(self, deadline: float) -> socket.socket:
         target = self.target

@@ -1,6 +1,7 @@
 """Starting one agent per host, all at once, within ``--start-timeout``.
 
-Local hosts get a subprocess; every other host an SSH connection, opened in parallel. The
+Local hosts get a subprocess; every other host an SSH connection, opened in parallel (or,
+with ``--launcher slurm``, every host a task of one srun step: :mod:`launcher.transport.srun`). The
 job starts only when every agent has said hello with the same Python, hvdrun and torch
 versions as this machine; otherwise :class:`LaunchError` names every host that failed and
 why, and no worker has started anywhere.
@@ -84,10 +85,18 @@ def open_agents(
     deadline = time.monotonic() + options.start_timeout
 
     changed = threading.Event()
+    step = None
+    if options.launcher == "slurm":
+        from launcher.transport.srun import SlurmStep
+
+        step = SlurmStep(hostnames, options.python, cwd, options.agent_timeout)
 
     def start_one(hostname: str) -> None:
         try:
-            agent = make_agent(hostname, cwd, env, options)
+            if step is not None:
+                agent: AgentConnection = step.agents[hostname]
+            else:
+                agent = make_agent(hostname, cwd, env, options)
             with lock:
                 agents[hostname] = agent
             agent.start(deadline)
@@ -245,8 +254,8 @@ def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> 
         if address is None:
             failures[agent.hostname] = (
                 "cannot tell which address of this machine it can reach (its connection "
-                "runs through a ProxyCommand and its name does not resolve here): pass "
-                "--rendezvous-addr"
+                "runs through a ProxyCommand or ProxyJump and its name does not resolve "
+                "here): pass --rendezvous-addr"
             )
             continue
         addr_host[agent.hostname] = address

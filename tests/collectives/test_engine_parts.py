@@ -185,6 +185,54 @@ def test_table_readiness_with_joined_ranks() -> None:
     assert check(entry, [0, 1, 2], table.joined) is None
 
 
+def test_ops_join_does_not_support_are_refused_while_a_rank_has_joined() -> None:
+    from collectives.torch.errors import (
+        CollectiveError,
+        HorovodInternalError,
+        NotSupportedWithJoinError,
+    )
+
+    table = Table(size=3)
+    table.add(0, "\x1f".join(["6", "0", "join.join", "", ""]).encode(), cycle=1, now=0.0)
+    cases = [
+        (Kind.ALLGATHER, (), torch.ones(2, 1), "2"),
+        (Kind.BROADCAST, (1,), torch.ones(2), ""),
+        (Kind.ALLTOALL, (), torch.ones(6), "6/"),
+        (Kind.REDUCESCATTER, (1, 1.0, 1.0), torch.ones(6), ""),
+    ]
+    for kind, common, tensor, var in cases:
+        record = "\x1f".join(["", "0", f"{kind.label}.x", sig(kind, common, tensor), var])
+        entry = None
+        for rank in (1, 2):
+            touched, _ = table.add(rank, f"{int(kind)}{record}".encode(), cycle=2, now=0.0)
+            entry = touched[0]
+        assert entry is not None and table.waiting_for(entry, [0, 1, 2]) == []
+        error = check(entry, [0, 1, 2], table.joined)
+        assert isinstance(error, NotSupportedWithJoinError), (kind, error)
+        assert isinstance(error, CollectiveError) and isinstance(error, RuntimeError)
+        assert not isinstance(error, HorovodInternalError)
+        assert f"{kind.label} 'x'" in str(error) and "[0]" in str(error)
+        # A set without the joined rank is not affected.
+        assert check(entry, [1, 2], table.joined) is None
+        table.pop(entry)
+    record = "\x1f".join(["0", "0", "allreduce.y", sig(Kind.ALLREDUCE, (1, 1.0, 1.0),
+                                                          torch.ones(2)), ""])  # fmt: skip
+    touched, _ = table.add(1, record.encode(), cycle=2, now=0.0)
+    assert check(touched[0], [0, 1, 2], table.joined) is None  # allreduce goes on
+
+
+def test_root_mismatch_in_a_process_set_names_global_ranks() -> None:
+    from collectives.torch.errors import TensorMismatchError
+
+    # Set [1, 3]: rank 1 passed root_rank=1 (position 0), rank 3 root_rank=3 (position 1).
+    entry = Entry(Kind.BROADCAST, "broadcast.b", 1, (1, "broadcast.b"), 0, 0.0)
+    entry.sigs = {1: sig(Kind.BROADCAST, (0,), torch.ones(2)), 3: sig(Kind.BROADCAST, (1,),
+                                                                       torch.ones(2))}  # fmt: skip
+    error = check(entry, [1, 3], {})
+    assert isinstance(error, TensorMismatchError)
+    assert str(error) == "broadcast 'b': ranks disagree on the root_rank: rank 1: 1; rank 3: 3"
+
+
 def _work(name: str, order: int, kind: Kind, common: tuple[Any, ...], *tensors: torch.Tensor,
           set_id: int = 0) -> Work:  # fmt: skip
     text = sig(kind, common, *tensors)

@@ -120,6 +120,7 @@ def test_ops_on_three_ranks() -> None:
     # Rank 0 checks that an op is still pending while rank 1 has not submitted it.
     assert_all_ok(code, output, 3, OPS_CHECKS)
     assert "[2]<stdout>:OK join.sum.step2\n" in output
+    assert "[2]<stdout>:OK join.allgather_refused.step2\n" in output
     assert "[0]<stdout>:OK async.pending\n" in output
 
 
@@ -127,6 +128,7 @@ def test_ops_on_two_ranks() -> None:
     code, output = run_hvdrun(2, WORKERS / "ops_worker.py", timeout=240)
     assert_all_ok(code, output, 2, OPS_CHECKS)
     assert "[1]<stdout>:OK join.sum.step1\n" in output
+    assert "[1]<stdout>:OK join.broadcast_refused.step1\n" in output
 
 
 def test_optimizer_on_two_ranks() -> None:

@@ -472,3 +472,81 @@ def test_cuda_ops_at_size_1(hvd: ModuleType) -> None:
     assert torch.equal(y, torch.ones(1000, device=device))
     big = torch.randn(1 << 20, device=device)
     assert torch.equal(hvd.allreduce(big, op=hvd.Sum), big)
+
+
+def test_error_classes_follow_horovod() -> None:
+    # Horovod raises RuntimeError for these; elastic mode must not take them for a lost peer.
+    for cls in (
+        hvd_module.TensorMismatchError,
+        hvd_module.NotSupportedWithJoinError,
+        hvd_module.InvalidSplitsError,
+    ):
+        assert issubclass(cls, hvd_module.CollectiveError)
+        assert issubclass(cls, RuntimeError)
+        assert not issubclass(cls, hvd_module.HorovodInternalError)
+    assert issubclass(hvd_module.TensorMismatchError, ValueError)
+    assert issubclass(hvd_module.InvalidSplitsError, ValueError)
+    assert issubclass(hvd_module.InvalidSplitsError, TypeError)
+
+
+def test_broadcast_root_is_a_global_rank_of_the_set() -> None:
+    from collectives.torch.engine.execute import Group
+    from collectives.torch.ops import root_index
+
+    odd = Group(1, [1, 3], None, 0)
+    assert root_index(3, odd, "broadcast") == 1
+    assert root_index(1, odd, "broadcast") == 0
+    with pytest.raises(
+        ValueError, match=r"root_rank 2 is not a member of the process set \[1, 3\]"
+    ):
+        root_index(2, odd, "broadcast")
+    with pytest.raises(TypeError, match="root_rank must be an int"):
+        root_index(1.0, odd, "broadcast")
+    everyone = Group(0, [0, 1, 2, 3], None, 2)
+    assert root_index(3, everyone, "broadcast") == 3
+    with pytest.raises(ValueError, match="out of range for a job of size 4"):
+        root_index(4, everyone, "broadcast")
+
+
+def test_alltoall_splits_must_be_integers(hvd: ModuleType) -> None:
+    for splits in (torch.ones(1), [1.0], torch.tensor([True]), 1):
+        with pytest.raises(hvd.InvalidSplitsError, match="splits must be integers"):
+            hvd.alltoall(torch.ones(1), splits=splits)
+    out, received = hvd.alltoall(torch.ones(2), splits=torch.tensor([2], dtype=torch.int32))
+    assert torch.equal(out, torch.ones(2)) and received.tolist() == [2]
+
+
+def test_sparse_allreduce_async_alone(hvd: ModuleType) -> None:
+    dense = torch.zeros(4, 2)
+    dense[1] = torch.tensor([1.0, 2.0])
+    for op in (hvd.Sum, hvd.Average):
+        handle = hvd.sparse_allreduce_async(dense.to_sparse(1), "alone", op)
+        assert isinstance(handle, int) and hvd.poll(handle) in (True, False)
+        result = hvd.synchronize(handle)
+        assert result.is_sparse and torch.equal(result.to_dense(), dense)
+    assert torch.equal(hvd.sparse_allreduce_async(dense.to_sparse(), None, hvd.Sum)().to_dense(),
+                       dense)  # fmt: skip
+    with pytest.raises(TypeError, match="sparse COO tensor"):
+        hvd.sparse_allreduce_async(dense, "dense", hvd.Sum)
+    with pytest.raises(NotImplementedError, match="Average or Sum"):
+        hvd.sparse_allreduce_async(dense.to_sparse(), "min", hvd.Min)
+
+
+def test_sparse_as_dense_gives_sparse_adam_sparse_gradients(hvd: ModuleType) -> None:
+    for sparse_as_dense in (True, False):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(5, 2, sparse=True)
+        ref = torch.nn.Embedding(5, 2, sparse=True)
+        ref.load_state_dict(emb.state_dict())
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(emb.parameters(), lr=0.1), sparse_as_dense=sparse_as_dense
+        )
+        ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+        for _ in range(2):
+            for module, optimizer in ((emb, opt), (ref, ref_opt)):
+                optimizer.zero_grad()
+                module(torch.tensor([0, 3, 3])).sum().backward()
+                optimizer.step()
+            assert emb.weight.grad.is_sparse
+            assert torch.equal(emb.weight.grad.to_dense(), ref.weight.grad.to_dense())
+        assert torch.allclose(emb.weight, ref.weight)

@@ -135,6 +135,14 @@ def check_finished_exactly(output: str, steps: int | None, size: int) -> None:
     assert sorted(done) == list(range(size)), output
     for rank_size, rank_steps, weight in done.values():
         assert (rank_size, rank_steps, weight) == (size, steps, -steps), output
+    # Horovod's variables name each worker's final place, also after its rank changed.
+    for rank in done:
+        assert re.search(
+            rf"^\[\d+\]<stdout>:final rank={rank} size={size} .* "
+            rf"HOROVOD_RANK={rank} HOROVOD_SIZE={size}$",
+            output,
+            re.MULTILINE,
+        ), output
     # every step committed once, in order, on the final ranks
     last_commits = [c for c in committed(output) if c[2] == size and c[1] == 0]
     assert last_commits and last_commits[-1][0] == steps, output

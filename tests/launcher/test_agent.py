@@ -9,8 +9,10 @@ import time
 from typing import Any
 
 from launcher.transport.protocol import (
+    PROTOCOL_VERSION,
     AgentSpec,
     KillRequest,
+    PrepareRequest,
     RunRequest,
     WorkerLaunch,
     encode,
@@ -68,7 +70,8 @@ def test_hello_comes_first_with_versions() -> None:
     agent = Agent()
     hello = agent.event()
     assert hello["ev"] == "hello"
-    assert hello["protocol"] == 1
+    assert hello["protocol"] == PROTOCOL_VERSION
+    assert "node" not in hello  # only agents of an srun step name their Slurm node
     assert hello["python"] == ".".join(map(str, sys.version_info[:3]))
     assert hello["executable"] == sys.executable
     assert hello["torch"] == metadata.version("torch")
@@ -85,6 +88,21 @@ def test_run_picks_the_interface_facing_the_rendezvous() -> None:
     assert events[0] == {"ev": "network", "ifname": "lo", "address": "127.0.0.1"}
     assert {"ev": "out", "rank": 0, "stream": "stdout", "data": "lo lo"} in events
     assert {"ev": "exit", "rank": 0, "code": 0} in events
+    agent.close()
+
+
+def test_prepare_picks_the_address_facing_the_rendezvous_and_a_free_port() -> None:
+    import socket
+
+    agent = Agent()
+    agent.event()
+    agent.send(encode_request(PrepareRequest("127.0.0.1:29999")))
+    prepared = agent.event()
+    assert prepared["ev"] == "prepared" and prepared["address"] == "127.0.0.1"
+    with socket.socket() as listener:  # torch's store can bind it on every interface
+        listener.bind(("0.0.0.0", prepared["port"]))
+    agent.send(encode_request(RunRequest(spec("print('ran')"))))  # then the job as usual
+    assert {"ev": "out", "rank": 0, "stream": "stdout", "data": "ran"} in agent.events_until_done()
     agent.close()
 
 
@@ -150,3 +168,18 @@ def test_the_agent_starts_without_paramiko_grpc_or_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout == "[]\n", result.stderr
+
+
+def test_omp_num_threads_default_shares_the_hosts_cores(monkeypatch: Any) -> None:
+    from launcher.agent import session
+
+    monkeypatch.setattr(session, "host_cores", lambda: 8)
+    env: dict[str, str] = {}
+    session.omp_default(env, 3)
+    assert env["OMP_NUM_THREADS"] == "2"
+    env = {}
+    session.omp_default(env, 16)  # more workers than cores: one thread each
+    assert env["OMP_NUM_THREADS"] == "1"
+    env = {"OMP_NUM_THREADS": "5"}
+    session.omp_default(env, 2)  # the job's own setting stays
+    assert env["OMP_NUM_THREADS"] == "5"

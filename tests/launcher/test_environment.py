@@ -87,3 +87,74 @@ def test_malloc_defaults_yield_to_the_jobs_own_setting() -> None:
     assert env["MALLOC_TRIM_THRESHOLD_"] == "0"
     assert "MALLOC_MMAP_THRESHOLD_" not in env  # the job tunes malloc itself: both are its own
     assert worker_base_env({}, {})["MALLOC_MMAP_THRESHOLD_"] == str(64 << 20)
+
+
+# What a process started by srun inside `mpirun`/`torchrun`/a login shell may carry, next to
+# what its job may log. Lightning, Accelerate and submitit read the first kind as a rank.
+LAUNCHED = {
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_NTASKS": "4",
+    "SLURM_NPROCS": "4",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEPID": "0",
+    "SLURM_TASK_PID": "991",
+    "SLURM_GTIDS": "2,3",
+    "SLURM_SRUN_COMM_PORT": "4100",
+    "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.1",
+    "OMPI_COMM_WORLD_RANK": "5",
+    "OMPI_COMM_WORLD_SIZE": "8",
+    "OMPI_MCA_ess_base_jobid": "77",
+    "OMPI_MCA_orte_hnp_uri": "x",
+    "MV2_COMM_WORLD_RANK": "5",
+    "PMI_RANK": "5",
+    "PMI_SIZE": "8",
+    "PMIX_RANK": "5",
+    "PMIX_NAMESPACE": "prterun-1",
+    "TORCHELASTIC_RUN_ID": "abc",
+    "GROUP_RANK": "1",
+    "ROLE_WORLD_SIZE": "8",
+    "MASTER_ADDR": "10.0.0.9",
+    "MASTER_PORT": "29500",
+    "PBS_TASKNUM": "2",
+    "PBS_VNODENUM": "1",
+    "BASH_FUNC_module%%": "() {  eval $($LMOD_CMD bash $@)\n}",
+}
+JOB_LEVEL = {
+    "SLURM_JOB_ID": "42",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_JOB_NODELIST": "hvdh[1-2]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_SUBMIT_DIR": "/home/u",
+    "SLURM_CLUSTER_NAME": "c",
+    "PBS_JOBID": "1.pbs",
+    "OMPI_MCA_btl": "tcp,self",
+    "LOCAL_RANK_OFFSET": "0",
+}
+
+
+def test_forwarded_env_drops_other_launchers_per_process_variables() -> None:
+    forwarded = forwarded_env({**LAUNCHED, **JOB_LEVEL, "PATH": "/bin"}, {})
+    assert forwarded == {**JOB_LEVEL, "PATH": "/bin"}
+
+
+def test_an_export_forwards_a_foreign_variable_all_the_same() -> None:
+    exports = parse_exports(["SLURM_PROCID", "MASTER_PORT=1234"], LAUNCHED)
+    forwarded = forwarded_env(LAUNCHED, exports)
+    assert forwarded == {"SLURM_PROCID": "3", "MASTER_PORT": "1234"}
+
+
+def test_workers_get_nothing_of_their_agents_launcher() -> None:
+    # An agent that srun started is task N of a step; its workers are not.
+    agent_env = {**LAUNCHED, "SLURMD_NODENAME": "hvdh2", "HOME": "/home/u", "PATH": "/bin"}
+    env = worker_base_env(agent_env, {"PATH": "/usr/bin"})
+    assert not set(env) & set(LAUNCHED)
+    assert env["SLURMD_NODENAME"] == "hvdh2"  # the worker's own node, not hvdrun's
+    assert env["HOME"] == "/home/u" and env["PATH"] == "/usr/bin"
+
+
+def test_slurm_node_variables_are_the_workers_hosts() -> None:
+    assert is_host_specific("SLURMD_NODENAME") and is_host_specific("SLURM_CPUS_ON_NODE")
+    assert "SLURMD_NODENAME" not in forwarded_env({"SLURMD_NODENAME": "hvdh1"}, {})

@@ -128,6 +128,8 @@ def test_assign_slots_rejects_too_many() -> None:
             [HostSpec("10.0.0.1", 2), HostSpec("user@10.0.0.2", 3)],
         ),
         ("fe80::1 slots=2\n", [HostSpec("fe80::1", 2)]),
+        # a repeated host adds its slots, at the place of its first line (mpirun's rule)
+        ("a slots=2\nb:1\na:3\na\n", [HostSpec("a", 6), HostSpec("b", 1)]),
     ],
 )
 def test_parse_hostfile(text: str, expected: list[HostSpec]) -> None:
@@ -139,7 +141,6 @@ def test_parse_hostfile(text: str, expected: list[HostSpec]) -> None:
     [
         ("", "hosts lists no hosts"),
         ("# only a comment\n\n", "lists no hosts"),
-        ("a slots=2\nb:1\na:3\n", "hosts line 3: host 'a' is already listed on line 1"),
         ("a slots=x\n", "hosts line 1: slot count 'x' in 'a slots=x' is not a number"),
         ("a slots=0\n", "hosts line 1: slot count in 'a slots=0' must be at least 1"),
         ("a cpus=2\n", "hosts line 1: cannot read 'cpus=2' in 'a cpus=2'"),

@@ -231,3 +231,37 @@ def test_interface_chosen_and_user_setting_kept() -> None:
     assert result.stdout == "[0]<stdout>:lo lo\n", result.stderr  # faces 127.0.0.1
     result = hvdrun("-np", "1", sys.executable, "-c", code, env={"NCCL_SOCKET_IFNAME": "ib0"})
     assert result.stdout == "[0]<stdout>:lo ib0\n", result.stderr
+
+
+def test_plain_torch_scripts_get_master_addr_and_a_free_master_port() -> None:
+    result = hvdrun(
+        "-np", "2", sys.executable, str(SCRIPTS / "show_env.py"), "MASTER_ADDR", "MASTER_PORT"
+    )
+    assert result.returncode == 0, result.stderr
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        values = set(re.findall(rf"<stdout>:{name}=(\S+)", result.stdout))
+        assert len(values) == 1, result.stdout  # the same for both ranks
+    assert re.search(r"\[0\]<stdout>:MASTER_ADDR=127\.0\.0\.1$", result.stdout, re.M)
+    port = int(re.findall(r"MASTER_PORT=(\d+)", result.stdout)[0])
+    assert 0 < port < 65536
+    # a user's own -x wins
+    result = hvdrun(
+        "-np",
+        "1",
+        "-x",
+        "MASTER_PORT=29511",
+        sys.executable,
+        str(SCRIPTS / "show_env.py"),
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    assert "MASTER_PORT=29511" in result.stdout and "MASTER_ADDR=127.0.0.1" in result.stdout
+
+
+def test_a_plain_ddp_script_trains_under_hvdrun() -> None:
+    example = Path(__file__).parents[2] / "examples" / "pytorch_ddp.py"
+    result = hvdrun("-np", "2", sys.executable, str(example), "--epochs", "1", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "[0]<stdout>:ddp: 2 ranks, test accuracy" in result.stdout
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:ddp rank {rank}: weights equal rank 0's: True" in result.stdout

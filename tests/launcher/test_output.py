@@ -1,8 +1,11 @@
 import io
+import os
 import re
 from pathlib import Path
 
-from launcher.output import LineSplitter, OutputOptions, OutputSink, use_colour
+import pytest
+
+from launcher.output import LineSplitter, OutputOptions, OutputSink, rank_dir_name, use_colour
 
 
 def split_all(chunks: list[bytes], max_line: int = 1024) -> list[bytes]:
@@ -87,6 +90,30 @@ def test_output_files_per_rank(tmp_path: Path) -> None:
     assert (tmp_path / "rank.1" / "stderr").read_bytes() == b"\xff raw bytes\n"
     assert (tmp_path / "rank.2" / "stdout").read_bytes() == b""  # every rank gets its files
     assert out.getvalue() == b"[1]<stdout>:one\n"  # and the terminal still gets the lines
+
+
+@pytest.mark.parametrize(
+    ("num_ranks", "names"),
+    [
+        (1, ["rank.0"]),
+        (10, ["rank.0", "rank.9"]),  # Horovod pads to the width of the largest rank
+        (11, ["rank.00", "rank.09", "rank.10"]),
+        (101, ["rank.000", "rank.100"]),
+    ],
+)
+def test_rank_directories_are_zero_padded_like_horovods(num_ranks: int, names: list[str]) -> None:
+    ranks = [int(name.split(".")[1]) for name in names]
+    assert [rank_dir_name(rank, num_ranks) for rank in ranks] == names
+
+
+def test_output_files_sort_in_rank_order(tmp_path: Path) -> None:
+    options = OutputOptions(output_dir=str(tmp_path), num_ranks=12)
+    sink = OutputSink(io.BytesIO(), io.BytesIO(), options=options)
+    sink.open_files(range(12))
+    sink.line(10, "stdout", b"ten")
+    sink.close()
+    assert sorted(os.listdir(tmp_path)) == [f"rank.{rank:02d}" for rank in range(12)]
+    assert (tmp_path / "rank.10" / "stdout").read_bytes() == b"ten\n"
 
 
 def test_status_line_stays_at_the_bottom() -> None:

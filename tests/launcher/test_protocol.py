@@ -15,6 +15,8 @@ from launcher.transport.protocol import (
     Output,
     Ping,
     PingRequest,
+    Prepared,
+    PrepareRequest,
     Probe,
     ProbeRequest,
     RunRequest,
@@ -34,6 +36,13 @@ EVENT_LINES = [
         b'{"ev": "hello", "protocol": 1, "hostname": "node1", "pid": 42, "python": "3.11.7", '
         b'"executable": "/usr/bin/python3", "hvdrun": "0.1.0", "torch": "2.13.0"}\n',
     ),
+    (
+        Hello(2, "n1", 7, node="hvdh1", task=0, step="12.3"),
+        b'{"ev": "hello", "protocol": 2, "hostname": "n1", "pid": 7, "python": null, '
+        b'"executable": null, "hvdrun": null, "torch": null, "node": "hvdh1", "task": 0, '
+        b'"step": "12.3"}\n',
+    ),
+    (Prepared("10.0.0.2", 29500), b'{"ev": "prepared", "address": "10.0.0.2", "port": 29500}\n'),
     (
         Network("eth0", "10.0.0.2"),
         b'{"ev": "network", "ifname": "eth0", "address": "10.0.0.2"}\n',
@@ -83,6 +92,10 @@ def test_requests_travel_as_the_same_lines_and_come_back() -> None:
         (PingRequest(), b'{"op": "ping"}\n'),
         (TerminateRequest(), b'{"op": "terminate"}\n'),
         (KillRequest(), b'{"op": "kill"}\n'),
+        (
+            PrepareRequest("10.0.0.1:5000"),
+            b'{"op": "prepare", "rendezvous_addr": "10.0.0.1:5000"}\n',
+        ),
         (UnknownRequest("dance"), b'{"op": "dance"}\n'),
     ):
         assert encode_request(request) == line
@@ -93,3 +106,19 @@ def test_broken_requests_are_refused() -> None:
     for line in (b'{"ev": "ping"}\n', b'{"op": "run", "spec": {"hostname": "h"}}\n', b"x\n"):
         with pytest.raises(ValueError):
             decode_request(line)
+
+
+def test_an_agent_of_an_srun_step_reads_only_its_own_lines_of_the_shared_stdin() -> None:
+    import io
+
+    from launcher.agent.session import AddressedStdin
+
+    shared = io.BytesIO(b'0 {"op": "ping"}\n1 {"op": "kill"}\n* {"op": "terminate"}\n1 EOF\n0 x\n')
+    mine = AddressedStdin(shared, 1)
+    assert mine.readline() == b'{"op": "kill"}\n'
+    assert mine.readline() == b'{"op": "terminate"}\n'
+    assert mine.readline() == b""  # its own end of file, while task 0 still reads on
+    assert mine.readline() == b""
+    task0 = AddressedStdin(io.BytesIO(b'0 {"op": "ping"}\n'), 0)
+    assert task0.readline() == b'{"op": "ping"}\n'
+    assert task0.readline() == b""  # srun's stdin closed

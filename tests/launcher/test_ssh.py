@@ -7,7 +7,6 @@ every check below is made from inside the hosts.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -22,18 +21,10 @@ import pytest
 
 from launcher.output import RANK_COLOURS
 from tests.cluster import Cluster, assert_hosts_clean
+from tests.launcher.reports import placements
 
 SCRIPTS = Path(__file__).parent / "scripts"
 PY = sys.executable
-
-
-def placements(stdout: str) -> dict[int, dict]:
-    found = {}
-    for line in stdout.splitlines():
-        match = re.match(r"\[(\d+)\]<stdout>:placement (.*)$", line)
-        if match:
-            found[int(match.group(1))] = json.loads(match.group(2))
-    return found
 
 
 def worker_pids(line: str) -> list[int]:
@@ -117,6 +108,26 @@ def test_this_machine_and_a_remote_host_in_one_job(cluster: Cluster) -> None:
     assert found[0]["gloo_ifname"] == cluster.bridge
     assert found[1]["hostname"] == node1.uts_hostname
     assert found[0]["sum"] == found[1]["sum"] == 3
+
+
+def test_a_plain_ddp_script_over_ssh_meets_on_rank_0s_host(cluster: Cluster) -> None:
+    node1, node2 = cluster.hosts[:2]
+    example = Path(__file__).parents[2] / "examples" / "pytorch_ddp.py"
+    result = cluster.hvdrun(
+        "-H", f"{node1.alias}:1,{node2.alias}:1", PY, str(example), "--epochs", "1"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[0]<stdout>:ddp: 2 ranks" in result.stdout
+    assert "[1]<stdout>:ddp rank 1: weights equal rank 0's: True" in result.stdout
+    result = cluster.hvdrun(
+        "-H",
+        f"{node1.alias}:1,{node2.alias}:1",
+        PY,
+        str(SCRIPTS / "show_env.py"),
+        "MASTER_ADDR",
+    )
+    # rank 0's host address on the bridge: routes from every host, unlike a loopback one
+    assert f"[1]<stdout>:MASTER_ADDR={node1.address}" in result.stdout, result.stdout
 
 
 def test_unusable_hosts_are_all_named_within_the_start_timeout(cluster: Cluster) -> None:

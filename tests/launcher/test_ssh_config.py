@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import getpass
+import shutil
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from launcher.spec.options import SSHOptions
+from launcher.transport import ssh_config
 from launcher.transport.ssh import SSHConnector
-from launcher.transport.ssh_config import SSHConnectError, load_config, resolve_target
+from launcher.transport.ssh_config import (
+    SSHConnectError,
+    jump_target,
+    load_config,
+    resolve_target,
+    split_jump,
+)
 
 CONFIG = """
 Host gpu*
@@ -120,3 +129,185 @@ def test_a_server_that_is_not_sshd(home: Path) -> None:
             match=f"(no SSH server answered at|SSH handshake with) 127.0.0.1 port {port}",
         ):
             connector.connect(time.monotonic() + 1.5)
+
+
+# ---- Include, /etc/ssh/ssh_config and ProxyJump, as OpenSSH reads them -------------------
+
+
+@pytest.fixture
+def system_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in for /etc/ssh/ssh_config (and its directory, for relative Includes)."""
+    etc = tmp_path / "etc-ssh"
+    etc.mkdir()
+    path = etc / "ssh_config"
+    path.write_text("")
+    monkeypatch.setattr(ssh_config, "SYSTEM_CONFIG", str(path))
+    return path
+
+
+def test_include_relative_glob_and_inside_a_host_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, system_config: Path
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ssh = tmp_path / ".ssh"
+    (ssh / "conf.d").mkdir(parents=True)
+    (ssh / "conf.d" / "10-cluster.conf").write_text("Host node*\n    User trainer\n    Port 2201\n")
+    (ssh / "conf.d" / "20-lab.conf").write_text("Host lab1\n    HostName 10.7.0.1\n")
+    (ssh / "conf.d" / "notes.txt").write_text("Host node*\n    User wrong\n")
+    (ssh / "gpu-keys").write_text("IdentityFile ~/keys/gpu\n")
+    (ssh / "config").write_text(
+        "Include conf.d/*.conf\n"
+        "Host gpu*\n"
+        "    Include gpu-keys\n"
+        "    Port 2300\n"  # still under 'Host gpu*' after the Include
+        "Host *\n"
+        "    User everyone\n"
+    )
+    node = resolve_target("node3", SSHOptions())
+    assert (node.user, node.port) == ("trainer", 2201)
+    assert resolve_target("lab1", SSHOptions()).hostname == "10.7.0.1"
+    gpu = resolve_target("gpu2", SSHOptions())
+    assert (gpu.user, gpu.port, gpu.identity_files) == ("everyone", 2300, (f"{tmp_path}/keys/gpu",))
+    assert resolve_target("other", SSHOptions()).port == 22  # the gpu block's Port stayed in it
+
+
+def test_system_config_is_read_after_the_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, system_config: Path
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "config").write_text("Host n1\n    User alice\n")
+    (system_config.parent / "ssh_config.d").mkdir()
+    (system_config.parent / "ssh_config.d" / "site.conf").write_text(
+        "Host *.site\n    ProxyJump gateway.site\n"
+    )
+    system_config.write_text("Include ssh_config.d/*.conf\nHost *\n    User root\n    Port 2022\n")
+    target = resolve_target("n1", SSHOptions())
+    assert (target.user, target.port) == ("alice", 2022)  # the user's value first
+    assert resolve_target("x.site", SSHOptions()).proxy_jump == "gateway.site"
+    # --ssh-config-file replaces both, like ssh -F
+    alone = resolve_target("n1", SSHOptions(config_file=str(tmp_path / ".ssh" / "config")))
+    assert (alone.user, alone.port) == ("alice", 22)
+
+
+def test_include_loop_is_an_error(tmp_path: Path, system_config: Path) -> None:
+    config = tmp_path / "loop"
+    config.write_text(f"Include {config}\n")
+    with pytest.raises(SSHConnectError, match="Include nested more than 16 deep"):
+        load_config(str(config))
+
+
+def test_proxy_jump_from_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, system_config: Path
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "config").write_text(
+        "Host inner\n    HostName 10.9.0.2\n    ProxyJump ops@bastion:2022,relay\n"
+        "Host relay\n    User relayuser\n"
+        "Host direct\n    ProxyJump none\n"
+    )
+    inner = resolve_target("inner", SSHOptions(port=2200, identity_files=("~/k",)))
+    assert inner.proxy_jump == "ops@bastion:2022,relay"
+    hop = jump_target(inner.proxy_jump, SSHOptions(port=2200, identity_files=("~/k",)))
+    # the last hop, reached through the hops before it; -p and -i are not for jump hosts
+    assert (hop.user, hop.hostname, hop.port, hop.identity_files) == ("relayuser", "relay", 22, ())
+    assert hop.proxy_jump == "ops@bastion:2022"
+    first = jump_target(hop.proxy_jump, SSHOptions())
+    assert (first.user, first.hostname, first.port, first.proxy_jump) == (
+        "ops",
+        "bastion",
+        2022,
+        None,
+    )
+    assert resolve_target("direct", SSHOptions()).proxy_jump is None
+
+
+@pytest.mark.parametrize(
+    ("hop", "expected"),
+    [
+        ("bastion", ("bastion", None)),
+        ("ops@bastion:2022", ("ops@bastion", 2022)),
+        ("ssh://ops@bastion:2022", ("ops@bastion", 2022)),
+        ("[fe80::1]:2022", ("fe80::1", 2022)),
+        ("fe80::1", ("fe80::1", None)),
+    ],
+)
+def test_split_jump(hop: str, expected: tuple[str, int | None]) -> None:
+    assert split_jump(hop) == expected
+
+
+def test_jump_host_failure_is_named(home: Path) -> None:
+    with socket.socket() as sock:  # a port that is certainly closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = home / ".ssh" / "config"
+    config.write_text(f"Host inner\n    ProxyJump 127.0.0.1:{port}\n")
+    target = resolve_target("inner", SSHOptions(config_file=str(config)))
+    with pytest.raises(SSHConnectError) as info:
+        SSHConnector(target).connect(time.monotonic() + 5)
+    assert str(info.value) == (
+        f"ProxyJump host 127.0.0.1:{port}: connection refused by 127.0.0.1 port {port} "
+        "(is sshd running there?)"
+    )
+
+
+def _openssh_view(config: Path, alias: str) -> dict[str, list[str]]:
+    """What ``ssh -G`` (OpenSSH's own resolution) says about ``alias``."""
+    result = subprocess.run(
+        ["ssh", "-G", "-F", str(config), alias],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+        check=True,
+    )
+    view: dict[str, list[str]] = {}
+    for line in result.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        view.setdefault(key, []).append(value)
+    return view
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="needs OpenSSH's ssh client")
+def test_resolution_agrees_with_openssh(tmp_path: Path, system_config: Path) -> None:
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "a.conf").write_text(
+        f"Host gpu*\n  User trainer\n  IdentityFile {tmp_path}/k1\n"
+    )
+    (tmp_path / "inc2").write_text(f"IdentityFile {tmp_path}/k2\n")
+    config = tmp_path / "cfg"
+    config.write_text(
+        f"Include {tmp_path}/inc/*.conf\n"
+        "Host gpu2\n"
+        "  Port 2300\n"
+        f"  Include {tmp_path}/inc2\n"
+        "  ProxyJump ops@bastion:2022\n"
+        "  HostName 10.8.0.2\n"
+        "Host *\n"
+        "  User everyone\n"
+        f"  IdentityFile {tmp_path}/k3\n"
+    )
+    for alias in ("gpu1", "gpu2", "other"):
+        ours = resolve_target(alias, SSHOptions(config_file=str(config)))
+        theirs = _openssh_view(config, alias)
+        assert ours.user == theirs["user"][0]
+        assert ours.hostname == theirs["hostname"][0]
+        assert ours.port == int(theirs["port"][0])
+        assert list(ours.identity_files) == theirs["identityfile"]
+        assert ours.proxy_jump == theirs.get("proxyjump", [None])[0]
+
+
+def test_a_system_config_paramiko_cannot_read_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, system_config: Path
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "config").write_text("Host n1\n    User alice\n")
+    system_config.write_text("Match all host x\n    User root\n")
+    assert resolve_target("n1", SSHOptions()).user == "alice"
+    # the user's own broken file is an error, as before
+    (tmp_path / ".ssh" / "config").write_text("Match user\n")
+    monkeypatch.setattr(ssh_config, "SYSTEM_CONFIG", str(tmp_path / "none"))
+    with pytest.raises(SSHConnectError, match="cannot read ssh config"):
+        resolve_target("n1", SSHOptions())

@@ -10,7 +10,7 @@ import pytest
 from launcher.spec.options import LaunchOptions
 from launcher.transport import startup
 from launcher.transport.connection import AgentConnection, AgentStartError
-from launcher.transport.protocol import Hello
+from launcher.transport.protocol import PROTOCOL_VERSION, Hello
 from launcher.transport.startup import (
     LaunchError,
     open_agents,
@@ -45,7 +45,11 @@ class FakeAgent(AgentConnection):
         time.sleep(self._delay)
         if self._error:
             raise AgentStartError(self._error)
-        raw = self._hello or {"protocol": 1, **HERE, "executable": "/usr/bin/python3"}
+        raw = self._hello or {
+            "protocol": PROTOCOL_VERSION,
+            **HERE,
+            "executable": "/usr/bin/python3",
+        }
         self.hello = Hello(**raw)
 
     def abort(self) -> None:
@@ -56,7 +60,7 @@ class FakeAgent(AgentConnection):
 
 
 def hello(**changes: Any) -> dict[str, Any]:
-    return {"protocol": 1, **HERE, "executable": "/opt/py/bin/python", **changes}
+    return {"protocol": PROTOCOL_VERSION, **HERE, "executable": "/opt/py/bin/python", **changes}
 
 
 def test_versions_that_differ_are_named() -> None:

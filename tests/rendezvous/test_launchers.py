@@ -11,6 +11,8 @@ from rendezvous.launchers import (
     detect,
     expand_nodelist,
     expand_tasks_per_node,
+    in_slurm_step,
+    is_foreign,
     slurm_allocation,
 )
 
@@ -264,3 +266,33 @@ def test_describe() -> None:
     assert describe({"HVDRUN_LAUNCHER": "bad"}).startswith("cannot tell: HVDRUN_LAUNCHER='bad'")
     salloc = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "2"}
     assert "Slurm salloc shell of job 5 (2 tasks on 1 node(s))" in describe(salloc)
+
+
+@pytest.mark.parametrize("step", ["batch", "4294967291", "interactive", "4294967290"])
+def test_batch_and_interactive_steps_are_allocations_not_tasks(step: str) -> None:
+    shell = {
+        "SLURM_JOB_ID": "5",
+        "SLURM_JOB_NODELIST": "hvdh[1-2]",
+        "SLURM_STEP_ID": step,
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "4",
+    }
+    assert not in_slurm_step(shell)
+    assert detect(shell) is None  # not rank 0 of a job of 4 that never comes
+    assert slurm_allocation(shell) is not None
+    assert in_slurm_step(SLURM_TASK)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["SLURM_PROCID", "SLURM_STEP_NODELIST", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "BASH_FUNC_f%%"],
+)
+def test_foreign_variables(name: str) -> None:
+    assert is_foreign(name)
+
+
+@pytest.mark.parametrize(
+    "name", ["SLURM_JOB_ID", "SLURM_JOB_NAME", "RANK", "WORLD_SIZE", "OMPI_MCA_btl", "PATH"]
+)
+def test_not_foreign(name: str) -> None:
+    assert not is_foreign(name)

@@ -66,3 +66,17 @@ def test_fresh_credentials_differ() -> None:
     assert worker_env.new_secret() != worker_env.new_secret()
     assert len(worker_env.new_secret()) >= 43  # 256 bits
     assert worker_env.new_job_id() != worker_env.new_job_id()
+
+
+def test_slot_env_has_horovods_names_too() -> None:
+    slot = assign_slots([("a", 2), ("b", 2)], 4)[3]
+    env = worker_env.slot_env(slot)
+    assert {k: v for k, v in env.items() if k.startswith("HOROVOD_")} == {
+        "HOROVOD_RANK": "3",
+        "HOROVOD_SIZE": "4",
+        "HOROVOD_LOCAL_RANK": "1",
+        "HOROVOD_LOCAL_SIZE": "2",
+        "HOROVOD_CROSS_RANK": "1",
+        "HOROVOD_CROSS_SIZE": "2",
+        "HOROVOD_HOSTNAME": "b",
+    }

@@ -634,7 +634,7 @@ class Engine:
                     tl.negotiated(request.name, request.kind.label.upper(), seen, now)
             group = groups.get(entry.process_set_id)
             if group is None:
-                error: str | None = (
+                error: Exception | None = ValueError(
                     f"{label(entry.kind, entry.name)}: process set {entry.process_set_id} "
                     "is not registered (it was removed)"
                 )
@@ -642,7 +642,7 @@ class Engine:
                 error = check(entry, group.ranks, self._table.joined)
             if error is not None:
                 if request is not None:
-                    request.handle.fail(TensorMismatchError(error))
+                    request.handle.fail(error)
                 continue
             assert group is not None
             kind = entry.kind

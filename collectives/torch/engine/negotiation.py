@@ -44,6 +44,11 @@ from collectives.torch.engine.requests import (
     label,
     parse_signature,
 )
+from collectives.torch.errors import (
+    CollectiveError,
+    NotSupportedWithJoinError,
+    TensorMismatchError,
+)
 
 __all__ = ["Entry", "Exchange", "Table"]
 
@@ -252,26 +257,53 @@ class Table:
         self.entries.pop(entry.key, None)
 
 
-def check(entry: Entry, members: list[int], joined: dict[int, int]) -> str | None:
-    """The consistency check of a ready entry: an error message, or None if all agree."""
+#: What hvd.join() supports (as in Horovod): joined ranks add neutral values to an allreduce
+#: and skip a barrier; an op that needs every member's data or its root cannot run.
+_JOIN_UNSUPPORTED = frozenset((Kind.ALLGATHER, Kind.BROADCAST, Kind.ALLTOALL, Kind.REDUCESCATTER))
+
+
+def check(entry: Entry, members: list[int], joined: dict[int, int]) -> CollectiveError | None:
+    """The consistency check of a ready entry: the error every submitter gets, or None."""
     sigs = entry.sigs
     values = iter(sigs.values())
     first = next(values)
     for sig in values:
         if sig != first:
-            return describe_mismatch(entry.kind, entry.name, sigs)
+            if entry.kind == Kind.BROADCAST:
+                roots = _root_mismatch(entry, members)
+                if roots is not None:
+                    return TensorMismatchError(roots)
+            return TensorMismatchError(describe_mismatch(entry.kind, entry.name, sigs))
+    if joined and entry.kind in _JOIN_UNSUPPORTED:
+        gone = [r for r in members if r in joined]
+        if gone:
+            return NotSupportedWithJoinError(
+                f"{label(entry.kind, entry.name)}: rank(s) {gone} called hvd.join(), and as "
+                f"in Horovod a {entry.kind.label} cannot run while a rank has joined (only "
+                "allreduce can); with sparse gradients pass sparse_as_dense=True to "
+                "DistributedOptimizer"
+            )
     if entry.kind == Kind.ALLTOALL:
-        return check_alltoall(entry.name, members, entry.vars)
+        error = check_alltoall(entry.name, members, entry.vars)
+        return None if error is None else TensorMismatchError(error)
     if entry.kind == Kind.BROADCAST:
         root = int(parse_signature(entry.kind, first).common[0])
         if not 0 <= root < len(members):
-            return (
+            return TensorMismatchError(
                 f"{label(entry.kind, entry.name)}: root_rank {root} is not a rank of the "
                 f"process set (size {len(members)})"
             )
-        if members[root] not in sigs:
-            return (
-                f"{label(entry.kind, entry.name)}: its root, rank {members[root]}, has joined "
-                "and cannot broadcast"
-            )
     return None
+
+
+def _root_mismatch(entry: Entry, members: list[int]) -> str | None:
+    """Ranks that disagree on a broadcast's root, named by global ranks as the callers
+    passed them (requests carry the root's position in the set)."""
+    roots: dict[int, int] = {}
+    for rank_, sig in entry.sigs.items():
+        index = int(parse_signature(entry.kind, sig).common[0])
+        roots[rank_] = members[index] if 0 <= index < len(members) else index
+    if len(set(roots.values())) < 2:
+        return None
+    shown = "; ".join(f"rank {rank_}: {root}" for rank_, root in sorted(roots.items()))
+    return f"{label(entry.kind, entry.name)}: ranks disagree on the root_rank: {shown}"

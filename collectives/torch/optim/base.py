@@ -33,7 +33,6 @@ from collectives.torch.optim.gradient_buckets import (
     Bucket,
     parameter_names,
     plan_buckets,
-    sparse_allreduce,
 )
 
 __all__ = ["DistributedOptimizerBase", "wrap"]
@@ -56,6 +55,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
     _hvd_passes: int
     _hvd_delay: dict[torch.Tensor, int]
     _hvd_sparse: list[torch.Tensor]
+    _hvd_densified: dict[torch.Tensor, int]
     _hvd_hooked: dict[torch.Tensor, Any]
     _hvd_backward: bool  # a gradient arrived since the last synchronize()
     _hvd_should_synchronize: bool
@@ -95,6 +95,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         self._hvd_buckets = self._hvd_plan(groups)
         self._hvd_bucket_of = {p: bucket for bucket in self._hvd_buckets for p in bucket.params}
         self._hvd_sparse = []
+        self._hvd_densified = {}
         self._hvd_sparse_params: set[torch.Tensor] = set()  # seen with a sparse gradient
         self._hvd_hooked = {}
         self._hvd_delay = {}
@@ -168,7 +169,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
                 if not self._hvd_sparse_as_dense:
                     self._hvd_sparse.append(param)
                     continue
-                grad = param.grad = grad.to_dense()
+                grad = param.grad = self._hvd_densify(param, grad)
             tensor, ctx = self._hvd_compression.compress(grad)
             sent.append((param, tensor, ctx))
         if not sent:
@@ -244,7 +245,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
                 self._hvd_sparse.append(param)
                 self._hvd_sparse_params.add(param)
                 return
-            grad = grad.to_dense()
+            grad = self._hvd_densify(param, grad)
         if grad is view:  # accumulated in place (zero_grad(set_to_none=False))
             if factor != 1.0:
                 view.mul_(factor)
@@ -255,6 +256,21 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         else:
             view.copy_(grad)
         param.grad = view
+
+    def _hvd_densify(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``sparse_as_dense``: the gradient travels dense and becomes sparse again after
+        the reduction (see ``_hvd_resparsify``)."""
+        self._hvd_densified[param] = grad.sparse_dim()
+        return grad.to_dense()
+
+    def _hvd_resparsify(self) -> None:
+        """Gives the gradients that ``sparse_as_dense`` reduced dense their sparse layout
+        back, as Horovod does: optimizers such as ``SparseAdam`` accept nothing else. Rows
+        whose reduced gradient is all zeros are left out."""
+        for param, sparse_dim in self._hvd_densified.items():
+            grad = param.grad
+            if grad is not None and not grad.is_sparse:
+                param.grad = grad.to_sparse(sparse_dim)
 
     def _hvd_finish(self, bucket: Bucket) -> None:
         """Waits for the bucket's allreduce and puts the results in place."""
@@ -295,11 +311,18 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
             for bucket in self._hvd_buckets:
                 if bucket.handle is not None and bucket.handle is not NOTHING:
                     self._hvd_finish(bucket)
+            # Sparse gradients: every rank's indices and values allgathered, all at once.
+            sparse = []
             for param in self._hvd_sparse:
                 assert param.grad is not None
-                param.grad = sparse_allreduce(
-                    param.grad, self._hvd_op, self._hvd_process_set, self._hvd_names[param]
+                name = self._hvd_names[param]
+                handle = ops.submit_sparse_allreduce(
+                    param.grad, self._hvd_op, self._hvd_process_set, name
                 )
+                sparse.append((param, handle))
+            for param, handle in sparse:
+                param.grad = handle.wait()
+            self._hvd_resparsify()
         finally:
             self._hvd_reset()
         # Parameters that were frozen before and require gradients now get their hook.
@@ -369,6 +392,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         for bucket in self._hvd_buckets:
             bucket.reset()
         self._hvd_sparse = []
+        self._hvd_densified.clear()
         self._hvd_delay.clear()
         self._hvd_backward = False
         self._hvd_synchronized = False

@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from collectives.torch import ops
-from collectives.torch.common import ProcessSet, ReduceOp
 from collectives.torch.engine.handles import Handle
 
 __all__ = [
@@ -27,7 +25,6 @@ __all__ = [
     "check_groups",
     "parameter_names",
     "plan_buckets",
-    "sparse_allreduce",
 ]
 
 #: Gradients are reduced in buckets of consecutive parameters (in backward order), each
@@ -144,24 +141,6 @@ def plan_buckets(
         for chunk in chunks
         if chunk
     ]
-
-
-def sparse_allreduce(
-    grad: torch.Tensor, op: ReduceOp, process_set: ProcessSet, name: str
-) -> torch.Tensor:
-    """Reduces a sparse gradient by gathering every rank's indices and values."""
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise NotImplementedError(
-            f"sparse gradients support op=Average or Sum, not {op.name}; use sparse_as_dense=True"
-        )
-    grad = grad.coalesce()
-    # allgather concatenates along dim 0, so the (ndim, nnz) indices travel transposed.
-    indices, _ = ops.allgather(grad.indices().t().contiguous(), process_set, f"{name}.indices")
-    values, _ = ops.allgather(grad.values().contiguous(), process_set, f"{name}.values")
-    if op == ReduceOp.AVERAGE:
-        values = values / process_set.size()
-    result = torch.sparse_coo_tensor(indices.t(), values, grad.size(), check_invariants=False)
-    return result.coalesce()
 
 
 # Stands for the handle of a bucket that had nothing to send (all its gradients sparse).

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from collectives.torch.engine import config as config_module
 from collectives.torch.engine.core import FINAL_CYCLE_SECONDS
-from collectives.torch.runtime import state
+from collectives.torch.runtime import logs, state
 from collectives.torch.runtime.groups import (
     choose_backend,
     select_cuda_device,
@@ -68,6 +68,12 @@ def _init_single(backend: str, timeout: datetime.timedelta) -> RuntimeState:
     return RuntimeState(topology=topology, backend=backend, timeout=timeout, store=store)
 
 
+def _rank_hint() -> int | None:
+    """This worker's rank for its log lines, where its launcher already says it."""
+    text = os.environ.get(worker_env.RANK) or os.environ.get(worker_env.TORCH_RANK)
+    return int(text) if text and text.isdigit() else None
+
+
 def init(comm: Any = None) -> bool:
     """Initializes the runtime: joins the job started by ``hvdrun`` (or runs as size 1).
 
@@ -88,6 +94,7 @@ def init(comm: Any = None) -> bool:
                 "torch.distributed already has a default process group; hvd.init() creates "
                 "it itself, so do not call torch.distributed.init_process_group() as well"
             )
+        logs.configure_from_environment(_rank_hint())
         cfg = config_module.from_environment()
         timeout = datetime.timedelta(
             seconds=max(BOOTSTRAP_TIMEOUT_SECONDS, cfg.collective_timeout_seconds)

@@ -148,6 +148,20 @@ def register(runtime_: RuntimeState, min_generation: int) -> Any:
     )
     runtime_.generation = info.generation
     runtime_.saw_generation(info.generation)
+    # Horovod's variables follow the assignment (an elastic worker's changes with each
+    # generation, as Horovod sets them on a reset); HVDRUN_* keep naming the slot this
+    # worker was started for, which it registers with.
+    os.environ.update(
+        worker_env.horovod_placement_env(
+            info.rank,
+            info.size,
+            info.local_rank,
+            info.local_size,
+            info.cross_rank,
+            info.cross_size,
+            runtime_.host,
+        )
+    )
     return info
 
 
@@ -207,9 +221,9 @@ def init_from_rendezvous(
     # Imported here: the size-1 path must work without the rendezvous (and gRPC) loaded.
     from rendezvous.client import RendezvousClient
 
-    secret = os.environ.get(worker_env.SECRET, "")
-    job_id = os.environ.get(worker_env.JOB_ID, "")
-    client = RendezvousClient(addr, secret, job_id)
+    # Multi-host jobs: the host's relay (a local Unix socket) carries the calls to the server.
+    client = RendezvousClient.from_environment({**os.environ, worker_env.RENDEZVOUS_ADDR: addr})
+    addr = client.addr
     runtime_ = RuntimeState(
         topology=Topology(0, 1, 0, 1, 0, 1),
         backend=backend,

@@ -69,6 +69,8 @@ def train(state: elastic.TorchState) -> None:
 train(state)
 print(
     f"final rank={hvd.rank()} size={hvd.size()} step={state.step} "
-    f"weight={model.weight.item():g} resets={resets}",
+    f"weight={model.weight.item():g} resets={resets} "
+    # Horovod's placement variables follow the worker's current place, as in Horovod.
+    f"HOROVOD_RANK={os.environ.get('HOROVOD_RANK')} HOROVOD_SIZE={os.environ.get('HOROVOD_SIZE')}",
     flush=True,
 )

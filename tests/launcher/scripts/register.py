@@ -8,9 +8,7 @@ from rendezvous.client import RendezvousClient
 
 rank = int(os.environ["HVDRUN_RANK"])
 time.sleep(float(os.environ.get("REGISTER_DELAY", "0")) * rank)
-client = RendezvousClient(
-    os.environ["HVDRUN_RENDEZVOUS_ADDR"], os.environ["HVDRUN_SECRET"], os.environ["HVDRUN_JOB_ID"]
-)
+client = RendezvousClient.from_environment()  # relay, or the server (TLS where it speaks it)
 info = client.register(os.environ["HVDRUN_HOSTNAME"], int(os.environ["HVDRUN_LOCAL_RANK"]))
 print(f"registered rank {info.rank} on {socket.gethostname()}", flush=True)
 time.sleep(float(os.environ.get("STAY", "0")))

@@ -1,0 +1,201 @@
+"""``--dry-run``: what hvdrun would do, printed, with nothing started and no host contacted.
+
+The plan lists every rank with its host, local rank and cross rank; how each host is reached
+(this machine, or SSH with the user, port, keys and proxy that ``~/.ssh/config`` and the
+flags give); the environment every worker gets, with secrets masked; and the tuning values
+the workers will run with and where each comes from. An elastic job shows the plan of its
+first discovery (the discovery script runs once, as it would at start).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Callable, Mapping
+
+import click
+
+from launcher.spec.hosts import is_local_host
+from launcher.spec.job import JobSpec
+from launcher.spec.options import LaunchOptions
+from rendezvous import worker_env as we
+from rendezvous.slots import SlotInfo, assign_slots
+
+Echo = Callable[[str], None]
+
+dry_run_option = click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan (ranks, hosts and how each is reached, the workers' environment and "
+    "tuning) and exit without contacting any host.",
+)
+
+#: Variable names whose values are never printed.
+SECRET_NAME = re.compile(
+    r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|(^|_)API_?KEY|ACCESS_KEY|(^|_)AUTH($|_)|"
+    r"(^|_)KEY$",
+    re.IGNORECASE,
+)
+MASK = "****"
+
+
+def masked(name: str, value: str) -> str:
+    return MASK if SECRET_NAME.search(name) else value
+
+
+def describe_reach(hostname: str, launch: LaunchOptions) -> str:
+    """How hvdrun would reach ``hostname``: the same decision launcher.transport.startup
+    makes, without connecting."""
+    if launch.launcher == "slurm":
+        return "srun (one task of hvdrun's job step in the Slurm allocation, no SSH)"
+    if is_local_host(hostname):
+        return "this machine (agent as a local process)"
+    from launcher.transport.ssh_config import SSHConnectError, resolve_target
+
+    try:
+        target = resolve_target(hostname, launch.ssh)
+    except SSHConnectError as exc:
+        return f"ssh: {exc}"
+    if target.hostname != hostname.rpartition("@")[2] and is_local_host(target.hostname):
+        return f"this machine (ssh config HostName {target.hostname})"
+    parts = [f"ssh {target.user}@{target.hostname}:{target.port}"]
+    if target.identity_files:
+        parts.append("key " + ", ".join(target.identity_files))
+    if not target.identities_only:  # the keys OpenSSH (and hvdrun) also offer
+        parts.append(
+            "ssh-agent keys" if target.identity_files else "ssh-agent and ~/.ssh/id_* keys"
+        )
+    if target.proxy_jump:
+        parts.append(f"via ProxyJump {target.proxy_jump}")
+    if target.proxy_command:
+        parts.append(f"via ProxyCommand {target.proxy_command!r}")
+    parts.append(f"host keys {target.host_key_policy}")
+    return ", ".join(part for part in parts if part)
+
+
+#: (setting, label, default, unit): what the workers' runtime reads.
+TUNING: tuple[tuple[str, str, str, str], ...] = (
+    (we.FUSION_THRESHOLD, "fusion threshold", str(128 * 1024 * 1024), "bytes"),
+    (we.CYCLE_TIME, "cycle time", "1", "ms"),
+    (we.TIMELINE, "timeline", "off", ""),
+    (we.TIMELINE_MARK_CYCLES, "timeline marks cycles", "0", ""),
+    (we.STALL_CHECK_DISABLE, "stall check disabled", "0", ""),
+    (we.STALL_CHECK_TIME_SECONDS, "stall warning after", "60", "s"),
+    (we.STALL_SHUTDOWN_TIME_SECONDS, "stall shutdown after", "0", "s"),
+    (we.GLOO_TIMEOUT_SECONDS, "collective timeout", "30", "s"),
+)
+
+
+def tuning_lines(env: Mapping[str, str], elastic: bool) -> list[str]:
+    lines = []
+    for name, label, default, unit in TUNING:
+        value = we.setting(name, env)
+        source = ""
+        if value is not None:
+            spelling = next(v for v in we.setting_names(name) if env.get(v))
+            source = f"from {spelling}"
+        else:
+            value = "5" if elastic and name == we.GLOO_TIMEOUT_SECONDS else default
+            source = "elastic default" if elastic and name == we.GLOO_TIMEOUT_SECONDS else "default"
+        shown = f"{value} {unit}" if unit and value != "off" else value
+        if name == we.FUSION_THRESHOLD and value.isdigit():
+            shown += f" ({int(value) / 2**20:g} MiB)"
+        if name == we.STALL_SHUTDOWN_TIME_SECONDS and value in ("0", "0.0"):
+            shown += " (never)"
+        lines.append(f"  {label:<24}{shown}  ({source})")
+    return lines
+
+
+def omp_threads(hostname: str, local_workers: int, env: Mapping[str, str]) -> str:
+    if env.get("OMP_NUM_THREADS"):
+        return env["OMP_NUM_THREADS"]
+    if is_local_host(hostname):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        cores = cores or os.cpu_count() or 1
+        return f"{max(1, cores // local_workers)} ({cores} cores / {local_workers} workers)"
+    return f"the host's cores / {local_workers} workers"
+
+
+def print_plan(spec: JobSpec, echo: Echo) -> None:
+    """Prints the plan of ``spec``; starts nothing and connects to nothing."""
+    slots = assign_slots([(h.hostname, h.slots) for h in spec.hosts], spec.num_proc)
+    hosts = list(dict.fromkeys(slot.hostname for slot in slots))
+    elastic = spec.elastic
+    echo(f"hvdrun dry run: {spec.num_proc} worker(s) on {len(hosts)} host(s); nothing was started")
+    echo(f"command: {shlex.join(spec.command)}")
+    echo(f"working directory: {spec.cwd}")
+    launch = spec.launch
+    echo(
+        f"start timeout: {launch.start_timeout:g} s; agent timeout: {launch.agent_timeout:g} s; "
+        f"rendezvous: {launch.rendezvous_addr or 'on this machine, port chosen at start'}"
+    )
+    if elastic is not None:
+        max_np = elastic.max_np if elastic.max_np is not None else "every discovered slot"
+        echo(
+            f"elastic: min-np {elastic.min_np}, max-np {max_np}, elastic timeout "
+            f"{elastic.elastic_timeout:g} s; the plan of the first discovery "
+            f"({', '.join(f'{h.hostname}:{h.slots}' for h in spec.hosts)})"
+        )
+    echo("")
+    echo("hosts:")
+    width = max(len(host) for host in hosts)
+    for host in hosts:
+        count = sum(1 for slot in slots if slot.hostname == host)
+        echo(f"  {host:<{width}}  {count} worker(s)  {describe_reach(host, spec.launch)}")
+    echo("")
+    echo(_rank_table(slots))
+    echo("")
+    echo("every worker's environment (secrets masked; rank variables as in the table):")
+    for line in env_lines(spec, slots):
+        echo(line)
+    echo("")
+    echo("tuning the workers run with:")
+    for line in tuning_lines(spec.env, elastic is not None):
+        echo(line)
+
+
+def _rank_table(slots: list[SlotInfo]) -> str:
+    header = ("rank", "host", "local_rank", "local_size", "cross_rank", "cross_size")
+    rows = [header] + [
+        (
+            str(s.rank),
+            s.hostname,
+            str(s.local_rank),
+            str(s.local_size),
+            str(s.cross_rank),
+            str(s.cross_size),
+        )
+        for s in slots
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
+    ]
+    return "ranks:\n" + "\n".join(line.rstrip() for line in lines)
+
+
+def env_lines(spec: JobSpec, slots: list[SlotInfo]) -> list[str]:
+    env = dict(spec.env)
+    env["PYTHONUNBUFFERED"] = "1"
+    lines = [f"  {name}={masked(name, value)}" for name, value in sorted(env.items())]
+    lines += [
+        f"  {we.RENDEZVOUS_ADDR}=<this machine's address and port, chosen at start>",
+        f"  {we.JOB_ID}=<chosen at start>",
+        f"  {we.SECRET}={MASK} (made at start)",
+        "  set per rank: " + ", ".join(we.slot_env(slots[0]).keys() if slots else ()),
+    ]
+    if "OMP_NUM_THREADS" not in env:
+        per_host: dict[str, int] = {}
+        for slot in slots:
+            per_host[slot.hostname] = per_host.get(slot.hostname, 0) + 1
+        shown = "; ".join(
+            f"{host}: {omp_threads(host, count, env)}" for host, count in per_host.items()
+        )
+        lines.append(f"  OMP_NUM_THREADS=<each host's cores / its workers> ({shown})")
+    if not any(name in env for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")):
+        lines.append(
+            "  GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME=<set by each host's agent: the interface "
+            "facing the rendezvous>"
+        )
+    return lines

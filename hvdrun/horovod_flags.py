@@ -1,0 +1,271 @@
+"""horovodrun's flags that hvdrun accepts for compatibility, and what becomes of each.
+
+A command line copied from Horovod's documentation must work unchanged. Three kinds of flags:
+
+* **Real here**: ``--gloo`` (what hvdrun always does), ``--gloo-timeout-seconds`` (how long a
+  collective waits for a peer), ``--disable-cache`` (horovodrun caches its host checks for an
+  hour unless given; hvdrun never caches them, so the flag asks for what already happens).
+* **Passed on, no effect yet**: ``--hierarchical-allreduce``, ``--hierarchical-allgather``,
+  ``--num-nccl-streams``, ``--thread-affinity``, ``--mpi-threads-disable`` reach every worker
+  under Horovod's ``HOROVOD_*`` names, and hvdrun says once that the runtime ignores them.
+* **Refused**: ``--mpi``, ``--jsrun``, ``--mpi-args``, ``--tcp``, ``--binding-args`` ask
+  horovodrun to drive MPI or jsrun. hvdrun starts its workers itself, so it says what to do
+  instead, in one line, and exits with 2 before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import click
+
+from rendezvous import worker_env
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_JOIN = "hvd.init() joins jobs that mpirun, jsrun or srun started, without hvdrun"
+
+#: Flags refused, and what to do instead (the line hvdrun prints).
+REFUSED: dict[str, str] = {
+    "--mpi": (
+        "hvdrun does not drive MPI: it starts the workers itself (Gloo on CPU, NCCL on "
+        f"GPU); drop --mpi, or run mpirun -np N python train.py yourself ({_JOIN})"
+    ),
+    "--jsrun": (
+        "hvdrun does not drive jsrun: drop --jsrun to let hvdrun start the workers, or run "
+        f"jsrun python train.py yourself ({_JOIN})"
+    ),
+    "--mpi-args": (
+        "hvdrun does not run mpirun, so --mpi-args has nothing to go to: drop it, or run "
+        f"mpirun with those arguments yourself ({_JOIN})"
+    ),
+    "--tcp": (
+        "hvdrun does not drive MPI, so --tcp has nothing to configure: Gloo always uses TCP; "
+        "to keep NCCL off InfiniBand pass -x NCCL_IB_DISABLE=1"
+    ),
+    "--binding-args": (
+        "hvdrun does not drive MPI, so --binding-args has nothing to go to: bind workers "
+        "with a wrapper in the command (numactl, taskset), or run mpirun/jsrun yourself"
+    ),
+}
+
+
+def _refuse(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    if value:
+        flag = max(param.opts, key=len)
+        raise click.UsageError(REFUSED[flag])
+    return value
+
+
+_REFUSED_HELP = "Refused: hvdrun does not drive MPI or jsrun; it says what to do instead."
+
+
+def _refused_flag(name: str) -> Callable[[F], F]:
+    return click.option(
+        name, is_flag=True, expose_value=False, callback=_refuse, help=_REFUSED_HELP
+    )
+
+
+def _refused_value(name: str) -> Callable[[F], F]:
+    return click.option(
+        name, metavar="ARGS", expose_value=False, callback=_refuse, help=_REFUSED_HELP
+    )
+
+
+#: Flags passed on under Horovod's names that the runtime does not act on (yet).
+NO_EFFECT_VARIABLES: dict[str, str] = {
+    "hierarchical_allreduce": "HOROVOD_HIERARCHICAL_ALLREDUCE",
+    "hierarchical_allgather": "HOROVOD_HIERARCHICAL_ALLGATHER",
+    "num_nccl_streams": "HOROVOD_NUM_NCCL_STREAMS",
+    "thread_affinity": "HOROVOD_THREAD_AFFINITY",
+    "mpi_threads_disable": "HOROVOD_MPI_THREADS_DISABLE",
+}
+
+_OPTIONS = [
+    click.option(
+        "--gloo",
+        is_flag=True,
+        help="Accepted for horovodrun's command lines: hvdrun always runs Gloo (NCCL for "
+        "CUDA tensors).",
+    ),
+    _refused_flag("--mpi"),
+    _refused_flag("--jsrun"),
+    _refused_value("--mpi-args"),
+    _refused_flag("--tcp"),
+    _refused_value("--binding-args"),
+    click.option(
+        "--gloo-timeout-seconds",
+        type=click.FloatRange(min=0, min_open=True),
+        metavar="SECONDS",
+        help="How long a collective waits for a peer before failing "
+        "(HVDRUN_GLOO_TIMEOUT_SECONDS; default 30, elastic jobs 5).",
+    ),
+    click.option(
+        "--disable-cache",
+        is_flag=True,
+        help="Accepted: horovodrun caches its host checks unless given this; hvdrun never "
+        "caches them.",
+    ),
+    click.option(
+        "--hierarchical-allreduce/--no-hierarchical-allreduce",
+        default=None,
+        help="Passed on as HOROVOD_HIERARCHICAL_ALLREDUCE; no effect yet.",
+    ),
+    click.option(
+        "--hierarchical-allgather/--no-hierarchical-allgather",
+        default=None,
+        help="Passed on as HOROVOD_HIERARCHICAL_ALLGATHER; no effect yet.",
+    ),
+    click.option(
+        "--num-nccl-streams",
+        type=click.IntRange(min=0),
+        metavar="N",
+        help="Passed on as HOROVOD_NUM_NCCL_STREAMS; no effect yet.",
+    ),
+    click.option(
+        "--thread-affinity",
+        type=click.IntRange(min=0),
+        metavar="CORE",
+        help="Passed on as HOROVOD_THREAD_AFFINITY; no effect yet.",
+    ),
+    click.option(
+        "--mpi-threads-disable/--no-mpi-threads-disable",
+        default=None,
+        help="Passed on as HOROVOD_MPI_THREADS_DISABLE; no effect yet (no MPI here).",
+    ),
+    click.option(
+        "--network-interfaces",
+        multiple=True,
+        metavar="IFNAME,IFNAME",
+        help="Same as --network-interface (horovodrun's spelling); the two are merged.",
+    ),
+    # The hidden opposites horovodrun accepts for flags of hvdrun.tuning.
+    click.option("--stall-check", is_flag=True, hidden=True),
+    click.option("--no-timeline-mark-cycles", is_flag=True, hidden=True),
+]
+
+NAMES = (
+    "gloo",
+    "gloo_timeout_seconds",
+    "disable_cache",
+    *NO_EFFECT_VARIABLES,
+    "network_interfaces",
+    "stall_check",
+    "no_timeline_mark_cycles",
+)
+
+
+def horovod_options(fn: F) -> F:
+    """Adds horovodrun's compatibility flags to a click command."""
+    for option in reversed(_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+@dataclass(frozen=True)
+class HorovodFlags:
+    """The compatibility flags as given (None: not given)."""
+
+    gloo: bool = False
+    gloo_timeout_seconds: float | None = None
+    disable_cache: bool = False
+    hierarchical_allreduce: bool | None = None
+    hierarchical_allgather: bool | None = None
+    num_nccl_streams: int | None = None
+    thread_affinity: int | None = None
+    mpi_threads_disable: bool | None = None
+    network_interfaces: tuple[str, ...] = ()
+    stall_check: bool = False
+    no_timeline_mark_cycles: bool = False
+
+    @classmethod
+    def take(cls, kwargs: dict[str, Any]) -> HorovodFlags:
+        """Removes this module's flags from the command's keyword arguments."""
+        return cls(**{name: kwargs.pop(name) for name in NAMES if name in kwargs})
+
+    def adjust_tuning(self, tuning: dict[str, Any]) -> None:
+        """The hidden opposites switch off what the config file may have switched on."""
+        if self.stall_check and "no_stall_check" in tuning:
+            tuning["no_stall_check"] = None
+        if self.no_timeline_mark_cycles and "timeline_mark_cycles" in tuning:
+            tuning["timeline_mark_cycles"] = None
+
+    def env(self) -> dict[str, str]:
+        """The worker variables these flags set."""
+        env: dict[str, str] = {}
+        if self.gloo_timeout_seconds is not None:
+            seconds = f"{self.gloo_timeout_seconds:g}"
+            env[worker_env.variable(worker_env.GLOO_TIMEOUT_SECONDS)] = seconds
+        for name, variable in NO_EFFECT_VARIABLES.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            env[variable] = str(int(value)) if isinstance(value, bool) else str(value)
+        return env
+
+    def no_effect(self) -> list[str]:
+        """The flags given that reach the workers but change nothing there yet."""
+        given = []
+        for name in NO_EFFECT_VARIABLES:
+            value = getattr(self, name)
+            if value is not None and value is not False:
+                given.append("--" + name.replace("_", "-"))
+        return given
+
+
+def no_effect_notice(flags: list[str]) -> str | None:
+    """The one line hvdrun prints about accepted flags that do nothing yet."""
+    if not flags:
+        return None
+    variables = ", ".join(NO_EFFECT_VARIABLES[flag[2:].replace("-", "_")] for flag in flags)
+    return (
+        f"note: {', '.join(flags)} accepted for Horovod compatibility but no effect yet "
+        f"(the workers get {variables})"
+    )
+
+
+def interfaces(*values: Sequence[str]) -> str | None:
+    """``--network-interface`` and ``--network-interfaces``, each repeatable and each
+    comma-separated, as one list without repeats (None: neither given)."""
+    names = [
+        name.strip()
+        for given in values
+        for value in given
+        for name in value.split(",")
+        if name.strip()
+    ]
+    return ",".join(dict.fromkeys(names)) or None
+
+
+def check_hosts_flag(hosts: str) -> None:
+    """``-H hosts.txt``: horovodrun users reach for -H with a file; say which flag reads one."""
+    if "," not in hosts and ":" not in hosts and os.path.isfile(hosts):
+        raise click.UsageError(
+            f"-H takes host names (host1:4,host2:4), and '{hosts}' is a file here: "
+            f"read it with --hostfile {hosts}"
+        )
+
+
+def notices(
+    flags: HorovodFlags, env: Mapping[str, str], hosts: Sequence[Any], num_proc: int
+) -> list[str]:
+    """The one-time notes hvdrun prints before it starts: flags without effect, and the
+    OMP_NUM_THREADS default when a host runs more than one worker."""
+    lines = []
+    no_effect = no_effect_notice(flags.no_effect())
+    if no_effect:
+        lines.append(no_effect)
+    if not env.get("OMP_NUM_THREADS"):
+        remaining, busiest = num_proc, 0
+        for host in hosts:
+            used = min(host.slots, remaining)
+            busiest, remaining = max(busiest, used), remaining - used
+        if busiest > 1:
+            lines.append(
+                "note: OMP_NUM_THREADS is not set: each worker gets its host's cores divided "
+                "by the host's workers (set it with -x OMP_NUM_THREADS=N)"
+            )
+    return lines

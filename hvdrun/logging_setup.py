@@ -1,0 +1,149 @@
+"""``--verbose``, ``--log-level`` and the timestamp flags: Python logging for hvdrun, its
+rendezvous server and its agents, and ``HOROVOD_LOG_LEVEL`` for the workers.
+
+hvdrun, the launcher and the rendezvous server log with ``logging.getLogger(__name__)`` and
+nothing shows unless asked: ``--verbose`` shows hvdrun's own debug messages, ``--log-level``
+(or ``HOROVOD_LOG_LEVEL``) sets the level for hvdrun, for every host's agent (the agents run
+in other processes: the level travels in their job request) and for the workers, which get
+``HOROVOD_LOG_LEVEL``. Horovod's levels are accepted: TRACE (debug here), DEBUG, INFO,
+WARNING, ERROR, FATAL.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+_PYTHON_LEVELS = {
+    "TRACE": logging.DEBUG,
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARNING": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "FATAL": logging.CRITICAL,
+}
+
+_OPTIONS = [
+    click.option(
+        "--verbose",
+        is_flag=True,
+        help="Show hvdrun's own progress and debug messages (its agents' too).",
+    ),
+    click.option(
+        "--log-level",
+        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        envvar="HOROVOD_LOG_LEVEL",
+        help="Level of the messages hvdrun, its agents and the workers log "
+        "(HOROVOD_LOG_LEVEL; default WARNING).",
+    ),
+    click.option(
+        "--log-without-timestamp/--log-with-timestamp",
+        "log_without_timestamp",
+        default=None,
+        envvar="HOROVOD_LOG_HIDE_TIME",
+        help="Leave the time out of log messages (HOROVOD_LOG_HIDE_TIME for the workers).",
+    ),
+    # horovodrun's older spelling of the same.
+    click.option(
+        "--log-hide-timestamp/--no-log-hide-timestamp",
+        "log_hide_timestamp",
+        default=None,
+        hidden=True,
+    ),
+]
+
+NAMES = ("verbose", "log_level", "log_without_timestamp", "log_hide_timestamp")
+
+
+def logging_options(fn: F) -> F:
+    """Adds the logging flags to a click command."""
+    for option in reversed(_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    verbose: bool = False
+    level: str | None = None  # one of LOG_LEVELS, upper case; None: not given
+    hide_timestamp: bool | None = None
+
+    @classmethod
+    def take(cls, kwargs: dict[str, Any]) -> LogSettings:
+        """Removes the logging flags from the command's keyword arguments."""
+        values = {name: kwargs.pop(name, None) for name in NAMES}
+        hide = values["log_without_timestamp"]
+        if hide is None:
+            hide = values["log_hide_timestamp"]
+        level = values["log_level"]
+        return cls(bool(values["verbose"]), level.upper() if level else None, hide)
+
+    @property
+    def requested(self) -> bool:
+        return self.verbose or self.level is not None or self.hide_timestamp is not None
+
+    def python_level(self) -> int:
+        """hvdrun's own level: the more talkative of --verbose and --log-level."""
+        level = _PYTHON_LEVELS[self.level] if self.level else logging.WARNING
+        return min(level, logging.DEBUG) if self.verbose else level
+
+    def agent_level(self) -> str:
+        """The level name the agents get ('' leaves them quiet)."""
+        if not self.requested:
+            return ""
+        return logging.getLevelName(self.python_level())
+
+    def env(self) -> dict[str, str]:
+        """What the workers get: Horovod's logging variables."""
+        env: dict[str, str] = {}
+        if self.level is not None:
+            env["HOROVOD_LOG_LEVEL"] = self.level
+        if self.hide_timestamp:
+            env["HOROVOD_LOG_HIDE_TIME"] = "1"
+        return env
+
+
+#: The loggers the flags set the level of; others (grpc, asyncio, paramiko) stay at WARNING.
+PACKAGES = ("hvdrun", "launcher", "rendezvous")
+
+_handler: logging.Handler | None = None
+
+
+def log_format(hide_timestamp: bool, who: str) -> logging.Formatter:
+    fmt = f"{who} %(levelname)s %(name)s: %(message)s"
+    if not hide_timestamp:
+        fmt = "[%(asctime)s] " + fmt
+    return logging.Formatter(fmt)
+
+
+def configure_logging(settings: LogSettings, who: str = "hvdrun") -> None:
+    """Sends log records at the requested level to stderr; nothing unless asked for."""
+    global _handler
+    if not settings.requested:
+        return
+    root = logging.getLogger()
+    if _handler is not None:
+        root.removeHandler(_handler)
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(log_format(bool(settings.hide_timestamp), who))
+    root.addHandler(_handler)
+    for name in PACKAGES:
+        logging.getLogger(name).setLevel(settings.python_level())
+
+
+def reset_logging() -> None:
+    """Undoes :func:`configure_logging` (for in-process callers such as tests)."""
+    global _handler
+    if _handler is not None:
+        logging.getLogger().removeHandler(_handler)
+        _handler = None
+    for name in PACKAGES:
+        logging.getLogger(name).setLevel(logging.NOTSET)

@@ -1,0 +1,181 @@
+"""hvdrun inside a batch allocation: the allocation is the default host list, and workers
+never see the rank variables of the launcher that started hvdrun."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvdrun.cli import resolve_hosts
+from launcher.spec.hosts import HostSpec
+from launcher.spec.schedulers import read_allocation
+from tests.cli.conftest import assert_usage_error
+
+REPO = Path(__file__).resolve().parents[2]
+
+SLURM = {
+    "SLURM_JOB_ID": "42",
+    "SLURM_JOB_NODELIST": "node[1-2]",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+}
+
+
+def allocation_hosts(num_proc: int | None) -> tuple[list[HostSpec], int]:
+    return resolve_hosts(None, None, num_proc, read_allocation(SLURM))
+
+
+def test_no_np_takes_every_slot_of_the_allocation() -> None:
+    assert allocation_hosts(None) == ([HostSpec("node1", 2), HostSpec("node2", 2)], 4)
+
+
+@pytest.mark.parametrize(
+    ("num_proc", "expected"),
+    [
+        (1, [HostSpec("node1", 1)]),
+        (2, [HostSpec("node1", 2)]),
+        (3, [HostSpec("node1", 2), HostSpec("node2", 1)]),
+        (4, [HostSpec("node1", 2), HostSpec("node2", 2)]),
+    ],
+)
+def test_np_below_the_slots_fills_hosts_in_order(num_proc: int, expected: list[HostSpec]) -> None:
+    assert allocation_hosts(num_proc) == (expected, num_proc)
+
+
+def test_host_list_wins_over_the_allocation() -> None:
+    given = [HostSpec("a", 3)]
+    assert resolve_hosts(given, "a:3", None, read_allocation(SLURM)) == (given, 3)
+
+
+def test_np_above_the_slots_is_an_error_naming_the_allocation(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    assert_usage_error(
+        ["-np", "9", "true"],
+        "invalid '-np': 9 processes requested but the Slurm allocation (job 42) has only 4 slot(s)",
+        capsys,
+    )
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        (
+            {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-"},
+            "cannot use the batch allocation: unbalanced brackets in the node list 'node[1-'",
+        ),
+        (
+            dict(SLURM, SLURM_TASKS_PER_NODE="2(x3)"),
+            "SLURM_TASKS_PER_NODE='2(x3)' does not match the 2 node(s)",
+        ),
+        ({"PBS_NODEFILE": "/nonexistent/nodes"}, "cannot read PBS_NODEFILE=/nonexistent/nodes"),
+        ({"LSB_MCPU_HOSTS": "h1 4 h2"}, "LSB_MCPU_HOSTS='h1 4 h2' is not 'host slots"),
+    ],
+)
+def test_malformed_allocation_is_one_line_exit_2(
+    variables: dict[str, str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert_usage_error(["true"], message, capsys)
+    assert_usage_error(["-np", "2", "true"], message, capsys)
+
+
+def test_host_list_wins_over_a_malformed_allocation(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PBS_NODEFILE", "/nonexistent/nodes")
+    # the allocation is never read: the error is about -H, not about PBS_NODEFILE
+    assert_usage_error(
+        ["-np", "5", "-H", "localhost:4", "true"],
+        "5 processes requested but -H localhost:4 has only 4 slot(s)",
+        capsys,
+    )
+
+
+def hvdrun(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    base = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("SLURM", "PBS_", "LSB_", "COBALT_", "PE_"))
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "hvdrun", *argv],
+        cwd=REPO,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+PROBE = (
+    "import os; "
+    "print('rank', os.environ['HVDRUN_RANK'], 'of', os.environ['HVDRUN_SIZE'], "
+    "'on', os.environ['HVDRUN_HOSTNAME']); "
+    "names = ['SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_STEP_ID', 'OMPI_COMM_WORLD_RANK', "
+    "'PMIX_RANK', 'MASTER_PORT', 'BASH_FUNC_hvdtest%%', 'SLURM_JOB_ID', 'SLURM_JOB_NAME']; "
+    "print(' '.join(n + '=' + os.environ[n] for n in names if n in os.environ))"
+)
+
+# What hvdrun itself would see started by srun: task 1 of a 2-task step (so the allocation
+# is not hvdrun's to use), and in a login shell that exported a bash function.
+LAUNCHED = {
+    "SLURM_JOB_ID": "42",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_JOB_NODELIST": "nowhere-node[1-2]",
+    "SLURM_TASKS_PER_NODE": "1(x2)",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "2",
+    "OMPI_COMM_WORLD_RANK": "7",
+    "PMIX_RANK": "7",
+    "MASTER_PORT": "29500",
+    "BASH_FUNC_hvdtest%%": "() {  echo hi\n}",
+}
+
+
+def test_workers_never_see_the_rank_variables_of_hvdruns_launcher() -> None:
+    result = hvdrun(
+        ["-np", "2", "-x", "OMPI_COMM_WORLD_RANK", sys.executable, "-c", PROBE], LAUNCHED
+    )
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        # nothing but the job-level Slurm variables, the one given with -x, and hvdrun's own
+        # MASTER_PORT (picked on rank 0's host), not the inherited one
+        found = re.search(
+            rf"^\[{rank}\]<stdout>:OMPI_COMM_WORLD_RANK=7 MASTER_PORT=(\d+) SLURM_JOB_ID=42 "
+            r"SLURM_JOB_NAME=train$",
+            result.stdout,
+            re.M,
+        )
+        assert found is not None and found.group(1) != "29500", result.stdout
+        assert f"[{rank}]<stdout>:rank {rank} of 2 on localhost\n" in result.stdout
+
+
+def test_a_job_fills_the_allocation_when_no_np_is_given() -> None:
+    allocation = {
+        "SLURM_JOB_ID": "43",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_TASKS_PER_NODE": "3",
+        "SLURM_PROCID": "0",  # a batch script is task 0 of the batch step
+        "SLURM_NTASKS": "3",
+    }
+    # There is no Slurm here to start agents with srun (tests/launcher/test_slurm_launch.py
+    # runs that on a real cluster): the one node is this machine, reached without srun.
+    result = hvdrun(["--launcher", "ssh", sys.executable, "-c", PROBE], allocation)
+    assert result.returncode == 0, result.stderr
+    for rank in range(3):
+        assert f"[{rank}]<stdout>:rank {rank} of 3 on localhost\n" in result.stdout
+        assert re.search(
+            rf"^\[{rank}\]<stdout>:MASTER_PORT=\d+ SLURM_JOB_ID=43$", result.stdout, re.M
+        )

@@ -1,0 +1,188 @@
+"""``--config-file``: Horovod's YAML settings file; flags win; every mistake names its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hvdrun.cli import run_cli
+from hvdrun.logging_setup import reset_logging
+from tests.cli.conftest import assert_usage_error
+
+#: Horovod's own test file (test/single/data/config.test.yaml), key for key.
+HOROVOD_CONFIG = """\
+controller: gloo
+
+params:
+  fusion_threshold_mb: 32
+  cycle_time_ms: 10
+  cache_capacity: 2048
+  hierarchical_allreduce: true
+  hierarchical_allgather: true
+
+autotune:
+  enabled: true
+  log_file: 'horovod_autotune_log.txt'
+  warmup_samples: 5
+  steps_per_sample: 20
+  bayes_opt_max_samples: 50
+  gaussian_process_noise: 0.9
+
+timeline:
+  filename: '/tmp/horovod_timeline.json'
+  mark_cycles: true
+
+stall_check:
+  enabled: true
+  warning_time_seconds: 120
+  shutdown_time_seconds: 240
+
+library_options:
+  mpi_threads_disable: true
+  num_nccl_streams: 2
+  ccl_bgt_affinity: 1
+  gloo_timeout_seconds: 60
+
+logging:
+  level: INFO
+  hide_timestamp: true
+"""
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> object:
+    yield None
+    reset_logging()
+
+
+def environment(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+    """The worker variables ``hvdrun --dry-run ARGV`` plans."""
+    code = run_cli(["--dry-run", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    env = {}
+    for line in out.splitlines():
+        name, sep, value = line.strip().partition("=")
+        if line.startswith("  ") and sep and name.replace("_", "").isalnum():
+            env[name] = value
+    return env
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_horovods_config_file_reaches_the_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = environment(
+        ["--config-file", write(tmp_path, HOROVOD_CONFIG), "-np", "1", "true"], capsys
+    )
+    assert env["HVDRUN_FUSION_THRESHOLD"] == str(32 * 1024 * 1024)
+    assert env["HVDRUN_CYCLE_TIME"] == "10"
+    assert env["HVDRUN_TIMELINE"] == "/tmp/horovod_timeline.json"
+    assert env["HVDRUN_TIMELINE_MARK_CYCLES"] == "1"
+    assert "HVDRUN_STALL_CHECK_DISABLE" not in env
+    assert env["HVDRUN_STALL_CHECK_TIME_SECONDS"] == "120"
+    assert env["HVDRUN_STALL_SHUTDOWN_TIME_SECONDS"] == "240"
+    assert env["HVDRUN_GLOO_TIMEOUT_SECONDS"] == "60"
+    assert env["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "1"
+    assert env["HOROVOD_HIERARCHICAL_ALLGATHER"] == "1"
+    assert env["HOROVOD_MPI_THREADS_DISABLE"] == "1"
+    assert env["HOROVOD_NUM_NCCL_STREAMS"] == "2"
+    assert env["HOROVOD_THREAD_AFFINITY"] == "1"
+    assert env["HOROVOD_LOG_LEVEL"] == "INFO"
+    assert env["HOROVOD_LOG_HIDE_TIME"] == "1"
+    # keys whose flags live elsewhere (the engine's) reach the workers all the same
+    cache = [value for name, value in env.items() if name.endswith("CACHE_CAPACITY")]
+    assert cache == ["2048"]
+    assert any(name.endswith("AUTOTUNE") and value == "1" for name, value in env.items())
+
+
+def test_command_line_wins_over_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write(tmp_path, HOROVOD_CONFIG)
+    argv = ["--fusion-threshold-mb", "256", "--config-file", config, "--cycle-time-ms", "20"]
+    argv += ["--stall-check-warning-time-seconds", "5", "--no-hierarchical-allreduce"]
+    argv += ["--log-level", "ERROR", "--stall-check", "-np", "1", "true"]
+    env = environment(argv, capsys)
+    assert env["HVDRUN_FUSION_THRESHOLD"] == str(256 * 1024 * 1024)
+    assert env["HVDRUN_CYCLE_TIME"] == "20"
+    assert env["HVDRUN_STALL_CHECK_TIME_SECONDS"] == "5"
+    assert env["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "0"
+    assert env["HOROVOD_LOG_LEVEL"] == "ERROR"
+    assert env["HVDRUN_GLOO_TIMEOUT_SECONDS"] == "60"  # not on the command line: the file's
+
+
+def test_disabled_stall_check_and_timestamps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write(tmp_path, "stall_check:\n  enabled: false\nlogging:\n  with_timestamp: false\n")
+    env = environment(["--config-file", config, "-np", "1", "true"], capsys)
+    assert env["HVDRUN_STALL_CHECK_DISABLE"] == "1"
+    assert env["HOROVOD_LOG_HIDE_TIME"] == "1"
+    env = environment(["--config-file", config, "--stall-check", "-np", "1", "true"], capsys)
+    assert "HVDRUN_STALL_CHECK_DISABLE" not in env
+
+
+def test_empty_file_and_empty_sections_are_fine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    environment(["--config-file", write(tmp_path, ""), "-np", "1", "true"], capsys)
+    environment(["--config-file", write(tmp_path, "params:\n"), "-np", "1", "true"], capsys)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "params:\n  fusion_treshold_mb: 1\n",
+            "unknown key 'params.fusion_treshold_mb' (did you mean 'fusion_threshold_mb'?)",
+        ),
+        ("parms:\n  cycle_time_ms: 1\n", "unknown section 'parms' (did you mean 'params'?)"),
+        ("params:\n  cycle_time_ms: fast\n", "params.cycle_time_ms: must be a number, got 'fast'"),
+        ("params:\n  cycle_time_ms: -1\n", "params.cycle_time_ms: must be at least 0, got -1"),
+        (
+            "params:\n  cache_capacity: 1.5\n",
+            "params.cache_capacity: must be a whole number, got 1.5",
+        ),
+        (
+            "params:\n  hierarchical_allreduce: 1\n",
+            "params.hierarchical_allreduce: must be true or false, got 1",
+        ),
+        (
+            "autotune:\n  gaussian_process_noise: 2\n",
+            "autotune.gaussian_process_noise: must be between 0 and 1, got 2",
+        ),
+        (
+            "logging:\n  level: LOUD\n",
+            "logging.level: must be one of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL, got 'LOUD'",
+        ),
+        ("timeline:\n  filename: 3\n", "timeline.filename: must be a non-empty text, got 3"),
+        ("params: 3\n", "params: expected 'key: value' lines under it"),
+        ("- a\n- b\n", "expected sections such as 'params:'"),
+        ("params:\n  cycle_time_ms: [1\n", "line 3: expected ',' or ']'"),
+        ("controller: mpi\n", "controller: mpi: hvdrun does not drive MPI"),
+        ("controller: nccl\n", "controller: must be gloo, got 'nccl'"),
+    ],
+)
+def test_mistakes_are_one_line_naming_the_key(
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write(tmp_path, text)
+    assert_usage_error(["--config-file", config, "-np", "1", "true"], message, capsys)
+    # the file is named too
+    assert run_cli(["--config-file", config, "-np", "1", "true"]) == 2
+    assert f"hvdrun: error: config file {config}" in capsys.readouterr().err
+
+
+def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_usage_error(
+        ["--config-file", "/nonexistent/cfg.yaml", "-np", "1", "true"],
+        "cannot read config file /nonexistent/cfg.yaml: No such file or directory",
+        capsys,
+    )

@@ -1,0 +1,157 @@
+"""``--dry-run``: the plan of local, SSH, hostfile and elastic jobs, with nothing started."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from hvdrun.cli import run_cli
+
+SSH_CONFIG = """\
+Host gpu*.invalid
+    User trainer
+    Port 2200
+    IdentityFile ~/keys/gpu_key
+    IdentitiesOnly yes
+
+Host inner.invalid
+    HostName 10.254.0.7
+    ProxyJump admin@bastion.invalid:2022
+"""
+
+
+def dry_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    code = run_cli(["--dry-run", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def section(out: str, title: str) -> list[str]:
+    """The indented lines under ``title:``."""
+    lines = out.splitlines()
+    start = lines.index(f"{title}:") + 1
+    body = []
+    for line in lines[start:]:
+        if not line.startswith("  "):
+            break
+        body.append(line.strip())
+    return body
+
+
+def test_local_job(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    out = dry_run(["-np", "3", "sh", "-c", f"touch {marker}"], capsys)
+    assert not marker.exists()  # nothing ran
+    assert out.startswith("hvdrun dry run: 3 worker(s) on 1 host(s); nothing was started\n")
+    assert f"command: sh -c 'touch {marker}'" in out
+    assert section(out, "hosts") == [
+        "localhost  3 worker(s)  this machine (agent as a local process)"
+    ]
+    assert [line.split() for line in section(out, "ranks")] == [
+        ["rank", "host", "local_rank", "local_size", "cross_rank", "cross_size"],
+        ["0", "localhost", "0", "3", "0", "1"],
+        ["1", "localhost", "1", "3", "0", "1"],
+        ["2", "localhost", "2", "3", "0", "1"],
+    ]
+    tuning = section(out, "tuning the workers run with")
+    assert "fusion threshold        134217728 bytes (128 MiB)  (default)" in tuning
+
+
+def test_secrets_are_masked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-value")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-value")
+    monkeypatch.setenv("HF_TOKEN", "hf-secret-value")
+    monkeypatch.setenv("HVDRUN_TEST_PLAIN", "visible")
+    out = dry_run(["-np", "1", "-x", "DB_PASSWORD=pw-secret-value", "true"], capsys)
+    assert "secret-value" not in out
+    env = section(
+        out, "every worker's environment (secrets masked; rank variables as in the table)"
+    )
+    for name in ("WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "DB_PASSWORD"):
+        assert f"{name}=****" in env
+    assert "HVDRUN_TEST_PLAIN=visible" in env
+    assert "HVDRUN_SECRET=**** (made at start)" in env
+
+
+def test_ssh_hosts_say_how_they_are_reached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "config").write_text(SSH_CONFIG)
+    argv = ["-np", "4", "-H", "localhost:1,gpu1.invalid:2,inner.invalid:1", "true"]
+    out = dry_run(argv, capsys)
+    hosts = section(out, "hosts")
+    assert hosts[0].split("  ")[0] == "localhost"
+    assert "this machine" in hosts[0]
+    assert (
+        f"ssh trainer@gpu1.invalid:2200, key {tmp_path}/keys/gpu_key, host keys accept-new"
+        in hosts[1]
+    )
+    assert "ssh " in hosts[2] and "@10.254.0.7:22" in hosts[2]
+    assert "via ProxyJump admin@bastion.invalid:2022" in hosts[2]
+    ranks = [line.split()[:2] for line in section(out, "ranks")[1:]]
+    assert ranks == [
+        ["0", "localhost"],
+        ["1", "gpu1.invalid"],
+        ["2", "gpu1.invalid"],
+        ["3", "inner.invalid"],
+    ]
+    # the flags win over the config, as for the real connection
+    out = dry_run(["-np", "1", "-H", "root@gpu2.invalid", "-p", "2222", "true"], capsys)
+    assert "ssh root@gpu2.invalid:2222" in section(out, "hosts")[0]
+
+
+def test_hostfile_with_a_repeated_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a.invalid slots=1\nb.invalid slots=2\na.invalid slots=2\n")
+    out = dry_run(["--hostfile", str(hostfile), "true"], capsys)
+    assert out.startswith("hvdrun dry run: 5 worker(s) on 2 host(s)")
+    rows = [line.split() for line in section(out, "ranks")[1:]]
+    assert [(r[1], r[2], r[4]) for r in rows] == [
+        ("a.invalid", "0", "0"),
+        ("a.invalid", "1", "0"),
+        ("a.invalid", "2", "0"),
+        ("b.invalid", "0", "1"),
+        ("b.invalid", "1", "1"),
+    ]
+
+
+def test_elastic_job_shows_the_first_discovery(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\necho 127.0.0.1:2\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    argv = ["-np", "3", "--min-np", "2", "--max-np", "4", "--host-discovery-script", str(script)]
+    out = dry_run([*argv, "true"], capsys)
+    assert out.startswith("hvdrun dry run: 3 worker(s) on 2 host(s)")
+    assert (
+        "elastic: min-np 2, max-np 4, elastic timeout 600 s; the plan of the first discovery "
+        "(localhost:2, 127.0.0.1:2)" in out
+    )
+    assert [line.split()[1] for line in section(out, "ranks")[1:]] == [
+        "localhost",
+        "localhost",
+        "127.0.0.1",
+    ]
+    # elastic workers time out faster on a silent peer
+    assert "collective timeout      5 s  (elastic default)" in section(
+        out, "tuning the workers run with"
+    )
+
+
+def test_dry_run_checks_no_command_or_output_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan is for the hosts: a program missing here is not an error in a dry run."""
+    out_dir = tmp_path / "out"
+    out = dry_run(["-np", "1", "--output-filename", str(out_dir), "no-such-program-xyz"], capsys)
+    assert "command: no-such-program-xyz" in out
+    assert not os.path.exists(out_dir)

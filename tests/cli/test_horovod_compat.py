@@ -1,0 +1,254 @@
+"""horovodrun's command lines work under hvdrun: every flag is accepted, with its effect,
+its notice, or one line saying what to do instead (issue 14)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvdrun.cli import cli, run_cli
+from hvdrun.logging_setup import reset_logging
+from tests.cli.conftest import assert_usage_error
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> object:
+    yield None
+    reset_logging()
+
+
+def plan(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
+    """``hvdrun --dry-run ARGV``: its plan (stdout) and notes (stderr); it must succeed."""
+    code = run_cli(["--dry-run", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out, err
+
+
+def options_of(name: str) -> list[str]:
+    return next(p.opts + p.secondary_opts for p in cli.params if p.name == name)
+
+
+@pytest.mark.parametrize(
+    ("name", "spellings"),
+    [
+        ("num_proc", ["-np", "--num-proc"]),
+        ("hostfile", ["-hostfile", "--hostfile"]),
+        ("check_build", ["-cb", "--check-build"]),
+        ("version", ["-v", "--version"]),
+        ("ssh_port", ["-p", "--ssh-port"]),
+        ("identity_files", ["-i", "--ssh-identity-file"]),
+        (
+            "prefix_timestamp",
+            ["-prefix-timestamp", "--prefix-timestamp", "--prefix-output-with-timestamp"],
+        ),
+        ("min_np", ["--min-np", "--min-num-proc"]),
+        ("max_np", ["--max-np", "--max-num-proc"]),
+        ("log_hide_timestamp", ["--log-hide-timestamp", "--no-log-hide-timestamp"]),
+        ("log_without_timestamp", ["--log-without-timestamp", "--log-with-timestamp"]),
+    ],
+)
+def test_horovod_spellings(name: str, spellings: list[str]) -> None:
+    assert set(spellings) <= set(options_of(name))
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--gloo"], []),
+        (["--disable-cache"], []),
+        (["--gloo-timeout-seconds", "60"], ["HVDRUN_GLOO_TIMEOUT_SECONDS=60"]),
+        (["--hierarchical-allreduce"], ["HOROVOD_HIERARCHICAL_ALLREDUCE=1"]),
+        (["--no-hierarchical-allreduce"], ["HOROVOD_HIERARCHICAL_ALLREDUCE=0"]),
+        (["--hierarchical-allgather"], ["HOROVOD_HIERARCHICAL_ALLGATHER=1"]),
+        (["--no-hierarchical-allgather"], ["HOROVOD_HIERARCHICAL_ALLGATHER=0"]),
+        (["--num-nccl-streams", "2"], ["HOROVOD_NUM_NCCL_STREAMS=2"]),
+        (["--thread-affinity", "3"], ["HOROVOD_THREAD_AFFINITY=3"]),
+        (["--mpi-threads-disable"], ["HOROVOD_MPI_THREADS_DISABLE=1"]),
+        (["--no-mpi-threads-disable"], ["HOROVOD_MPI_THREADS_DISABLE=0"]),
+        (["--log-level", "INFO"], ["HOROVOD_LOG_LEVEL=INFO"]),
+        (["--log-level", "trace"], ["HOROVOD_LOG_LEVEL=TRACE"]),
+        (["--log-hide-timestamp"], ["HOROVOD_LOG_HIDE_TIME=1"]),
+        (["--log-without-timestamp"], ["HOROVOD_LOG_HIDE_TIME=1"]),
+        (["--log-with-timestamp"], []),
+        (["--no-log-hide-timestamp"], []),
+        (
+            ["--network-interfaces", "eth0,eth1", "--network-interface", "eth2"],
+            ["GLOO_SOCKET_IFNAME=eth2,eth0,eth1", "NCCL_SOCKET_IFNAME=eth2,eth0,eth1"],
+        ),
+        (
+            ["--network-interface", "eth0", "--network-interface", "eth1,eth0"],
+            ["GLOO_SOCKET_IFNAME=eth0,eth1"],
+        ),
+        (["--fusion-threshold-mb", "32"], ["HVDRUN_FUSION_THRESHOLD=33554432"]),
+        (["--cycle-time-ms", "5"], ["HVDRUN_CYCLE_TIME=5"]),
+        (["--timeline-filename", "/tmp/t.json"], ["HVDRUN_TIMELINE=/tmp/t.json"]),
+        (["--no-stall-check"], ["HVDRUN_STALL_CHECK_DISABLE=1"]),
+        (["--stall-check-warning-time-seconds", "9"], ["HVDRUN_STALL_CHECK_TIME_SECONDS=9"]),
+        (["--prefix-output-with-timestamp"], []),
+        (["-prefix-timestamp"], []),
+        (["--verbose"], []),
+        (["--stall-check"], []),
+        (["--no-timeline-mark-cycles"], []),
+        (["--num-proc", "1"], []),
+    ],
+)
+def test_every_flag_is_accepted_with_its_effect(
+    flags: list[str], expected: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, _ = plan(["-np", "1", *flags, "true"], capsys)
+    env = {line.strip() for line in out.splitlines() if line.startswith("  ")}
+    for line in expected:
+        assert line in env, out
+
+
+def test_flags_without_effect_get_one_notice(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["-np", "1", "--hierarchical-allreduce", "--num-nccl-streams", "2", "true"]
+    _, err = plan(argv, capsys)
+    notes = [line for line in err.splitlines() if "no effect yet" in line]
+    assert notes == [
+        "hvdrun: note: --hierarchical-allreduce, --num-nccl-streams accepted for Horovod "
+        "compatibility but no effect yet (the workers get HOROVOD_HIERARCHICAL_ALLREDUCE, "
+        "HOROVOD_NUM_NCCL_STREAMS)"
+    ]
+    _, err = plan(["-np", "1", "--no-hierarchical-allreduce", "--gloo", "true"], capsys)
+    assert "no effect" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mpi"], "hvdrun does not drive MPI: it starts the workers itself"),
+        (["--jsrun"], "hvdrun does not drive jsrun"),
+        (["--mpi-args=--map-by ppr:6:node"], "so --mpi-args has nothing to go to"),
+        (["--tcp"], "pass -x NCCL_IB_DISABLE=1"),
+        (["--binding-args", "--rankfile f"], "so --binding-args has nothing to go to"),
+    ],
+)
+def test_mpi_flags_say_what_to_do_instead(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_usage_error(["-np", "2", *argv, "python", "train.py"], message, capsys)
+
+
+def test_start_and_elastic_timeouts_read_horovod_variables(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HOROVOD_START_TIMEOUT", "7")
+    out, _ = plan(["-np", "1", "true"], capsys)
+    assert "start timeout: 7 s" in out
+    out, _ = plan(["-np", "1", "--start-timeout", "9", "true"], capsys)
+    assert "start timeout: 9 s" in out  # the flag wins
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "42")
+    out, _ = plan(["-np", "1", "--min-num-proc", "1", "--max-num-proc", "2", "true"], capsys)
+    assert "elastic: min-np 1, max-np 2, elastic timeout 42 s" in out
+    # ... and a fixed job does not mistake the variable for a misplaced --elastic-timeout
+    plan(["-np", "1", "true"], capsys)
+
+
+def test_log_level_from_horovod_variable_configures_hvdrun(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HOROVOD_LOG_LEVEL", "debug")
+    out, _ = plan(["-np", "1", "true"], capsys)
+    assert "  HOROVOD_LOG_LEVEL=DEBUG" in out.splitlines()
+    assert logging.getLogger("launcher").getEffectiveLevel() == logging.DEBUG
+
+
+def test_hosts_flag_given_a_file_suggests_hostfile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hosts.txt").write_text("localhost slots=2\n")
+    assert_usage_error(
+        ["-np", "2", "-H", "hosts.txt", "true"],
+        "-H takes host names (host1:4,host2:4), and 'hosts.txt' is a file here: "
+        "read it with --hostfile hosts.txt",
+        capsys,
+    )
+    out, _ = plan(["-np", "2", "-hostfile", "hosts.txt", "true"], capsys)
+    assert "localhost  2 worker(s)" in out
+
+
+def test_omp_notice_only_when_a_host_runs_several_workers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    omp = "OMP_NUM_THREADS is not set"
+    assert omp in plan(["-np", "2", "true"], capsys)[1]
+    assert omp not in plan(["-np", "1", "true"], capsys)[1]
+    assert omp not in plan(["-np", "2", "-H", "a.invalid:1,b.invalid:1", "true"], capsys)[1]
+    assert omp not in plan(["-np", "2", "-x", "OMP_NUM_THREADS=3", "true"], capsys)[1]
+
+
+def test_help_is_grouped_in_sections(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["--help"]) == 0
+    out = capsys.readouterr().out
+    titles = [
+        "Processes and hosts:",
+        "SSH:",
+        "Starting and supervising:",
+        "Environment and network:",
+        "Output:",
+        "Logging:",
+        "Elastic jobs:",
+        "Tuning (passed to the workers):",
+        "Horovod compatibility:",
+        "Planning and information:",
+    ]
+    positions = [out.index(f"\n{title}\n") for title in titles]
+    assert positions == sorted(positions)
+    assert "Other options" not in out  # every flag has its section (help_sections.SECTIONS)
+    assert out.count("[COMMAND]...") == 1  # in the usage line only
+    for param in cli.params:
+        if getattr(param, "hidden", False) or param.name == "command":
+            continue
+        assert max(param.opts, key=len) in out, param.name
+
+
+def test_verbose_shows_hvdrun_and_agent_messages_and_omp_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One real launch: --verbose turns on the logs of hvdrun and of the host's agent, and
+    two workers on this machine share its cores through OMP_NUM_THREADS."""
+    code = "import os; print('omp', os.environ['OMP_NUM_THREADS'], os.environ['HOROVOD_LOG_LEVEL'])"
+    assert (
+        run_cli(["-np", "2", "--verbose", "--log-level", "INFO", sys.executable, "-c", code]) == 0
+    )
+    out, err = capsys.readouterr()
+    cores = len(os.sched_getaffinity(0))
+    assert out.count(f"omp {max(1, cores // 2)} INFO") == 2, out
+    # hvdrun's own records (with the time) and its rendezvous server's; no grpc noise
+    assert "] hvdrun INFO rendezvous.server: rendezvous server for job" in err
+    assert "grpc" not in err
+    assert "hvdrun agent: DEBUG launcher.agent.session: starting 2 worker(s)" in err
+    assert err.count("OMP_NUM_THREADS is not set") == 1
+
+
+def test_a_bad_horovod_variable_is_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HOROVOD_START_TIMEOUT", "soon")
+    assert_usage_error(["-np", "1", "true"], "(from HOROVOD_START_TIMEOUT)", capsys)
+    monkeypatch.delenv("HOROVOD_START_TIMEOUT")
+    monkeypatch.setenv("HOROVOD_LOG_LEVEL", "loud")
+    assert_usage_error(["-np", "1", "true"], "'loud' is not one of", capsys)
+
+
+def test_dry_run_never_contacts_hosts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_usage_error(
+        ["--dry-run", "--check-hosts", "-H", "a.invalid"],
+        "--check-hosts contacts the hosts",
+        capsys,
+    )
+
+
+def test_output_directories_are_zero_padded_from_ten_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_dir = tmp_path / "out"
+    assert run_cli(["-np", "11", "--output-filename", str(out_dir), "true"]) == 0
+    assert sorted(os.listdir(out_dir)) == [f"rank.{rank:02d}" for rank in range(11)]

@@ -1,0 +1,214 @@
+"""The host relay: a host's workers reach the server through one connection and one stream."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from rendezvous.client import RendezvousAuthError, RendezvousClient
+from rendezvous.relay import HostRelay
+from rendezvous.server import RendezvousServer
+from rendezvous.slots import assign_slots
+from tests.rendezvous.conftest import JOB_ID, SECRET
+
+
+@pytest.fixture
+def served() -> Iterator[RendezvousServer]:
+    slots = assign_slots([("host-a", 2), ("host-b", 2)], 4)
+    with RendezvousServer(
+        slots, SECRET, JOB_ID, bind_host="127.0.0.1", heartbeat_interval=0.2
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+def relay(served: RendezvousServer) -> Iterator[HostRelay]:
+    relay = HostRelay(
+        f"127.0.0.1:{served.port}", SECRET, JOB_ID, [0, 1], heartbeat_interval=0.2, lost_after=2
+    )
+    relay.start()
+    yield relay
+    relay.stop()
+
+
+def test_workers_through_the_relay_meet_workers_without_one(
+    served: RendezvousServer, relay: HostRelay
+) -> None:
+    assert relay.addr.startswith("unix:")
+    local = [RendezvousClient(relay.addr, SECRET, JOB_ID) for _ in range(2)]
+    direct = [RendezvousClient(f"127.0.0.1:{served.port}", SECRET, JOB_ID) for _ in range(2)]
+    results: dict[int, bytes] = {}
+    try:
+        before = relay.upstream_calls
+        registered: dict[int, object] = {}
+        threads = [
+            threading.Thread(
+                target=lambda i=i: registered.update({i: local[i].register("host-a", i)})
+            )
+            for i in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        assert relay.upstream_calls - before == 1  # both Registers went as one RegisterHost
+        infos = [registered[0], registered[1]]
+        infos += [direct[i].register("host-b", i) for i in range(2)]
+        assert [info.rank for info in infos] == [0, 1, 2, 3]  # type: ignore[attr-defined]
+        lost: list[str] = []
+        for i, client in enumerate(local):
+            client.watch(i, lost.append, lost_after=2)
+        assert served.watching_ranks() >= {0, 1}  # the relay's one stream carries both
+
+        def worker(client: RendezvousClient, rank: int) -> None:
+            client.set(f"addr/{rank}", f"r{rank}".encode())
+            results[rank] = client.get("uid", timeout=10)
+            client.barrier("init", 4, timeout=10)
+
+        clients = local + direct
+        calls_before = relay.upstream_calls
+        threads = [threading.Thread(target=worker, args=(c, r)) for r, c in enumerate(clients)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)  # the local workers' reads of "uid" are waiting in the relay now
+        direct[0].set("uid", b"the-unique-id")
+        for thread in threads:
+            thread.join(20)
+        assert results == {rank: b"the-unique-id" for rank in range(4)}
+        assert local[1].multi_get(["addr/2", "addr/3"], timeout=5) == [b"r2", b"r3"]
+        # 2 sets, the two local reads of "uid" as one call, 2 barriers, 1 multi_get.
+        assert relay.upstream_calls - calls_before == 2 + 1 + 2 + 1
+        time.sleep(0.6)  # heartbeats keep the local streams alive
+        assert not lost
+    finally:
+        for client in local + direct:
+            client.close()
+
+
+def test_wrong_secret_through_the_relay_is_rejected(relay: HostRelay) -> None:
+    with RendezvousClient(relay.addr, "guessed", JOB_ID) as bad:
+        with pytest.raises(RendezvousAuthError) as err:
+            bad.set("k", b"v")
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        lost = threading.Event()
+        bad.watch(0, lambda reason: lost.set(), lost_after=2)
+        assert lost.wait(5)  # its Watch is refused by the relay itself
+
+
+def test_server_shutdown_reaches_every_local_worker(served: RendezvousServer) -> None:
+    relay = HostRelay(
+        f"127.0.0.1:{served.port}", SECRET, JOB_ID, [0, 1], heartbeat_interval=0.2, lost_after=2
+    )
+    relay.start()
+    reasons: list[str] = []
+    done = threading.Event()
+    clients = [RendezvousClient(relay.addr, SECRET, JOB_ID) for _ in range(2)]
+    try:
+
+        def on_lost(reason: str) -> None:
+            reasons.append(reason)
+            if len(reasons) == 2:
+                done.set()
+
+        for i, client in enumerate(clients):
+            client.watch(i, on_lost, lost_after=5)
+        time.sleep(0.3)
+        served.stop()
+        assert done.wait(5)
+        assert all("shut down" in reason for reason in reasons), reasons
+    finally:
+        for client in clients:
+            client.close()
+        relay.stop()
+
+
+def test_hvd_init_through_the_relay_over_tls() -> None:
+    """A real job whose rendezvous leaves loopback: each host's agent relays its workers
+    (TLS to the server), and hvd.init() plus a Gloo allreduce work through it."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect(("192.0.2.123", 9))  # picks the route, sends nothing
+        address = sock.getsockname()[0]
+    if address.startswith("127."):
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    code = (
+        "import os, torch; import collectives.torch as hvd; hvd.init(); "
+        "s = hvd.allreduce(torch.tensor(float(hvd.rank() + 1)), op=hvd.Sum).item(); "
+        "print('via', os.environ['HVDRUN_RENDEZVOUS_RELAY_ADDR'][:5], 'sum', s); hvd.shutdown()"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hvdrun",
+            "-np",
+            "2",
+            "--rendezvous-addr",
+            address,
+            sys.executable,
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        assert f"[{rank}]<stdout>:via unix: sum 3.0" in result.stdout
+
+
+def test_agent_starts_a_relay_only_for_a_fixed_job_that_leaves_this_machine(
+    served: RendezvousServer,
+) -> None:
+    from launcher.agent.session import start_relay
+    from launcher.transport.protocol import AgentSpec, WorkerLaunch
+    from rendezvous import worker_env
+
+    def decide(addr: str, **extra: str) -> tuple[HostRelay | None, dict[str, str]]:
+        env = {
+            worker_env.RENDEZVOUS_ADDR: addr,
+            worker_env.SECRET: SECRET,
+            worker_env.JOB_ID: JOB_ID,
+            worker_env.RENDEZVOUS_RELAY_ADDR: "unix:/stale",
+            **extra,
+        }
+        spec = AgentSpec(
+            hostname="host-a",
+            command=["true"],
+            cwd="/",
+            env=dict(env),
+            workers=[WorkerLaunch(rank=r, env={}) for r in (0, 1)],
+            rendezvous_addr=addr,
+        )
+        return start_relay(spec, env), env
+
+    port = served.port
+    for addr, extra in (
+        (f"127.0.0.1:{port}", {}),  # this machine alone
+        (f"localhost-free.invalid:{port}", {"HVDRUN_ELASTIC": "1"}),
+        (f"localhost-free.invalid:{port}", {"HVDRUN_RENDEZVOUS_RELAY": "0"}),
+    ):
+        relay, env = decide(addr, **extra)
+        assert relay is None, addr
+        assert worker_env.RENDEZVOUS_RELAY_ADDR not in env  # no stale address survives
+    # A name, not a loopback address: the job spans machines, so the relay runs.
+    relay, env = decide(f"localhost:{port}")
+    assert relay is not None
+    try:
+        assert env[worker_env.RENDEZVOUS_RELAY_ADDR] == relay.addr
+        assert env[worker_env.RENDEZVOUS_ADDR] == f"localhost:{port}"  # still the server
+        with RendezvousClient.from_environment(env) as client:
+            assert client.addr == relay.addr
+            assert client.register("host-a", 1).rank == 1
+    finally:
+        relay.stop()
