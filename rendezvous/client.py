@@ -477,6 +477,24 @@ class RendezvousClient:
             raise
         return response.value
 
+    def get_ahead(self, key: str, timeout: float, read_ahead: int) -> tuple[bytes, list[bytes]]:
+        """Like :meth:`get`, and also the values of the key's numbered siblings after it that
+        are set now (``p/3`` -> ``p/4``, ``p/5``, ... up to the first absent one, at most
+        ``read_ahead``; the server may return fewer, and an older server none)."""
+        timeout_ms = _to_ms(timeout)
+        try:
+            response = self._call(
+                f"get({key!r})",
+                self._stub.Get,
+                rendezvous_pb2.GetRequest(key=key, timeout_ms=timeout_ms, read_ahead=read_ahead),
+                timeout=timeout_ms / 1000 + _DEADLINE_SLACK,
+            )
+        except RendezvousError as error:
+            if error.code == grpc.StatusCode.NOT_FOUND:  # timeout 0 and absent
+                raise RendezvousTimeout(str(error), error.code) from None
+            raise
+        return response.value, list(response.ahead)
+
     def wait(self, keys: Sequence[str], timeout: float) -> None:
         """Waits up to ``timeout`` seconds until every key is set."""
         keys = list(keys)

@@ -52,18 +52,22 @@ class SetRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("key", "timeout_ms")
+    __slots__ = ("key", "timeout_ms", "read_ahead")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    READ_AHEAD_FIELD_NUMBER: _ClassVar[int]
     key: str
     timeout_ms: int
-    def __init__(self, key: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    read_ahead: int
+    def __init__(self, key: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., read_ahead: _Optional[int] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("value",)
+    __slots__ = ("value", "ahead")
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     value: bytes
-    def __init__(self, value: _Optional[bytes] = ...) -> None: ...
+    ahead: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, value: _Optional[bytes] = ..., ahead: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WaitRequest(_message.Message):
     __slots__ = ("keys", "timeout_ms")

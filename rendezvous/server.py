@@ -58,6 +58,8 @@ _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 # Untrusted strings quoted back in error messages are cut to this many characters.
 _QUOTE_LIMIT = 200
+#: The most numbered siblings one Get reads ahead (GetRequest.read_ahead).
+_MAX_READ_AHEAD = 65536
 
 
 def _quote(text: str) -> str:
@@ -665,7 +667,12 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         if request.key in self._data:
-            return rendezvous_pb2.GetResponse(value=self._data[request.key])
+            value = self._data[request.key]
+            if request.read_ahead:
+                return rendezvous_pb2.GetResponse(
+                    value=value, ahead=self._read_ahead(request.key, request.read_ahead)
+                )
+            return rendezvous_pb2.GetResponse(value=value)
         if request.timeout_ms == 0:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"key {_quote(request.key)} is not set")
         loop = asyncio.get_running_loop()
@@ -680,7 +687,29 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             await self._abort_shutting_down(context)
         except _Superseded as superseded:
             await self._abort_superseded(context, superseded)
+        if request.read_ahead:
+            return rendezvous_pb2.GetResponse(
+                value=value, ahead=self._read_ahead(request.key, request.read_ahead)
+            )
         return rendezvous_pb2.GetResponse(value=value)
+
+    def _read_ahead(self, key: str, count: int) -> list[bytes]:
+        """The values of ``key``'s numbered siblings after it (``p/3`` -> ``p/4``, ``p/5``, ...)
+        that are set now: at most ``count``, stopping at the first absent one and before the
+        answer would pass ``max_value_bytes`` (so it stays within the message limit)."""
+        last = key.rpartition("/")[2]
+        base = key[: len(key) - len(last)]
+        if not last.isdigit() or (last != "0" and last.startswith("0")) or not last.isascii():
+            return []
+        data, budget, number = self._data, self._max_value_bytes, int(last)
+        ahead: list[bytes] = []
+        for sibling in range(number + 1, number + 1 + min(count, _MAX_READ_AHEAD)):
+            value = data.get(f"{base}{sibling}")
+            if value is None or len(value) > budget:
+                break
+            budget -= len(value)
+            ahead.append(value)
+        return ahead
 
     async def Wait(
         self, request: rendezvous_pb2.WaitRequest, context: grpc.aio.ServicerContext

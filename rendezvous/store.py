@@ -23,6 +23,23 @@ what this class provides:
 * NCCL calls the store from C++ background threads: the only state here is the thread-safe
   client and an immutable prefix.
 
+**Gloo's full mesh in few calls.** torch 2.13's Gloo bootstraps a group of N ranks on a
+Python store with ``wait([p/i])`` then ``get(p/i)`` for every i in 0..N-1, one key at a time
+(it never asks for ``multi_get``): 2N calls per rank, 2N^2 for the job. So a single-key
+``wait`` here reads the value, and with it the values of the key's numbered siblings after it
+(``p/i+1``, ``p/i+2``, ... that are set at that moment, up to the first absent one: the
+server's read-ahead). The rule, per store object and per thread:
+
+* ``get(k)`` right after ``wait([k])`` returns the value the wait read;
+* ``wait([k])`` for a sibling read ahead returns at once (the key was set when it was read);
+* any other call on that thread, or a ``get``/``wait`` of another key, drops what was read.
+
+So a rank's whole sweep costs one call per gap it meets (usually one). Observably this
+differs from asking the server each time only when one of those keys is rewritten or
+deleted between the read and its ``wait``/``get`` — which torch's bootstrap keys never are:
+each is written once, by its rank, under a prefix of its own group (a store that reused a
+group's keys would race the same way on a TCPStore).
+
 Every key gets ``prefix`` prepended: a new prefix per generation keeps a re-initialised job
 from reading the previous generation's keys (torch's group counter restarts at 0).
 
@@ -33,6 +50,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -55,6 +73,10 @@ _NetworkError: type[RuntimeError] = getattr(dist, "DistNetworkError", _StoreErro
 # torch's Store::kNoTimeout (0 ms) means "wait without limit"; we wait this long instead.
 _NO_TIMEOUT_SECONDS = 365 * 24 * 3600.0
 
+# How many numbered siblings a single-key wait asks the server to read ahead (the server also
+# stops at the first absent key and at its value-size limit).
+_READ_AHEAD = 65536
+
 
 def _as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
     if isinstance(value, str):
@@ -69,6 +91,15 @@ def _seconds(timeout: datetime.timedelta | float | None, default: datetime.timed
     return _NO_TIMEOUT_SECONDS if seconds <= 0 else float(seconds)
 
 
+def _siblings(key: str, values: Sequence[bytes]) -> dict[str, bytes]:
+    """``{p/i+1: values[0], p/i+2: values[1], ...}`` for ``key`` = ``p/i``."""
+    last = key.rpartition("/")[2]
+    if not values or not (last.isascii() and last.isdigit()):
+        return {}
+    base, number = key[: len(key) - len(last)], int(last)
+    return {f"{base}{number + j}": value for j, value in enumerate(values, 1)}
+
+
 class RendezvousStore(dist.Store):
     """torch.distributed Store backed by a :class:`RendezvousClient`, keys under ``prefix``."""
 
@@ -81,6 +112,7 @@ class RendezvousStore(dist.Store):
         super().__init__()
         self._client = client
         self._prefix = prefix
+        self._read = threading.local()  # per thread: see "Gloo's full mesh" above
         self.set_timeout(timeout)
 
     def __repr__(self) -> str:
@@ -98,6 +130,33 @@ class RendezvousStore(dist.Store):
     def _key(self, key: str) -> str:
         return self._prefix + key
 
+    # ---- values read by a wait (the rule in the module docstring) -------------------------
+
+    def _forget(self) -> None:
+        """Drops what this thread's last wait read (every call but wait/get does this)."""
+        self._read.__dict__.clear()
+
+    def _waited_value(self, key: str) -> bytes | None:
+        """The value a ``wait([key])`` just read for this thread (taken once), else None;
+        drops everything read when the key is another one."""
+        read = self._read.__dict__
+        if read.get("waited") == key:
+            del read["waited"]
+            value: bytes = read.pop("value")
+            return value
+        read.clear()
+        return None
+
+    def _wait_one(self, key: str, seconds: float) -> None:
+        read = self._read.__dict__
+        ahead: dict[str, bytes] = read.get("ahead", {})
+        value = ahead.pop(key, None)
+        read.clear()
+        if value is None:
+            value, values = self._client.get_ahead(self._key(key), seconds, _READ_AHEAD)
+            ahead = _siblings(key, values)
+        read.update(waited=key, value=value, ahead=ahead)
+
     def _fail(self, error: RendezvousError) -> RuntimeError:
         """The torch-style exception for a failed rendezvous call (the client's message names
         the call, the full key and the timeout)."""
@@ -108,6 +167,7 @@ class RendezvousStore(dist.Store):
     # ---- the basic Store API -----------------------------------------------------------
 
     def set(self, key: str, value: bytes | str) -> None:
+        self._forget()
         try:
             self._client.set(self._key(key), _as_bytes(value))
         except RendezvousError as error:
@@ -115,6 +175,9 @@ class RendezvousStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         """The key's value; blocks until it is set, up to the store timeout."""
+        value = self._waited_value(key)
+        if value is not None:
+            return value
         timeout = _seconds(None, self._store_timeout())
         try:
             return self._client.get(self._key(key), timeout)
@@ -122,6 +185,7 @@ class RendezvousStore(dist.Store):
             raise self._fail(error) from error
 
     def add(self, key: str, value: int) -> int:
+        self._forget()
         try:
             return self._client.add(self._key(key), int(value))
         except RendezvousError as error:
@@ -130,6 +194,7 @@ class RendezvousStore(dist.Store):
     def compare_set(
         self, key: str, expected_value: bytes | str, desired_value: bytes | str
     ) -> bytes:
+        self._forget()
         try:
             return self._client.compare_set(
                 self._key(key), _as_bytes(expected_value), _as_bytes(desired_value)
@@ -138,6 +203,7 @@ class RendezvousStore(dist.Store):
             raise self._fail(error) from error
 
     def check(self, keys: Sequence[str]) -> bool:
+        self._forget()
         try:
             return self._client.check([self._key(key) for key in keys])
         except RendezvousError as error:
@@ -148,11 +214,16 @@ class RendezvousStore(dist.Store):
         keys = list(keys)
         seconds = _seconds(timeout, self._store_timeout())
         try:
+            if len(keys) == 1:
+                self._wait_one(keys[0], seconds)
+                return
+            self._forget()
             self._client.wait([self._key(key) for key in keys], seconds)
         except RendezvousError as error:
             raise self._fail(error) from error
 
     def delete_key(self, key: str) -> bool:
+        self._forget()
         try:
             return self._client.delete(self._key(key))
         except RendezvousError as error:
@@ -163,6 +234,7 @@ class RendezvousStore(dist.Store):
 
     def num_keys(self) -> int:
         """Keys in the whole rendezvous store (every prefix), like a shared TCPStore."""
+        self._forget()
         try:
             return self._client.num_keys()
         except RendezvousError as error:
@@ -184,6 +256,7 @@ class RendezvousStore(dist.Store):
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """Every key's value, in one call; blocks like :meth:`get` until all are set."""
+        self._forget()
         timeout = _seconds(None, self._store_timeout())
         try:
             return self._client.multi_get([self._key(key) for key in keys], timeout)
@@ -191,6 +264,7 @@ class RendezvousStore(dist.Store):
             raise self._fail(error) from error
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        self._forget()
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
         try:
@@ -207,6 +281,7 @@ class RendezvousStore(dist.Store):
         other writer came in between. (Two concurrent appends that produce identical bytes can
         still be taken for one: compare-and-set cannot tell them apart.)
         """
+        self._forget()
         suffix = _as_bytes(value)
         full_key = self._key(key)
         try:

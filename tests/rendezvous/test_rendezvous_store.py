@@ -179,3 +179,125 @@ def test_gloo_process_groups_in_four_processes(secret: str, job_id: str, tmp_pat
             assert result["broadcast"] == {"generation": generation, "from": 0}
             assert result["subgroup_size"] == 2
             assert result["subgroup_sum"] == (2.0 if rank % 2 == 0 else 4.0)
+
+
+# ---- Gloo's full-mesh sweep: wait([p/i]) then get(p/i) for every i, in few calls ----------
+
+
+def _count_calls(client: RendezvousClient, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the client's get/get_ahead/wait calls (the RPCs the store sends)."""
+    counts = {"get": 0, "get_ahead": 0, "wait": 0}
+    for name in counts:
+        method = getattr(client, name)
+
+        def counted(*args: object, _name: str = name, _method: Callable = method) -> object:
+            counts[_name] += 1
+            return _method(*args)
+
+        monkeypatch.setattr(client, name, counted)
+    return counts
+
+
+def _sweep(store: dist.Store, prefix: str, size: int) -> list[bytes]:
+    """What torch 2.13's Gloo does on a Python store to connect its full mesh."""
+    values = []
+    for i in range(size):
+        store.wait([f"{prefix}/{i}"])
+        values.append(store.get(f"{prefix}/{i}"))
+    return values
+
+
+def test_gloo_sweep_takes_one_call_when_every_peer_is_there(
+    server: RendezvousServer, make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = make_client(server)
+    store = RendezvousStore(client, prefix="sweep1/", timeout=datetime.timedelta(seconds=5))
+    wrapped = dist.PrefixStore("0", store)  # through torch's C++ trampoline, as Gloo calls it
+    for i in range(12):
+        wrapped.set(f"cpu/{i}", f"addr-{i}")
+    counts = _count_calls(client, monkeypatch)
+    assert _sweep(wrapped, "cpu", 12) == [f"addr-{i}".encode() for i in range(12)]
+    assert counts == {"get": 0, "get_ahead": 1, "wait": 0}
+
+
+def test_gloo_sweep_waits_for_late_peers(
+    server: RendezvousServer, make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = make_client(server)
+    store = RendezvousStore(client, prefix="sweep2/", timeout=datetime.timedelta(seconds=5))
+    for i in range(3):
+        store.set(f"g/{i}", f"a{i}")
+    late = RendezvousStore(make_client(server), prefix="sweep2/")
+    timer = threading.Timer(0.3, lambda: [late.set(f"g/{i}", f"a{i}") for i in (3, 4)])
+    timer.start()
+    counts = _count_calls(client, monkeypatch)
+    try:
+        assert _sweep(store, "g", 5) == [b"a0", b"a1", b"a2", b"a3", b"a4"]
+    finally:
+        timer.join()
+    assert counts["get"] == 0 and counts["wait"] == 0
+    assert 2 <= counts["get_ahead"] <= 3  # one for 0-2, one when 3 (and maybe 4) arrive
+
+
+def test_values_read_ahead_are_dropped_by_any_other_call(
+    server: RendezvousServer, make_client: ClientFactory
+) -> None:
+    store = RendezvousStore(make_client(server), prefix="sweep3/")
+    other = RendezvousStore(make_client(server), prefix="sweep3/")
+    for i in range(3):
+        store.set(f"k/{i}", b"old")
+    store.wait(["k/0"])  # reads k/1 and k/2 ahead
+    assert store.get("k/0") == b"old"
+    other.set("k/1", b"new")
+    other.set("k/2", b"new")
+    assert store.get("k/1") == b"new"  # a get with no wait before it asks the server
+    store.wait(["k/2"])  # the get above dropped what the first wait read
+    assert store.get("k/2") == b"new"
+
+    store.wait(["k/0"])
+    other.set("k/1", b"newer")
+    assert store.check(["k/1"])  # any other call drops the values read ahead
+    store.wait(["k/1"])
+    assert store.get("k/1") == b"newer"
+
+
+def test_values_read_ahead_belong_to_the_thread_that_waited(
+    server: RendezvousServer, make_client: ClientFactory
+) -> None:
+    store = RendezvousStore(make_client(server), prefix="sweep4/")
+    other = RendezvousStore(make_client(server), prefix="sweep4/")
+    store.set("k/0", b"old")
+    store.set("k/1", b"old")
+    store.wait(["k/0"])  # this thread read k/1 ahead
+    other.set("k/1", b"new")
+    seen: list[bytes] = []
+
+    def read() -> None:
+        store.wait(["k/1"])
+        seen.append(store.get("k/1"))
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join()
+    assert seen == [b"new"]
+
+
+def test_get_ahead_reads_numbered_siblings_that_are_set(
+    server: RendezvousServer, make_client: ClientFactory
+) -> None:
+    client = make_client(server)
+    for i in (0, 1, 2, 4):
+        client.set(f"ra/{i}", f"v{i}".encode())
+    client.set("ra/01", b"padded")
+    client.set("ra/x", b"x")
+    assert client.get_ahead("ra/0", 1.0, 100) == (b"v0", [b"v1", b"v2"])  # stops at a gap
+    assert client.get_ahead("ra/0", 1.0, 1) == (b"v0", [b"v1"])  # at most read_ahead
+    assert client.get_ahead("ra/0", 1.0, 0) == (b"v0", [])
+    assert client.get_ahead("ra/4", 1.0, 100) == (b"v4", [])
+    assert client.get_ahead("ra/01", 1.0, 100) == (b"padded", [])  # not a plain number
+    assert client.get_ahead("ra/x", 1.0, 100) == (b"x", [])
+    # the answer stays within the value limit (4096 bytes on this server)
+    for i in range(4):
+        client.set(f"big/{i}", bytes(1500))
+    value, ahead = client.get_ahead("big/0", 1.0, 100)
+    assert len(value) == 1500 and len(ahead) == 2
