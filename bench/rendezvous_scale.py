@@ -12,6 +12,11 @@ simulated rank has its own connection, as real workers do. Patterns:
 * ``gloo``: Gloo's full-mesh bootstrap on top: every rank sets its address and reads all
   N-1 others (``per-key``: one Get per peer, what torch's Gloo does on a store without the
   extended API; ``batched``: one MultiGet of all peers).
+* ``gloo-torch``: torch's own Gloo bootstrap, not a simulation of it: every rank constructs a
+  real ``ProcessGroupGloo`` (threads in the load processes, each with its own connection)
+  on hvdrun's ``RendezvousStore`` or on a ``TCPStore`` client, so the store sees exactly the
+  calls torch 2.13 makes (``wait([p/i])`` then ``get(p/i)`` for every i) and Gloo connects
+  its real full mesh of TCP pairs (the same work for both stores).
 * ``relay``: what the server sees from hosts whose agents relay their workers
   (:mod:`rendezvous.relay`, multi-host jobs): one connection and one WatchHost stream per
   host, one RegisterHost and one Get of the unique id per host, each worker's own barrier.
@@ -368,6 +373,8 @@ def _tcpstore_ranks(plan: Plan, mine: list[int], start: Any, report: Any, releas
         thread.start()
     for thread in connectors:
         thread.join()
+    if errors:
+        raise RuntimeError(errors[0])
     report.put(("ready",))
     start.wait()
     threads = [threading.Thread(target=one_rank, args=(rank,)) for rank in mine]
@@ -382,9 +389,88 @@ def _tcpstore_ranks(plan: Plan, mine: list[int], start: Any, report: Any, releas
     report.put(("heartbeats", 0))
 
 
+def _torch_gloo_ranks(plan: Plan, mine: list[int], start: Any, report: Any, release: Any) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = datetime.timedelta(seconds=300)
+    errors: list[str] = []
+    stores: dict[int, Any] = {}
+    groups: list[Any] = []
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def connect(rank: int) -> None:
+        try:
+            connect_one(rank)
+        except Exception as error:
+            with lock:
+                errors.append(f"rank {rank} could not connect: {error!r}")
+
+    def connect_one(rank: int) -> None:
+        if plan.store == "tcpstore":
+            stores[rank] = dist.TCPStore(
+                "127.0.0.1", plan.port, None, False, timeout=timeout, use_libuv=True
+            )
+            return
+        from rendezvous.client import RendezvousClient
+        from rendezvous.store import RendezvousStore
+
+        client = RendezvousClient(f"127.0.0.1:{plan.port}", plan.secret, JOB_ID)
+        client.num_keys()  # the channel is up before the clock starts
+        for name in ("get", "get_ahead", "wait", "set"):  # count the RPCs the store sends
+            method = getattr(client, name)
+
+            def counted(*args: Any, _method: Any = method) -> Any:
+                with lock:
+                    calls["n"] += 1
+                return _method(*args)
+
+            setattr(client, name, counted)
+        stores[rank] = RendezvousStore(client, prefix="bench/", timeout=timeout)
+
+    def one_rank(rank: int) -> None:
+        try:
+            store = stores[rank]
+            if plan.store == "tcpstore":  # the prefix our store adds itself
+                store = dist.PrefixStore("bench/", store)
+                with lock:  # TCPStore: torch's calls, 1 set and a wait + get per rank
+                    calls["n"] += 1 + 2 * plan.ranks
+            group = dist.ProcessGroupGloo(store, rank, plan.ranks, timeout)
+            with lock:
+                groups.append(group)
+        except Exception as error:
+            with lock:
+                errors.append(repr(error))
+
+    connectors = [threading.Thread(target=connect, args=(rank,)) for rank in mine]
+    for thread in connectors:
+        thread.start()
+    for thread in connectors:
+        thread.join()
+    if errors:
+        raise RuntimeError(errors[0])
+    report.put(("ready",))
+    start.wait()
+    threads = [threading.Thread(target=one_rank, args=(rank,)) for rank in mine]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(errors[0])
+    report.put((time.time(), calls["n"], len(mine)))
+    release.wait()  # the groups live until every load process is done
+    report.put(("heartbeats", 0))
+
+
 def load(plan: Plan, mine: list[int], start: Any, report: Any, release: Any) -> None:
     try:
-        if plan.store == "tcpstore":
+        if plan.pattern == "gloo-torch":
+            _torch_gloo_ranks(plan, mine, start, report, release)
+        elif plan.store == "tcpstore":
             _tcpstore_ranks(plan, mine, start, report, release)
         else:
             asyncio.run(_grpc_ranks(plan, mine, start, report, release))
@@ -448,7 +534,7 @@ def measure(
         wall = finished - t0
         cpu1 = server.cpu()
         heartbeat_core = float("nan")
-        if store == "rendezvous" and window > 0:
+        if store == "rendezvous" and window > 0 and pattern != "gloo-torch":
             time.sleep(1.0)  # let stragglers settle
             h0, s0 = server.cpu(), time.monotonic()
             time.sleep(window)
