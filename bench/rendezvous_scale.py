@@ -28,6 +28,7 @@ that window is the steady heartbeat cost.
 
     python bench/rendezvous_scale.py                         # the default table
     python bench/rendezvous_scale.py --ranks 256 --pattern gloo --stores rendezvous,tcpstore
+    python bench/rendezvous_scale.py --pattern gloo-torch --gloo-ranks 64,128,256  # real Gloo
     python bench/rendezvous_scale.py --tls --pattern nccl --stores rendezvous   # TLS's cost
 """
 
