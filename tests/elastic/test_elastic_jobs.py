@@ -61,6 +61,10 @@ class Job:
     def wait(self, timeout: float = 150) -> tuple[int, str]:
         try:
             code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            tail = "\n".join(self.lines[-80:])
+            message = f"hvdrun still running after {timeout:g} s; last lines:\n{tail}"
+            raise AssertionError(message) from None
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
