@@ -675,23 +675,40 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             return rendezvous_pb2.GetResponse(value=value)
         if request.timeout_ms == 0:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"key {_quote(request.key)} is not set")
-        loop = asyncio.get_running_loop()
-        try:
-            value = await self._wait_for_key(request.key, loop.time() + request.timeout_ms / 1000)
-        except asyncio.TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"key {_quote(request.key)} was not set within {_seconds(request.timeout_ms)}",
-            )
-        except _ShuttingDown:
-            await self._abort_shutting_down(context)
-        except _Superseded as superseded:
-            await self._abort_superseded(context, superseded)
+        (value,) = await self._values_or_abort(
+            [request.key], request.timeout_ms, context, one_key=True
+        )
         if request.read_ahead:
             return rendezvous_pb2.GetResponse(
                 value=value, ahead=self._read_ahead(request.key, request.read_ahead)
             )
         return rendezvous_pb2.GetResponse(value=value)
+
+    async def _values_or_abort(
+        self,
+        keys: list[str],
+        timeout_ms: int,
+        context: grpc.aio.ServicerContext,
+        one_key: bool = False,
+    ) -> list[bytes]:
+        """The values of ``keys``, waiting up to ``timeout_ms`` for the missing ones one after
+        the other (each wait is a per-key future); a timeout, the server's shutdown or a
+        superseded generation ends the call with its status instead (``one_key``: a Get,
+        whose timeout message names its key)."""
+        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+        try:
+            return [await self._wait_for_key(key, deadline) for key in keys]
+        except asyncio.TimeoutError:
+            if one_key:
+                message = f"key {_quote(keys[0])} was not set within {_seconds(timeout_ms)}"
+            else:
+                missing = [key for key in keys if key not in self._data]
+                message = f"keys not set within {_seconds(timeout_ms)}: {_quote_keys(missing)}"
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+        except _ShuttingDown:
+            await self._abort_shutting_down(context)
+        except _Superseded as superseded:
+            await self._abort_superseded(context, superseded)
 
     def _read_ahead(self, key: str, count: int) -> list[bytes]:
         """The values of ``key``'s numbered siblings after it (``p/3`` -> ``p/4``, ``p/5``, ...)
@@ -717,23 +734,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         error = self._check_timeout(request.timeout_ms)
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        keys = list(request.keys)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + request.timeout_ms / 1000
-        try:
-            # Wait for the missing keys one after the other: each wait is a per-key future.
-            for key in keys:
-                await self._wait_for_key(key, deadline)
-        except asyncio.TimeoutError:
-            missing = [key for key in keys if key not in self._data]
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"keys not set within {_seconds(request.timeout_ms)}: {_quote_keys(missing)}",
-            )
-        except _ShuttingDown:
-            await self._abort_shutting_down(context)
-        except _Superseded as superseded:
-            await self._abort_superseded(context, superseded)
+        await self._values_or_abort(list(request.keys), request.timeout_ms, context)
         return rendezvous_pb2.Empty()
 
     async def MultiGet(
@@ -746,20 +747,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         data = self._data
         if all(key in data for key in keys):  # the common case: no waiting, no coroutines
             return rendezvous_pb2.MultiGetResponse(values=[data[key] for key in keys])
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + request.timeout_ms / 1000
-        try:
-            values = [await self._wait_for_key(key, deadline) for key in keys]
-        except asyncio.TimeoutError:
-            missing = [key for key in keys if key not in self._data]
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"keys not set within {_seconds(request.timeout_ms)}: {_quote_keys(missing)}",
-            )
-        except _ShuttingDown:
-            await self._abort_shutting_down(context)
-        except _Superseded as superseded:
-            await self._abort_superseded(context, superseded)
+        values = await self._values_or_abort(keys, request.timeout_ms, context)
         return rendezvous_pb2.MultiGetResponse(values=values)
 
     async def MultiSet(
