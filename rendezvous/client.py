@@ -370,26 +370,10 @@ class RendezvousClient:
         if rank is not None:
             request.rank = rank
         what = f"rank={rank}, host={host!r}" if rank is not None else f"host={host!r}"
-        try:
-            info = self._call(
-                f"register({what}, local_rank={local_rank})",
-                self._stub.Register,
-                request,
-                timeout=max(timeout_ms / 1000 + _DEADLINE_SLACK, self._rpc_timeout),
-            )
-        except RendezvousError as error:
-            if min_generation > 0 and error.code == grpc.StatusCode.NOT_FOUND:
-                raise RendezvousRemoved(str(error), error.code) from None
-            raise
-        return RankInfo(
-            rank=info.rank,
-            size=info.size,
-            local_rank=info.local_rank,
-            local_size=info.local_size,
-            cross_rank=info.cross_rank,
-            cross_size=info.cross_size,
-            generation=info.generation,
+        info = self._register_call(
+            f"register({what}, local_rank={local_rank})", self._stub.Register, request
         )
+        return _rank_info(info)
 
     def register_host(
         self,
@@ -407,29 +391,27 @@ class RendezvousClient:
             min_generation=min_generation,
             timeout_ms=timeout_ms,
         )
+        response = self._register_call(
+            f"register_host(host={host!r}, {len(request.local_ranks)} local ranks)",
+            self._stub.RegisterHost,
+            request,
+        )
+        return [_rank_info(info) for info in response.ranks]
+
+    def _register_call(self, name: str, method: Callable[..., _Response], request: Any) -> Any:
+        """A Register or RegisterHost call, which may block up to the request's own timeout;
+        NOT_FOUND for a later generation means the host was removed from the job."""
         try:
-            response = self._call(
-                f"register_host(host={host!r}, {len(request.local_ranks)} local ranks)",
-                self._stub.RegisterHost,
+            return self._call(
+                name,
+                method,
                 request,
-                timeout=max(timeout_ms / 1000 + _DEADLINE_SLACK, self._rpc_timeout),
+                timeout=max(request.timeout_ms / 1000 + _DEADLINE_SLACK, self._rpc_timeout),
             )
         except RendezvousError as error:
-            if min_generation > 0 and error.code == grpc.StatusCode.NOT_FOUND:
+            if request.min_generation > 0 and error.code == grpc.StatusCode.NOT_FOUND:
                 raise RendezvousRemoved(str(error), error.code) from None
             raise
-        return [
-            RankInfo(
-                rank=info.rank,
-                size=info.size,
-                local_rank=info.local_rank,
-                local_size=info.local_size,
-                cross_rank=info.cross_rank,
-                cross_size=info.cross_size,
-                generation=info.generation,
-            )
-            for info in response.ranks
-        ]
 
     def multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes]:
         """The keys' values in one call, waiting up to ``timeout`` seconds for all of them."""
@@ -621,3 +603,16 @@ class RendezvousClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _rank_info(info: Any) -> RankInfo:
+    """A RankInfo message (of Register or RegisterHost) as the client's dataclass."""
+    return RankInfo(
+        rank=info.rank,
+        size=info.size,
+        local_rank=info.local_rank,
+        local_size=info.local_size,
+        cross_rank=info.cross_rank,
+        cross_size=info.cross_size,
+        generation=info.generation,
+    )
