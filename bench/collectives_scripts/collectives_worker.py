@@ -1,7 +1,7 @@
 """The worker side of bench/collectives.py: runs under ``hvdrun -np 2``.
 
-Each variant is timed on both ranks after a barrier on torch's default group (which the
-engine does not use); a sample is the slower rank's time. Variants alternate round-robin,
+Each variant is timed on both ranks after a barrier on a Gloo group of its own (neither
+torch's default group, which dist.all_reduce uses, nor the engine's); a sample is the slower rank's time. Variants alternate round-robin,
 every other round in reverse order, and each sample follows one untimed run of the same
 variant: a sample measures the steady state of a loop that repeats the variant (as a
 training loop does), not the switch from another variant. Rank 0 prints one
@@ -30,9 +30,14 @@ LARGE_REPEATS = 2  # a 64 MiB allreduce varies by +-15% run to run here: average
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--only", default="", help="comma-separated variant prefixes")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
+    # Barriers and the timing reduction run on a group of their own: on torch's default
+    # group (the one dist.all_reduce uses) they would leave dist's connections and threads
+    # warm at every sample's start and the engine's idle.
+    timing = dist.new_group(backend="gloo")
     small = [torch.randn(SMALL_NUMEL) for _ in range(SMALL_COUNT)]
     large = torch.randn(LARGE_NUMEL)
     scalar = torch.ones(1)
@@ -90,6 +95,9 @@ def main() -> None:
         "scalar.dist": (dist_scalar, LATENCY_REPEATS),
         "scalar.hvd": (hvd_scalar, LATENCY_REPEATS),
     }
+    if args.only:
+        wanted = tuple(args.only.split(","))
+        variants = {name: v for name, v in variants.items() if name.startswith(wanted)}
     for fn, _ in variants.values():  # warm up: buffers, caches, connections
         fn()
         fn()
@@ -103,11 +111,11 @@ def main() -> None:
         # Alternate the direction, so no variant always follows the same other one.
         for name, (fn, repeats) in order if round_ % 2 == 0 else order[::-1]:
             fn()
-            dist.barrier()
+            dist.barrier(group=timing)
             start = time.perf_counter()
             fn()
             elapsed = torch.tensor([(time.perf_counter() - start) * 1e3 / repeats])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=timing)
             samples[name].append(float(elapsed.item()))
     if hvd.rank() == 0:
         print("RESULT " + json.dumps(samples), flush=True)

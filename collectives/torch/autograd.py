@@ -60,7 +60,7 @@ class Allreduce(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, process_set
         handle = ops.submit_allreduce(
-            [tensor], None, op, pre, post, process_set, name, ops.first_output
+            [tensor], None, op, pre, post, process_set, name, ops.first_output, blocking=True
         )
         result: torch.Tensor = handle.wait()
         return result
@@ -85,7 +85,7 @@ class GroupedAllreduce(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, process_set
         handle = ops.submit_allreduce(
-            tensors, None, op, pre, post, process_set, name, ops.outputs_of
+            tensors, None, op, pre, post, process_set, name, ops.outputs_of, blocking=True
         )
         return tuple(handle.wait())
 
@@ -109,7 +109,9 @@ def _with_dims(request: Request) -> tuple[list[torch.Tensor], list[list[int]]]:
 class Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Any, process_set: ProcessSet) -> torch.Tensor:
-        outputs, dims = ops.submit_allgather([tensor], process_set, name, _with_dims).wait()
+        outputs, dims = ops.submit_allgather(
+            [tensor], process_set, name, _with_dims, blocking=True
+        ).wait()
         ctx.dims, ctx.ps = dims[0], process_set
         result: torch.Tensor = outputs[0]
         return result
@@ -124,7 +126,9 @@ class GroupedAllgather(torch.autograd.Function):
     def forward(
         ctx: Any, name: Any, process_set: ProcessSet, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        outputs, dims = ops.submit_allgather(tensors, process_set, name, _with_dims).wait()
+        outputs, dims = ops.submit_allgather(
+            tensors, process_set, name, _with_dims, blocking=True
+        ).wait()
         ctx.dims, ctx.ps = dims, process_set
         return tuple(outputs)
 
@@ -143,7 +147,7 @@ class Broadcast(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.root_rank, ctx.ps = root_rank, process_set
         handle = ops.submit_broadcast(
-            [tensor], None, root_rank, process_set, name, ops.first_output
+            [tensor], None, root_rank, process_set, name, ops.first_output, blocking=True
         )
         result: torch.Tensor = handle.wait()
         return result
@@ -161,7 +165,9 @@ class Alltoall(torch.autograd.Function):
     def forward(
         ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, process_set: ProcessSet
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        handle = ops.submit_alltoall(tensor, splits, process_set, name, alltoall_result)
+        handle = ops.submit_alltoall(
+            tensor, splits, process_set, name, alltoall_result, blocking=True
+        )
         output, received = handle.wait()
         ctx.received, ctx.ps = received, process_set
         ctx.mark_non_differentiable(received)
@@ -186,7 +192,7 @@ class Reducescatter(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.op, ctx.scale, ctx.ps = op, pre * post, process_set
         handle = ops.submit_reducescatter(
-            [tensor], op, pre, post, process_set, name, ops.first_output
+            [tensor], op, pre, post, process_set, name, ops.first_output, blocking=True
         )
         result: torch.Tensor = handle.wait()
         return result
@@ -218,7 +224,9 @@ class GroupedReducescatter(torch.autograd.Function):
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         ctx.op, ctx.scale, ctx.ps = op, pre * post, process_set
-        handle = ops.submit_reducescatter(tensors, op, pre, post, process_set, name, ops.outputs_of)
+        handle = ops.submit_reducescatter(
+            tensors, op, pre, post, process_set, name, ops.outputs_of, blocking=True
+        )
         return tuple(handle.wait())
 
     @staticmethod

@@ -216,6 +216,7 @@ def allreduce_(
         process_set,
         name,
         _first,
+        blocking=True,
     ).wait()
     return tensor
 
@@ -312,6 +313,7 @@ def grouped_allreduce_(
             process_set,
             name,
             _all,
+            blocking=True,
         ).wait()
     return tensors
 
@@ -402,7 +404,9 @@ def broadcast_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Overwrites the tensor in place with root_rank's values and returns it."""
-    ops.submit_broadcast([tensor], [tensor], root_rank, process_set, name, _first).wait()
+    ops.submit_broadcast(
+        [tensor], [tensor], root_rank, process_set, name, _first, blocking=True
+    ).wait()
     return tensor
 
 

@@ -159,8 +159,10 @@ def submit(
     common: tuple[Any, ...] = (),
     var: str = "",
     finish: Callable[[Request], Any] | None = None,
+    blocking: bool = False,
 ) -> Handle:
-    """Builds and submits a request; returns its handle."""
+    """Builds and submits a request; returns its handle. ``blocking``: the caller waits on
+    the handle right away (see :meth:`Engine.submit`)."""
     engine, group = resolve_process_set(process_set, kind.label)
     set_id = group.process_set_id
     full = engine.auto_name(kind, set_id) if name is None else f"{kind.label}.{_check_name(name)}"
@@ -177,7 +179,7 @@ def submit(
         event.record(torch.cuda.current_stream(inputs[0].device))
         request.ready_events = [event]
     request.submitted = time.monotonic()
-    return engine.submit(request)
+    return engine.submit(request, blocking)
 
 
 def outputs_of(request: Request) -> list[torch.Tensor]:
@@ -208,6 +210,7 @@ def submit_allreduce(
     process_set: ProcessSet | None,
     name: str | None,
     finish: Callable[[Request], Any],
+    blocking: bool = False,
 ) -> Handle:
     """Allreduce of one or more tensors; ``outputs`` None means new output tensors."""
     inputs = [check_tensor(t, "allreduce") for t in tensors]
@@ -226,9 +229,11 @@ def submit_allreduce(
             outs: list[Any] = [None] * len(inputs)
         else:
             outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
-        return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, "", finish)
+        return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking)
     outs = inputs if _same(outputs, tensors) else list(outputs)
-    return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, finish=finish)
+    return submit(
+        Kind.ALLREDUCE, name, process_set, inputs, outs, common, finish=finish, blocking=blocking
+    )
 
 
 def submit_adasum_allreduce(
@@ -281,6 +286,7 @@ def submit_reducescatter(
     process_set: ProcessSet | None,
     name: str | None,
     finish: Callable[[Request], Any],
+    blocking: bool = False,
 ) -> Handle:
     inputs = [check_tensor(t, "reducescatter", min_dims=1) for t in tensors]
     op = ReduceOp(op)
@@ -291,7 +297,16 @@ def submit_reducescatter(
         rows = split_rows(t.shape[0], group.size)[group.index]
         outs.append(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device))
     common = (int(op), float(prescale), float(postscale))
-    return submit(Kind.REDUCESCATTER, name, process_set, inputs, outs, common, finish=finish)
+    return submit(
+        Kind.REDUCESCATTER,
+        name,
+        process_set,
+        inputs,
+        outs,
+        common,
+        finish=finish,
+        blocking=blocking,
+    )
 
 
 def submit_allgather(
@@ -299,11 +314,14 @@ def submit_allgather(
     process_set: ProcessSet | None,
     name: str | None,
     finish: Callable[[Request], Any],
+    blocking: bool = False,
 ) -> Handle:
     inputs = [check_tensor(t, "allgather", min_dims=1) for t in tensors]
     var = ",".join(str(t.shape[0]) for t in inputs)
     outs: list[Any] = [None] * len(inputs)
-    return submit(Kind.ALLGATHER, name, process_set, inputs, outs, var=var, finish=finish)
+    return submit(
+        Kind.ALLGATHER, name, process_set, inputs, outs, var=var, finish=finish, blocking=blocking
+    )
 
 
 def submit_sparse_allreduce(
@@ -362,6 +380,7 @@ def submit_broadcast(
     process_set: ProcessSet | None,
     name: str | None,
     finish: Callable[[Request], Any],
+    blocking: bool = False,
 ) -> Handle:
     inputs = [check_tensor(t, "broadcast") for t in tensors]
     _, group = resolve_process_set(process_set, "broadcast")
@@ -372,7 +391,9 @@ def submit_broadcast(
         outs = inputs if _same(outputs, tensors) else list(outputs)
     # The engine broadcasts from the root's position in the set (every member computes it
     # alike from the same global rank).
-    return submit(Kind.BROADCAST, name, process_set, inputs, outs, (root,), finish=finish)
+    return submit(
+        Kind.BROADCAST, name, process_set, inputs, outs, (root,), finish=finish, blocking=blocking
+    )
 
 
 def root_index(root_rank: Any, group: Group, what: str) -> int:
@@ -415,6 +436,7 @@ def submit_alltoall(
     process_set: ProcessSet | None,
     name: str | None,
     finish: Callable[[Request], Any],
+    blocking: bool = False,
 ) -> Handle:
     inp = check_tensor(tensor, "alltoall", min_dims=1)
     if splits is None:
@@ -429,7 +451,9 @@ def submit_alltoall(
             ) from None
         split_text = ",".join(map(str, values))
     var = f"{inp.shape[0]}/{split_text}"
-    return submit(Kind.ALLTOALL, name, process_set, [inp], [None], var=var, finish=finish)
+    return submit(
+        Kind.ALLTOALL, name, process_set, [inp], [None], var=var, finish=finish, blocking=blocking
+    )
 
 
 # ---- synchronous list-based helpers (functions, optimizer) -----------------------------
@@ -447,7 +471,15 @@ def allreduce_(
     if not tensors:
         return
     submit_allreduce(
-        tensors, tensors, op, prescale_factor, postscale_factor, process_set, name, outputs_of
+        tensors,
+        tensors,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        name,
+        outputs_of,
+        blocking=True,
     ).wait()
 
 
@@ -462,7 +494,9 @@ def broadcast_(
         _, group = resolve_process_set(process_set, "broadcast")
         root_index(root_rank, group, "broadcast")
         return
-    submit_broadcast(tensors, tensors, root_rank, process_set, name, outputs_of).wait()
+    submit_broadcast(
+        tensors, tensors, root_rank, process_set, name, outputs_of, blocking=True
+    ).wait()
 
 
 def allgather(
@@ -478,11 +512,11 @@ def allgather(
         return request.outputs[0], dims
 
     result: tuple[torch.Tensor, list[int]] = submit_allgather(
-        [tensor], process_set, name, finish
+        [tensor], process_set, name, finish, blocking=True
     ).wait()
     return result
 
 
 def barrier(process_set: ProcessSet | None = global_process_set) -> None:
     """Returns once every rank of the process set has reached the barrier."""
-    submit(Kind.BARRIER, None, process_set, [], []).wait()
+    submit(Kind.BARRIER, None, process_set, [], [], blocking=True).wait()

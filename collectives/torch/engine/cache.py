@@ -56,11 +56,19 @@ _RIDER_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 Key = tuple[int, int, str, str, str]
 
 
+_PREFIXES = [
+    (f"{kind.label}.noname.", len(f"{kind.label}.noname."), f"{kind.label}.noname.*")
+    for kind in Kind
+]
+
+
 def key_of(kind: Kind, process_set_id: int, name: str, sig: str, var: str) -> tuple[Key, int]:
     """The cache key of an op, and its auto-name counter plus one (0 for named ops)."""
-    prefix = f"{kind.label}.noname."
-    if name.startswith(prefix) and name[len(prefix) :].isdigit():
-        return (int(kind), process_set_id, prefix + "*", sig, var), int(name[len(prefix) :]) + 1
+    prefix, length, pattern = _PREFIXES[kind]
+    if name.startswith(prefix):
+        counter = name[length:]
+        if counter.isdigit():
+            return (int(kind), process_set_id, pattern, sig, var), int(counter) + 1
     return (int(kind), process_set_id, name, sig, var), 0
 
 
@@ -109,6 +117,24 @@ class _Rider:
     index: int  # cache index
     key: Key
     numel: int
+    shape: tuple[int, ...]
+
+
+class _Staging:
+    """The predicted round's vector, kept from round to round for one layout of riders:
+    each rider's slice viewed in its tensor's shape, so that a round copies the inputs in
+    and the results out without allocating (a fresh tensor per round also costs a GIL
+    round trip when Gloo's thread drops the last reference to it)."""
+
+    def __init__(self, layout: list[_Rider]) -> None:
+        self.layout = layout
+        self.vector = torch.zeros(sum(r.numel for r in layout) or 1, dtype=torch.float64)
+        self.parts: list[torch.Tensor] = []
+        offset = 0
+        for rider in layout:
+            self.parts.append(self.vector[offset : offset + rider.numel].view(rider.shape))
+            offset += rider.numel
+        self.head = self.vector[:1]
 
 
 def rides(request: Request) -> bool:
@@ -145,6 +171,8 @@ class CacheRound:
         # cache round and a fused allreduce.
         self._full_left = 0
         self._misses = 0  # cache rounds that failed in a row
+        self._staging: _Staging | None = None
+        self._layout_evictions = 0  # the cache's evictions when the layout was last checked
 
     def forget(self) -> None:
         """A full negotiation ran: predict nothing until the pattern repeats again."""
@@ -170,8 +198,10 @@ class CacheRound:
             self._full_left -= 1
             return None
         cache = self.cache
-        layout = [r for r in self._layout if r.index < len(cache.keys)]
-        layout = [r for r in layout if cache.keys[r.index] == r.key]
+        if self._layout_evictions != cache.evictions:  # (indices stay valid but for these)
+            self._layout = [r for r in self._layout if cache.keys[r.index] == r.key]
+            self._layout_evictions = cache.evictions
+        layout = self._layout
         if self._prediction is not None:
             # A pattern that stopped repeating goes straight to the full negotiation: at
             # most one small extra collective.
@@ -299,45 +329,51 @@ class CacheRound:
         assert prediction is not None
         cache = self.cache
         ops: list[tuple[int, Request, int]] = []
+        by_index: dict[int, Request] = {}
         if not dirty and len(new) == len(prediction):
             wanted = dict(prediction)
             for request in new:
                 key, counter = request_key(request)
                 index = cache.lookup(key)
-                if index is None or wanted.get(index, -1) != counter or counter >= MAX_COUNTER:
+                if index is None or wanted.pop(index, -1) != counter or counter >= MAX_COUNTER:
+                    ops = []
+                    by_index = {}
                     break
                 ops.append((index, request, counter))
-            if len({index for index, _, _ in ops}) != len(prediction):
-                ops = []
-        by_index = {index: request for index, request, _ in ops}
-        length = sum(r.numel for r in layout) or 1
+                by_index[index] = request
+        staging = self._staging
+        if staging is None or staging.layout is not layout:
+            staging = self._staging = _Staging(layout)
         if ops and all(r.index in by_index for r in layout):
-            if layout:
-                parts = [by_index[r.index].inputs[0].reshape(-1) for r in layout]
-                vector = torch.cat(parts).to(torch.float64)
-                offset = 0
-                for rider in layout:
-                    prescale = float(by_index[rider.index].common[1])
-                    scale_(vector[offset : offset + rider.numel], prescale)
-                    offset += rider.numel
-            else:
-                vector = torch.zeros(1, dtype=torch.float64)
+            if not layout:
+                staging.vector.zero_()
+            for rider, part in zip(layout, staging.parts, strict=True):
+                request = by_index[rider.index]
+                part.copy_(request.inputs[0])
+                prescale = request.common[1]
+                if prescale != 1.0:
+                    scale_(part, float(prescale))
         else:
-            vector = torch.full((length,), math.nan, dtype=torch.float64)
-        _allreduce(group, vector, timeout)
-        if math.isnan(vector[0].item()):
+            staging.vector.fill_(math.nan)
+        _allreduce(group, staging.vector, timeout)
+        if math.isnan(staging.head.item()):
             self._prediction = None
             self._last = []
             return None
         riders: list[Request] = []
-        offset = 0
-        for rider in layout:
+        size = self.size
+        for rider, part in zip(layout, staging.parts, strict=True):
             request = by_index[rider.index]
-            _finish_rider(request, vector[offset : offset + rider.numel], self.size)
+            _finish_rider(request, part, size)
             riders.append(request)
-            offset += rider.numel
-        ops.sort(key=lambda op: op[0])
-        return self._agreed(ops, riders)
+        if len(ops) > 1:
+            ops.sort(key=lambda op: op[0])
+        # The pattern repeated (again): the same bookkeeping as _agreed's, without checking.
+        for index, _, _ in ops:
+            cache.use(cache.keys[index])
+        self._last = [(index, counter) for index, _, counter in ops]
+        self._prediction = [(i, c + 1 if c else 0) for i, c in self._last]
+        return [request for _, request, _ in ops], riders
 
     def _plan_riders(self, requests: Sequence[Request]) -> None:
         """The next round's riders: this round's small Sum/Average allreduces (the same
@@ -354,9 +390,10 @@ class CacheRound:
                 key, _ = request_key(request)
                 index = self.cache.lookup(key)
                 assert index is not None
-                layout.append(_Rider(index, key, numel))
+                layout.append(_Rider(index, key, numel, request.specs[0].shape))
                 total += numel
         self._layout = layout
+        self._layout_evictions = self.cache.evictions
 
     def forget_riders(self) -> None:
         self._layout = []
@@ -370,15 +407,20 @@ def _allreduce(group: Any, vector: torch.Tensor, timeout: float | None) -> None:
     group.allreduce([vector], opts).wait()
 
 
+_SUM_VALUE = int(ReduceOp.SUM)
+
+
 def _finish_rider(request: Request, summed: torch.Tensor, size: int) -> None:
-    spec = request.specs[0]
-    op, postscale = ReduceOp(request.common[0]), float(request.common[2])
+    """Completes a rider from its summed data (float64; in the rider's shape or flat, and
+    possibly a buffer that is reused: the result never aliases it)."""
+    common = request.common
     out = request.outputs[0]
-    if out is not None and op == ReduceOp.SUM and postscale == 1.0:
-        out.copy_(summed.view(out.shape))  # casts on the way
+    if out is not None and common[0] == _SUM_VALUE and common[2] == 1.0:
+        out.copy_(summed if summed.shape == out.shape else summed.view(out.shape))  # casts
         return
-    result = summed.to(spec.dtype)
-    finish_(result, op, postscale, size)
+    spec = request.specs[0]
+    result = summed.to(spec.dtype, copy=True)
+    finish_(result, ReduceOp(common[0]), float(common[2]), size)
     if out is None:
         request.outputs[0] = result.view(spec.shape)
     else:

@@ -151,6 +151,7 @@ class Engine:
         self._first_new = 0.0
         self._last_submit = 0.0
         self._flush = False
+        self._woken = False  # the engine thread was notified of ops not yet in a cycle
         self._leaving = False
         self._abort_requested = False
         self._error: HorovodInternalError | None = None
@@ -194,8 +195,12 @@ class Engine:
     def new_handle(self) -> Handle:
         return Handle(self.flush)
 
-    def submit(self, request: Request) -> Handle:
-        """Queues a request for the next cycle; raises if this rank cannot run ops any more."""
+    def submit(self, request: Request, blocking: bool = False) -> Handle:
+        """Queues a request for the next cycle; raises if this rank cannot run ops any more.
+
+        ``blocking``: the caller waits on the handle right away, and that wait runs the
+        cycle (see :meth:`flush`), so the engine thread is not woken: waking it costs a
+        thread switch and a fight for the GIL on every synchronous op."""
         key = (request.process_set_id, request.name)
         with self._lock:
             if self._error is not None:
@@ -214,6 +219,8 @@ class Engine:
             self._local[key] = request
             if not self._new:
                 self._first_new = request.submitted
+            if not blocking and not self._woken:
+                self._woken = True
                 self._cond.notify()
             self._new.append(request)
             self._last_submit = request.submitted
@@ -285,8 +292,11 @@ class Engine:
             self._abandon_groups()
             if not isinstance(error, Exception):  # Ctrl-C in a thread that ran the cycle
                 raise
-        if not self._running or threading.current_thread() is not self._thread:
-            with self._cond:  # the engine thread's deadline may have changed
+        if not self._running or (
+            threading.current_thread() is not self._thread
+            and (self._awaiting or self._abort_requested)
+        ):
+            with self._cond:  # the engine thread must act sooner than it planned
                 self._cond.notify_all()
 
     def _autotune(self, tuner: Autotuner) -> None:
@@ -393,6 +403,7 @@ class Engine:
         with self._cond:
             new, self._new = self._new, []
             self._flush = False
+            self._woken = False
             leaving = self._leaving
             flags = (FLAG_LEAVING if leaving else 0) | (FLAG_ABORT if self._abort_requested else 0)
         self._last_cycle = start
@@ -480,16 +491,21 @@ class Engine:
         self._count(agreed)
         if riders:
             with self._cond:
+                local = self._local
                 for request in riders:
-                    self._local.pop((request.process_set_id, request.name), None)
+                    local.pop((request.process_set_id, request.name), None)
             tl = self.timeline
-            seen = dict.fromkeys(range(self.size), now)
-            for request in riders:
-                if tl is not None:
+            if tl is not None:
+                seen = dict.fromkeys(range(self.size), now)
+                for request in riders:
                     tl.negotiated(request.name, request.kind.label.upper(), seen, now)
+            for request in riders:
                 self._complete(request, None)
-            rode = {id(request) for request in riders}
-            agreed = [request for request in agreed if id(request) not in rode]
+            if len(riders) == len(agreed):  # (riders are among the agreed ops)
+                agreed = []
+            else:
+                rode = {id(request) for request in riders}
+                agreed = [request for request in agreed if id(request) not in rode]
         if agreed:
             self._run_agreed(agreed, now, None, (), cache=False)
 

@@ -76,6 +76,55 @@ def main() -> None:
 
     checks.run("large", large)
 
+    def repeated_riders() -> None:
+        # The steady state of one small op: the same op round after round rides a reused
+        # buffer; every result stays its own (float64 included, where a cast is no copy).
+        results = []
+        for i in range(12):
+            x = torch.tensor([float(rank + i), 2.0], dtype=torch.float64)
+            results.append(hvd.allreduce(x, op=hvd.Average, name="rider.avg"))
+        summed = [
+            hvd.allreduce_(torch.full((2, 2), float(rank + i)), op=hvd.Sum) for i in range(12)
+        ]
+        for i, (mean, total) in enumerate(zip(results, summed, strict=True)):
+            want = float(ranks.mean()) + i
+            checks.expect(
+                f"riders.{i}",
+                bool((mean == torch.tensor([want, 2.0], dtype=torch.float64)).all())
+                and bool((total == float(ranks.sum()) + size * i).all()),
+                (mean, total),
+            )
+
+    checks.run("riders", repeated_riders)
+
+    def two_threads() -> None:
+        # Blocking ops on two threads at once: one thread's wait runs the cycle while the
+        # other's must hand its op to the cycle in flight or the engine thread.
+        import threading
+
+        failures: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                for i in range(30):
+                    t = torch.tensor([float(rank * i)])
+                    hvd.allreduce_(t, op=hvd.Sum, name="thread.other")
+                    if float(t) != float(ranks.sum() * i):
+                        raise AssertionError(f"thread.other {i}: {float(t)}")
+            except BaseException as error:
+                failures.append(error)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        for i in range(30):
+            mine = hvd.allreduce(torch.tensor([float(rank + i)]), op=hvd.Sum, name="thread.main")
+            if float(mine) != float(ranks.sum()) + size * i:
+                failures.append(AssertionError(f"thread.main {i}: {float(mine)}"))
+        thread.join(60)
+        checks.expect("threads", not failures and not thread.is_alive(), failures)
+
+    checks.run("threads", two_threads)
+
     stats = runtime.engine().stats
     engine_cache = runtime.engine().response_cache
     if runtime.engine().config.autotune:
