@@ -1,11 +1,12 @@
 """The worker side of bench/collectives.py: runs under ``hvdrun -np 2``.
 
 Each variant is timed on both ranks after a barrier on a Gloo group of its own (neither
-torch's default group, which dist.all_reduce uses, nor the engine's); a sample is the slower rank's time. Variants alternate round-robin,
-every other round in reverse order, and each sample follows one untimed run of the same
-variant: a sample measures the steady state of a loop that repeats the variant (as a
-training loop does), not the switch from another variant. Rank 0 prints one
-``RESULT <json>`` line with every variant's samples in milliseconds.
+torch's default group, which dist.all_reduce uses, nor the engine's); a sample is the slower
+rank's time. Variants alternate round-robin, every other round in reverse order, and each
+sample follows one untimed run of the same variant: a sample measures the steady state of a
+loop that repeats the variant (as a training loop does), not the switch from another
+variant. Rank 0 prints one ``RESULT <json>`` line with every variant's samples in
+milliseconds.
 """
 
 from __future__ import annotations
