@@ -170,10 +170,21 @@ def submit(
         device = inputs[0].device
         if any(t.device != device for t in inputs):
             raise ValueError(f"{kind.label}: all tensors of one op must be on the same device")
-    request = Request(kind, full, set_id, inputs, outputs, engine.new_handle(), common)
-    request.finish = finish
-    request.sig, request.specs = _describe(kind, common, inputs)
-    request.var = var
+    sig, specs = _describe(kind, common, inputs)
+    handle = engine.new_handle()
+    request = Request(
+        kind,
+        full,
+        set_id,
+        inputs,
+        outputs,
+        handle,
+        common,
+        finish=finish,
+        sig=sig,
+        var=var,
+        specs=specs,
+    )
     if inputs and inputs[0].is_cuda:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(inputs[0].device))
@@ -196,6 +207,8 @@ def first_output(request: Request) -> torch.Tensor:
 
 def _same(outputs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> bool:
     """Whether an op is in place (its outputs are its input tensors)."""
+    if len(outputs) == 1 == len(tensors):
+        return outputs[0] is tensors[0]
     return len(outputs) == len(tensors) and all(
         o is t for o, t in zip(outputs, tensors, strict=True)
     )

@@ -5,7 +5,10 @@ Ops progress in *cycles*: one negotiation round (see :mod:`negotiation`) followe
 collectives of every op that became ready in it, fused into buckets (see :mod:`fusion` and
 :mod:`execute`), in the same order on every rank. A cycle runs on the engine's thread, or
 on a thread that blocks in ``synchronize()`` while no cycle is running: that thread then
-runs the cycle itself, so a synchronous op costs no thread switch.
+runs the cycle itself, so a synchronous op costs no thread switch. A *blocking* op (one the
+caller waits on right away: ``hvd.allreduce``, ``allreduce_``, ``broadcast``...) does not
+even wake the engine thread; a cycle run by a caller wakes it only when it has to act before
+its next keepalive (an op waits for another rank, the engine stopped).
 
 When a rank enters a cycle, so that the lockstep costs no CPU while nothing happens:
 
@@ -233,9 +236,7 @@ class Engine:
         is in it): a synchronous op then costs no thread switch at all, only the
         negotiation round and its collective. Otherwise the engine thread is woken.
         """
-        if threading.current_thread() is not self._thread and self._cycle_lock.acquire(
-            blocking=False
-        ):
+        if threading.get_ident() != self._thread.ident and self._cycle_lock.acquire(blocking=False):
             try:
                 with self._cond:
                     runnable = bool(self._new) and self._running
@@ -293,8 +294,8 @@ class Engine:
             if not isinstance(error, Exception):  # Ctrl-C in a thread that ran the cycle
                 raise
         if not self._running or (
-            threading.current_thread() is not self._thread
-            and (self._awaiting or self._abort_requested)
+            (self._awaiting or self._abort_requested)
+            and threading.get_ident() != self._thread.ident
         ):
             with self._cond:  # the engine thread must act sooner than it planned
                 self._cond.notify_all()
