@@ -5,14 +5,16 @@ torch's default group, which dist.all_reduce uses, nor the engine's); a sample i
 rank's time. Variants alternate round-robin, every other round in reverse order, and each
 sample follows one untimed run of the same variant: a sample measures the steady state of a
 loop that repeats the variant (as a training loop does), not the switch from another
-variant. Rank 0 prints one ``RESULT <json>`` line with every variant's samples in
-milliseconds.
+variant. A latency sample is the median of its 200 calls' times (the steady state of a loop
+of small ops, without the first call after the barrier). Rank 0 prints one ``RESULT <json>``
+line with every variant's samples in milliseconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 
@@ -24,7 +26,7 @@ import collectives.torch as hvd
 SMALL_COUNT = 100
 SMALL_NUMEL = 1024  # 4 KB of float32
 LARGE_NUMEL = 16 * 1024 * 1024  # 64 MiB of float32
-LATENCY_REPEATS = 20
+LATENCY_REPEATS = 200  # calls per latency sample; the sample is their median (as in issue 15)
 LARGE_REPEATS = 2  # a 64 MiB allreduce varies by +-15% run to run here: average two
 
 
@@ -41,7 +43,8 @@ def main() -> None:
     timing = dist.new_group(backend="gloo")
     small = [torch.randn(SMALL_NUMEL) for _ in range(SMALL_COUNT)]
     large = torch.randn(LARGE_NUMEL)
-    scalar = torch.ones(1)
+    scalar = torch.zeros(1)  # (stays finite however often it is summed)
+    calls: list[float] = []  # each latency call's time, in ms
     names = [f"bench.grad.{i}" for i in range(SMALL_COUNT)]
 
     def dist_small() -> None:
@@ -78,12 +81,18 @@ def main() -> None:
             hvd.allreduce(large, op=hvd.Average)
 
     def dist_scalar() -> None:
+        calls.clear()
         for _ in range(LATENCY_REPEATS):
+            start = time.perf_counter()
             dist.all_reduce(scalar)
+            calls.append((time.perf_counter() - start) * 1e3)
 
     def hvd_scalar() -> None:
+        calls.clear()
         for _ in range(LATENCY_REPEATS):
+            start = time.perf_counter()
             hvd.allreduce_(scalar, op=hvd.Sum)
+            calls.append((time.perf_counter() - start) * 1e3)
 
     variants: dict[str, tuple[Callable[[], None], int]] = {
         "small.dist": (dist_small, 1),
@@ -116,6 +125,8 @@ def main() -> None:
             start = time.perf_counter()
             fn()
             elapsed = torch.tensor([(time.perf_counter() - start) * 1e3 / repeats])
+            if name.startswith("scalar."):  # latency: the median call, not the mean
+                elapsed[0] = statistics.median(calls)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=timing)
             samples[name].append(float(elapsed.item()))
     if hvd.rank() == 0:
