@@ -118,6 +118,7 @@ class _Rider:
     key: Key
     numel: int
     shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class _Staging:
@@ -128,7 +129,13 @@ class _Staging:
 
     def __init__(self, layout: list[_Rider]) -> None:
         self.layout = layout
-        self.vector = torch.zeros(sum(r.numel for r in layout) or 1, dtype=torch.float64)
+        # In the riders' own dtype when they share float32 or float64 (no cast on the way in
+        # or out, the same collective as an allreduce of the tensor itself), else float64.
+        dtypes = {r.dtype for r in layout}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
+        if dtype not in (torch.float32, torch.float64):
+            dtype = torch.float64
+        self.vector = torch.zeros(sum(r.numel for r in layout) or 1, dtype=dtype)
         self.parts: list[torch.Tensor] = []
         offset = 0
         for rider in layout:
@@ -390,7 +397,8 @@ class CacheRound:
                 key, _ = request_key(request)
                 index = self.cache.lookup(key)
                 assert index is not None
-                layout.append(_Rider(index, key, numel, request.specs[0].shape))
+                spec = request.specs[0]
+                layout.append(_Rider(index, key, numel, spec.shape, spec.dtype))
                 total += numel
         self._layout = layout
         self._layout_evictions = self.cache.evictions
@@ -411,7 +419,7 @@ _SUM_VALUE = int(ReduceOp.SUM)
 
 
 def _finish_rider(request: Request, summed: torch.Tensor, size: int) -> None:
-    """Completes a rider from its summed data (float64; in the rider's shape or flat, and
+    """Completes a rider from its summed data (float32 or 64; in its shape or flat, and
     possibly a buffer that is reused: the result never aliases it)."""
     common = request.common
     out = request.outputs[0]
