@@ -25,7 +25,6 @@ next one. ``collectives.torch.elastic.run`` calls it; user code need not.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import datetime
 import logging
 import os
@@ -111,12 +110,6 @@ def init(comm: Any = None) -> bool:
         else:
             runtime_ = _init_single(backend, timeout)
             runtime_.started_by = placement.name if placement is not None else ""
-        if runtime_.elastic and (cfg.cache_capacity > 0 or cfg.autotune):
-            # Elastic jobs run without the response cache and autotune for now: with the
-            # cache, a membership change was seen to leave the next generation's bootstrap
-            # hanging (tests/elastic, rank 0's host dies and comes back).
-            logger.info("elastic job: response cache and autotune are off")
-            cfg = dataclasses.replace(cfg, cache_capacity=0, autotune=False)
         runtime_.config = cfg
         try:
             if runtime_.elastic:

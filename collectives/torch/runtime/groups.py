@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from collectives.torch.engine import timeline
 from collectives.torch.engine.core import Engine
@@ -59,12 +60,22 @@ def select_cuda_device(backend: str, local_rank_: int) -> None:
 
 
 def destroy_groups() -> None:
-    """Destroys the default process group and every other one (it may be broken already)."""
+    """Destroys the default process group and every other one (it may be broken already),
+    and restarts torch's count of unnamed groups.
+
+    torch names each group by that count, and the names are part of the store keys its
+    bootstrap meets peers under. ``destroy_process_group()`` restarts the count, but an
+    ``init_process_group`` that failed (an elastic bootstrap superseded by a newer
+    generation) counted a default group it never created: the next bootstrap would then look
+    for its peers under other keys than theirs, and every rank would wait for the others.
+    """
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception as error:  # the groups may be broken already
         logger.debug("destroy_process_group failed: %s", error)
+    if not dist.is_initialized():
+        distributed_c10d._world.group_count = 0
 
 
 def start_engine(runtime_: RuntimeState) -> Engine:

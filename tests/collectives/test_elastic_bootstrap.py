@@ -1,0 +1,69 @@
+"""Elastic bootstrap on a rendezvous harness (no hvdrun, no root): a worker whose bootstrap
+of one membership generation was superseded joins the next one with workers that never
+failed."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+
+from rendezvous.client import RendezvousClient
+from rendezvous.server import RendezvousServer
+from rendezvous.slots import assign_slots
+from tests.collectives.conftest import REPO, WORKERS, clean_env
+
+JOB_ID = "elastic-bootstrap-test"
+
+
+def _spawn(addr: str, secret: str, host: str) -> subprocess.Popen[str]:
+    env = clean_env()
+    env.update(
+        HVDRUN_RENDEZVOUS_ADDR=addr,
+        HVDRUN_JOB_ID=JOB_ID,
+        HVDRUN_SECRET=secret,
+        HVDRUN_ELASTIC="1",
+        HVDRUN_HOSTNAME=host,
+        HVDRUN_LOCAL_RANK="0",
+        HVDRUN_GLOO_TIMEOUT_SECONDS="5",
+    )
+    return subprocess.Popen(
+        [sys.executable, str(WORKERS / "elastic_join_worker.py")],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_a_superseded_bootstrap_does_not_keep_the_next_generation_apart() -> None:
+    # torch counts the default group that a failed init_process_group never created: the
+    # worker's next bootstrap would look for its peers under other store keys than theirs.
+    secret = secrets.token_hex(16)
+    with RendezvousServer(
+        [], secret, JOB_ID, bind_host="127.0.0.1", heartbeat_interval=0.2, elastic=True
+    ) as server:
+        addr = f"127.0.0.1:{server.port}"
+        server.publish(assign_slots([("a", 1), ("b", 1)], 2))  # a never comes
+        workers = [_spawn(addr, secret, "b")]
+        client = RendezvousClient(addr, secret, JOB_ID)
+        try:
+            # b, rank 1 of generation 1, has published its address and waits for rank 0
+            client.get("hvdrun/g1/i1/0//cpu//0/1", timeout=60)
+            server.publish(assign_slots([("b", 1), ("c", 1)], 2))  # supersedes generation 1
+            workers.append(_spawn(addr, secret, "c"))
+            outputs = [worker.communicate(timeout=60) for worker in workers]
+        finally:
+            client.close()
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.communicate()
+    (b_out, b_err), (c_out, c_err) = outputs
+    assert "could not join generation 1" in b_err, b_err
+    assert workers[0].returncode == 0, b_out + b_err
+    assert workers[1].returncode == 0, c_out + c_err
+    assert "joined rank=0 size=2 generation=2 sum=3" in b_out, b_out + b_err
+    assert "joined rank=1 size=2 generation=2 sum=3" in c_out, c_out + c_err
