@@ -207,11 +207,7 @@ class CacheRound:
         if self._full_left:
             self._full_left -= 1
             return None
-        cache = self.cache
-        if self._layout_evictions != cache.evictions:  # (indices stay valid but for these)
-            self._layout = [r for r in self._layout if cache.keys[r.index] == r.key]
-            self._layout_evictions = cache.evictions
-        layout = self._layout
+        layout = self._valid_layout()
         if self._prediction is not None:
             # A pattern that stopped repeating goes straight to the full negotiation: at
             # most one small extra collective.
@@ -228,6 +224,58 @@ class CacheRound:
         else:
             self._misses = 0
         return outcome
+
+    def _valid_layout(self) -> list[_Rider]:
+        """The riders' layout, without riders whose cache entry was evicted since."""
+        cache = self.cache
+        if self._layout_evictions != cache.evictions:  # (indices stay valid but for these)
+            self._layout = [r for r in self._layout if cache.keys[r.index] == r.key]
+            self._layout_evictions = cache.evictions
+        return self._layout
+
+    def _stage(self, layout: list[_Rider]) -> _Staging:
+        staging = self._staging
+        if staging is None or staging.layout is not layout:
+            staging = self._staging = _Staging(layout)
+        return staging
+
+    def predicts_one(self) -> bool:
+        """Whether the next round is a predicted round of exactly one op (every rank alike)."""
+        prediction = self._prediction
+        return prediction is not None and len(prediction) == 1 and not self._full_left
+
+    def run_one(self, group: Any, request: Request) -> bool | None:
+        """The predicted round for a lone blocking op (see ``Engine.run_now``), when it is
+        the one op predicted and it rides: None when it is not (nothing ran); True when the
+        round agreed (the request's result is in its output); False when another rank's
+        ops differed (NaN): every rank falls back to the full negotiation of this cycle."""
+        if not self.predicts_one():
+            return None
+        assert self._prediction is not None
+        ((index, want),) = self._prediction
+        layout = self._valid_layout()
+        if len(layout) != 1 or layout[0].index != index:
+            return None
+        key, counter = request_key(request)
+        if counter != want or counter >= MAX_COUNTER or self.cache.lookup(key) != index:
+            return None
+        staging = self._stage(layout)
+        part = staging.parts[0]
+        part.copy_(request.inputs[0])
+        prescale = request.common[1]
+        if prescale != 1.0:
+            scale_(part, float(prescale))
+        _allreduce(group, staging.vector, None)
+        if math.isnan(staging.first[0]):
+            self._prediction = None
+            self._last = []
+            return False
+        _finish_rider(request, part, self.size)
+        self.cache.use(key)
+        self._last = [(index, counter)]
+        self._prediction = [(index, counter + 1 if counter else 0)]
+        self.predicted_rounds += 1
+        return True
 
     def _counted(
         self,
@@ -351,9 +399,7 @@ class CacheRound:
                     break
                 ops.append((index, request, counter))
                 by_index[index] = request
-        staging = self._staging
-        if staging is None or staging.layout is not layout:
-            staging = self._staging = _Staging(layout)
+        staging = self._stage(layout)
         if ops and all(r.index in by_index for r in layout):
             if not layout:
                 staging.vector.zero_()

@@ -250,6 +250,70 @@ class Engine:
                 self._flush = True
                 self._cond.notify()
 
+    def run_now(self, request: Request) -> bool:
+        """The fast lane of a blocking op: when the engine is idle and the response cache
+        predicts exactly this op as the next round (a lone small allreduce repeated in a
+        loop), the calling thread runs that round at once, without queueing the request,
+        waking anyone or building the cycle's bookkeeping. True when the request is in the
+        engine's hands (finished, failed, or pending after every rank fell back to the full
+        negotiation because another rank's ops differed); False when the lane is closed and
+        the caller submits it as usual."""
+        cache_round = self._cache_round
+        if (
+            cache_round is None
+            or not cache_round.predicts_one()
+            or self.timeline is not None
+            or self._tuner is not None
+            or threading.get_ident() == self._thread.ident
+        ):
+            return False
+        if not self._cycle_lock.acquire(blocking=False):
+            return False
+        try:
+            with self._cond:
+                if (
+                    self._new
+                    or self._local
+                    or not self._running
+                    or self._leaving
+                    or self._abort_requested
+                    or self._table.entries
+                    or self._table.joined
+                ):
+                    return False
+            ran = False
+
+            def lane() -> bool:
+                nonlocal ran
+                # Decided before any collective: every rank runs this cycle's cache round,
+                # here or in _cycle, with the same vector.
+                self._current = [request]  # (failed by _break if anything below fails)
+                outcome = cache_round.run_one(self._control_group, request)
+                if outcome is None:
+                    self._current = []
+                    return True  # not exactly the predicted op: nothing ran
+                ran = True
+                now = time.monotonic()
+                self._last_cycle = now
+                self._cycle_no += 1
+                if outcome:
+                    self.stats["cache_rounds"] += 1
+                    self._last_round = now
+                    self._complete(request, None)
+                    self._current = []
+                    return True
+                # Another rank's ops differed: every rank goes on to the full negotiation of
+                # this cycle, this op announced in it as if it had been queued.
+                self._current = []
+                with self._cond:
+                    self._local[(request.process_set_id, request.name)] = request
+                return self._full_round([request], 0, None)
+
+            self._guarded_cycle(lane)
+            return ran
+        finally:
+            self._cycle_lock.release()
+
     def stop(self, timeout: float | None = None) -> None:
         """Announces this rank's departure, runs the last cycle and stops the thread."""
         with self._cond:
@@ -277,12 +341,13 @@ class Engine:
                 if due:
                     self._guarded_cycle()
 
-    def _guarded_cycle(self) -> None:
-        """Runs one cycle (holding the cycle lock); any failure stops the engine."""
+    def _guarded_cycle(self, body: Callable[[], bool] | None = None) -> None:
+        """Runs one cycle (holding the cycle lock; ``body`` instead of :meth:`_cycle`, for
+        the fast lane); any failure stops the engine."""
         try:
             self._busy = False
             self._round_bytes = 0
-            if not self._cycle():
+            if not (self._cycle() if body is None else body()):
                 self._running = False
             elif self._busy and self._tuner is not None:
                 self._autotune(self._tuner)
@@ -428,6 +493,13 @@ class Engine:
                 self._awaiting = False
                 self._quiet = not outcome[0]
                 return True
+        return self._full_round(new, flags, timeout)
+
+    def _full_round(self, new: list[Request], flags: int, timeout: float | None) -> bool:
+        """The full negotiation of a cycle (see :mod:`negotiation`) and the ops it made
+        ready; False when the engine stops."""
+        tl = self.timeline
+        cache_round = self._cache_round
         self.stats["full_rounds"] += 1
         if cache_round is not None:
             cache_round.forget()

@@ -97,6 +97,31 @@ def main() -> None:
 
     checks.run("riders", repeated_riders)
 
+    def diverging_lane() -> None:
+        # A lone op repeated in a loop takes the fast lane; when one rank's next cycle holds
+        # other ops too, the lane's round falls back to the full negotiation on every rank.
+        t = torch.zeros(2)
+        for i in range(6):
+            t.fill_(float(rank + i))
+            hvd.allreduce_(t, op=hvd.Sum)
+        other = torch.full((3,), float(rank + 1))
+        t.fill_(float(rank))
+        if rank == 0:
+            hvd.allreduce_(t, op=hvd.Sum)  # the predicted op
+            hvd.allreduce_(other, op=hvd.Sum, name="lane.other")
+        else:
+            handle = hvd.allreduce_async_(other, op=hvd.Sum, name="lane.other")
+            hvd.allreduce_(t, op=hvd.Sum)
+            hvd.synchronize(handle)
+        checks.expect(
+            "lane.fallback",
+            bool((t == float(ranks.sum())).all())
+            and bool((other == float(ranks.sum() + size)).all()),
+            (t, other),
+        )
+
+    checks.run("lane", diverging_lane)
+
     def two_threads() -> None:
         # Blocking ops on two threads at once: one thread's wait runs the cycle while the
         # other's must hand its op to the cycle in flight or the engine thread.
