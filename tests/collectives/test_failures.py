@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
@@ -44,6 +45,27 @@ def test_killed_peer_fails_pending_and_later_ops(make_harness: Callable[[int], H
         elapsed = float(stdout.split("within ")[1].split(" s")[0])
         assert elapsed < 5, stdout
         assert "a peer process has probably died" in stdout, stdout
+
+
+def test_survivor_does_not_wait_for_a_survivor_that_failed(
+    make_harness: Callable[[int], Harness], tmp_path: Path
+) -> None:
+    """Rank 3 dies while the others wait for it inside one collective. Gloo's ring connects
+    it to ranks 0 and 2 only, which see the closed connections; rank 1 waits on rank 0, whose
+    engine must close its own connections when it fails (not only destroy its groups while
+    still holding them): every survivor fails soon after the death (1.5 s after its op
+    started), not after the 20 s collective timeout, though all of them stay alive."""
+    harness = make_harness(4)
+    env = {"HVDRUN_GLOO_TIMEOUT_SECONDS": "20"}
+    workers = [harness.spawn(rank, "stranded", str(tmp_path), extra_env=env) for rank in range(4)]
+    outputs = [worker.communicate(timeout=90) for worker in workers]
+    assert workers[3].returncode == -9, outputs[3]
+    for rank in (0, 1, 2):
+        stdout, stderr = outputs[rank]
+        assert workers[rank].returncode == 3, stdout + stderr
+        elapsed = float(stdout.split("after ")[1].split(" s")[0])
+        assert elapsed < 6, f"rank {rank}: {stdout}"
+        assert "HVDRUN_GLOO_TIMEOUT_SECONDS=20" in stdout, stdout
 
 
 def test_hung_peer_fails_after_the_collective_timeout(

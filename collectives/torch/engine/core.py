@@ -34,9 +34,10 @@ travelled with the negotiation itself, or in one allgather right after it (see :
 
 Failures: a collective that raises (a peer died: Gloo notices a closed connection within
 milliseconds; a hung peer: after ``HVDRUN_GLOO_TIMEOUT_SECONDS``) stops the engine, and every
-pending and later op raises :class:`HorovodInternalError`. A rank that calls ``shutdown()``
-announces it; every rank stops after that cycle (as in Horovod, a job's collectives end when
-one rank leaves).
+pending and later op raises :class:`HorovodInternalError`. The engine then closes its
+connections, so that peers waiting on this rank (not on the dead one) fail as fast. A rank
+that calls ``shutdown()`` announces it; every rank stops after that cycle (as in Horovod, a
+job's collectives end when one rank leaves).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import itertools
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -344,6 +346,8 @@ class Engine:
     def _guarded_cycle(self, body: Callable[[], bool] | None = None) -> None:
         """Runs one cycle (holding the cycle lock; ``body`` instead of :meth:`_cycle`, for
         the fast lane); any failure stops the engine."""
+        failed = False
+        interrupted: BaseException | None = None
         try:
             self._busy = False
             self._round_bytes = 0
@@ -353,11 +357,19 @@ class Engine:
                 self._autotune(self._tuner)
         except BaseException as error:
             logger.debug("collectives engine of rank %d stopped", self.rank, exc_info=True)
+            failed = True
             self._running = False
             self._break(self._describe_failure(error))
-            self._abandon_groups()
+            # The failed call's frames still hold process groups in their locals: cleared,
+            # and the error gone with this block, only the engine holds them (the engine has
+            # no exceptions chained inside a cycle, so its traceback is all there is).
+            traceback.clear_frames(error.__traceback__)
             if not isinstance(error, Exception):  # Ctrl-C in a thread that ran the cycle
-                raise
+                interrupted = error
+        if failed:
+            self._abandon_groups()
+            if interrupted is not None:
+                raise interrupted
         if not self._running or (
             (self._awaiting or self._abort_requested)
             and threading.get_ident() != self._thread.ident
@@ -403,8 +415,21 @@ class Engine:
 
     def _abandon_groups(self) -> None:
         """Closes this engine's connections, so that peers still inside a collective with
-        this rank fail at once instead of after the timeout."""
-        for group in [self._control_group, *(g.group for g in self.groups.values())]:
+        this rank fail at once instead of after the timeout.
+
+        A process group closes its connections only when the last reference to it goes
+        (destroying it does not, and Gloo's ``abort()`` does nothing): the engine drops its
+        own references before it destroys them, and the connections close when this
+        returns. Called only after a failed cycle, whose frames must be gone; the engine has
+        stopped, so nothing runs on the groups any more (process sets keep their ranks)."""
+        groups = {id(group): group for group in (self._control_group, self._exchange.close())}
+        self._control_group = None
+        for registered in self.groups.values():
+            groups[id(registered.group)] = registered.group
+            registered.group = None
+        for group in groups.values():
+            if group is None:
+                continue
             try:
                 self._destroy_group(group)
             except Exception as error:  # already broken: nothing more to do

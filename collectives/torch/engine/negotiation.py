@@ -75,6 +75,12 @@ class Exchange:
         self.wants: list[int] = []  # each rank's wanted payload length in the last round
         self._resize(_MIN_SLOT)
 
+    def close(self) -> Any:
+        """Forgets the process group (after a failure: see ``Engine._abandon_groups``) and
+        returns it; no round can run after this."""
+        group, self._group = self._group, None
+        return group
+
     def _resize(self, slot: int) -> None:
         self._slot = slot
         self._small_rounds = 0

@@ -4,6 +4,12 @@ Modes:
   peer-death  rank 1 dies after one allreduce; rank 0 must get HorovodInternalError.
   kill-pending  (3 ranks) ranks 0 and 1 wait on async ops that need rank 2, which is killed:
               every pending op and every later op must raise HorovodInternalError.
+  stranded    (4 ranks) the last rank stops itself (SIGSTOP) and is killed (SIGKILL) 1.5 s
+              later, while the others wait for it inside a negotiation round. Gloo's ring
+              connects it to two of them only: the third waits on one of those, which must not
+              leave it waiting until the collective timeout (argv[2]: a directory where each
+              survivor marks its failure; it stays alive until all of them did, as a worker
+              of an elastic job would).
   hung-peer   rank 1 stops itself (SIGSTOP); rank 0's op fails after the collective timeout.
   stall       rank 1 never submits an op rank 0 waits for: the stall inspector warns, then
               shuts the collectives down on both ranks.
@@ -20,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -79,6 +86,31 @@ def main() -> None:
             failures += 1
         print(f"{failures} ops raised HorovodInternalError within {elapsed:.2f} s", flush=True)
         sys.exit(3)
+    if mode == "stranded":
+        hvd.allreduce(torch.ones(4))
+        if hvd.rank() == hvd.size() - 1:
+            # Killed by a child while stopped: the survivors are blocked in a round with it.
+            subprocess.Popen(["sh", "-c", f"sleep 1.5; kill -KILL {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(30)
+            sys.exit("the last rank outlived its SIGKILL")
+        started = time.monotonic()
+        try:
+            hvd.allreduce(torch.ones(4), name="stranded")
+        except hvd.HorovodInternalError as error:
+            elapsed = time.monotonic() - started
+            print(f"caught HorovodInternalError after {elapsed:.2f} s: {error}", flush=True)
+            # Stay alive (an exiting process closes its connections anyway) until the other
+            # survivors failed as well.
+            markers = Path(sys.argv[2])
+            (markers / f"failed.{hvd.rank()}").touch()
+            while (
+                time.monotonic() - started < 40
+                and len(list(markers.glob("failed.*"))) < hvd.size() - 1
+            ):
+                time.sleep(0.05)
+            sys.exit(3)
+        sys.exit("no error although a peer died")
     if mode == "hung-peer":
         hvd.allreduce(torch.ones(4))
         if hvd.rank() == 1:
