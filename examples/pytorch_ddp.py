@@ -11,6 +11,7 @@ test accuracy; every rank checks that its weights equal rank 0's at the end.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -70,6 +71,11 @@ def main() -> None:
     if rank == 0:
         print(f"ddp: {size} ranks, test accuracy {correct.item():.3f}", flush=True)
     print(f"ddp rank {rank}: weights equal rank 0's: {in_sync}", flush=True)
+    # DDP holds the process group in reference cycles: free it first, so that destroying the
+    # group really ends it now and not during the interpreter's shutdown (where tearing down
+    # Gloo's threads can abort the process).
+    del ddp, optimizer
+    gc.collect()
     dist.destroy_process_group()
     if not in_sync:
         raise SystemExit(1)

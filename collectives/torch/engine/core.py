@@ -329,6 +329,12 @@ class Engine:
         if self._tuner is not None:
             self._tuner.close()
         self._executor.release_buffers()
+        if not self._thread.is_alive():
+            # The last cycle ran: the groups go now, while the interpreter is whole. Handles
+            # still referenced (their flush is bound to the engine) would otherwise keep them
+            # until the interpreter's finalization, when tearing down Gloo's threads can abort
+            # the process ("terminate called without an active exception").
+            self._abandon_groups()
 
     # ---- the engine thread -----------------------------------------------------------
 
@@ -420,8 +426,8 @@ class Engine:
         A process group closes its connections only when the last reference to it goes
         (destroying it does not, and Gloo's ``abort()`` does nothing): the engine drops its
         own references before it destroys them, and the connections close when this
-        returns. Called only after a failed cycle, whose frames must be gone; the engine has
-        stopped, so nothing runs on the groups any more (process sets keep their ranks)."""
+        returns. Called after a failed cycle, whose frames must be gone, and once the engine
+        stopped; nothing runs on the groups any more (process sets keep their ranks)."""
         groups = {id(group): group for group in (self._control_group, self._exchange.close())}
         self._control_group = None
         for registered in self.groups.values():

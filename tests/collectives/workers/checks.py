@@ -13,6 +13,12 @@ from collections.abc import Callable
 import torch
 
 
+def say(line: str) -> None:
+    """Prints a line in one write: ranks that share a pipe (torchrun, mpirun) never split it."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class Checks:
     def __init__(self) -> None:
         self.failed: list[str] = []
@@ -21,10 +27,10 @@ class Checks:
     def expect(self, name: str, condition: bool, detail: object = "") -> None:
         if condition:
             self.passed += 1
-            print(f"OK {name}", flush=True)
+            say(f"OK {name}")
         else:
             self.failed.append(name)
-            print(f"FAIL {name}: {detail}", flush=True)
+            say(f"FAIL {name}: {detail}")
 
     def equal(self, name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
         same = actual.dtype == expected.dtype and torch.equal(actual, expected)
@@ -41,14 +47,14 @@ class Checks:
             body()
         except Exception:
             self.failed.append(name)
-            print(f"FAIL {name}: raised", flush=True)
+            say(f"FAIL {name}: raised")
             traceback.print_exc()
 
     def finish(self, rank: int) -> None:
         if self.failed:
-            print(f"rank {rank}: {len(self.failed)} FAILED: {self.failed}", flush=True)
+            say(f"rank {rank}: {len(self.failed)} FAILED: {self.failed}")
             sys.exit(1)
-        print(f"ALL OK rank {rank}: {self.passed} checks", flush=True)
+        say(f"ALL OK rank {rank}: {self.passed} checks")
 
 
 def states_equal(a: dict, b: dict) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from checks import Checks
+from checks import Checks, say
 
 import collectives.torch as hvd
 
@@ -64,7 +64,7 @@ def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "check"
     started = time.monotonic()
     hvd.init()
-    print(identity(), f"init_seconds={time.monotonic() - started:.3f}", flush=True)
+    say(f"{identity()} init_seconds={time.monotonic() - started:.3f}")
     rank, size = hvd.rank(), hvd.size()
     if mode == "die":
         if rank == 1:
@@ -75,9 +75,9 @@ def main() -> None:
                 hvd.allreduce(torch.ones(4), name=f"after-death.{step}")
                 time.sleep(0.05)
         except hvd.HorovodInternalError as error:
-            print(f"PEER LOST: {error}", flush=True)
+            say(f"PEER LOST: {error}")
             sys.exit(3)
-        print("NO ERROR after a peer died", flush=True)
+        say("NO ERROR after a peer died")
         sys.exit(4)
     checks = Checks()
     summed = hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum, name="sum")
