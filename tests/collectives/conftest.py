@@ -66,6 +66,20 @@ def assert_all_ok(code: int, output: str, num_proc: int, expected: list[str]) ->
             assert f"[{rank}]<stdout>:OK {name}\n" in output, f"rank {rank} lacks {name}\n{output}"
 
 
+def spawn_worker(script: str, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    """Starts a worker script of tests/collectives/workers as its own process group, with
+    its output captured."""
+    return subprocess.Popen(
+        [sys.executable, str(WORKERS / script), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
 class Harness:
     """A rendezvous server of a local job and its workers, started without hvdrun."""
 
@@ -107,15 +121,7 @@ class Harness:
             HVDRUN_RENDEZVOUS_LOST_AFTER_SECONDS="2",
         )
         env.update(extra_env or {})
-        return subprocess.Popen(
-            [sys.executable, str(WORKERS / "failure_worker.py"), *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        return spawn_worker("failure_worker.py", env, *args)
 
     def stop(self) -> None:
         self.server.stop()

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import secrets
 import subprocess
-import sys
 
 from rendezvous.client import RendezvousClient
 from rendezvous.server import RendezvousServer
 from rendezvous.slots import assign_slots
-from tests.collectives.conftest import REPO, WORKERS, clean_env
+from tests.collectives.conftest import clean_env, spawn_worker
 
 JOB_ID = "elastic-bootstrap-test"
 
@@ -27,15 +26,7 @@ def _spawn(addr: str, secret: str, host: str) -> subprocess.Popen[str]:
         HVDRUN_LOCAL_RANK="0",
         HVDRUN_GLOO_TIMEOUT_SECONDS="5",
     )
-    return subprocess.Popen(
-        [sys.executable, str(WORKERS / "elastic_join_worker.py")],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    return spawn_worker("elastic_join_worker.py", env)
 
 
 def test_a_superseded_bootstrap_does_not_keep_the_next_generation_apart() -> None:

@@ -185,7 +185,8 @@ class CacheRound:
         self._layout_evictions = 0  # the cache's evictions when the layout was last checked
 
     def forget(self) -> None:
-        """A full negotiation ran: predict nothing until the pattern repeats again."""
+        """A full negotiation ran, or a predicted round failed: predict nothing until the
+        pattern repeats again."""
         self._last = []
         self._prediction = None
 
@@ -261,21 +262,25 @@ class CacheRound:
             return None
         staging = self._stage(layout)
         part = staging.parts[0]
-        part.copy_(request.inputs[0])
-        prescale = request.common[1]
-        if prescale != 1.0:
-            scale_(part, float(prescale))
+        _stage_input(part, request)
         _allreduce(group, staging.vector, None)
         if math.isnan(staging.first[0]):
-            self._prediction = None
-            self._last = []
+            self.forget()
             return False
         _finish_rider(request, part, self.size)
-        self.cache.use(key)
-        self._last = [(index, counter)]
-        self._prediction = [(index, counter + 1 if counter else 0)]
+        self._repeated([(index, counter)])
         self.predicted_rounds += 1
         return True
+
+    def _repeated(self, ops: list[tuple[int, int]]) -> None:
+        """Bookkeeping of a predicted round that agreed (alike on every rank): ``ops`` as
+        (cache index, counter) in cache order, the same pattern again; the next round
+        predicts it once more, unnamed ops with their next counter."""
+        cache = self.cache
+        for index, _ in ops:
+            cache.use(cache.keys[index])
+        self._last = ops
+        self._prediction = [(i, c + 1 if c else 0) for i, c in ops]
 
     def _counted(
         self,
@@ -404,17 +409,12 @@ class CacheRound:
             if not layout:
                 staging.vector.zero_()
             for rider, part in zip(layout, staging.parts, strict=True):
-                request = by_index[rider.index]
-                part.copy_(request.inputs[0])
-                prescale = request.common[1]
-                if prescale != 1.0:
-                    scale_(part, float(prescale))
+                _stage_input(part, by_index[rider.index])
         else:
             staging.vector.fill_(math.nan)
         _allreduce(group, staging.vector, timeout)
         if math.isnan(staging.first[0]):
-            self._prediction = None
-            self._last = []
+            self.forget()
             return None
         riders: list[Request] = []
         size = self.size
@@ -424,11 +424,7 @@ class CacheRound:
             riders.append(request)
         if len(ops) > 1:
             ops.sort(key=lambda op: op[0])
-        # The pattern repeated (again): the same bookkeeping as _agreed's, without checking.
-        for index, _, _ in ops:
-            cache.use(cache.keys[index])
-        self._last = [(index, counter) for index, _, counter in ops]
-        self._prediction = [(i, c + 1 if c else 0) for i, c in self._last]
+        self._repeated([(index, counter) for index, _, counter in ops])
         return [request for _, request, _ in ops], riders
 
     def _plan_riders(self, requests: Sequence[Request]) -> None:
@@ -465,6 +461,14 @@ def _allreduce(group: Any, vector: torch.Tensor, timeout: float | None) -> None:
 
 
 _SUM_VALUE = int(ReduceOp.SUM)
+
+
+def _stage_input(part: torch.Tensor, request: Request) -> None:
+    """A rider's input into its slice of the round's vector (cast, prescaled)."""
+    part.copy_(request.inputs[0])
+    prescale = request.common[1]
+    if prescale != 1.0:
+        scale_(part, float(prescale))
 
 
 def _finish_rider(request: Request, summed: torch.Tensor, size: int) -> None:
