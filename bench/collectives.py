@@ -2,7 +2,7 @@
 
 Runs ``hvdrun -np 2`` on bench/collectives_scripts/collectives_worker.py (2 ranks, Gloo,
 CPU, one torch thread each). Variants alternate round-robin inside one job; each sample is
-the slower rank's time after a barrier, following one untimed run of the same variant (the
+the slower rank's time after a barrier, following three untimed runs of the same variant (the
 steady state of a loop that repeats it); the table shows medians and ratios of the same run.
 
 Targets (issue 3):

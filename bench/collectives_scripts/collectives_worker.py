@@ -3,9 +3,9 @@
 Each variant is timed on both ranks after a barrier on a Gloo group of its own (neither
 torch's default group, which dist.all_reduce uses, nor the engine's); a sample is the slower
 rank's time. Variants alternate round-robin, every other round in reverse order, and each
-sample follows one untimed run of the same variant: a sample measures the steady state of a
-loop that repeats the variant (as a training loop does), not the switch from another
-variant. A latency sample is the median of its 200 calls' times (the steady state of a loop
+sample follows WARMUP_RUNS untimed runs of the same variant: a sample measures the steady
+state of a loop that repeats the variant (as a training loop does), not the switch from
+another variant. A latency sample is the median of its 200 calls' times (the steady state of a loop
 of small ops, without the first call after the barrier). Rank 0 prints one ``RESULT <json>``
 line with every variant's samples in milliseconds.
 """
@@ -28,6 +28,9 @@ SMALL_NUMEL = 1024  # 4 KB of float32
 LARGE_NUMEL = 16 * 1024 * 1024  # 64 MiB of float32
 LATENCY_REPEATS = 200  # calls per latency sample; the sample is their median (as in issue 15)
 LARGE_REPEATS = 2  # a 64 MiB allreduce varies by +-15% run to run here: average two
+#: Untimed runs of a variant before its sample: a loop's steady state, which the response
+#: cache reaches once a pattern repeated (predicted from the third repetition on).
+WARMUP_RUNS = 3
 
 
 def main() -> None:
@@ -114,13 +117,15 @@ def main() -> None:
     samples: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants.items())
     for round_ in range(args.rounds):
-        # The in-place Sum variants double the tensors every call (2 ranks), and each runs
-        # twice a round (untimed, then timed); keep them finite.
-        large.mul_(1.0 / (2 ** (4 * LARGE_REPEATS)))
-        torch._foreach_mul_(small, 1.0 / 2**4)
+        # Two in-place Sum variants (dist's and hvd's) double the tensors every call (2
+        # ranks), each WARMUP_RUNS + 1 times a round; keep them finite.
+        runs = 2 * (WARMUP_RUNS + 1)
+        large.mul_(1.0 / 2 ** (runs * LARGE_REPEATS))
+        torch._foreach_mul_(small, 1.0 / 2**runs)
         # Alternate the direction, so no variant always follows the same other one.
         for name, (fn, repeats) in order if round_ % 2 == 0 else order[::-1]:
-            fn()
+            for _ in range(WARMUP_RUNS):
+                fn()
             dist.barrier(group=timing)
             start = time.perf_counter()
             fn()

@@ -17,6 +17,11 @@ allgather of full descriptions: one allreduce (Sum, float64) of a small vector h
   (*riders*): ranks lay them out alike from the shared cache, so the op costs one
   collective. A rider runs from this data only when every rank contributed it.
 
+Once two clean rounds in a row held the same ops (unnamed ones with the next counter), the
+next round is *predicted*: one allreduce of just the riders' data (see ``_predicted``). A
+burst of riders too large for a cache round (up to PREDICTED_BYTES in float32 or float64)
+rides predicted rounds only.
+
 All ranks update the cache from the same information in the same order (the ops that ran,
 in the order they ran), so evictions happen alike everywhere and indices stay valid.
 """
@@ -40,8 +45,14 @@ from collectives.torch.engine.requests import Kind, Request
 __all__ = ["CacheRound", "ResponseCache", "key_of"]
 
 DEFAULT_CAPACITY = 1024
-#: Riders' elements (as float64) one cache round may carry.
+#: Riders' elements (as float64) one cache round may carry; also the most one rider holds.
 RIDER_ELEMENTS = 16 * 1024
+#: Riders' bytes one predicted round may carry when they share float32 or float64 (a burst
+#: of small gradients: one allreduce of their data in their own dtype, as a fused allreduce
+#: would run it, but without a negotiation).
+PREDICTED_BYTES = 4 * 1024 * 1024
+#: Riders at which a round copies their data in and out with one torch call for all.
+_BULK = 4
 #: Unnamed ops with counters this large always negotiate in full: the sums of squares that
 #: tell the ranks' counters apart must stay exact in float64.
 MAX_COUNTER = 1 << 24
@@ -140,11 +151,59 @@ class _Staging:
         raw = bytearray(numel * dtype.itemsize)
         self.vector = torch.frombuffer(raw, dtype=dtype)
         self.first = memoryview(raw).cast("f" if dtype == torch.float32 else "d")
+        self.dtype = dtype
         self.parts: list[torch.Tensor] = []
         offset = 0
         for rider in layout:
             self.parts.append(self.vector[offset : offset + rider.numel].view(rider.shape))
             offset += rider.numel
+        self.counts = [rider.numel for rider in layout]
+        self.same_dtype = all(rider.dtype == dtype for rider in layout)
+        self.flat = all(len(rider.shape) == 1 for rider in layout)
+
+    def load(self, requests: Sequence[Request]) -> None:
+        """The riders' inputs (``requests`` in layout order) into the vector, cast and
+        prescaled: one torch call for a burst of riders in the vector's dtype."""
+        if (
+            len(requests) >= _BULK
+            and self.same_dtype
+            and all(request.common[1] == 1.0 for request in requests)
+        ):
+            torch.cat([request.inputs[0].reshape(-1) for request in requests], out=self.vector)
+            return
+        for part, request in zip(self.parts, requests, strict=True):
+            _stage_input(part, request)
+
+    def unload(self, requests: Sequence[Request], size: int) -> None:
+        """Completes the riders (``requests`` in layout order) from the summed vector; no
+        result aliases the vector, which the next round reuses."""
+        if len(requests) >= _BULK and self.same_dtype and self._unload_burst(requests, size):
+            return
+        for part, request in zip(self.parts, requests, strict=True):
+            _finish_rider(request, part, size)
+
+    def _unload_burst(self, requests: Sequence[Request], size: int) -> bool:
+        """One torch call or two for a burst of riders alike (False: they are not)."""
+        common = requests[0].common
+        if any(request.common != common for request in requests):
+            return False
+        outputs = [request.outputs[0] for request in requests]
+        if (
+            common[0] == _SUM_VALUE
+            and common[2] == 1.0
+            and self.flat
+            and all(out is not None and out.dtype == self.dtype for out in outputs)
+        ):
+            torch.split_with_sizes_copy(self.vector, self.counts, out=outputs)
+            return True
+        if any(out is not None for out in outputs):
+            return False
+        result = self.vector.clone()
+        finish_(result, ReduceOp(common[0]), float(common[2]), size)
+        pieces = result.split(self.counts)
+        for request, rider, piece in zip(requests, self.layout, pieces, strict=True):
+            request.outputs[0] = piece if len(rider.shape) == 1 else piece.view(rider.shape)
+        return True
 
 
 def rides(request: Request) -> bool:
@@ -182,6 +241,9 @@ class CacheRound:
         self._full_left = 0
         self._misses = 0  # cache rounds that failed in a row
         self._staging: _Staging | None = None
+        # Whether counted rounds carry the riders' data too (only predicted rounds carry a
+        # burst larger than RIDER_ELEMENTS: in a counted round it runs as agreed ops).
+        self._carried = True
         self._layout_evictions = 0  # the cache's evictions when the layout was last checked
 
     def forget(self) -> None:
@@ -216,7 +278,7 @@ class CacheRound:
             if outcome is not None:
                 self.predicted_rounds += 1
             return outcome
-        outcome = self._counted(group, new, dirty, timeout, layout)
+        outcome = self._counted(group, new, dirty, timeout, layout if self._carried else [])
         if outcome is None:
             # Back off while cache rounds keep failing (ops that arrive split differently
             # over the ranks' cycles): each failure costs a collective.
@@ -405,23 +467,20 @@ class CacheRound:
                 ops.append((index, request, counter))
                 by_index[index] = request
         staging = self._stage(layout)
+        riders: list[Request] = []
         if ops and all(r.index in by_index for r in layout):
-            if not layout:
+            riders = [by_index[rider.index] for rider in layout]
+            if riders:
+                staging.load(riders)
+            else:
                 staging.vector.zero_()
-            for rider, part in zip(layout, staging.parts, strict=True):
-                _stage_input(part, by_index[rider.index])
         else:
             staging.vector.fill_(math.nan)
         _allreduce(group, staging.vector, timeout)
         if math.isnan(staging.first[0]):
             self.forget()
             return None
-        riders: list[Request] = []
-        size = self.size
-        for rider, part in zip(layout, staging.parts, strict=True):
-            request = by_index[rider.index]
-            _finish_rider(request, part, size)
-            riders.append(request)
+        staging.unload(riders, self.size)
         if len(ops) > 1:
             ops.sort(key=lambda op: op[0])
         self._repeated([(index, counter) for index, _, counter in ops])
@@ -429,27 +488,33 @@ class CacheRound:
 
     def _plan_riders(self, requests: Sequence[Request]) -> None:
         """The next round's riders: this round's small Sum/Average allreduces (the same
-        list on every rank: the same agreed ops, in cache order)."""
+        list on every rank: the same agreed ops, in cache order). Up to RIDER_ELEMENTS in
+        all they ride every cache round; a larger burst in float32 or float64 alone, up to
+        PREDICTED_BYTES, rides predicted rounds only; a burst larger still negotiates in full
+        for BURST_ROUNDS rounds (where it rides the allgather, see :mod:`eager`)."""
         layout: list[_Rider] = []
-        total = 0
         for request in requests:
             if rides(request):
-                numel = request.specs[0].numel
-                if total + numel > RIDER_ELEMENTS:
-                    self._full_left = BURST_ROUNDS
-                    layout = []
-                    break
                 key, _ = request_key(request)
                 index = self.cache.lookup(key)
                 assert index is not None
                 spec = request.specs[0]
-                layout.append(_Rider(index, key, numel, spec.shape, spec.dtype))
-                total += numel
+                layout.append(_Rider(index, key, spec.numel, spec.shape, spec.dtype))
+        total = sum(rider.numel for rider in layout)
+        self._carried = total <= RIDER_ELEMENTS
+        if not self._carried:
+            dtypes = {rider.dtype for rider in layout}
+            dtype = dtypes.pop() if len(dtypes) == 1 else None
+            if (
+                dtype is None
+                or dtype not in (torch.float32, torch.float64)
+                or total * dtype.itemsize > PREDICTED_BYTES
+            ):
+                self._full_left = BURST_ROUNDS
+                layout = []
+                self._carried = True
         self._layout = layout
         self._layout_evictions = self.cache.evictions
-
-    def forget_riders(self) -> None:
-        self._layout = []
 
 
 def _allreduce(group: Any, vector: torch.Tensor, timeout: float | None) -> None:

@@ -132,7 +132,8 @@ class Engine:
         if config.cache_capacity > 0:
             self._cache_round = CacheRound(ResponseCache(config.cache_capacity), size)
         #: How many cycles the cache agreed on, and how many ran the full negotiation.
-        self.stats = {"cache_rounds": 0, "full_rounds": 0}
+        # Rounds run: cache rounds (predicted ones among them) and full negotiations.
+        self.stats = {"cache_rounds": 0, "predicted_rounds": 0, "full_rounds": 0}
         self._busy = False  # the current cycle ran ops (alike on every rank)
         self._round_bytes = 0
         self._tuner: Autotuner | None = None
@@ -300,6 +301,7 @@ class Engine:
                 self._cycle_no += 1
                 if outcome:
                     self.stats["cache_rounds"] += 1
+                    self.stats["predicted_rounds"] = cache_round.predicted_rounds
                     self._last_round = now
                     self._complete(request, None)
                     self._current = []
@@ -516,6 +518,7 @@ class Engine:
             outcome = cache_round.run(self._control_group, new, bool(flags), timeout)
             if outcome is not None:
                 self.stats["cache_rounds"] += 1
+                self.stats["predicted_rounds"] = cache_round.predicted_rounds
                 now = time.monotonic()
                 self._last_round = now
                 self._run_cached(*outcome, now)
