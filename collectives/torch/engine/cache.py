@@ -169,7 +169,11 @@ class _Staging:
             and self.same_dtype
             and all(request.common[1] == 1.0 for request in requests)
         ):
-            torch.cat([request.inputs[0].reshape(-1) for request in requests], out=self.vector)
+            inputs = [request.inputs[0] for request in requests]
+            if self.flat:
+                torch.cat(inputs, out=self.vector)
+            else:
+                torch._foreach_copy_(self.parts, inputs)
             return
         for part, request in zip(self.parts, requests, strict=True):
             _stage_input(part, request)
@@ -191,10 +195,12 @@ class _Staging:
         if (
             common[0] == _SUM_VALUE
             and common[2] == 1.0
-            and self.flat
-            and all(out is not None and out.dtype == self.dtype for out in outputs)
+            and all(
+                out is not None and out.dtype == self.dtype and out.shape == part.shape
+                for out, part in zip(outputs, self.parts, strict=True)
+            )
         ):
-            torch.split_with_sizes_copy(self.vector, self.counts, out=outputs)
+            torch._foreach_copy_(outputs, self.parts)
             return True
         if any(out is not None for out in outputs):
             return False
