@@ -30,6 +30,9 @@ CHECKS = [
         )
         for suffix in ("", ".same_on_ranks")
     ),
+    "burst.23.identical",
+    "burst.23.close",
+    "burst.predicted",
     "hooks.reduced_before_step",
     "hooks.zero_grad_raises",
     "hooks.zero_grad_after_step",

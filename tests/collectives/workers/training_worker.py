@@ -504,7 +504,34 @@ def main() -> None:
             x = torch.randn(r + 1, *shape)
             c.close(f"syncbn.{label}.eval", sync(x).detach(), reference(x).detach(), 1e-5)
 
+    def bursts() -> None:
+        # A loop's repeated burst of small named gradients (24 x 1000 random float32, too
+        # many for a cache round): once the cache predicts it (the same ops round after
+        # round), it is one allreduce of the burst. Sums that rounding makes order-dependent
+        # still come out bit-identical on every rank, and within float32 rounding of the
+        # float64 sum.
+        from collectives.torch import runtime
+
+        before = runtime.engine().stats["predicted_rounds"]
+        sent, results = [], []
+        # (Enough steps to outlast a backoff to full negotiations left by earlier checks.)
+        for step in range(24):
+            seed = torch.Generator().manual_seed(1000 * step + r)
+            grads = [torch.randn(1000, generator=seed) * 10.0**k for k in range(-12, 12)]
+            handles = [hvd.allreduce_async(g, name=f"burst.{k}") for k, g in enumerate(grads)]
+            results.append(torch.cat([hvd.synchronize(handle) for handle in handles]))
+            sent.append(torch.cat(grads))
+        predicted = runtime.engine().stats["predicted_rounds"] - before
+        for step, (mine, result) in enumerate(zip(sent, results, strict=True)):
+            parts = hvd.allgather(mine.double().reshape(1, -1))
+            reference, scale = parts.sum(0) / n, parts.abs().sum(0) / n
+            c.expect(f"burst.{step}.identical", same_on_all_ranks(result))
+            worst = float(((result.double() - reference).abs() / scale).max())
+            c.expect(f"burst.{step}.close", worst <= 1e-6, worst)
+        c.expect("burst.predicted", predicted >= 3, predicted)
+
     c.run("equivalence", equivalence)
+    c.run("bursts", bursts)
     c.run("hooks", hooks)
     c.run("dynamic_graphs", dynamic_graphs)
     c.run("name_errors", name_errors)
