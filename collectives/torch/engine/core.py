@@ -359,7 +359,12 @@ class Engine:
         try:
             self._busy = False
             self._round_bytes = 0
-            if not (self._cycle() if body is None else body()):
+            # Grad mode is per thread, and a caller's thread may run the cycle: the copies
+            # into and out of staging buffers must not record autograd history (an in-place
+            # op on a leaf that requires grad, such as a Parameter, would raise).
+            with torch.no_grad():
+                going_on = self._cycle() if body is None else body()
+            if not going_on:
                 self._running = False
             elif self._busy and self._tuner is not None:
                 self._autotune(self._tuner)

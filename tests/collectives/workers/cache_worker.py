@@ -97,6 +97,25 @@ def main() -> None:
 
     checks.run("riders", repeated_riders)
 
+    def parameters_in_place() -> None:
+        # In place on a leaf that requires grad (a Parameter), as torch.distributed allows:
+        # the full negotiation, the cache's rounds and the fast lane alike; the result is
+        # exact and the Parameter stays a leaf.
+        param = torch.nn.Parameter(torch.zeros(3))
+        for i in range(8):
+            with torch.no_grad():
+                param.fill_(float(rank + i))
+            hvd.allreduce_(param, op=hvd.Sum)
+            checks.expect(
+                f"parameter.{i}",
+                bool((param == float(ranks.sum()) + size * i).all())
+                and param.requires_grad
+                and param.grad_fn is None,
+                param,
+            )
+
+    checks.run("parameter", parameters_in_place)
+
     def diverging_lane() -> None:
         # A lone op repeated in a loop takes the fast lane; when one rank's next cycle holds
         # other ops too, the lane's round falls back to the full negotiation on every rank.
