@@ -217,6 +217,7 @@ def allreduce_(
         name,
         _first,
         blocking=True,
+        hot=True,
     ).wait()
     return tensor
 

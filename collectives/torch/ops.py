@@ -38,7 +38,15 @@ from collectives.torch.adasum import adasum_tree
 from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
 from collectives.torch.engine.execute import Group, split_rows
 from collectives.torch.engine.handles import Handle
-from collectives.torch.engine.requests import FIELD, RECORD, Kind, Request, TensorSpec, signature
+from collectives.torch.engine.requests import (
+    FIELD,
+    RECORD,
+    Kind,
+    Request,
+    TensorSpec,
+    noname,
+    signature,
+)
 from collectives.torch.errors import InvalidSplitsError
 
 __all__ = [
@@ -160,12 +168,54 @@ def submit(
     var: str = "",
     finish: Callable[[Request], Any] | None = None,
     blocking: bool = False,
+    hot: bool = False,
 ) -> Handle:
     """Builds and submits a request; returns its handle. ``blocking``: the caller waits on
-    the handle right away (see :meth:`Engine.submit`)."""
+    the handle right away (see :meth:`Engine.submit`); ``hot``: an in-place allreduce of
+    one tensor whose handle's result is that tensor, which may take the engine's hot lane
+    (see :meth:`Engine.run_hot`)."""
     engine, group = resolve_process_set(process_set, kind.label)
     set_id = group.process_set_id
-    full = engine.auto_name(kind, set_id) if name is None else f"{kind.label}.{_check_name(name)}"
+    if name is None:
+        counter = engine.next_counter(kind, set_id)
+        full = None
+    else:
+        counter = -1
+        full = f"{kind.label}.{_check_name(name)}"
+    if hot:
+        handle = engine.run_hot(
+            set_id,
+            full,
+            counter,
+            inputs[0],
+            common,
+            lambda: _request(
+                engine, kind, full, counter, set_id, inputs, outputs, common, var, finish
+            ),
+        )
+        if handle is not None:
+            return handle
+    request = _request(engine, kind, full, counter, set_id, inputs, outputs, common, var, finish)
+    if blocking and engine.run_now(request):
+        return request.handle
+    return engine.submit(request, blocking)
+
+
+def _request(
+    engine: Any,
+    kind: Kind,
+    full: str | None,
+    counter: int,
+    set_id: int,
+    inputs: list[torch.Tensor],
+    outputs: list[Any],
+    common: tuple[Any, ...],
+    var: str,
+    finish: Callable[[Request], Any] | None,
+) -> Request:
+    """A submission's request (``full`` None: the unnamed op of ``counter``)."""
+    if full is None:
+        full = noname(kind, counter)
     if len(inputs) > 1:
         device = inputs[0].device
         if any(t.device != device for t in inputs):
@@ -190,9 +240,7 @@ def submit(
         event.record(torch.cuda.current_stream(inputs[0].device))
         request.ready_events = [event]
     request.submitted = time.monotonic()
-    if blocking and engine.run_now(request):
-        return request.handle
-    return engine.submit(request, blocking)
+    return request
 
 
 def outputs_of(request: Request) -> list[torch.Tensor]:
@@ -226,8 +274,10 @@ def submit_allreduce(
     name: str | None,
     finish: Callable[[Request], Any],
     blocking: bool = False,
+    hot: bool = False,
 ) -> Handle:
-    """Allreduce of one or more tensors; ``outputs`` None means new output tensors."""
+    """Allreduce of one or more tensors; ``outputs`` None means new output tensors.
+    ``hot``: ``finish`` gives the output tensor (see :func:`submit`)."""
     inputs = [check_tensor(t, "allreduce") for t in tensors]
     if type(op) is not ReduceOp:
         op = ReduceOp(op)
@@ -247,7 +297,15 @@ def submit_allreduce(
         return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking)
     outs = inputs if _same(outputs, tensors) else list(outputs)
     return submit(
-        Kind.ALLREDUCE, name, process_set, inputs, outs, common, finish=finish, blocking=blocking
+        Kind.ALLREDUCE,
+        name,
+        process_set,
+        inputs,
+        outs,
+        common,
+        finish=finish,
+        blocking=blocking,
+        hot=hot and outs is inputs and len(inputs) == 1,
     )
 
 

@@ -64,10 +64,11 @@ def test_cache_on_off_and_evicting_give_the_same_results(capacity: str) -> None:
     checks += ["large.2.sum", "large.2.average", "large.2.prescale", "mismatch.raises"]
     checks += ["riders.0", "riders.11", "threads", "lane.fallback"]
     checks += ["burst.sum.5", "burst.average.5", "burst.kept", "burst.fallback"]
-    checks += ["parameter.0", "parameter.7"]
+    checks += ["parameter.0", "parameter.7", "lane.fallback.out", "hot.average.9"]
+    checks += ["hot.unnamed.9"]
     checks.append({"1024": "cache.used", "0": "cache.off", "1": "cache.evicts"}[capacity])
     if capacity == "1024":
-        checks.append("burst.predicted")
+        checks += ["burst.predicted", "hot.used"]
     assert_all_ok(code, output, 2, checks)
     assert f"[0]<stdout>:CAPACITY {capacity}\n" in output
 

@@ -340,6 +340,35 @@ class CacheRound:
         self.predicted_rounds += 1
         return True
 
+    def run_hot(
+        self, group: Any, want: int, tensor: torch.Tensor, common: tuple[Any, ...]
+    ) -> bool | None:
+        """:meth:`run_one` for the engine's hot lane: the op is ``tensor``, reduced in place
+        with ``common``, whose key the engine vouches is the rider's, with counter ``want``
+        (0 for a named op)."""
+        prediction = self._prediction
+        if prediction is None or len(prediction) != 1 or self._full_left:
+            return None
+        ((index, predicted),) = prediction
+        if predicted != want or want >= MAX_COUNTER:
+            return None
+        layout = self._valid_layout()
+        if len(layout) != 1 or layout[0].index != index:
+            return None
+        staging = self._stage(layout)
+        part = staging.parts[0]
+        part.copy_(tensor)
+        if common[1] != 1.0:
+            scale_(part, float(common[1]))
+        _allreduce(group, staging.vector, None)
+        if math.isnan(staging.first[0]):
+            self.forget()
+            return False
+        _finish_out(tensor, part, common, self.size)
+        self._repeated([(index, want)])
+        self.predicted_rounds += 1
+        return True
+
     def _repeated(self, ops: list[tuple[int, int]]) -> None:
         """Bookkeeping of a predicted round that agreed (alike on every rank): ``ops`` as
         (cache index, counter) in cache order, the same pattern again; the next round
@@ -524,11 +553,17 @@ class CacheRound:
 
 
 def _allreduce(group: Any, vector: torch.Tensor, timeout: float | None) -> None:
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = _SUM
-    if timeout is not None:
+    if timeout is None:
+        opts = _SUM_OPTIONS  # (the call copies them)
+    else:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _SUM
         opts.timeout = datetime.timedelta(seconds=timeout)
     group.allreduce([vector], opts).wait()
+
+
+_SUM_OPTIONS = dist.AllreduceOptions()
+_SUM_OPTIONS.reduceOp = _SUM
 
 
 _SUM_VALUE = int(ReduceOp.SUM)
@@ -545,15 +580,23 @@ def _stage_input(part: torch.Tensor, request: Request) -> None:
 def _finish_rider(request: Request, summed: torch.Tensor, size: int) -> None:
     """Completes a rider from its summed data (float32 or 64; in its shape or flat, and
     possibly a buffer that is reused: the result never aliases it)."""
-    common = request.common
     out = request.outputs[0]
-    if out is not None and common[0] == _SUM_VALUE and common[2] == 1.0:
-        out.copy_(summed if summed.shape == out.shape else summed.view(out.shape))  # casts
+    if out is not None:
+        _finish_out(out, summed, request.common, size)
         return
     spec = request.specs[0]
     result = summed.to(spec.dtype, copy=True)
+    finish_(result, ReduceOp(request.common[0]), float(request.common[2]), size)
+    request.outputs[0] = result.view(spec.shape)
+
+
+def _finish_out(
+    out: torch.Tensor, summed: torch.Tensor, common: tuple[Any, ...], size: int
+) -> None:
+    """A rider's result from its summed data into its given output."""
+    if common[0] == _SUM_VALUE and common[2] == 1.0:
+        out.copy_(summed if summed.shape == out.shape else summed.view(out.shape))  # casts
+        return
+    result = summed.to(out.dtype, copy=True)
     finish_(result, ReduceOp(common[0]), float(common[2]), size)
-    if out is None:
-        request.outputs[0] = result.view(spec.shape)
-    else:
-        out.copy_(result.view(out.shape))
+    out.copy_(result.view(out.shape))

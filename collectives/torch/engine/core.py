@@ -75,6 +75,7 @@ from collectives.torch.engine.requests import (
     Request,
     check_alltoall,
     label,
+    noname,
     parse_signature,
 )
 from collectives.torch.engine.stall import StallInspector
@@ -83,7 +84,7 @@ from collectives.torch.errors import HorovodInternalError, TensorMismatchError
 
 __all__ = ["KEEPALIVE_SECONDS", "Engine"]
 
-_NONAME = [f"{kind.label}.noname." for kind in Kind]
+
 #: The per-rank parts of ops that have none (never written to).
 _NO_VARS: dict[int, str] = {}
 #: Device types whose tensors the executor can move (Gloo and NCCL).
@@ -132,8 +133,9 @@ class Engine:
         if config.cache_capacity > 0:
             self._cache_round = CacheRound(ResponseCache(config.cache_capacity), size)
         #: How many cycles the cache agreed on, and how many ran the full negotiation.
-        # Rounds run: cache rounds (predicted ones among them) and full negotiations.
-        self.stats = {"cache_rounds": 0, "predicted_rounds": 0, "full_rounds": 0}
+        # Rounds run: cache rounds (predicted ones among them, and among those the ones of
+        # the hot lane) and full negotiations.
+        self.stats = {"cache_rounds": 0, "predicted_rounds": 0, "hot_rounds": 0, "full_rounds": 0}
         self._busy = False  # the current cycle ran ops (alike on every rank)
         self._round_bytes = 0
         self._tuner: Autotuner | None = None
@@ -164,6 +166,10 @@ class Engine:
         self._running = True  # False once the engine stopped (shutdown, failure, abort)
         self._cycle_lock = threading.Lock()  # one cycle at a time, on whichever thread
         self._names: dict[tuple[int, Kind], itertools.count[int]] = {}
+        # What an in-place allreduce_ must match to take the hot lane (see run_hot): the op
+        # that just ran in a lane, as (process set, name or None, common, dtype, shape); None
+        # once any other cycle ran.
+        self._hot: tuple[Any, ...] | None = None
 
         # Engine-thread state.
         self._awaiting = False
@@ -193,10 +199,14 @@ class Engine:
     def auto_name(self, kind: Kind, process_set_id: int) -> str:
         """Horovod-style names for unnamed ops, counted per process set and kind so that
         ranks outside a set do not shift the names of others."""
+        return noname(kind, self.next_counter(kind, process_set_id))
+
+    def next_counter(self, kind: Kind, process_set_id: int) -> int:
+        """The counter of the next unnamed op of this kind in this process set."""
         # setdefault and next() on a count are atomic under the GIL: no lock needed.
         key = (process_set_id, kind)
         counter = self._names.get(key) or self._names.setdefault(key, itertools.count())
-        return f"{_NONAME[kind]}{next(counter)}"
+        return next(counter)
 
     def new_handle(self) -> Handle:
         return Handle(self.flush)
@@ -305,6 +315,7 @@ class Engine:
                     self._last_round = now
                     self._complete(request, None)
                     self._current = []
+                    self._hot = _hot_print(request)
                     return True
                 # Another rank's ops differed: every rank goes on to the full negotiation of
                 # this cycle, this op announced in it as if it had been queued.
@@ -315,6 +326,88 @@ class Engine:
 
             self._guarded_cycle(lane)
             return ran
+        finally:
+            self._cycle_lock.release()
+
+    def run_hot(
+        self,
+        process_set_id: int,
+        name: str | None,
+        counter: int,
+        tensor: torch.Tensor,
+        common: tuple[Any, ...],
+        build: Callable[[], Request],
+    ) -> Handle | None:
+        """The fast lane of an in-place ``allreduce_`` repeated in a loop, without even a
+        request: when ``tensor`` and the op (``name``, None for an unnamed op whose counter
+        is ``counter``) are alike the op that just ran in a lane, and the cache predicts it
+        again, the calling thread runs the predicted round on it directly. Returns its
+        handle (finished; or pending when another rank's ops differed and every rank fell
+        back to the full negotiation of this cycle, for which ``build`` makes the request),
+        or None when the lane is closed (nothing ran)."""
+        hot = self._hot
+        if (
+            hot is None
+            or hot != (process_set_id, name, common, tensor.dtype, tensor.shape)
+            or not tensor.is_cpu
+            or tensor.layout is not torch.strided
+            or self.timeline is not None
+            or self._tuner is not None
+            or threading.get_ident() == self._thread.ident
+        ):
+            return None
+        cache_round = self._cache_round
+        if cache_round is None or not self._cycle_lock.acquire(blocking=False):
+            return None
+        try:
+            # (No cycle runs while this thread holds the cycle lock; ops queued by other
+            # threads from here on go to the next cycle, as with the lane's usual check.)
+            if (
+                self._hot is not hot
+                or self._new
+                or self._local
+                or not self._running
+                or self._leaving
+                or self._abort_requested
+                or self._table.entries
+                or self._table.joined
+            ):
+                return None
+            handle: Handle | None = None
+
+            def lane() -> bool:
+                nonlocal handle
+                outcome = cache_round.run_hot(self._control_group, counter + 1, tensor, common)
+                if outcome is None:
+                    return True  # not the predicted op after all: nothing ran
+                now = time.monotonic()
+                self._last_cycle = now
+                self._cycle_no += 1
+                if outcome:
+                    stats = self.stats
+                    stats["cache_rounds"] += 1
+                    stats["hot_rounds"] += 1
+                    stats["predicted_rounds"] = cache_round.predicted_rounds
+                    self._last_round = now
+                    handle = Handle.finished(tensor)
+                    return True
+                # Another rank's ops differed: the full negotiation of this cycle, as in
+                # run_now.
+                self._hot = None
+                request = build()
+                handle = request.handle
+                with self._cond:
+                    self._local[(request.process_set_id, request.name)] = request
+                self._current = [request]
+                going_on = self._full_round([request], 0, None)
+                self._current = []
+                return going_on
+
+            self._guarded_cycle(lane)
+            if handle is None and self._error is not None:
+                handle = Handle()
+                handle.fail(HorovodInternalError(str(self._error)))
+            return handle
         finally:
             self._cycle_lock.release()
 
@@ -503,6 +596,7 @@ class Engine:
 
     def _cycle(self) -> bool:
         """One negotiation round and the ops it made ready; False when the engine stops."""
+        self._hot = None
         start = time.monotonic()
         with self._cond:
             new, self._new = self._new, []
@@ -911,3 +1005,11 @@ class Engine:
                 self._destroy_group(removed.group)
             return removed is not None
         return None  # a barrier: being ready is all it waits for
+
+
+def _hot_print(request: Request) -> tuple[Any, ...]:
+    """What an op that follows ``request`` in the hot lane must match (see run_hot)."""
+    spec = request.specs[0]
+    _, counter = request_key(request)
+    name = None if counter else request.name
+    return (request.process_set_id, name, request.common, spec.dtype, spec.shape)

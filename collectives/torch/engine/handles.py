@@ -32,6 +32,18 @@ class Handle:
         # For ops on CUDA tensors: recorded after the last kernel that writes the output.
         self.cuda_event: Any = None
 
+    @classmethod
+    def finished(cls, result: Any) -> Handle:
+        """A handle of an op that already finished (no lock to create)."""
+        handle = cls.__new__(cls)
+        handle._done = _RELEASED
+        handle._finished = True
+        handle._flush = None
+        handle.result = result
+        handle.error = None
+        handle.cuda_event = None
+        return handle
+
     def complete(self, result: Any = None, cuda_event: Any = None) -> None:
         if self._finished:
             return
@@ -69,6 +81,7 @@ class Handle:
         return self.result
 
 
+_RELEASED = threading.Lock()  # (never acquired: finished handles do not wait)
 _table: dict[int, Handle] = {}
 _ids = itertools.count(1)
 

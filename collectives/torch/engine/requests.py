@@ -34,6 +34,7 @@ __all__ = [
     "Signature",
     "TensorSpec",
     "describe_mismatch",
+    "noname",
     "parse_signature",
     "signature",
 ]
@@ -82,6 +83,13 @@ _LABELS = {
 }
 
 _LABEL_LIST = [_LABELS[kind] for kind in Kind]
+_NONAME = [f"{_LABEL_LIST[kind]}.noname." for kind in Kind]
+
+
+def noname(kind: Kind, counter: int) -> str:
+    """The Horovod-style name of an unnamed op: its kind's label and its counter."""
+    return f"{_NONAME[kind]}{counter}"
+
 
 # Names of the leading signature fields, per kind (the tensors' specs follow them).
 _COMMON_FIELDS: dict[Kind, tuple[str, ...]] = {

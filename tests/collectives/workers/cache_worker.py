@@ -141,6 +141,52 @@ def main() -> None:
 
     checks.run("lane", diverging_lane)
 
+    def diverging_lane_out_of_place() -> None:
+        # The same with an out-of-place allreduce as the predicted op (the lane of a request,
+        # not the in-place hot lane).
+        for i in range(6):
+            hvd.allreduce(torch.full((2,), float(rank + i)), op=hvd.Sum, name="lane.out")
+        other = torch.full((3,), float(rank + 1))
+        mine = torch.full((2,), float(rank))
+        if rank == 0:
+            result = hvd.allreduce(mine, op=hvd.Sum, name="lane.out")
+            hvd.allreduce_(other, op=hvd.Sum, name="lane.out.other")
+        else:
+            handle = hvd.allreduce_async_(other, op=hvd.Sum, name="lane.out.other")
+            result = hvd.allreduce(mine, op=hvd.Sum, name="lane.out")
+            hvd.synchronize(handle)
+        checks.expect(
+            "lane.fallback.out",
+            bool((result == float(ranks.sum())).all())
+            and bool((other == float(ranks.sum() + size)).all())
+            and bool((mine == rank).all()),
+            (result, other),
+        )
+
+    checks.run("lane.out", diverging_lane_out_of_place)
+
+    def hot_lane() -> None:
+        # allreduce_ repeated in a loop runs in the hot lane: named and unnamed, Average
+        # with pre- and postscaling, a new tensor of the same shape each call; exact results.
+        engine = runtime.engine()
+        before = engine.stats["hot_rounds"]
+        for i in range(10):
+            t = torch.full((3,), float(rank + i), dtype=torch.float64)
+            hvd.allreduce_(
+                t, op=hvd.Average, prescale_factor=2.0, postscale_factor=3.0, name="hot.avg"
+            )
+            want = 6.0 * (float(ranks.mean()) + i)
+            checks.expect(f"hot.average.{i}", bool((t == want).all()), t)
+        for i in range(10):
+            t = torch.full((2,), float(rank * i), dtype=torch.float32)
+            hvd.allreduce_(t, op=hvd.Sum)
+            checks.expect(f"hot.unnamed.{i}", bool((t == float(ranks.sum()) * i).all()), t)
+        hot = engine.stats["hot_rounds"] - before
+        if engine.response_cache is not None and not engine.config.autotune:
+            checks.expect("hot.used", hot >= 10, engine.stats)
+
+    checks.run("hot", hot_lane)
+
     def two_threads() -> None:
         # Blocking ops on two threads at once: one thread's wait runs the cycle while the
         # other's must hand its op to the cycle in flight or the engine thread.
