@@ -284,15 +284,7 @@ class Engine:
             return False
         try:
             with self._cond:
-                if (
-                    self._new
-                    or self._local
-                    or not self._running
-                    or self._leaving
-                    or self._abort_requested
-                    or self._table.entries
-                    or self._table.joined
-                ):
+                if not self._idle():
                     return False
             ran = False
 
@@ -317,12 +309,8 @@ class Engine:
                     self._current = []
                     self._hot = _hot_print(request)
                     return True
-                # Another rank's ops differed: every rank goes on to the full negotiation of
-                # this cycle, this op announced in it as if it had been queued.
                 self._current = []
-                with self._cond:
-                    self._local[(request.process_set_id, request.name)] = request
-                return self._full_round([request], 0, None)
+                return self._lane_fallback(request)
 
             self._guarded_cycle(lane)
             return ran
@@ -362,16 +350,7 @@ class Engine:
         try:
             # (No cycle runs while this thread holds the cycle lock; ops queued by other
             # threads from here on go to the next cycle, as with the lane's usual check.)
-            if (
-                self._hot is not hot
-                or self._new
-                or self._local
-                or not self._running
-                or self._leaving
-                or self._abort_requested
-                or self._table.entries
-                or self._table.joined
-            ):
+            if self._hot is not hot or not self._idle():
                 return None
             handle: Handle | None = None
 
@@ -391,17 +370,9 @@ class Engine:
                     self._last_round = now
                     handle = Handle.finished(tensor)
                     return True
-                # Another rank's ops differed: the full negotiation of this cycle, as in
-                # run_now.
-                self._hot = None
                 request = build()
                 handle = request.handle
-                with self._cond:
-                    self._local[(request.process_set_id, request.name)] = request
-                self._current = [request]
-                going_on = self._full_round([request], 0, None)
-                self._current = []
-                return going_on
+                return self._lane_fallback(request)
 
             self._guarded_cycle(lane)
             if handle is None and self._error is not None:
@@ -410,6 +381,28 @@ class Engine:
             return handle
         finally:
             self._cycle_lock.release()
+
+    def _idle(self) -> bool:
+        """Whether nothing is pending or in flight and the engine runs as usual: a lane may
+        run a round now (with the cycle lock held)."""
+        return not (
+            self._new
+            or self._local
+            or not self._running
+            or self._leaving
+            or self._abort_requested
+            or self._table.entries
+            or self._table.joined
+        )
+
+    def _lane_fallback(self, request: Request) -> bool:
+        """A lane's round found that another rank's ops differed (every rank saw NaN): every
+        rank goes on to the full negotiation of this cycle, ``request`` announced in it as if
+        it had been queued."""
+        self._hot = None
+        with self._cond:
+            self._local[(request.process_set_id, request.name)] = request
+        return self._full_round([request], 0, None)
 
     def stop(self, timeout: float | None = None) -> None:
         """Announces this rank's departure, runs the last cycle and stops the thread."""
