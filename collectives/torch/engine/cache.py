@@ -176,7 +176,7 @@ class _Staging:
                 torch._foreach_copy_(self.parts, inputs)
             return
         for part, request in zip(self.parts, requests, strict=True):
-            _stage_input(part, request)
+            _stage_input(part, request.inputs[0], request.common[1])
 
     def unload(self, requests: Sequence[Request], size: int) -> None:
         """Completes the riders (``requests`` in layout order) from the summed vector; no
@@ -318,26 +318,16 @@ class CacheRound:
         the one op predicted and it rides: None when it is not (nothing ran); True when the
         round agreed (the request's result is in its output); False when another rank's
         ops differed (NaN): every rank falls back to the full negotiation of this cycle."""
-        if not self.predicts_one():
-            return None
-        assert self._prediction is not None
-        ((index, want),) = self._prediction
-        layout = self._valid_layout()
-        if len(layout) != 1 or layout[0].index != index:
-            return None
         key, counter = request_key(request)
-        if counter != want or counter >= MAX_COUNTER or self.cache.lookup(key) != index:
+        index = self._lone(counter)
+        if index is None or self.cache.lookup(key) != index:
             return None
-        staging = self._stage(layout)
-        part = staging.parts[0]
-        _stage_input(part, request)
-        _allreduce(group, staging.vector, None)
-        if math.isnan(staging.first[0]):
-            self.forget()
+        part = self._staging_of_one()
+        _stage_input(part, request.inputs[0], request.common[1])
+        if not self._lone_round(group):
             return False
         _finish_rider(request, part, self.size)
-        self._repeated([(index, counter)])
-        self.predicted_rounds += 1
+        self._lone_agreed(index, counter)
         return True
 
     def run_hot(
@@ -346,28 +336,48 @@ class CacheRound:
         """:meth:`run_one` for the engine's hot lane: the op is ``tensor``, reduced in place
         with ``common``, whose key the engine vouches is the rider's, with counter ``want``
         (0 for a named op)."""
+        index = self._lone(want)
+        if index is None:
+            return None
+        part = self._staging_of_one()
+        _stage_input(part, tensor, common[1])
+        if not self._lone_round(group):
+            return False
+        _finish_out(tensor, part, common, self.size)
+        self._lone_agreed(index, want)
+        return True
+
+    def _lone(self, counter: int) -> int | None:
+        """The cache index of the one riding op predicted next, if its counter is
+        ``counter`` (0 for a named op); else None."""
         prediction = self._prediction
         if prediction is None or len(prediction) != 1 or self._full_left:
             return None
         ((index, predicted),) = prediction
-        if predicted != want or want >= MAX_COUNTER:
+        if predicted != counter or counter >= MAX_COUNTER:
             return None
         layout = self._valid_layout()
         if len(layout) != 1 or layout[0].index != index:
             return None
-        staging = self._stage(layout)
-        part = staging.parts[0]
-        part.copy_(tensor)
-        if common[1] != 1.0:
-            scale_(part, float(common[1]))
+        return index
+
+    def _staging_of_one(self) -> torch.Tensor:
+        """The lone rider's slice of the staging vector (after :meth:`_lone`)."""
+        return self._stage(self._layout).parts[0]
+
+    def _lone_round(self, group: Any) -> bool:
+        """The allreduce of a lone rider's round; False when another rank's ops differed."""
+        staging = self._staging
+        assert staging is not None
         _allreduce(group, staging.vector, None)
         if math.isnan(staging.first[0]):
             self.forget()
             return False
-        _finish_out(tensor, part, common, self.size)
-        self._repeated([(index, want)])
-        self.predicted_rounds += 1
         return True
+
+    def _lone_agreed(self, index: int, counter: int) -> None:
+        self._repeated([(index, counter)])
+        self.predicted_rounds += 1
 
     def _repeated(self, ops: list[tuple[int, int]]) -> None:
         """Bookkeeping of a predicted round that agreed (alike on every rank): ``ops`` as
@@ -569,10 +579,9 @@ _SUM_OPTIONS.reduceOp = _SUM
 _SUM_VALUE = int(ReduceOp.SUM)
 
 
-def _stage_input(part: torch.Tensor, request: Request) -> None:
+def _stage_input(part: torch.Tensor, tensor: torch.Tensor, prescale: float) -> None:
     """A rider's input into its slice of the round's vector (cast, prescaled)."""
-    part.copy_(request.inputs[0])
-    prescale = request.common[1]
+    part.copy_(tensor)
     if prescale != 1.0:
         scale_(part, float(prescale))
 
