@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from collectives.torch.common import ReduceOp
 from collectives.torch.engine.execute import finish_, scale_
-from collectives.torch.engine.requests import Kind, Request
+from collectives.torch.engine.requests import NONAME_PREFIXES, Kind, Request
 
 __all__ = ["CacheRound", "ResponseCache", "key_of"]
 
@@ -67,10 +67,7 @@ _RIDER_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 Key = tuple[int, int, str, str, str]
 
 
-_PREFIXES = [
-    (f"{kind.label}.noname.", len(f"{kind.label}.noname."), f"{kind.label}.noname.*")
-    for kind in Kind
-]
+_PREFIXES = [(prefix, len(prefix), prefix + "*") for prefix in NONAME_PREFIXES]
 
 
 def key_of(kind: Kind, process_set_id: int, name: str, sig: str, var: str) -> tuple[Key, int]:
@@ -350,10 +347,10 @@ class CacheRound:
     def _lone(self, counter: int) -> int | None:
         """The cache index of the one riding op predicted next, if its counter is
         ``counter`` (0 for a named op); else None."""
-        prediction = self._prediction
-        if prediction is None or len(prediction) != 1 or self._full_left:
+        if not self.predicts_one():
             return None
-        ((index, predicted),) = prediction
+        assert self._prediction is not None
+        ((index, predicted),) = self._prediction
         if predicted != counter or counter >= MAX_COUNTER:
             return None
         layout = self._valid_layout()
@@ -431,8 +428,7 @@ class CacheRound:
                 if held is not None:
                     request = held[0]
                     part = vector[offset : offset + rider.numel]
-                    part.copy_(request.inputs[0].reshape(-1))
-                    scale_(part, float(request.common[1]))
+                    _stage_input(part, request.inputs[0].reshape(-1), request.common[1])
                 offset += rider.numel
         _allreduce(group, vector, timeout)
         if vector[0].item() != 0.0:

@@ -272,20 +272,9 @@ class Engine:
         negotiation because another rank's ops differed); False when the lane is closed and
         the caller submits it as usual."""
         cache_round = self._cache_round
-        if (
-            cache_round is None
-            or not cache_round.predicts_one()
-            or self.timeline is not None
-            or self._tuner is not None
-            or threading.get_ident() == self._thread.ident
-        ):
-            return False
-        if not self._cycle_lock.acquire(blocking=False):
+        if cache_round is None or not cache_round.predicts_one() or not self._enter_lane():
             return False
         try:
-            with self._cond:
-                if not self._idle():
-                    return False
             ran = False
 
             def lane() -> bool:
@@ -298,13 +287,8 @@ class Engine:
                     self._current = []
                     return True  # not exactly the predicted op: nothing ran
                 ran = True
-                now = time.monotonic()
-                self._last_cycle = now
-                self._cycle_no += 1
+                self._lane_ran(outcome)
                 if outcome:
-                    self.stats["cache_rounds"] += 1
-                    self.stats["predicted_rounds"] = cache_round.predicted_rounds
-                    self._last_round = now
                     self._complete(request, None)
                     self._current = []
                     self._hot = _hot_print(request)
@@ -334,23 +318,18 @@ class Engine:
         back to the full negotiation of this cycle, for which ``build`` makes the request),
         or None when the lane is closed (nothing ran)."""
         hot = self._hot
+        cache_round = self._cache_round
         if (
             hot is None
             or hot != (process_set_id, name, common, tensor.dtype, tensor.shape)
             or not tensor.is_cpu
             or tensor.layout is not torch.strided
-            or self.timeline is not None
-            or self._tuner is not None
-            or threading.get_ident() == self._thread.ident
+            or cache_round is None
+            or not self._enter_lane()
         ):
             return None
-        cache_round = self._cache_round
-        if cache_round is None or not self._cycle_lock.acquire(blocking=False):
-            return None
         try:
-            # (No cycle runs while this thread holds the cycle lock; ops queued by other
-            # threads from here on go to the next cycle, as with the lane's usual check.)
-            if self._hot is not hot or not self._idle():
+            if self._hot is not hot:  # (a cycle ran since it was read)
                 return None
             handle: Handle | None = None
 
@@ -359,15 +338,9 @@ class Engine:
                 outcome = cache_round.run_hot(self._control_group, counter + 1, tensor, common)
                 if outcome is None:
                     return True  # not the predicted op after all: nothing ran
-                now = time.monotonic()
-                self._last_cycle = now
-                self._cycle_no += 1
+                self._lane_ran(outcome)
                 if outcome:
-                    stats = self.stats
-                    stats["cache_rounds"] += 1
-                    stats["hot_rounds"] += 1
-                    stats["predicted_rounds"] = cache_round.predicted_rounds
-                    self._last_round = now
+                    self.stats["hot_rounds"] += 1
                     handle = Handle.finished(tensor)
                     return True
                 request = build()
@@ -382,18 +355,43 @@ class Engine:
         finally:
             self._cycle_lock.release()
 
-    def _idle(self) -> bool:
-        """Whether nothing is pending or in flight and the engine runs as usual: a lane may
-        run a round now (with the cycle lock held)."""
-        return not (
-            self._new
-            or self._local
-            or not self._running
-            or self._leaving
-            or self._abort_requested
-            or self._table.entries
-            or self._table.joined
-        )
+    def _enter_lane(self) -> bool:
+        """Whether a lane may run a round on the calling thread now: no timeline or
+        autotune to feed, not the engine thread, and nothing pending or in flight while the
+        engine runs as usual. True with the cycle lock taken (the caller releases it). Ops
+        that other threads queue from here on go to the next cycle."""
+        if (
+            self.timeline is not None
+            or self._tuner is not None
+            or threading.get_ident() == self._thread.ident
+            or not self._cycle_lock.acquire(blocking=False)
+        ):
+            return False
+        with self._cond:
+            idle = not (
+                self._new
+                or self._local
+                or not self._running
+                or self._leaving
+                or self._abort_requested
+                or self._table.entries
+                or self._table.joined
+            )
+        if not idle:
+            self._cycle_lock.release()
+        return idle
+
+    def _lane_ran(self, agreed: bool) -> None:
+        """Bookkeeping of a lane's round, a cycle of its own (``agreed``: every rank ran the
+        predicted op)."""
+        now = time.monotonic()
+        self._last_cycle = now
+        self._cycle_no += 1
+        if agreed:
+            assert self._cache_round is not None
+            self.stats["cache_rounds"] += 1
+            self.stats["predicted_rounds"] = self._cache_round.predicted_rounds
+            self._last_round = now
 
     def _lane_fallback(self, request: Request) -> bool:
         """A lane's round found that another rank's ops differed (every rank saw NaN): every

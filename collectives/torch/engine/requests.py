@@ -29,6 +29,7 @@ from collectives.torch.common import ReduceOp
 from collectives.torch.engine.handles import Handle
 
 __all__ = [
+    "NONAME_PREFIXES",
     "Kind",
     "Request",
     "Signature",
@@ -83,12 +84,13 @@ _LABELS = {
 }
 
 _LABEL_LIST = [_LABELS[kind] for kind in Kind]
-_NONAME = [f"{_LABEL_LIST[kind]}.noname." for kind in Kind]
+#: Per kind, what the names of its unnamed ops start with (a counter follows).
+NONAME_PREFIXES = [f"{_LABEL_LIST[kind]}.noname." for kind in Kind]
 
 
 def noname(kind: Kind, counter: int) -> str:
     """The Horovod-style name of an unnamed op: its kind's label and its counter."""
-    return f"{_NONAME[kind]}{counter}"
+    return f"{NONAME_PREFIXES[kind]}{counter}"
 
 
 # Names of the leading signature fields, per kind (the tensors' specs follow them).
