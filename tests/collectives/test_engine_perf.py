@@ -17,7 +17,7 @@ from collectives.torch.engine.autotune import (
     posterior_mean,
     suggest,
 )
-from collectives.torch.engine.cache import ResponseCache, key_of
+from collectives.torch.engine.cache import Key, ResponseCache, key_of, ordinal
 from collectives.torch.engine.config import from_environment
 from collectives.torch.engine.execute import POOLED_BYTES, OutputPool
 from collectives.torch.engine.requests import Kind
@@ -65,10 +65,10 @@ def test_cache_on_off_and_evicting_give_the_same_results(capacity: str) -> None:
     checks += ["riders.0", "riders.11", "threads", "lane.fallback"]
     checks += ["burst.sum.5", "burst.average.5", "burst.kept", "burst.fallback"]
     checks += ["parameter.0", "parameter.7", "lane.fallback.out", "hot.average.9"]
-    checks += ["hot.unnamed.9"]
+    checks += ["hot.unnamed.9", "burst.unnamed.5", "burst.unnamed.11", "burst.unnamed.extra.11"]
     checks.append({"1024": "cache.used", "0": "cache.off", "1": "cache.evicts"}[capacity])
     if capacity == "1024":
-        checks += ["burst.predicted", "hot.used"]
+        checks += ["burst.predicted", "hot.used", "burst.unnamed.predicted"]
     assert_all_ok(code, output, 2, checks)
     assert f"[0]<stdout>:CAPACITY {capacity}\n" in output
 
@@ -176,6 +176,14 @@ def test_unnamed_ops_share_a_key_and_carry_their_counter() -> None:
     assert key == other and (counter, other_counter) == (42, 43)
     named, zero = key_of(Kind.ALLREDUCE, 0, "allreduce.noname.x", "sig", "")
     assert named != key and zero == 0
+    # Within a round, the k-th unnamed op alike has an entry of its own; named ops keep theirs.
+    seen: dict[Key, int] = {}
+    first, second = ordinal(key, counter, seen), ordinal(other, other_counter, seen)
+    assert first == key and second not in (key, named)
+    assert ordinal(named, 0, seen) == named and ordinal(named, 0, seen) == named
+    third, _ = key_of(Kind.ALLREDUCE, 0, "allreduce.noname.43", "sig", "")
+    assert ordinal(third, 44, seen) not in (first, second)
+    assert ordinal(third, 44, {}) == first  # (the next round starts over)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ allgather of full descriptions: one allreduce (Sum, float64) of a small vector h
 * per cached op, how many ranks submitted it (every rank or none: agreed; the AND of
   Horovod's bit vector) -- and, for unnamed ops, whose auto-generated names differ only in
   their counter, the counter's sum and sum of squares, so that ranks whose counters differ
-  never match;
+  never match. The k-th unnamed op alike (kind, process set, signature) of a round has an
+  entry of its own, so a burst of unnamed ops is cached op by op as a named one is;
 * how many ranks have something the cache cannot say (a new op, an op whose description
   changed, a control op, a shutdown): any, and the cycle falls back to the full
   negotiation (the allgather of :mod:`negotiation`) right away, as if there were no cache;
@@ -17,10 +18,10 @@ allgather of full descriptions: one allreduce (Sum, float64) of a small vector h
   (*riders*): ranks lay them out alike from the shared cache, so the op costs one
   collective. A rider runs from this data only when every rank contributed it.
 
-Once two clean rounds in a row held the same ops (unnamed ones with the next counter), the
-next round is *predicted*: one allreduce of just the riders' data (see ``_predicted``). A
-burst of riders too large for a cache round (up to PREDICTED_BYTES in float32 or float64)
-rides predicted rounds only.
+Once two clean rounds in a row held the same ops (unnamed ones with counters that moved on),
+the next round is *predicted* (the same ops, unnamed ones' counters moved on as much again):
+one allreduce of just the riders' data (see ``_predicted``). A burst of riders too large for
+a cache round (up to PREDICTED_BYTES in float32 or float64) rides predicted rounds only.
 
 All ranks update the cache from the same information in the same order (the ops that ran,
 in the order they ran), so evictions happen alike everywhere and indices stay valid.
@@ -42,7 +43,7 @@ from collectives.torch.common import ReduceOp
 from collectives.torch.engine.execute import finish_, scale_
 from collectives.torch.engine.requests import NONAME_PREFIXES, Kind, Request
 
-__all__ = ["CacheRound", "ResponseCache", "key_of"]
+__all__ = ["CacheRound", "Key", "ResponseCache", "key_of", "keys_of", "ordinal"]
 
 DEFAULT_CAPACITY = 1024
 #: Riders' elements (as float64) one cache round may carry; also the most one rider holds.
@@ -67,6 +68,7 @@ _RIDER_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 Key = tuple[int, int, str, str, str]
 
 
+_UNNAMED = ".noname.*"  # in the key of an unnamed op (followed by its ordinal, if any)
 _PREFIXES = [(prefix, len(prefix), prefix + "*") for prefix in NONAME_PREFIXES]
 
 
@@ -82,6 +84,27 @@ def key_of(kind: Kind, process_set_id: int, name: str, sig: str, var: str) -> tu
 
 def request_key(request: Request) -> tuple[Key, int]:
     return key_of(request.kind, request.process_set_id, request.name, request.sig, request.var)
+
+
+def ordinal(key: Key, counter: int, seen: dict[Key, int]) -> Key:
+    """The cache key of the k-th unnamed op of a round with this key (``seen`` counts them
+    over the round); a named op's key as it is. Unnamed ops alike then have an entry each,
+    told apart by their place in the round (the counters still decide whether they match)."""
+    if not counter:
+        return key
+    k = seen.get(key, 0)
+    seen[key] = k + 1
+    return key if k == 0 else (key[0], key[1], f"{key[2]}{k}", key[3], key[4])
+
+
+def keys_of(requests: Sequence[Request]) -> list[tuple[Key, int]]:
+    """The cache keys of a round's ops in their order, and their counters (see key_of)."""
+    seen: dict[Key, int] = {}
+    keys = []
+    for request in requests:
+        key, counter = request_key(request)
+        keys.append((ordinal(key, counter, seen), counter))
+    return keys
 
 
 class ResponseCache:
@@ -232,9 +255,11 @@ class CacheRound:
         self.size = size
         self._layout: list[_Rider] = []
         # The last clean round's ops as (cache index, counter), and the ops predicted for
-        # the next round (the same ops again, unnamed ones with the next counter): set
-        # once two clean rounds in a row agreed on the same ops.
+        # the next round (the same ops again, unnamed ones' counters moved on by as much as
+        # from the round before, ``_steps``): set once two clean rounds in a row agreed on
+        # the same ops.
         self._last: list[tuple[int, int]] = []
+        self._steps: list[int] = []
         self._prediction: list[tuple[int, int]] | None = None
         self.predicted_rounds = 0  # rounds the prediction agreed
         # Set (alike everywhere) when a clean round held more small allreduce data than a
@@ -260,7 +285,7 @@ class CacheRound:
         starts, at = [], 1
         for key in self.cache.keys:
             starts.append(at)
-            at += 3 if key[2].endswith(".noname.*") else 1
+            at += 3 if _UNNAMED in key[2] else 1
         starts.append(at)
         return starts
 
@@ -384,7 +409,7 @@ class CacheRound:
         for index, _ in ops:
             cache.use(cache.keys[index])
         self._last = ops
-        self._prediction = [(i, c + 1 if c else 0) for i, c in ops]
+        self._prediction = _moved(ops, self._steps)
 
     def _counted(
         self,
@@ -401,8 +426,7 @@ class CacheRound:
         length = data_at + sum(r.numel for r in layout)
         vector = torch.zeros(length, dtype=torch.float64)
         mine: dict[int, tuple[Request, int]] = {}
-        for request in new:
-            key, counter = request_key(request)
+        for request, (key, counter) in zip(new, keys_of(new), strict=True):
             index = cache.lookup(key)
             if (
                 index is None
@@ -471,12 +495,16 @@ class CacheRound:
         requests = [request for _, request, _ in ops]
         if ops:
             current = [(index, counter) for index, _, counter in ops]
-            expected = [(index, counter + 1 if counter else 0) for index, counter in self._last]
-            repeated = current == expected
-            self._prediction = [(i, c + 1 if c else 0) for i, c in current] if repeated else None
+            steps = _steps(self._last, current)
+            repeated = steps is not None
+            if steps is not None:
+                self._steps = steps
+                self._prediction = _moved(current, steps)
+            else:
+                self._prediction = None
             self._last = current
             if not repeated:  # (a repetition keeps its riders)
-                self._plan_riders(requests)
+                self._plan_riders([(index, request) for index, request, _ in ops])
         return requests, riders
 
     def _predicted(
@@ -498,8 +526,7 @@ class CacheRound:
         by_index: dict[int, Request] = {}
         if not dirty and len(new) == len(prediction):
             wanted = dict(prediction)
-            for request in new:
-                key, counter = request_key(request)
+            for request, (key, counter) in zip(new, keys_of(new), strict=True):
                 index = cache.lookup(key)
                 if index is None or wanted.pop(index, -1) != counter or counter >= MAX_COUNTER:
                     ops = []
@@ -523,24 +550,22 @@ class CacheRound:
             return None
         staging.unload(riders, self.size)
         if len(ops) > 1:
-            ops.sort(key=lambda op: op[0])
+            ops.sort(key=_first)
         self._repeated([(index, counter) for index, _, counter in ops])
         return [request for _, request, _ in ops], riders
 
-    def _plan_riders(self, requests: Sequence[Request]) -> None:
+    def _plan_riders(self, ops: Sequence[tuple[int, Request]]) -> None:
         """The next round's riders: this round's small Sum/Average allreduces (the same
         list on every rank: the same agreed ops, in cache order). Up to RIDER_ELEMENTS in
         all they ride every cache round; a larger burst in float32 or float64 alone, up to
         PREDICTED_BYTES, rides predicted rounds only; a burst larger still negotiates in full
         for BURST_ROUNDS rounds (where it rides the allgather, see :mod:`eager`)."""
         layout: list[_Rider] = []
-        for request in requests:
+        keys = self.cache.keys
+        for index, request in ops:
             if rides(request):
-                key, _ = request_key(request)
-                index = self.cache.lookup(key)
-                assert index is not None
                 spec = request.specs[0]
-                layout.append(_Rider(index, key, spec.numel, spec.shape, spec.dtype))
+                layout.append(_Rider(index, keys[index], spec.numel, spec.shape, spec.dtype))
         total = sum(rider.numel for rider in layout)
         self._carried = total <= RIDER_ELEMENTS
         if not self._carried:
@@ -556,6 +581,29 @@ class CacheRound:
                 self._carried = True
         self._layout = layout
         self._layout_evictions = self.cache.evictions
+
+
+def _first(op: tuple[int, Request, int]) -> int:
+    return op[0]
+
+
+def _steps(last: list[tuple[int, int]], current: list[tuple[int, int]]) -> list[int] | None:
+    """How far each op's counter moved from the ``last`` round to the ``current`` one, when
+    they held the same ops (0 for named ops; more than 0 for unnamed ones); else None."""
+    if len(last) != len(current):
+        return None
+    steps = []
+    for (index, counter), (last_index, last_counter) in zip(current, last, strict=True):
+        step = counter - last_counter
+        if index != last_index or (step <= 0 if counter else last_counter != 0):
+            return None
+        steps.append(step)
+    return steps
+
+
+def _moved(ops: list[tuple[int, int]], steps: list[int]) -> list[tuple[int, int]]:
+    """The ops of the round after ``ops``: unnamed ones' counters moved on by ``steps``."""
+    return [(index, counter + step) for (index, counter), step in zip(ops, steps, strict=True)]
 
 
 def _allreduce(group: Any, vector: torch.Tensor, timeout: float | None) -> None:

@@ -56,7 +56,15 @@ from torch.distributed import BroadcastOptions
 
 from collectives.torch.engine import eager
 from collectives.torch.engine.autotune import Autotuner, Setting
-from collectives.torch.engine.cache import CacheRound, ResponseCache, key_of, request_key
+from collectives.torch.engine.cache import (
+    CacheRound,
+    Key,
+    ResponseCache,
+    key_of,
+    keys_of,
+    ordinal,
+    request_key,
+)
 from collectives.torch.engine.config import DEFAULT_CACHE_CAPACITY, EngineConfig
 from collectives.torch.engine.execute import Executor, Group
 from collectives.torch.engine.fusion import Bucket, Work, plan
@@ -713,7 +721,7 @@ class Engine:
             if self._tuner is not None:
                 self._round_bytes += sum([spec.nbytes for r in requests for spec in r.specs])
 
-    def _cache_ran(self, key: tuple[int, int, str, str, str]) -> None:
+    def _cache_ran(self, key: Key) -> None:
         """Records an op that ran alike on every rank (same order everywhere)."""
         if self._cache_round is not None:
             self._cache_round.cache.use(key)
@@ -770,9 +778,9 @@ class Engine:
         if cache:
             self._count(new)
         if cache and self._cache_round is not None:
-            for request in new:
-                if request.kind <= Kind.REDUCESCATTER:
-                    self._cache_ran(request_key(request)[0])
+            cached = [request for request in new if request.kind <= Kind.REDUCESCATTER]
+            for key, _ in keys_of(cached):
+                self._cache_ran(key)
         with self._cond:
             local = self._local
             for request in new:
@@ -839,6 +847,7 @@ class Engine:
         groups = self.groups
         works: list[Work] = []
         controls: list[tuple[Entry | None, Request | None]] = []
+        unnamed: dict[Key, int] = {}  # (see cache.ordinal)
         for entry, request in zip(ready, requests, strict=True):
             if request is not None:
                 self._current.append(request)
@@ -860,7 +869,7 @@ class Engine:
             assert group is not None
             kind = entry.kind
             if self._cache_round is not None and kind <= Kind.REDUCESCATTER:
-                self._cache_entry(entry, group.ranks)
+                self._cache_entry(entry, group.ranks, unnamed)
             if kind > Kind.REDUCESCATTER:
                 controls.append((entry, request))
             elif group.index < 0:
@@ -893,9 +902,10 @@ class Engine:
                 )
         self._execute(works, controls)
 
-    def _cache_entry(self, entry: Entry, members: list[int]) -> None:
+    def _cache_entry(self, entry: Entry, members: list[int], unnamed: dict[Key, int]) -> None:
         """Caches a ready, consistent op if every member described it alike. Only ops of
-        every rank: a cache round agrees on what all ranks submitted."""
+        every rank: a cache round agrees on what all ranks submitted. ``unnamed`` counts the
+        round's unnamed ops cached so far (see ``cache.ordinal``)."""
         if len(members) != self.size:
             return
         if len(entry.sigs) != len(members) or len(set(entry.vars.values())) > 1:
@@ -904,7 +914,8 @@ class Engine:
             return
         sig = next(iter(entry.sigs.values()))
         var = next(iter(entry.vars.values()), "")
-        self._cache_ran(key_of(entry.kind, entry.process_set_id, entry.name, sig, var)[0])
+        key, counter = key_of(entry.kind, entry.process_set_id, entry.name, sig, var)
+        self._cache_ran(ordinal(key, counter, unnamed))
 
     def _execute(
         self, works: list[Work], controls: list[tuple[Entry | None, Request | None]]

@@ -291,6 +291,35 @@ def main() -> None:
 
     checks.run("bursts", bursts)
 
+    def unnamed_bursts() -> None:
+        # The same burst unnamed and out of place: the k-th unnamed op of a round has a cache
+        # entry of its own, so the burst is predicted as a named one is (its counters move on
+        # by 24 a round). Then every other step adds one more unnamed op before the burst, so
+        # its counters move on by 24 and 25 in turn: a prediction that misses falls back, and
+        # results stay exact either way.
+        engine = runtime.engine()
+        before = engine.stats["predicted_rounds"]
+        inputs = [torch.zeros(1000) for _ in range(24)]
+        for i in range(12):
+            for k, t in enumerate(inputs):
+                t.fill_(float(rank * 3 + i + k))
+            if i >= 6 and i % 2:
+                extra = hvd.allreduce(torch.tensor([float(rank + i)]), op=hvd.Sum)
+                checks.expect(f"burst.unnamed.extra.{i}", float(extra) == ranks.sum() + size * i)
+            handles = [hvd.allreduce_async(t, op=hvd.Sum) for t in inputs]
+            results = [hvd.synchronize(handle) for handle in handles]
+            exact = all(
+                bool((r == float(ranks.sum() * 3) + size * (i + k)).all())
+                for k, r in enumerate(results)
+            )
+            exact = exact and all(bool((t == rank * 3 + i + k).all()) for k, t in enumerate(inputs))
+            checks.expect(f"burst.unnamed.{i}", exact, [float(r[0]) for r in results])
+            if i == 5 and engine.response_cache is not None and len(engine.response_cache) >= 24:
+                predicted = engine.stats["predicted_rounds"] - before
+                checks.expect("burst.unnamed.predicted", predicted >= 1, engine.stats)
+
+    checks.run("unnamed bursts", unnamed_bursts)
+
     stats = runtime.engine().stats
     engine_cache = runtime.engine().response_cache
     if runtime.engine().config.autotune:
