@@ -454,8 +454,15 @@ class Engine:
             # Grad mode is per thread, and a caller's thread may run the cycle: the copies
             # into and out of staging buffers must not record autograd history (an in-place
             # op on a leaf that requires grad, such as a Parameter, would raise).
-            with torch.no_grad():
+            # (torch.no_grad() as a context costs ~3 µs, a tenth of a lane's Python.)
+            grad = torch.is_grad_enabled()
+            if grad:
+                torch.set_grad_enabled(False)
+            try:
                 going_on = self._cycle() if body is None else body()
+            finally:
+                if grad:
+                    torch.set_grad_enabled(True)
             if not going_on:
                 self._running = False
             elif self._busy and self._tuner is not None:

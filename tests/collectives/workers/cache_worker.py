@@ -100,7 +100,7 @@ def main() -> None:
     def parameters_in_place() -> None:
         # In place on a leaf that requires grad (a Parameter), as torch.distributed allows:
         # the full negotiation, the cache's rounds and the fast lane alike; the result is
-        # exact and the Parameter stays a leaf.
+        # exact, the Parameter stays a leaf and the caller's grad mode is as it was.
         param = torch.nn.Parameter(torch.zeros(3))
         for i in range(8):
             with torch.no_grad():
@@ -110,9 +110,13 @@ def main() -> None:
                 f"parameter.{i}",
                 bool((param == float(ranks.sum()) + size * i).all())
                 and param.requires_grad
-                and param.grad_fn is None,
-                param,
+                and param.grad_fn is None
+                and torch.is_grad_enabled(),
+                (param, torch.is_grad_enabled()),
             )
+        with torch.no_grad():
+            hvd.allreduce_(param, op=hvd.Sum)
+            checks.expect("parameter.no_grad", not torch.is_grad_enabled(), "grad enabled")
 
     checks.run("parameter", parameters_in_place)
 
