@@ -185,6 +185,10 @@ def test_unnamed_ops_share_a_key_and_carry_their_counter() -> None:
     third, _ = key_of(Kind.ALLREDUCE, 0, "allreduce.noname.43", "sig", "")
     assert ordinal(third, 44, seen) not in (first, second)
     assert ordinal(third, 44, {}) == first  # (the next round starts over)
+    # No name a user may give (hvd refuses control characters) makes a key of unnamed ops.
+    for name in ("noname.*", "noname.*1", "noname."):
+        imitation, _ = key_of(Kind.ALLREDUCE, 0, f"allreduce.{name}", "sig", "")
+        assert imitation not in (first, second), name
 
 
 @pytest.mark.parametrize(

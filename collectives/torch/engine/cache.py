@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from collectives.torch.common import ReduceOp
 from collectives.torch.engine.execute import finish_, scale_
-from collectives.torch.engine.requests import NONAME_PREFIXES, Kind, Request
+from collectives.torch.engine.requests import FIELD, NONAME_PREFIXES, Kind, Request
 
 __all__ = ["CacheRound", "Key", "ResponseCache", "key_of", "keys_of", "ordinal"]
 
@@ -68,8 +68,10 @@ _RIDER_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 Key = tuple[int, int, str, str, str]
 
 
-_UNNAMED = ".noname.*"  # in the key of an unnamed op (followed by its ordinal, if any)
-_PREFIXES = [(prefix, len(prefix), prefix + "*") for prefix in NONAME_PREFIXES]
+# In the key of an unnamed op, after its kind (and followed by its ordinal, if any): no op
+# name holds FIELD (ops.submit refuses them), so no named op's key can look like it.
+_UNNAMED = ".noname." + FIELD
+_PREFIXES = [(prefix, len(prefix), prefix + FIELD) for prefix in NONAME_PREFIXES]
 
 
 def key_of(kind: Kind, process_set_id: int, name: str, sig: str, var: str) -> tuple[Key, int]:
