@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.collectives.conftest import Harness
 
@@ -83,6 +84,31 @@ def test_hung_peer_fails_after_the_collective_timeout(
     elapsed = float(stdout.split("after ")[1].split(" s")[0])
     assert 1.5 < elapsed < 10, stdout
     assert "HVDRUN_GLOO_TIMEOUT_SECONDS=2" in stdout
+
+
+@pytest.mark.parametrize("path", ["fused", "predicted"])
+def test_tensor_resized_in_flight_fails_its_rank_clearly(
+    make_harness: Callable[[int], Harness], path: str
+) -> None:
+    """A tensor resized while its op is in flight: a collective of the new size would make
+    Gloo abort both processes; instead that rank's engine fails naming the op (not blaming
+    a peer), and the peer fails because that rank went away."""
+    harness = make_harness(2)
+    env = {"HVDRUN_CYCLE_TIME": "300"}
+    workers = [harness.spawn(rank, "local-error", path, extra_env=env) for rank in range(2)]
+    outputs = [worker.communicate(timeout=60) for worker in workers]
+    for rank in range(2):
+        stdout, stderr = outputs[rank]
+        assert workers[rank].returncode == 3, stdout + stderr
+        assert float(stdout.split("after ")[1].split(" s")[0]) < 10, stdout
+        predicted = int(stdout.split("predicted rounds before: ")[1].split()[0])
+        assert (predicted > 0) == (path == "predicted"), stdout
+    local, peer = outputs[0][0], outputs[1][0]
+    assert "rank 0: the collectives engine failed on this rank itself" in local, local
+    now = "[0]" if path == "fused" else "[1]"
+    resized = f"allreduce 'a': its tensor was resized while the op was in flight (now {now}, "
+    assert resized + "submitted as [3])" in local, local
+    assert "rank 1: a collective failed, so a peer process has probably died" in peer, peer
 
 
 def test_stall_inspector_warns_then_shuts_down(make_harness: Callable[[int], Harness]) -> None:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from collectives.torch.common import ReduceOp
-from collectives.torch.engine.execute import finish_, scale_
+from collectives.torch.engine.execute import check_unchanged, finish_, scale_
 from collectives.torch.engine.requests import FIELD, NONAME_PREFIXES, Kind, Request
 
 __all__ = ["CacheRound", "Key", "ResponseCache", "key_of", "keys_of", "ordinal"]
@@ -193,10 +193,19 @@ class _Staging:
         ):
             inputs = [request.inputs[0] for request in requests]
             if self.flat:
-                torch.cat(inputs, out=self.vector)
-            else:
-                torch._foreach_copy_(self.parts, inputs)
+                # cat resizes its output to fit (shrinking it silently) when an input was
+                # resized in flight: the vector keeping its size proves none was.
+                numel = self.vector.numel()
+                try:
+                    torch.cat(inputs, out=self.vector)
+                finally:
+                    if self.vector.numel() != numel:
+                        _check_inputs(requests)
+                return
+            _check_inputs(requests)  # (a copy would broadcast a resized input silently)
+            torch._foreach_copy_(self.parts, inputs)
             return
+        _check_inputs(requests)
         for part, request in zip(self.parts, requests, strict=True):
             _stage_input(part, request.inputs[0], request.common[1])
 
@@ -453,6 +462,7 @@ class CacheRound:
                 held = mine.get(rider.index)
                 if held is not None:
                     request = held[0]
+                    check_unchanged(request, 0)
                     part = vector[offset : offset + rider.numel]
                     _stage_input(part, request.inputs[0].reshape(-1), request.common[1])
                 offset += rider.numel
@@ -623,6 +633,11 @@ _SUM_OPTIONS.reduceOp = _SUM
 
 
 _SUM_VALUE = int(ReduceOp.SUM)
+
+
+def _check_inputs(requests: Sequence[Request]) -> None:
+    for request in requests:
+        check_unchanged(request, 0)
 
 
 def _stage_input(part: torch.Tensor, tensor: torch.Tensor, prescale: float) -> None:

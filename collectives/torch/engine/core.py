@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed import BroadcastOptions
+from torch.distributed import BroadcastOptions, DistError
 
 from collectives.torch.engine import eager
 from collectives.torch.engine.autotune import Autotuner, Setting
@@ -90,7 +90,7 @@ from collectives.torch.engine.stall import StallInspector
 from collectives.torch.engine.timeline import Timeline
 from collectives.torch.errors import HorovodInternalError, TensorMismatchError
 
-__all__ = ["KEEPALIVE_SECONDS", "Engine"]
+__all__ = ["KEEPALIVE_SECONDS", "Engine", "from_peers"]
 
 
 #: The per-rank parts of ops that have none (never written to).
@@ -107,6 +107,22 @@ BURST_PAUSE = 1.0
 BURST_MAX = 20.0
 #: How long the last cycle of a rank that shuts down waits for its peers.
 FINAL_CYCLE_SECONDS = KEEPALIVE_SECONDS + 4.0
+
+
+#: What the errors of a failed collective say (Gloo raises plain RuntimeErrors that name its
+#: transport, a timeout or the connection; c10d and NCCL raise DistError).
+_PEER_MARKS = ("gloo", "timed out", "timeout", "connection", "socket", "peer")
+
+
+def from_peers(error: BaseException) -> bool:
+    """Whether an error of a cycle came from a collective that failed (a peer died, hung or
+    was cut off) rather than from this rank's own work (a local torch error)."""
+    if isinstance(error, DistError):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    text = str(error).lower()
+    return any(mark in text for mark in _PEER_MARKS)
 
 
 class Engine:
@@ -550,14 +566,18 @@ class Engine:
     def _describe_failure(self, error: BaseException) -> str:
         if isinstance(error, HorovodInternalError):
             return str(error)
-        if isinstance(error, RuntimeError):
+        if from_peers(error):
             return (
                 f"rank {self.rank}: a collective failed, so a peer process has probably died, "
                 f"hung or lost its connection (HVDRUN_GLOO_TIMEOUT_SECONDS="
                 f"{self.config.collective_timeout_seconds:g}); the job's collectives are "
                 f"stopped: {error}"
             )
-        return f"rank {self.rank}: the collectives engine failed: {type(error).__name__}: {error}"
+        return (
+            f"rank {self.rank}: the collectives engine failed on this rank itself (not "
+            f"because of a peer); the job's collectives are stopped: "
+            f"{type(error).__name__}: {error}"
+        )
 
     def _break(self, message: str) -> None:
         with self._cond:

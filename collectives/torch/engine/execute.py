@@ -32,7 +32,7 @@ from collectives.torch.common import ReduceOp
 from collectives.torch.engine.fusion import Bucket, Slot
 from collectives.torch.engine.requests import Kind, Request, TensorSpec, parse_ragged
 
-__all__ = ["Executor", "Group"]
+__all__ = ["Executor", "Group", "check_unchanged"]
 
 _TORCH_OPS: dict[ReduceOp, Any] = {
     ReduceOp.AVERAGE: dist.ReduceOp.SUM,
@@ -332,6 +332,8 @@ class Executor:
             Kind.BROADCAST: self._broadcast,
             Kind.ALLTOALL: self._alltoall,
         }[bucket.kind]
+        for slot in bucket.slots:
+            check_unchanged(slot.request, slot.index)
         with torch.no_grad(), self._on_device(bucket, device) as done:
             runner(bucket, group, device)
         return done[0] if done else None
@@ -636,6 +638,22 @@ def _ar(op: ReduceOp) -> Any:
 
 def _row_bytes(spec: TensorSpec) -> int:
     return math.prod(spec.shape[1:]) * spec.dtype.itemsize
+
+
+def check_unchanged(request: Request | None, index: int) -> None:
+    """Raises when an op's input tensor changed size since it was submitted (resized while
+    in flight): a collective of another size than the peers' would make Gloo abort the
+    process; this rank fails instead, with the op named."""
+    if request is None:
+        return
+    tensor = request.inputs[index]
+    spec = request.specs[index]
+    if tensor.nbytes != spec.nbytes:
+        raise RuntimeError(
+            f"{request.label}: its tensor was resized while the op was in flight (now "
+            f"{list(tensor.shape)}, submitted as {list(spec.shape)}); a tensor must keep its "
+            "size until its op completes"
+        )
 
 
 def _input(slot: Slot) -> torch.Tensor:

@@ -17,6 +17,10 @@ Modes:
   lost        the worker starts a child in its process group, reports both pids and waits;
               the test then stops the rendezvous server.
   bad-secret  hvd.init() must fail with a clear error.
+  local-error rank 0 resizes a tensor while its op is in flight: its engine fails on its own
+              (and says so), rank 1's because rank 0 went away (and says that). argv[2]:
+              'fused' (a new burst: fused after the full negotiation) or 'predicted' (a
+              burst repeated until the response cache predicts it).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 import torch
 
 import collectives.torch as hvd
+from collectives.torch import runtime
 
 _alone: list[hvd.ProcessSet] = []
 
@@ -153,6 +158,28 @@ def main() -> None:
             print(f"caught HorovodInternalError after {elapsed:.2f} s: {error}", flush=True)
             sys.exit(3)
         sys.exit("no error although the peer left")
+    if mode == "local-error":
+        hvd.allreduce(torch.ones(4))
+        tensors = [torch.ones(3) for _ in range(4)]
+        started = time.monotonic()
+        last = 7 if sys.argv[2] == "predicted" else 0
+        try:
+            for step in range(last + 1):
+                handles = [hvd.allreduce_async_(t, name="abcd"[i]) for i, t in enumerate(tensors)]
+                if step == last:
+                    stats = runtime.engine().stats
+                    print(f"predicted rounds before: {stats['predicted_rounds']}", flush=True)
+                    if hvd.rank() == 0:
+                        # (long before the cycle: the job's cycle time is long)
+                        tensors[0].resize_(0 if last == 0 else 1)
+                for handle in handles:
+                    hvd.synchronize(handle)
+                torch._foreach_mul_(tensors, 0.5)
+        except hvd.HorovodInternalError as error:
+            elapsed = time.monotonic() - started
+            print(f"caught HorovodInternalError after {elapsed:.2f} s: {error}", flush=True)
+            sys.exit(3)
+        sys.exit("no error although a tensor was resized in flight")
     if mode == "lost":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         print(f"ready {os.getpid()} {child.pid}", flush=True)
