@@ -193,14 +193,16 @@ class _Staging:
         ):
             inputs = [request.inputs[0] for request in requests]
             if self.flat:
-                # cat resizes its output to fit (shrinking it silently) when an input was
-                # resized in flight: the vector keeping its size proves none was.
+                # cat resizes its output to fit when an input was resized in flight (a
+                # shrink silently; a growth fails): the vector keeping its size proves none was.
                 numel = self.vector.numel()
                 try:
                     torch.cat(inputs, out=self.vector)
-                finally:
-                    if self.vector.numel() != numel:
-                        _check_inputs(requests)
+                except RuntimeError:
+                    _check_inputs(requests)  # (names the op, if that is why)
+                    raise
+                if self.vector.numel() != numel:
+                    _check_inputs(requests)
                 return
             _check_inputs(requests)  # (a copy would broadcast a resized input silently)
             torch._foreach_copy_(self.parts, inputs)

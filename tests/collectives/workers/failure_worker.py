@@ -19,8 +19,9 @@ Modes:
   bad-secret  hvd.init() must fail with a clear error.
   local-error rank 0 resizes a tensor while its op is in flight: its engine fails on its own
               (and says so), rank 1's because rank 0 went away (and says that). argv[2]:
-              'fused' (a new burst: fused after the full negotiation) or 'predicted' (a
-              burst repeated until the response cache predicts it).
+              'fused' (a new burst: fused after the full negotiation), 'predicted' or
+              'grown' (a burst repeated until the response cache predicts it; the tensor
+              shrinks or grows).
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ def main() -> None:
         hvd.allreduce(torch.ones(4))
         tensors = [torch.ones(3) for _ in range(4)]
         started = time.monotonic()
-        last = 7 if sys.argv[2] == "predicted" else 0
+        last = 0 if sys.argv[2] == "fused" else 7
+        resized = {"fused": 0, "predicted": 1, "grown": 5}[sys.argv[2]]
         try:
             for step in range(last + 1):
                 handles = [hvd.allreduce_async_(t, name="abcd"[i]) for i, t in enumerate(tensors)]
@@ -171,7 +173,7 @@ def main() -> None:
                     print(f"predicted rounds before: {stats['predicted_rounds']}", flush=True)
                     if hvd.rank() == 0:
                         # (long before the cycle: the job's cycle time is long)
-                        tensors[0].resize_(0 if last == 0 else 1)
+                        tensors[0].resize_(resized)
                 for handle in handles:
                     hvd.synchronize(handle)
                 torch._foreach_mul_(tensors, 0.5)
