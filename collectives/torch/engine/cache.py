@@ -417,7 +417,7 @@ class CacheRound:
     def _repeated(self, ops: list[tuple[int, int]]) -> None:
         """Bookkeeping of a predicted round that agreed (alike on every rank): ``ops`` as
         (cache index, counter) in cache order, the same pattern again; the next round
-        predicts it once more, unnamed ops with their next counter."""
+        predicts it once more, unnamed ops' counters moved on by their steps."""
         cache = self.cache
         for index, _ in ops:
             cache.use(cache.keys[index])
@@ -510,14 +510,11 @@ class CacheRound:
         if ops:
             current = [(index, counter) for index, _, counter in ops]
             steps = _steps(self._last, current)
-            repeated = steps is not None
             if steps is not None:
                 self._steps = steps
-                self._prediction = _moved(current, steps)
-            else:
-                self._prediction = None
+            self._prediction = None if steps is None else _moved(current, steps)
             self._last = current
-            if not repeated:  # (a repetition keeps its riders)
+            if steps is None:  # (a repetition keeps its riders)
                 self._plan_riders([(index, request) for index, request, _ in ops])
         return requests, riders
 

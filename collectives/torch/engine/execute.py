@@ -334,7 +334,8 @@ class Executor:
         }[bucket.kind]
         for slot in bucket.slots:
             check_unchanged(slot.request, slot.index)
-        with torch.no_grad(), self._on_device(bucket, device) as done:
+        # (Grad mode is off: buckets run inside the engine's cycles, see _guarded_cycle.)
+        with self._on_device(bucket, device) as done:
             runner(bucket, group, device)
         return done[0] if done else None
 
