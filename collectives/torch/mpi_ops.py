@@ -207,17 +207,8 @@ def allreduce_(
 ) -> torch.Tensor:
     """Reduces the tensor in place over the process set and returns it."""
     resolved = handle_average_backwards_compatibility(op, average)
-    ops.submit_allreduce(
-        [tensor],
-        [tensor],
-        resolved,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        name,
-        _first,
-        blocking=True,
-        hot=True,
+    ops.allreduce_in_place(
+        tensor, resolved, prescale_factor, postscale_factor, process_set, name
     ).wait()
     return tensor
 

@@ -168,12 +168,9 @@ def submit(
     var: str = "",
     finish: Callable[[Request], Any] | None = None,
     blocking: bool = False,
-    hot: bool = False,
 ) -> Handle:
     """Builds and submits a request; returns its handle. ``blocking``: the caller waits on
-    the handle right away (see :meth:`Engine.submit`); ``hot``: an in-place allreduce of
-    one tensor whose handle's result is that tensor, which may take the engine's hot lane
-    (see :meth:`Engine.run_hot`)."""
+    the handle right away (see :meth:`Engine.submit`)."""
     engine, group = resolve_process_set(process_set, kind.label)
     set_id = group.process_set_id
     if name is None:
@@ -182,19 +179,6 @@ def submit(
     else:
         counter = -1
         full = f"{kind.label}.{_check_name(name)}"
-    if hot:
-        handle = engine.run_hot(
-            set_id,
-            full,
-            counter,
-            inputs[0],
-            common,
-            lambda: _request(
-                engine, kind, full, counter, set_id, inputs, outputs, common, var, finish
-            ),
-        )
-        if handle is not None:
-            return handle
     request = _request(engine, kind, full, counter, set_id, inputs, outputs, common, var, finish)
     if blocking and engine.run_now(request):
         return request.handle
@@ -264,6 +248,48 @@ def _same(outputs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> b
     )
 
 
+_ALLREDUCE = Kind.ALLREDUCE.label
+
+
+def allreduce_in_place(
+    tensor: torch.Tensor,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet | None,
+    name: str | None,
+) -> Handle:
+    """``hvd.allreduce_``: an allreduce of one tensor in place, waited on at once. On the
+    global process set it tries the engine's hot lane first (see :meth:`Engine.run_hot`),
+    which checks the tensor and the op against the alike op that ran before."""
+    if (process_set is None or process_set is global_process_set) and op is not ReduceOp.ADASUM:
+        engine = runtime.engine(_ALLREDUCE)
+        full = None if name is None else f"{_ALLREDUCE}.{_check_name(name)}"
+        common = (int(op), float(prescale), float(postscale))
+        handle = engine.run_hot(
+            full,
+            tensor,
+            common,
+            lambda counter: _request(
+                engine,
+                Kind.ALLREDUCE,
+                full,
+                counter,
+                0,
+                [tensor],
+                [tensor],
+                common,
+                "",
+                first_output,
+            ),
+        )
+        if handle is not None:
+            return handle
+    return submit_allreduce(
+        [tensor], [tensor], op, prescale, postscale, process_set, name, first_output, True
+    )
+
+
 def submit_allreduce(
     tensors: Sequence[torch.Tensor],
     outputs: Sequence[torch.Tensor] | None,
@@ -274,10 +300,8 @@ def submit_allreduce(
     name: str | None,
     finish: Callable[[Request], Any],
     blocking: bool = False,
-    hot: bool = False,
 ) -> Handle:
-    """Allreduce of one or more tensors; ``outputs`` None means new output tensors.
-    ``hot``: ``finish`` gives the output tensor (see :func:`submit`)."""
+    """Allreduce of one or more tensors; ``outputs`` None means new output tensors."""
     inputs = [check_tensor(t, "allreduce") for t in tensors]
     if type(op) is not ReduceOp:
         op = ReduceOp(op)
@@ -305,7 +329,6 @@ def submit_allreduce(
         common,
         finish=finish,
         blocking=blocking,
-        hot=hot and outs is inputs and len(inputs) == 1,
     )
 
 

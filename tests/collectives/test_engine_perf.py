@@ -65,7 +65,7 @@ def test_cache_on_off_and_evicting_give_the_same_results(capacity: str) -> None:
     checks += ["riders.0", "riders.11", "threads", "lane.fallback"]
     checks += ["burst.sum.5", "burst.average.5", "burst.kept", "burst.fallback"]
     checks += ["parameter.0", "parameter.7", "parameter.no_grad", "lane.fallback.out"]
-    checks += ["hot.average.9"]
+    checks += ["hot.average.9", "hot.refused", "hot.skipped.0", "hot.skipped.5", "hot.other.5"]
     checks += ["hot.unnamed.9", "burst.unnamed.5", "burst.unnamed.11", "burst.unnamed.extra.11"]
     checks.append({"1024": "cache.used", "0": "cache.off", "1": "cache.evicts"}[capacity])
     if capacity == "1024":

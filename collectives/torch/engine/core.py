@@ -191,8 +191,8 @@ class Engine:
         self._cycle_lock = threading.Lock()  # one cycle at a time, on whichever thread
         self._names: dict[tuple[int, Kind], itertools.count[int]] = {}
         # What an in-place allreduce_ must match to take the hot lane (see run_hot): the op
-        # that just ran in a lane, as (process set, name or None, common, dtype, shape); None
-        # once any other cycle ran.
+        # on the global process set that just ran in a lane, as (name or None, common,
+        # dtype, shape); None once any other cycle ran.
         self._hot: tuple[Any, ...] | None = None
 
         # Engine-thread state.
@@ -327,57 +327,75 @@ class Engine:
 
     def run_hot(
         self,
-        process_set_id: int,
         name: str | None,
-        counter: int,
         tensor: torch.Tensor,
         common: tuple[Any, ...],
-        build: Callable[[], Request],
+        build: Callable[[int], Request],
     ) -> Handle | None:
-        """The fast lane of an in-place ``allreduce_`` repeated in a loop, without even a
-        request: when ``tensor`` and the op (``name``, None for an unnamed op whose counter
-        is ``counter``) are alike the op that just ran in a lane, and the cache predicts it
-        again, the calling thread runs the predicted round on it directly. Returns its
-        handle (finished; or pending when another rank's ops differed and every rank fell
-        back to the full negotiation of this cycle, for which ``build`` makes the request),
-        or None when the lane is closed (nothing ran)."""
+        """The hot lane: an in-place ``allreduce_`` on the global process set repeated in a
+        loop, the op (``name``, None for an unnamed op) and ``tensor``'s dtype and shape
+        alike the op that just ran in a lane, which the cache predicts again. The calling
+        thread runs the predicted round on ``tensor`` directly: no request, no queue, no
+        cycle bookkeeping, a few checks and two copies around the collective (a 4-byte op
+        spends as much in Python as in Gloo, so each call here counts). Returns None when
+        the lane is closed (nothing ran, no counter drawn); else the op's handle: finished,
+        or as the op goes on as usual (``build`` makes its request from its counter) when
+        it was not the one predicted, or when another rank's ops differed and every rank
+        fell back to the full negotiation of this cycle."""
         hot = self._hot
-        cache_round = self._cache_round
         if (
             hot is None
-            or hot != (process_set_id, name, common, tensor.dtype, tensor.shape)
+            or hot[0] != name
+            or hot[1] != common
+            or not isinstance(tensor, torch.Tensor)
+            or tensor.dtype is not hot[2]
+            or tensor.shape != hot[3]
+            # (no autograd history to keep out of the copies: grad mode may stay as it is)
+            or tensor.requires_grad
             or not tensor.is_cpu
             or tensor.layout is not torch.strided
-            or cache_round is None
-            or not self._enter_lane()
+            or self.timeline is not None
+            or not self._cycle_lock.acquire(blocking=False)
         ):
             return None
         try:
-            if self._hot is not hot:  # (a cycle ran since it was read)
+            # Idle, and no cycle ran since the lane's last round (a cycle clears _hot): the
+            # table is empty and the cache's prediction, layout and staging are the lane's.
+            # Reads without the condition's lock: an op another thread queues meanwhile
+            # goes to the next cycle either way.
+            if (
+                self._hot is not hot
+                or self._new
+                or self._local
+                or not self._running
+                or self._leaving
+                or self._abort_requested
+            ):
                 return None
-            handle: Handle | None = None
-
-            def lane() -> bool:
-                nonlocal handle
-                outcome = cache_round.run_hot(self._control_group, counter + 1, tensor, common)
-                if outcome is None:
-                    return True  # not the predicted op after all: nothing ran
-                self._lane_ran(outcome)
-                if outcome:
+            cache_round = self._cache_round
+            assert cache_round is not None
+            counter = -1 if name is not None else self.next_counter(Kind.ALLREDUCE, 0)
+            try:
+                agreed = cache_round.run_lone(self._control_group, counter + 1, tensor, common)
+            except BaseException as error:
+                self._cycle_failed(error)
+                failed = Handle()
+                failed.fail(HorovodInternalError(str(self._error)))
+                return failed
+            request = None if agreed else build(counter)
+            if agreed is not None:
+                self._lane_ran(agreed)
+                if agreed:
                     self.stats["hot_rounds"] += 1
-                    handle = Handle.finished(tensor)
-                    return True
-                request = build()
-                handle = request.handle
-                return self._lane_fallback(request)
-
-            self._guarded_cycle(lane)
-            if handle is None and self._error is not None:
-                handle = Handle()
-                handle.fail(HorovodInternalError(str(self._error)))
-            return handle
+                    return _DONE
+                assert request is not None
+                self._guarded_cycle(lambda: self._lane_fallback(request))
+                return request.handle
         finally:
             self._cycle_lock.release()
+        # Not the op predicted after all (its counter differs): nothing ran; as usual.
+        assert request is not None
+        return request.handle if self.run_now(request) else self.submit(request, True)
 
     def _enter_lane(self) -> bool:
         """Whether a lane may run a round on the calling thread now: no timeline or
@@ -462,8 +480,6 @@ class Engine:
     def _guarded_cycle(self, body: Callable[[], bool] | None = None) -> None:
         """Runs one cycle (holding the cycle lock; ``body`` instead of :meth:`_cycle`, for
         the fast lane); any failure stops the engine."""
-        failed = False
-        interrupted: BaseException | None = None
         try:
             self._busy = False
             self._round_bytes = 0
@@ -484,26 +500,32 @@ class Engine:
             elif self._busy and self._tuner is not None:
                 self._autotune(self._tuner)
         except BaseException as error:
-            logger.debug("collectives engine of rank %d stopped", self.rank, exc_info=True)
-            failed = True
-            self._running = False
-            self._break(self._describe_failure(error))
-            # The failed call's frames still hold process groups in their locals: cleared,
-            # and the error gone with this block, only the engine holds them (the engine has
-            # no exceptions chained inside a cycle, so its traceback is all there is).
-            traceback.clear_frames(error.__traceback__)
-            if not isinstance(error, Exception):  # Ctrl-C in a thread that ran the cycle
-                interrupted = error
-        if failed:
-            self._abandon_groups()
-            if interrupted is not None:
-                raise interrupted
+            self._cycle_failed(error)
+            return
         if not self._running or (
             (self._awaiting or self._abort_requested)
             and threading.get_ident() != self._thread.ident
         ):
             with self._cond:  # the engine thread must act sooner than it planned
                 self._cond.notify_all()
+
+    def _cycle_failed(self, error: BaseException) -> None:
+        """A cycle raised: the engine stops, every pending op fails, the groups go. Re-raises
+        an interruption (Ctrl-C in a thread that ran the cycle)."""
+        logger.debug("collectives engine of rank %d stopped", self.rank, exc_info=True)
+        self._running = False
+        self._break(self._describe_failure(error))
+        # The failed call's frames still hold process groups in their locals: cleared, and
+        # the error gone with this call, only the engine holds them (the engine has no
+        # exceptions chained inside a cycle, so its traceback is all there is).
+        traceback.clear_frames(error.__traceback__)
+        interrupted = None if isinstance(error, Exception) else error
+        del error
+        self._abandon_groups()
+        if interrupted is not None:
+            raise interrupted
+        with self._cond:  # the engine thread must act now
+            self._cond.notify_all()
 
     def _autotune(self, tuner: Autotuner) -> None:
         """Counts a cycle that ran ops; at a sample's end, every rank takes rank 0's next
@@ -1036,9 +1058,15 @@ class Engine:
         return None  # a barrier: being ready is all it waits for
 
 
-def _hot_print(request: Request) -> tuple[Any, ...]:
+def _hot_print(request: Request) -> tuple[Any, ...] | None:
     """What an op that follows ``request`` in the hot lane must match (see run_hot)."""
+    if request.process_set_id != 0:
+        return None
     spec = request.specs[0]
     _, counter = request_key(request)
     name = None if counter else request.name
-    return (request.process_set_id, name, request.common, spec.dtype, spec.shape)
+    return (name, request.common, spec.dtype, torch.Size(spec.shape))
+
+
+#: The handle the hot lane returns: the op finished (the caller holds the result).
+_DONE = Handle.finished(None)

@@ -188,6 +188,21 @@ def main() -> None:
         hot = engine.stats["hot_rounds"] - before
         if engine.response_cache is not None and not engine.config.autotune:
             checks.expect("hot.used", hot >= 10, engine.stats)
+        # A refused unnamed op still takes its counter: the next one in the lane is not the
+        # op predicted, and goes on as usual; then the lane takes over again.
+        try:
+            hvd.grouped_allreduce([torch.ones(1), torch.ones(1, device="meta")], op=hvd.Sum)
+            checks.expect("hot.refused", False, "no error")
+        except ValueError as error:
+            checks.expect("hot.refused", "same device" in str(error), error)
+        for i in range(6):
+            t = torch.full((2,), float(rank + i), dtype=torch.float32)
+            hvd.allreduce_(t, op=hvd.Sum)
+            checks.expect(f"hot.skipped.{i}", bool((t == float(ranks.sum()) + size * i).all()), t)
+            # Another op on the same tensor does not take the lane of the first.
+            hvd.allreduce_(t, op=hvd.Average)
+            want = float(ranks.sum()) + size * i
+            checks.expect(f"hot.other.{i}", bool((t == want).all()), t)
 
     checks.run("hot", hot_lane)
 
