@@ -14,10 +14,11 @@ Targets (issue 3):
 
 Issue 15 adds: ``hvd.allreduce`` (out of place) of 64 MiB, Sum and Average, <= 1.15x the
 in-place ``torch.distributed.all_reduce``; the 4-byte latency <= 1.3x; 100 x 4 KB >= 40x.
-The floor of any engine on 100 x 4 KB is measured too: the burst copied into one flat
-tensor, one ``torch.distributed.all_reduce`` of it, and copied back (no per-op work); the
-table shows hvd's time against it, and the speed-ups paired round by round (the per-tensor
-``dist`` time swings by 2-3x within one run on this machine).
+A hand-written bucket of the 100 x 4 KB is measured too (the *fused floor*): the burst
+copied into one flat tensor, one ``torch.distributed.all_reduce`` of it, and copied back (no
+per-op work; the engine, which sums up to 512 KB as an allgather and a local sum, can beat
+it); the table shows hvd's time against it, and the speed-ups paired round by round (the
+per-tensor ``dist`` time swings by 2-3x within one run on this machine).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def main() -> int:
             f"{ratio:>9.3f}x{1 / ratio:>9.1f}x"
         )
     speedup = med["small.dist"] / med["small.hvd"]
+    named = med["small.dist"] / med["small.hvd_named"]
     for mine in ("small.dist_fused", "small.hvd", "small.hvd_named"):
         paired = statistics.median(
             d / m for d, m in zip(samples["small.dist"], samples[mine], strict=True)
@@ -85,7 +87,8 @@ def main() -> int:
     out_sum = med["large.hvd_out"] / med["large.dist"]
     out_avg = med["large.hvd_average"] / med["large.dist"]
     print(
-        f"targets: 100 x 4 KB speed-up = {speedup:.1f}x (>= 20; issue 15: >= 40), "
+        f"targets: 100 x 4 KB speed-up = {speedup:.1f}x unnamed, {named:.1f}x named "
+        "(>= 20; issue 15: >= 40), "
         f"64 MiB hvd/dist = {large:.3f} (<= 1.05), "
         f"out of place Sum {out_sum:.3f} / Average {out_avg:.3f} (<= 1.15), "
         f"4 B latency hvd/dist = {med['scalar.hvd'] / med['scalar.dist']:.2f} (<= 1.3)"

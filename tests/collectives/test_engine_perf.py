@@ -55,6 +55,14 @@ def test_output_pool_reuses_only_dropped_results() -> None:
     assert float(held.sum()) == 2.0 * numel
 
 
+def test_small_sums_gather_with_gloos_bits() -> None:
+    code, output = run_hvdrun(2, WORKERS / "sums_worker.py", timeout=120)
+    checks = ["exact.torch.float16.3", "path.torch.int64.65536", "path.torch.int64.65537"]
+    checks += ["exact.torch.bfloat16.262144", "bits.gloo.torch.float32.100000", "nan"]
+    checks += ["path.torch.float64.100000", "bits.gloo.torch.float64.100000", "transposed"]
+    assert_all_ok(code, output, 2, checks)
+
+
 @pytest.mark.parametrize("capacity", ["1024", "0", "1"])
 def test_cache_on_off_and_evicting_give_the_same_results(capacity: str) -> None:
     code, output = run_hvdrun(

@@ -30,17 +30,15 @@ in the order they ran), so evictions happen alike everywhere and indices stay va
 from __future__ import annotations
 
 import collections
-import datetime
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from collectives.torch.common import ReduceOp
-from collectives.torch.engine.execute import check_unchanged, finish_, scale_
+from collectives.torch.engine.execute import Sums, check_unchanged, finish_, scale_
 from collectives.torch.engine.requests import FIELD, NONAME_PREFIXES, Kind, Request
 
 __all__ = ["CacheRound", "Key", "ResponseCache", "key_of", "keys_of", "ordinal"]
@@ -61,7 +59,6 @@ MAX_COUNTER = 1 << 24
 MAX_BACKOFF = 16
 #: Rounds of full negotiation after a burst of small allreduces too large to ride.
 BURST_ROUNDS = 16
-_SUM: Any = dist.ReduceOp.SUM
 _RIDER_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
 #: (kind, process set, name with an auto-name's counter replaced by "*", signature, part)
@@ -286,6 +283,7 @@ class CacheRound:
         # burst larger than RIDER_ELEMENTS: in a counted round it runs as agreed ops).
         self._carried = True
         self._layout_evictions = 0  # the cache's evictions when the layout was last checked
+        self._sums = Sums()
 
     def forget(self) -> None:
         """A full negotiation ran, or a predicted round failed: predict nothing until the
@@ -381,7 +379,7 @@ class CacheRound:
         part.copy_(tensor)
         if common[1] != 1.0:
             scale_(part, float(common[1]))
-        group.allreduce([staging.vector], _SUM_OPTIONS).wait()
+        self._sums.start(group, self.size, staging.vector).wait()
         if math.isnan(staging.first[0]):
             self.forget()
             return False
@@ -418,7 +416,7 @@ class CacheRound:
         """The allreduce of a lone rider's round; False when another rank's ops differed."""
         staging = self._staging
         assert staging is not None
-        _allreduce(group, staging.vector, None)
+        self._sums.start(group, self.size, staging.vector).wait()
         if math.isnan(staging.first[0]):
             self.forget()
             return False
@@ -482,7 +480,7 @@ class CacheRound:
                     part = vector[offset : offset + rider.numel]
                     _stage_input(part, request.inputs[0].reshape(-1), request.common[1])
                 offset += rider.numel
-        _allreduce(group, vector, timeout)
+        self._sums.start(group, self.size, vector, timeout).wait()
         if vector[0].item() != 0.0:
             return None
         counts = vector[:data_at].tolist()
@@ -569,7 +567,7 @@ class CacheRound:
                 staging.vector.zero_()
         else:
             staging.vector.fill_(math.nan)
-        _allreduce(group, staging.vector, timeout)
+        self._sums.start(group, self.size, staging.vector, timeout).wait()
         if math.isnan(staging.first[0]):
             self.forget()
             return None
@@ -629,20 +627,6 @@ def _steps(last: list[tuple[int, int]], current: list[tuple[int, int]]) -> list[
 def _moved(ops: list[tuple[int, int]], steps: list[int]) -> list[tuple[int, int]]:
     """The ops of the round after ``ops``: unnamed ones' counters moved on by ``steps``."""
     return [(index, counter + step) for (index, counter), step in zip(ops, steps, strict=True)]
-
-
-def _allreduce(group: Any, vector: torch.Tensor, timeout: float | None) -> None:
-    if timeout is None:
-        opts = _SUM_OPTIONS  # (the call copies them)
-    else:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = _SUM
-        opts.timeout = datetime.timedelta(seconds=timeout)
-    group.allreduce([vector], opts).wait()
-
-
-_SUM_OPTIONS = dist.AllreduceOptions()
-_SUM_OPTIONS.reduceOp = _SUM
 
 
 _SUM_VALUE = int(ReduceOp.SUM)
