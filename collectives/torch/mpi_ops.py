@@ -191,7 +191,7 @@ def allreduce_async_(
             postscale_factor,
             process_set,
             name,
-            lambda request: tensor,
+            _first,  # (in place: the output is the tensor)
         )
     )
 

@@ -171,14 +171,15 @@ def submit(
 ) -> Handle:
     """Builds and submits a request; returns its handle. ``blocking``: the caller waits on
     the handle right away (see :meth:`Engine.submit`)."""
-    engine, group = resolve_process_set(process_set, kind.label)
+    label = kind.label
+    engine, group = resolve_process_set(process_set, label)
     set_id = group.process_set_id
     if name is None:
         counter = engine.next_counter(kind, set_id)
         full = None
     else:
         counter = -1
-        full = f"{kind.label}.{_check_name(name)}"
+        full = f"{label}.{_check_name(name)}"
     request = _request(engine, kind, full, counter, set_id, inputs, outputs, common, var, finish)
     if blocking and engine.run_now(request):
         return request.handle

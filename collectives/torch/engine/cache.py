@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -573,7 +574,7 @@ class CacheRound:
             return None
         staging.unload(riders, self.size)
         if len(ops) > 1:
-            ops.sort(key=_first)
+            ops.sort(key=_FIRST)
         self._repeated([(index, counter) for index, _, counter in ops])
         return [request for _, request, _ in ops], riders
 
@@ -606,8 +607,7 @@ class CacheRound:
         self._layout_evictions = self.cache.evictions
 
 
-def _first(op: tuple[int, Request, int]) -> int:
-    return op[0]
+_FIRST = operator.itemgetter(0)  # (a C call per op, where a def would be a Python one)
 
 
 def _steps(last: list[tuple[int, int]], current: list[tuple[int, int]]) -> list[int] | None:
