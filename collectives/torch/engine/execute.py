@@ -193,11 +193,10 @@ class Sums:
         """Starts the Sum of ``tensor`` over the ``size`` ranks of ``pg``; returns the work
         to wait on."""
         numel = tensor.numel()
-        nbytes = numel * tensor.element_size()
         if (
-            size > 1
-            and numel >= GATHER_MIN_ELEMENTS
-            and (size - 1) * nbytes <= GATHER_BYTES
+            numel >= GATHER_MIN_ELEMENTS
+            and size > 1
+            and (size - 1) * (nbytes := numel * tensor.element_size()) <= GATHER_BYTES
             and tensor.dtype in _GATHERED_DTYPES
             and tensor.is_cpu
             and tensor.is_contiguous()
