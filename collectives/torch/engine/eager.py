@@ -163,17 +163,17 @@ def _reduce(stacked: torch.Tensor, common: tuple[Any, ...], size: int) -> torch.
     op = ReduceOp(common[0])
     prescale, postscale = float(common[1]), float(common[2])
     dtype = stacked.dtype
-    with torch.no_grad():
-        scale_(stacked, prescale)
-        if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            result = stacked.sum(0, dtype=dtype)
-        elif op == ReduceOp.MIN:
-            result = stacked.amin(0)
-        elif op == ReduceOp.MAX:
-            result = stacked.amax(0)
-        else:
-            result = stacked.prod(0, dtype=dtype)
-        finish_(result, op, postscale, size)
+    # (stacked is the gathered data, no autograd leaf: grad mode does not matter here)
+    scale_(stacked, prescale)
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        result = stacked.sum(0, dtype=dtype)
+    elif op == ReduceOp.MIN:
+        result = stacked.amin(0)
+    elif op == ReduceOp.MAX:
+        result = stacked.amax(0)
+    else:
+        result = stacked.prod(0, dtype=dtype)
+    finish_(result, op, postscale, size)
     return result
 
 
