@@ -58,8 +58,8 @@ def main() -> None:
     flat_views = list(flat_small.split(SMALL_NUMEL))
 
     def dist_small_fused() -> None:
-        # The floor of any engine: the burst's data in one allreduce, copied in and out,
-        # with no per-op work at all (what a hand-written bucket does).
+        # A hand-written bucket: the burst's data in one allreduce, copied in and out, with
+        # no per-op work at all (an engine that sums 400 KB otherwise can beat it).
         torch.cat(small, out=flat_small)
         dist.all_reduce(flat_small)
         torch._foreach_copy_(small, flat_views)

@@ -370,29 +370,18 @@ class CacheRound:
         """:meth:`run_one` for the engine's hot lane, which vouches that no other round ran
         since the last one of this lane (the prediction is this lone rider's, its layout and
         staging stand): the op is ``tensor``, reduced in place with ``common``, with counter
-        ``want`` (0 for a named op). Inlined: it runs once per call of a loop."""
+        ``want`` (0 for a named op). Only the checks are its own; the round is run_one's."""
         ((index, predicted),) = self._prediction or ((-1, -1),)
         if predicted != want or want >= MAX_COUNTER:
             return None
         staging = self._staging
         assert staging is not None
         part = staging.parts[0]
-        part.copy_(tensor)
-        if common[1] != 1.0:
-            scale_(part, float(common[1]))
-        self._sums.start(group, self.size, staging.vector).wait()
-        if math.isnan(staging.first[0]):
-            self.forget()
+        _stage_input(part, tensor, common[1])
+        if not self._lone_round(group):
             return False
-        if common[0] == _SUM_VALUE and common[2] == 1.0:
-            tensor.copy_(part)
-        else:
-            _finish_out(tensor, part, common, self.size)
-        cache = self.cache
-        cache.use(cache.keys[index])
-        self._last = [(index, want)]
-        self._prediction = [(index, want + self._steps[0])]
-        self.predicted_rounds += 1
+        _finish_out(tensor, part, common, self.size)
+        self._lone_agreed(index, want)
         return True
 
     def _lone(self, counter: int) -> int | None:
@@ -424,7 +413,12 @@ class CacheRound:
         return True
 
     def _lone_agreed(self, index: int, counter: int) -> None:
-        self._repeated([(index, counter)])
+        """:meth:`_repeated` for a lone op's predicted round that agreed (its counter moves
+        on by its one step), written out: it runs once per call of a loop."""
+        cache = self.cache
+        cache.use(cache.keys[index])
+        self._last = [(index, counter)]
+        self._prediction = [(index, counter + self._steps[0])]
         self.predicted_rounds += 1
 
     def _repeated(self, ops: list[tuple[int, int]]) -> None:

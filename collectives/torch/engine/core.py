@@ -754,12 +754,8 @@ class Engine:
                 seen = dict.fromkeys(range(self.size), now)
                 for request in riders:
                     tl.negotiated(request.name, request.kind.label.upper(), seen, now)
-                for request in riders:
-                    self._complete(request, None)
-            else:  # (_complete of allreduces, inlined: a burst has a hundred)
-                for request in riders:
-                    finish = request.finish
-                    request.handle.complete(request.extra if finish is None else finish(request))
+            for request in riders:
+                self._complete(request, None)
             if len(riders) == len(agreed):  # (riders are among the agreed ops)
                 agreed = []
             else:
