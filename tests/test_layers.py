@@ -4,10 +4,11 @@ Every import counts, imports inside functions included; ``if TYPE_CHECKING:`` bl
 The rules:
 
 * Packages: ``hvdrun -> launcher -> rendezvous`` and ``collectives -> rendezvous``; nothing
-  imports back up (DESIGN.md).
+  imports back up (docs/architecture.md).
 * No import cycle between modules, and no private name (``_x``) taken from another module.
-* Inside ``launcher`` and ``collectives.torch``, each part imports only what the maps below
-  allow (their package docstrings explain the maps).
+* Inside ``launcher``, ``collectives`` and the PyTorch frontend ``collectives.torch``, each part
+  imports only what the maps below allow (their package docstrings explain the maps); no
+  frontend imports another.
 """
 
 from __future__ import annotations
@@ -40,14 +41,21 @@ LAUNCHER = {
     "run": {"supervision", "spec", "output"},
 }
 
-#: collectives.torch: parts from the bottom up; a part imports only parts of its own layer
-#: or below (cycles within a layer are caught by the cycle check).
+#: collectives: parts from the bottom up; a part imports only parts of its own layer or below
+#: (cycles within a layer are caught by the cycle check).
 COLLECTIVES = [
-    {"errors", "common", "compression", "adasum"},  # leaves
-    {"engine"},  # the engine core: negotiation, fusion, execution
-    {"runtime"},  # the process runtime: state, joining the job, groups
-    {"ops"},  # argument checks and submission
-    {"autograd", "process_sets"},
+    {"errors", "common", "adasum"},  # leaves: exceptions, ReduceOp/ProcessSet, Adasum's math
+    {"engine"},  # the one engine: negotiation, fusion, execution, cache, autotune, timeline
+    {"runtime"},  # joining the job: state, bootstrap, groups, other launchers
+    {"ops"},  # the framework-neutral submission layer (argument checks, requests)
+    {"process_sets"},  # registering process sets (a negotiated op)
+    FRONTENDS := {"torch", "tensorflow", "keras", "ray"},  # frontends, side by side
+]
+
+#: collectives.torch (the PyTorch frontend): its parts from the bottom up.
+TORCH = [
+    {"compression"},
+    {"autograd"},
     {"mpi_ops", "functions"},  # Horovod's op API
     {"optim", "sync_batch_norm"},
     {"optimizer"},
@@ -200,21 +208,43 @@ def test_launcher_parts_import_only_what_the_map_allows() -> None:
     assert wrong == []
 
 
-def test_collectives_layers_import_only_downward() -> None:
-    layer_of = {part: level for level, parts in enumerate(COLLECTIVES) for part in parts}
+def _layers_import_only_downward(package: str, layers: list[set[str]]) -> list[str]:
+    layer_of = {part: level for level, parts in enumerate(layers) for part in parts}
     wrong = []
     for module, targets in GRAPH.items():
-        part = _part(module, "collectives.torch")
+        part = _part(module, package)
         if part is None:
             continue
-        assert part in layer_of, f"{module}: a part missing from the layers"
+        assert part in layer_of, f"{module}: a part missing from the layers of {package}"
         for target in targets:
-            other = _part(target, "collectives.torch")
+            other = _part(target, package)
             if other is not None and layer_of[other] > layer_of[part]:
                 wrong.append(f"{module} ({part}) imports {target} ({other}, a higher layer)")
+    return wrong
+
+
+def test_collectives_layers_import_only_downward() -> None:
+    # frontends -> ops -> runtime -> engine -> leaves (and rendezvous, see PACKAGE_RULES)
+    assert _layers_import_only_downward("collectives", COLLECTIVES) == []
+
+
+def test_no_frontend_imports_another() -> None:
+    wrong = []
+    for module, targets in GRAPH.items():
+        part = _part(module, "collectives")
+        if part not in FRONTENDS:
+            continue
+        for target in targets:
+            other = _part(target, "collectives")
+            if other in FRONTENDS and other != part:
+                wrong.append(f"{module} ({part}) imports {target} (the {other} frontend)")
     assert wrong == []
+
+
+def test_torch_frontend_layers_import_only_downward() -> None:
+    assert _layers_import_only_downward("collectives.torch", TORCH) == []
 
 
 def test_the_checks_see_lazy_imports() -> None:
     # runtime.registration imports the rendezvous client inside a function, on purpose.
-    assert "rendezvous.client" in GRAPH["collectives.torch.runtime.registration"]
+    assert "rendezvous.client" in GRAPH["collectives.runtime.registration"]

@@ -1,32 +1,25 @@
 """Horovod's PyTorch API on torch.distributed: ``import collectives.torch as hvd``.
 
-This module is the whole public surface; the implementation lives in layers that only
-import downward (no import cycles, not even through imports inside functions):
+This module is the whole public surface of the PyTorch frontend; its parts import only
+downward (no import cycles, not even through imports inside functions):
 
 =================== =========================================================================
 public API          ``mpi_ops`` (the tensor collectives and ``init``), ``autograd`` (their
-                    gradients), ``process_sets``, ``functions`` (parameters, optimizer state
-                    and objects), ``sync_batch_norm``, ``optimizer`` (``DistributedOptimizer``)
-                    with its family in ``optim/``, and ``elastic/`` on top of them
-submission          ``ops``: argument checks, requests, submission (Adasum allreduce included)
-process runtime     ``runtime/``: joining the job, the rank queries, the running engine
-engine core         ``engine/``: negotiation, fusion, execution, timeline on a background
-                    thread; imports none of the layers above
-leaves              ``common`` (``ReduceOp``, ``ProcessSet``), ``errors``, ``compression``,
-                    ``adasum`` (the math)
+                    gradients), ``functions`` (parameters, optimizer state and objects),
+                    ``sync_batch_norm``, ``optimizer`` (``DistributedOptimizer``) with its
+                    family in ``optim/``, and ``elastic/`` on top of them
+leaves              ``compression``
 =================== =========================================================================
 
-A layer may import any layer below it. The leaves import nothing of the package but
-``errors``; what a leaf needs from above (a process set's size and rank) is handed to it by
-the runtime (``common.bind_job``).
+Below the frontend (see :mod:`collectives`): ``collectives.process_sets``, the submission
+layer ``collectives.ops``, the runtime ``collectives.runtime`` and the engine
+``collectives.engine``, with ``collectives.errors`` and ``collectives.common`` as leaves.
 """
 
 from __future__ import annotations
 
-from collectives.torch import elastic
-from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
-from collectives.torch.compression import Compression
-from collectives.torch.errors import (
+from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.errors import (
     CollectiveError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
@@ -34,6 +27,32 @@ from collectives.torch.errors import (
     NotSupportedWithJoinError,
     TensorMismatchError,
 )
+from collectives.process_sets import add_process_set, remove_process_set
+from collectives.runtime import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from collectives.torch import elastic
+from collectives.torch.compression import Compression
 from collectives.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -77,30 +96,6 @@ from collectives.torch.mpi_ops import (
     synchronize,
 )
 from collectives.torch.optimizer import DistributedOptimizer
-from collectives.torch.process_sets import add_process_set, remove_process_set
-from collectives.torch.runtime import (
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
 from collectives.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [

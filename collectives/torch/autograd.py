@@ -19,7 +19,7 @@ The backward passes apply these Functions themselves (as Horovod's call its diff
 public functions), so a gradient is differentiable too and higher-order gradients work.
 
 Layering: this module sits between the public op API (:mod:`collectives.torch.mpi_ops`, which
-applies these Functions) and the submission layer (:mod:`collectives.torch.ops`, which they
+applies these Functions) and the submission layer (:mod:`collectives.ops`, which they
 submit through); it never imports ``mpi_ops``.
 """
 
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from collectives.torch import ops, runtime
-from collectives.torch.common import ProcessSet, ReduceOp
-from collectives.torch.engine.requests import Request
+from collectives import ops, runtime
+from collectives.common import ProcessSet, ReduceOp
+from collectives.engine.requests import Request
 
 
 def alltoall_result(request: Request) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ whatever state the other ranks had, and no optimizer step is taken to create sta
 (Horovod does that, which perturbs parameters of optimizers with weight decay).
 
 A public API module (Horovod's ``horovod.torch.functions``), built on the submission layer
-(:mod:`collectives.torch.ops`); the elastic states sync through it.
+(:mod:`collectives.ops`); the elastic states sync through it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from collectives.torch import ops, runtime
-from collectives.torch.common import ProcessSet, global_process_set
+from collectives import ops, runtime
+from collectives.common import ProcessSet, global_process_set
 
 try:  # cloudpickle also handles lambdas and locally defined classes, as in Horovod
     import cloudpickle

@@ -12,7 +12,7 @@ import importlib.util
 import os
 import sys
 
-from collectives.torch.runtime import launched
+from collectives.runtime import launched
 from rendezvous import launchers, worker_env
 
 

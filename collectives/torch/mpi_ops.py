@@ -22,8 +22,8 @@ and then registers the process sets it was given, which the runtime cannot do it
 sits below the process-set API.
 
 Layering: the public op API. It applies the Functions of :mod:`collectives.torch.autograd`,
-submits through :mod:`collectives.torch.ops` and registers process sets through
-:mod:`collectives.torch.process_sets`; nothing below it imports it.
+submits through :mod:`collectives.ops` and registers process sets through
+:mod:`collectives.process_sets`; nothing below it imports it.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ from typing import Any
 
 import torch
 
-from collectives.torch import autograd, ops, runtime
-from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
+from collectives import ops, runtime
+from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.engine import handles
+from collectives.engine.requests import Kind
+from collectives.process_sets import add_process_set
+from collectives.torch import autograd
 from collectives.torch.compression import Compression, Compressor
-from collectives.torch.engine import handles
-from collectives.torch.engine.requests import Kind
-from collectives.torch.process_sets import add_process_set
 
 __all__ = [
     "Adasum",

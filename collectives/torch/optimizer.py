@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
+from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.torch.compression import Compression, Compressor
 from collectives.torch.optim import base
 from collectives.torch.optim.adasum_optimizer import DistributedAdasumOptimizer

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from collectives.common import ProcessSet, global_process_set
 from collectives.torch import mpi_ops
-from collectives.torch.common import ProcessSet, global_process_set
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormFunction"]
 

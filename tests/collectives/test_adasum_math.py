@@ -2,7 +2,7 @@
 
 import torch
 
-from collectives.torch.adasum import adasum_pair, adasum_tree
+from collectives.adasum import adasum_pair, adasum_tree
 
 
 def reference_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from collectives.torch.common import ReduceOp
-from collectives.torch.engine import eager
-from collectives.torch.engine.fusion import Work, plan
-from collectives.torch.engine.handles import Handle
-from collectives.torch.engine.negotiation import FLAG_LEAVING, Entry, Exchange, Table, check
-from collectives.torch.engine.requests import (
+from collectives.common import ReduceOp
+from collectives.engine import eager
+from collectives.engine.fusion import Work, plan
+from collectives.engine.handles import Handle
+from collectives.engine.negotiation import FLAG_LEAVING, Entry, Exchange, Table, check
+from collectives.engine.requests import (
     Kind,
     Request,
     TensorSpec,
@@ -24,7 +24,7 @@ from collectives.torch.engine.requests import (
     parse_signature,
     signature,
 )
-from collectives.torch.engine.timeline import Timeline
+from collectives.engine.timeline import Timeline
 
 
 def sig(kind: Kind, common: tuple[Any, ...], *tensors: torch.Tensor) -> str:
@@ -186,7 +186,7 @@ def test_table_readiness_with_joined_ranks() -> None:
 
 
 def test_ops_join_does_not_support_are_refused_while_a_rank_has_joined() -> None:
-    from collectives.torch.errors import (
+    from collectives.errors import (
         CollectiveError,
         HorovodInternalError,
         NotSupportedWithJoinError,
@@ -222,7 +222,7 @@ def test_ops_join_does_not_support_are_refused_while_a_rank_has_joined() -> None
 
 
 def test_root_mismatch_in_a_process_set_names_global_ranks() -> None:
-    from collectives.torch.errors import TensorMismatchError
+    from collectives.errors import TensorMismatchError
 
     # Set [1, 3]: rank 1 passed root_rank=1 (position 0), rank 3 root_rank=3 (position 1).
     entry = Entry(Kind.BROADCAST, "broadcast.b", 1, (1, "broadcast.b"), 0, 0.0)

@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from collectives.torch.engine.autotune import (
+from collectives.engine.autotune import (
     Autotuner,
     Setting,
     expected_improvement,
     posterior_mean,
     suggest,
 )
-from collectives.torch.engine.cache import Key, ResponseCache, key_of, ordinal
-from collectives.torch.engine.config import from_environment
-from collectives.torch.engine.execute import POOLED_BYTES, OutputPool
-from collectives.torch.engine.requests import Kind
+from collectives.engine.cache import Key, ResponseCache, key_of, ordinal
+from collectives.engine.config import from_environment
+from collectives.engine.execute import POOLED_BYTES, OutputPool
+from collectives.engine.requests import Kind
 from hvdrun.tuning import tuning_env
 from tests.cli.conftest import assert_usage_error
 from tests.collectives.conftest import WORKERS, assert_all_ok, run_hvdrun

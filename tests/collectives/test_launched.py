@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from collectives.torch.runtime import launched
+from collectives.runtime import launched
 from rendezvous.launchers import Placement, derived_port
 
 

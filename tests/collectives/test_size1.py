@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import collectives.torch as hvd_module
-from collectives.torch import runtime
-from collectives.torch.engine.config import from_environment
+from collectives import runtime
+from collectives.engine.config import from_environment
 
 DTYPES = [
     torch.float16,
@@ -490,8 +490,8 @@ def test_error_classes_follow_horovod() -> None:
 
 
 def test_broadcast_root_is_a_global_rank_of_the_set() -> None:
-    from collectives.torch.engine.execute import Group
-    from collectives.torch.ops import root_index
+    from collectives.engine.execute import Group
+    from collectives.ops import root_index
 
     odd = Group(1, [1, 3], None, 0)
     assert root_index(3, odd, "broadcast") == 1

@@ -8,8 +8,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from collectives.errors import HostsUpdatedInterrupt
 from collectives.torch import elastic
-from collectives.torch.errors import HostsUpdatedInterrupt
 
 
 @pytest.mark.usefixtures("hvd")

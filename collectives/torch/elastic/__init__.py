@@ -21,16 +21,16 @@ generation, joins the next one (new rank and size, fresh process groups), syncs 
 from the new rank 0 and calls the function again.
 
 The top layer of ``collectives.torch``: it resets the process runtime
-(:func:`collectives.torch.runtime.reset`) and syncs state through the public API
+(:func:`collectives.runtime.reset`) and syncs state through the public API
 (``functions``, ``mpi_ops``); nothing else in the package imports it but the package's face.
 """
 
 from __future__ import annotations
 
+from collectives.errors import HorovodInternalError, HostsUpdatedInterrupt
 from collectives.torch.elastic.runner import run
 from collectives.torch.elastic.sampler import ElasticSampler
 from collectives.torch.elastic.state import ObjectState, State, TorchState
-from collectives.torch.errors import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = [
     "ElasticSampler",

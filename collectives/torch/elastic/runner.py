@@ -7,9 +7,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from collectives.torch import runtime
+from collectives import runtime
+from collectives.errors import HorovodInternalError, HostsUpdatedInterrupt
 from collectives.torch.elastic.state import State
-from collectives.torch.errors import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["run"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from collectives.torch import runtime
+from collectives import runtime
 
 __all__ = ["ElasticSampler"]
 

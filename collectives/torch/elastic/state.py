@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from collectives.torch import runtime
-from collectives.torch.common import ReduceOp
-from collectives.torch.errors import HostsUpdatedInterrupt
+from collectives import runtime
+from collectives.common import ReduceOp
+from collectives.errors import HostsUpdatedInterrupt
 from collectives.torch.functions import (
     broadcast_object,
     broadcast_optimizer_state,

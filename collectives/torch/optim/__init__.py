@@ -8,6 +8,6 @@
 Why a package apart from the public module: ``optimizer.py`` picks one of these classes, so
 they must not import it (the Adasum optimizer used to subclass a private class of the module
 that imported it back). These modules sit above the op layer: they submit through
-:mod:`collectives.torch.ops` and ask the runtime whether it is initialized; nothing below
+:mod:`collectives.ops` and ask the runtime whether it is initialized; nothing below
 imports them.
 """

@@ -2,7 +2,7 @@
 
 As soon as a parameter's gradient is ready, the wrapped optimizer steps that parameter alone
 on the local gradient, and the *change* of the parameter is what is combined with Adasum
-(see :mod:`collectives.torch.adasum`) over the ranks; ``step()`` applies the combined
+(see :mod:`collectives.adasum`) over the ranks; ``step()`` applies the combined
 changes. One parameter per bucket, so that each is stepped as soon as its gradient is ready.
 It is the base class with three of its steps replaced: planning, starting and finishing a
 bucket.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from collectives.torch import ops
+from collectives import ops
 from collectives.torch.optim.base import DistributedOptimizerBase
 from collectives.torch.optim.gradient_buckets import Bucket
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from collectives.torch import ops, runtime
-from collectives.torch.common import ProcessSet, ReduceOp
+from collectives import ops, runtime
+from collectives.common import ProcessSet, ReduceOp
 from collectives.torch.compression import Compression, Compressor
 from collectives.torch.optim.gradient_buckets import (
     NOTHING,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from collectives.torch.engine.handles import Handle
+from collectives.engine.handles import Handle
 
 __all__ = [
     "BUCKET_BYTES",

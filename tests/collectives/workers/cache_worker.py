@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks
 
 import collectives.torch as hvd
-from collectives.torch import runtime
+from collectives import runtime
 
 BIG = 5 * 1024 * 1024 // 4  # 5 MiB of float32: a pooled out-of-place result
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import collectives.torch as hvd
-from collectives.torch import runtime
+from collectives import runtime
 
 hvd.init()
 total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), name="sum", op=hvd.Sum)

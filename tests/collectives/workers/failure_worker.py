@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 import collectives.torch as hvd
-from collectives.torch import runtime
+from collectives import runtime
 
 _alone: list[hvd.ProcessSet] = []
 

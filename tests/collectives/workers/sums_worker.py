@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks
 
 import collectives.torch as hvd
-from collectives.torch import runtime
-from collectives.torch.engine.execute import GATHER_BYTES, GATHER_MIN_ELEMENTS, Sums
+from collectives import runtime
+from collectives.engine.execute import GATHER_BYTES, GATHER_MIN_ELEMENTS, Sums
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
 

@@ -510,7 +510,7 @@ def main() -> None:
         # round), it is one allreduce of the burst. Sums that rounding makes order-dependent
         # still come out bit-identical on every rank, and within float32 rounding of the
         # float64 sum.
-        from collectives.torch import runtime
+        from collectives import runtime
 
         before = runtime.engine().stats["predicted_rounds"]
         sent, results = [], []

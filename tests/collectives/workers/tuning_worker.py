@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks
 
 import collectives.torch as hvd
-from collectives.torch import runtime
+from collectives import runtime
 
 
 def run_ops(prefix: str, r: int, n: int) -> None:

@@ -15,7 +15,8 @@ import time
 import torch
 
 import collectives.torch as hvd
-from collectives.torch import elastic, runtime
+from collectives import runtime
+from collectives.torch import elastic
 
 STEPS = int(os.environ.get("STEPS", "40"))
 INTERVAL = float(os.environ.get("STEP_INTERVAL", "0.1"))

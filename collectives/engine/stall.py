@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from collectives.torch.engine.config import EngineConfig
-from collectives.torch.engine.negotiation import Entry, Table
-from collectives.torch.engine.requests import label
+from collectives.engine.config import EngineConfig
+from collectives.engine.negotiation import Entry, Table
+from collectives.engine.requests import label
 
 __all__ = ["StallInspector"]
 
-logger = logging.getLogger("collectives.torch.engine")
+logger = logging.getLogger("collectives.engine")
 
 #: How often (seconds) rank 0 looks at the table at most.
 CHECK_INTERVAL = 0.25

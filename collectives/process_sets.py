@@ -6,7 +6,7 @@ so all ranks assign the same id and create the set's torch process group in the 
 cycle; a rank that passes different ranks gets a TensorMismatchError like any mismatched op.
 
 A public API module (Horovod's ``horovod.torch`` process-set functions), on top of the
-submission layer (:mod:`collectives.torch.ops`) and the runtime. ``hvd.init(process_sets=...)``
+submission layer (:mod:`collectives.ops`) and the runtime. ``hvd.init(process_sets=...)``
 (:func:`collectives.torch.mpi_ops.init`) registers its sets through :func:`add_process_set`
 once the runtime is up; the runtime itself never imports this module.
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from collectives.torch import ops, runtime
-from collectives.torch.common import ProcessSet, global_process_set
-from collectives.torch.engine.requests import Kind
+from collectives import ops, runtime
+from collectives.common import ProcessSet, global_process_set
+from collectives.engine.requests import Kind
 
 __all__ = ["add_process_set", "remove_process_set"]
 

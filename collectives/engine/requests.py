@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from collectives.torch.common import ReduceOp
-from collectives.torch.engine.handles import Handle
+from collectives.common import ReduceOp
+from collectives.engine.handles import Handle
 
 __all__ = [
     "NONAME_PREFIXES",

@@ -33,18 +33,18 @@ from typing import Any
 
 import torch.distributed as dist
 
-from collectives.torch.engine import config as config_module
-from collectives.torch.engine.core import FINAL_CYCLE_SECONDS
-from collectives.torch.runtime import logs, state
-from collectives.torch.runtime.groups import (
+from collectives.engine import config as config_module
+from collectives.engine.core import FINAL_CYCLE_SECONDS
+from collectives.runtime import logs, state
+from collectives.runtime.groups import (
     choose_backend,
     select_cuda_device,
     start_engine,
     stop_collectives,
 )
-from collectives.torch.runtime.launched import detect_placement, init_launched
-from collectives.torch.runtime.registration import init_from_rendezvous, join_elastic, register
-from collectives.torch.runtime.state import RuntimeState, Topology
+from collectives.runtime.launched import detect_placement, init_launched
+from collectives.runtime.registration import init_from_rendezvous, join_elastic, register
+from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import worker_env
 
 __all__ = ["BOOTSTRAP_TIMEOUT_SECONDS", "init", "reset", "shutdown"]
@@ -151,7 +151,7 @@ def reset() -> None:
 
     Does not wait on dead peers: after a failure the engine has stopped already, and after
     a host update every rank calls this together. Raises
-    :class:`~collectives.torch.runtime.registration.HostRemoved` (exit 0) when the launcher
+    :class:`~collectives.runtime.registration.HostRemoved` (exit 0) when the launcher
     removed this worker's host from the job.
     """
     with _lock:

@@ -1,11 +1,11 @@
-"""Reduction ops and process sets: data shared by every layer of ``collectives.torch``.
+"""Reduction ops and process sets: data shared by every layer of ``collectives``.
 
 The numeric values of the reduction ops are Horovod's, so code that stores or compares them
 keeps working. A :class:`ProcessSet` is a subset of the job's ranks that collectives run over;
 it gets its ``process_set_id`` when registered (``hvd.add_process_set`` or
 ``hvd.init(process_sets=[...])``), on every rank in the same order.
 
-This module is a leaf: the engine, the runtime, the op API and the optimizers all import it,
+This module is a leaf: the engine, the runtime, the submission layer and the frontends import it,
 so it imports none of them. A process set still answers ``size()`` and ``rank()``, which
 depend on the running job: the runtime hands its rank queries in with :func:`bind_job` when
 it is imported, instead of this module calling up into the runtime. Until then (and before
@@ -18,7 +18,7 @@ import enum
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from collectives.torch.errors import NotInitializedError
+from collectives.errors import NotInitializedError
 
 __all__ = ["ProcessSet", "ReduceOp", "bind_job", "global_process_set"]
 

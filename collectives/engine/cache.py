@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from collectives.torch.common import ReduceOp
-from collectives.torch.engine.execute import Sums, check_unchanged, finish_, scale_
-from collectives.torch.engine.requests import FIELD, NONAME_PREFIXES, Kind, Request
+from collectives.common import ReduceOp
+from collectives.engine.execute import Sums, check_unchanged, finish_, scale_
+from collectives.engine.requests import FIELD, NONAME_PREFIXES, Kind, Request
 
 __all__ = ["CacheRound", "Key", "ResponseCache", "key_of", "keys_of", "ordinal"]
 

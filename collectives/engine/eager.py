@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from collectives.torch.common import ReduceOp
-from collectives.torch.engine.execute import finish_, scale_
-from collectives.torch.engine.requests import Kind, Request
+from collectives.common import ReduceOp
+from collectives.engine.execute import finish_, scale_
+from collectives.engine.requests import Kind, Request
 
 __all__ = [
     "BUDGET_BYTES",

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from collectives.torch.engine.requests import (
+from collectives.engine.requests import (
     FIELD,
     KIND_BY_TEXT,
     RECORD,
@@ -44,7 +44,7 @@ from collectives.torch.engine.requests import (
     label,
     parse_signature,
 )
-from collectives.torch.errors import (
+from collectives.errors import (
     CollectiveError,
     NotSupportedWithJoinError,
     TensorMismatchError,

@@ -8,7 +8,7 @@ that was called too early.
 
 This module knows nothing of how a process joins its job (the rendezvous, another launcher's
 variables, a job of size 1), so the ways of joining can change without touching the
-questions. It also hands :func:`size` and :func:`rank` to :mod:`collectives.torch.common`
+questions. It also hands :func:`size` and :func:`rank` to :mod:`collectives.common`
 when imported, so process sets answer ``size()``/``rank()`` without importing the runtime.
 """
 
@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from collectives.torch import common
-from collectives.torch.engine import timeline
-from collectives.torch.engine.config import EngineConfig
-from collectives.torch.engine.core import Engine
-from collectives.torch.errors import NotInitializedError
+from collectives import common
+from collectives.engine import timeline
+from collectives.engine.config import EngineConfig
+from collectives.engine.core import Engine
+from collectives.errors import NotInitializedError
 
 __all__ = [
     "RuntimeState",

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from collectives.torch.engine import timeline
-from collectives.torch.engine.core import Engine
-from collectives.torch.runtime.state import RuntimeState
+from collectives.engine import timeline
+from collectives.engine.core import Engine
+from collectives.runtime.state import RuntimeState
 
 __all__ = [
     "choose_backend",

@@ -1,6 +1,6 @@
 """The background engine: negotiates, fuses and runs every op of this process.
 
-Any thread submits a :class:`~collectives.torch.engine.requests.Request` and gets a handle at once.
+Any thread submits a :class:`~collectives.engine.requests.Request` and gets a handle at once.
 Ops progress in *cycles*: one negotiation round (see :mod:`negotiation`) followed by the
 collectives of every op that became ready in it, fused into buckets (see :mod:`fusion` and
 :mod:`execute`), in the same order on every rank. A cycle runs on the engine's thread, or
@@ -54,9 +54,9 @@ from typing import Any
 import torch
 from torch.distributed import BroadcastOptions, DistError
 
-from collectives.torch.engine import eager
-from collectives.torch.engine.autotune import Autotuner, Setting
-from collectives.torch.engine.cache import (
+from collectives.engine import eager
+from collectives.engine.autotune import Autotuner, Setting
+from collectives.engine.cache import (
     CacheRound,
     Key,
     ResponseCache,
@@ -65,11 +65,11 @@ from collectives.torch.engine.cache import (
     ordinal,
     request_key,
 )
-from collectives.torch.engine.config import DEFAULT_CACHE_CAPACITY, EngineConfig
-from collectives.torch.engine.execute import Executor, Group
-from collectives.torch.engine.fusion import Bucket, Work, plan
-from collectives.torch.engine.handles import Handle
-from collectives.torch.engine.negotiation import (
+from collectives.engine.config import DEFAULT_CACHE_CAPACITY, EngineConfig
+from collectives.engine.execute import Executor, Group
+from collectives.engine.fusion import Bucket, Work, plan
+from collectives.engine.handles import Handle
+from collectives.engine.negotiation import (
     FLAG_ABORT,
     FLAG_LEAVING,
     Entry,
@@ -77,7 +77,7 @@ from collectives.torch.engine.negotiation import (
     Table,
     check,
 )
-from collectives.torch.engine.requests import (
+from collectives.engine.requests import (
     RECORD,
     Kind,
     Request,
@@ -86,9 +86,9 @@ from collectives.torch.engine.requests import (
     noname,
     parse_signature,
 )
-from collectives.torch.engine.stall import StallInspector
-from collectives.torch.engine.timeline import Timeline
-from collectives.torch.errors import HorovodInternalError, TensorMismatchError
+from collectives.engine.stall import StallInspector
+from collectives.engine.timeline import Timeline
+from collectives.errors import HorovodInternalError, TensorMismatchError
 
 __all__ = ["KEEPALIVE_SECONDS", "Engine", "from_peers"]
 

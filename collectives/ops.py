@@ -1,16 +1,18 @@
 """The submission layer: every collective goes through it on its way to the engine.
 
 It checks the caller's arguments (so mistakes raise at the call, on the rank that made them),
-builds the :class:`~collectives.torch.engine.requests.Request` with its negotiated signature,
+builds the :class:`~collectives.engine.requests.Request` with its negotiated signature,
 and submits it to the running engine (found through the runtime). An allreduce with
 ``op=hvd.Adasum`` is submitted here too, as an allgather whose result is combined with the
-math of :mod:`collectives.torch.adasum`. The list-based synchronous helpers at the bottom
+math of :mod:`collectives.adasum`. The list-based synchronous helpers at the bottom
 serve ``functions`` and the optimizers, which hand over many tensors at once as one grouped
 op.
 
-Layering: this module sits between the public API (``mpi_ops``, ``autograd``,
-``process_sets``, ``functions``, the optimizers), which all submit through it, and the
-runtime and the engine below; it imports nothing above itself.
+Layering: this module is the framework-neutral way to the engine. It sits between the
+frontends (``collectives.torch``'s ``mpi_ops``, ``autograd``, ``functions``, the optimizers)
+and ``collectives.process_sets``, which all submit through it, and the runtime and the
+engine below; it imports nothing above itself. Tensors here are torch tensors, the engine's
+buffer type: a frontend of another framework converts its tensors first.
 
 Semantics follow Horovod:
 
@@ -33,12 +35,12 @@ from typing import Any
 
 import torch
 
-from collectives.torch import runtime
-from collectives.torch.adasum import adasum_tree
-from collectives.torch.common import ProcessSet, ReduceOp, global_process_set
-from collectives.torch.engine.execute import Group, split_rows
-from collectives.torch.engine.handles import Handle
-from collectives.torch.engine.requests import (
+from collectives import runtime
+from collectives.adasum import adasum_tree
+from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.engine.execute import Group, split_rows
+from collectives.engine.handles import Handle
+from collectives.engine.requests import (
     FIELD,
     RECORD,
     Kind,
@@ -47,7 +49,7 @@ from collectives.torch.engine.requests import (
     noname,
     signature,
 )
-from collectives.torch.errors import InvalidSplitsError
+from collectives.errors import InvalidSplitsError
 
 __all__ = [
     "allgather",
@@ -343,7 +345,7 @@ def submit_adasum_allreduce(
     finish: Callable[[Request], Any],
 ) -> Handle:
     """An allreduce with op=Adasum: one allgather of the flattened tensors, then Adasum's
-    tree (:func:`collectives.torch.adasum.adasum_tree`) on every rank; ``outputs`` None
+    tree (:func:`collectives.adasum.adasum_tree`) on every rank; ``outputs`` None
     means new output tensors, as for other ops."""
     inputs = [check_tensor(t, "allreduce") for t in tensors]
     for tensor in inputs:

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from collectives.torch.errors import HorovodInternalError
-from collectives.torch.runtime.groups import destroy_groups, select_cuda_device, start_engine
-from collectives.torch.runtime.state import RuntimeState, Topology
+from collectives.errors import HorovodInternalError
+from collectives.runtime.groups import destroy_groups, select_cuda_device, start_engine
+from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import worker_env
 
 __all__ = [

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from collectives.torch.engine.requests import (
+from collectives.engine.requests import (
     Kind,
     Request,
     TensorSpec,

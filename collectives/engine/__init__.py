@@ -4,7 +4,7 @@ Horovod's semantics live here: named ops submitted from any thread in any order,
 negotiation round per cycle in which the ranks learn what the others submitted and check that
 they agree, fusion of ready small tensors into one buffer, and one collective per bucket.
 
-* :mod:`.core` -- the :class:`~collectives.torch.engine.core.Engine`: its thread, its cycles,
+* :mod:`.core` -- the :class:`~collectives.engine.core.Engine`: its thread, its cycles,
   readiness, failures, process sets;
 * :mod:`.config` -- the tuning it runs with (``HVDRUN_*``/``HOROVOD_*`` variables);
 * :mod:`.requests` -- what a rank submits and the text that describes it to the others;
@@ -20,8 +20,8 @@ they agree, fusion of ready small tensors into one buffer, and one collective pe
 
 Why it is a layer of its own: the engine is the part with the subtle concurrency, and it is
 tested on its own (``tests/collectives/test_engine_parts.py``) without a job around it. So it
-depends only downward: torch, the standard library, ``collectives.torch.errors``,
-``collectives.torch.common`` and ``rendezvous.worker_env`` (for its configuration). It never
+depends only downward: torch, the standard library, ``collectives.errors``,
+``collectives.common`` and ``rendezvous.worker_env`` (for its configuration). It never
 imports the process runtime or the public API: the runtime creates the engine and hands it
 what it needs, its process groups and the functions that make and destroy more of them.
 """

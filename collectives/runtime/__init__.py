@@ -1,6 +1,6 @@
 """The process runtime: how this process joins its job, and what it knows about it.
 
-``from collectives.torch import runtime`` gives ``runtime.init()``, ``runtime.shutdown()``,
+``from collectives import runtime`` gives ``runtime.init()``, ``runtime.shutdown()``,
 ``runtime.reset()``, the rank queries (``runtime.rank()``, ``runtime.size()``, ...),
 ``runtime.require()``, ``runtime.engine()``, ``runtime.config()``, ``runtime.timeout()``,
 ``runtime.generation()`` and the build queries; the modules behind them:
@@ -13,17 +13,18 @@
 * :mod:`.groups` -- the backend, the CUDA device, and the engine on process groups of its own;
 * :mod:`.build` -- what this build supports (``gloo_built()``, ``nccl_built()``, ...).
 
-Layering: the runtime sits above the engine core (:mod:`collectives.torch.engine`), which it
-creates and hands its process groups, and below the public API, which asks it for the
-running engine. It never imports the API (not even ``process_sets``: ``hvd.init()`` in
-:mod:`collectives.torch.mpi_ops` registers those after :func:`init`). The state is apart from
-the bootstrap so that other ways of joining a job can be added without touching the queries.
+Layering: the runtime sits above the engine (:mod:`collectives.engine`), which it creates
+and hands its process groups, and below the submission layer and the frontends, which ask it
+for the running engine. It never imports them (not even ``process_sets``: a frontend's
+``hvd.init()``, such as :func:`collectives.torch.mpi_ops.init`, registers those after
+:func:`init`). The state is apart from the bootstrap so that other ways of joining a job can
+be added without touching the queries.
 """
 
 from __future__ import annotations
 
-from collectives.torch.runtime.bootstrap import init, reset, shutdown
-from collectives.torch.runtime.build import (
+from collectives.runtime.bootstrap import init, reset, shutdown
+from collectives.runtime.build import (
     ccl_built,
     cuda_built,
     ddl_built,
@@ -35,8 +36,8 @@ from collectives.torch.runtime.build import (
     nccl_built,
     rocm_built,
 )
-from collectives.torch.runtime.registration import HostRemoved
-from collectives.torch.runtime.state import (
+from collectives.runtime.registration import HostRemoved
+from collectives.runtime.state import (
     RuntimeState,
     Topology,
     backend,

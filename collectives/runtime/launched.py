@@ -44,8 +44,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from collectives.torch.runtime.registration import watch_and_join
-from collectives.torch.runtime.state import RuntimeState, Topology
+from collectives.runtime.registration import watch_and_join
+from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import launchers, worker_env
 from rendezvous.addresses import (
     interface_facing,

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from collectives.torch.common import ReduceOp
-from collectives.torch.engine.fusion import Bucket, Slot
-from collectives.torch.engine.requests import Kind, Request, TensorSpec, parse_ragged
+from collectives.common import ReduceOp
+from collectives.engine.fusion import Bucket, Slot
+from collectives.engine.requests import Kind, Request, TensorSpec, parse_ragged
 
 __all__ = ["Executor", "Group", "Sums", "check_unchanged"]
 

@@ -11,7 +11,7 @@ ranks get bit-identical results. That costs ``size`` times the tensor's memory, 
 the moderate rank counts this launcher targets; a recursive-halving variant is the known
 next step for very large jobs.
 
-This module is the math only, a leaf: :func:`collectives.torch.ops.submit_adasum_allreduce`
+This module is the math only, a leaf: :func:`collectives.ops.submit_adasum_allreduce`
 runs an allreduce with ``op=hvd.Adasum`` as an allgather followed by :func:`adasum_tree`, and
 the Adasum optimizer (:mod:`collectives.torch.optim.adasum_optimizer`) submits through it.
 """
