@@ -42,7 +42,7 @@ with ``@scenario("name")``. It starts hvdrun with ``run.job(...)``, sets trigger
 the stacks), and checks with :func:`expect` / :func:`check` (a failed check ends the run as
 FAILED with a one-line reason). Between runs the driver brings the hosts back (links up,
 sshd listening, nothing else running), whatever the scenario did to them; an ok run after
-which something had to be fixed there counts as FAILED (its own checks missed it).
+which processes were left there counts as FAILED (its own checks missed them).
 """
 
 from __future__ import annotations
@@ -320,15 +320,15 @@ def kill_tree(proc: subprocess.Popen[str]) -> None:
 
 
 def reset_hosts(cluster: Cluster) -> list[str]:
-    """Brings every host back to how a run starts: link up, sshd listening, nothing else
-    running. Returns what it had to fix."""
-    fixed = []
+    """Brings every host back to how a run starts: link up, sshd listening (a scenario may
+    leave a host cut off or without sshd), nothing else running. Returns the processes it
+    had to kill, by host (after an ok run there should be none)."""
+    killed = []
     for host in cluster.hosts:
         cluster.set_link(host, up=True)
         if host.sshd is None or host.sshd.poll() is not None:
             cluster.stop_sshd(host)
             cluster.start_sshd(host)
-            fixed.append(f"restarted sshd on {host.alias}")
         left = []
         for proc in cluster.processes_on(host):
             with contextlib.suppress(psutil.Error):
@@ -336,8 +336,8 @@ def reset_hosts(cluster: Cluster) -> list[str]:
                     left.append(proc)
         if left:
             kill_host(cluster, host)
-            fixed.append(f"killed {len(left)} process(es) left on {host.alias}")
-    return fixed
+            killed.append(f"{len(left)} process(es) left on {host.alias}")
+    return killed
 
 
 def run_once(
@@ -370,9 +370,9 @@ def run_once(
                     f".{watcher.path.stem}{index}.{version}{watcher.path.suffix}"
                 ).write_text(text)
         shutil.rmtree(workdir, ignore_errors=True)
-    fixed = reset_hosts(cluster)
-    if fixed and outcome.status == "ok":  # the run's own checks should have seen this
-        outcome = Outcome("failed", "the hosts were not clean after it: " + "; ".join(fixed))
+    left = reset_hosts(cluster)
+    if left and outcome.status == "ok":  # the run's own checks should have seen this
+        outcome = Outcome("failed", "the hosts were not clean after it: " + "; ".join(left))
     return outcome, seconds
 
 
