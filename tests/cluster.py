@@ -410,7 +410,7 @@ def cluster() -> Iterator[Cluster]:
     yield from cluster_for_tests(hosts=3, sshd_hosts=2, tests="SSH cluster tests")
 
 
-def _listening_sshd(proc: psutil.Process) -> bool:
+def listening_sshd(proc: psutil.Process) -> bool:
     """Whether the process is a host's listening sshd (not a session it forked)."""
     return "sshd" in proc.name() and "-D -f" in " ".join(proc.cmdline())
 
@@ -424,7 +424,7 @@ def assert_hosts_clean(cluster: Cluster, hosts: list[ClusterHost], within: float
         for host in hosts:
             for proc in cluster.processes_on(host):
                 try:
-                    if proc.status() == psutil.STATUS_ZOMBIE or _listening_sshd(proc):
+                    if proc.status() == psutil.STATUS_ZOMBIE or listening_sshd(proc):
                         continue
                     cmdline = " ".join(proc.cmdline())
                 except psutil.Error:
@@ -443,7 +443,7 @@ def kill_host(cluster: Cluster, host: ClusterHost, *, sshd: bool = False) -> Non
     victims = []
     for proc in cluster.processes_on(host):
         with contextlib.suppress(psutil.Error):
-            if not sshd and _listening_sshd(proc):
+            if not sshd and listening_sshd(proc):
                 continue
             victims.append(proc)
     for proc in victims:
