@@ -40,6 +40,7 @@ from collectives.adasum import adasum_tree
 from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.engine.execute import Group, split_rows
 from collectives.engine.handles import Handle
+from collectives.engine.reduction import Reduction
 from collectives.engine.requests import (
     FIELD,
     RECORD,
@@ -171,8 +172,10 @@ def submit(
     finish: Callable[[Request], Any] | None = None,
     blocking: bool = False,
 ) -> Handle:
-    """Builds and submits a request; returns its handle. ``blocking``: the caller waits on
-    the handle right away (see :meth:`Engine.submit`)."""
+    """Builds and submits a request; returns its handle. ``common``: the values every rank
+    must agree on besides the tensors (a :class:`Reduction` for allreduce and
+    reducescatter, ``(root,)`` for a broadcast, a control op's argument). ``blocking``: the
+    caller waits on the handle right away (see ``Submissions.add``)."""
     label = kind.label
     engine, group = resolve_process_set(process_set, label)
     set_id = group.process_set_id
@@ -208,7 +211,7 @@ def _request(
         if any(t.device != device for t in inputs):
             raise ValueError(f"{kind.label}: all tensors of one op must be on the same device")
     sig, specs = _describe(kind, common, inputs)
-    handle = engine.new_handle()
+    handle = engine.new_handle(set_id)
     request = Request(
         kind,
         full,
@@ -216,12 +219,15 @@ def _request(
         inputs,
         outputs,
         handle,
-        common,
         finish=finish,
         sig=sig,
         var=var,
         specs=specs,
     )
+    if isinstance(common, Reduction):
+        request.reduction = common
+    elif kind == Kind.BROADCAST:
+        request.root = common[0]
     if inputs and inputs[0].is_cuda:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(inputs[0].device))
@@ -268,7 +274,7 @@ def allreduce_in_place(
     if (process_set is None or process_set is global_process_set) and op is not ReduceOp.ADASUM:
         engine = runtime.engine(_ALLREDUCE)
         full = None if name is None else f"{_ALLREDUCE}.{_check_name(name)}"
-        common = (int(op), float(prescale), float(postscale))
+        common = Reduction(int(op), float(prescale), float(postscale))
         handle = engine.run_hot(
             full,
             tensor,
@@ -313,7 +319,7 @@ def submit_allreduce(
             inputs, outputs, prescale, postscale, process_set, name, finish
         )
     check_reduction(inputs, op, prescale, postscale, "allreduce")
-    common = (int(op), float(prescale), float(postscale))
+    common = Reduction(int(op), float(prescale), float(postscale))
     if outputs is None:
         if inputs and inputs[0].is_cpu:
             # Allocated by the engine once the result is ready (see execute._copy_out). CUDA
@@ -395,7 +401,7 @@ def submit_reducescatter(
     for t in inputs:
         rows = split_rows(t.shape[0], group.size)[group.index]
         outs.append(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device))
-    common = (int(op), float(prescale), float(postscale))
+    common = Reduction(int(op), float(prescale), float(postscale))
     return submit(
         Kind.REDUCESCATTER,
         name,

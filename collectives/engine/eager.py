@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from collectives.common import ReduceOp
-from collectives.engine.execute import finish_, scale_
+from collectives.engine.reduction import Reduction
 from collectives.engine.requests import Kind, Request
 
 __all__ = [
@@ -78,7 +77,7 @@ class Riders:
         each, not one view per tensor)."""
         return [
             torch._C._nn.flatten_dense_tensors([r.inputs[0] for r in run]).view(torch.uint8)
-            for run in _runs(self.requests, same_common=False)
+            for run in _runs(self.requests, same_reduction=False)
         ]
 
 
@@ -105,12 +104,12 @@ def select(records: bytes, requests: Sequence[Request], room: int, limit: int) -
     return Riders(payload, chosen, nbytes, room)
 
 
-def _runs(requests: list[Request], same_common: bool) -> list[list[Request]]:
-    """Consecutive requests with the same dtype (and op and scaling, if ``same_common``)."""
+def _runs(requests: list[Request], same_reduction: bool) -> list[list[Request]]:
+    """Consecutive requests with the same dtype (and op and scaling, if ``same_reduction``)."""
     runs: list[list[Request]] = []
     key: tuple[object, ...] | None = None
     for request in requests:
-        mine = (request.specs[0].dtype, request.common if same_common else None)
+        mine = (request.specs[0].dtype, request.reduction if same_reduction else None)
         if mine != key:
             runs.append([])
             key = mine
@@ -150,22 +149,21 @@ def reduce_locally(riders: Riders, datas: Sequence[bytes | memoryview | torch.Te
         d if isinstance(d, torch.Tensor) else torch.frombuffer(d, dtype=torch.uint8) for d in datas
     ]
     offset = 0
-    for run in _runs(riders.requests, same_common=True):
+    for run in _runs(riders.requests, same_reduction=True):
         dtype = run[0].specs[0].dtype
         counts = [r.specs[0].numel for r in run]
         end = offset + sum(counts) * dtype.itemsize
         stacked = torch.stack([view[offset:end] for view in views]).view(dtype)
-        _distribute(run, counts, _reduce(stacked, run[0].common, len(views)))
+        _distribute(run, counts, _reduce(stacked, run[0].reduction, len(views)))
         offset = end
 
 
-def _reduce(stacked: torch.Tensor, common: tuple[Any, ...], size: int) -> torch.Tensor:
-    op = ReduceOp(common[0])
-    prescale, postscale = float(common[1]), float(common[2])
+def _reduce(stacked: torch.Tensor, reduction: Reduction, size: int) -> torch.Tensor:
+    op = reduction.op
     dtype = stacked.dtype
     # (stacked is the gathered data, no autograd leaf: grad mode does not matter here)
-    scale_(stacked, prescale)
-    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+    reduction.stage(stacked)
+    if reduction.sums:
         result = stacked.sum(0, dtype=dtype)
     elif op == ReduceOp.MIN:
         result = stacked.amin(0)
@@ -173,7 +171,7 @@ def _reduce(stacked: torch.Tensor, common: tuple[Any, ...], size: int) -> torch.
         result = stacked.amax(0)
     else:
         result = stacked.prod(0, dtype=dtype)
-    finish_(result, op, postscale, size)
+    reduction.finish(result, size)
     return result
 
 

@@ -32,11 +32,12 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from collectives.common import ReduceOp
 from collectives.engine.fusion import Bucket, Slot
+from collectives.engine.reduction import PLAIN_SUM, Reduction, neutral_value
 from collectives.engine.requests import Kind, Request, TensorSpec, parse_ragged
 
 __all__ = ["Executor", "Group", "Sums", "check_unchanged"]
 
-_TORCH_OPS: dict[ReduceOp, Any] = {
+_TORCH_OPS: dict[int, Any] = {
     ReduceOp.AVERAGE: dist.ReduceOp.SUM,
     ReduceOp.SUM: dist.ReduceOp.SUM,
     ReduceOp.MIN: dist.ReduceOp.MIN,
@@ -45,6 +46,9 @@ _TORCH_OPS: dict[ReduceOp, Any] = {
 }
 
 _SUM: Any = dist.ReduceOp.SUM
+_SUM_OP = int(ReduceOp.SUM)
+_AVERAGE = int(ReduceOp.AVERAGE)
+
 _SUM_OPTIONS = dist.AllreduceOptions()
 _SUM_OPTIONS.reduceOp = _SUM
 
@@ -57,13 +61,13 @@ _UPCAST = {
 Tracer = Callable[[Bucket, str, float, float], None]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Group:
-    """A registered process set, as the executor uses it."""
+    """A registered process set: its id, its members and this rank's place among them.
+    Immutable: API threads read it from the engine's table of sets at any time."""
 
     process_set_id: int
     ranks: list[int]
-    group: Any  # the torch ProcessGroup carrying its data (Gloo; NCCL for CUDA tensors)
     index: int  # this rank's position in ``ranks``; -1 if it is not a member
 
     @property
@@ -89,38 +93,6 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of the tensor; it writes through when the tensor is dense()."""
     flat_ = flat(tensor)
     return flat_ if flat_.dtype == torch.uint8 else flat_.view(torch.uint8)
-
-
-def scale_(tensor: torch.Tensor, factor: float) -> None:
-    if factor == 1.0:
-        return
-    if tensor.is_floating_point() or tensor.is_complex():
-        tensor.mul_(factor)
-    else:  # integers: scaled in double precision, truncated toward zero (as Horovod does)
-        tensor.copy_(torch.trunc(tensor.to(torch.float64) * factor))
-
-
-def finish_(tensor: torch.Tensor, op: ReduceOp, postscale: float, size: int) -> None:
-    if op != ReduceOp.AVERAGE:
-        scale_(tensor, postscale)
-    elif tensor.is_floating_point() or tensor.is_complex() or postscale != 1.0:
-        scale_(tensor, postscale / size)
-    else:
-        tensor.copy_(torch.div(tensor, size, rounding_mode="trunc"))
-
-
-def neutral_value(op: ReduceOp, dtype: torch.dtype) -> float | int | bool:
-    """The element that leaves a reduction unchanged."""
-    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        return 0
-    if op == ReduceOp.PRODUCT:
-        return 1
-    if dtype == torch.bool:
-        return op == ReduceOp.MIN
-    if dtype.is_floating_point:
-        return math.inf if op == ReduceOp.MIN else -math.inf
-    info = torch.iinfo(dtype)
-    return info.max if op == ReduceOp.MIN else info.min
 
 
 def split_rows(rows: int, size: int) -> list[int]:
@@ -222,18 +194,18 @@ class Sums:
 
 
 def _allreduce(
-    group: Group,
+    pg: Any,
+    size: int,
     tensor: torch.Tensor,
     opts: Any,
     source: torch.Tensor | None = None,
-    factor: float = 1.0,
+    fill: Reduction = PLAIN_SUM,
     sums: Sums | None = None,
 ) -> Any:
-    """Starts the allreduce of a dense tensor on the group; split in parts on the CPU when
-    large (see ``SPLIT_BYTES``), a small Sum through ``sums``. With ``source`` (same shape),
-    the tensor is first filled from it, part by part: the copy of a part overlaps the
-    reduction of the previous one."""
-    pg = group.group
+    """Starts the allreduce of a dense tensor on ``pg`` (``size`` ranks); split in parts on
+    the CPU when large (see ``SPLIT_BYTES``), a small Sum through ``sums``. With ``source``
+    (same shape), the tensor is first staged from it by ``fill``, part by part: the copy of a
+    part overlaps the reduction of the previous one."""
     if (
         tensor.is_cpu
         and tensor.numel() * tensor.element_size() >= SPLIT_BYTES
@@ -244,21 +216,14 @@ def _allreduce(
             return _Works([pg.allreduce([part], opts) for part in parts])
         works = []
         for part, src in zip(parts, source.reshape(-1).chunk(SPLIT_PARTS), strict=True):
-            _fill(part, src, factor)
+            fill.stage(part, src)
             works.append(pg.allreduce([part], opts))
         return _Works(works)
     if source is not None:
-        _fill(tensor, source, factor)
+        fill.stage(tensor, source)
     if sums is not None:
-        return sums.start(pg, group.size, tensor)
+        return sums.start(pg, size, tensor)
     return pg.allreduce([tensor], opts)
-
-
-def _fill(target: torch.Tensor, source: torch.Tensor, factor: float) -> None:
-    if factor == 1.0:
-        target.copy_(source)
-    else:
-        torch.mul(source, factor, out=target)
 
 
 #: CPU outputs at least this large come from :class:`OutputPool`.
@@ -348,9 +313,12 @@ def _copy_out(slots: Sequence[Slot], buf: torch.Tensor, counts: list[int]) -> No
 
 
 class Executor:
-    """Runs buckets on the engine thread; keeps the fusion buffers and CUDA streams."""
+    """Runs one process set's buckets on its data process group; keeps the set's fusion
+    buffers and CUDA streams. Used only by whoever holds the set's cycle lock."""
 
-    def __init__(self, tracer: Tracer) -> None:
+    def __init__(self, tracer: Tracer, group: Group, pg: Any) -> None:
+        self._group = group
+        self._pg = pg  # the torch ProcessGroup carrying the set's data (None once released)
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._streams: dict[torch.device, Any] = {}
         self._trace = tracer
@@ -367,9 +335,12 @@ class Executor:
             self._buffers[device] = current
         return current[:nbytes].view(dtype)
 
-    def release_buffers(self) -> None:
+    def release(self) -> Any:
+        """Drops the buffers and the process group; returns the group (to destroy)."""
         self._buffers.clear()
         self.outputs.clear()
+        pg, self._pg = self._pg, None
+        return pg
 
     def _device(self, bucket: Bucket) -> torch.device:
         for slot in bucket.slots:
@@ -405,7 +376,7 @@ class Executor:
             event.record(stream)
             done.append(event)
 
-    def run(self, bucket: Bucket, group: Group) -> Any:
+    def run(self, bucket: Bucket) -> Any:
         """Runs one bucket; returns the CUDA event after its last kernel (None on CPU)."""
         device = self._device(bucket)
         runner = {
@@ -419,7 +390,7 @@ class Executor:
             check_unchanged(slot.request, slot.index)
         # (Grad mode is off: buckets run inside the engine's cycles, see _guarded_cycle.)
         with self._on_device(bucket, device) as done:
-            runner(bucket, group, device)
+            runner(bucket, self._group, device)
         return done[0] if done else None
 
     def _collective(self, bucket: Bucket, device: torch.device, call: Callable[[], Any]) -> None:
@@ -432,12 +403,13 @@ class Executor:
 
     def _allreduce(self, bucket: Bucket, group: Group, device: torch.device) -> None:
         slots = bucket.slots
-        op = ReduceOp(slots[0].work.common[0])
-        prescale, postscale = slots[0].work.common[1:]
+        reduction = slots[0].work.reduction
+        op = reduction.op
         dtype = slots[0].spec.dtype
         work_dtype = _UPCAST[device.type].get(dtype, dtype)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TORCH_OPS[op]
+        pg, size = self._pg, group.size
         counts = [slot.spec.numel for slot in slots]
         sums = self._sums if device.type == "cpu" and opts.reduceOp == _SUM else None
         request = slots[0].request
@@ -451,31 +423,25 @@ class Executor:
                 copy = out.data_ptr() != inp.data_ptr() or out.shape != inp.shape
                 if out.numel() == 0:
                     return
-                if prescale != 1.0:  # scaled on the way in: one pass over the data
-                    if copy and (out.is_floating_point() or out.is_complex()):
-                        torch.mul(inp, prescale, out=out)
-                    else:
-                        if copy:
-                            out.copy_(inp)
-                        scale_(out, prescale)
+                if reduction.prescale != 1.0:  # scaled on the way in: one pass over the data
+                    reduction.stage(out, inp if copy else None)
                     copy = False
                 source = inp if copy else None
-                factor = 1.0
-                size = group.size
+                fill = PLAIN_SUM
                 if (
                     copy
-                    and op == ReduceOp.AVERAGE
-                    and postscale == 1.0
+                    and op == _AVERAGE
+                    and reduction.postscale == 1.0
                     and out.is_floating_point()
                     and size & (size - 1) == 0
                 ):
                     # Dividing by a power of two is exact (but for subnormals): divide on
                     # the way in; the sum is then the average, with no pass of its own.
-                    factor, op = 1.0 / size, ReduceOp.SUM
+                    fill, reduction = Reduction(_SUM_OP, 1.0 / size), PLAIN_SUM
                 self._collective(
-                    bucket, device, lambda: _allreduce(group, out, opts, source, factor, sums)
+                    bucket, device, lambda: _allreduce(pg, size, out, opts, source, fill, sums)
                 )
-                finish_(out, op, postscale, size)
+                reduction.finish(out, size)
                 return
         total = sum(counts)
         if total == 0:
@@ -492,14 +458,14 @@ class Executor:
                 if slot.request is not None:
                     view.copy_(_flat_in(slot))
         self._trace(bucket, "MEMCPY_IN_FUSION_BUFFER", start, time.monotonic())
-        scale_(buf, prescale)
+        reduction.stage(buf)
         if views is not None and len(real) < len(slots):
-            fill = neutral_value(op, dtype)
+            neutral = neutral_value(op, dtype)
             for view, slot in zip(views, slots, strict=True):
                 if slot.request is None:
-                    view.fill_(fill)
-        self._collective(bucket, device, lambda: _allreduce(group, buf, opts, sums=sums))
-        finish_(buf, op, postscale, group.size)
+                    view.fill_(neutral)
+        self._collective(bucket, device, lambda: _allreduce(pg, size, buf, opts, sums=sums))
+        reduction.finish(buf, size)
         start = time.monotonic()
         if len(real) == len(slots):
             _copy_out(slots, buf, counts)
@@ -513,8 +479,8 @@ class Executor:
 
     def _reducescatter(self, bucket: Bucket, group: Group, device: torch.device) -> None:
         slots, size, me = bucket.slots, group.size, group.index
-        op = ReduceOp(slots[0].work.common[0])
-        prescale, postscale = slots[0].work.common[1:]
+        reduction = slots[0].work.reduction
+        op = reduction.op
         dtype = slots[0].spec.dtype
         work_dtype = _UPCAST[device.type].get(dtype, dtype)
         opts = dist.ReduceScatterOptions()
@@ -533,17 +499,15 @@ class Executor:
             len(slots) == 1
             and request is not None
             and work_dtype == dtype
-            and prescale == 1.0
+            and reduction.prescale == 1.0
             and not uneven_cuda
             and dense(_input(slots[0]))
             and dense(_output(slots[0]))
         ):
             chunks = list(_input(slots[0]).reshape(-1).split(chunk_counts))
             out = _output(slots[0]).view(-1)
-            self._collective(
-                bucket, device, lambda: group.group.reduce_scatter([out], [chunks], opts)
-            )
-            finish_(out, op, postscale, size)
+            self._collective(bucket, device, lambda: self._pg.reduce_scatter([out], [chunks], opts))
+            reduction.finish(out, size)
             return
         buf = self.buffer(device, work_dtype, total + chunk_counts[me])
         chunks = list(buf[:total].split(chunk_counts))
@@ -560,7 +524,7 @@ class Executor:
                 first = sum(slot_rows[:rank_])
                 part.copy_(_input(slot).narrow(0, first, slot_rows[rank_]).reshape(-1))
         self._trace(bucket, "MEMCPY_IN_FUSION_BUFFER", start, time.monotonic())
-        scale_(buf[:total], prescale)
+        reduction.stage(buf[:total])
         if any(slot.request is None for slot in slots):
             fill = neutral_value(op, dtype)
             for rank_, chunk in enumerate(chunks):
@@ -572,13 +536,13 @@ class Executor:
                     offset += count
         if uneven_cuda:  # NCCL wants equal chunks: reduce everything, keep this rank's part
             whole = buf[:total]
-            self._collective(bucket, device, lambda: group.group.allreduce([whole], _ar(op)))
+            self._collective(bucket, device, lambda: self._pg.allreduce([whole], _ar(op)))
             mine.copy_(chunks[me])
         else:
             self._collective(
-                bucket, device, lambda: group.group.reduce_scatter([mine], [chunks], opts)
+                bucket, device, lambda: self._pg.reduce_scatter([mine], [chunks], opts)
             )
-        finish_(mine, op, postscale, size)
+        reduction.finish(mine, size)
         start = time.monotonic()
         offset = 0
         for slot, slot_rows, numel in zip(slots, rows, row_numel, strict=True):
@@ -618,7 +582,7 @@ class Executor:
             assert single is not None
             source = _bytes(_input(slots[0]))
             target = _bytes(single)
-            self._collective(bucket, device, lambda: group.group._allgather_base(target, source))
+            self._collective(bucket, device, lambda: self._pg._allgather_base(target, source))
             return
         buf = self.buffer(device, torch.uint8, (size + 1) * longest)
         received, send = buf[: size * longest], buf[size * longest :]
@@ -627,7 +591,7 @@ class Executor:
         if mine:
             torch.cat(mine, out=send[: contrib[me]])
         self._trace(bucket, "MEMCPY_IN_FUSION_BUFFER", start, time.monotonic())
-        self._collective(bucket, device, lambda: group.group._allgather_base(received, send))
+        self._collective(bucket, device, lambda: self._pg._allgather_base(received, send))
         start = time.monotonic()
         offsets = [rank_ * longest for rank_ in range(size)]
         for column, target_out in enumerate(outputs):
@@ -642,7 +606,7 @@ class Executor:
 
     def _broadcast(self, bucket: Bucket, group: Group, device: torch.device) -> None:
         slots = bucket.slots
-        root = int(slots[0].work.common[0])
+        root = slots[0].work.root
         is_root = group.index == root
         opts = dist.BroadcastOptions()
         opts.rootRank = root
@@ -658,7 +622,7 @@ class Executor:
             return
         if len(slots) == 1 and real and dense(_output(slots[0])):
             target = _bytes(_output(slots[0]))
-            self._collective(bucket, device, lambda: group.group.broadcast([target], opts))
+            self._collective(bucket, device, lambda: self._pg.broadcast([target], opts))
             return
         buf = self.buffer(device, torch.uint8, total)
         views = buf.split(counts)
@@ -666,7 +630,7 @@ class Executor:
         if is_root:
             torch.cat([_bytes(_output(slot)) for slot in slots], out=buf)
         self._trace(bucket, "MEMCPY_IN_FUSION_BUFFER", start, time.monotonic())
-        self._collective(bucket, device, lambda: group.group.broadcast([buf], opts))
+        self._collective(bucket, device, lambda: self._pg.broadcast([buf], opts))
         start = time.monotonic()
         if not is_root:
             pairs = [(_output(s), v) for s, v in zip(slots, views, strict=True) if s.request]
@@ -709,13 +673,13 @@ class Executor:
         self._collective(
             bucket,
             device,
-            lambda: group.group.alltoall_base(
+            lambda: self._pg.alltoall_base(
                 target, source, out_sizes, in_sizes, dist.AllToAllOptions()
             ),
         )
 
 
-def _ar(op: ReduceOp) -> Any:
+def _ar(op: int) -> Any:
     opts = dist.AllreduceOptions()
     opts.reduceOp = _TORCH_OPS[op]
     return opts

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from collectives.engine.reduction import PLAIN_SUM, Reduction
 from collectives.engine.requests import (
     Kind,
     Request,
@@ -37,30 +37,40 @@ class Work:
     # This rank's own request; None when it takes part without having submitted the op
     # (it has joined): it then contributes neutral values and discards the result.
     request: Request | None
-    common: tuple[Any, ...]  # op/scaling/root, as in Request.common
+    reduction: Reduction  # allreduce, reducescatter (as in Request)
+    root: int  # broadcast (as in Request)
     specs: Sequence[TensorSpec]
     vars: dict[int, str]  # each submitting rank's per-rank part
     order: int
     remaining: int = 0
 
     @classmethod
-    def of(
-        cls,
-        kind: Kind,
-        name: str,
-        process_set_id: int,
-        request: Request | None,
-        sig: str,
-        vars_: dict[int, str],
-        order: int,
+    def of(cls, request: Request, vars_: dict[int, str], order: int) -> Work:
+        """The work of this rank's own request."""
+        return cls(
+            request.kind,
+            request.name,
+            request.process_set_id,
+            request,
+            request.reduction,
+            request.root,
+            request.specs,
+            vars_,
+            order,
+        )
+
+    @classmethod
+    def joined(
+        cls, kind: Kind, name: str, process_set_id: int, sig: str, vars_: dict[int, str], order: int
     ) -> Work:
-        if request is not None:
-            common, specs = request.common, request.specs
-        else:
-            parsed = parse_signature(kind, sig)
-            common = parsed.values(kind)
-            specs = list(parsed.tensors)
-        return cls(kind, name, process_set_id, request, common, specs, vars_, order)
+        """The work of a rank that has joined (it did not submit the op): decoded from a
+        submitter's signature."""
+        parsed = parse_signature(kind, sig)
+        reduction = parsed.reduction() if kind in _REDUCING else PLAIN_SUM
+        root = parsed.root() if kind == Kind.BROADCAST else 0
+        return cls(
+            kind, name, process_set_id, None, reduction, root, list(parsed.tensors), vars_, order
+        )
 
     def dims(self, rank: int) -> list[int]:
         """A member's first dimension per tensor (0 for a rank that did not submit)."""
@@ -102,6 +112,9 @@ class Bucket:
         return list(seen.values())
 
 
+_REDUCING = (Kind.ALLREDUCE, Kind.REDUCESCATTER)
+
+
 def _row_bytes(spec: TensorSpec) -> int:
     return math.prod(spec.shape[1:]) * spec.dtype.itemsize
 
@@ -129,7 +142,7 @@ def plan(works: list[Work], members_of: dict[int, list[int]], threshold: int) ->
         # Reductions combine by dtype, op and scaling; a broadcast by its root; an
         # allgather moves bytes, so any dtypes can share its buffer.
         by_dtype = kind == Kind.ALLREDUCE or kind == Kind.REDUCESCATTER
-        common = work.common
+        reduction, root = work.reduction, work.root
         specs = work.specs
         work.remaining += len(specs)
         for index, spec in enumerate(specs):
@@ -137,7 +150,14 @@ def plan(works: list[Work], members_of: dict[int, list[int]], threshold: int) ->
                 nbytes = _allgather_bytes(work, index, members_of[set_id])
             else:
                 nbytes = spec.nbytes
-            key = (kind, set_id, common, spec.device_type, spec.dtype if by_dtype else None)
+            key = (
+                kind,
+                set_id,
+                reduction,
+                root,
+                spec.device_type,
+                spec.dtype if by_dtype else None,
+            )
             bucket = open_buckets.get(key)
             if bucket is None or bucket.nbytes + nbytes > threshold:
                 bucket = Bucket(kind, set_id, spec.device_type, [])

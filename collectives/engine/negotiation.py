@@ -293,7 +293,7 @@ def check(entry: Entry, members: list[int], joined: dict[int, int]) -> Collectiv
         error = check_alltoall(entry.name, members, entry.vars)
         return None if error is None else TensorMismatchError(error)
     if entry.kind == Kind.BROADCAST:
-        root = int(parse_signature(entry.kind, first).common[0])
+        root = parse_signature(entry.kind, first).root()
         if not 0 <= root < len(members):
             return TensorMismatchError(
                 f"{label(entry.kind, entry.name)}: root_rank {root} is not a rank of the "
@@ -307,7 +307,7 @@ def _root_mismatch(entry: Entry, members: list[int]) -> str | None:
     passed them (requests carry the root's position in the set)."""
     roots: dict[int, int] = {}
     for rank_, sig in entry.sigs.items():
-        index = int(parse_signature(entry.kind, sig).common[0])
+        index = parse_signature(entry.kind, sig).root()
         roots[rank_] = members[index] if 0 <= index < len(members) else index
     if len(set(roots.values())) < 2:
         return None

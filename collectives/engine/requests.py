@@ -27,6 +27,7 @@ import torch
 
 from collectives.common import ReduceOp
 from collectives.engine.handles import Handle
+from collectives.engine.reduction import PLAIN_SUM, Reduction
 
 __all__ = [
     "NONAME_PREFIXES",
@@ -136,7 +137,10 @@ class Request:
     # place); allgather and alltoall outputs are sized from the negotiation (None till then).
     outputs: list[Any]
     handle: Handle
-    common: tuple[Any, ...] = ()  # (int(op), prescale, postscale) or (root,): in the signature
+    #: Allreduce and reducescatter: the op and its scaling (in the signature).
+    reduction: Reduction = PLAIN_SUM
+    #: Broadcast: the root's position in the process set (in the signature).
+    root: int = 0
     extra: Any = None  # alltoall: the received splits
     # Turns the finished request into what synchronize() returns (None: ``extra``).
     finish: Callable[[Request], Any] | None = None
@@ -187,18 +191,27 @@ def signature(kind: Kind, common: tuple[Any, ...], tensors: list[torch.Tensor]) 
 
 @dataclass(frozen=True)
 class Signature:
+    """A decoded signature: the leading fields as text, and the tensors' specs."""
+
     common: tuple[str, ...]
     tensors: tuple[TensorSpec, ...]
 
-    def values(self, kind: Kind) -> tuple[Any, ...]:
-        """The leading fields as the values a local Request holds in ``common``."""
-        if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
-            return (int(self.common[0]), float(self.common[1]), float(self.common[2]))
-        if kind in (Kind.BROADCAST, Kind.REMOVE_PROCESS_SET):
-            return (int(self.common[0]),)
-        if kind == Kind.ADD_PROCESS_SET:
-            return (ast.literal_eval(self.common[0]),)
-        return tuple(self.common)
+    def reduction(self) -> Reduction:
+        """An allreduce's or reducescatter's op and scaling."""
+        return Reduction(int(self.common[0]), float(self.common[1]), float(self.common[2]))
+
+    def root(self) -> int:
+        """A broadcast's root (its position in the process set)."""
+        return int(self.common[0])
+
+    def ranks(self) -> list[int]:
+        """An added process set's ranks."""
+        text: str = ast.literal_eval(self.common[0])
+        return [int(r) for r in text.split(",")]
+
+    def process_set_id(self) -> int:
+        """A removed process set's id."""
+        return int(self.common[0])
 
 
 @functools.lru_cache(maxsize=4096)

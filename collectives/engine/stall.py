@@ -1,8 +1,9 @@
 """The stall inspector: ops that some ranks submitted and others never did.
 
 Such an op can never run, and its submitters wait forever: the classic Horovod deadlock of
-ranks submitting different names, or of one rank skipping a step. Every rank holds the same
-negotiation table, so rank 0 alone inspects it (as Horovod's coordinator does): after
+ranks submitting different names, or of one rank skipping a step. Every member of a process
+set holds the same negotiation table, so the set's first member alone inspects it (as
+Horovod's coordinator does): after
 ``HVDRUN_STALL_CHECK_TIME_SECONDS`` (60) it logs which ops wait for which ranks, again every
 such period; after ``HVDRUN_STALL_SHUTDOWN_TIME_SECONDS`` (0 = never) it asks the engine to
 stop the job's collectives, which every rank then does in the same cycle.
@@ -28,11 +29,11 @@ CHECK_INTERVAL = 0.25
 class StallInspector:
     """Watches the negotiation table for ops that wait too long."""
 
-    def __init__(self, config: EngineConfig, rank: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, inspects: bool) -> None:
         self._config = config
         self._active = (
             config.stall_check
-            and rank == 0
+            and inspects
             and (config.stall_warning_seconds > 0 or config.stall_shutdown_seconds > 0)
         )
         self._rank = rank

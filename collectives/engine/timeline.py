@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Timeline", "open_for_rank"]
+__all__ = ["Timeline", "TimelineSlot", "open_for_rank"]
 
 _CLOSE = b"\n]\n"
 _DATA_OPS = {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER"}
@@ -151,6 +151,17 @@ class Timeline:
             self._flush_locked()
             self._closed = True
             self._file.close()
+
+
+class TimelineSlot:
+    """Where the engine's timeline is, if one is being written: the reference is replaced
+    whole by the thread that starts or stops recording (``hvd.start_timeline()``) and read
+    by the engine once per cycle (reading or replacing a reference is atomic)."""
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current: Timeline | None = None
 
 
 def open_for_rank(path: str, mark_cycles: bool, rank: int) -> Timeline | None:

@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from collectives.engine import config as config_module
-from collectives.engine.core import FINAL_CYCLE_SECONDS
+from collectives.engine.cycle import FINAL_CYCLE_SECONDS
 from collectives.runtime import logs, state
 from collectives.runtime.groups import (
     choose_backend,

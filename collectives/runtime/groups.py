@@ -2,11 +2,11 @@
 process groups of its own.
 
 The default torch process group stays the user's: the collectives engine runs on groups of
-its own (a Gloo group for negotiation, one data group per process set), so a script may
+its own (per process set, a Gloo group for its negotiation and a data group), so a script may
 still call ``torch.distributed`` directly without its collectives interleaving with the
 engine's. Those groups wait at most ``HVDRUN_GLOO_TIMEOUT_SECONDS`` (30) for a peer. The
 engine does not reach for torch.distributed to make more of them: it is handed
-``make_group``/``destroy_group`` here.
+``make_groups``/``destroy_group`` here.
 
 How the default group itself comes about depends on how the process joined its job (see
 :mod:`.bootstrap` and :mod:`.registration`); what happens once it exists is the same for all.
@@ -86,8 +86,9 @@ def start_engine(runtime_: RuntimeState) -> Engine:
     control = dist.new_group(everyone, backend="gloo", timeout=timeout)
     data = dist.new_group(everyone, backend=runtime_.backend, timeout=timeout)
 
-    def make_group(ranks: list[int]) -> Any:
-        return dist.new_group(ranks, backend=runtime_.backend, timeout=timeout)
+    def make_groups(ranks: list[int]) -> tuple[Any, Any]:
+        control_ = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        return control_, dist.new_group(ranks, backend=runtime_.backend, timeout=timeout)
 
     def destroy_group(group: Any) -> None:
         if isinstance(group, dist.ProcessGroup):
@@ -99,7 +100,7 @@ def start_engine(runtime_: RuntimeState) -> Engine:
         config=cfg,
         control_group=control,
         global_group=data,
-        make_group=make_group,
+        make_groups=make_groups,
         destroy_group=destroy_group,
         cuda_device=torch.cuda.current_device() if "nccl" in runtime_.backend else None,
     )

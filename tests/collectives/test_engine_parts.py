@@ -15,6 +15,7 @@ from collectives.engine import eager
 from collectives.engine.fusion import Work, plan
 from collectives.engine.handles import Handle
 from collectives.engine.negotiation import FLAG_LEAVING, Entry, Exchange, Table, check
+from collectives.engine.reduction import Reduction
 from collectives.engine.requests import (
     Kind,
     Request,
@@ -34,7 +35,7 @@ def sig(kind: Kind, common: tuple[Any, ...], *tensors: torch.Tensor) -> str:
 def test_signature_round_trip() -> None:
     text = sig(Kind.ALLREDUCE, (1, 0.5, 2.0), torch.ones(2, 3), torch.ones(4, dtype=torch.int8))
     parsed = parse_signature(Kind.ALLREDUCE, text)
-    assert parsed.values(Kind.ALLREDUCE) == (1, 0.5, 2.0)
+    assert parsed.reduction() == Reduction(1, 0.5, 2.0) == (1, 0.5, 2.0)
     assert [(t.dtype, t.shape, t.device_type) for t in parsed.tensors] == [
         (torch.float32, (2, 3), "cpu"),
         (torch.int8, (4,), "cpu"),
@@ -139,10 +140,10 @@ def test_exchange_carries_data_after_the_payload_and_reports_wants() -> None:
 
 
 def _request(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, scale: float = 1.0) -> Request:
-    common = (int(op), scale, 1.0)
+    reduction = Reduction(int(op), scale, 1.0)
     return Request(
-        Kind.ALLREDUCE, "allreduce.x", 0, [tensor], [None], Handle(), common,
-        sig=sig(Kind.ALLREDUCE, common, tensor),
+        Kind.ALLREDUCE, "allreduce.x", 0, [tensor], [None], Handle(), reduction,
+        sig=sig(Kind.ALLREDUCE, reduction, tensor),
         specs=[TensorSpec.of(tensor.dtype, tuple(tensor.shape), "cpu")],
     )  # fmt: skip
 
@@ -239,7 +240,7 @@ def _work(name: str, order: int, kind: Kind, common: tuple[Any, ...], *tensors: 
     vars_ = {0: ",".join(str(t.shape[0]) for t in tensors)} if kind == Kind.ALLGATHER else {}
     if kind == Kind.ALLTOALL:
         vars_ = {0: f"{tensors[0].shape[0]}/"}
-    return Work.of(kind, name, set_id, None, text, vars_, order)
+    return Work.joined(kind, name, set_id, text, vars_, order)
 
 
 def test_fusion_plan_groups_by_key_and_threshold() -> None:

@@ -131,6 +131,16 @@ def test_ops_on_two_ranks() -> None:
     assert "[1]<stdout>:OK join.broadcast_refused.step1\n" in output
 
 
+def test_a_process_sets_ops_never_wait_for_ranks_outside_it() -> None:
+    # Rank 0 (not in the set {1, 2}) is stopped with SIGSTOP until the set's ops are done:
+    # they complete only if the set negotiates among its members alone.
+    code, output = run_hvdrun(3, WORKERS / "sets_worker.py", timeout=120)
+    assert_all_ok(code, output, 3, ["global.after", "remove"])
+    for rank in (1, 2):
+        for name in ("set.allreduce", "set.allgather", "set.repeat.9", "set.while_rank0_stopped"):
+            assert f"[{rank}]<stdout>:OK {name}\n" in output, output
+
+
 def test_optimizer_on_two_ranks() -> None:
     code, output = run_hvdrun(2, WORKERS / "optimizer_worker.py")
     assert_all_ok(

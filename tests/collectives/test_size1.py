@@ -493,7 +493,7 @@ def test_broadcast_root_is_a_global_rank_of_the_set() -> None:
     from collectives.engine.execute import Group
     from collectives.ops import root_index
 
-    odd = Group(1, [1, 3], None, 0)
+    odd = Group(1, [1, 3], 0)
     assert root_index(3, odd, "broadcast") == 1
     assert root_index(1, odd, "broadcast") == 0
     with pytest.raises(
@@ -502,7 +502,7 @@ def test_broadcast_root_is_a_global_rank_of_the_set() -> None:
         root_index(2, odd, "broadcast")
     with pytest.raises(TypeError, match="root_rank must be an int"):
         root_index(1.0, odd, "broadcast")
-    everyone = Group(0, [0, 1, 2, 3], None, 2)
+    everyone = Group(0, [0, 1, 2, 3], 2)
     assert root_index(3, everyone, "broadcast") == 3
     with pytest.raises(ValueError, match="out of range for a job of size 4"):
         root_index(4, everyone, "broadcast")

@@ -1,0 +1,420 @@
+"""One process set's cycles: a negotiation round and the ops it made ready.
+
+A cycle takes what was submitted since the last one (:mod:`.queue`) and runs one round
+among the set's members, on a Gloo group of the set's own:
+
+* while no op is pending, the response cache's round first (see :mod:`.rounds`): one small
+  allreduce agrees on ops every member ran before and carries the data of repeated small
+  allreduces; anything else falls back to the full round in the same cycle;
+* the full round (see :mod:`.negotiation`): the allgather of every member's announcements
+  into the table of pending ops, identical on every member, which all read alike. When every
+  member announced exactly the same ops (the usual SPMD case), the round needs no per-op
+  bookkeeping, and its small CPU allreduces are reduced locally from data that travelled
+  with the announcements (see :mod:`.eager`).
+
+The ops that became ready run through :class:`~collectives.engine.dispatch.Dispatch`. With
+``--autotune`` (global set only, see :mod:`.autotune`), every rank takes rank 0's next tuning
+at the end of each sample, at the same cycle everywhere.
+
+A member that leaves (``hvd.shutdown()``, or its set was removed) says so in its last round;
+every member stops after that round. The stall inspector's abort travels the same way.
+
+Ownership: a :class:`CycleRunner` and everything it holds (the exchange, the table, the
+cache's rounds, the dispatch, the statistics, the hot lane's fingerprint ``hot``, the tuning
+it runs with) belong to whoever holds its set's cycle lock: the set's thread, or a caller's
+thread that runs the cycle itself (see :mod:`.controller`). The one field read without that
+lock is ``pace``, an immutable snapshot replaced after every cycle, which the set's thread
+reads while it waits for the next one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed import BroadcastOptions
+
+from collectives.engine import eager
+from collectives.engine.autotune import Autotuner, Setting
+from collectives.engine.cache import (
+    DEFAULT_CAPACITY,
+    Key,
+    ResponseCache,
+    key_of,
+    keys_of,
+    ordinal,
+    request_key,
+)
+from collectives.engine.config import EngineConfig
+from collectives.engine.dispatch import Controls, Dispatch
+from collectives.engine.execute import Group
+from collectives.engine.negotiation import (
+    FLAG_ABORT,
+    FLAG_LEAVING,
+    Entry,
+    Exchange,
+    Table,
+    check,
+)
+from collectives.engine.queue import Submissions
+from collectives.engine.reduction import Reduction
+from collectives.engine.requests import RECORD, Kind, Request
+from collectives.engine.rounds import CacheRound
+from collectives.engine.scheduler import KEEPALIVE_SECONDS, Pace
+from collectives.engine.stall import StallInspector
+from collectives.engine.timeline import TimelineSlot
+
+__all__ = ["FINAL_CYCLE_SECONDS", "CycleRunner", "HotPrint", "hot_print"]
+
+logger = logging.getLogger("collectives.engine")
+
+#: How long the last cycle of a rank that leaves waits for its peers.
+FINAL_CYCLE_SECONDS = KEEPALIVE_SECONDS + 4.0
+
+
+class HotPrint(NamedTuple):
+    """What an in-place allreduce must match to take the hot lane (see :mod:`.lanes`): the
+    op that just ran in a lane."""
+
+    name: str | None  # None for an unnamed op (its counter must be the predicted one)
+    reduction: Reduction
+    dtype: torch.dtype
+    shape: torch.Size
+
+
+def hot_print(request: Request) -> HotPrint | None:
+    """What an op that follows ``request`` in the hot lane must match (global set only)."""
+    if request.process_set_id != 0:
+        return None
+    spec = request.specs[0]
+    _, counter = request_key(request)
+    name = None if counter else request.name
+    return HotPrint(name, request.reduction, spec.dtype, torch.Size(spec.shape))
+
+
+class CycleRunner:
+    """Runs one process set's cycles on this rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        group: Group,
+        queue: Submissions,
+        config: EngineConfig,
+        control_pg: Any,
+        data_pg: Any,
+        controls: Controls,
+        timeline: TimelineSlot,
+        tuner: Autotuner | None = None,
+    ) -> None:
+        self.rank = rank
+        self.group = group
+        self.members = group.ranks
+        self.size = group.size
+        self.queue = queue
+        self.config = config  # (autotune replaces it with the tuned values)
+        self.control_pg = control_pg  # the set's Gloo group for rounds (None once released)
+        self.exchange = Exchange(control_pg, group.index, group.size)
+        self.table = Table(group.size)
+        self.rounds: CacheRound | None = None
+        if config.cache_capacity > 0:
+            self.rounds = CacheRound(ResponseCache(config.cache_capacity), group.size)
+        self.dispatch = Dispatch(group, queue, data_pg, self.control, config.fusion_threshold)
+        self._controls = controls
+        self._timeline = timeline
+        self.tuner = tuner
+        self.stall = StallInspector(config, rank, inspects=group.index == 0)
+        self.eager_budget = eager.budget(group.size, config.fusion_threshold)
+        # Rounds run: cache rounds (predicted ones among them, and among those the ones of
+        # the hot lane) and full negotiations.
+        self.stats = {"cache_rounds": 0, "predicted_rounds": 0, "hot_rounds": 0, "full_rounds": 0}
+        now = time.monotonic()
+        self.pace = Pace(False, True, now, now, config.cycle_time)
+        self.hot: HotPrint | None = None  # None once any other cycle ran
+        self.cycle_no = 0
+        self.busy = False  # the current cycle ran ops (alike on every member)
+        self.round_bytes = 0
+
+    def current_pace(self) -> Pace:
+        return self.pace
+
+    def release(self) -> list[Any]:
+        """Forgets the set's process groups (after a failure, or once stopped) and returns
+        them, to be destroyed; no round can run after this."""
+        groups = [self.exchange.close(), self.control_pg, self.dispatch.executor.release()]
+        self.control_pg = None
+        unique = {id(group): group for group in groups if group is not None}
+        return list(unique.values())
+
+    # ---- a cycle ---------------------------------------------------------------------
+
+    def cycle(self) -> bool:
+        """One cycle; False when the set stops (a member left, or the stall inspector gave up)."""
+        self.hot = None
+        start = time.monotonic()
+        new, flags = self.queue.take()
+        self.cycle_no += 1
+        tl = self.dispatch.tl = self._timeline.current
+        if tl is not None:
+            tl.cycle(start)
+            for request in new:
+                tl.begin(request.name, "NEGOTIATE_" + request.kind.label.upper(), request.submitted)
+        timeout = FINAL_CYCLE_SECONDS if flags & FLAG_LEAVING else None
+        rounds = self.rounds
+        if rounds is not None and not self.table.entries and not self.table.joined:
+            outcome = rounds.run(self.control_pg, new, bool(flags), timeout)
+            if outcome is not None:
+                self.stats["cache_rounds"] += 1
+                self.stats["predicted_rounds"] = rounds.predicted_rounds
+                now = time.monotonic()
+                agreed, riders = outcome
+                self.count(agreed)
+                self.dispatch.cached(agreed, riders, now)
+                if tl is not None:
+                    tl.flush()
+                self.pace = Pace(False, not agreed, start, now, self.config.cycle_time)
+                return True
+        return self.full_round(new, flags, timeout, start)
+
+    def full_round(
+        self, new: list[Request], flags: int, timeout: float | None, start: float
+    ) -> bool:
+        """The full negotiation of a cycle and the ops it made ready; False when the set
+        stops."""
+        tl = self.dispatch.tl
+        self.stats["full_rounds"] += 1
+        if self.rounds is not None:
+            self.rounds.forget()
+        records = RECORD.join([request.record() for request in new]).encode()
+        exchange = self.exchange
+        riders = eager.select(records, new, exchange.room, self.eager_budget)
+        gathered = exchange.round(
+            riders.payload,
+            flags,
+            timeout=timeout,
+            data=riders.tensors() if riders.inline else (),
+            want=riders.want,
+        )
+        now = time.monotonic()
+        results = []
+        datas: list[Any] = []
+        for peer_flags, peer_payload in gathered:
+            peer_records, peer_data = eager.split(peer_payload)
+            results.append((peer_flags, peer_records))
+            datas.append(peer_data)
+        leavers, abort = [], False
+        if self._agreed(new, records, results):
+            delivery = eager.delivery(riders, datas, exchange.wants)
+            if delivery == eager.FOLLOW:
+                datas = exchange.gather(riders.tensors(), riders.nbytes, timeout)
+            self.count(new)
+            if self.rounds is not None:
+                cached = [request for request in new if request.kind <= Kind.REDUCESCATTER]
+                for key, _ in keys_of(cached):
+                    self._cache_ran(key)
+            self.dispatch.agreed(new, now, riders if delivery else None, datas)
+        else:
+            touched: list[Entry] = []
+            everything = False
+            for position, (peer_flags, data) in enumerate(results):
+                peer = self.members[position]
+                if peer_flags & FLAG_LEAVING:
+                    leavers.append(peer)
+                abort = abort or bool(peer_flags & FLAG_ABORT)
+                entries, joined = self.table.add(peer, data, self.cycle_no, now)
+                touched.extend(entries)
+                everything = everything or joined
+            self._run_ready(self._ready(touched, everything), now)
+        if tl is not None:
+            tl.flush()
+        if abort:
+            message = self.stall.report(self.table, self._members, time.monotonic(), aborting=True)
+            self.queue.fail(message, self.dispatch.current)
+            return False
+        if leavers:
+            who = "this rank" if leavers == [self.rank] else f"rank {leavers[0]}"
+            self.queue.fail(
+                self.queue.leave_message
+                or f"rank {self.rank}: {who} shut down hvdrun's collectives (hvd.shutdown() "
+                "or the end of its script), so no more collectives can run in this job",
+                self.dispatch.current,
+            )
+            return False
+        quiet = not any(data for _, data in results)
+        self.pace = Pace(self._awaiting_others(), quiet, start, now, self.config.cycle_time)
+        if self.stall.check(self.table, self._members, now):
+            self.queue.request_abort()
+        return True
+
+    def count(self, requests: list[Request]) -> None:
+        """Notes a round's ops for the autotuner (their bytes, on this rank)."""
+        if requests:
+            self.busy = True
+            if self.tuner is not None:
+                self.round_bytes += sum([spec.nbytes for r in requests for spec in r.specs])
+
+    def _cache_ran(self, key: Key) -> None:
+        """Records an op that ran alike on every member (same order everywhere)."""
+        if self.rounds is not None:
+            self.rounds.cache.use(key)
+
+    # ---- readiness -------------------------------------------------------------------
+
+    def _members(self, entry: Entry) -> list[int]:
+        return self.members
+
+    def _ready(self, touched: list[Entry], everything: bool) -> list[Entry]:
+        table, members = self.table, self.members
+        candidates = list(table.entries.values()) if everything else touched
+        ready: dict[int, Entry] = {}
+        for entry in candidates:
+            if id(entry) not in ready and not table.waiting_for(entry, members):
+                ready[id(entry)] = entry
+        result = sorted(ready.values(), key=lambda e: e.order)
+        for entry in result:
+            table.pop(entry)
+        return result
+
+    def _awaiting_others(self) -> bool:
+        for entry in self.table.entries.values():
+            waiting = self.table.waiting_for(entry, self.members)
+            if waiting and self.rank not in waiting:
+                return True
+        return False
+
+    def _agreed(self, new: list[Request], payload: bytes, results: list[tuple[int, bytes]]) -> bool:
+        """Whether every member announced exactly the same ops, and nothing else is going on.
+
+        The common case of an SPMD program: then every op of the round is ready and
+        consistent (a rank cannot announce an op twice, so no earlier announcement is
+        pending for any of them, and equal payloads mean equal signatures), and the round
+        needs no per-op bookkeeping at all. Every member sees the same results, so all take
+        this path together.
+        """
+        if not payload or self.table.joined:
+            return False
+        for peer_flags, data in results:
+            if peer_flags or data != payload:
+                return False
+        return all(request.kind <= Kind.BARRIER for request in new)
+
+    def _run_ready(self, ready: list[Entry], now: float) -> None:
+        """Checks the ready ops (a mismatch fails every submitter's), caches the consistent
+        ones, and runs them."""
+        if not ready:
+            return
+        self.busy = True
+        requests = self.queue.pop([entry.key for entry in ready])
+        if self.tuner is not None:
+            self.count([request for request in requests if request is not None])
+        tl = self.dispatch.tl
+        current = self.dispatch.current
+        checked: list[tuple[Entry, Request | None]] = []
+        unnamed: dict[Key, int] = {}  # (see cache.ordinal)
+        for entry, request in zip(ready, requests, strict=True):
+            if request is not None:
+                current.append(request)
+                if tl is not None:
+                    seen = {r: max(t, request.submitted) for r, t in entry.seen_at.items()}
+                    tl.negotiated(request.name, request.kind.label.upper(), seen, now)
+            error = check(entry, self.members, self.table.joined)
+            if error is not None:
+                if request is not None:
+                    request.handle.fail(error)
+                continue
+            if self.rounds is not None and entry.kind <= Kind.REDUCESCATTER:
+                self._cache_entry(entry, unnamed)
+            checked.append((entry, request))
+        self.dispatch.ready(checked)
+
+    def _cache_entry(self, entry: Entry, unnamed: dict[Key, int]) -> None:
+        """Caches a ready, consistent op if every member described it alike. ``unnamed``
+        counts the round's unnamed ops cached so far (see ``cache.ordinal``)."""
+        size = self.size
+        if len(entry.sigs) != size or len(set(entry.vars.values())) > 1:
+            return
+        if entry.vars and len(entry.vars) != size:
+            return
+        sig = next(iter(entry.sigs.values()))
+        var = next(iter(entry.vars.values()), "")
+        key, counter = key_of(entry.kind, entry.process_set_id, entry.name, sig, var)
+        self._cache_ran(ordinal(key, counter, unnamed))
+
+    def control(self, entry: Entry) -> Any:
+        """A ready control op: ``hvd.join()`` returns the rank that joined last; process
+        sets are the engine's (``controls``)."""
+        if entry.kind == Kind.JOIN:
+            last = self.table.last_joined()
+            self.table.joined.clear()
+            return last
+        return self._controls(entry)
+
+    # ---- the lanes' bookkeeping (see :mod:`.lanes`) ----------------------------------
+
+    def lane_ran(self, agreed: bool) -> None:
+        """Bookkeeping of a lane's round, a cycle of its own (``agreed``: every member ran
+        the predicted op)."""
+        now = time.monotonic()
+        self.cycle_no += 1
+        pace = self.pace
+        if agreed:
+            assert self.rounds is not None
+            self.stats["cache_rounds"] += 1
+            self.stats["predicted_rounds"] = self.rounds.predicted_rounds
+            self.pace = Pace(pace.awaiting, pace.quiet, now, now, pace.cycle_time)
+        else:
+            self.pace = Pace(pace.awaiting, pace.quiet, now, pace.last_round, pace.cycle_time)
+
+    def lane_fallback(self, request: Request) -> bool:
+        """A lane's round found that another member's ops differed (every member saw NaN):
+        every member goes on to the full negotiation of this cycle, ``request`` announced in
+        it as if it had been queued."""
+        self.hot = None
+        self.queue.announce(request)
+        return self.full_round([request], 0, None, self.pace.last_cycle)
+
+    # ---- autotune --------------------------------------------------------------------
+
+    def autotune(self, tuner: Autotuner) -> None:
+        """Counts a cycle that ran ops; at a sample's end, every rank takes rank 0's next
+        setting (one broadcast on the negotiation's group, at the same cycle everywhere)."""
+        if not tuner.step(self.round_bytes):
+            return
+        vector = torch.zeros(5, dtype=torch.float64)
+        if self.rank == 0:
+            cycles = tuner.next_sample_cycles()
+            chosen = tuner.decide()
+            vector[:] = torch.tensor(
+                [
+                    chosen.fusion_threshold,
+                    chosen.cycle_time_ms,
+                    float(chosen.cache),
+                    float(tuner.finishing),
+                    cycles,
+                ],
+                dtype=torch.float64,
+            )
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        self.control_pg.broadcast([vector], opts).wait()
+        threshold, cycle_ms, cache, final, cycles = vector.tolist()
+        setting = Setting(int(threshold), cycle_ms, cache >= 0.5)
+        tuner.apply(setting, final >= 0.5, int(cycles))
+        self.config = dataclasses.replace(
+            self.config, fusion_threshold=setting.fusion_threshold, cycle_time_ms=cycle_ms
+        )
+        self.dispatch.fusion_threshold = setting.fusion_threshold
+        pace = self.pace
+        self.pace = Pace(pace.awaiting, pace.quiet, pace.last_cycle, pace.last_round,
+                         self.config.cycle_time)  # fmt: skip
+        self.eager_budget = eager.budget(self.size, setting.fusion_threshold)
+        if setting.cache != (self.rounds is not None):
+            capacity = self.config.cache_capacity or DEFAULT_CAPACITY
+            self.rounds = CacheRound(ResponseCache(capacity), self.size) if cache else None
+        if final >= 0.5:
+            logger.info("autotune settled on %s", setting)

@@ -1,0 +1,565 @@
+"""The response cache's rounds: ops seen before are agreed by one number per cached op.
+
+While the table of pending ops is empty (the steady state of a training loop), a cycle
+starts with a *cache round* instead of the allgather of full descriptions: one allreduce
+(Sum, float64) of a small vector holding
+
+* per cached op (see :mod:`.cache`), how many members submitted it (every member or none:
+  agreed; the AND of Horovod's bit vector) -- and, for unnamed ops, whose auto-generated
+  names differ only in their counter, the counter's sum and sum of squares, so that ranks
+  whose counters differ never match;
+* how many members have something the cache cannot say (a new op, an op whose description
+  changed, a control op, a shutdown): any, and the cycle falls back to the full
+  negotiation (the allgather of :mod:`.negotiation`) right away, as if there were no cache;
+* the data of the small Sum/Average allreduces that rode the previous cache round
+  (*riders*): members lay them out alike from the shared cache, so the op costs one
+  collective. A rider runs from this data only when every member contributed it.
+
+Once two clean rounds in a row held the same ops (unnamed ones with counters that moved on),
+the next round is *predicted* (the same ops, unnamed ones' counters moved on as much again):
+one allreduce of just the riders' data (see ``CacheRound._predicted``). A burst of riders too
+large for a cache round (up to PREDICTED_BYTES in float32 or float64) rides predicted rounds
+only. A member whose ops are not the predicted ones sends NaN, and every member falls back.
+
+Every member derives the layout, the prediction and the back-off from what all saw alike,
+so all choose the same kind of round. A :class:`CacheRound` is owned by its process set's
+cycle runner: only the holder of the set's cycle lock calls it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from collectives.engine.cache import Key, ResponseCache, is_unnamed, keys_of, request_key
+from collectives.engine.execute import Sums, check_unchanged
+from collectives.engine.reduction import Reduction
+from collectives.engine.requests import Kind, Request
+
+__all__ = ["MAX_COUNTER", "CacheRound", "rides"]
+
+#: Riders' elements (as float64) one cache round may carry; also the most one rider holds.
+RIDER_ELEMENTS = 16 * 1024
+#: Riders' bytes one predicted round may carry when they share float32 or float64 (a burst
+#: of small gradients: one allreduce of their data in their own dtype, as a fused allreduce
+#: would run it, but without a negotiation).
+PREDICTED_BYTES = 4 * 1024 * 1024
+#: Riders at which a round copies their data in and out with one torch call for all.
+_BULK = 4
+#: Unnamed ops with counters this large always negotiate in full: the sums of squares that
+#: tell the ranks' counters apart must stay exact in float64.
+MAX_COUNTER = 1 << 24
+#: At most this many rounds of full negotiation after cache rounds failed in a row.
+MAX_BACKOFF = 16
+#: Rounds of full negotiation after a burst of small allreduces too large to ride.
+BURST_ROUNDS = 16
+_RIDER_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+@dataclass(frozen=True)
+class _Rider:
+    index: int  # cache index
+    key: Key
+    numel: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _Staging:
+    """The predicted round's vector, kept from round to round for one layout of riders:
+    each rider's slice viewed in its tensor's shape, so that a round copies the inputs in
+    and the results out without allocating (a fresh tensor per round also costs a GIL
+    round trip when Gloo's thread drops the last reference to it)."""
+
+    def __init__(self, layout: list[_Rider]) -> None:
+        self.layout = layout
+        # In the riders' own dtype when they share float32 or float64 (no cast on the way in
+        # or out, the same collective as an allreduce of the tensor itself), else float64.
+        dtypes = {r.dtype for r in layout}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
+        if dtype not in (torch.float32, torch.float64):
+            dtype = torch.float64
+        numel = sum(r.numel for r in layout) or 1
+        # Over a bytearray: Python reads the first element (the NaN test) without a torch call.
+        raw = bytearray(numel * dtype.itemsize)
+        self.vector = torch.frombuffer(raw, dtype=dtype)
+        self.first = memoryview(raw).cast("f" if dtype == torch.float32 else "d")
+        self.dtype = dtype
+        self.parts: list[torch.Tensor] = []
+        offset = 0
+        for rider in layout:
+            self.parts.append(self.vector[offset : offset + rider.numel].view(rider.shape))
+            offset += rider.numel
+        self.counts = [rider.numel for rider in layout]
+        self.same_dtype = all(rider.dtype == dtype for rider in layout)
+        self.flat = all(len(rider.shape) == 1 for rider in layout)
+
+    def load(self, requests: Sequence[Request]) -> None:
+        """The riders' inputs (``requests`` in layout order) into the vector, cast and
+        prescaled: one torch call for a burst of riders in the vector's dtype."""
+        if (
+            len(requests) >= _BULK
+            and self.same_dtype
+            and all(request.reduction.prescale == 1.0 for request in requests)
+        ):
+            inputs = [request.inputs[0] for request in requests]
+            if self.flat:
+                # cat resizes its output to fit when an input was resized in flight (a
+                # shrink silently; a growth fails): the vector keeping its size proves none was.
+                numel = self.vector.numel()
+                try:
+                    torch.cat(inputs, out=self.vector)
+                except RuntimeError:
+                    _check_inputs(requests)  # (names the op, if that is why)
+                    raise
+                if self.vector.numel() != numel:
+                    _check_inputs(requests)
+                return
+            _check_inputs(requests)  # (a copy would broadcast a resized input silently)
+            torch._foreach_copy_(self.parts, inputs)
+            return
+        _check_inputs(requests)
+        for part, request in zip(self.parts, requests, strict=True):
+            request.reduction.stage(part, request.inputs[0])
+
+    def unload(self, requests: Sequence[Request], size: int) -> None:
+        """Completes the riders (``requests`` in layout order) from the summed vector; no
+        result aliases the vector, which the next round reuses."""
+        if len(requests) >= _BULK and self.same_dtype and self._unload_burst(requests, size):
+            return
+        for part, request in zip(self.parts, requests, strict=True):
+            _finish_rider(request, part, size)
+
+    def _unload_burst(self, requests: Sequence[Request], size: int) -> bool:
+        """One torch call or two for a burst of riders alike (False: they are not)."""
+        reduction = requests[0].reduction
+        if any(request.reduction != reduction for request in requests):
+            return False
+        outputs = [request.outputs[0] for request in requests]
+        if reduction.plain_sum and all(
+            out is not None and out.dtype == self.dtype and out.shape == part.shape
+            for out, part in zip(outputs, self.parts, strict=True)
+        ):
+            torch._foreach_copy_(outputs, self.parts)
+            return True
+        if any(out is not None for out in outputs):
+            return False
+        result = self.vector.clone()
+        reduction.finish(result, size)
+        pieces = result.split(self.counts)
+        for request, rider, piece in zip(requests, self.layout, pieces, strict=True):
+            request.outputs[0] = piece if len(rider.shape) == 1 else piece.view(rider.shape)
+        return True
+
+
+def rides(request: Request) -> bool:
+    """Whether a request's data can ride a cache round."""
+    if request.kind != Kind.ALLREDUCE or len(request.specs) != 1:
+        return False
+    spec = request.specs[0]
+    return (
+        spec.device_type == "cpu"
+        and spec.dtype in _RIDER_DTYPES
+        and 0 < spec.numel <= RIDER_ELEMENTS
+        and request.reduction.sums
+    )
+
+
+class CacheRound:
+    """Builds and reads the cache round's vector; holds the riders' layout between rounds
+    (derived only from what every rank saw alike)."""
+
+    def __init__(self, cache: ResponseCache, size: int) -> None:
+        self.cache = cache
+        self.size = size
+        self._layout: list[_Rider] = []
+        # The last clean round's ops as (cache index, counter), and the ops predicted for
+        # the next round (the same ops again, unnamed ones' counters moved on by as much as
+        # from the round before, ``_steps``): set once two clean rounds in a row agreed on
+        # the same ops.
+        self._last: list[tuple[int, int]] = []
+        self._steps: list[int] = []
+        self._prediction: list[tuple[int, int]] | None = None
+        self.predicted_rounds = 0  # rounds the prediction agreed
+        # Set (alike everywhere) when a clean round held more small allreduce data than a
+        # cache round carries: the next BURST_ROUNDS rounds negotiate in full, where such
+        # bursts ride the allgather whole (see :mod:`eager`): one collective instead of a
+        # cache round and a fused allreduce.
+        self._full_left = 0
+        self._misses = 0  # cache rounds that failed in a row
+        self._staging: _Staging | None = None
+        # Whether counted rounds carry the riders' data too (only predicted rounds carry a
+        # burst larger than RIDER_ELEMENTS: in a counted round it runs as agreed ops).
+        self._carried = True
+        self._layout_evictions = 0  # the cache's evictions when the layout was last checked
+        self._sums = Sums()
+
+    def forget(self) -> None:
+        """A full negotiation ran, or a predicted round failed: predict nothing until the
+        pattern repeats again."""
+        self._last = []
+        self._prediction = None
+
+    def _slots(self) -> list[int]:
+        """Each cache entry's first slot in the vector (after slot 0, the dirty count)."""
+        starts, at = [], 1
+        for key in self.cache.keys:
+            starts.append(at)
+            at += 3 if is_unnamed(key) else 1
+        starts.append(at)
+        return starts
+
+    def run(
+        self, group: Any, new: Sequence[Request], dirty: bool, timeout: float | None
+    ) -> tuple[list[Request], list[Request]] | None:
+        """One cache round. Returns (ops agreed, in cache order; riders among them, already
+        complete but for their handles), or None when the cycle must fall back to the full
+        negotiation (every rank decides alike)."""
+        if self._full_left:
+            self._full_left -= 1
+            return None
+        layout = self._valid_layout()
+        if self._prediction is not None:
+            # A pattern that stopped repeating goes straight to the full negotiation: at
+            # most one small extra collective.
+            outcome = self._predicted(group, new, dirty, timeout, layout)
+            if outcome is not None:
+                self.predicted_rounds += 1
+            return outcome
+        outcome = self._counted(group, new, dirty, timeout, layout if self._carried else [])
+        if outcome is None:
+            # Back off while cache rounds keep failing (ops that arrive split differently
+            # over the ranks' cycles): each failure costs a collective.
+            self._misses += 1
+            self._full_left = min(1 << self._misses, MAX_BACKOFF)
+        else:
+            self._misses = 0
+        return outcome
+
+    def _valid_layout(self) -> list[_Rider]:
+        """The riders' layout, without riders whose cache entry was evicted since."""
+        cache = self.cache
+        if self._layout_evictions != cache.evictions:  # (indices stay valid but for these)
+            self._layout = [r for r in self._layout if cache.keys[r.index] == r.key]
+            self._layout_evictions = cache.evictions
+        return self._layout
+
+    def _stage(self, layout: list[_Rider]) -> _Staging:
+        staging = self._staging
+        if staging is None or staging.layout is not layout:
+            staging = self._staging = _Staging(layout)
+        return staging
+
+    def predicts_one(self) -> bool:
+        """Whether the next round is a predicted round of exactly one op (every rank alike)."""
+        prediction = self._prediction
+        return prediction is not None and len(prediction) == 1 and not self._full_left
+
+    def run_one(self, group: Any, request: Request) -> bool | None:
+        """The predicted round for a lone blocking op (see ``Engine.run_now``), when it is
+        the one op predicted and it rides: None when it is not (nothing ran); True when the
+        round agreed (the request's result is in its output); False when another rank's
+        ops differed (NaN): every rank falls back to the full negotiation of this cycle."""
+        key, counter = request_key(request)
+        index = self._lone(counter)
+        if index is None or self.cache.lookup(key) != index:
+            return None
+        part = self._staging_of_one()
+        request.reduction.stage(part, request.inputs[0])
+        if not self._lone_round(group):
+            return False
+        _finish_rider(request, part, self.size)
+        self._lone_agreed(index, counter)
+        return True
+
+    def run_lone(
+        self, group: Any, want: int, tensor: torch.Tensor, reduction: Reduction
+    ) -> bool | None:
+        """:meth:`run_one` for the engine's hot lane, which vouches that no other round ran
+        since the last one of this lane (the prediction is this lone rider's, its layout and
+        staging stand): the op is ``tensor``, reduced in place with ``reduction``, with
+        counter ``want`` (0 for a named op). Only the checks are its own; the round is
+        run_one's."""
+        ((index, predicted),) = self._prediction or ((-1, -1),)
+        if predicted != want or want >= MAX_COUNTER:
+            return None
+        staging = self._staging
+        assert staging is not None
+        part = staging.parts[0]
+        reduction.stage(part, tensor)
+        if not self._lone_round(group):
+            return False
+        _finish_out(tensor, part, reduction, self.size)
+        self._lone_agreed(index, want)
+        return True
+
+    def _lone(self, counter: int) -> int | None:
+        """The cache index of the one riding op predicted next, if its counter is
+        ``counter`` (0 for a named op); else None."""
+        if not self.predicts_one():
+            return None
+        assert self._prediction is not None
+        ((index, predicted),) = self._prediction
+        if predicted != counter or counter >= MAX_COUNTER:
+            return None
+        layout = self._valid_layout()
+        if len(layout) != 1 or layout[0].index != index:
+            return None
+        return index
+
+    def _staging_of_one(self) -> torch.Tensor:
+        """The lone rider's slice of the staging vector (after :meth:`_lone`)."""
+        return self._stage(self._layout).parts[0]
+
+    def _lone_round(self, group: Any) -> bool:
+        """The allreduce of a lone rider's round; False when another rank's ops differed."""
+        staging = self._staging
+        assert staging is not None
+        self._sums.start(group, self.size, staging.vector).wait()
+        if math.isnan(staging.first[0]):
+            self.forget()
+            return False
+        return True
+
+    def _lone_agreed(self, index: int, counter: int) -> None:
+        """:meth:`_repeated` for a lone op's predicted round that agreed (its counter moves
+        on by its one step), written out: it runs once per call of a loop."""
+        cache = self.cache
+        cache.use(cache.keys[index])
+        self._last = [(index, counter)]
+        self._prediction = [(index, counter + self._steps[0])]
+        self.predicted_rounds += 1
+
+    def _repeated(self, ops: list[tuple[int, int]]) -> None:
+        """Bookkeeping of a predicted round that agreed (alike on every rank): ``ops`` as
+        (cache index, counter) in cache order, the same pattern again; the next round
+        predicts it once more, unnamed ops' counters moved on by their steps."""
+        cache = self.cache
+        for index, _ in ops:
+            cache.use(cache.keys[index])
+        self._last = ops
+        self._prediction = _moved(ops, self._steps)
+
+    def _counted(
+        self,
+        group: Any,
+        new: Sequence[Request],
+        dirty: bool,
+        timeout: float | None,
+        layout: list[_Rider],
+    ) -> tuple[list[Request], list[Request]] | None:
+        """The round with a count per cached op (see the module's docstring)."""
+        cache = self.cache
+        starts = self._slots()
+        data_at = starts[-1]
+        length = data_at + sum(r.numel for r in layout)
+        vector = torch.zeros(length, dtype=torch.float64)
+        mine: dict[int, tuple[Request, int]] = {}
+        for request, (key, counter) in zip(new, keys_of(new), strict=True):
+            index = cache.lookup(key)
+            if (
+                index is None
+                or index in mine
+                or request.kind > Kind.REDUCESCATTER
+                or counter >= MAX_COUNTER
+            ):
+                dirty = True
+                break
+            mine[index] = (request, counter)
+        if dirty:
+            vector[0] = 1.0
+        else:
+            for index, (_request, counter) in mine.items():
+                at = starts[index]
+                vector[at] = 1.0
+                if starts[index + 1] - at == 3:
+                    vector[at + 1] = counter
+                    vector[at + 2] = counter * counter
+            offset = data_at
+            for rider in layout:
+                held = mine.get(rider.index)
+                if held is not None:
+                    request = held[0]
+                    check_unchanged(request, 0)
+                    part = vector[offset : offset + rider.numel]
+                    request.reduction.stage(part, request.inputs[0].reshape(-1))
+                offset += rider.numel
+        self._sums.start(group, self.size, vector, timeout).wait()
+        if vector[0].item() != 0.0:
+            return None
+        counts = vector[:data_at].tolist()
+        agreed: list[int] = []
+        size = self.size
+        for index in range(len(cache.keys)):
+            at = starts[index]
+            count = counts[at]
+            if count == 0.0:
+                continue
+            if count != size:
+                return None
+            if starts[index + 1] - at == 3:
+                counter = mine[index][1]
+                if counts[at + 1] != size * counter or counts[at + 2] != size * counter**2:
+                    return None
+            agreed.append(index)
+        # Agreed on every rank alike: run in cache order; the riders complete here.
+        riders: list[Request] = []
+        offset = data_at
+        for rider in layout:
+            held = mine.get(rider.index)
+            if held is not None:
+                request = held[0]
+                _finish_rider(request, vector[offset : offset + rider.numel], size)
+                riders.append(request)
+            offset += rider.numel
+        return self._agreed([(index, mine[index][0], mine[index][1]) for index in agreed], riders)
+
+    def _agreed(
+        self, ops: list[tuple[int, Request, int]], riders: list[Request]
+    ) -> tuple[list[Request], list[Request]]:
+        """Bookkeeping of a clean round (alike on every rank): ``ops`` as (index, request,
+        counter) in cache order."""
+        cache = self.cache
+        for index, _, _ in ops:
+            cache.use(cache.keys[index])
+        requests = [request for _, request, _ in ops]
+        if ops:
+            current = [(index, counter) for index, _, counter in ops]
+            steps = _steps(self._last, current)
+            if steps is not None:
+                self._steps = steps
+            self._prediction = None if steps is None else _moved(current, steps)
+            self._last = current
+            if steps is None:  # (a repetition keeps its riders)
+                self._plan_riders([(index, request) for index, request, _ in ops])
+        return requests, riders
+
+    def _predicted(
+        self,
+        group: Any,
+        new: Sequence[Request],
+        dirty: bool,
+        timeout: float | None,
+        layout: list[_Rider],
+    ) -> tuple[list[Request], list[Request]] | None:
+        """The round of a repeating pattern: one allreduce of just the riders' data (one
+        element when there are none). A rank whose ops are not exactly the predicted ones
+        sends NaN: the sum is NaN on every rank, and all fall back to the cache round.
+        (A NaN in the data itself only costs that fallback.)"""
+        prediction = self._prediction
+        assert prediction is not None
+        cache = self.cache
+        ops: list[tuple[int, Request, int]] = []
+        by_index: dict[int, Request] = {}
+        if not dirty and len(new) == len(prediction):
+            wanted = dict(prediction)
+            for request, (key, counter) in zip(new, keys_of(new), strict=True):
+                index = cache.lookup(key)
+                if index is None or wanted.pop(index, -1) != counter or counter >= MAX_COUNTER:
+                    ops = []
+                    by_index = {}
+                    break
+                ops.append((index, request, counter))
+                by_index[index] = request
+        staging = self._stage(layout)
+        riders: list[Request] = []
+        if ops and all(r.index in by_index for r in layout):
+            riders = [by_index[rider.index] for rider in layout]
+            if riders:
+                staging.load(riders)
+            else:
+                staging.vector.zero_()
+        else:
+            staging.vector.fill_(math.nan)
+        self._sums.start(group, self.size, staging.vector, timeout).wait()
+        if math.isnan(staging.first[0]):
+            self.forget()
+            return None
+        staging.unload(riders, self.size)
+        if len(ops) > 1:
+            ops.sort(key=_FIRST)
+        self._repeated([(index, counter) for index, _, counter in ops])
+        return [request for _, request, _ in ops], riders
+
+    def _plan_riders(self, ops: Sequence[tuple[int, Request]]) -> None:
+        """The next round's riders: this round's small Sum/Average allreduces (the same
+        list on every rank: the same agreed ops, in cache order). Up to RIDER_ELEMENTS in
+        all they ride every cache round; a larger burst in float32 or float64 alone, up to
+        PREDICTED_BYTES, rides predicted rounds only; a burst larger still negotiates in full
+        for BURST_ROUNDS rounds (where it rides the allgather, see :mod:`eager`)."""
+        layout: list[_Rider] = []
+        keys = self.cache.keys
+        for index, request in ops:
+            if rides(request):
+                spec = request.specs[0]
+                layout.append(_Rider(index, keys[index], spec.numel, spec.shape, spec.dtype))
+        total = sum(rider.numel for rider in layout)
+        self._carried = total <= RIDER_ELEMENTS
+        if not self._carried:
+            dtypes = {rider.dtype for rider in layout}
+            dtype = dtypes.pop() if len(dtypes) == 1 else None
+            if (
+                dtype is None
+                or dtype not in (torch.float32, torch.float64)
+                or total * dtype.itemsize > PREDICTED_BYTES
+            ):
+                self._full_left = BURST_ROUNDS
+                layout = []
+                self._carried = True
+        self._layout = layout
+        self._layout_evictions = self.cache.evictions
+
+
+_FIRST = operator.itemgetter(0)  # (a C call per op, where a def would be a Python one)
+
+
+def _steps(last: list[tuple[int, int]], current: list[tuple[int, int]]) -> list[int] | None:
+    """How far each op's counter moved from the ``last`` round to the ``current`` one, when
+    they held the same ops (0 for named ops; more than 0 for unnamed ones); else None."""
+    if len(last) != len(current):
+        return None
+    steps = []
+    for (index, counter), (last_index, last_counter) in zip(current, last, strict=True):
+        step = counter - last_counter
+        if index != last_index or (step <= 0 if counter else last_counter != 0):
+            return None
+        steps.append(step)
+    return steps
+
+
+def _moved(ops: list[tuple[int, int]], steps: list[int]) -> list[tuple[int, int]]:
+    """The ops of the round after ``ops``: unnamed ones' counters moved on by ``steps``."""
+    return [(index, counter + step) for (index, counter), step in zip(ops, steps, strict=True)]
+
+
+def _check_inputs(requests: Sequence[Request]) -> None:
+    for request in requests:
+        check_unchanged(request, 0)
+
+
+def _finish_rider(request: Request, summed: torch.Tensor, size: int) -> None:
+    """Completes a rider from its summed data (float32 or 64; in its shape or flat, and
+    possibly a buffer that is reused: the result never aliases it)."""
+    out = request.outputs[0]
+    if out is not None:
+        _finish_out(out, summed, request.reduction, size)
+        return
+    spec = request.specs[0]
+    result = summed.to(spec.dtype, copy=True)
+    request.reduction.finish(result, size)
+    request.outputs[0] = result.view(spec.shape)
+
+
+def _finish_out(out: torch.Tensor, summed: torch.Tensor, reduction: Reduction, size: int) -> None:
+    """A rider's result from its summed data into its given output."""
+    if reduction.plain_sum:
+        out.copy_(summed if summed.shape == out.shape else summed.view(out.shape))  # casts
+        return
+    result = summed.to(out.dtype, copy=True)
+    reduction.finish(result, size)
+    out.copy_(result.view(out.shape))

@@ -1,0 +1,386 @@
+"""The engine's parts in one process: the scheduler with a fake clock, the queue under two
+threads, the reduction's steps per dtype, the cache's keys and predictions, and the engine
+itself on one-rank Gloo groups (lanes, process sets, failure, shutdown)."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+from collectives.common import ReduceOp
+from collectives.engine.cache import ResponseCache, is_unnamed, key_of, keys_of, ordinal
+from collectives.engine.config import EngineConfig
+from collectives.engine.core import Engine
+from collectives.engine.handles import Handle
+from collectives.engine.queue import Submissions
+from collectives.engine.reduction import PLAIN_SUM, Reduction
+from collectives.engine.requests import Kind, Request, TensorSpec, noname, signature
+from collectives.engine.rounds import CacheRound
+from collectives.engine.scheduler import KEEPALIVE_SECONDS, Due, Pace, seconds_until_cycle
+from collectives.errors import HorovodInternalError
+
+# ---- the scheduler, with a fake clock ------------------------------------------------
+
+CYCLE = 0.001
+
+
+def test_leaving_or_a_flush_cycles_at_once() -> None:
+    pace = Pace(last_cycle=5.0, last_round=5.0, cycle_time=CYCLE)
+    assert seconds_until_cycle(Due(urgent=True), pace, now=5.0) == 0.0
+    flushed = Due(pending=True, flush=True, first_new=5.0, last_submit=5.0)
+    assert seconds_until_cycle(flushed, pace, now=5.0) == 0.0
+
+
+def test_new_ops_are_gathered_for_the_cycle_time_and_until_a_burst_pauses() -> None:
+    pace = Pace(cycle_time=CYCLE)
+    one = Due(pending=True, first_new=10.0, last_submit=10.0)
+    assert seconds_until_cycle(one, pace, now=10.0) == pytest.approx(CYCLE)
+    # A burst still coming: due one cycle time after its last submission...
+    burst = Due(pending=True, first_new=10.0, last_submit=10.005)
+    assert seconds_until_cycle(burst, pace, now=10.005) == pytest.approx(CYCLE)
+    # ... but never later than BURST_MAX cycle times after its first.
+    endless = Due(pending=True, first_new=10.0, last_submit=10.5)
+    assert seconds_until_cycle(endless, pace, now=10.5) == pytest.approx(10.02 - 10.5)
+
+
+def test_waiting_for_another_rank_paces_only_quiet_rounds() -> None:
+    flowing = Pace(awaiting=True, quiet=False, last_cycle=3.0, last_round=3.0, cycle_time=CYCLE)
+    assert seconds_until_cycle(Due(), flowing, now=3.0) == 0.0
+    quiet = flowing._replace(quiet=True)
+    assert seconds_until_cycle(Due(), quiet, now=3.0) == pytest.approx(CYCLE)
+
+
+def test_idle_sets_keep_alive_from_the_end_of_the_last_round() -> None:
+    pace = Pace(last_cycle=1.0, last_round=2.0, cycle_time=CYCLE)
+    assert seconds_until_cycle(Due(), pace, now=2.5) == pytest.approx(KEEPALIVE_SECONDS - 0.5)
+
+
+# ---- the queue, under two threads ----------------------------------------------------
+
+
+def _request(
+    name: str,
+    tensor: torch.Tensor | None = None,
+    reduction: Reduction = PLAIN_SUM,
+    set_id: int = 0,
+    handle: Handle | None = None,
+    kind: Kind = Kind.ALLREDUCE,
+) -> Request:
+    tensor = torch.ones(2) if tensor is None else tensor
+    common: tuple[Any, ...] = reduction if kind == Kind.ALLREDUCE else ()
+    request = Request(
+        kind,
+        f"{kind.label}.{name}",
+        set_id,
+        [tensor],
+        [tensor],
+        handle or Handle(),
+        reduction,
+        sig=signature(kind, common, [tensor]),
+        specs=[TensorSpec.of(tensor.dtype, tuple(tensor.shape), tensor.device.type)],
+        finish=lambda r: r.outputs[0],
+    )
+    request.submitted = time.monotonic()
+    return request
+
+
+def test_two_threads_submit_and_one_cycle_takes_everything_in_order() -> None:
+    queue = Submissions(rank=0)
+    start = threading.Barrier(2)
+
+    def submit(prefix: str) -> None:
+        start.wait()
+        for i in range(300):
+            queue.add(_request(f"{prefix}{i}"), blocking=False)
+
+    threads = [threading.Thread(target=submit, args=(p,)) for p in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    taken, flags = queue.take()
+    assert flags == 0 and len(taken) == 600
+    for prefix in "ab":
+        mine = [r.name for r in taken if r.name.startswith(f"allreduce.{prefix}")]
+        assert mine == [f"allreduce.{prefix}{i}" for i in range(300)]
+    assert queue.take() == ([], 0)
+    with pytest.raises(ValueError, match="'a7' is already in flight"):
+        queue.add(_request("a7"), blocking=False)  # taken, not finished: still in flight
+    queue.finished(taken)
+    queue.add(_request("a7"), blocking=False)
+
+
+def test_a_waiting_thread_wakes_for_a_submission_and_stops_with_a_failure() -> None:
+    queue = Submissions(rank=3)
+    pace = Pace(last_cycle=time.monotonic(), last_round=time.monotonic(), cycle_time=CYCLE)
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(queue.wait_until_due(lambda: pace)))
+    waiter.start()
+    queued = _request("x")
+    queue.add(queued, blocking=False)  # due one cycle time later, far before the keepalive
+    waiter.join(KEEPALIVE_SECONDS / 2)
+    assert woke == [True]
+    waiter = threading.Thread(target=lambda: woke.append(queue.wait_until_due(lambda: pace)))
+    queue.take()
+    waiter.start()
+    queue.fail("rank 3: a peer died")
+    waiter.join(KEEPALIVE_SECONDS / 2)
+    assert woke == [True, False]
+    with pytest.raises(HorovodInternalError, match="a peer died"):
+        queued.handle.wait()
+    with pytest.raises(HorovodInternalError, match="a peer died"):
+        queue.add(_request("y"), blocking=True)
+
+
+def test_cancelled_ops_fail_and_the_set_keeps_running() -> None:
+    queue = Submissions(rank=0)
+    queued = _request("x", set_id=4)
+    queue.add(queued, blocking=False)
+    queue.fail_pending(lambda r: ValueError(f"{r.label}: its process set 4 was removed"))
+    with pytest.raises(ValueError, match="allreduce 'x': its process set 4 was removed"):
+        queued.handle.wait()
+    assert queue.running and queue.idle()
+
+
+# ---- the reduction's steps, per dtype ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+    ],
+)
+def test_stage_and_finish_scale_as_horovod_does(dtype: torch.dtype) -> None:
+    source = torch.tensor([3, 5, 7, 100], dtype=dtype)
+    floating = dtype.is_floating_point
+    reduction = Reduction(int(ReduceOp.AVERAGE), 0.5, 3.0)
+    staged = torch.empty_like(source)
+    reduction.stage(staged, source)
+    if floating:
+        assert torch.equal(staged, source * 0.5)
+    else:  # scaled in float64, truncated toward zero
+        assert torch.equal(staged, torch.trunc(source.double() * 0.5).to(dtype))
+    summed = staged * 2  # two ranks sent the same
+    reduction.finish(summed, size=2)
+    expected = (source * 0.5 * 2) * (3.0 / 2) if floating else None
+    if floating:
+        assert torch.equal(summed, expected)
+    else:
+        want = torch.trunc(torch.trunc(source.double() * 0.5).to(dtype).double() * 2 * 1.5)
+        assert torch.equal(summed, want.to(dtype))
+    # An integer average with no scaling rounds toward zero; staging into float64 casts first.
+    plain = torch.tensor([7, -7, 9], dtype=torch.int64)
+    Reduction(int(ReduceOp.AVERAGE)).finish(plain, size=2)
+    assert plain.tolist() == [3, -3, 4]
+    wide = torch.empty(4, dtype=torch.float64)
+    Reduction(int(ReduceOp.SUM), 0.25).stage(wide, source)
+    assert torch.equal(wide, source.double() * 0.25)
+
+
+# ---- the response cache's keys and rounds, on a one-rank Gloo group -------------------
+
+
+def _gloo(store: Any, name: str) -> Any:
+    return ProcessGroupGloo(dist.PrefixStore(name, store), 0, 1, datetime.timedelta(seconds=20))
+
+
+@pytest.fixture
+def store() -> Any:
+    return dist.HashStore()
+
+
+def test_unnamed_ops_share_a_key_by_their_place_in_the_round() -> None:
+    key, counter = key_of(Kind.ALLREDUCE, 0, noname(Kind.ALLREDUCE, 41), "f32[2]@cpu", "")
+    assert counter == 42 and is_unnamed(key)
+    named, zero = key_of(Kind.ALLREDUCE, 0, "allreduce.noname.x", "f32[2]@cpu", "")
+    assert zero == 0 and not is_unnamed(named)
+    requests = [_request(f"noname.{i}") for i in range(3)]
+    keys = keys_of(requests)
+    assert [c for _, c in keys] == [1, 2, 3]
+    assert len({k for k, _ in keys}) == 3  # the k-th alike op has an entry of its own
+    assert ordinal(named, 0, {}) == named
+
+
+def test_repeated_rounds_are_predicted_and_a_different_op_falls_back(store: Any) -> None:
+    group = _gloo(store, "cache/")
+    rounds = CacheRound(ResponseCache(16), size=1)
+    step = [_request("a", torch.ones(3)), _request("b", torch.ones(2, 2))]
+    for request in step:
+        rounds.cache.use(keys_of([request])[0][0])
+    outcomes = []
+    for _ in range(4):
+        for request in step:
+            request.outputs = [torch.zeros_like(request.inputs[0])]
+        outcomes.append(rounds.run(group, step, False, None))
+        assert outcomes[-1] is not None
+    assert rounds.predicted_rounds >= 1  # from the third alike round on
+    agreed, riders = outcomes[-1]
+    assert agreed == step and riders == step  # small sums carry their data in the round
+    assert all(torch.equal(r.outputs[0], r.inputs[0]) for r in step)
+    other = [_request("c", torch.ones(5))]
+    assert rounds.run(group, other, False, None) is None  # not predicted: full negotiation
+    assert rounds.run(group, step, True, None) is None  # dirty (a control op, a new op)
+
+
+# ---- the engine on one-rank groups ---------------------------------------------------
+
+
+class Groups:
+    """One-rank Gloo groups for an engine, as ``make_groups`` makes them."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.names = itertools.count()
+        self.destroyed: list[Any] = []
+
+    def make(self, ranks: list[int]) -> tuple[Any, Any]:
+        assert ranks == [0]
+        number = next(self.names)
+        return _gloo(self.store, f"c{number}/"), _gloo(self.store, f"d{number}/")
+
+
+@pytest.fixture
+def engine(store: Any) -> Iterator[tuple[Engine, Groups]]:
+    groups = Groups(store)
+    control, data = groups.make([0])
+    engine = Engine(
+        rank=0,
+        size=1,
+        config=EngineConfig(),
+        control_group=control,
+        global_group=data,
+        make_groups=groups.make,
+        destroy_group=groups.destroyed.append,
+    )
+    engine.start()
+    yield engine, groups
+    engine.stop(timeout=10)
+
+
+def _submit(engine: Engine, request: Request, blocking: bool = True) -> Any:
+    request.handle = engine.new_handle(request.process_set_id)
+    return engine.submit(request, blocking).wait()
+
+
+def test_ops_complete_with_their_scaling_and_the_lanes_take_a_repeated_op(
+    engine: tuple[Engine, Groups],
+) -> None:
+    hvd, _ = engine
+    scaled = _submit(hvd, _request("s", torch.ones(3), Reduction(int(ReduceOp.SUM), 2.0, 3.0)))
+    assert torch.equal(scaled, torch.full((3,), 6.0))
+    asynchronous = [_request(f"a{i}", torch.full((2,), float(i))) for i in range(5)]
+    handles = [_submit_async(hvd, r) for r in asynchronous]
+    assert [h.wait().tolist() for h in handles] == [[float(i)] * 2 for i in range(5)]
+    lanes = 0
+    for i in range(8):  # the same blocking op in a loop: predicted, then run on this thread
+        request = _request("loop", torch.full((4,), float(i)))
+        request.outputs = [None]
+        request.handle = hvd.new_handle()
+        lanes += hvd.run_now(request)
+        if not request.handle.done():
+            hvd.submit(request, True)
+        assert torch.equal(request.handle.wait(), torch.full((4,), float(i)))
+    assert lanes >= 3 and hvd.stats["predicted_rounds"] >= 3, hvd.stats
+    # The hot lane: allreduce_ of the op that just ran in a lane, no request at all.
+    tensor = torch.full((4,), 7.0)
+    done = hvd.run_hot("allreduce.loop", tensor, Reduction(int(ReduceOp.SUM)), _no_request)
+    assert done is not None and done.done() and torch.equal(tensor, torch.full((4,), 7.0))
+    assert hvd.stats["hot_rounds"] == 1
+
+
+def _submit_async(engine: Engine, request: Request) -> Handle:
+    request.handle = engine.new_handle()
+    return engine.submit(request, blocking=False)
+
+
+def _no_request(counter: int) -> Request:
+    raise AssertionError("the hot lane built a request for an op it predicted")
+
+
+def test_process_sets_are_added_used_and_removed(engine: tuple[Engine, Groups]) -> None:
+    hvd, groups = engine
+    add = _control(Kind.ADD_PROCESS_SET, ("0",))
+    set_id = _submit(hvd, add)
+    assert set_id == 1 and hvd.groups[1].ranks == [0] and hvd.groups[1].index == 0
+    before = hvd.groups
+    out = _submit(hvd, _request("on_set", torch.ones(2), set_id=1))
+    assert torch.equal(out, torch.ones(2))
+    # An op in flight on the set when it is removed fails; the table is a new snapshot.
+    pending = _request("pending", torch.ones(2), set_id=1)
+    pending.handle = hvd.new_handle(1)
+    hvd.controller(1).queue.add(pending, blocking=True)  # (queued, no cycle run yet)
+    assert _submit(hvd, _control(Kind.REMOVE_PROCESS_SET, (1,))) is True
+    with pytest.raises(ValueError, match="its process set 1 was removed"):
+        pending.handle.wait()
+    assert 1 in before and 1 not in hvd.groups
+    assert len(groups.destroyed) == 2  # the set's Gloo and data groups
+    with pytest.raises(ValueError, match="process set 1 is not registered"):
+        hvd.submit(_request("late", set_id=1))
+    assert _submit(hvd, _control(Kind.REMOVE_PROCESS_SET, (1,))) is False
+
+
+def _control(kind: Kind, args: tuple[Any, ...]) -> Request:
+    return Request(
+        kind,
+        noname(kind, int(time.monotonic_ns())),
+        0,
+        [],
+        [],
+        Handle(),
+        sig=signature(kind, args, []),
+    )
+
+
+def test_a_failed_cycle_stops_every_set_and_later_ops_raise(engine: tuple[Engine, Groups]) -> None:
+    hvd, _ = engine
+    set_id = _submit(hvd, _control(Kind.ADD_PROCESS_SET, ("0",)))
+    queued = _request("queued", set_id=set_id)
+    queued.handle = hvd.new_handle(set_id)
+    hvd.controller(set_id).queue.add(queued, blocking=True)
+    resized = _request("resized", torch.ones(4))
+    resized.handle = hvd.new_handle()
+    hvd.submit(resized, blocking=True)
+    resized.inputs[0].resize_(8)  # resized in flight: this rank's own error, named
+    with pytest.raises(HorovodInternalError, match=r"failed on this rank itself.*resized"):
+        resized.handle.wait()
+    with pytest.raises(HorovodInternalError, match="failed on this rank itself"):
+        queued.handle.wait()  # the other set stopped too
+    with pytest.raises(HorovodInternalError):
+        hvd.submit(_request("later"))
+
+
+def test_shutdown_refuses_later_ops_and_closes_the_groups(store: Any) -> None:
+    groups = Groups(store)
+    control, data = groups.make([0])
+    hvd = Engine(
+        rank=0,
+        size=1,
+        config=EngineConfig(cache_capacity=0),
+        control_group=control,
+        global_group=data,
+        make_groups=groups.make,
+        destroy_group=groups.destroyed.append,
+    )
+    hvd.start()
+    assert torch.equal(_submit(hvd, _request("x")), torch.ones(2))
+    hvd.stop(timeout=10)
+    assert {id(g) for g in groups.destroyed} == {id(control), id(data)}
+    with pytest.raises(HorovodInternalError, match="shut down hvdrun's collectives"):
+        hvd.submit(_request("y"))
