@@ -33,20 +33,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
-import re
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import grpc.aio
 
-from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY, rendezvous_pb2, rendezvous_pb2_grpc
+from rendezvous import rendezvous_pb2, rendezvous_pb2_grpc
+from rendezvous.server.common import (
+    ShuttingDown,
+    Superseded,
+    generation_of,
+    list_ranks,
+    quote,
+    quote_keys,
+    seconds,
+)
+from rendezvous.server.guard import GuardInterceptor
 from rendezvous.slots import SlotInfo, derive_slots
 from rendezvous.tls import JobCertificate
 
@@ -56,56 +64,8 @@ logger = logging.getLogger(__name__)
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
-# Untrusted strings quoted back in error messages are cut to this many characters.
-_QUOTE_LIMIT = 200
 #: The most numbered siblings one Get reads ahead (GetRequest.read_ahead).
 _MAX_READ_AHEAD = 65536
-
-
-def _quote(text: str) -> str:
-    """``repr`` of an untrusted string, shortened so an error message stays readable."""
-    if len(text) > _QUOTE_LIMIT:
-        text = text[:_QUOTE_LIMIT] + "..."
-    return repr(text)
-
-
-def _quote_keys(keys: Sequence[str], limit: int = 10) -> str:
-    shown = ", ".join(_quote(key) for key in keys[:limit])
-    if len(keys) > limit:
-        shown += f" and {len(keys) - limit} more"
-    return shown
-
-
-def _list_ranks(ranks: Sequence[int], limit: int = 10) -> str:
-    shown = ", ".join(map(str, ranks[:limit]))
-    return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
-
-
-def _seconds(timeout_ms: int) -> str:
-    return f"{timeout_ms / 1000:g} s"
-
-
-class _ShuttingDown(Exception):
-    """Set on waiters' futures when the server stops, so blocked calls end at once."""
-
-
-class _Superseded(Exception):
-    """Set on waiters for a key of a generation older than the newest published one."""
-
-    def __init__(self, old: int, new: int) -> None:
-        super().__init__(
-            f"membership generation {old} was superseded by generation {new} "
-            "(hosts joined or left the job)"
-        )
-
-
-#: Store keys of one membership generation start with this (see collectives' runtime).
-_GENERATION_KEY = re.compile(r"^hvdrun/g(\d+)/")
-
-
-def _generation_of(key: str) -> int | None:
-    match = _GENERATION_KEY.match(key)
-    return int(match.group(1)) if match else None
 
 
 @dataclass
@@ -117,151 +77,6 @@ class _Barrier:
 
 def _new_future() -> asyncio.Future[Any]:
     return asyncio.get_running_loop().create_future()
-
-
-class _GuardInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls with a wrong job id or secret before the request is deserialized, and
-    turns requests that do not parse into INVALID_ARGUMENT."""
-
-    def __init__(self, secret: str, job_id: str) -> None:
-        self._secret = secret.encode("utf-8")
-        self._job_id = job_id
-        # method -> its lenient handler: built once, not on every call (thousands per second)
-        self._lenient: dict[str, grpc.RpcMethodHandler] = {}
-
-    def _reject_reason(
-        self, metadata: Sequence[tuple[str, str | bytes]] | None
-    ) -> tuple[grpc.StatusCode, str] | None:
-        token: str | bytes | None = None
-        job: str | bytes | None = None
-        for key, value in metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                token = value
-            elif key == JOB_METADATA_KEY:
-                job = value
-        if isinstance(job, bytes):
-            job = job.decode("utf-8", "replace")
-        # A wrong job id is checked first: it is the more useful diagnosis (a worker of an old
-        # job reaching a new server on the same port) and reveals nothing secret.
-        if job is not None and job != self._job_id:
-            return (
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"request for job {_quote(job)} reached job {self._job_id!r}",
-            )
-        if isinstance(token, str):
-            token = token.encode("utf-8")
-        if token is None or not hmac.compare_digest(token, self._secret):
-            return (
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"missing or invalid job token (metadata {TOKEN_METADATA_KEY!r})",
-            )
-        if job is None:
-            return (
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"request carries no job id (metadata {JOB_METADATA_KEY!r}); "
-                f"this is job {self._job_id!r}",
-            )
-        return None
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        reason = self._reject_reason(handler_call_details.invocation_metadata)
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler  # unknown method: gRPC answers UNIMPLEMENTED
-        if reason is not None:
-            code, message = reason
-            # Never logs the token itself.
-            logger.warning("rejected %s: %s", handler_call_details.method, message)
-            return _denying_handler(handler, code, message)
-        lenient = self._lenient.get(handler_call_details.method)
-        if lenient is None:
-            lenient = self._lenient[handler_call_details.method] = _lenient_handler(handler)
-        return lenient
-
-
-@dataclass(frozen=True)
-class _Malformed:
-    """Stands in for a request that did not parse, so the handler can answer cleanly."""
-
-    error: str
-
-
-def _lenient(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    if parse is None:
-        return None
-
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except Exception as error:  # DecodeError, bad UTF-8, ...
-            return _Malformed(str(error))
-
-    return deserialize
-
-
-def _malformed_message(request: _Malformed) -> str:
-    return f"malformed request: {request.error}"
-
-
-def _lenient_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """The same handler, but a request that does not parse gets INVALID_ARGUMENT.
-
-    (gRPC's own answer would be UNKNOWN plus an ERROR-level traceback in the server's log.)
-    """
-    deserializer = _lenient(handler.request_deserializer)
-    if handler.unary_unary is not None:
-        # The stubs describe synchronous handlers; on an aio server they are coroutines.
-        unary = cast(Callable[..., Awaitable[Any]], handler.unary_unary)
-
-        async def unary_behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if isinstance(request, _Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
-            return await unary(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            unary_behavior,
-            request_deserializer=deserializer,
-            response_serializer=handler.response_serializer,
-        )
-    if handler.unary_stream is not None:
-        stream = cast(Callable[..., AsyncIterator[Any]], handler.unary_stream)
-
-        async def stream_behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if isinstance(request, _Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
-            async for item in stream(request, context):
-                yield item
-
-        return grpc.unary_stream_rpc_method_handler(
-            stream_behavior,
-            request_deserializer=deserializer,
-            response_serializer=handler.response_serializer,
-        )
-    return handler  # this service has no client-streaming methods
-
-
-def _denying_handler(
-    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
-) -> grpc.RpcMethodHandler:
-    """A handler of the same kind that only aborts; it takes raw bytes, so a rejected
-    request is never even parsed."""
-    if handler.response_streaming:
-
-        async def deny_stream(request: bytes, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(code, message)
-            yield  # pragma: no cover - makes this an async generator
-
-        return grpc.unary_stream_rpc_method_handler(deny_stream)
-
-    async def deny(request: bytes, context: grpc.aio.ServicerContext) -> NoReturn:
-        await context.abort(code, message)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    return grpc.unary_unary_rpc_method_handler(deny)
 
 
 class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
@@ -350,11 +165,11 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
             self._registered_generation = set()
         for key, waiters in list(self._waiters.items()):
-            old = _generation_of(key)
+            old = generation_of(key)
             if old is not None and old < generation:
                 for waiter in waiters:
                     if not waiter.done():
-                        waiter.set_exception(_Superseded(old, generation))
+                        waiter.set_exception(Superseded(old, generation))
         self._wake_all()
         logger.info("published generation %d: %d slot(s)", generation, len(slots))
         return generation
@@ -371,14 +186,14 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def _refuse_stale_write(self, key: str, context: grpc.aio.ServicerContext) -> None:
         """A write to a superseded generation's keys (a late or replaying client) is refused
         with ABORTED: nobody will read it, and it must not pile up in the store."""
-        old = _generation_of(key)
+        old = generation_of(key)
         if old is not None and old < self._generation:
-            await self._abort_superseded(context, _Superseded(old, self._generation))
+            await self._abort_superseded(context, Superseded(old, self._generation))
 
     def _check_value(self, key: str, value: bytes) -> str | None:
         if len(value) > self._max_value_bytes:
             return (
-                f"value for key {_quote(key)} is {len(value)} bytes, "
+                f"value for key {quote(key)} is {len(value)} bytes, "
                 f"more than the limit of {self._max_value_bytes} bytes"
             )
         return None
@@ -392,15 +207,15 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def _wait_for_key(self, key: str, deadline: float) -> bytes:
         """Returns the key's value, waiting until ``deadline`` (loop time) if it is absent.
 
-        Raises asyncio.TimeoutError at the deadline and _ShuttingDown when the server stops.
+        Raises asyncio.TimeoutError at the deadline and ShuttingDown when the server stops.
         """
         if key in self._data:
             return self._data[key]
         if self._stopping:
-            raise _ShuttingDown
-        old = _generation_of(key)
+            raise ShuttingDown
+        old = generation_of(key)
         if old is not None and old < self._generation:
-            raise _Superseded(old, self._generation)
+            raise Superseded(old, self._generation)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bytes] = loop.create_future()
         self._waiters.setdefault(key, set()).add(waiter)
@@ -421,7 +236,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         raise AssertionError("unreachable")  # pragma: no cover
 
     @staticmethod
-    async def _abort_superseded(context: grpc.aio.ServicerContext, error: _Superseded) -> NoReturn:
+    async def _abort_superseded(context: grpc.aio.ServicerContext, error: Superseded) -> NoReturn:
         await context.abort(grpc.StatusCode.ABORTED, str(error))
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -433,10 +248,10 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         for waiters in self._waiters.values():
             for waiter in waiters:
                 if not waiter.done():
-                    waiter.set_exception(_ShuttingDown())
+                    waiter.set_exception(ShuttingDown())
         for barrier in self._barriers.values():
             if not barrier.released.done():
-                barrier.released.set_exception(_ShuttingDown())
+                barrier.released.set_exception(ShuttingDown())
 
     async def wait_watches_closed(self, timeout: float) -> None:
         """Waits (up to ``timeout``) until every Watch stream has ended, i.e. sent SHUTDOWN."""
@@ -492,7 +307,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         if len(set(local_ranks)) != len(local_ranks):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"host {_quote(request.host)}: a local rank is listed twice",
+                f"host {quote(request.host)}: a local rank is listed twice",
             )
         if self._generation < request.min_generation:
             await self._wait_for_generation(
@@ -516,14 +331,14 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             if self._elastic:
                 await context.abort(
                     grpc.StatusCode.NOT_FOUND,
-                    f"host {_quote(host)} local_rank {local_rank} is not part "
+                    f"host {quote(host)} local_rank {local_rank} is not part "
                     f"of generation {self._generation} of this job (its host was removed)",
                 )
             known = sorted({host for host, _ in self._slots})
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"no slot for host {_quote(host)} local_rank {local_rank} "
-                f"in this job (hosts: {_quote_keys(known)})",
+                f"no slot for host {quote(host)} local_rank {local_rank} "
+                f"in this job (hosts: {quote_keys(known)})",
             )
             raise AssertionError("unreachable")  # pragma: no cover
         with self._lock:
@@ -565,8 +380,8 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         if earlier is not None and earlier[0] != host:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
-                f"rank {rank} registered from host {_quote(earlier[0])} and again from "
-                f"{_quote(host)}: the launcher started two processes with that rank",
+                f"rank {rank} registered from host {quote(earlier[0])} and again from "
+                f"{quote(host)}: the launcher started two processes with that rank",
             )
         if self._placed_slots is None:
             self._placed[rank] = (host, local_rank)
@@ -583,7 +398,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"{len(missing)} of {size} ranks did not register within "
-                    f"{_seconds(request.timeout_ms)}: ranks {_list_ranks(missing)}",
+                    f"{seconds(request.timeout_ms)}: ranks {list_ranks(missing)}",
                 )
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake_event().wait(), remaining)
@@ -633,7 +448,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
                     await context.abort(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"no membership generation {min_generation} was published "
-                        f"within {_seconds(timeout_ms)} (newest: {self._generation})",
+                        f"within {seconds(timeout_ms)} (newest: {self._generation})",
                     )
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake_event().wait(), remaining)
@@ -674,7 +489,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
                 )
             return rendezvous_pb2.GetResponse(value=value)
         if request.timeout_ms == 0:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"key {_quote(request.key)} is not set")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"key {quote(request.key)} is not set")
         (value,) = await self._values_or_abort(
             [request.key], request.timeout_ms, context, one_key=True
         )
@@ -700,14 +515,14 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             return [await self._wait_for_key(key, deadline) for key in keys]
         except asyncio.TimeoutError:
             if one_key:
-                message = f"key {_quote(keys[0])} was not set within {_seconds(timeout_ms)}"
+                message = f"key {quote(keys[0])} was not set within {seconds(timeout_ms)}"
             else:
                 missing = [key for key in keys if key not in self._data]
-                message = f"keys not set within {_seconds(timeout_ms)}: {_quote_keys(missing)}"
+                message = f"keys not set within {seconds(timeout_ms)}: {quote_keys(missing)}"
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
-        except _ShuttingDown:
+        except ShuttingDown:
             await self._abort_shutting_down(context)
-        except _Superseded as superseded:
+        except Superseded as superseded:
             await self._abort_superseded(context, superseded)
 
     def _read_ahead(self, key: str, count: int) -> list[bytes]:
@@ -777,13 +592,13 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         except (UnicodeDecodeError, ValueError):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"key {_quote(request.key)} does not hold a decimal integer",
+                f"key {quote(request.key)} does not hold a decimal integer",
             )
         number += request.amount
         if not _INT64_MIN <= number <= _INT64_MAX:
             await context.abort(
                 grpc.StatusCode.OUT_OF_RANGE,
-                f"adding {request.amount} to key {_quote(request.key)} overflows a 64-bit integer",
+                f"adding {request.amount} to key {quote(request.key)} overflows a 64-bit integer",
             )
         # Kept as ASCII decimal, like torch's TCPStore, so get() after add() returns b"5".
         self._store(request.key, str(number).encode("ascii"))
@@ -832,7 +647,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         if request.participants < 1:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"barrier {_quote(request.name)}: participants must be at least 1, "
+                f"barrier {quote(request.name)}: participants must be at least 1, "
                 f"got {request.participants}",
             )
         if self._stopping:
@@ -843,7 +658,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         elif barrier.participants != request.participants:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"barrier {_quote(request.name)} has {barrier.participants} participants, "
+                f"barrier {quote(request.name)} has {barrier.participants} participants, "
                 f"this caller says {request.participants}",
             )
         barrier.arrived += 1
@@ -859,10 +674,10 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             self._leave_barrier(request.name, barrier)
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"barrier {_quote(request.name)}: only {arrived} of {barrier.participants} "
-                f"participants arrived within {_seconds(request.timeout_ms)}",
+                f"barrier {quote(request.name)}: only {arrived} of {barrier.participants} "
+                f"participants arrived within {seconds(request.timeout_ms)}",
             )
-        except _ShuttingDown:
+        except ShuttingDown:
             await self._abort_shutting_down(context)
         except asyncio.CancelledError:
             # The caller went away (its deadline, or it died): it no longer counts as arrived.
@@ -915,7 +730,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         if self._watches_closed is None:
             self._watches_closed = asyncio.Event()
         self._watches_closed.clear()
-        logger.debug("rank(s) %s watching", _list_ranks(ranks))
+        logger.debug("rank(s) %s watching", list_ranks(ranks))
         kinds = rendezvous_pb2.WatchEvent
         try:
             sent = self._generation
@@ -940,7 +755,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             self._open_watches -= 1
             if self._open_watches == 0:
                 self._watches_closed.set()
-            logger.debug("rank(s) %s stopped watching", _list_ranks(ranks))
+            logger.debug("rank(s) %s stopped watching", list_ranks(ranks))
 
 
 _T = TypeVar("_T")
@@ -1085,7 +900,7 @@ class RendezvousServer:
     async def _start_server(self) -> int:
         message_limit = 2 * self._max_value_bytes + 1024 * 1024
         server = grpc.aio.server(
-            interceptors=[_GuardInterceptor(self._secret, self._job_id)],
+            interceptors=[GuardInterceptor(self._secret, self._job_id)],
             options=[
                 # A value somewhat over the limit must still reach the handler, which answers
                 # INVALID_ARGUMENT with a clear message instead of a transport error.
