@@ -37,7 +37,6 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NoReturn, TypeVar
 
@@ -45,38 +44,15 @@ import grpc
 import grpc.aio
 
 from rendezvous import rendezvous_pb2, rendezvous_pb2_grpc
-from rendezvous.server.common import (
-    ShuttingDown,
-    Superseded,
-    generation_of,
-    list_ranks,
-    quote,
-    quote_keys,
-    seconds,
-)
+from rendezvous.server.common import Refusal, check_timeout, list_ranks, quote, quote_keys, seconds
 from rendezvous.server.guard import GuardInterceptor
+from rendezvous.server.kv import Barriers, KeyValueStore
 from rendezvous.slots import SlotInfo, derive_slots
 from rendezvous.tls import JobCertificate
 
 __all__ = ["RendezvousServer"]
 
 logger = logging.getLogger(__name__)
-
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
-#: The most numbered siblings one Get reads ahead (GetRequest.read_ahead).
-_MAX_READ_AHEAD = 65536
-
-
-@dataclass
-class _Barrier:
-    participants: int
-    arrived: int = 0
-    released: asyncio.Future[None] = field(default_factory=lambda: _new_future())
-
-
-def _new_future() -> asyncio.Future[Any]:
-    return asyncio.get_running_loop().create_future()
 
 
 class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
@@ -105,10 +81,8 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self._pulse: asyncio.Event | None = None
         self._pulse_timer: asyncio.TimerHandle | None = None
         self._heartbeat_interval = heartbeat_interval
-        self._max_value_bytes = max_value_bytes
-        self._data: dict[str, bytes] = {}
-        self._waiters: dict[str, set[asyncio.Future[bytes]]] = {}
-        self._barriers: dict[str, _Barrier] = {}
+        self._store = KeyValueStore(max_value_bytes)
+        self._barriers = Barriers()
         self._stopping = False
         self._shutdown_message = "the rendezvous server is shutting down"
         # Read from other threads (status lines, the elastic driver): guarded by a lock.
@@ -164,80 +138,13 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         with self._lock:
             self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
             self._registered_generation = set()
-        for key, waiters in list(self._waiters.items()):
-            old = generation_of(key)
-            if old is not None and old < generation:
-                for waiter in waiters:
-                    if not waiter.done():
-                        waiter.set_exception(Superseded(old, generation))
+        self._store.supersede(generation)
         self._wake_all()
         logger.info("published generation %d: %d slot(s)", generation, len(slots))
         return generation
 
-    def _store(self, key: str, value: bytes) -> None:
-        """Writes a value and wakes exactly the callers blocked on this key."""
-        self._data[key] = value
-        waiters = self._waiters.pop(key, None)
-        if waiters:
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(value)
-
-    async def _refuse_stale_write(self, key: str, context: grpc.aio.ServicerContext) -> None:
-        """A write to a superseded generation's keys (a late or replaying client) is refused
-        with ABORTED: nobody will read it, and it must not pile up in the store."""
-        old = generation_of(key)
-        if old is not None and old < self._generation:
-            await self._abort_superseded(context, Superseded(old, self._generation))
-
-    def _check_value(self, key: str, value: bytes) -> str | None:
-        if len(value) > self._max_value_bytes:
-            return (
-                f"value for key {quote(key)} is {len(value)} bytes, "
-                f"more than the limit of {self._max_value_bytes} bytes"
-            )
-        return None
-
-    @staticmethod
-    def _check_timeout(timeout_ms: int) -> str | None:
-        if timeout_ms < 0:
-            return f"timeout_ms must not be negative, got {timeout_ms}"
-        return None
-
-    async def _wait_for_key(self, key: str, deadline: float) -> bytes:
-        """Returns the key's value, waiting until ``deadline`` (loop time) if it is absent.
-
-        Raises asyncio.TimeoutError at the deadline and ShuttingDown when the server stops.
-        """
-        if key in self._data:
-            return self._data[key]
-        if self._stopping:
-            raise ShuttingDown
-        old = generation_of(key)
-        if old is not None and old < self._generation:
-            raise Superseded(old, self._generation)
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[bytes] = loop.create_future()
-        self._waiters.setdefault(key, set()).add(waiter)
-        try:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise asyncio.TimeoutError
-            return await asyncio.wait_for(waiter, remaining)
-        finally:
-            waiters = self._waiters.get(key)
-            if waiters is not None:
-                waiters.discard(waiter)
-                if not waiters:
-                    del self._waiters[key]
-
     async def _abort_shutting_down(self, context: grpc.aio.ServicerContext) -> NoReturn:
         await context.abort(grpc.StatusCode.UNAVAILABLE, self._shutdown_message)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    @staticmethod
-    async def _abort_superseded(context: grpc.aio.ServicerContext, error: Superseded) -> NoReturn:
-        await context.abort(grpc.StatusCode.ABORTED, str(error))
         raise AssertionError("unreachable")  # pragma: no cover
 
     def begin_shutdown(self, message: str) -> None:
@@ -245,13 +152,8 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self._stopping = True
         self._shutdown_message = message
         self._wake_all()
-        for waiters in self._waiters.values():
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_exception(ShuttingDown())
-        for barrier in self._barriers.values():
-            if not barrier.released.done():
-                barrier.released.set_exception(ShuttingDown())
+        self._store.shut_down(message)
+        self._barriers.shut_down(message)
 
     async def wait_watches_closed(self, timeout: float) -> None:
         """Waits (up to ``timeout``) until every Watch stream has ended, i.e. sent SHUTDOWN."""
@@ -277,9 +179,10 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def Register(
         self, request: rendezvous_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.RankInfo:
-        error = self._check_timeout(request.timeout_ms)
-        if error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        try:
+            check_timeout(request.timeout_ms)
+        except Refusal as refusal:
+            await _refuse(context, refusal)
         if request.HasField("rank") or self._placed_size is not None:
             return _rank_info(await self._register_placed(request, context), self._generation)
         if self._generation < request.min_generation:
@@ -294,9 +197,10 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def RegisterHost(
         self, request: rendezvous_pb2.RegisterHostRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.RegisterHostResponse:
-        error = self._check_timeout(request.timeout_ms)
-        if error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        try:
+            check_timeout(request.timeout_ms)
+        except Refusal as refusal:
+            await _refuse(context, refusal)
         if self._placed_size is not None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -468,230 +372,93 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def Set(
         self, request: rendezvous_pb2.SetRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.Empty:
-        error = self._check_value(request.key, request.value)
-        if error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        await self._refuse_stale_write(request.key, context)
-        self._store(request.key, request.value)
+        try:
+            self._store.set(request.key, request.value)
+        except Refusal as refusal:
+            await _refuse(context, refusal)
         return rendezvous_pb2.Empty()
 
     async def Get(
         self, request: rendezvous_pb2.GetRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.GetResponse:
-        error = self._check_timeout(request.timeout_ms)
-        if error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        if request.key in self._data:
-            value = self._data[request.key]
-            if request.read_ahead:
-                return rendezvous_pb2.GetResponse(
-                    value=value, ahead=self._read_ahead(request.key, request.read_ahead)
-                )
-            return rendezvous_pb2.GetResponse(value=value)
-        if request.timeout_ms == 0:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"key {quote(request.key)} is not set")
-        (value,) = await self._values_or_abort(
-            [request.key], request.timeout_ms, context, one_key=True
-        )
-        if request.read_ahead:
-            return rendezvous_pb2.GetResponse(
-                value=value, ahead=self._read_ahead(request.key, request.read_ahead)
-            )
-        return rendezvous_pb2.GetResponse(value=value)
-
-    async def _values_or_abort(
-        self,
-        keys: list[str],
-        timeout_ms: int,
-        context: grpc.aio.ServicerContext,
-        one_key: bool = False,
-    ) -> list[bytes]:
-        """The values of ``keys``, waiting up to ``timeout_ms`` for the missing ones one after
-        the other (each wait is a per-key future); a timeout, the server's shutdown or a
-        superseded generation ends the call with its status instead (``one_key``: a Get,
-        whose timeout message names its key)."""
-        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
         try:
-            return [await self._wait_for_key(key, deadline) for key in keys]
-        except asyncio.TimeoutError:
-            if one_key:
-                message = f"key {quote(keys[0])} was not set within {seconds(timeout_ms)}"
-            else:
-                missing = [key for key in keys if key not in self._data]
-                message = f"keys not set within {seconds(timeout_ms)}: {quote_keys(missing)}"
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
-        except ShuttingDown:
-            await self._abort_shutting_down(context)
-        except Superseded as superseded:
-            await self._abort_superseded(context, superseded)
-
-    def _read_ahead(self, key: str, count: int) -> list[bytes]:
-        """The values of ``key``'s numbered siblings after it (``p/3`` -> ``p/4``, ``p/5``, ...)
-        that are set now: at most ``count``, stopping at the first absent one and before the
-        answer would pass ``max_value_bytes`` (so it stays within the message limit)."""
-        last = key.rpartition("/")[2]
-        base = key[: len(key) - len(last)]
-        if not last.isdigit() or (last != "0" and last.startswith("0")) or not last.isascii():
-            return []
-        data, budget, number = self._data, self._max_value_bytes, int(last)
-        ahead: list[bytes] = []
-        for sibling in range(number + 1, number + 1 + min(count, _MAX_READ_AHEAD)):
-            value = data.get(f"{base}{sibling}")
-            if value is None or len(value) > budget:
-                break
-            budget -= len(value)
-            ahead.append(value)
-        return ahead
+            value, ahead = await self._store.get(
+                request.key, request.timeout_ms, request.read_ahead
+            )
+        except Refusal as refusal:
+            await _refuse(context, refusal)
+        if ahead:
+            return rendezvous_pb2.GetResponse(value=value, ahead=ahead)
+        return rendezvous_pb2.GetResponse(value=value)
 
     async def Wait(
         self, request: rendezvous_pb2.WaitRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.Empty:
-        error = self._check_timeout(request.timeout_ms)
-        if error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        await self._values_or_abort(list(request.keys), request.timeout_ms, context)
+        try:
+            await self._store.wait(list(request.keys), request.timeout_ms)
+        except Refusal as refusal:
+            await _refuse(context, refusal)
         return rendezvous_pb2.Empty()
 
     async def MultiGet(
         self, request: rendezvous_pb2.MultiGetRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.MultiGetResponse:
-        error = self._check_timeout(request.timeout_ms)
-        if error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        keys = list(request.keys)
-        data = self._data
-        if all(key in data for key in keys):  # the common case: no waiting, no coroutines
-            return rendezvous_pb2.MultiGetResponse(values=[data[key] for key in keys])
-        values = await self._values_or_abort(keys, request.timeout_ms, context)
+        try:
+            values = await self._store.multi_get(list(request.keys), request.timeout_ms)
+        except Refusal as refusal:
+            await _refuse(context, refusal)
         return rendezvous_pb2.MultiGetResponse(values=values)
 
     async def MultiSet(
         self, request: rendezvous_pb2.MultiSetRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.Empty:
-        if len(request.keys) != len(request.values):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(request.keys)} keys but {len(request.values)} values",
-            )
-        for key, value in zip(request.keys, request.values, strict=True):
-            error = self._check_value(key, value)
-            if error is not None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-            await self._refuse_stale_write(key, context)
-        for key, value in zip(request.keys, request.values, strict=True):
-            self._store(key, value)
+        try:
+            self._store.multi_set(list(request.keys), list(request.values))
+        except Refusal as refusal:
+            await _refuse(context, refusal)
         return rendezvous_pb2.Empty()
 
     async def Add(
         self, request: rendezvous_pb2.AddRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.AddResponse:
-        await self._refuse_stale_write(request.key, context)
-        current = self._data.get(request.key, b"0")
         try:
-            number = int(current.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"key {quote(request.key)} does not hold a decimal integer",
-            )
-        number += request.amount
-        if not _INT64_MIN <= number <= _INT64_MAX:
-            await context.abort(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"adding {request.amount} to key {quote(request.key)} overflows a 64-bit integer",
-            )
-        # Kept as ASCII decimal, like torch's TCPStore, so get() after add() returns b"5".
-        self._store(request.key, str(number).encode("ascii"))
-        return rendezvous_pb2.AddResponse(value=number)
+            value = self._store.add(request.key, request.amount)
+        except Refusal as refusal:
+            await _refuse(context, refusal)
+        return rendezvous_pb2.AddResponse(value=value)
 
     async def CompareSet(
         self, request: rendezvous_pb2.CompareSetRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.GetResponse:
-        error = self._check_value(request.key, request.desired)
-        if error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        await self._refuse_stale_write(request.key, context)
-        current = self._data.get(request.key)
-        if current is None:
-            # TCPStore: a missing key is set only when the caller expected it to be empty.
-            if request.expected:
-                return rendezvous_pb2.GetResponse(value=request.expected)
-            self._store(request.key, request.desired)
-            return rendezvous_pb2.GetResponse(value=request.desired)
-        if current == request.expected:
-            self._store(request.key, request.desired)
-            return rendezvous_pb2.GetResponse(value=request.desired)
-        return rendezvous_pb2.GetResponse(value=current)
+        try:
+            value = self._store.compare_set(request.key, request.expected, request.desired)
+        except Refusal as refusal:
+            await _refuse(context, refusal)
+        return rendezvous_pb2.GetResponse(value=value)
 
     async def Check(
         self, request: rendezvous_pb2.CheckRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.CheckResponse:
-        return rendezvous_pb2.CheckResponse(ready=all(key in self._data for key in request.keys))
+        return rendezvous_pb2.CheckResponse(ready=self._store.check(list(request.keys)))
 
     async def Delete(
         self, request: rendezvous_pb2.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.DeleteResponse:
-        return rendezvous_pb2.DeleteResponse(deleted=self._data.pop(request.key, None) is not None)
+        return rendezvous_pb2.DeleteResponse(deleted=self._store.delete(request.key))
 
     async def NumKeys(
         self, request: rendezvous_pb2.Empty, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.NumKeysResponse:
-        return rendezvous_pb2.NumKeysResponse(count=len(self._data))
+        return rendezvous_pb2.NumKeysResponse(count=self._store.num_keys())
 
     async def Barrier(
         self, request: rendezvous_pb2.BarrierRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.Empty:
-        error = self._check_timeout(request.timeout_ms)
-        if error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        if request.participants < 1:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"barrier {quote(request.name)}: participants must be at least 1, "
-                f"got {request.participants}",
-            )
-        if self._stopping:
-            await self._abort_shutting_down(context)
-        barrier = self._barriers.get(request.name)
-        if barrier is None:
-            barrier = self._barriers[request.name] = _Barrier(request.participants)
-        elif barrier.participants != request.participants:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"barrier {quote(request.name)} has {barrier.participants} participants, "
-                f"this caller says {request.participants}",
-            )
-        barrier.arrived += 1
-        if barrier.arrived == barrier.participants:
-            # Release everyone and forget the barrier, so the name can be used again.
-            del self._barriers[request.name]
-            barrier.released.set_result(None)
-            return rendezvous_pb2.Empty()
         try:
-            await asyncio.wait_for(asyncio.shield(barrier.released), request.timeout_ms / 1000)
-        except asyncio.TimeoutError:
-            arrived = barrier.arrived
-            self._leave_barrier(request.name, barrier)
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"barrier {quote(request.name)}: only {arrived} of {barrier.participants} "
-                f"participants arrived within {seconds(request.timeout_ms)}",
-            )
-        except ShuttingDown:
-            await self._abort_shutting_down(context)
-        except asyncio.CancelledError:
-            # The caller went away (its deadline, or it died): it no longer counts as arrived.
-            self._leave_barrier(request.name, barrier)
-            raise
+            await self._barriers.arrive(request.name, request.participants, request.timeout_ms)
+        except Refusal as refusal:
+            await _refuse(context, refusal)
         return rendezvous_pb2.Empty()
-
-    def _leave_barrier(self, name: str, barrier: _Barrier) -> None:
-        if barrier.released.done():
-            return
-        barrier.arrived -= 1
-        if barrier.arrived == 0 and self._barriers.get(name) is barrier:
-            del self._barriers[name]
-            barrier.released.cancel()
 
     async def Watch(
         self, request: rendezvous_pb2.WatchRequest, context: grpc.aio.ServicerContext
@@ -759,6 +526,12 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
 
 
 _T = TypeVar("_T")
+
+
+async def _refuse(context: grpc.aio.ServicerContext, refusal: Refusal) -> NoReturn:
+    """Ends the call with the refusal's status and message."""
+    await context.abort(refusal.code, refusal.message)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _rank_info(slot: SlotInfo, generation: int) -> rendezvous_pb2.RankInfo:
