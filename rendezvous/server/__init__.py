@@ -36,7 +36,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, NoReturn, TypeVar
 
@@ -47,6 +47,7 @@ from rendezvous import rendezvous_pb2, rendezvous_pb2_grpc
 from rendezvous.server.common import Refusal, check_timeout, list_ranks, quote, quote_keys, seconds
 from rendezvous.server.guard import GuardInterceptor
 from rendezvous.server.kv import Barriers, KeyValueStore
+from rendezvous.server.watch import Watches
 from rendezvous.slots import SlotInfo, derive_slots
 from rendezvous.tls import JobCertificate
 
@@ -76,11 +77,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self._placed_error = ""
         self._generation = 0
         self._wake: asyncio.Event | None = None  # set (and replaced) on publish and shutdown
-        # Set (and replaced) every heartbeat interval by one timer, and on every wake: all
-        # Watch streams beat together, with no timer of their own.
-        self._pulse: asyncio.Event | None = None
-        self._pulse_timer: asyncio.TimerHandle | None = None
-        self._heartbeat_interval = heartbeat_interval
+        self._watches = Watches(heartbeat_interval)
         self._store = KeyValueStore(max_value_bytes)
         self._barriers = Barriers()
         self._stopping = False
@@ -91,9 +88,6 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self._registered_generation: set[tuple[str, int]] = set()  # of the newest generation
         # slot -> the generations its blocked Register calls wait for
         self._waiting: dict[tuple[str, int], list[int]] = {}
-        self._watching: dict[int, int] = {}  # rank -> number of open Watch streams
-        self._open_watches = 0  # loop-confined twin of sum(_watching.values())
-        self._watches_closed: asyncio.Event | None = None
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -102,34 +96,11 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             self._wake = asyncio.Event()
         return self._wake
 
-    def _wake_all(self) -> None:
+    def _wake_registers(self) -> None:
+        """Wakes every Register that waits for a generation or for the placed table."""
         old, self._wake = self._wake, asyncio.Event()
         if old is not None:
             old.set()
-        self._beat()
-
-    def _beat(self) -> None:
-        """Wakes every Watch stream for its next event."""
-        old, self._pulse = self._pulse, None
-        if old is not None:
-            old.set()
-
-    def _on_pulse_timer(self) -> None:
-        self._pulse_timer = None
-        self._beat()
-        if self._open_watches > 0 and not self._stopping:
-            self._pulse_timer = asyncio.get_running_loop().call_later(
-                self._heartbeat_interval, self._on_pulse_timer
-            )
-
-    def _pulse_event(self) -> asyncio.Event:
-        if self._pulse is None:
-            self._pulse = asyncio.Event()
-        if self._pulse_timer is None:
-            self._pulse_timer = asyncio.get_running_loop().call_later(
-                self._heartbeat_interval, self._on_pulse_timer
-            )
-        return self._pulse
 
     def publish(self, slots: Sequence[SlotInfo]) -> int:
         """Makes ``slots`` the newest generation (on the loop); returns its number."""
@@ -139,7 +110,8 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
             self._registered_generation = set()
         self._store.supersede(generation)
-        self._wake_all()
+        self._wake_registers()
+        self._watches.announce(generation)
         logger.info("published generation %d: %d slot(s)", generation, len(slots))
         return generation
 
@@ -151,16 +123,14 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         """Ends every Watch stream with SHUTDOWN and fails every blocked call (on the loop)."""
         self._stopping = True
         self._shutdown_message = message
-        self._wake_all()
+        self._wake_registers()
+        self._watches.shut_down(message)
         self._store.shut_down(message)
         self._barriers.shut_down(message)
 
     async def wait_watches_closed(self, timeout: float) -> None:
         """Waits (up to ``timeout``) until every Watch stream has ended, i.e. sent SHUTDOWN."""
-        if self._open_watches == 0 or self._watches_closed is None:
-            return
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._watches_closed.wait(), timeout)
+        await self._watches.wait_closed(timeout)
 
     def registered_count(self) -> int:
         # Only elastic jobs publish generations: otherwise this is every slot that registered.
@@ -168,8 +138,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
             return len(self._registered_generation)
 
     def watching_ranks(self) -> set[int]:
-        with self._lock:
-            return set(self._watching)
+        return self._watches.watching_ranks()
 
     # ---- RPCs --------------------------------------------------------------------------
 
@@ -326,7 +295,8 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         with self._lock:
             self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
         self._placed_slots = slots
-        self._wake_all()
+        self._wake_registers()
+        self._watches.beat()
         logger.info("every rank of %d registered; slot table derived", len(ranks))
 
     async def _wait_for_generation(
@@ -464,7 +434,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self, request: rendezvous_pb2.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rendezvous_pb2.WatchEvent]:
         await self._check_ranks([request.rank], context)
-        async for event in self._watch([request.rank]):
+        async for event in self._watches.events([request.rank]):
             yield event
 
     async def WatchHost(
@@ -474,7 +444,7 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         if not ranks:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WatchHost lists no ranks")
         await self._check_ranks(ranks, context)
-        async for event in self._watch(ranks):
+        async for event in self._watches.events(ranks):
             yield event
 
     async def _check_ranks(self, ranks: Sequence[int], context: grpc.aio.ServicerContext) -> None:
@@ -485,44 +455,6 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"rank {rank} is outside this job's ranks [0, {size})",
                 )
-
-    async def _watch(self, ranks: Sequence[int]) -> AsyncIterator[rendezvous_pb2.WatchEvent]:
-        """The events of one Watch stream for ``ranks``: a heartbeat at once and then every
-        heartbeat interval (one shared timer beats all streams), HOSTS_UPDATED after a
-        publish, SHUTDOWN at the end."""
-        with self._lock:
-            for rank in ranks:
-                self._watching[rank] = self._watching.get(rank, 0) + 1
-        self._open_watches += 1
-        if self._watches_closed is None:
-            self._watches_closed = asyncio.Event()
-        self._watches_closed.clear()
-        logger.debug("rank(s) %s watching", list_ranks(ranks))
-        kinds = rendezvous_pb2.WatchEvent
-        try:
-            sent = self._generation
-            while not self._stopping:
-                pulse = self._pulse_event()
-                generation = self._generation
-                kind = kinds.HOSTS_UPDATED if generation != sent else kinds.HEARTBEAT
-                sent = generation
-                yield rendezvous_pb2.WatchEvent(kind=kind, generation=generation)
-                await pulse.wait()
-            yield rendezvous_pb2.WatchEvent(
-                kind=kinds.SHUTDOWN, message=self._shutdown_message, generation=self._generation
-            )
-        finally:
-            with self._lock:
-                for rank in ranks:
-                    count = self._watching.get(rank, 0) - 1
-                    if count > 0:
-                        self._watching[rank] = count
-                    else:
-                        self._watching.pop(rank, None)
-            self._open_watches -= 1
-            if self._open_watches == 0:
-                self._watches_closed.set()
-            logger.debug("rank(s) %s stopped watching", list_ranks(ranks))
 
 
 _T = TypeVar("_T")
@@ -762,7 +694,22 @@ class RendezvousServer:
 
     def watching_ranks(self) -> set[int]:
         """Ranks that hold an open Watch stream right now."""
-        return self._servicer.watching_ranks()
+        return self._ask(self._servicer.watching_ranks, set())
+
+    def _ask(self, question: Callable[[], _T], unstarted: _T) -> _T:
+        """``question()`` answered on the server's loop, which owns the job's state: callers
+        on any other thread see it as the loop left it between two steps, with no lock. (Not
+        from the loop's own thread.) A server never started has served nothing, so
+        ``unstarted`` is its answer."""
+        with self._state_lock:
+            loop_thread = self._loop_thread
+        if loop_thread is None:
+            return unstarted
+
+        async def ask() -> _T:
+            return question()
+
+        return loop_thread.run(ask(), timeout=30)
 
     def __enter__(self) -> RendezvousServer:
         self.start()
