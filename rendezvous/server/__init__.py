@@ -32,7 +32,6 @@ Why it looks the way it does:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -44,11 +43,12 @@ import grpc
 import grpc.aio
 
 from rendezvous import rendezvous_pb2, rendezvous_pb2_grpc
-from rendezvous.server.common import Refusal, check_timeout, list_ranks, quote, quote_keys, seconds
+from rendezvous.server.common import Refusal
 from rendezvous.server.guard import GuardInterceptor
 from rendezvous.server.kv import Barriers, KeyValueStore
+from rendezvous.server.membership import Membership, Place
 from rendezvous.server.watch import Watches
-from rendezvous.slots import SlotInfo, derive_slots
+from rendezvous.slots import SlotInfo
 from rendezvous.tls import JobCertificate
 
 __all__ = ["RendezvousServer"]
@@ -67,63 +67,22 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         elastic: bool = False,
         placed_size: int | None = None,
     ) -> None:
-        self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
-        self._elastic = elastic
-        # Jobs another launcher placed: their size, each rank's (host, local rank) as it
-        # registered, and the table derived from those once every rank has.
-        self._placed_size = placed_size
-        self._placed: dict[int, tuple[str, int | None]] = {}
-        self._placed_slots: list[SlotInfo] | None = None
-        self._placed_error = ""
-        self._generation = 0
-        self._wake: asyncio.Event | None = None  # set (and replaced) on publish and shutdown
         self._watches = Watches(heartbeat_interval)
+        self._membership = Membership(slots, elastic, placed_size, on_table=self._watches.beat)
         self._store = KeyValueStore(max_value_bytes)
         self._barriers = Barriers()
-        self._stopping = False
-        self._shutdown_message = "the rendezvous server is shutting down"
-        # Read from other threads (status lines, the elastic driver): guarded by a lock.
-        self._lock = threading.Lock()
-        self._registered: set[tuple[str, int]] = set()
-        self._registered_generation: set[tuple[str, int]] = set()  # of the newest generation
-        # slot -> the generations its blocked Register calls wait for
-        self._waiting: dict[tuple[str, int], list[int]] = {}
-
-    # ---- helpers -----------------------------------------------------------------------
-
-    def _wake_event(self) -> asyncio.Event:
-        if self._wake is None:
-            self._wake = asyncio.Event()
-        return self._wake
-
-    def _wake_registers(self) -> None:
-        """Wakes every Register that waits for a generation or for the placed table."""
-        old, self._wake = self._wake, asyncio.Event()
-        if old is not None:
-            old.set()
 
     def publish(self, slots: Sequence[SlotInfo]) -> int:
         """Makes ``slots`` the newest generation (on the loop); returns its number."""
-        self._generation += 1
-        generation = self._generation
-        with self._lock:
-            self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
-            self._registered_generation = set()
+        generation = self._membership.publish(slots)
         self._store.supersede(generation)
-        self._wake_registers()
         self._watches.announce(generation)
         logger.info("published generation %d: %d slot(s)", generation, len(slots))
         return generation
 
-    async def _abort_shutting_down(self, context: grpc.aio.ServicerContext) -> NoReturn:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, self._shutdown_message)
-        raise AssertionError("unreachable")  # pragma: no cover
-
     def begin_shutdown(self, message: str) -> None:
         """Ends every Watch stream with SHUTDOWN and fails every blocked call (on the loop)."""
-        self._stopping = True
-        self._shutdown_message = message
-        self._wake_registers()
+        self._membership.shut_down(message)
         self._watches.shut_down(message)
         self._store.shut_down(message)
         self._barriers.shut_down(message)
@@ -133,211 +92,38 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         await self._watches.wait_closed(timeout)
 
     def registered_count(self) -> int:
-        # Only elastic jobs publish generations: otherwise this is every slot that registered.
-        with self._lock:
-            return len(self._registered_generation)
+        return self._membership.registered_count()
+
+    def waiting_slots(self) -> set[tuple[str, int]]:
+        return self._membership.waiting_slots()
 
     def watching_ranks(self) -> set[int]:
         return self._watches.watching_ranks()
 
     # ---- RPCs --------------------------------------------------------------------------
 
-    def size(self) -> int:
-        return self._placed_size if self._placed_size is not None else len(self._slots)
-
     async def Register(
         self, request: rendezvous_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.RankInfo:
+        rank = request.rank if request.HasField("rank") else None
         try:
-            check_timeout(request.timeout_ms)
+            place = await self._membership.register(
+                request.host, request.local_rank, rank, request.min_generation, request.timeout_ms
+            )
         except Refusal as refusal:
             await _refuse(context, refusal)
-        if request.HasField("rank") or self._placed_size is not None:
-            return _rank_info(await self._register_placed(request, context), self._generation)
-        if self._generation < request.min_generation:
-            await self._wait_for_generation(
-                [(request.host, request.local_rank)],
-                request.min_generation,
-                request.timeout_ms,
-                context,
-            )
-        return await self._register_slot(request.host, request.local_rank, context)
+        return _rank_info(place)
 
     async def RegisterHost(
         self, request: rendezvous_pb2.RegisterHostRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.RegisterHostResponse:
         try:
-            check_timeout(request.timeout_ms)
+            places = await self._membership.register_host(
+                request.host, list(request.local_ranks), request.min_generation, request.timeout_ms
+            )
         except Refusal as refusal:
             await _refuse(context, refusal)
-        if self._placed_size is not None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "this job's ranks are assigned by the launcher that started the workers; "
-                "they register one by one, with their ranks",
-            )
-        local_ranks = list(request.local_ranks)
-        if len(set(local_ranks)) != len(local_ranks):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"host {quote(request.host)}: a local rank is listed twice",
-            )
-        if self._generation < request.min_generation:
-            await self._wait_for_generation(
-                [(request.host, local_rank) for local_rank in local_ranks],
-                request.min_generation,
-                request.timeout_ms,
-                context,
-            )
-        infos = [
-            await self._register_slot(request.host, local_rank, context)
-            for local_rank in local_ranks
-        ]
-        return rendezvous_pb2.RegisterHostResponse(ranks=infos)
-
-    async def _register_slot(
-        self, host: str, local_rank: int, context: grpc.aio.ServicerContext
-    ) -> rendezvous_pb2.RankInfo:
-        """Registers one slot of the newest generation and returns its place."""
-        slot = self._slots.get((host, local_rank))
-        if slot is None:
-            if self._elastic:
-                await context.abort(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"host {quote(host)} local_rank {local_rank} is not part "
-                    f"of generation {self._generation} of this job (its host was removed)",
-                )
-            known = sorted({host for host, _ in self._slots})
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"no slot for host {quote(host)} local_rank {local_rank} "
-                f"in this job (hosts: {quote_keys(known)})",
-            )
-            raise AssertionError("unreachable")  # pragma: no cover
-        with self._lock:
-            first = (slot.hostname, slot.local_rank) not in self._registered
-            self._registered.add((slot.hostname, slot.local_rank))
-            self._registered_generation.add((slot.hostname, slot.local_rank))
-        logger.debug(
-            "%s rank %d (host %s, local_rank %d, generation %d)",
-            "registered" if first else "re-registered",
-            slot.rank,
-            slot.hostname,
-            slot.local_rank,
-            self._generation,
-        )
-        return _rank_info(slot, self._generation)
-
-    async def _register_placed(
-        self, request: rendezvous_pb2.RegisterRequest, context: grpc.aio.ServicerContext
-    ) -> SlotInfo:
-        """Register of a worker another launcher placed: waits until every rank has come,
-        then answers with the slot derived from the hosts they came from."""
-        size = self._placed_size
-        if size is None or not request.HasField("rank"):
-            who = "hvdrun" if size is None else "the launcher that started the workers"
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this job's ranks are assigned by {who}; this worker registered "
-                + ("with a rank of its own" if size is None else "without its rank"),
-            )
-            raise AssertionError("unreachable")  # pragma: no cover
-        rank = request.rank
-        if not 0 <= rank < size:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {rank} is outside this job's ranks [0, {size})",
-            )
-        host, local_rank = request.host, request.local_rank if request.local_rank >= 0 else None
-        earlier = self._placed.get(rank)
-        if earlier is not None and earlier[0] != host:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"rank {rank} registered from host {quote(earlier[0])} and again from "
-                f"{quote(host)}: the launcher started two processes with that rank",
-            )
-        if self._placed_slots is None:
-            self._placed[rank] = (host, local_rank)
-            if len(self._placed) == size:
-                self._complete_placed()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + request.timeout_ms / 1000
-        while self._placed_slots is None:
-            if self._stopping:
-                await self._abort_shutting_down(context)
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                missing = [r for r in range(size) if r not in self._placed]
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"{len(missing)} of {size} ranks did not register within "
-                    f"{seconds(request.timeout_ms)}: ranks {list_ranks(missing)}",
-                )
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake_event().wait(), remaining)
-        slots = self._placed_slots
-        if not slots:  # the hosts' local ranks did not add up: every rank is told why
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self._placed_error)
-        with self._lock:
-            self._registered.add((slots[rank].hostname, slots[rank].local_rank))
-            self._registered_generation.add((slots[rank].hostname, slots[rank].local_rank))
-        return slots[rank]
-
-    def _complete_placed(self) -> None:
-        ranks = sorted(self._placed)
-        try:
-            slots = derive_slots(
-                [self._placed[r][0] for r in ranks], [self._placed[r][1] for r in ranks]
-            )
-        except ValueError as error:
-            self._placed_error = str(error)
-            slots = []
-        with self._lock:
-            self._slots = {(slot.hostname, slot.local_rank): slot for slot in slots}
-        self._placed_slots = slots
-        self._wake_registers()
-        self._watches.beat()
-        logger.info("every rank of %d registered; slot table derived", len(ranks))
-
-    async def _wait_for_generation(
-        self,
-        keys: Sequence[tuple[str, int]],
-        min_generation: int,
-        timeout_ms: int,
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        """Blocks a Register until its generation is published; the slots count as waiting
-        meanwhile (the elastic driver watches for survivors that wait)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_ms / 1000
-        with self._lock:
-            for key in keys:
-                self._waiting.setdefault(key, []).append(min_generation)
-        try:
-            while self._generation < min_generation:
-                if self._stopping:
-                    await self._abort_shutting_down(context)
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    await context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"no membership generation {min_generation} was published "
-                        f"within {seconds(timeout_ms)} (newest: {self._generation})",
-                    )
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake_event().wait(), remaining)
-        finally:
-            with self._lock:
-                for key in keys:
-                    waits = self._waiting.get(key, [])
-                    waits.remove(min_generation)
-                    if not waits:
-                        self._waiting.pop(key, None)
-
-    def waiting_slots(self) -> set[tuple[str, int]]:
-        with self._lock:
-            newest = self._generation
-            return {key for key, waits in self._waiting.items() if max(waits) > newest}
+        return rendezvous_pb2.RegisterHostResponse(ranks=[_rank_info(place) for place in places])
 
     async def Set(
         self, request: rendezvous_pb2.SetRequest, context: grpc.aio.ServicerContext
@@ -433,7 +219,10 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def Watch(
         self, request: rendezvous_pb2.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rendezvous_pb2.WatchEvent]:
-        await self._check_ranks([request.rank], context)
+        try:
+            self._membership.check_ranks([request.rank])
+        except Refusal as refusal:
+            await _refuse(context, refusal)
         async for event in self._watches.events([request.rank]):
             yield event
 
@@ -443,18 +232,12 @@ class _Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         ranks = list(request.ranks)
         if not ranks:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "WatchHost lists no ranks")
-        await self._check_ranks(ranks, context)
+        try:
+            self._membership.check_ranks(ranks)
+        except Refusal as refusal:
+            await _refuse(context, refusal)
         async for event in self._watches.events(ranks):
             yield event
-
-    async def _check_ranks(self, ranks: Sequence[int], context: grpc.aio.ServicerContext) -> None:
-        size = self.size()
-        for rank in ranks:
-            if rank < 0 or (not self._elastic and rank >= size):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"rank {rank} is outside this job's ranks [0, {size})",
-                )
 
 
 _T = TypeVar("_T")
@@ -466,7 +249,8 @@ async def _refuse(context: grpc.aio.ServicerContext, refusal: Refusal) -> NoRetu
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _rank_info(slot: SlotInfo, generation: int) -> rendezvous_pb2.RankInfo:
+def _rank_info(place: Place) -> rendezvous_pb2.RankInfo:
+    slot, generation = place
     return rendezvous_pb2.RankInfo(
         rank=slot.rank,
         size=slot.size,
@@ -579,14 +363,18 @@ class RendezvousServer:
         self._stopped = False
 
     def __repr__(self) -> str:  # never shows the secret
-        return f"RendezvousServer(job_id={self._job_id!r}, port={self._port})"
+        with self._state_lock:
+            port = self._port
+        return f"RendezvousServer(job_id={self._job_id!r}, port={port})"
 
     @property
     def port(self) -> int:
         """The bound port; only valid after :meth:`start`."""
-        if self._port is None:
+        with self._state_lock:
+            port = self._port
+        if port is None:
             raise RuntimeError("the rendezvous server has not been started")
-        return self._port
+        return port
 
     def start(self) -> int:
         """Binds and starts serving on the rendezvous loop thread; returns the bound port."""
@@ -668,7 +456,7 @@ class RendezvousServer:
 
     def registered_count(self) -> int:
         """How many distinct slots have registered so far (elastic: in the newest generation)."""
-        return self._servicer.registered_count()
+        return self._ask(self._servicer.registered_count, 0)
 
     def publish(self, slots: Sequence[SlotInfo]) -> int:
         """Elastic jobs: makes ``slots`` the newest membership generation; returns its number.
@@ -690,7 +478,7 @@ class RendezvousServer:
     def waiting_slots(self) -> set[tuple[str, int]]:
         """Elastic jobs: (host, local_rank) of workers blocked in Register until a generation
         newer than the newest is published (survivors of a failed collective)."""
-        return self._servicer.waiting_slots()
+        return self._ask(self._servicer.waiting_slots, set())
 
     def watching_ranks(self) -> set[int]:
         """Ranks that hold an open Watch stream right now."""
