@@ -62,7 +62,7 @@ class Refusal(Exception):
 class ShuttingDown(Refusal):
     """The server stops: set on blocked callers' futures, so their calls end at once."""
 
-    def __init__(self, message: str = SHUTDOWN_MESSAGE) -> None:
+    def __init__(self, message: str) -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 

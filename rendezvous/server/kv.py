@@ -29,6 +29,7 @@ callbacks on that loop (the RPC handlers, publish, shutdown), so no lock guards 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +69,7 @@ class KeyValueStore:
         self._refuse_stale_write(key)
         self._store(key, value)
 
-    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
         """Writes all pairs, or none if one of them is refused."""
         if len(keys) != len(values):
             raise Refusal(
@@ -122,7 +123,7 @@ class KeyValueStore:
 
     # ---- reads -------------------------------------------------------------------------
 
-    def check(self, keys: list[str]) -> bool:
+    def check(self, keys: Iterable[str]) -> bool:
         return all(key in self._data for key in keys)
 
     def num_keys(self) -> int:
