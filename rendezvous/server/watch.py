@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from rendezvous import rendezvous_pb2
 from rendezvous.server.common import LOGGER_NAME, list_ranks
@@ -76,7 +76,7 @@ class Watches:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._closed.wait(), timeout)
 
-    async def events(self, ranks: Sequence[int]) -> AsyncIterator[rendezvous_pb2.WatchEvent]:
+    async def events(self, ranks: Sequence[int]) -> AsyncGenerator[rendezvous_pb2.WatchEvent, None]:
         """The events of one stream for ``ranks``: a heartbeat at once and then every
         heartbeat interval, HOSTS_UPDATED after a publish, SHUTDOWN at the end."""
         for rank in ranks:
