@@ -32,6 +32,28 @@ The decisions (which hosts, when a generation is due) live in
 :mod:`launcher.supervision.membership`; this module carries them out with agents, the
 rendezvous server and the output. The loop itself, signals, the stop deadline and heartbeat
 checks are :mod:`launcher.supervision.core`'s, shared with fixed jobs.
+
+Threads: the driver's main loop (the thread that calls :meth:`ElasticDriver.run`) owns the
+membership and every host record in it (:class:`~launcher.supervision.membership.HostRecord`,
+its ``agent`` included), and the driver's own fields; no other thread reads or writes them.
+The driver's other threads only put events on its queue (a ``queue.Queue``), which the main
+loop applies in order:
+
+* discovery posts :class:`Discovered` or :class:`DiscoveryFailed` every interval;
+* each host's start thread makes the agent and posts :class:`AgentCreated` with it before it
+  starts it, then :class:`AgentReady` or :class:`AgentFailed`. It keeps its own reference to
+  the agent, for ``start()`` and for ``abort()`` when the start fails; the main loop puts the
+  agent on the host's record when it handles AgentCreated, so stopping the job (or removing
+  the host) reaches a starting agent from then on: ``abort()`` cuts its start short at once.
+  An agent whose host was removed, or whose job began stopping, before its AgentCreated was
+  handled is aborted then. One whose AgentCreated is still queued when the loop ends is
+  aborted by :meth:`ElasticDriver.run` on the way out, and a start thread that reports its
+  agent after that sees ``_done`` (a ``threading.Event``) set and aborts it instead of
+  starting it.
+
+The agents' own reader threads post their events (output, exits, loss) to the same queue.
+The rendezvous server's state is the server's own: the driver asks it through its
+thread-safe methods.
 """
 
 from __future__ import annotations
@@ -98,6 +120,16 @@ class DiscoveryFailed:
 
 
 @dataclass(frozen=True)
+class AgentCreated:
+    """The start thread made the agent of incarnation ``order`` of ``host`` and starts it now;
+    the main loop puts it on the host's record (or aborts it, if it is no longer wanted)."""
+
+    host: str
+    order: int
+    agent: AgentConnection
+
+
+@dataclass(frozen=True)
 class AgentReady:
     """The agent of incarnation ``order`` of ``host`` said hello."""
 
@@ -113,7 +145,7 @@ class AgentFailed:
 
 
 #: What the driver's own threads (discovery, agent start-up) put on its event queue.
-DriverEvent = Discovered | DiscoveryFailed | AgentReady | AgentFailed
+DriverEvent = Discovered | DiscoveryFailed | AgentCreated | AgentReady | AgentFailed
 
 
 class ElasticDriver(Supervision[HostEvent | DriverEvent]):
@@ -170,6 +202,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         finally:
             self._done.set()
             stop_agents([h.agent for h in self.members.all_hosts() if h.agent is not None])
+            self._abort_unclaimed_agents()
 
     def finished(self) -> bool:
         hosts = self.members.all_hosts()
@@ -210,6 +243,18 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
     def after_events(self, now: float) -> None:
         self._reconcile(now)
 
+    def _abort_unclaimed_agents(self) -> None:
+        """Aborts agents whose AgentCreated the loop never handled (it ended first): nobody
+        else would stop their start-up. A start thread that posts one after this checks
+        ``_done`` itself."""
+        while True:
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(event, AgentCreated):
+                event.agent.abort()
+
     def _record_of(self, agent: Supervised) -> HostRecord:
         return next(host for host in self.members.all_hosts() if host.agent is agent)
 
@@ -239,6 +284,8 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                         f"{self.options.discovery.describe()} failed: {error} "
                         "(keeping the last host list; retrying every second)"
                     )
+            case AgentCreated(name, order, agent):
+                self._on_agent_created(self.members.find(name, order), agent)
             case AgentReady(name, order):
                 host = self.members.find(name, order)
                 if host is not None:
@@ -260,6 +307,17 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                         self._on_exit(host, worker, code, message)
                     case Done() | AgentExit():
                         self._on_agent_gone(host, event)
+
+    def _on_agent_created(self, host: HostRecord | None, agent: AgentConnection) -> None:
+        if host is None:  # removed, and its record already dropped
+            agent.abort()
+            return
+        host.agent = agent
+        if self.stopping or host.state != "starting":
+            # Stopped or removed while the agent was being made: cut its start-up short, as
+            # stop_agent() does for a starting agent it knows of.
+            agent.abort()
+            host.agent_finished = True
 
     def _on_agent_ready(self, host: HostRecord) -> None:
         agent = host.agent
@@ -384,16 +442,21 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         deadline = time.monotonic() + launch.start_timeout
         name, order = host.name, host.order
 
+        # Runs in a thread of its own and never touches ``host``: the main loop owns it.
         def start() -> None:
+            agent: AgentConnection | None = None
             try:
                 agent = make_agent(name, self.spec.cwd, self.spec.env, launch)
-                host.agent = agent
+                self.events.put(AgentCreated(name, order, agent))
+                if self._done.is_set():  # the loop has ended: nobody will claim the agent
+                    agent.abort()
+                    return
                 agent.start(deadline)
             except Exception as exc:
                 reason = str(exc) or repr(exc)
                 self.events.put(AgentFailed(name, order, reason))
-                if host.agent is not None:
-                    host.agent.abort()
+                if agent is not None:
+                    agent.abort()
             else:
                 self.events.put(AgentReady(name, order))
 

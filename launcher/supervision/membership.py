@@ -9,6 +9,12 @@ carries that out). Hosts keep the order in which they joined, so older hosts get
 A record's state: ``starting`` (its agent is being started), ``ready`` (agent up, no workers
 yet), ``running`` (its workers belong to the job), then ``removed`` (discovery dropped it),
 ``failed`` or ``done``.
+
+Threads: nothing here locks. :class:`Membership` and every :class:`HostRecord` belong to the
+elastic driver's main loop, which alone reads and writes them; the driver's other threads
+(discovery, agent start-up) report through its event queue instead (see
+:mod:`launcher.supervision.elastic`). A record's ``agent`` is set by the main loop too, when
+it hears that the agent was made, so it stays None while the agent is being created.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ class HostRecord:
     slots: int
     order: int  # when it joined: older hosts get the lower ranks
     state: str = "starting"
-    agent: Any = None  # its AgentConnection once started
+    agent: Any = None  # its AgentConnection, from when the main loop hears it was made
     workers: dict[int, int] = field(default_factory=dict)  # worker number -> local rank
     exits: dict[int, int] = field(default_factory=dict)
     agent_finished: bool = False

@@ -1,0 +1,175 @@
+"""The guard in front of every RPC: job secret and job id first, then a request that parses.
+
+Why an interceptor: it sees the call's metadata before gRPC deserializes the request, so a
+rejected call costs no parsing and changes nothing, whatever its payload. The secret is
+compared in constant time and never appears in a log line or an error message. A wrong job
+id is reported first: it is the more useful diagnosis (a worker of an old job reaching a new
+server on the same port) and reveals nothing secret.
+
+Requests that do not parse get INVALID_ARGUMENT from the handler wrapper here, instead of
+gRPC's own UNKNOWN plus an ERROR-level traceback in the server's log.
+
+Threads: the interceptor runs on the server's loop. Its only mutable field, the cache of
+lenient handlers, is touched there alone; the secret and job id never change.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, cast
+
+import grpc
+import grpc.aio
+
+from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY
+from rendezvous.server.common import LOGGER_NAME, quote
+
+logger = logging.getLogger(LOGGER_NAME)
+
+
+class GuardInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls with a wrong job id or secret before the request is deserialized, and
+    turns requests that do not parse into INVALID_ARGUMENT."""
+
+    def __init__(self, secret: str, job_id: str) -> None:
+        self._secret = secret.encode("utf-8")
+        self._job_id = job_id
+        # method -> its lenient handler: built once, not on every call (thousands per second)
+        self._lenient: dict[str, grpc.RpcMethodHandler] = {}
+
+    def _reject_reason(
+        self, metadata: Sequence[tuple[str, str | bytes]] | None
+    ) -> tuple[grpc.StatusCode, str] | None:
+        token: str | bytes | None = None
+        job: str | bytes | None = None
+        for key, value in metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                token = value
+            elif key == JOB_METADATA_KEY:
+                job = value
+        if isinstance(job, bytes):
+            job = job.decode("utf-8", "replace")
+        # A wrong job id is checked first: it is the more useful diagnosis (a worker of an old
+        # job reaching a new server on the same port) and reveals nothing secret.
+        if job is not None and job != self._job_id:
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request for job {quote(job)} reached job {self._job_id!r}",
+            )
+        if isinstance(token, str):
+            token = token.encode("utf-8")
+        if token is None or not hmac.compare_digest(token, self._secret):
+            return (
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"missing or invalid job token (metadata {TOKEN_METADATA_KEY!r})",
+            )
+        if job is None:
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request carries no job id (metadata {JOB_METADATA_KEY!r}); "
+                f"this is job {self._job_id!r}",
+            )
+        return None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        reason = self._reject_reason(handler_call_details.invocation_metadata)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler  # unknown method: gRPC answers UNIMPLEMENTED
+        if reason is not None:
+            code, message = reason
+            # Never logs the token itself.
+            logger.warning("rejected %s: %s", handler_call_details.method, message)
+            return _denying_handler(handler, code, message)
+        lenient = self._lenient.get(handler_call_details.method)
+        if lenient is None:
+            lenient = self._lenient[handler_call_details.method] = _lenient_handler(handler)
+        return lenient
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """Stands in for a request that did not parse, so the handler can answer cleanly."""
+
+    error: str
+
+
+def _lenient(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if parse is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as error:  # DecodeError, bad UTF-8, ...
+            return _Malformed(str(error))
+
+    return deserialize
+
+
+def _malformed_message(request: _Malformed) -> str:
+    return f"malformed request: {request.error}"
+
+
+def _lenient_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The same handler, but a request that does not parse gets INVALID_ARGUMENT.
+
+    (gRPC's own answer would be UNKNOWN plus an ERROR-level traceback in the server's log.)
+    """
+    deserializer = _lenient(handler.request_deserializer)
+    if handler.unary_unary is not None:
+        # The stubs describe synchronous handlers; on an aio server they are coroutines.
+        unary = cast(Callable[..., Awaitable[Any]], handler.unary_unary)
+
+        async def unary_behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
+            return await unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_behavior,
+            request_deserializer=deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream is not None:
+        stream = cast(Callable[..., AsyncIterator[Any]], handler.unary_stream)
+
+        async def stream_behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
+            async for item in stream(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream_behavior,
+            request_deserializer=deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return handler  # this service has no client-streaming methods
+
+
+def _denying_handler(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind that only aborts; it takes raw bytes, so a rejected
+    request is never even parsed."""
+    if handler.response_streaming:
+
+        async def deny_stream(request: bytes, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(code, message)
+            yield  # pragma: no cover - makes this an async generator
+
+        return grpc.unary_stream_rpc_method_handler(deny_stream)
+
+    async def deny(request: bytes, context: grpc.aio.ServicerContext) -> NoReturn:
+        await context.abort(code, message)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    return grpc.unary_unary_rpc_method_handler(deny)
