@@ -28,7 +28,7 @@ DEFAULT_AUTOTUNE_NOISE = 0.8
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the background engine is tuned with (see the README's table of variables)."""
+    """What the background engine is tuned with (see docs/engine.md's table of variables)."""
 
     #: Ready tensors of one kind, dtype, op and process set are packed into one buffer of at
     #: most this many bytes; a tensor larger than this runs on its own, in place. 0 = no fusion.

@@ -74,9 +74,7 @@ class Dispatch:
         self.current.extend(new)
         tl = self.tl
         if tl is not None:
-            seen = dict.fromkeys(self.group.ranks, now)
-            for request in new:
-                tl.negotiated(request.name, request.kind.label.upper(), seen, now)
+            self._negotiated(tl, new, now)
         if riders is not None:
             if tl is not None:
                 for request in riders.requests:
@@ -113,11 +111,8 @@ class Dispatch:
         """Runs the ops a cache round agreed on; the riders' results are already in."""
         if riders:
             self.queue.finished(riders)
-            tl = self.tl
-            if tl is not None:
-                seen = dict.fromkeys(self.group.ranks, now)
-                for request in riders:
-                    tl.negotiated(request.name, request.kind.label.upper(), seen, now)
+            if self.tl is not None:
+                self._negotiated(self.tl, riders, now)
             for request in riders:
                 self.complete(request, None)
             if len(riders) == len(agreed):  # (riders are among the agreed ops)
@@ -172,6 +167,12 @@ class Dispatch:
             result = self.controls(entry) if entry is not None else None
             self.complete(control, None, result)
         self.current = []
+
+    def _negotiated(self, tl: Timeline, requests: list[Request], now: float) -> None:
+        """Every member announced ``requests`` together (the timeline's ticks)."""
+        seen = dict.fromkeys(self.group.ranks, now)
+        for request in requests:
+            tl.negotiated(request.name, request.kind.label.upper(), seen, now)
 
     def trace_phase(self, bucket: Bucket, phase: str, start: float, end: float) -> None:
         """The executor's tracer: a phase of every request in the bucket."""

@@ -7,33 +7,16 @@ into the call's status (the tests through gRPC are test_rendezvous_kv.py and oth
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import pytest
 
 from rendezvous.server.common import Refusal
 from rendezvous.server.kv import Barriers, KeyValueStore
+from tests.rendezvous.aio import refusal_of, run, settle
 
 T = TypeVar("T")
-
-
-def run(test: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Runs one test's coroutine on a fresh loop (and fails it after 10 s)."""
-    return asyncio.run(asyncio.wait_for(test(), 10))
-
-
-async def settle() -> None:
-    """Lets every ready callback and woken task run."""
-    for _ in range(5):
-        await asyncio.sleep(0)
-
-
-def refusal_of(task: asyncio.Task[Any]) -> Refusal:
-    error = task.exception()
-    assert isinstance(error, Refusal), error
-    return error
 
 
 def test_a_write_wakes_exactly_the_readers_of_its_key() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -20,26 +20,10 @@ from rendezvous.server.membership import Membership
 from rendezvous.server.servicer import Servicer
 from rendezvous.server.watch import Watches
 from rendezvous.slots import assign_slots
+from tests.rendezvous.aio import refusal_of, run, settle
 
 T = TypeVar("T")
 Kind = rendezvous_pb2.WatchEvent
-
-
-def run(test: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Runs one test's coroutine on a fresh loop (and fails it after 10 s)."""
-    return asyncio.run(asyncio.wait_for(test(), 10))
-
-
-async def settle() -> None:
-    """Lets every ready callback and woken task run."""
-    for _ in range(5):
-        await asyncio.sleep(0)
-
-
-def refusal_of(task: asyncio.Task[Any]) -> Refusal:
-    error = task.exception()
-    assert isinstance(error, Refusal), error
-    return error
 
 
 # ---- membership ------------------------------------------------------------------------
