@@ -138,6 +138,21 @@ def _check_name(name: str) -> str:
     return name
 
 
+_reductions: dict[tuple[int, float, float], Reduction] = {}
+
+
+def reduction_of(op: ReduceOp, prescale: float, postscale: float) -> Reduction:
+    """The request's Reduction, one object per (op, prescale, postscale): built once (a
+    NamedTuple's constructor runs Python), then a dict lookup."""
+    key = (int(op), float(prescale), float(postscale))
+    found = _reductions.get(key)
+    if found is None:
+        if len(_reductions) >= 4096:
+            _reductions.clear()
+        found = _reductions[key] = Reduction(*key)
+    return found
+
+
 _described: dict[tuple[Any, ...], tuple[str, list[TensorSpec]]] = {}
 
 
@@ -274,7 +289,8 @@ def allreduce_in_place(
     if (process_set is None or process_set is global_process_set) and op is not ReduceOp.ADASUM:
         engine = runtime.engine(_ALLREDUCE)
         full = None if name is None else f"{_ALLREDUCE}.{_check_name(name)}"
-        common = Reduction(int(op), float(prescale), float(postscale))
+        key = (int(op), float(prescale), float(postscale))
+        common = _reductions.get(key) or reduction_of(op, prescale, postscale)  # (no call)
         handle = engine.run_hot(
             full,
             tensor,
@@ -319,7 +335,7 @@ def submit_allreduce(
             inputs, outputs, prescale, postscale, process_set, name, finish
         )
     check_reduction(inputs, op, prescale, postscale, "allreduce")
-    common = Reduction(int(op), float(prescale), float(postscale))
+    common = reduction_of(op, prescale, postscale)
     if outputs is None:
         if inputs and inputs[0].is_cpu:
             # Allocated by the engine once the result is ready (see execute._copy_out). CUDA
@@ -401,7 +417,7 @@ def submit_reducescatter(
     for t in inputs:
         rows = split_rows(t.shape[0], group.size)[group.index]
         outs.append(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device))
-    common = Reduction(int(op), float(prescale), float(postscale))
+    common = reduction_of(op, prescale, postscale)
     return submit(
         Kind.REDUCESCATTER,
         name,

@@ -118,7 +118,7 @@ class Controller:
             timeline=timeline,
             tuner=tuner,
         )
-        self._timeline = timeline
+        self.timeline = timeline  # (the engine's; read, never replaced, here)
         self._timeout = config.collective_timeout_seconds
         self._on_failure = on_failure
         self._on_stop = on_stop
@@ -130,10 +130,6 @@ class Controller:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread_ident: int | None = None  # the set's thread, once started
         self.flush_bound = self.flush  # (every handle holds it: bound once)
-
-    def tracing(self) -> bool:
-        """Whether a timeline is being written (the lanes do not feed it)."""
-        return self._timeline.current is not None
 
     # ---- callers ---------------------------------------------------------------------
 

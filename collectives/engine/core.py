@@ -33,6 +33,7 @@ Ownership:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -53,12 +54,14 @@ from collectives.engine.reduction import Reduction
 from collectives.engine.requests import Kind, Request, noname, parse_signature
 from collectives.engine.timeline import Timeline, TimelineSlot
 
-__all__ = ["Engine", "MakeGroups"]
+__all__ = ["Engine", "HotLane", "MakeGroups"]
 
 logger = logging.getLogger(__name__)
 
 #: Makes a process set's two torch process groups: (Gloo group for its rounds, data group).
 MakeGroups = Callable[[list[int]], tuple[Any, Any]]
+#: ``Engine.run_hot(name, tensor, reduction, build)``.
+HotLane = Callable[[str | None, torch.Tensor, Reduction, Callable[[int], Request]], Handle | None]
 
 
 class Engine:
@@ -100,6 +103,11 @@ class Engine:
         self._global = self._controller(everyone, control_group, global_group, tuner)
         self._sets: dict[int, Group] = {0: everyone}
         self._controllers: dict[int, Controller] = {0: self._global}
+        # The hot lane of the global set (see :func:`collectives.engine.lanes.run_hot`):
+        # ``run_hot(name, tensor, reduction, build)``, bound here so that the lane costs
+        # no call of its own; it draws unnamed allreduces' counters from their count.
+        allreduces = self._counters.setdefault((0, Kind.ALLREDUCE), itertools.count())
+        self.run_hot: HotLane = functools.partial(lanes.run_hot, self._global, allreduces.__next__)
 
     def _controller(
         self, group: Group, control_pg: Any, data_pg: Any, tuner: Autotuner | None = None
@@ -175,9 +183,6 @@ class Engine:
         counter = self._counters.get(key) or self._counters.setdefault(key, itertools.count())
         return next(counter)
 
-    def _draw_allreduce(self) -> int:
-        return self.next_counter(Kind.ALLREDUCE, 0)
-
     def controller(self, process_set_id: int) -> Controller:
         """This rank's controller of a registered set it belongs to."""
         controller = self._controllers.get(process_set_id)
@@ -199,16 +204,6 @@ class Engine:
     def run_now(self, request: Request) -> bool:
         """The request lane (see :func:`collectives.engine.lanes.run_now`)."""
         return self.controller(request.process_set_id).run_now(request)
-
-    def run_hot(
-        self,
-        name: str | None,
-        tensor: torch.Tensor,
-        reduction: Reduction,
-        build: Callable[[int], Request],
-    ) -> Handle | None:
-        """The hot lane of the global set (see :func:`collectives.engine.lanes.run_hot`)."""
-        return lanes.run_hot(self._global, name, tensor, reduction, self._draw_allreduce, build)
 
     # ---- failure and shutdown --------------------------------------------------------
 

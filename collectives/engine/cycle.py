@@ -360,14 +360,16 @@ class CycleRunner:
         the predicted op)."""
         now = time.monotonic()
         self.cycle_no += 1
-        pace = self.pace
+        p = self.pace
+        # (tuple.__new__ builds the NamedTuple without its Python-level constructor: this
+        # runs once per op of a loop)
         if agreed:
             assert self.rounds is not None
             self.stats["cache_rounds"] += 1
             self.stats["predicted_rounds"] = self.rounds.predicted_rounds
-            self.pace = Pace(pace.awaiting, pace.quiet, now, now, pace.cycle_time)
+            self.pace = tuple.__new__(Pace, (p.awaiting, p.quiet, now, now, p.cycle_time))
         else:
-            self.pace = Pace(pace.awaiting, pace.quiet, now, pace.last_round, pace.cycle_time)
+            self.pace = tuple.__new__(Pace, (p.awaiting, p.quiet, now, p.last_round, p.cycle_time))
 
     def lane_fallback(self, request: Request) -> bool:
         """A lane's round found that another member's ops differed (every member saw NaN):

@@ -52,7 +52,7 @@ def _enter(controller: Controller) -> bool:
     next cycle."""
     runner = controller.runner
     if (
-        controller.tracing()
+        controller.timeline.current is not None  # (the lanes do not feed a timeline)
         or runner.tuner is not None
         or threading.get_ident() == controller.thread_ident
         or not controller.cycle_lock.acquire(blocking=False)
@@ -111,10 +111,10 @@ def run_now(controller: Controller, request: Request) -> bool:
 
 def run_hot(
     controller: Controller,
+    draw: Callable[[], int],
     name: str | None,
     tensor: torch.Tensor,
     reduction: Reduction,
-    draw: Callable[[], int],
     build: Callable[[int], Request],
 ) -> Handle | None:
     """The hot lane: ``tensor`` reduced in place with ``reduction``, the op ``name`` (None
@@ -135,7 +135,7 @@ def run_hot(
         or tensor.requires_grad
         or not tensor.is_cpu
         or tensor.layout is not torch.strided
-        or controller.tracing()
+        or controller.timeline.current is not None  # (the lanes do not feed a timeline)
         or not controller.cycle_lock.acquire(blocking=False)
     ):
         return None

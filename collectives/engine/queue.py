@@ -5,7 +5,7 @@ cycle runner takes what was submitted at the start of each cycle (:meth:`Submiss
 and removes ops from the in-flight table as they finish. The set's thread sleeps on the
 queue's condition until the scheduler says a cycle is due.
 
-Ownership: every field is read and written only with ``cond`` held, by any thread:
+Ownership: every field is read and written only with ``cond``'s lock held, by any thread:
 
 * ``_new``: ops submitted since the last cycle took them (announced in the next round);
 * ``_local``: every op of this rank in flight, by (process set, name): submitted and not
@@ -40,7 +40,10 @@ class Submissions:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.cond = threading.Condition()
+        # Critical sections take the lock itself (a C-level context manager: a lane checks
+        # the queue on every op); waits and notifications go through the condition on it.
+        self._lock = threading.Lock()
+        self.cond = threading.Condition(self._lock)
         self._new: list[Request] = []
         self._local: dict[tuple[int, str], Request] = {}
         self._first_new = 0.0
@@ -62,7 +65,7 @@ class Submissions:
         (see ``Controller.flush``), so the set's thread is not woken: waking it costs a
         thread switch and a fight for the GIL on every synchronous op."""
         key = (request.process_set_id, request.name)
-        with self.cond:
+        with self._lock:
             if self._error is not None:
                 raise HorovodInternalError(str(self._error))
             if self._leaving or not self._running:
@@ -89,26 +92,26 @@ class Submissions:
 
     def runnable(self) -> bool:
         """Whether there are new ops and the set still runs (a waiting thread may cycle)."""
-        with self.cond:
+        with self._lock:
             return bool(self._new) and self._running
 
     def request_flush(self) -> None:
         """Someone waits for a result: the set's thread cycles now."""
-        with self.cond:
+        with self._lock:
             if not self._flush:
                 self._flush = True
                 self.cond.notify()
 
     def wake(self) -> None:
         """The set's thread must look at the schedule again (it is due sooner than planned)."""
-        with self.cond:
+        with self._lock:
             self.cond.notify_all()
 
     # ---- the cycle runner ------------------------------------------------------------
 
     def take(self) -> tuple[list[Request], int]:
         """What was submitted since the last cycle, and this cycle's flags."""
-        with self.cond:
+        with self._lock:
             new, self._new = self._new, []
             self._flush = False
             self._woken = False
@@ -117,56 +120,56 @@ class Submissions:
 
     def idle(self) -> bool:
         """Nothing submitted, nothing in flight, running as usual (a lane may run)."""
-        with self.cond:
+        with self._lock:
             return not (
                 self._new or self._local or not self._running or self._leaving or self._abort
             )
 
     def finished(self, requests: Iterable[Request]) -> None:
         """Ops that ran (or are about to complete) leave the in-flight table."""
-        with self.cond:
+        with self._lock:
             local = self._local
             for request in requests:
                 local.pop((request.process_set_id, request.name), None)
 
     def pop(self, keys: Iterable[tuple[int, str]]) -> list[Request | None]:
         """This rank's requests of ops that became ready (None where it has none)."""
-        with self.cond:
+        with self._lock:
             local = self._local
             return [local.pop(key, None) for key in keys]
 
     def announce(self, request: Request) -> None:
         """A lane's op goes on through the full negotiation: it is in flight like any."""
-        with self.cond:
+        with self._lock:
             self._local[(request.process_set_id, request.name)] = request
 
     def request_abort(self) -> None:
-        with self.cond:
+        with self._lock:
             self._abort = True
 
     # ---- lifetime --------------------------------------------------------------------
 
     @property
     def running(self) -> bool:
-        with self.cond:
+        with self._lock:
             return self._running
 
     @property
     def error(self) -> HorovodInternalError | None:
-        with self.cond:
+        with self._lock:
             return self._error
 
     def leave(self, message: str = "") -> None:
         """This rank's last cycle of the set announces that it leaves (``message``: why,
         for the set's ops, when it is not this rank's shutdown)."""
-        with self.cond:
+        with self._lock:
             self._leaving = True
             self._leave_message = self._leave_message or message
             self.cond.notify_all()
 
     @property
     def leave_message(self) -> str:
-        with self.cond:
+        with self._lock:
             return self._leave_message
 
     def fail(
@@ -178,7 +181,7 @@ class Submissions:
         """Stops the set: every op in flight (and ``also``) fails, with a
         HorovodInternalError saying ``message`` unless ``error_for`` makes another; later
         submissions raise that HorovodInternalError."""
-        with self.cond:
+        with self._lock:
             if self._error is None:
                 self._error = HorovodInternalError(message)
             self._running = False
@@ -193,7 +196,7 @@ class Submissions:
     def fail_pending(self, error_for: Callable[[Request], BaseException]) -> None:
         """Fails every op in flight (``error_for`` makes each one's error) without
         stopping the set."""
-        with self.cond:
+        with self._lock:
             pending = [*self._local.values(), *self._new]
             self._local.clear()
             self._new = []
@@ -214,7 +217,7 @@ class Submissions:
     def wait_until_due(self, pace: Callable[[], Pace]) -> bool:
         """Blocks until a cycle is due (``pace``: the runner's latest snapshot); False once
         the set stopped."""
-        with self.cond:
+        with self._lock:
             while self._running:
                 remaining = seconds_until_cycle(self._due(), pace(), time.monotonic())
                 if remaining <= 0:
@@ -224,5 +227,5 @@ class Submissions:
 
     def due_now(self, pace: Pace) -> bool:
         """Whether a cycle is still due (checked again once the cycle lock is held)."""
-        with self.cond:
+        with self._lock:
             return self._running and seconds_until_cycle(self._due(), pace, time.monotonic()) <= 0

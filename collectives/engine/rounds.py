@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from collectives.common import ReduceOp
 from collectives.engine.cache import Key, ResponseCache, is_unnamed, keys_of, request_key
 from collectives.engine.execute import Sums, check_unchanged
 from collectives.engine.reduction import Reduction
@@ -537,6 +538,9 @@ def _moved(ops: list[tuple[int, int]], steps: list[int]) -> list[tuple[int, int]
     return [(index, counter + step) for (index, counter), step in zip(ops, steps, strict=True)]
 
 
+_SUM = int(ReduceOp.SUM)
+
+
 def _check_inputs(requests: Sequence[Request]) -> None:
     for request in requests:
         check_unchanged(request, 0)
@@ -557,7 +561,7 @@ def _finish_rider(request: Request, summed: torch.Tensor, size: int) -> None:
 
 def _finish_out(out: torch.Tensor, summed: torch.Tensor, reduction: Reduction, size: int) -> None:
     """A rider's result from its summed data into its given output."""
-    if reduction.plain_sum:
+    if reduction.op == _SUM and reduction.postscale == 1.0:  # (plain_sum, without a call)
         out.copy_(summed if summed.shape == out.shape else summed.view(out.shape))  # casts
         return
     result = summed.to(out.dtype, copy=True)
