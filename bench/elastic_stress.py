@@ -80,12 +80,14 @@ from tests.cluster import (  # noqa: E402
     listening_sshd,
     start_cluster,
     unavailable_reason,
+    write_hosts,
 )
 from tests.elastic.test_elastic_jobs import (  # noqa: E402
     Job,
     after_step,
     at_size,
     check_finished_exactly,
+    committed,
     elastic_args,
     hosts_file,
 )
@@ -485,6 +487,166 @@ def rank0_dies_cache_autotune(run: Run) -> Outcome:
     tuned = AutotuneLog.parse(autotune.stop())
     expect(tuned.switches > 0, f"autotune never switched settings ({tuned.describe()})")
     return ok(tuned.describe())
+
+
+@scenario("hosts-added-removed")
+def hosts_added_removed(run: Run) -> Outcome:
+    """Discovery adds a third host after step 5, then drops the second: the job grows to
+    three and shrinks back to two (a graceful removal: no host fails, no step is lost)."""
+    node1, node2, node3 = run.hosts
+    discovery = run.hosts_file(node1, node2)
+    stop = run.workdir / "stop"
+    job = run.job(
+        "-np", "2", "--min-np", "2", "--max-np", "3", "-x", f"STOP_FILE={stop}",
+        *elastic_args(discovery, 100000),
+    )  # fmt: skip
+    job.when(after_step(5), lambda: write_hosts(discovery, node1, node2, node3))
+    job.when(after_step(1, size=3), lambda: write_hosts(discovery, node1, node3))
+    job.when(at_size(2, generation=3), stop.touch)
+    code, output = run.wait(job)
+    expect(code == 0, f"hvdrun exited {code}: {last_line(output)}")
+    expect(" failed (" not in output, "a host failed: " + failed_line(output))
+    expect_line(output, f"host {node2.alias} is no longer discovered", "removal", "discovered")
+    check("exactly-once steps", check_finished_exactly, output, None, size=2)
+    check("hosts clean", assert_hosts_clean, run.cluster, run.hosts, within=10)
+    return ok()
+
+
+@scenario("rank-fails")
+def rank_fails(run: Run) -> Outcome:
+    """A worker exits 1 after step 10: its host is blacklisted for good and the job
+    finishes on the other two, every step applied once."""
+    node1, node2, node3 = run.hosts
+    discovery = run.hosts_file(node1, node2, node3)
+    steps = 40
+    job = run.job(
+        "-np", "3", "--min-np", "2",
+        "-x", f"FAIL_HOST={node3.alias}", "-x", "FAIL_AT_STEP=10",
+        *elastic_args(discovery, steps),
+    )  # fmt: skip
+    code, output = run.wait(job)
+    expect(code == 0, f"hvdrun exited {code}: {last_line(output)}")
+    expect_line(
+        output,
+        f"host {node3.alias} failed (worker ",
+        "the failure line",
+        near=f"host {node3.alias}",
+    )
+    check("exactly-once steps", check_finished_exactly, output, steps, size=2)
+    check("hosts clean", assert_hosts_clean, run.cluster, run.hosts, within=10)
+    return ok()
+
+
+@scenario("all-ranks-fail")
+def all_ranks_fail(run: Run) -> Outcome:
+    """Every worker exits 1 after step 5: the job ends (exit 1) with Horovod's sentence,
+    and no worker ever starts over from the initial state."""
+    node1, node2 = run.hosts[:2]
+    discovery = run.hosts_file(node1, node2)
+    job = run.job(
+        "-np", "2", "--min-np", "1", "-x", "FAIL_HOST=*", "-x", "FAIL_AT_STEP=5",
+        *elastic_args(discovery, 100000),
+    )  # fmt: skip
+    code, output = run.wait(job)
+    expect(code == 1, f"hvdrun exited {code}, not 1: {last_line(output)}")
+    expect_line(
+        output,
+        "Horovod detected that one or more processes exited with non-zero status",
+        "Horovod's sentence",
+        near="Horovod",
+    )
+    expect_line(output, "every worker of the elastic job has failed", "the stop", "every")
+    check("no step lost or repeated", check_steps_never_go_back, output)
+    check("hosts clean", assert_hosts_clean, run.cluster, run.hosts, within=10)
+    return ok()
+
+
+@scenario("reset-limit")
+def reset_limit(run: Run) -> Outcome:
+    """A worker fails after step 5 with --reset-limit 0: the reset that follows is one too
+    many; the job ends (exit 1) with Horovod's sentence, then hvdrun's."""
+    node1, node2, node3 = run.hosts
+    discovery = run.hosts_file(node1, node2, node3)
+    job = run.job(
+        "-np", "3", "--min-np", "1", "--reset-limit", "0",
+        "-x", f"FAIL_HOST={node3.alias}", "-x", "FAIL_AT_STEP=5",
+        *elastic_args(discovery, 100000),
+    )  # fmt: skip
+    code, output = run.wait(job)
+    expect(code == 1, f"hvdrun exited {code}, not 1: {last_line(output)}")
+    expect_line(
+        output,
+        "Horovod was shutdown because number of resets during elastic job exceeded limit: 0",
+        "Horovod's sentence",
+        near="Horovod",
+    )
+    expect_line(output, "would need reset 1, more than --reset-limit 0", "the stop", "reset")
+    check("no step lost or repeated", check_steps_never_go_back, output)
+    check("hosts clean", assert_hosts_clean, run.cluster, run.hosts, within=10)
+    return ok()
+
+
+@scenario("blacklist-cooldown")
+def blacklist_cooldown(run: Run) -> Outcome:
+    """Rank 0's worker exits 1 after step 5; its host is blacklisted for 2 s, then comes
+    back with a new worker that gets the state: the job grows back to three."""
+    node1, node2, node3 = run.hosts
+    discovery = run.hosts_file(node1, node2, node3)
+    stop = run.workdir / "stop"
+    job = run.job(
+        "-np", "3", "--min-np", "2", "--blacklist-cooldown-range", "2", "2",
+        "-x", f"FAIL_HOST={node1.alias}", "-x", "FAIL_AT_STEP=5", "-x", f"STOP_FILE={stop}",
+        *elastic_args(discovery, 100000),
+    )  # fmt: skip
+    job.when(at_size(3, generation=3), stop.touch)
+    code, output = run.wait(job)
+    expect(code == 0, f"hvdrun exited {code}: {last_line(output)}")
+    expect_line(output, f"host {node1.alias} failed (worker 0 exited", "the failure", near="failed")
+    expect_line(
+        output,
+        f"generation 3: 3 worker(s) on 3 host(s): {node2.alias}, {node3.alias}, {node1.alias}",
+        "generation 3",
+        near="generation 3:",
+    )
+    check("exactly-once steps", check_finished_exactly, output, None, size=3)
+    check("hosts clean", assert_hosts_clean, run.cluster, run.hosts, within=10)
+    return ok()
+
+
+@scenario("stopped-hvdrun")
+def stopped_hvdrun(run: Run) -> Outcome:
+    """hvdrun itself is stopped (SIGSTOP) for 8 s after step 10, then continued: no worker
+    or agent may take that for a lost job; the job trains on."""
+    node1, node2 = run.hosts[:2]
+    discovery = run.hosts_file(node1, node2)
+    steps = 60
+    job = run.job("-np", "2", "--min-np", "1", *elastic_args(discovery, steps))
+
+    def pause() -> None:
+        job.proc.send_signal(signal.SIGSTOP)
+        time.sleep(8)
+        job.proc.send_signal(signal.SIGCONT)
+
+    job.when(after_step(10), lambda: threading.Thread(target=pause, daemon=True).start())
+    code, output = run.wait(job)
+    expect(code == 0, f"hvdrun exited {code}: {last_line(output)}")
+    expect(" failed (" not in output, "a host failed: " + failed_line(output))
+    check("exactly-once steps", check_finished_exactly, output, steps, size=2)
+    check("hosts clean", assert_hosts_clean, run.cluster, run.hosts, within=10)
+    return ok()
+
+
+def failed_line(output: str) -> str:
+    lines = [line.strip() for line in output.splitlines() if " failed (" in line]
+    return lines[0][:200] if lines else ""
+
+
+def check_steps_never_go_back(output: str) -> None:
+    """Rank 0's commits go 1, 2, 3, ... and never back to an earlier step (a restart from
+    the initial state would), across every generation."""
+    steps = [step for step, rank, _, _ in committed(output) if rank == 0]
+    assert steps == sorted(steps), f"rank 0 committed {steps}"
+    assert steps and steps[0] == 1, f"rank 0 committed {steps}"
 
 
 # ---- the driver -----------------------------------------------------------------------------

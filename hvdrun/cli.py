@@ -48,6 +48,7 @@ from launcher.spec.options import (
 )
 from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
 from rendezvous.launchers import DetectionError, slurm_allocation
+from rendezvous.worker_env import RENDEZVOUS_LOST_AFTER_SECONDS, variable
 
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
@@ -154,6 +155,16 @@ CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h"
     "and hvdrun stops the job.",
 )
 @click.option(
+    "--heartbeat-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    metavar="SECONDS",
+    help="Workers and agents give the job up (and stop) when hvdrun has been silent this "
+    "long: a stopped or overloaded hvdrun is not a lost one (a closed connection counts at "
+    "once). Sets HVDRUN_RENDEZVOUS_LOST_AFTER_SECONDS. [default: 30, or --agent-timeout "
+    "when only that is given]",
+)
+@click.option(
     "--skip-version-check",
     is_flag=True,
     help="Start even when hosts' Python, torch or hvdrun versions differ from this one's.",
@@ -213,6 +224,7 @@ def cli(
     rendezvous_addr: str | None,
     network_interface: tuple[str, ...],
     agent_timeout: float,
+    heartbeat_timeout: float,
     skip_version_check: bool,
     output_filename: str | None,
     prefix_timestamp: bool,
@@ -259,6 +271,9 @@ def cli(
         blacklist_cooldown_range,
     )
     elastic = elastic_flags.given()
+    if explicit("agent_timeout") and not explicit("heartbeat_timeout"):
+        # Who shortens the agent timeout wants cut-off hosts to stop as soon, on their own.
+        heartbeat_timeout = agent_timeout
     if elastic and not explicit("agent_timeout"):
         agent_timeout = ELASTIC_FAILURE_TIMEOUT
     if rendezvous_addr is not None:
@@ -266,12 +281,15 @@ def cli(
     env = worker_env(exports, interfaces(network_interface, compat.network_interfaces), tuning)
     env.update(compat.env())
     env.update(log_settings.env())
+    if explicit("heartbeat_timeout"):
+        env[variable(RENDEZVOUS_LOST_AFTER_SECONDS)] = f"{heartbeat_timeout:g}"
     for name, value in config_env(click.get_current_context()).items():
         env.setdefault(name, value)
     launch = LaunchOptions(
         ssh=SSHOptions(ssh_port, identity_files, ssh_config_file, ssh_host_key_policy),
         start_timeout=start_timeout,
         agent_timeout=agent_timeout,
+        lost_timeout=heartbeat_timeout,
         rendezvous_addr=rendezvous_addr,
         check_versions=not skip_version_check,
         log_level=log_settings.agent_level(),

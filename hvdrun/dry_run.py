@@ -128,6 +128,7 @@ def print_plan(spec: JobSpec, echo: Echo) -> None:
     launch = spec.launch
     echo(
         f"start timeout: {launch.start_timeout:g} s; agent timeout: {launch.agent_timeout:g} s; "
+        f"heartbeat timeout: {launch.lost_timeout:g} s; "
         f"rendezvous: {launch.rendezvous_addr or 'on this machine, port chosen at start'}"
     )
     if elastic is not None:

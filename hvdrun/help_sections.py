@@ -19,6 +19,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "start_timeout",
             "agent_timeout",
+            "heartbeat_timeout",
             "term_grace",
             "rendezvous_addr",
             "skip_version_check",

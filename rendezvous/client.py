@@ -12,8 +12,12 @@ Why it looks the way it does:
 * Every ``grpc.RpcError`` becomes a :class:`RendezvousError` subclass whose message says which
   call failed and why, in words meant for a person reading a worker's stderr.
 * ``watch`` holds the server's heartbeat stream in a daemon thread. A worker whose launcher
-  died must notice even when no TCP reset ever arrives (a cut network), so silence for
-  ``lost_after`` seconds counts as a lost job, like an error or a SHUTDOWN event.
+  died must notice: a SHUTDOWN event, a closed connection (hvdrun killed, even with -9) or,
+  where no TCP reset ever arrives (a cut network), silence for ``lost_after`` seconds. The
+  server's own view comes first, though: before a broken stream or a silence counts as a
+  lost job, the watch asks the server directly (one short call); when it answers, the
+  silence was this process's (starved of CPU) or the transport's, and the watch goes on
+  (re-opening the stream if it broke). Only a server that does not answer is lost.
 
 This module must not import torch.
 """
@@ -177,7 +181,32 @@ class _Watch:
         except Exception:
             logger.exception("on_lost callback raised")
 
+    def _alive(self) -> bool:
+        """The server's own answer: whether it replies to a call now."""
+        try:
+            self._client.probe(min(PROBE_SECONDS, self._lost_after))
+        except RendezvousError as error:
+            logger.debug("the rendezvous server does not answer: %s", error)
+            return False
+        return True
+
     def _read(self) -> None:
+        while not self._finished.is_set():
+            reason = self._stream()
+            if reason is None:
+                return
+            silent = time.monotonic() - self._last_event
+            if silent <= self._lost_after and self._alive():
+                logger.warning("the rendezvous watch stream broke (%s); the server answers: "
+                               "watching again", reason)  # fmt: skip
+                self._finished.wait(REOPEN_SECONDS)
+                continue
+            self._report(reason)
+            return
+
+    def _stream(self) -> str | None:
+        """Holds one Watch stream until it ends; returns why it broke (None: the watch is
+        over: reported, or closed)."""
         try:
             stub = self._client._stub
             if self._per_host:
@@ -195,7 +224,7 @@ class _Watch:
             with self._lock:
                 if self._done:
                     call.cancel()
-                    return
+                    return None
                 self._call = call
             events: Iterator[rendezvous_pb2.WatchEvent] = call
             for event in events:
@@ -205,25 +234,52 @@ class _Watch:
                 if event.kind == rendezvous_pb2.WatchEvent.SHUTDOWN:
                     detail = event.message or "no reason given"
                     self._report(f"the rendezvous server shut down the job: {detail}")
-                    return
-            self._report("the rendezvous server closed the watch stream")
+                    return None
+            return "the rendezvous server closed the watch stream"
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.CANCELLED and self._finished.is_set():
-                return  # our own cancel()
-            self._report(str(self._client._convert("watch", error)))
+                return None  # our own cancel()
+            if error.code() not in _TRANSIENT:  # refused: asking again cannot help
+                self._report(str(self._client._convert("watch", error)))
+                return None
+            return str(self._client._convert("watch", error))
         except Exception as error:  # a bug must still end in a report, not a silent thread
             self._report(f"watch stream failed: {error!r}")
+            return None
 
     def _guard(self) -> None:
         poll = min(0.25, self._lost_after / 4)
         while not self._finished.wait(poll):
             silent = time.monotonic() - self._last_event
-            if silent > self._lost_after:
-                self._report(
-                    f"no heartbeat from the rendezvous server at {self._client.addr} "
-                    f"for {silent:.1f} s (lost_after={self._lost_after:g} s)"
+            if silent <= self._lost_after:
+                continue
+            if self._alive():  # this process was starved, or the stream is slow: go on
+                logger.warning(
+                    "no heartbeat from the rendezvous server for %.1f s, but it answers; going on",
+                    silent,
                 )
-                return
+                self._last_event = time.monotonic()
+                continue
+            self._report(
+                f"no heartbeat from the rendezvous server at {self._client.addr} "
+                f"for {silent:.1f} s, and it does not answer (lost_after="
+                f"{self._lost_after:g} s)"
+            )
+            return
+
+
+#: How long a watch's question to the server may take before the server counts as lost.
+PROBE_SECONDS = 5.0
+#: A broken watch stream of a server that still answers is opened again after this long.
+REOPEN_SECONDS = 1.0
+#: Stream errors after which the server may still be there (the transport broke).
+_TRANSIENT = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+)
 
 
 class RendezvousClient:
@@ -251,7 +307,8 @@ class RendezvousClient:
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
             # Ping during long blocking calls so a cut network fails them.
             ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
+            # (generous: a briefly stopped or overloaded hvdrun is not a cut network)
+            ("grpc.keepalive_timeout_ms", 20_000),
             # Its own connection: a client's calls never queue behind another client's.
             ("grpc.use_local_subchannel_pool", 1),
             # Reconnect soon after a refused connection: under another launcher the
@@ -521,6 +578,10 @@ class RendezvousClient:
             f"delete({key!r})", self._stub.Delete, rendezvous_pb2.DeleteRequest(key=key)
         )
         return response.deleted
+
+    def probe(self, timeout: float) -> None:
+        """One short call that the server answers at once: raises when it does not."""
+        self._call("probe", self._stub.NumKeys, rendezvous_pb2.Empty(), timeout=timeout)
 
     def num_keys(self) -> int:
         """Number of keys in the whole store (all prefixes)."""

@@ -44,6 +44,8 @@ __all__ = [
     "RENDEZVOUS_RELAY",
     "RENDEZVOUS_RELAY_ADDR",
     "SECRET",
+    "STATE_KEY_PREFIX",
+    "WORKER",
     "connection_env",
     "flag",
     "horovod_placement_env",
@@ -98,6 +100,14 @@ RENDEZVOUS_CERT = "HVDRUN_RENDEZVOUS_CERT"
 RENDEZVOUS_RELAY_ADDR = "HVDRUN_RENDEZVOUS_RELAY_ADDR"
 #: Elastic jobs: the membership generation a worker was started for.
 GENERATION = "HVDRUN_GENERATION"
+#: Elastic jobs: the worker's number, unique in the job (its output prefix ``[N]``); its
+#: reports to the launcher are keyed by it.
+WORKER = "HVDRUN_WORKER"
+#: Elastic jobs: a worker that holds the job's training state says so in the rendezvous
+#: store, under this prefix and its number, with the generation it last synced the state
+#: in (see ``collectives.runtime.state_synced``); the launcher never starts a generation
+#: from workers that hold none.
+STATE_KEY_PREFIX = "hvdrun/state/"
 
 # ---- settings: read as HVDRUN_<name> or HOROVOD_<name> ---------------------------------
 FUSION_THRESHOLD = "FUSION_THRESHOLD"
@@ -117,8 +127,11 @@ AUTOTUNE_BAYES_OPT_MAX_SAMPLES = "AUTOTUNE_BAYES_OPT_MAX_SAMPLES"
 AUTOTUNE_GAUSSIAN_PROCESS_NOISE = "AUTOTUNE_GAUSSIAN_PROCESS_NOISE"
 #: How long a collective (and a negotiation round) waits for a peer.
 GLOO_TIMEOUT_SECONDS = "GLOO_TIMEOUT_SECONDS"
-#: How long the rendezvous heartbeat may stay silent before the job counts as lost.
+#: How long the rendezvous heartbeat may stay silent (and the server not answer) before
+#: the job counts as lost (``hvdrun --heartbeat-timeout``): well above the scheduling
+#: hiccups of a loaded machine; a closed connection counts at once.
 RENDEZVOUS_LOST_AFTER_SECONDS = "RENDEZVOUS_LOST_AFTER_SECONDS"
+DEFAULT_LOST_AFTER_SECONDS = 30.0
 #: Elastic jobs: "1" marks one; how long a worker waits for the next generation.
 ELASTIC = "ELASTIC"
 #: 0 turns the per-host rendezvous relay off (workers then dial the server themselves).

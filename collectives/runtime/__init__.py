@@ -23,7 +23,7 @@ be added without touching the queries.
 
 from __future__ import annotations
 
-from collectives.runtime.bootstrap import init, reset, shutdown
+from collectives.runtime.bootstrap import init, reset, shutdown, state_synced
 from collectives.runtime.build import (
     ccl_built,
     cuda_built,
@@ -96,6 +96,7 @@ __all__ = [
     "size",
     "start_timeline",
     "started_by",
+    "state_synced",
     "stop_timeline",
     "timeout",
     "topology",

@@ -43,11 +43,16 @@ from collectives.runtime.groups import (
     stop_collectives,
 )
 from collectives.runtime.launched import detect_placement, init_launched
-from collectives.runtime.registration import init_from_rendezvous, join_elastic, register
+from collectives.runtime.registration import (
+    init_from_rendezvous,
+    join_elastic,
+    register,
+    report_state_synced,
+)
 from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import worker_env
 
-__all__ = ["BOOTSTRAP_TIMEOUT_SECONDS", "init", "reset", "shutdown"]
+__all__ = ["BOOTSTRAP_TIMEOUT_SECONDS", "init", "reset", "shutdown", "state_synced"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +174,16 @@ def reset() -> None:
             state.set_current(None)
             _teardown(runtime_)
             raise
+
+
+def state_synced() -> None:
+    """Elastic jobs: this worker now holds the job's training state (synced in this
+    generation, or kept from the last one). hvdrun never starts a generation from workers
+    that hold none; a frontend's ``elastic.run`` calls this once the state is in place."""
+    with _lock:
+        runtime_ = state.current()
+        if runtime_ is not None:
+            report_state_synced(runtime_)
 
 
 def shutdown() -> None:

@@ -46,13 +46,15 @@ __all__ = [
     "init_from_rendezvous",
     "join_elastic",
     "register",
+    "report_state_synced",
     "watch_and_join",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: How long the rendezvous heartbeat may stay silent before the job counts as lost.
-DEFAULT_LOST_AFTER_SECONDS = 5.0
+#: How long the rendezvous heartbeat may stay silent (and the server not answer) before
+#: the job counts as lost (see ``worker_env.RENDEZVOUS_LOST_AFTER_SECONDS``).
+DEFAULT_LOST_AFTER_SECONDS = worker_env.DEFAULT_LOST_AFTER_SECONDS
 #: Elastic jobs: how long a worker waits for the launcher's next membership generation.
 DEFAULT_ELASTIC_TIMEOUT_SECONDS = 600.0
 
@@ -212,6 +214,25 @@ def join_elastic(runtime_: RuntimeState) -> None:
             )
         destroy_groups()
         register(runtime_, runtime_.generation + 1)
+
+
+def report_state_synced(runtime_: RuntimeState) -> None:
+    """Elastic jobs: tells hvdrun that this worker holds the training state as of its
+    generation (once per generation), in the rendezvous store under its worker number."""
+    from rendezvous.client import RendezvousError
+
+    worker = os.environ.get(worker_env.WORKER, "")
+    client = runtime_.client
+    if not runtime_.elastic or client is None or not worker.isdigit():
+        return
+    if runtime_.state_reported == runtime_.generation:
+        return
+    try:
+        client.set(worker_env.STATE_KEY_PREFIX + worker, str(runtime_.generation).encode())
+    except RendezvousError as error:  # the job is ending; the training goes on regardless
+        logger.debug("could not report holding the training state: %s", error)
+        return
+    runtime_.state_reported = runtime_.generation
 
 
 def init_from_rendezvous(

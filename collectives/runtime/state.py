@@ -92,6 +92,9 @@ class RuntimeState:
     newest_generation: int = 0
     host: str = ""
     slot: int = 0
+    #: Elastic jobs: the generation this worker last told hvdrun it holds the training
+    #: state in (-1: never).
+    state_reported: int = -1
 
     def saw_generation(self, generation: int) -> None:
         if generation > self.newest_generation:

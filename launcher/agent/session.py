@@ -81,7 +81,10 @@ def start_relay(spec: AgentSpec, env: dict[str, str]) -> HostRelay | None:
         if is_loopback(split_addr(addr)[0]):
             return None
         lost_after = worker_env.number(
-            worker_env.RENDEZVOUS_LOST_AFTER_SECONDS, 5.0, strict=True, env=env
+            worker_env.RENDEZVOUS_LOST_AFTER_SECONDS,
+            worker_env.DEFAULT_LOST_AFTER_SECONDS,
+            strict=True,
+            env=env,
         )
     except ValueError:
         return None  # the workers report the bad setting themselves
@@ -218,12 +221,15 @@ class Control:
             elif isinstance(request, KillRequest):
                 self.request_stop("asked to kill", kill=True)
 
-    def heartbeat(self, timeout: float, emit: Emitter) -> None:
+    def heartbeat(self, timeout: float, lost_after: float, emit: Emitter) -> None:
+        """Pings hvdrun every ``timeout`` / 4 s; stops the workers once hvdrun has been silent
+        for ``lost_after`` s (at least ``timeout``)."""
         interval = max(timeout / 4, 0.05)
+        limit = max(timeout, lost_after)
         while not self.stop.wait(interval):
             emit(Ping())
-            if time.monotonic() - self.last_heard > timeout:
-                self.request_stop(f"heard nothing from hvdrun for over {timeout:g} s")
+            if time.monotonic() - self.last_heard > limit:
+                self.request_stop(f"heard nothing from hvdrun for over {limit:g} s")
 
 
 def note(text: str) -> None:
@@ -286,7 +292,9 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
     threading.Thread(target=control.watch_stdin, args=(stdin,), daemon=True).start()
     if spec.heartbeat_timeout > 0:
         threading.Thread(
-            target=control.heartbeat, args=(spec.heartbeat_timeout, emit), daemon=True
+            target=control.heartbeat,
+            args=(spec.heartbeat_timeout, spec.lost_after, emit),
+            daemon=True,
         ).start()
 
     env = worker_base_env(os.environ, spec.env)

@@ -32,6 +32,9 @@ class LaunchOptions:
     ssh: SSHOptions = field(default_factory=SSHOptions)
     start_timeout: float = 30.0  # connecting to every host and starting its agent
     agent_timeout: float = 30.0  # silence after which a remote host counts as cut off
+    #: hvdrun's silence after which its agents and workers give the job up (a stopped or
+    #: overloaded hvdrun; a closed connection counts at once): --heartbeat-timeout.
+    lost_timeout: float = 30.0
     rendezvous_addr: str | None = None  # ADDR[:PORT] every host reaches this machine at
     check_versions: bool = True
     log_level: str = ""  # the agents' logging level (--verbose/--log-level); "" quiet

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 AGENT_REPORT_SLACK = 10.0
 #: At most this many events are handled between two rounds of signal and deadline checks.
 EVENT_BATCH = 1000
+#: The loop steps every poll interval; a gap this long means hvdrun itself was stopped or
+#: starved, and the agents get as long again to be heard before their silence counts.
+LOOP_STALL_SECONDS = 2.0
 
 
 @dataclass
@@ -96,6 +99,7 @@ def agent_spec(
         term_grace=spec.term_grace,
         rendezvous_addr=rendezvous,
         heartbeat_timeout=heartbeat_timeout,
+        lost_after=spec.launch.lost_timeout,
         log_level=spec.launch.log_level,
     )
 
@@ -193,6 +197,8 @@ class Supervision(ABC, Generic[E]):
         self.result = JobResult(exit_code=0)
         self.stopping = False  # every agent has been told to stop its workers
         self.stop_deadline: float | None = None  # then agents that have not reported are killed
+        self._last_check: float | None = None  # when this loop last judged heartbeats
+        self._grace_until = 0.0  # after this loop itself stalled, silence is its own
 
     # ---- what differs between supervisors ----------------------------------------------
 
@@ -212,8 +218,9 @@ class Supervision(ABC, Generic[E]):
     def on_event(self, event: E) -> None: ...
 
     @abstractmethod
-    def on_silent(self, agent: Supervised, why: str) -> None:
-        """``agent`` has been silent too long; its connection is aborted right after this."""
+    def on_silent(self, agent: Supervised, why: str) -> bool:
+        """``agent`` has been silent too long: True when that ends it (its connection is
+        aborted right after this); False to give it more time."""
 
     def stop_agent(self, agent: Supervised) -> None:
         """Tells one live agent to stop its workers (SIGTERM, SIGKILL after the grace)."""
@@ -269,11 +276,22 @@ class Supervision(ABC, Generic[E]):
         self.stop_all()
 
     def check_heartbeats(self, now: float) -> None:
+        last, self._last_check = self._last_check, now
+        if last is not None and now - last > LOOP_STALL_SECONDS:
+            # This loop did not run (hvdrun was stopped or starved of CPU): the agents'
+            # silence was hvdrun's own, and their lines wait in the pipes to be read.
+            log.warning("hvdrun's loop stalled for %.1f s; heartbeats wait", now - last)
+            self._grace_until = now + LOOP_STALL_SECONDS
+        if now < self._grace_until:
+            return
         for agent in self.watched_agents():
             timeout = agent.heartbeat_timeout
             # The reader thread stamps last_heard, so a slow terminal cannot fake a silence.
-            if timeout > 0 and now - agent.last_heard > timeout:
-                self.on_silent(agent, f"heard nothing from its agent for {timeout:g} s")
+            if (
+                timeout > 0
+                and now - agent.last_heard > timeout
+                and self.on_silent(agent, f"heard nothing from its agent for {timeout:g} s")
+            ):
                 agent.abort()  # its agent stops its workers on its own heartbeat timeout
 
     def drain_events(self) -> None:

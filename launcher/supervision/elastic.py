@@ -188,6 +188,8 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             self._elastic_env[we.variable(we.GLOO_TIMEOUT_SECONDS)] = f"{options.failure_timeout:g}"
         self.members.discovered = initial
         self.finishing = False  # a worker exited 0: no more generations
+        self._finished_in: int | None = None  # the generation it synced the state in
+        self._silent_hosts: set[str] = set()  # silent agents whose workers still train
         self._worker_ids = itertools.count()
         self._done = threading.Event()
         self._versions = installed_versions() if spec.launch.check_versions else None
@@ -224,10 +226,38 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         # Agents send heartbeats once their workers run; a ready agent may wait silently.
         return [h.agent for h in self.members.running() if h.agent_alive]
 
-    def on_silent(self, agent: Supervised, why: str) -> None:
+    def on_silent(self, agent: Supervised, why: str) -> bool:
+        """A silent agent fails its host when the others' collectives failed too (its
+        workers are gone or cut off: the survivors wait for a new generation) or after the
+        heartbeat timeout. Until then its workers still train with the others, and the
+        agent is only stopped or starved: the server's view of the job beats the agent's
+        heartbeat, and nobody is killed for a hiccup."""
         host = self._record_of(agent)
+        silent = self.clock() - agent.last_heard
+        if (
+            host.state == "running"
+            and silent < self.spec.launch.lost_timeout
+            and not self._others_wait(host)
+        ):
+            if host.name not in self._silent_hosts:
+                self._silent_hosts.add(host.name)
+                self.sink.message(
+                    f"heard nothing from the agent of {host.name} for {silent:.0f} s, but its "
+                    "workers still train with the others; waiting"
+                )
+            return False
+        self._silent_hosts.discard(host.name)
         self._fail_host(host, why)
         host.agent_finished = True
+        return True
+
+    def _others_wait(self, host: HostRecord) -> bool:
+        """Whether workers of other hosts wait for a new generation (their collectives
+        failed)."""
+        waiting = self.server.waiting_slots()
+        return any(
+            other is not host and other.slot_keys() & waiting for other in self.members.running()
+        )
 
     def stop_agent(self, agent: Supervised) -> None:
         host = self._record_of(agent)
@@ -344,7 +374,11 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         if host.state in ("removed", "failed", "done") or self.stopping:
             return
         if code == 0:
-            self.finishing = True
+            if not self.finishing:
+                self.finishing = True
+                # The generation the finishing workers trained in: workers that do not
+                # hold the state of that generation are still bootstrapping a later one.
+                self._finished_in = self.server.state_holders().get(worker)
         elif self.finishing:
             self.fail(WorkerFailure(worker, host.name, code, error))
         else:
@@ -384,11 +418,13 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             host.agent.terminate()
 
     def _give_up(self, message: str) -> None:
-        """The job cannot go on (too few hosts, too many resets): stop it, exit 1."""
+        """The job cannot go on (too few hosts, too many resets, the state lost): stop it,
+        exit 1."""
         if self.stopping:
             return
         self.result.exit_code = ELASTIC_FAILURE_EXIT
-        self.sink.message(message)
+        for line in message.splitlines():
+            self.sink.message(line)
         self.stop_all()
 
     def _reconcile(self, now: float) -> None:
@@ -397,6 +433,8 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         if self.stopping or self.finishing:
             return
         members = self.members
+        if members.need_publish:
+            members.note_holders(self.server.state_holders())
         members.retire_finished()
         for host in members.drop_undiscovered():
             self.sink.message(f"host {host.name} is no longer discovered; removing it")
@@ -424,18 +462,32 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             host.agent.terminate()
 
     def _stop_stranded(self) -> None:
-        """After a worker finished (exit 0) no generation comes any more: workers that wait
-        for one (their collectives failed when it left) are stopped, as Horovod does."""
+        """After a worker finished (exit 0) the job's outcome is decided and no generation
+        comes any more: workers that wait for one (their collectives failed when it left),
+        and workers still bootstrapping a generation that the finishing workers never
+        joined (they do not hold the state the others finished with), are stopped at once;
+        the others finish on their own."""
         waiting = self.server.waiting_slots()
+        finished_in = self._finished_in
+        holders = self.server.state_holders() if finished_in is not None else {}
         for host in self.members.running():
-            if host.slot_keys() & waiting and not host.all_exited():
-                self.sink.message(
-                    f"stopping the workers on {host.name}: they wait for a new generation, "
-                    "but another worker has finished the job"
-                )
-                host.state = "done"
-                if host.agent_alive:
-                    host.agent.terminate()
+            if host.all_exited():
+                continue
+            if host.slot_keys() & waiting:
+                why = "they wait for a new generation"
+            elif finished_in is not None and not any(
+                holders.get(worker, -1) >= finished_in for worker in host.live_workers()
+            ):
+                why = "they are still joining a generation that will not train"
+            else:
+                continue
+            self.sink.message(
+                f"stopping the workers on {host.name}: {why}, but another worker has "
+                "finished the job"
+            )
+            host.state = "done"
+            if host.agent_alive:
+                host.agent.terminate()
 
     def _start_host(self, host: HostRecord) -> None:
         launch = self.spec.launch
@@ -492,6 +544,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             number = next(self._worker_ids)
             worker.rank = number
             worker.env[worker_env.GENERATION] = str(generation)
+            worker.env[worker_env.WORKER] = str(number)
             host.workers[number] = int(worker.env[worker_env.LOCAL_RANK])
             self.result.hosts[number] = host.name
         self.sink.open_files(host.workers)

@@ -89,8 +89,9 @@ class Supervisor(Supervision[HostEvent]):
     def live_agents(self) -> list[Supervised]:
         return [self.agents[host] for host in self._pending_hosts]
 
-    def on_silent(self, agent: Supervised, why: str) -> None:
+    def on_silent(self, agent: Supervised, why: str) -> bool:
         self._lose_host(agent.hostname, why)
+        return True
 
     def after_events(self, now: float) -> None:
         self._show_status()

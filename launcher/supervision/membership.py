@@ -10,6 +10,15 @@ A record's state: ``starting`` (its agent is being started), ``ready`` (agent up
 yet), ``running`` (its workers belong to the job), then ``removed`` (discovery dropped it),
 ``failed`` or ``done``.
 
+The training state lives in the workers' memory only. A worker *holds* it once it synced it
+in a generation (``hvd.elastic.run`` reports that, see ``worker_env.STATE_KEY_PREFIX``);
+brand-new workers hold nothing until then. So a generation never starts without a holder
+(rank 0, from which every other rank syncs, is put on a holder's host); when no holder is
+left the job stops with an error instead of training on from the initial state. Only a
+generation that replaces one in which the state was synced counts as a reset: a generation
+that never trained cost nothing. The first generation waits a short start window for every
+host discovery listed, so that hosts that come up a moment apart start together.
+
 Threads: nothing here locks. :class:`Membership` and every :class:`HostRecord` belong to the
 elastic driver's main loop, which alone reads and writes them; the driver's other threads
 (discovery, agent start-up) report through its event queue instead (see
@@ -27,9 +36,30 @@ from typing import Any
 from launcher.spec.hosts import HostSpec
 from launcher.spec.options import ElasticOptions
 from launcher.supervision.discovery import Blacklist
+from launcher.supervision.report import HOROVOD_FAILED
 from rendezvous.slots import SlotInfo, assign_slots
 
 ACTIVE = ("starting", "ready", "running")
+#: The first generation waits this long (from when it has enough slots) for the hosts
+#: discovery listed that are still starting, so that they start together.
+START_WINDOW = 5.0
+#: Horovod's words where users match on them, then hvdrun's own.
+EVERY_WORKER_FAILED = (
+    f"{HOROVOD_FAILED}\n"
+    "every worker of the elastic job has failed or left, and its training state with them; "
+    "stopping the job"
+)
+RESET_LIMIT_EXCEEDED = (
+    "Horovod was shutdown because number of resets during elastic job exceeded limit: "
+    "{limit}\n"
+    "the elastic job would need reset {resets}, more than --reset-limit {limit}; stopping "
+    "the job"
+)
+STATE_LOST = (
+    "the training state is lost: every worker that held it is gone, and the workers left "
+    "({hosts}) never received it; stopping the job rather than training on from the "
+    "initial state"
+)
 
 
 @dataclass
@@ -54,6 +84,10 @@ class HostRecord:
 
     def slot_keys(self) -> set[tuple[str, int]]:
         return {(self.name, local) for local in range(self.slots)}
+
+    def live_workers(self) -> list[int]:
+        """The numbers of its workers that have not exited."""
+        return [worker for worker in self.workers if worker not in self.exits]
 
 
 @dataclass
@@ -95,6 +129,10 @@ class Membership:
         self.generation = 0
         self.resets = 0
         self.need_publish = False
+        #: worker number -> the generation it last synced the training state in (reports)
+        self.holders: dict[int, int] = {}
+        self.trained = False  # some worker has held the training state
+        self._enough_since: float | None = None  # the first generation had enough slots
         self._short_since: float | None = None
         self._rejoin_since: float | None = None
         self._orders = itertools.count()
@@ -111,6 +149,19 @@ class Membership:
             if host.name == name and (order is None or order == host.order):
                 return host
         return None
+
+    def note_holders(self, holders: dict[int, int]) -> None:
+        """The workers' latest reports of holding the training state."""
+        self.holders = holders
+        self.trained = self.trained or bool(holders)
+
+    def holds(self, host: HostRecord) -> bool:
+        """Whether a live worker of the host holds the training state."""
+        return any(worker in self.holders for worker in host.live_workers())
+
+    def trained_in(self, generation: int) -> bool:
+        """Whether the state was synced in ``generation`` (or later): it trained."""
+        return any(synced >= generation for synced in self.holders.values())
 
     def ready(self, host: HostRecord) -> None:
         """The host's agent is up: it joins with the next generation."""
@@ -198,28 +249,36 @@ class Membership:
         starting = any(h.state == "starting" for h in self.hosts.values())
         min_np = self.options.min_np
         if self.generation == 0:
-            # The first one: -np slots, or every host discovery offered (at least --min-np).
-            if (starting and total < self.num_proc) or total < min_np:
+            # The first one: -np slots, or every host discovery offered (at least --min-np);
+            # hosts still starting get a short window to join it.
+            if total < min_np or (starting and (total < self.num_proc or self._window(now))):
                 return self._wait(now, total, starting)
         elif not self.need_publish:
             return None
         elif not any(h.state == "running" for h in members):
-            return Stop(
-                "every worker of the elastic job has failed or left, and its training state "
-                "with them; stopping the job"
-            )
+            return Stop(EVERY_WORKER_FAILED)
+        elif self.trained and not any(self.holds(h) for h in members):
+            return Stop(STATE_LOST.format(hosts=", ".join(h.name for h in members)))
         elif total < min_np:
             return self._wait(now, total, starting)
         self._short_since = None
-        if self.generation > 0:
+        if self.generation > 0 and self.trained_in(self.generation):
             self.resets += 1
             limit = self.options.reset_limit
             if limit is not None and self.resets > limit:
-                return Stop(
-                    f"the elastic job would need reset {self.resets}, more than --reset-limit "
-                    f"{limit}; stopping the job"
-                )
+                return Stop(RESET_LIMIT_EXCEEDED.format(limit=limit, resets=self.resets))
+        if self.trained and not self.holds(members[0]):
+            # Every rank syncs from rank 0, on the first member: the oldest holder.
+            first = next(h for h in members if self.holds(h))
+            members = [first, *(h for h in members if h is not first)]
         return Publish(members, assign_slots([(h.name, h.slots) for h in members], total))
+
+    def _window(self, now: float) -> bool:
+        """Whether the first generation's start window (from when it had enough slots)
+        is still open."""
+        if self._enough_since is None:
+            self._enough_since = now
+        return now - self._enough_since < START_WINDOW
 
     def published(self, generation: int) -> None:
         self.generation = generation

@@ -15,6 +15,11 @@ from launcher.supervision.core import JobResult
 
 #: What a worker that hvdrun stopped exits with: SIGTERM, or SIGKILL after the grace period.
 STOP_CODES = (128 + signal.SIGTERM, 128 + signal.SIGKILL)
+#: What horovodrun says when a worker failed (users match on it); hvdrun's details follow.
+HOROVOD_FAILED = (
+    "Horovod detected that one or more processes exited with non-zero status, thus causing "
+    "the job to be terminated."
+)
 #: Up to this many ranks the table lists every rank.
 FULL_TABLE_RANKS = 32
 LAST_LINE_WIDTH = 60
@@ -80,6 +85,8 @@ def report_failure(result: JobResult, sink: OutputSink) -> None:
     what = describe_exit(failure.code)
     if failure.rank in result.lost:
         what = f"{result.lost[failure.rank]} (exit code {failure.code})"
+    # Horovod's sentence first: scripts and CI logs match on it.
+    sink.message(HOROVOD_FAILED)
     sink.message(f"rank {failure.rank} on host {failure.hostname} failed first: {what}")
     others = sorted(r for r, c in result.exits.items() if c != 0 and r != failure.rank)
     if others:

@@ -126,6 +126,10 @@ class KeyValueStore:
     def check(self, keys: Iterable[str]) -> bool:
         return all(key in self._data for key in keys)
 
+    def values_under(self, prefix: str) -> dict[str, bytes]:
+        """Every key that starts with ``prefix``, and its value."""
+        return {key: value for key, value in self._data.items() if key.startswith(prefix)}
+
     def num_keys(self) -> int:
         return len(self._data)
 

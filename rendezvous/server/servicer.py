@@ -24,7 +24,7 @@ from typing import NoReturn
 import grpc
 import grpc.aio
 
-from rendezvous import rendezvous_pb2, rendezvous_pb2_grpc
+from rendezvous import rendezvous_pb2, rendezvous_pb2_grpc, worker_env
 from rendezvous.server.common import LOGGER_NAME, Refusal
 from rendezvous.server.kv import Barriers, KeyValueStore
 from rendezvous.server.membership import Membership, Place
@@ -74,6 +74,17 @@ class Servicer(rendezvous_pb2_grpc.RendezvousServicer):
 
     def waiting_slots(self) -> set[tuple[str, int]]:
         return self._membership.waiting_slots()
+
+    def state_holders(self) -> dict[int, int]:
+        """Elastic jobs: worker number -> the generation it last synced the training state
+        in, as the workers reported it (see ``worker_env.STATE_KEY_PREFIX``)."""
+        prefix = worker_env.STATE_KEY_PREFIX
+        holders = {}
+        for key, value in self._store.values_under(prefix).items():
+            worker, text = key[len(prefix) :], value.decode("ascii", "replace")
+            if worker.isdigit() and text.isdigit():
+                holders[int(worker)] = int(text)
+        return holders
 
     def watching_ranks(self) -> set[int]:
         return self._watches.watching_ranks()

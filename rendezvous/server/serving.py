@@ -227,6 +227,11 @@ class RendezvousServer:
         newer than the newest is published (survivors of a failed collective)."""
         return self._ask(self._servicer.waiting_slots, set())
 
+    def state_holders(self) -> dict[int, int]:
+        """Elastic jobs: the workers that hold the training state (by number), and the
+        generation each last synced it in."""
+        return self._ask(self._servicer.state_holders, {})
+
     def watching_ranks(self) -> set[int]:
         """Ranks that hold an open Watch stream right now."""
         return self._ask(self._servicer.watching_ranks, set())

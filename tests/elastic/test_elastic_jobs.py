@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -177,7 +178,17 @@ def test_cut_link_training_finishes_on_the_rest(elastic_cluster: Cluster, tmp_pa
     node1, node2, node3 = elastic_cluster.hosts
     discovery = hosts_file(tmp_path, node1, node2, node3)
     steps = 40
-    job = Job(elastic_cluster, "-np", "3", "--min-np", "2", *elastic_args(discovery, steps))
+    # The cut-off host's agent and workers give the job up after the heartbeat timeout.
+    job = Job(
+        elastic_cluster,
+        "-np",
+        "3",
+        "--min-np",
+        "2",
+        "--heartbeat-timeout",
+        "8",
+        *elastic_args(discovery, steps),
+    )
     job.when(after_step(10), lambda: elastic_cluster.set_link(node3, up=False))
     try:
         code, output = job.wait()
@@ -290,4 +301,61 @@ def test_too_few_slots_for_longer_than_the_elastic_timeout(
         "hvdrun: only 1 slot(s) were available for longer than the elastic timeout (2 s), "
         "fewer than --min-np 2; stopping the job" in output
     ), output
+    assert_hosts_clean(elastic_cluster, [node1, node2], within=10)
+
+
+def test_the_last_holder_of_the_state_dies_and_the_job_stops_instead_of_starting_over(
+    elastic_cluster: Cluster, tmp_path: Path
+) -> None:
+    # node2 joins in generation 2; node1, the only worker that holds the training state,
+    # dies before node2's worker got it. Training on from node2's initial state would
+    # lose every step taken: the job stops with an error instead.
+    node1, node2 = elastic_cluster.hosts[:2]
+    discovery = hosts_file(tmp_path, node1)
+    job = Job(elastic_cluster, "-np", "1", "--min-np", "1", *elastic_args(discovery, 100000))
+    job.when(after_step(5), lambda: write_hosts(discovery, node1, node2))
+    job.when(
+        lambda line: "generation 2: 2 worker(s)" in line,
+        lambda: kill_host(elastic_cluster, node1),
+    )
+    code, output = job.wait()
+    assert code == 1, output
+    assert (
+        f"hvdrun: the training state is lost: every worker that held it is gone, and the "
+        f"workers left ({node2.alias}) never received it" in output
+    ), output
+    assert "final " not in output, output
+    steps = [c[0] for c in committed(output)]
+    assert steps == list(range(1, len(steps) + 1)), output  # no step taken twice
+    assert_hosts_clean(elastic_cluster, [node1, node2], within=10)
+
+
+def test_a_stopped_agent_does_not_fail_its_host(elastic_cluster: Cluster, tmp_path: Path) -> None:
+    # node2's agent is stopped (SIGSTOP) for longer than the agents' 5 s heartbeat timeout
+    # of elastic jobs: its workers still train with the others, so nobody is failed.
+    node1, node2 = elastic_cluster.hosts[:2]
+    discovery = hosts_file(tmp_path, node1, node2)
+    steps = 100
+    job = Job(elastic_cluster, "-np", "2", "--min-np", "1", *elastic_args(discovery, steps))
+
+    def stop_agent_for_a_while() -> None:
+        agents = [
+            proc
+            for proc in elastic_cluster.processes_on(node2)
+            if "launcher.agent" in " ".join(proc.cmdline())
+        ]
+        assert agents, "no agent on node2"
+        for agent in agents:
+            agent.suspend()
+        time.sleep(8)
+        for agent in agents:
+            agent.resume()
+
+    job.when(after_step(10), lambda: threading.Thread(target=stop_agent_for_a_while).start())
+    code, output = job.wait()
+    assert code == 0, output
+    assert f"heard nothing from the agent of {node2.alias} for " in output, output
+    assert "but its workers still train with the others; waiting" in output, output
+    assert " failed (" not in output, output
+    check_finished_exactly(output, steps, size=2)
     assert_hosts_clean(elastic_cluster, [node1, node2], within=10)

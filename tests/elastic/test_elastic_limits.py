@@ -6,9 +6,13 @@ one and go on with the other.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from tests.collectives.conftest import REPO, run_hvdrun
+from tests.collectives.conftest import REPO, clean_env, run_hvdrun
 
 WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
 TWO_HOSTS = "printf 'localhost\\n127.0.0.1\\n'"  # a discovery script
@@ -40,7 +44,10 @@ def test_every_host_failed_ends_the_job() -> None:
     assert code == 1, output
     assert "hvdrun: host localhost failed (worker " in output, output
     assert "exited with exit code 1); blacklisted for the rest of the job" in output, output
+    # Horovod's sentence first (users match on it), then hvdrun's own
     assert (
+        "hvdrun: Horovod detected that one or more processes exited with non-zero status, "
+        "thus causing the job to be terminated.\n"
         "hvdrun: every worker of the elastic job has failed or left, and its training state "
         "with them; stopping the job" in output
     ), output
@@ -57,6 +64,8 @@ def test_more_resets_than_the_limit_end_the_job() -> None:
     assert code == 1, output
     assert "hvdrun: host 127.0.0.1 failed (worker 1 exited with exit code 1)" in output, output
     assert (
+        "hvdrun: Horovod was shutdown because number of resets during elastic job exceeded "
+        "limit: 0\n"
         "hvdrun: the elastic job would need reset 1, more than --reset-limit 0; stopping the job"
         in output
     ), output
@@ -131,3 +140,91 @@ def test_elastic_digits_example_with_its_discovery_script() -> None:
     assert "hvdrun: generation 1: 2 worker(s) on 1 host(s): localhost" in output, output
     accuracy = float(output.split("final test accuracy: ")[1].split()[0])
     assert accuracy > 0.9, output
+
+
+def test_two_hosts_that_come_up_a_moment_apart_start_as_one_generation() -> None:
+    # Discovery offers 2 slots on each host and -np 2: the first host alone has enough, but
+    # both start together (the start window), so --reset-limit 0 holds with no failure.
+    code, output = run_hvdrun(
+        2,
+        WORKER,
+        options=[
+            "--min-np",
+            "2",
+            "--reset-limit",
+            "0",
+            "--host-discovery-script",
+            "printf 'localhost:2\\n127.0.0.1:2\\n'",
+        ],
+        env={"STEPS": "10", "STEP_INTERVAL": "0.05"},
+        timeout=120,
+    )
+    assert code == 0, output
+    assert "hvdrun: generation 1: 4 worker(s) on 2 host(s): localhost, 127.0.0.1" in output
+    assert "generation 2" not in output and "--reset-limit" not in output, output
+    for rank in range(4):
+        assert f"final rank={rank} size=4 step=10 weight=-10 resets=[]" in output, output
+
+
+def test_a_stopped_hvdrun_does_not_kill_its_workers() -> None:
+    # hvdrun is stopped (SIGSTOP) for longer than the old 5 s limit of workers and agents:
+    # nothing it watches may count that as a lost job; the job trains on when it goes on.
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hvdrun",
+            "-np",
+            "2",
+            "--min-np",
+            "1",
+            "--host-discovery-script",
+            TWO_HOSTS,
+            sys.executable,
+            str(WORKER),
+        ],
+        cwd=REPO,
+        env={**clean_env(), "STEPS": "60", "STEP_INTERVAL": "0.05"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        assert job.stdout is not None
+        for line in job.stdout:
+            lines.append(line)
+            if "committed step=10 " in line:
+                break
+        job.send_signal(signal.SIGSTOP)
+        time.sleep(8)
+        job.send_signal(signal.SIGCONT)
+        output = "".join(lines) + job.communicate(timeout=120)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, output
+    assert " failed (" not in output and "lost" not in output, output
+    for rank in range(2):
+        assert f"final rank={rank} size=2 step=60 weight=-60" in output, output
+
+
+def test_workers_still_joining_when_the_job_finishes_are_stopped_at_once() -> None:
+    # 127.0.0.1's worker fails; after its cooldown the host comes back in generation 3, and
+    # just then the other worker finishes. The newcomer waits for a peer that is gone: it
+    # is stopped at once, and hvdrun exits 0 within seconds (not after the bootstrap's
+    # 300 s store timeout).
+    code, output = run_steps(
+        ["--host-discovery-script", TWO_HOSTS, "--blacklist-cooldown-range", "1", "1"],
+        100000,
+        fail_host="127.0.0.1",
+        fail_at_step=3,
+        FINISH_AT_GENERATION="3",
+    )
+    assert code == 0, output
+    assert "finishing as generation 3 comes" in output, output
+    assert (
+        "hvdrun: stopping the workers on 127.0.0.1: they are still joining a generation "
+        "that will not train, but another worker has finished the job" in output
+    ), output

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from collectives.errors import HostsUpdatedInterrupt
+from collectives.runtime import state as runtime_state
 from collectives.torch import elastic
 
 
@@ -76,6 +77,31 @@ def test_check_host_updates_without_news() -> None:
     state = elastic.ObjectState(x=1)
     state.check_host_updates()  # nothing newer than this generation: no interrupt
     assert issubclass(HostsUpdatedInterrupt, RuntimeError)
+
+
+@pytest.mark.usefixtures("hvd")
+def test_host_messages_show_the_generations_announced_since_this_workers_own() -> None:
+    # Horovod scripts poll state._host_messages (a queue there) for host changes.
+    state = elastic.TorchState(epoch=0)
+    assert state._host_messages.empty() and state._host_messages.qsize() == 0
+    live = runtime_state.current()
+    assert live is not None
+    live.saw_generation(live.generation + 2)  # what the rendezvous watch does on a notice
+    try:
+        _check_pending(state, live.generation)
+    finally:
+        live.newest_generation = live.generation  # (the runtime is shared by these tests)
+
+
+def _check_pending(state: elastic.TorchState, generation: int) -> None:
+    messages = state._host_messages
+    assert not messages.empty() and len(messages) == 2
+    mixed = elastic.HostUpdateResult.mixed
+    assert list(messages) == [(generation + 1, mixed), (generation + 2, mixed)]
+    assert not state._host_messages.empty()  # reading takes nothing away
+    state._last_updated_timestamp = 0  # (Horovod's scripts reset it before they wait)
+    with pytest.raises(HostsUpdatedInterrupt):
+        state.commit()  # and the commit acts on them, on every rank at once
 
 
 def test_elastic_sampler_resplits_the_rest_of_the_epoch() -> None:

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 from launcher.spec.hosts import HostSpec
 from launcher.spec.options import ElasticOptions
 from launcher.supervision.discovery import FixedHosts
-from launcher.supervision.membership import Membership, Publish, Stop, Wait
+from launcher.supervision.membership import (
+    START_WINDOW,
+    HostRecord,
+    Membership,
+    Publish,
+    Stop,
+    Wait,
+)
 
 
 def membership(
@@ -23,13 +32,30 @@ def start_all(members: Membership, now: float = 0.0) -> None:
         members.ready(host)
 
 
-def publish(members: Membership, now: float = 0.0) -> Publish:
+_workers = itertools.count()
+
+
+def publish(members: Membership, now: float = 0.0, synced: bool = True) -> Publish:
+    """Publishes the next generation: its new hosts get workers; with ``synced`` every
+    member's workers then report holding the training state in it."""
     decision = members.decide(now)
     assert isinstance(decision, Publish), decision
     members.published(members.generation + 1)
     for host in decision.members:
+        if host.state == "ready":
+            host.workers = {next(_workers): local for local in range(host.slots)}
         host.state = "running"
+    if synced:
+        sync(members, *decision.members)
     return decision
+
+
+def sync(members: Membership, *hosts: HostRecord) -> None:
+    """The hosts' workers report holding the state, synced in the current generation."""
+    held = dict(members.holders)
+    for host in hosts:
+        held.update(dict.fromkeys(host.workers, members.generation))
+    members.note_holders(held)
 
 
 def test_older_hosts_keep_the_low_ranks() -> None:
@@ -88,13 +114,21 @@ def test_reset_limit_and_every_worker_gone() -> None:
     publish(members)
     members.fail(members.hosts["b"], now=1.0)
     stop = members.decide(1.0)
-    assert isinstance(stop, Stop) and "more than --reset-limit 0" in stop.message
+    assert isinstance(stop, Stop) and stop.message.splitlines() == [
+        "Horovod was shutdown because number of resets during elastic job exceeded limit: 0",
+        "the elastic job would need reset 1, more than --reset-limit 0; stopping the job",
+    ]
     members = membership([("a", 1)], num_proc=1, min_np=1, max_np=None)
     start_all(members)
     publish(members)
     members.fail(members.hosts["a"], now=1.0)
     stop = members.decide(1.0)
-    assert isinstance(stop, Stop) and "every worker of the elastic job has failed" in stop.message
+    assert isinstance(stop, Stop) and stop.message.splitlines() == [
+        "Horovod detected that one or more processes exited with non-zero status, thus "
+        "causing the job to be terminated.",
+        "every worker of the elastic job has failed or left, and its training state with "
+        "them; stopping the job",
+    ]
 
 
 def test_rejoin_timeout_fails_the_members_that_do_not_rejoin() -> None:
@@ -125,3 +159,59 @@ def test_a_host_discovery_drops_is_removed_and_a_failed_one_comes_back_after_coo
     assert members.hosts_to_start(0.5) == []  # cooling down
     (back,) = members.hosts_to_start(1.0)
     assert back.name == "a"
+
+
+def test_only_a_generation_that_trained_counts_as_a_reset() -> None:
+    members = membership([("a", 1), ("b", 1)], num_proc=2, min_np=1, max_np=None, reset_limit=0)
+    start_all(members)
+    publish(members, synced=False)  # nobody synced: generation 1 never trained
+    members.fail(members.hosts["a"], now=1.0)
+    members.retire_finished()
+    publish(members, now=1.0)  # replaces an untrained generation: not a reset
+    assert members.resets == 0
+    members.discovered = [HostSpec("b", 1), HostSpec("c", 1)]
+    start_all(members, now=2.0)
+    stop = members.decide(2.0)  # generation 2 trained: replacing it is reset 1
+    assert isinstance(stop, Stop) and "number of resets" in stop.message
+
+
+def test_the_first_generation_waits_a_start_window_for_hosts_still_starting() -> None:
+    members = membership([("a", 2), ("b", 2)], num_proc=2, min_np=1, max_np=None)
+    a, b = members.hosts_to_start(0.0)
+    members.ready(a)  # a alone has -np slots, but b is still starting
+    assert members.decide(0.0) == Wait(None)
+    assert members.decide(START_WINDOW - 0.1) == Wait(None)
+    members.ready(b)  # b came up within the window: one generation of both
+    decision = members.decide(START_WINDOW - 0.05)
+    assert isinstance(decision, Publish) and [h.name for h in decision.members] == ["a", "b"]
+    late = membership([("a", 2), ("b", 2)], num_proc=2, min_np=1, max_np=None)
+    a, _ = late.hosts_to_start(0.0)
+    late.ready(a)
+    assert late.decide(0.0) == Wait(None)
+    decision = late.decide(START_WINDOW + 0.1)  # the window closed: go without b
+    assert isinstance(decision, Publish) and [h.name for h in decision.members] == ["a"]
+
+
+def test_no_generation_starts_without_a_holder_of_the_training_state() -> None:
+    members = membership([("a", 1)], num_proc=1, min_np=1, max_np=None, cooldown=(1.0, 1.0))
+    start_all(members)
+    publish(members)  # a holds the state
+    members.discovered = [HostSpec("a", 1), HostSpec("b", 1)]
+    start_all(members, now=1.0)
+    grown = publish(members, now=1.0, synced=False)  # b joins, but never gets the state
+    assert [h.name for h in grown.members] == ["a", "b"]
+    members.fail(members.hosts["a"], now=2.0)  # the last holder dies
+    stop = members.decide(2.0)
+    assert isinstance(stop, Stop) and "the training state is lost" in stop.message
+    assert "(b) never received it" in stop.message
+
+
+def test_rank_0_goes_to_a_holder_of_the_training_state() -> None:
+    members = membership([("a", 1), ("b", 1)], num_proc=2, min_np=1, max_np=None)
+    start_all(members)
+    first = publish(members, synced=False)
+    sync(members, members.hosts["b"])  # only b's worker synced (a's failed mid-sync)
+    members.need_publish = True
+    second = publish(members, now=1.0)
+    assert [s.hostname for s in first.slots] == ["a", "b"]
+    assert [s.hostname for s in second.slots] == ["b", "a"]  # rank 0 syncs everyone

@@ -88,9 +88,10 @@ class Hosts(Supervision[HostEvent]):
             case Done():
                 self.live.discard(item.host)
 
-    def on_silent(self, agent: Supervised, why: str) -> None:
+    def on_silent(self, agent: Supervised, why: str) -> bool:
         self.silent.append((agent.hostname, why))
         self.live.discard(agent.hostname)
+        return True
 
     def put(self, host: str, *events: Exit | Done) -> None:
         for event in events:
@@ -187,6 +188,26 @@ def test_a_silent_agent_is_lost_and_its_connection_dropped() -> None:
     assert job.silent == [("a", "heard nothing from its agent for 2 s")]
     assert watched.calls == ["abort"]
     assert unwatched.calls == []  # no heartbeat timeout: never silent
+
+
+def test_after_hvdrun_itself_stalled_its_agents_get_time_to_be_heard() -> None:
+    # hvdrun was stopped (SIGSTOP) or starved: its own loop did not run, so the agents'
+    # silence meanwhile is not theirs; they are judged again only after a grace period.
+    agent = FakeAgent("a", heartbeat_timeout=2.0)
+    clock = Clock()
+    job = Hosts(agent, clock=clock)
+    clock.now = 1.0
+    job.step()
+    clock.now = 9.0  # the loop stalled for 8 s; the agent was last heard at 0
+    job.step()
+    assert job.silent == []
+    agent.last_heard = 9.5  # its lines, read once hvdrun runs again
+    clock.now = 10.5
+    job.step()
+    assert job.silent == []
+    clock.now = 12.0  # silent again for longer than its timeout, after the grace
+    job.step()
+    assert job.silent == [("a", "heard nothing from its agent for 2 s")]
 
 
 def test_hosts_reporting_done_end_the_loop() -> None:

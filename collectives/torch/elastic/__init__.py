@@ -30,11 +30,19 @@ from __future__ import annotations
 from collectives.errors import HorovodInternalError, HostsUpdatedInterrupt
 from collectives.torch.elastic.runner import run
 from collectives.torch.elastic.sampler import ElasticSampler
-from collectives.torch.elastic.state import ObjectState, State, TorchState
+from collectives.torch.elastic.state import (
+    HostMessages,
+    HostUpdateResult,
+    ObjectState,
+    State,
+    TorchState,
+)
 
 __all__ = [
     "ElasticSampler",
     "HorovodInternalError",
+    "HostMessages",
+    "HostUpdateResult",
     "HostsUpdatedInterrupt",
     "ObjectState",
     "State",

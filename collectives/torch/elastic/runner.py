@@ -43,6 +43,7 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
             try:
                 if not skip_sync:
                     state.sync()
+                runtime.state_synced()  # (hvdrun starts no generation without a holder)
                 return func(state, *args, **kwargs)
             except HorovodInternalError as error:
                 logger.warning("a peer failed (%s); restoring the last commit", error)

@@ -5,12 +5,18 @@ rank contributes the newest membership generation it has heard of to one small a
 (max), so all ranks agree whether to raise :class:`HostsUpdatedInterrupt` at this very
 commit. A rank of a removed host therefore takes part in the decision like any other and
 nobody waits on it afterwards: a graceful removal cannot deadlock.
+
+Horovod scripts also poll ``state._host_messages`` (Horovod's queue of host-change notices)
+to learn that hosts changed before they commit, e.g. ``while state._host_messages.empty():``.
+Here it is :class:`HostMessages`, a read-only view of the same fact: the membership
+generations announced since this worker's own.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+import enum
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -25,7 +31,42 @@ from collectives.torch.functions import (
 )
 from collectives.torch.mpi_ops import allreduce
 
-__all__ = ["ObjectState", "State", "TorchState"]
+__all__ = ["HostMessages", "HostUpdateResult", "ObjectState", "State", "TorchState"]
+
+
+class HostUpdateResult(enum.IntFlag):
+    """What a host change did (Horovod's flags; hvdrun's notices say ``mixed``: a new
+    membership generation, whether hosts were added, removed or both)."""
+
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = removed | added
+
+
+class HostMessages:
+    """The host changes this worker has heard of and not acted on yet (``state.commit()``
+    acts on them): a read-only stand-in for the queue Horovod's states hold in
+    ``_host_messages``. One notice per membership generation announced after this
+    worker's; each reads ``(generation, HostUpdateResult.mixed)``."""
+
+    def qsize(self) -> int:
+        """How many notices are pending."""
+        if not runtime.is_initialized():
+            return 0
+        return max(0, runtime.newest_generation() - runtime.generation())
+
+    def empty(self) -> bool:
+        return self.qsize() == 0
+
+    def __len__(self) -> int:
+        return self.qsize()
+
+    def __iter__(self) -> Iterator[tuple[int, HostUpdateResult]]:
+        """The pending notices, oldest first (reading them takes none away)."""
+        current = runtime.generation() if runtime.is_initialized() else 0
+        for generation in range(current + 1, current + 1 + self.qsize()):
+            yield generation, HostUpdateResult.mixed
 
 
 class State:
@@ -33,6 +74,14 @@ class State:
 
     def __init__(self) -> None:
         self._reset_callbacks: list[Callable[[], None]] = []
+        # Horovod's scripts reset it before waiting on _host_messages; kept for them.
+        self._last_updated_timestamp = 0
+
+    @property
+    def _host_messages(self) -> HostMessages:
+        """Horovod's queue of host-change notices, as a read-only view (see
+        :class:`HostMessages`): ``while state._host_messages.empty(): ...`` works."""
+        return HostMessages()
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Functions called (in order) after every reset, e.g. to rescale the learning rate

@@ -20,13 +20,18 @@ from collectives.torch import elastic
 
 STEPS = int(os.environ.get("STEPS", "40"))
 INTERVAL = float(os.environ.get("STEP_INTERVAL", "0.1"))
-# FAIL_HOST=h FAIL_AT_STEP=n: the workers on host h exit 1 after committing step n (with
+# FAIL_HOST=h FAIL_AT_STEP=n: the workers on host h ("*": every host) exit 1 after
+# committing step n (with
 # FAIL_MODE=hang: stop themselves with SIGSTOP instead; with FAIL_MODE=finish: exit 0).
 FAIL_AT_STEP = int(os.environ.get("FAIL_AT_STEP", "0"))
 FAIL_HOST = os.environ.get("FAIL_HOST")
 # STOP_FILE=path: every rank stops after the first step that follows the file's creation
 # (agreed by an allreduce), so a test can end the job once it has seen what it waits for.
 STOP_FILE = os.environ.get("STOP_FILE")
+# FINISH_AT_GENERATION=n: a worker that hears of generation n before a commit finishes
+# (returns from training, exit 0) instead of joining it: the end of a job that coincides
+# with a new generation.
+FINISH_AT_GENERATION = int(os.environ.get("FINISH_AT_GENERATION", "0"))
 
 torch.set_num_threads(1)
 hvd.init()
@@ -47,13 +52,17 @@ def train(state: elastic.TorchState) -> None:
         optimizer.step()
         state.step += 1
         time.sleep(INTERVAL)
+        if FINISH_AT_GENERATION and runtime.newest_generation() >= FINISH_AT_GENERATION:
+            print(f"finishing as generation {runtime.newest_generation()} comes", flush=True)
+            return
         state.commit()
         print(
             f"committed step={state.step} rank={hvd.rank()} size={hvd.size()} "
             f"generation={runtime.generation()} time={time.time():.4f}",
             flush=True,
         )
-        if state.step == FAIL_AT_STEP and os.environ.get("HVDRUN_HOSTNAME") == FAIL_HOST:
+        here = os.environ.get("HVDRUN_HOSTNAME")
+        if state.step == FAIL_AT_STEP and FAIL_HOST in ("*", here):
             if os.environ.get("FAIL_MODE") == "finish":
                 print(f"finishing early after step {state.step}", flush=True)
                 raise SystemExit(0)
