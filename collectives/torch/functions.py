@@ -16,21 +16,14 @@ A public API module (Horovod's ``horovod.torch.functions``), built on the submis
 
 from __future__ import annotations
 
-import io
-import pickle
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from collectives import ops, runtime
+from collectives import objects, ops, runtime
 from collectives.common import ProcessSet, global_process_set
-
-try:  # cloudpickle also handles lambdas and locally defined classes, as in Horovod
-    import cloudpickle
-except ImportError:  # pragma: no cover - optional
-    cloudpickle = None
 
 __all__ = [
     "allgather_object",
@@ -39,24 +32,9 @@ __all__ = [
     "broadcast_parameters",
 ]
 
-
-def _dumps(obj: Any) -> torch.Tensor:
-    # The standard pickle first: it refers to classes by name, so the receiver gets instances
-    # of its own classes (cloudpickle would send classes of a script's __main__ by value, and
-    # the copies compare unequal); cloudpickle only for what pickle cannot do.
-    buffer = io.BytesIO()
-    try:
-        pickle.dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, AttributeError, TypeError):
-        if cloudpickle is None:
-            raise
-        buffer = io.BytesIO()
-        cloudpickle.dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
-
-def _loads(data: torch.Tensor) -> Any:
-    return pickle.loads(data.numpy().tobytes())
+# (framework-neutral: every frontend shares them)
+broadcast_object = objects.broadcast_object
+allgather_object = objects.allgather_object
 
 
 def broadcast_parameters(
@@ -168,43 +146,3 @@ def _strip_slots(obj: Any, slots: list[_TensorSlot]) -> None:
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             _strip_slots(value, slots)
-
-
-def broadcast_object(
-    obj: Any,
-    root_rank: int = 0,
-    name: str | None = None,
-    process_set: ProcessSet = global_process_set,
-) -> Any:
-    """Pickles obj on root_rank and returns it, unpickled, on every rank of the process set
-    (root_rank is a global rank, as in Horovod)."""
-    runtime.require("hvd.broadcast_object()")
-    # Unnamed calls get the engine's automatic names: a name derived from obj (Horovod uses
-    # its type) would differ between the root and ranks that pass None.
-    size_name = f"{name}.sz" if name else None
-    data_name = f"{name}.t" if name else None
-    if runtime.rank() == root_rank:
-        payload = _dumps(obj)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
-        ops.broadcast_([length], root_rank, process_set, size_name)
-        ops.broadcast_([payload], root_rank, process_set, data_name)
-        return obj
-    length = torch.zeros(1, dtype=torch.int64)
-    ops.broadcast_([length], root_rank, process_set, size_name)
-    payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    ops.broadcast_([payload], root_rank, process_set, data_name)
-    return _loads(payload)
-
-
-def allgather_object(
-    obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> list[Any]:
-    """Pickles obj on every rank and returns the list of all ranks' objects, in rank order."""
-    runtime.require("hvd.allgather_object()")
-    gathered, lengths = ops.allgather(_dumps(obj), process_set, name)
-    result = []
-    offset = 0
-    for length in lengths:
-        result.append(_loads(gathered[offset : offset + length]))
-        offset += length
-    return result

@@ -28,16 +28,13 @@ submits through :mod:`collectives.ops` and registers process sets through
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
-from collectives import ops, runtime
+from collectives import job, ops
 from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.engine import handles
-from collectives.engine.requests import Kind
-from collectives.process_sets import add_process_set
 from collectives.torch import autograd
 from collectives.torch.compression import Compression, Compressor
 
@@ -89,36 +86,11 @@ Product = ReduceOp.PRODUCT
 CompressionArg = type[Compressor] | Compressor
 
 
-def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Initializes the runtime: joins the job started by ``hvdrun`` (or runs as size 1).
-
-    ``process_sets``: a list of :class:`ProcessSet` to register right away (the same on
-    every rank), or ``"dynamic"`` (accepted for Horovod compatibility; sets can always be
-    added later with ``hvd.add_process_set``).
-    """
-    if not runtime.init(comm):
-        return
-    if process_sets is not None and process_sets != "dynamic":
-        for process_set in process_sets:
-            add_process_set(process_set)
-
-
-def handle_average_backwards_compatibility(op: Any, average: Any) -> ReduceOp:
-    """Resolves Horovod's deprecated ``average=`` flag against ``op`` (default Average)."""
-    if type(op) is ReduceOp and average is None:
-        return op
-    if op is not None:
-        if average is not None:
-            raise ValueError("pass either op= or the deprecated average=, not both")
-        return ReduceOp(op)
-    if average is not None:
-        warnings.warn(
-            "the average= argument is deprecated; use op=hvd.Average or op=hvd.Sum",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    return ReduceOp.AVERAGE
+# Framework-neutral (shared with the other frontends): see :mod:`collectives.job`.
+init = job.init
+handle_average_backwards_compatibility = job.handle_average_backwards_compatibility
+barrier = job.barrier
+join = job.join
 
 
 _first = ops.first_output
@@ -561,19 +533,3 @@ def synchronize(handle: int) -> Any:
     handle); raises the op's error: HorovodInternalError, TensorMismatchError, ..."""
     found = handles.release(handle)
     return None if found is None else found.wait()
-
-
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Blocks until every rank of the process set has called barrier()."""
-    ops.barrier(process_set)
-
-
-def join(device: int = -1) -> int:
-    """Declares this rank done: until every rank has joined, it takes part in the others'
-    allreduces with neutral values (zeros for Sum/Average) and lets their barriers pass.
-    As in Horovod, an allgather, broadcast, alltoall or reducescatter that involves a
-    joined rank raises :class:`NotSupportedWithJoinError` on the ranks that called it.
-    Returns the last rank to join."""
-    runtime.engine("hvd.join()")
-    result: int = ops.submit(Kind.JOIN, "join", global_process_set, [], []).wait()
-    return result

@@ -20,23 +20,17 @@ the same commit) the state is kept. Either way the worker leaves the old members
 generation, joins the next one (new rank and size, fresh process groups), syncs the state
 from the new rank 0 and calls the function again.
 
-The top layer of ``collectives.torch``: it resets the process runtime
-(:func:`collectives.runtime.reset`) and syncs state through the public API
-(``functions``, ``mpi_ops``); nothing else in the package imports it but the package's face.
+The top layer of ``collectives.torch``: ``run`` and the base states are the neutral
+:mod:`collectives.elastic`'s (every frontend shares them); ``TorchState`` syncs a model and
+an optimizer through ``functions``. Nothing else in the package imports it but its face.
 """
 
 from __future__ import annotations
 
+from collectives.elastic import HostMessages, HostUpdateResult, ObjectState, State, run
 from collectives.errors import HorovodInternalError, HostsUpdatedInterrupt
-from collectives.torch.elastic.runner import run
 from collectives.torch.elastic.sampler import ElasticSampler
-from collectives.torch.elastic.state import (
-    HostMessages,
-    HostUpdateResult,
-    ObjectState,
-    State,
-    TorchState,
-)
+from collectives.torch.elastic.state import TorchState
 
 __all__ = [
     "ElasticSampler",

@@ -1,0 +1,219 @@
+"""Elastic training, shared by every frontend: the state base classes and ``run``.
+
+``run`` is the retry loop around a training function (Horovod's semantics): before each
+call the state is synced from rank 0; on :class:`HorovodInternalError` it is restored to its
+last commit, on :class:`HostsUpdatedInterrupt` kept; then the worker joins the job's next
+membership generation and calls the function again.
+
+``commit()`` saves a copy of the state in memory and then checks for host updates: every
+rank contributes the newest membership generation it has heard of to one small allreduce
+(max), so all ranks agree whether to raise :class:`HostsUpdatedInterrupt` at this very
+commit. A rank of a removed host therefore takes part in the decision like any other and
+nobody waits on it afterwards: a graceful removal cannot deadlock.
+
+Horovod scripts also poll ``state._host_messages`` (Horovod's queue of host-change notices)
+to learn that hosts changed before they commit, e.g. ``while state._host_messages.empty():``.
+Here it is :class:`HostMessages`, a read-only view of the same fact: the membership
+generations announced since this worker's own.
+
+Frontends add their framework's states (``collectives.torch.elastic.TorchState``, the
+TensorFlow and Keras states); the objects travel through :mod:`collectives.objects`.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from collectives import ops, runtime
+from collectives.common import ReduceOp, global_process_set
+from collectives.errors import HorovodInternalError, HostsUpdatedInterrupt
+from collectives.objects import broadcast_object
+
+__all__ = ["HostMessages", "HostUpdateResult", "ObjectState", "State", "run"]
+
+logger = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
+
+
+class HostUpdateResult(enum.IntFlag):
+    """What a host change did (Horovod's flags; hvdrun's notices say ``mixed``: a new
+    membership generation, whether hosts were added, removed or both)."""
+
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = removed | added
+
+
+class HostMessages:
+    """The host changes this worker has heard of and not acted on yet (``state.commit()``
+    acts on them): a read-only stand-in for the queue Horovod's states hold in
+    ``_host_messages``. One notice per membership generation announced after this
+    worker's; each reads ``(generation, HostUpdateResult.mixed)``."""
+
+    def qsize(self) -> int:
+        """How many notices are pending."""
+        if not runtime.is_initialized():
+            return 0
+        return max(0, runtime.newest_generation() - runtime.generation())
+
+    def empty(self) -> bool:
+        return self.qsize() == 0
+
+    def __len__(self) -> int:
+        return self.qsize()
+
+    def __iter__(self) -> Iterator[tuple[int, HostUpdateResult]]:
+        """The pending notices, oldest first (reading them takes none away)."""
+        current = runtime.generation() if runtime.is_initialized() else 0
+        for generation in range(current + 1, current + 1 + self.qsize()):
+            yield generation, HostUpdateResult.mixed
+
+
+class State:
+    """Base of elastic states: subclasses implement ``save``, ``restore`` and ``sync``."""
+
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], None]] = []
+        # Horovod's scripts reset it before waiting on _host_messages; kept for them.
+        self._last_updated_timestamp = 0
+
+    @property
+    def _host_messages(self) -> HostMessages:
+        """Horovod's queue of host-change notices, as a read-only view (see
+        :class:`HostMessages`): ``while state._host_messages.empty(): ...`` works."""
+        return HostMessages()
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Functions called (in order) after every reset, e.g. to rescale the learning rate
+        to the new ``hvd.size()``."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Saves the state (the point a failure rolls back to), then checks for host updates."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raises :class:`HostsUpdatedInterrupt` on every rank at once when hosts were added
+        or removed since this generation started (a collective: call it on every rank)."""
+        current = runtime.generation()
+        newest = torch.tensor([runtime.newest_generation()], dtype=torch.int64)
+        handle = ops.submit_allreduce(
+            [newest], None, ReduceOp.MAX, 1.0, 1.0, global_process_set,
+            "elastic.check_host_updates", ops.first_output, blocking=True,
+        )  # fmt: skip
+        agreed = int(handle.wait())
+        if agreed > current:
+            raise HostsUpdatedInterrupt(skip_sync=False)
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """Picklable attributes (``ObjectState(epoch=0, batch=0)`` → ``state.epoch``), saved
+    as deep copies and synced from rank 0 with ``broadcast_object``."""
+
+    def __init__(
+        self,
+        bcast_object: Callable[..., Any] = broadcast_object,
+        get_rank: Callable[[], int] = runtime.rank,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self._bcast_object = bcast_object
+        self._get_rank = get_rank
+        # Our own broadcast_object gets names; a user's function (Horovod's signature
+        # ``bcast_object(obj, root_rank)``) is called without one.
+        self._named = bcast_object is broadcast_object
+        self._saved_state: dict[str, Any] = copy.deepcopy(kwargs)
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes that do not exist; typed as Any so that scripts can
+        # use ``state.epoch`` and friends under a type checker.
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Declared so that type checkers accept ``state.epoch = ...`` for any attribute.
+        super().__setattr__(name, value)
+
+    def _current(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._saved_state}
+
+    def _broadcast(self, obj: Any, name: str) -> Any:
+        if self._named:
+            return self._bcast_object(obj, 0, name=name)
+        return self._bcast_object(obj, 0)
+
+    def save(self) -> None:
+        self._saved_state = copy.deepcopy(self._current())
+
+    def restore(self) -> None:
+        for name, value in copy.deepcopy(self._saved_state).items():
+            setattr(self, name, value)
+
+    def sync(self) -> None:
+        if self._saved_state:
+            synced = self._broadcast(self._current(), "elastic.object_state")
+            for name, value in synced.items():
+                setattr(self, name, value)
+        self.save()
+
+
+def run(func: Callable[..., _R]) -> Callable[..., _R]:
+    """Decorates ``func(state, *args, **kwargs)`` to survive peer failures and host changes.
+
+    Before each call the state is synced from rank 0. On :class:`HorovodInternalError` the
+    state is restored to its last commit; on :class:`HostsUpdatedInterrupt` it is kept. Then
+    the worker joins the job's next membership generation and calls ``func`` again.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> _R:
+        started_by = runtime.started_by()
+        if started_by not in ("hvdrun", ""):
+            raise RuntimeError(
+                f"elastic training needs hvdrun: this job was started by {started_by}, which "
+                "cannot replace a lost host; start it with hvdrun --min-np N --max-np M ..."
+            )
+        reset_needed = False
+        skip_sync = False
+        while True:
+            if reset_needed:
+                runtime.reset()
+                state.on_reset()
+            try:
+                if not skip_sync:
+                    state.sync()
+                runtime.state_synced()  # (hvdrun starts no generation without a holder)
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as error:
+                logger.warning("a peer failed (%s); restoring the last commit", error)
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as interrupt:
+                skip_sync = interrupt.skip_sync
+            reset_needed = True
+
+    return wrapper

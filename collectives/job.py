@@ -1,0 +1,68 @@
+"""What every frontend's ``hvd.*`` job API shares: ``init`` with process sets, Horovod's
+deprecated ``average=`` flag, ``join`` and ``barrier``.
+
+Framework-neutral: a frontend (``collectives.torch``, ``collectives.tensorflow``, ...)
+re-exports these, so that a process that uses two frameworks joins one job and runs one
+engine whichever frontend called ``hvd.init()`` first.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from collectives import ops, runtime
+from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.engine.requests import Kind
+from collectives.process_sets import add_process_set
+
+__all__ = ["barrier", "handle_average_backwards_compatibility", "init", "join"]
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Initializes the runtime: joins the job started by ``hvdrun`` (or by another launcher,
+    or runs as a job of size 1). Calling it again while initialized does nothing.
+
+    ``process_sets``: a list of :class:`ProcessSet` to register right away (the same on
+    every rank), or ``"dynamic"`` (accepted for Horovod compatibility; sets can always be
+    added later with ``hvd.add_process_set``).
+    """
+    if not runtime.init(comm):
+        return
+    if process_sets is not None and process_sets != "dynamic":
+        for process_set in process_sets:
+            add_process_set(process_set)
+
+
+def handle_average_backwards_compatibility(op: Any, average: Any) -> ReduceOp:
+    """Resolves Horovod's deprecated ``average=`` flag against ``op`` (default Average)."""
+    if type(op) is ReduceOp and average is None:
+        return op
+    if op is not None:
+        if average is not None:
+            raise ValueError("pass either op= or the deprecated average=, not both")
+        return ReduceOp(op)
+    if average is not None:
+        warnings.warn(
+            "the average= argument is deprecated; use op=hvd.Average or op=hvd.Sum",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return ReduceOp.AVERAGE
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Blocks until every rank of the process set has called barrier()."""
+    ops.barrier(process_set)
+
+
+def join(device: Any = -1) -> int:
+    """Declares this rank done: until every rank has joined, it takes part in the others'
+    allreduces with neutral values (zeros for Sum/Average) and lets their barriers pass.
+    As in Horovod, an allgather, broadcast, alltoall or reducescatter that involves a
+    joined rank raises :class:`NotSupportedWithJoinError` on the ranks that called it.
+    Returns the last rank to join. (``device`` is accepted for Horovod compatibility.)"""
+    runtime.engine("hvd.join()")
+    result: int = ops.submit(Kind.JOIN, "join", global_process_set, [], []).wait()
+    return result

@@ -1,0 +1,266 @@
+"""Horovod's Keras API on the shared engine: ``import collectives.keras as hvd``.
+
+What ``import horovod.keras as hvd`` and ``import horovod.tensorflow.keras as hvd`` give
+(also importable as ``collectives.tensorflow.keras``), for Keras 3 on its TensorFlow and
+torch backends and for Keras 2 through ``tf_keras`` (``TF_USE_LEGACY_KERAS=1``), with
+nothing to compile (see :mod:`.backend` for how each reaches the engine):
+
+=================== =========================================================================
+the job             ``init``, ``shutdown``, ``rank``/``size`` and friends, process sets,
+                    ``join``, ``barrier``, ``broadcast_object``, ``allgather_object``
+training            ``DistributedOptimizer`` (any Keras optimizer), ``load_model``,
+                    ``Compression``; ``callbacks``: ``BroadcastGlobalVariablesCallback``,
+                    ``MetricAverageCallback``, ``LearningRateWarmupCallback``,
+                    ``LearningRateScheduleCallback``
+ops on values       ``allreduce``, ``allgather``, ``broadcast``, ``reducescatter`` of backend
+                    tensors, numpy arrays and numbers
+elastic             ``hvd.elastic.run``, ``KerasState`` and its callbacks
+=================== =========================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from collectives import job, objects
+from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.errors import (
+    CollectiveError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    NotSupportedWithJoinError,
+    TensorMismatchError,
+)
+from collectives.keras import backend as keras_backend
+from collectives.keras import callbacks, elastic
+from collectives.keras.optimizer import create_distributed_optimizer
+from collectives.process_sets import add_process_set, remove_process_set
+from collectives.runtime import (
+    cross_rank,
+    cross_size,
+    gloo_built,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    nccl_built,
+    rank,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+
+_bridge = keras_backend.current()
+if _bridge.legacy:
+    from collectives.tensorflow.compression import Compression
+else:
+    from collectives.keras.compression import Compression  # type: ignore[assignment]
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+init = job.init
+join = job.join
+barrier = job.barrier
+broadcast_object = objects.broadcast_object
+allgather_object = objects.allgather_object
+
+
+def DistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: Any = ReduceOp.AVERAGE,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """``optimizer`` (any Keras optimizer, re-classed in place) applying gradients averaged
+    (``op``) over the ranks; see :mod:`collectives.keras.optimizer`."""
+    return create_distributed_optimizer(
+        optimizer,
+        name,
+        compression,
+        sparse_as_dense,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        average_aggregated_gradients,
+        num_groups,
+        groups,
+        process_set,
+    )
+
+
+def load_model(
+    filepath: Any,
+    custom_optimizers: Any = None,
+    custom_objects: Any = None,
+    compression: Any = None,
+) -> Any:
+    """``keras.models.load_model``, its optimizer wrapped in a DistributedOptimizer."""
+    model = _bridge.keras.models.load_model(filepath, custom_objects=custom_objects)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not getattr(optimizer, "_hvd_distributed", False):
+        DistributedOptimizer(optimizer, compression=compression)
+    return model
+
+
+def _is_backend_tensor(value: Any) -> bool:
+    if _bridge.is_torch:
+        import torch
+
+        return isinstance(value, torch.Tensor)
+    import tensorflow as tf
+
+    return isinstance(value, tf.Tensor | tf.Variable) or hasattr(value, "_value")
+
+
+def allreduce(
+    value: Any,
+    name: str | None = None,
+    average: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    op: Any = None,
+    compression: Any = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Reduces a backend tensor, numpy array or number over the ranks (Average by default);
+    the same kind of value comes back."""
+    op = job.handle_average_backwards_compatibility(op, average)
+    if not _is_backend_tensor(value):
+        return _bridge.allreduce_value(
+            value, op, name, process_set, prescale_factor, postscale_factor
+        )
+    if compression is not None:
+        packed, ctx = compression.compress(value)
+        (reduced,) = _bridge.reduce(
+            [packed], op, prescale_factor, postscale_factor, name, process_set
+        )
+        return compression.decompress(reduced, ctx)
+    (reduced,) = _bridge.reduce([value], op, prescale_factor, postscale_factor, name, process_set)
+    return reduced
+
+
+def allgather(
+    value: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> Any:
+    """Concatenates every rank's value along the first dimension."""
+    if not _is_backend_tensor(value):
+        return _bridge.allgather_value(value, name, process_set)
+    if _bridge.is_torch:
+        return _bridge.keras.ops.convert_to_tensor(
+            _bridge.allgather_value(np.asarray(value.detach().cpu()), name, process_set)
+        )
+    from collectives.tensorflow import mpi_ops
+
+    return mpi_ops.allgather(value, name, process_set=process_set)
+
+
+def broadcast(
+    value: Any,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """root_rank's value on every rank."""
+    if not _is_backend_tensor(value):
+        return _bridge.broadcast_value(value, root_rank, name, process_set)
+    (result,) = _bridge.broadcast([value], root_rank, name, process_set)
+    return result
+
+
+def reducescatter(
+    value: Any,
+    name: str | None = None,
+    op: Any = ReduceOp.AVERAGE,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Reduces and gives each rank its share of the first dimension."""
+    if _bridge.is_torch or not _is_backend_tensor(value):
+        import torch
+
+        from collectives import ops
+
+        tensor = (
+            value
+            if isinstance(value, torch.Tensor)
+            else torch.from_numpy(np.ascontiguousarray(value))
+        )
+        result = ops.submit_reducescatter(
+            [tensor], ReduceOp(op), 1.0, 1.0, process_set, name, ops.first_output, True
+        ).wait()
+        return result if isinstance(value, torch.Tensor) else result.numpy()
+    from collectives.tensorflow import mpi_ops
+
+    return mpi_ops.reducescatter(value, op=op, name=name, process_set=process_set)
+
+
+def backend() -> str:
+    """Which Keras and backend this is, e.g. ``keras 3.15.1 on torch``."""
+    return _bridge.describe()
+
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "CollectiveError",
+    "Compression",
+    "DistributedOptimizer",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "Max",
+    "Min",
+    "NotSupportedWithJoinError",
+    "ProcessSet",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "TensorMismatchError",
+    "add_process_set",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "backend",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "callbacks",
+    "cross_rank",
+    "cross_size",
+    "elastic",
+    "global_process_set",
+    "gloo_built",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "load_model",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "nccl_built",
+    "rank",
+    "reducescatter",
+    "remove_process_set",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+]

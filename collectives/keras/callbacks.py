@@ -1,0 +1,223 @@
+"""Horovod's Keras callbacks: keep the ranks' weights in sync, average the metrics, warm the
+learning rate up and schedule it (``horovod.keras.callbacks``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from collectives import runtime
+from collectives.common import ReduceOp, global_process_set
+from collectives.keras import backend as keras_backend
+
+__all__ = [
+    "BroadcastGlobalVariablesCallback",
+    "KerasCallback",
+    "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback",
+    "MetricAverageCallback",
+    "optimizer_variables",
+]
+
+_bridge = keras_backend.current()
+#: The Keras in use's callback base class.
+KerasCallback: Any = _bridge.keras.callbacks.Callback
+
+
+def optimizer_variables(optimizer: Any, model: Any) -> list[Any]:
+    """The optimizer's variables, built first where Keras builds them lazily (Keras 3): every
+    rank must hold the same ones before they are broadcast."""
+    if optimizer is None:
+        return []
+    if not getattr(optimizer, "built", True) and hasattr(optimizer, "build"):
+        optimizer.build(model.trainable_variables)
+    variables = getattr(optimizer, "variables", None) or []
+    return list(variables() if callable(variables) else variables)
+
+
+class BroadcastGlobalVariablesCallback(KerasCallback):
+    """Broadcasts the model's and the optimizer's variables from ``root_rank`` before
+    training starts, so that every rank starts from the same state (the optimizer's
+    variables included: Keras 3 creates them lazily, they are built here first)."""
+
+    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+        self._local: set[int] = set()
+
+    def register_local_var(self, var: Any) -> None:
+        """A variable each worker keeps for itself (never broadcast)."""
+        self._local.add(id(var))
+
+    def _broadcast(self) -> None:
+        model = self.model
+        variables = [v for v in model.variables if id(v) not in self._local]
+        variables += optimizer_variables(getattr(model, "optimizer", None), model)
+        _bridge.broadcast_variables(variables, self.root_rank)
+        self.broadcast_done = True
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        if not self.broadcast_done:
+            self._broadcast()
+
+    def on_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if not self.broadcast_done:  # (a model whose variables appeared only now)
+            self._broadcast()
+
+
+class MetricAverageCallback(KerasCallback):
+    """Averages every metric in the epoch's logs over the ranks (put it before callbacks
+    that read the logs, such as checkpoints and TensorBoard)."""
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if not logs:
+            return
+        for metric in sorted(logs):
+            value = logs[metric]
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                continue
+            logs[metric] = _bridge.allreduce_value(
+                number, ReduceOp.AVERAGE, f"metric.{epoch}.{metric}", global_process_set
+            )
+
+
+def _get(optimizer: Any, attr: str) -> float:
+    value = getattr(optimizer, attr)
+    if hasattr(value, "numpy"):
+        return float(value.numpy())
+    if hasattr(value, "item"):
+        return float(value.item())
+    return float(value)
+
+
+def _set(optimizer: Any, attr: str, value: float) -> None:
+    current = getattr(optimizer, attr)
+    if hasattr(current, "assign"):
+        current.assign(value)
+    else:
+        setattr(optimizer, attr, value)
+
+
+class LearningRateScheduleCallback(KerasCallback):
+    """Sets the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` to
+    ``end_epoch`` (per epoch with ``staircase``, else per batch with a fractional epoch);
+    ``momentum_correction`` scales the momentum with the change for the batch."""
+
+    def __init__(
+        self,
+        initial_lr: float,
+        multiplier: float | Callable[[float], float],
+        start_epoch: int = 0,
+        end_epoch: int | None = None,
+        staircase: bool = True,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+    ) -> None:
+        super().__init__()
+        if initial_lr is None:
+            raise ValueError("initial_lr is required")
+        self.initial_lr = initial_lr
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+        self.restore_momentum: float | None = None
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            factor = float(multiplier)
+            self.multiplier = lambda epoch: factor ** (epoch - start_epoch)
+
+    def _steps_per_epoch(self) -> int:
+        params = self.params or {}
+        if params.get("steps"):
+            return int(params["steps"])
+        if params.get("samples") and params.get("batch_size"):
+            return int(params["samples"]) // int(params["batch_size"])
+        raise ValueError(
+            f"{type(self).__name__}: could not tell the number of steps per epoch; pass "
+            "steps_per_epoch="
+        )
+
+    def _adjust(self, epoch: float) -> None:
+        optimizer = self.model.optimizer
+        old = _get(optimizer, "learning_rate")
+        new = self.initial_lr * self.multiplier(epoch)
+        _set(optimizer, "learning_rate", new)
+        if self.momentum_correction and hasattr(optimizer, "momentum") and old:
+            self.restore_momentum = _get(optimizer, "momentum")
+            _set(optimizer, "momentum", self.restore_momentum * new / old)
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = self._steps_per_epoch()
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.current_epoch = epoch
+
+    def on_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self.current_epoch < self.start_epoch or (
+            self.end_epoch is not None and self.current_epoch >= self.end_epoch
+        ):
+            return
+        if self.staircase:
+            if batch == 0:
+                self._adjust(self.current_epoch)
+        else:
+            assert self.steps_per_epoch
+            self._adjust(self.current_epoch + batch / self.steps_per_epoch)
+
+    def on_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self.restore_momentum is not None:
+            _set(self.model.optimizer, "momentum", self.restore_momentum)
+            self.restore_momentum = None
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if logs is not None:
+            logs["lr"] = _get(self.model.optimizer, "learning_rate")
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Horovod's gradual warmup: over ``warmup_epochs`` the learning rate rises from
+    ``initial_lr / size`` to ``initial_lr`` (pass the rate scaled by the number of ranks),
+    one step per batch."""
+
+    def __init__(
+        self,
+        initial_lr: float,
+        warmup_epochs: int = 5,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+        verbose: int = 0,
+    ) -> None:
+        def multiplier(epoch: float) -> float:
+            assert self.steps_per_epoch
+            epoch += 1.0 / self.steps_per_epoch
+            size = runtime.size()
+            return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
+
+        super().__init__(
+            initial_lr,
+            multiplier,
+            start_epoch=0,
+            end_epoch=warmup_epochs,
+            staircase=False,
+            momentum_correction=momentum_correction,
+            steps_per_epoch=steps_per_epoch,
+        )
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        done = self.end_epoch is not None and epoch == self.end_epoch - 1
+        if done and self.verbose > 0 and runtime.rank() == 0:
+            new = _get(self.model.optimizer, "learning_rate")
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {new:g}.")

@@ -1,0 +1,122 @@
+"""Elastic Keras training (Horovod's ``horovod.keras.elastic``): ``run``, ``KerasState`` and
+the callbacks that keep the state's epoch and batch current and commit it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from collectives.elastic import ObjectState, run
+from collectives.keras import backend as keras_backend
+from collectives.keras.callbacks import KerasCallback, optimizer_variables
+
+__all__ = [
+    "CommitStateCallback",
+    "KerasState",
+    "UpdateBatchStateCallback",
+    "UpdateEpochStateCallback",
+    "run",
+]
+
+
+class KerasState(ObjectState):
+    """A Keras model, its optimizer and picklable attributes (``epoch``, ``batch``...):
+    commit copies the variables' values to host memory, restore assigns them back, sync
+    broadcasts them from rank 0."""
+
+    def __init__(
+        self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        self._saved_values: list[Any] = []
+        super().__init__(**kwargs)
+        self._save_variables()
+
+    def _variables(self) -> list[Any]:
+        return list(self.model.variables) + optimizer_variables(self.optimizer, self.model)
+
+    def _save_variables(self) -> None:
+        import numpy as np
+
+        keras = keras_backend.current().keras
+        self._saved_values = [
+            np.array(keras.ops.convert_to_numpy(v), copy=True)
+            if hasattr(keras, "ops")
+            else np.array(v.numpy(), copy=True)
+            for v in self._variables()
+        ]
+
+    def save(self) -> None:
+        self._save_variables()
+        super().save()
+
+    def restore(self) -> None:
+        for variable, value in zip(self._variables(), self._saved_values, strict=True):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        keras_backend.current().broadcast_variables(self._variables(), root_rank=0)
+        super().sync()
+
+
+class CommitStateCallback(KerasCallback):
+    """Commits the state every ``batches_per_commit`` batches and at the end of each epoch."""
+
+    def __init__(self, state: Any, batches_per_commit: int = 1) -> None:
+        super().__init__()
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self.batches_remaining = batches_per_commit
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self.batches_remaining = self.batches_per_commit
+
+    def on_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.state.commit()
+            self.batches_remaining = self.batches_per_commit
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.commit()
+
+
+class UpdateBatchStateCallback(KerasCallback):
+    """Keeps ``state.batch`` current (and resumes an epoch after a reset where it was)."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.state = state
+        self.steps_per_epoch: int | None = None
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self.steps_per_epoch = None
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        params = self.params or {}
+        if params.get("steps"):
+            if self.steps_per_epoch is None:
+                self.steps_per_epoch = params["steps"]
+            params["steps"] = self.steps_per_epoch - self.state.batch
+
+    def on_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(KerasCallback):
+    """Keeps ``state.epoch`` current."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.state = state
+        self.initial_epoch = state.epoch
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self.initial_epoch = self.state.epoch
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.epoch = self.initial_epoch + epoch + 1

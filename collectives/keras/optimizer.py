@@ -1,0 +1,176 @@
+"""``DistributedOptimizer`` for Keras: any Keras optimizer, its gradients reduced over the
+ranks before it applies them (Horovod's ``hvd.DistributedOptimizer`` of horovod.keras).
+
+The optimizer keeps its own class (``isinstance`` checks, ``get_config`` and saving keep
+working): it is re-classed as a subclass of its class whose gradient step reduces first.
+
+* **Keras 3** (TensorFlow or torch backend): ``apply`` (which ``apply_gradients`` and
+  ``model.fit`` call) reduces the gradients, as one grouped op, then applies them. With
+  ``backward_passes_per_step=k`` the optimizer accumulates k local gradients (Keras's own
+  ``gradient_accumulation_steps``) and reduces only the accumulated ones, every k-th step:
+  their average with ``average_aggregated_gradients=True``, else their sum (Horovod's
+  default).
+* **Keras 2** (``tf_keras``): ``apply_gradients`` reduces first.
+
+No double averaging where Keras itself distributes: a model under a ``tf.distribute``
+strategy (or Keras's own data parallelism) already averages, and is refused with an error
+that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.keras import backend as keras_backend
+
+__all__ = ["create_distributed_optimizer"]
+
+
+def create_distributed_optimizer(
+    optimizer: Any,
+    name: str | None = None,
+    compression: Any = None,
+    sparse_as_dense: bool = False,
+    backward_passes_per_step: int = 1,
+    op: Any = ReduceOp.AVERAGE,
+    gradient_predivide_factor: float = 1.0,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Re-classes ``optimizer`` so that its gradients are reduced first (see the module)."""
+    if getattr(optimizer, "_hvd_distributed", False):
+        raise ValueError("the optimizer is already a DistributedOptimizer")
+    if backward_passes_per_step < 1:
+        raise ValueError(
+            f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}"
+        )
+    op = ReduceOp(op)
+    if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor needs op=hvd.Average")
+    bridge = keras_backend.current()
+    settings = _Settings(
+        bridge,
+        op,
+        1.0 / gradient_predivide_factor,
+        gradient_predivide_factor,
+        compression,
+        sparse_as_dense,
+        process_set,
+        groups if groups is not None else (num_groups or None),
+    )
+    base = type(optimizer)
+    methods: dict[str, Any]
+    if bridge.legacy:
+        methods = {"apply_gradients": _legacy_apply_gradients}
+        if backward_passes_per_step != 1:
+            raise NotImplementedError(
+                "backward_passes_per_step > 1 needs Keras 3 (its optimizers accumulate "
+                "gradients); with tf_keras accumulate them in the training loop"
+            )
+    elif backward_passes_per_step == 1:
+        methods = {"apply": _apply}
+    else:
+        if getattr(optimizer, "built", False):
+            raise ValueError(
+                "backward_passes_per_step > 1: wrap the optimizer before it is built (before "
+                "model.compile or its first step), so that it can accumulate gradients"
+            )
+        optimizer.gradient_accumulation_steps = backward_passes_per_step
+        # Keras averages the accumulated gradients; Horovod's default is their sum.
+        if not average_aggregated_gradients:
+            settings.postscale *= backward_passes_per_step
+        methods = {"_backend_update_step": _update_step}
+    cls = type(base.__name__, (base,), methods)
+    cls.__module__ = base.__module__
+    optimizer.__class__ = cls
+    optimizer._hvd_settings = settings
+    optimizer._hvd_distributed = True
+    return optimizer
+
+
+class _Settings:
+    """How a distributed optimizer reduces its gradients."""
+
+    def __init__(
+        self,
+        bridge: Any,
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        compression: Any,
+        sparse_as_dense: bool,
+        process_set: ProcessSet,
+        groups: Any,
+    ) -> None:
+        self.bridge = bridge
+        self.op = op
+        self.prescale = prescale
+        self.postscale = postscale
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self.groups = groups
+
+    def reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        bridge = self.bridge
+        if not bridge.is_torch:
+            from collectives.tensorflow.gradient_tape import GradientReducer
+
+            reducer = GradientReducer(
+                self.compression or _no_compression(),
+                self.sparse_as_dense,
+                self.op,
+                1.0 / self.prescale,
+                0,
+                self.groups,
+                self.process_set,
+            )
+            if self.postscale != 1.0 / self.prescale:  # (accumulated: the sum of k steps)
+                reducer.postscale = self.postscale
+            return reducer.reduce(grads, variables)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        compression = self.compression
+        packed = [
+            compression.compress(grads[i]) if compression is not None else (grads[i], None)
+            for i in present
+        ]
+        reduced = bridge.reduce(
+            [value for value, _ in packed],
+            self.op,
+            self.prescale,
+            self.postscale,
+            None,
+            self.process_set,
+        )
+        result = list(grads)
+        for i, value, (_, ctx) in zip(present, reduced, packed, strict=True):
+            result[i] = compression.decompress(value, ctx) if compression is not None else value
+        return result
+
+
+def _no_compression() -> Any:
+    from collectives.tensorflow.compression import Compression
+
+    return Compression.none
+
+
+def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+    grads = list(grads)
+    variables = list(trainable_variables) if trainable_variables is not None else None
+    reduced = self._hvd_settings.reduce(grads, variables or [None] * len(grads))
+    return super(type(self), self).apply(reduced, trainable_variables)
+
+
+def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
+    reduced = self._hvd_settings.reduce(list(grads), list(trainable_variables))
+    return super(type(self), self)._backend_update_step(reduced, trainable_variables, learning_rate)
+
+
+def _legacy_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+    pairs = list(grads_and_vars)
+    grads = self._hvd_settings.reduce([g for g, _ in pairs], [v for _, v in pairs])
+    merged = list(zip(grads, [v for _, v in pairs], strict=True))
+    return super(type(self), self).apply_gradients(merged, *args, **kwargs)

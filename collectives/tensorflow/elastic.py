@@ -1,0 +1,78 @@
+"""Elastic training for TensorFlow (Horovod's ``horovod.tensorflow.elastic``): ``run`` and
+the states that survive a reset, on hvdrun's elastic jobs.
+
+``TensorFlowKerasState(model, optimizer, **attrs)`` keeps a Keras model's (and its
+optimizer's) variables; ``TensorFlowState(variables, **attrs)`` any list of variables. A
+commit copies the variables' values to host memory, a restore assigns them back, a sync
+broadcasts them from rank 0 (plus the picklable attributes, see :mod:`collectives.elastic`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from collectives.elastic import ObjectState, State, run
+from collectives.tensorflow.functions import broadcast_variables
+
+__all__ = ["ObjectState", "State", "TensorFlowKerasState", "TensorFlowState", "run"]
+
+
+class TensorFlowState(ObjectState):
+    """Variables (``variables``, e.g. ``model.variables``) and picklable attributes."""
+
+    def __init__(
+        self, variables: Sequence[tf.Variable] | None = None, session: Any = None, **kwargs: Any
+    ) -> None:
+        self._tf_variables = list(variables or [])
+        self._saved_values: list[np.ndarray] = []
+        super().__init__(**kwargs)
+        self._save_variables()
+
+    def _variables(self) -> list[tf.Variable]:
+        return self._tf_variables
+
+    def _save_variables(self) -> None:
+        self._saved_values = [np.array(v.numpy(), copy=True) for v in self._variables()]
+
+    def save(self) -> None:
+        self._save_variables()
+        super().save()
+
+    def restore(self) -> None:
+        for variable, value in zip(self._variables(), self._saved_values, strict=True):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        variables = self._variables()
+        if variables:
+            broadcast_variables(variables, root_rank=0)
+        super().sync()  # ends with save(), which saves the variables too
+
+
+class TensorFlowKerasState(TensorFlowState):
+    """A Keras model, its optimizer (optional) and picklable attributes (``epoch``...).
+    The optimizer's variables are created (built) first, so that every rank holds the same
+    ones to sync."""
+
+    def __init__(
+        self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        super().__init__(None, **kwargs)
+
+    def _variables(self) -> list[tf.Variable]:
+        variables = list(self.model.variables)
+        optimizer = self.optimizer
+        if optimizer is not None:
+            build = getattr(optimizer, "build", None)
+            if build is not None and not getattr(optimizer, "built", True):
+                build(self.model.trainable_variables)
+            extra = getattr(optimizer, "variables", None) or []
+            variables.extend(extra() if callable(extra) else extra)  # (a method in tf_keras)
+        return variables

@@ -1,0 +1,162 @@
+"""``DistributedGradientTape``: a ``tf.GradientTape`` whose gradients come back reduced
+over the ranks (Horovod's TensorFlow 2 way of data-parallel training in a custom loop)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.tensorflow import mpi_ops
+from collectives.tensorflow.compression import Compression, Compressor
+
+__all__ = ["DistributedGradientTape", "GradientReducer"]
+
+
+class GradientReducer:
+    """Reduces a list of gradients (None, dense or ``tf.IndexedSlices``) as Horovod's
+    distributed tape and optimizer do: Average by default, ``gradient_predivide_factor``
+    ``f`` dividing by ``f`` before the sum and by ``size / f`` after, ``sparse_as_dense``,
+    compression, and ``groups``: by default every dense gradient in one grouped op (the
+    engine fuses it into buckets); ``groups=n`` splits them into n grouped ops;
+    ``groups=[[v1, v2], [v3]]`` reduces the gradients of each list of variables as one
+    and every other gradient on its own."""
+
+    def __init__(
+        self,
+        compression: type[Compressor] | Compressor = Compression.none,
+        sparse_as_dense: bool = False,
+        op: Any = ReduceOp.AVERAGE,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: Any = None,
+        process_set: ProcessSet = global_process_set,
+    ) -> None:
+        op = ReduceOp(op)
+        if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor needs op=hvd.Average")
+        if num_groups and groups is None:
+            groups = num_groups
+        if isinstance(groups, int) and groups < 0:
+            raise ValueError(f"groups must be a positive number of groups, got {groups}")
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.op = op
+        self.prescale = 1.0 / gradient_predivide_factor
+        self.postscale = gradient_predivide_factor
+        self.groups = groups
+        self.process_set = process_set
+
+    def reduce(self, grads: Sequence[Any], variables: Sequence[Any] | None = None) -> list[Any]:
+        grads = list(grads)
+        if self.sparse_as_dense:
+            grads = [
+                tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
+            ]
+        present = [i for i, g in enumerate(grads) if g is not None]
+        dense = [i for i in present if not isinstance(grads[i], tf.IndexedSlices)]
+        result = list(grads)
+        for i in present:
+            if i not in dense:  # sparse: an allgather of values and indices each
+                result[i] = mpi_ops.allreduce(
+                    grads[i],
+                    op=self.op,
+                    process_set=self.process_set,
+                    name=f"tape.sparse.{i}" if not tf.executing_eagerly() else None,
+                )
+        for group in self._groups(dense, variables):
+            reduced = mpi_ops.grouped_allreduce(
+                [grads[i] for i in group],
+                compression=self.compression,
+                op=self.op,
+                prescale_factor=self.prescale,
+                postscale_factor=self.postscale,
+                process_set=self.process_set,
+            )
+            for i, g in zip(group, reduced, strict=True):
+                result[i] = g
+        return result
+
+    def _groups(self, dense: list[int], variables: Sequence[Any] | None) -> list[list[int]]:
+        if not dense:
+            return []
+        groups = self.groups
+        if groups is None:
+            return [dense]
+        if isinstance(groups, int):
+            count = min(groups, len(dense))
+            size, extra = divmod(len(dense), count)
+            out, at = [], 0
+            for k in range(count):
+                n = size + (1 if k < extra else 0)
+                out.append(dense[at : at + n])
+                at += n
+            return out
+        if variables is None:
+            raise ValueError("groups as lists of variables need the variables of the gradients")
+        position = {id(v): i for i, v in enumerate(variables)}
+        grouped: list[list[int]] = []
+        seen: set[int] = set()
+        for members in groups:
+            indices = [position[id(v)] for v in members if id(v) in position]
+            indices = [i for i in indices if i in dense]
+            if indices:
+                grouped.append(indices)
+                seen.update(indices)
+        grouped.extend([i] for i in dense if i not in seen)
+        return grouped
+
+
+class DistributedGradientTape:
+    """Wraps a ``tf.GradientTape``: ``gradient()`` returns the gradients reduced over the
+    ranks (see :class:`GradientReducer` for the options); everything else is the tape's."""
+
+    def __init__(
+        self,
+        gradtape: tf.GradientTape,
+        device_dense: str = "",
+        device_sparse: str = "",
+        compression: type[Compressor] | Compressor = Compression.none,
+        sparse_as_dense: bool = False,
+        op: Any = ReduceOp.AVERAGE,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: Any = None,
+        process_set: ProcessSet = global_process_set,
+        scale_local_gradients: bool = True,
+    ) -> None:
+        self._tape = gradtape
+        self._reducer = GradientReducer(
+            compression,
+            sparse_as_dense,
+            op,
+            gradient_predivide_factor,
+            num_groups,
+            groups,
+            process_set,
+        )
+
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
+    ) -> Any:
+        grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat = tf.nest.flatten(grads, expand_composites=False)
+        reduced = self._reducer.reduce(flat, flat_sources)
+        return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tape, name)
+
+    def __enter__(self) -> DistributedGradientTape:
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._tape.__exit__(*exc)

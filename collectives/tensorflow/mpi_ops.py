@@ -1,0 +1,552 @@
+"""Horovod's TensorFlow ops on the shared engine: ``hvd.allreduce``, ``allgather``, ...
+
+Each op checks its arguments, turns the TensorFlow tensors into torch views (see
+:mod:`.tensors`) and submits them through the framework-neutral submission layer
+(:mod:`collectives.ops`), in eager mode at once and in graphs as ``tf.py_function`` ops (see
+:mod:`.graph`). Every differentiable op has its gradient as Horovod defines it
+(``tf.custom_gradient``):
+
+============== ===========================================================================
+allreduce      grad = allreduce(grad) with the same op and scaling
+allgather      grad = this rank's rows of allreduce(grad, Average)
+broadcast      grad = allreduce(grad, Average) on the root, zeros elsewhere
+alltoall       grad = alltoall(grad) sent back along the received splits
+reducescatter  grad = allgather(grad * size) for Sum, allgather(grad) for Average, times
+               the scaling
+============== ===========================================================================
+
+``tf.IndexedSlices`` (the gradients of embeddings) reduce by an allgather of their values and
+indices (Horovod's way); Sum and Average only, no scaling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+import torch
+
+from collectives import job, ops, runtime
+from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.engine.execute import split_rows
+from collectives.tensorflow import graph
+from collectives.tensorflow.compression import Compression, Compressor
+from collectives.tensorflow.tensors import check_dense
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Max",
+    "Min",
+    "Product",
+    "Sum",
+    "allgather",
+    "allreduce",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_reducescatter",
+    "join",
+    "reducescatter",
+]
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+join = job.join
+barrier = job.barrier
+
+
+def _size(process_set: ProcessSet) -> int:
+    return process_set.size() if process_set is not global_process_set else runtime.size()
+
+
+# ---- allreduce ----------------------------------------------------------------------------
+
+
+def _reduce(
+    tensors: Sequence[tf.Tensor],
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    name: str | None,
+    process_set: ProcessSet,
+    ignore_name_scope: bool,
+) -> list[tf.Tensor]:
+    """The raw allreduce of dense tensors (one grouped op), with Horovod's gradient."""
+
+    @tf.custom_gradient
+    def reduce(*inputs: tf.Tensor) -> Any:
+        label = "allreduce" if len(inputs) == 1 else "grouped_allreduce"
+        full = graph.op_name("allreduce", name, inputs, ignore_name_scope)
+
+        def submit(views: list[torch.Tensor]) -> Any:
+            return ops.submit_allreduce(
+                views,
+                None,
+                op,
+                prescale,
+                postscale,
+                process_set,
+                full,
+                ops.outputs_of,
+                blocking=not graph.in_graph(),
+            )
+
+        outputs = graph.run(
+            label, inputs, submit, list, [t.dtype for t in inputs], [t.shape for t in inputs]
+        )
+
+        def grad(*upstream: tf.Tensor) -> Any:
+            return _reduce(upstream, op, prescale, postscale, None, process_set, True)
+
+        return outputs, grad
+
+    return list(reduce(*tensors))
+
+
+def allreduce(
+    tensor: Any,
+    average: Any = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] | Compressor = Compression.none,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+) -> Any:
+    """Reduces a tensor (or ``tf.IndexedSlices``) over the ranks of the process set;
+    Average by default. ``device_dense``/``device_sparse`` are accepted for Horovod
+    compatibility (the engine places data itself)."""
+    op = job.handle_average_backwards_compatibility(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse_allreduce(
+            tensor, op, prescale_factor, postscale_factor, name, process_set, ignore_name_scope
+        )
+    dense = check_dense(tensor, "allreduce")
+    if op == ReduceOp.ADASUM:
+        return _adasum([dense], prescale_factor, postscale_factor, name, process_set)[0]
+    compressed, ctx = compression.compress(dense)
+    (reduced,) = _reduce(
+        [compressed], op, prescale_factor, postscale_factor, name, process_set, ignore_name_scope
+    )
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: Any = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] | Compressor = Compression.none,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    name: str | None = None,
+) -> list[Any]:
+    """Reduces every tensor as one grouped op (they travel and complete together)."""
+    op = job.handle_average_backwards_compatibility(op, average)
+    if not tensors:
+        return []
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        return [
+            allreduce(
+                t,
+                None,
+                device_dense,
+                device_sparse,
+                compression,
+                op,
+                prescale_factor,
+                postscale_factor,
+                None,
+                process_set,
+                ignore_name_scope,
+            )
+            for t in tensors
+        ]
+    dense = [check_dense(t, "grouped_allreduce") for t in tensors]
+    if op == ReduceOp.ADASUM:
+        return _adasum(dense, prescale_factor, postscale_factor, name, process_set)
+    compressed = [compression.compress(t) for t in dense]
+    reduced = _reduce(
+        [c for c, _ in compressed],
+        op,
+        prescale_factor,
+        postscale_factor,
+        name,
+        process_set,
+        ignore_name_scope,
+    )
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed, strict=True)]
+
+
+def _sparse_allreduce(
+    slices: tf.IndexedSlices,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    name: str | None,
+    process_set: ProcessSet,
+    ignore_name_scope: bool,
+) -> tf.IndexedSlices:
+    """Horovod's sparse allreduce: an allgather of the values and of the indices."""
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise NotImplementedError(
+            f"allreduce of tf.IndexedSlices supports op=Sum or Average, not {op.name}; pass "
+            "sparse_as_dense=True to reduce them as dense tensors"
+        )
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError(
+            "prescale/postscale factors are not supported for tf.IndexedSlices"
+        )
+    values = allgather(
+        slices.values, f"{name}.values" if name else None, ignore_name_scope, process_set
+    )
+    indices = allgather(
+        slices.indices, f"{name}.indices" if name else None, ignore_name_scope, process_set
+    )
+    if op == ReduceOp.AVERAGE:
+        values = values / tf.cast(_size(process_set), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def _adasum(
+    tensors: list[tf.Tensor],
+    prescale: float,
+    postscale: float,
+    name: str | None,
+    process_set: ProcessSet,
+) -> list[tf.Tensor]:
+    """Adasum (the engine gathers every rank's tensor and combines them on each rank)."""
+    for tensor in tensors:
+        if not tensor.dtype.is_floating:
+            raise TypeError(
+                "allreduce with op=hvd.Adasum needs floating-point tensors, got "
+                f"{tensor.dtype.name}"
+            )
+    full = graph.op_name("allreduce", name, tensors)
+
+    def submit(views: list[torch.Tensor]) -> Any:
+        return ops.submit_adasum_allreduce(
+            views, None, prescale, postscale, process_set, full, ops.outputs_of
+        )
+
+    return graph.run(
+        "allreduce", tensors, submit, list, [t.dtype for t in tensors], [t.shape for t in tensors]
+    )
+
+
+# ---- allgather ----------------------------------------------------------------------------
+
+
+def _gather(
+    tensors: Sequence[tf.Tensor],
+    name: str | None,
+    ignore_name_scope: bool,
+    process_set: ProcessSet,
+) -> list[tf.Tensor]:
+    @tf.custom_gradient
+    def gather(*inputs: tf.Tensor) -> Any:
+        full = graph.op_name("allgather", name, inputs, ignore_name_scope)
+
+        def submit(views: list[torch.Tensor]) -> Any:
+            return ops.submit_allgather(
+                views, process_set, full, ops.outputs_of, blocking=not graph.in_graph()
+            )
+
+        shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in inputs]
+        outputs = graph.run("allgather", inputs, submit, list, [t.dtype for t in inputs], shapes)
+
+        def grad(*upstream: tf.Tensor) -> Any:
+            reduced = _reduce(upstream, ReduceOp.AVERAGE, 1.0, 1.0, None, process_set, True)
+            rows = [tf.shape(t, out_type=tf.int64)[:1] for t in inputs]
+            dims = _gather(rows, None, True, process_set)
+            me = process_set.rank() if process_set is not global_process_set else runtime.rank()
+            return [tf.split(g, d, axis=0)[me] for g, d in zip(reduced, dims, strict=True)]
+
+        return outputs, grad
+
+    return list(gather(*tensors))
+
+
+def allgather(
+    tensor: Any,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tf.Tensor:
+    """Concatenates every rank's tensor along the first dimension (ranks may differ in it)."""
+    dense = check_dense(tensor, "allgather")
+    if dense.shape.rank == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension")
+    return _gather([dense], name, ignore_name_scope, process_set)[0]
+
+
+def grouped_allgather(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> list[tf.Tensor]:
+    """Allgathers every tensor as one grouped op."""
+    if not tensors:
+        return []
+    dense = [check_dense(t, "grouped_allgather") for t in tensors]
+    if any(t.shape.rank == 0 for t in dense):
+        raise ValueError("grouped_allgather needs tensors with at least one dimension")
+    return _gather(dense, name, ignore_name_scope, process_set)
+
+
+# ---- broadcast ----------------------------------------------------------------------------
+
+
+def broadcast(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tf.Tensor:
+    """Root's tensor on every rank of the process set (``root_rank`` is a global rank)."""
+    dense = check_dense(tensor, "broadcast")
+    return _broadcast([dense], root_rank, name, ignore_name_scope, process_set)[0]
+
+
+def _broadcast(
+    tensors: Sequence[tf.Tensor],
+    root_rank: int,
+    name: str | None,
+    ignore_name_scope: bool,
+    process_set: ProcessSet,
+) -> list[tf.Tensor]:
+    @tf.custom_gradient
+    def bcast(*inputs: tf.Tensor) -> Any:
+        full = graph.op_name("broadcast", name, inputs, ignore_name_scope)
+
+        def submit(views: list[torch.Tensor]) -> Any:
+            return ops.submit_broadcast(
+                views,
+                None,
+                root_rank,
+                process_set,
+                full,
+                ops.outputs_of,
+                blocking=not graph.in_graph(),
+            )
+
+        outputs = graph.run(
+            "broadcast", inputs, submit, list, [t.dtype for t in inputs], [t.shape for t in inputs]
+        )
+
+        def grad(*upstream: tf.Tensor) -> Any:
+            reduced = _reduce(upstream, ReduceOp.AVERAGE, 1.0, 1.0, None, process_set, True)
+            if runtime.rank() != root_rank:
+                return [g * 0 for g in reduced]
+            return reduced
+
+        return outputs, grad
+
+    return list(bcast(*tensors))
+
+
+def broadcast_(
+    variables: Sequence[tf.Variable],
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> list[tf.Variable]:
+    """Overwrites every variable with root's value, in place (one grouped broadcast)."""
+    variables = list(variables)
+    if not variables:
+        return variables
+    values = _broadcast(
+        [check_dense(v, "broadcast_") for v in variables], root_rank, name, False, process_set
+    )
+    assigned = [v.assign(value) for v, value in zip(variables, values, strict=True)]
+    if graph.in_graph():
+        return assigned
+    return variables
+
+
+# ---- alltoall -----------------------------------------------------------------------------
+
+
+def alltoall(
+    tensor: Any,
+    splits: Any = None,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """Sends ``splits[i]`` rows (equal shares without splits) to the i-th rank of the set;
+    returns the rows received, concatenated, and how many came from each rank."""
+    dense = check_dense(tensor, "alltoall")
+    if dense.shape.rank == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    split_tensor = None if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int32)
+    return _alltoall(dense, split_tensor, name, ignore_name_scope, process_set)
+
+
+def _alltoall(
+    tensor: tf.Tensor,
+    splits: tf.Tensor | None,
+    name: str | None,
+    ignore_name_scope: bool,
+    process_set: ProcessSet,
+) -> tuple[tf.Tensor, tf.Tensor]:
+    @tf.custom_gradient
+    def exchange(value: tf.Tensor, *split: tf.Tensor) -> Any:
+        full = graph.op_name("alltoall", name, [value], ignore_name_scope)
+
+        def submit(views: list[torch.Tensor]) -> Any:
+            wanted = views[1].tolist() if len(views) > 1 else None
+            return ops.submit_alltoall(
+                views[0], wanted, process_set, full, _with_splits, blocking=not graph.in_graph()
+            )
+
+        outputs = graph.run(
+            "alltoall",
+            [value, *split],
+            submit,
+            list,
+            [value.dtype, tf.int32],
+            [tf.TensorShape([None]).concatenate(value.shape[1:]), tf.TensorShape([None])],
+        )
+        received, counts = outputs
+
+        def grad(upstream: tf.Tensor, *unused: Any) -> Any:
+            back, _ = _alltoall(upstream, counts, None, True, process_set)
+            return [back, *(None for _ in split)]
+
+        return (received, counts), grad
+
+    inputs = [tensor] if splits is None else [tensor, splits]
+    received, counts = exchange(*inputs)
+    return received, counts
+
+
+def _with_splits(request: Any) -> list[torch.Tensor]:
+    """An alltoall's output and the splits it received, as tensors."""
+    return [request.outputs[0], torch.tensor(request.extra, dtype=torch.int32)]
+
+
+# ---- reducescatter ------------------------------------------------------------------------
+
+
+def reducescatter(
+    tensor: Any,
+    device_dense: str = "",
+    compression: type[Compressor] | Compressor = Compression.none,
+    op: Any = ReduceOp.AVERAGE,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    """Reduces over the ranks and gives each rank its share of the first dimension (the
+    first ``rows % size`` ranks one row more); Average by default."""
+    return grouped_reducescatter(
+        [tensor],
+        device_dense,
+        compression,
+        op,
+        process_set,
+        ignore_name_scope,
+        prescale_factor,
+        postscale_factor,
+        name,
+    )[0]
+
+
+def grouped_reducescatter(
+    tensors: Sequence[Any],
+    device_dense: str = "",
+    compression: type[Compressor] | Compressor = Compression.none,
+    op: Any = ReduceOp.AVERAGE,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+) -> list[tf.Tensor]:
+    """Reducescatters every tensor as one grouped op."""
+    op = ReduceOp(op)
+    if not tensors:
+        return []
+    dense = [check_dense(t, "reducescatter") for t in tensors]
+    if any(t.shape.rank == 0 for t in dense):
+        raise ValueError("reducescatter needs tensors with at least one dimension")
+    compressed = [compression.compress(t) for t in dense]
+    scattered = _scatter(
+        [c for c, _ in compressed],
+        op,
+        prescale_factor,
+        postscale_factor,
+        name,
+        process_set,
+        ignore_name_scope,
+    )
+    return [
+        compression.decompress(s, ctx) for s, (_, ctx) in zip(scattered, compressed, strict=True)
+    ]
+
+
+def _scatter(
+    tensors: Sequence[tf.Tensor],
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    name: str | None,
+    process_set: ProcessSet,
+    ignore_name_scope: bool,
+) -> list[tf.Tensor]:
+    @tf.custom_gradient
+    def scatter(*inputs: tf.Tensor) -> Any:
+        full = graph.op_name("reducescatter", name, inputs, ignore_name_scope)
+
+        def submit(views: list[torch.Tensor]) -> Any:
+            return ops.submit_reducescatter(
+                views,
+                op,
+                prescale,
+                postscale,
+                process_set,
+                full,
+                ops.outputs_of,
+                blocking=not graph.in_graph(),
+            )
+
+        size = _size(process_set)
+        me = process_set.rank() if process_set is not global_process_set else runtime.rank()
+        shapes = []
+        for t in inputs:
+            rows = t.shape[0]
+            mine = None if rows is None else split_rows(rows, size)[me]
+            shapes.append(tf.TensorShape([mine]).concatenate(t.shape[1:]))
+        outputs = graph.run(
+            "reducescatter", inputs, submit, list, [t.dtype for t in inputs], shapes
+        )
+
+        def grad(*upstream: tf.Tensor) -> Any:
+            factor = (size if op == ReduceOp.SUM else 1) * prescale * postscale
+            scaled = [g * tf.cast(factor, g.dtype) if factor != 1 else g for g in upstream]
+            return [allgather(g, None, True, process_set) for g in scaled]
+
+        return outputs, grad
+
+    return list(scatter(*tensors))

@@ -1,0 +1,58 @@
+"""TensorFlow tensors to the engine and back, without copies.
+
+The engine's buffer type is the torch tensor. A TensorFlow tensor becomes one through
+DLPack (``tf.experimental.dlpack``): the torch tensor is a view of the TensorFlow buffer,
+and a result comes back the same way, a TensorFlow tensor over the engine's output. Both
+directions take a few microseconds whatever the size (CPU and GPU alike, every numeric
+dtype and bool). Inputs are never written to: TensorFlow tensors are immutable, so every op
+of this frontend runs out of place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+import torch
+from torch.utils import dlpack as torch_dlpack
+
+__all__ = ["check_dense", "from_torch", "to_torch"]
+
+#: Dtypes the engine moves (TensorFlow's names).
+_SUPPORTED = frozenset(
+    (
+        tf.float16,
+        tf.bfloat16,
+        tf.float32,
+        tf.float64,
+        tf.uint8,
+        tf.int8,
+        tf.int16,
+        tf.int32,
+        tf.int64,
+        tf.bool,
+    )
+)
+
+
+def check_dense(value: Any, what: str) -> tf.Tensor:
+    """A tf.Tensor of a dtype the engine moves (a Variable is read); a clear error else."""
+    if isinstance(value, tf.IndexedSlices):
+        raise TypeError(f"{what} expects a dense tensor here, got tf.IndexedSlices")
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{what} expects tensors, got {type(value).__name__}: {error}") from None
+    if tensor.dtype not in _SUPPORTED:
+        raise TypeError(f"{what} does not support tensors of dtype {tensor.dtype.name}")
+    return tensor
+
+
+def to_torch(tensor: tf.Tensor) -> torch.Tensor:
+    """A torch view of an eager TensorFlow tensor (no copy)."""
+    return torch.from_dlpack(tf.experimental.dlpack.to_dlpack(tensor))
+
+
+def from_torch(tensor: torch.Tensor) -> tf.Tensor:
+    """An eager TensorFlow tensor over a torch tensor's memory (no copy)."""
+    return tf.experimental.dlpack.from_dlpack(torch_dlpack.to_dlpack(tensor))
