@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 # A CPU build by default; override for CUDA, e.g. make TORCH_SPEC='torch==2.13.0' ...
 TORCH_SPEC ?= torch==2.13.0
+# TensorFlow for collectives.tensorflow and collectives.keras (CPU build by default; e.g.
+# TF_SPEC='tensorflow[and-cuda]==2.21.0' on GPUs), and Keras 2 (tf_keras) to match it.
+TF_SPEC ?= tensorflow-cpu==2.21.0
+TF_KERAS_SPEC ?= tf_keras~=2.21.0
 NP ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hvdrun-installed
@@ -14,7 +18,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,examples]'
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TF_SPEC)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,examples,keras]'
+	# (tf_keras names the full "tensorflow" package: the one installed above serves it)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(TF_KERAS_SPEC)"
 	touch $(STAMP)
 
 demo: setup

@@ -5,7 +5,11 @@ The only part of the CLI that imports torch (the launcher itself must start fast
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
 
 from hvdrun import __version__
 from rendezvous import launchers
@@ -13,6 +17,46 @@ from rendezvous import launchers
 
 def _mark(available: bool) -> str:
     return "[X]" if available else "[ ]"
+
+
+def _version(*distributions: str) -> str | None:
+    """The installed version of the first distribution found (read from its metadata:
+    TensorFlow takes seconds to import, its version nothing)."""
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _keras_backend() -> str:
+    """Keras 3's backend as it would pick it: KERAS_BACKEND, else its config file."""
+    name = os.environ.get("KERAS_BACKEND")
+    if name:
+        return name
+    config = Path(os.environ.get("KERAS_HOME", Path.home() / ".keras")) / "keras.json"
+    try:
+        return str(json.loads(config.read_text()).get("backend", "tensorflow"))
+    except (OSError, ValueError):
+        return "tensorflow"
+
+
+def framework_lines() -> Iterator[str]:
+    """TensorFlow and Keras, as collectives.tensorflow and collectives.keras see them."""
+    tf_version = _version("tensorflow", "tensorflow-cpu", "tensorflow_cpu")
+    keras_version = _version("keras")
+    tf_keras = _version("tf_keras", "tf-keras")
+    tf_line = f"TensorFlow {tf_version}" if tf_version else "TensorFlow (not installed)"
+    yield f"    {_mark(tf_version is not None)} {tf_line} (collectives.tensorflow)"
+    if keras_version:
+        major = keras_version.split(".")[0]
+        where = f"backend {_keras_backend()}" if major == "3" else "on TensorFlow"
+        yield f"    [X] Keras {keras_version}, {where} (collectives.keras)"
+    else:
+        yield "    [ ] Keras (not installed)"
+    if tf_keras:
+        yield f"    [X] tf_keras {tf_keras} (Keras 2, with TF_USE_LEGACY_KERAS=1)"
 
 
 def build_report() -> Iterator[str]:
@@ -24,6 +68,7 @@ def build_report() -> Iterator[str]:
         yield ""
         yield "Available Frameworks:"
         yield f"    [ ] PyTorch (cannot import torch: {exc})"
+        yield from framework_lines()
         return
 
     distributed = dist.is_available()
@@ -43,6 +88,7 @@ def build_report() -> Iterator[str]:
     yield ""
     yield "Available Frameworks:"
     yield f"    [X] PyTorch {torch.__version__}"
+    yield from framework_lines()
     yield ""
     yield "Available Controllers:"
     yield f"    {_mark(True)} gRPC rendezvous"

@@ -3,9 +3,11 @@ the callbacks that keep the state's epoch and batch current and commit it."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from collectives.elastic import ObjectState, run
+from collectives import elastic
+from collectives.elastic import ObjectState
 from collectives.keras import backend as keras_backend
 from collectives.keras.callbacks import KerasCallback, optimizer_variables
 
@@ -16,6 +18,21 @@ __all__ = [
     "UpdateEpochStateCallback",
     "run",
 ]
+
+
+_R = TypeVar("_R")
+
+
+def run(func: Callable[..., _R]) -> Callable[..., _R]:
+    """Decorates ``func(state, *args, **kwargs)`` to survive peer failures and host changes
+    (see :func:`collectives.elastic.run`), a ``model.fit`` inside it included: on
+    TensorFlow (Keras 3's TensorFlow backend, tf_keras) a collective that failed in the
+    compiled train step counts as the Horovod error behind TensorFlow's."""
+    if keras_backend.current().is_torch:
+        return elastic.run(func)
+    from collectives.tensorflow.elastic import run as run_on_tensorflow
+
+    return run_on_tensorflow(func)
 
 
 class KerasState(ObjectState):

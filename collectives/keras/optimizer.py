@@ -12,13 +12,17 @@ working): it is re-classed as a subclass of its class whose gradient step reduce
   default).
 * **Keras 2** (``tf_keras``): ``apply_gradients`` reduces first.
 
-No double averaging where Keras itself distributes: a model under a ``tf.distribute``
-strategy (or Keras's own data parallelism) already averages, and is refused with an error
-that says so.
+No double averaging where something else already reduces the gradients over the job's
+processes: a model wrapped in torch's ``DistributedDataParallel`` (Keras's recipe for
+multi-process training on its torch backend), or trained under a multi-worker
+``tf.distribute`` strategy. There the optimizer applies the gradients as they come and says
+so once, on stderr.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
 from typing import Any
 
 from collectives.common import ProcessSet, ReduceOp, global_process_set
@@ -113,6 +117,8 @@ class _Settings:
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self.groups = groups
+        #: What reduces the gradients already ("": nothing; None: not known yet).
+        self.elsewhere: str | None = None
 
     def reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
         bridge = self.bridge
@@ -151,6 +157,51 @@ class _Settings:
         return result
 
 
+def _reduced_elsewhere(bridge: Any, variables: list[Any]) -> str | None:
+    """What already reduces these variables' gradients over the processes, if anything:
+    a ``DistributedDataParallel`` holding their parameters (torch backend), or a
+    multi-worker ``tf.distribute`` strategy in scope (TensorFlow)."""
+    if bridge.is_torch:
+        if "torch.nn.parallel" not in sys.modules:
+            return None
+        from torch.nn.parallel import DistributedDataParallel
+
+        params = {id(getattr(v, "value", v)) for v in variables}
+        for obj in gc.get_objects():  # (once per optimizer: the DDPs alive)
+            if isinstance(obj, DistributedDataParallel) and any(
+                id(p) in params for p in obj.module.parameters()
+            ):
+                return "torch's DistributedDataParallel, which wraps the model"
+        return None
+    if "tensorflow" not in sys.modules:
+        return None
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy():
+        return None
+    strategy = tf.distribute.get_strategy()
+    workers = getattr(strategy.extended, "_num_workers", 1)
+    if workers > 1:
+        return f"tf.distribute's {type(strategy).__name__} over {workers} workers"
+    return None
+
+
+def _reduce_unless_elsewhere(self: Any, grads: list[Any], variables: list[Any]) -> list[Any]:
+    """The gradients reduced over the ranks, or as they come where something else reduces
+    them already (decided at the optimizer's first step)."""
+    settings = self._hvd_settings
+    if settings.elsewhere is None:
+        settings.elsewhere = _reduced_elsewhere(settings.bridge, variables) or ""
+        if settings.elsewhere:
+            sys.stderr.write(
+                f"hvd.DistributedOptimizer: the gradients are reduced over the processes by "
+                f"{settings.elsewhere} already; they are not reduced again\n"
+            )
+    if settings.elsewhere:
+        return grads
+    return settings.reduce(grads, variables)
+
+
 def _no_compression() -> Any:
     from collectives.tensorflow.compression import Compression
 
@@ -160,17 +211,17 @@ def _no_compression() -> Any:
 def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
     grads = list(grads)
     variables = list(trainable_variables) if trainable_variables is not None else None
-    reduced = self._hvd_settings.reduce(grads, variables or [None] * len(grads))
+    reduced = _reduce_unless_elsewhere(self, grads, variables or [None] * len(grads))
     return super(type(self), self).apply(reduced, trainable_variables)
 
 
 def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
-    reduced = self._hvd_settings.reduce(list(grads), list(trainable_variables))
+    reduced = _reduce_unless_elsewhere(self, list(grads), list(trainable_variables))
     return super(type(self), self)._backend_update_step(reduced, trainable_variables, learning_rate)
 
 
 def _legacy_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
     pairs = list(grads_and_vars)
-    grads = self._hvd_settings.reduce([g for g, _ in pairs], [v for _, v in pairs])
+    grads = _reduce_unless_elsewhere(self, [g for g, _ in pairs], [v for _, v in pairs])
     merged = list(zip(grads, [v for _, v in pairs], strict=True))
     return super(type(self), self).apply_gradients(merged, *args, **kwargs)

@@ -9,16 +9,41 @@ broadcasts them from rank 0 (plus the picklable attributes, see :mod:`collective
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import tensorflow as tf
 
-from collectives.elastic import ObjectState, State, run
+from collectives import elastic
+from collectives.elastic import ObjectState, State
+from collectives.tensorflow import graph
 from collectives.tensorflow.functions import broadcast_variables
 
 __all__ = ["ObjectState", "State", "TensorFlowKerasState", "TensorFlowState", "run"]
+
+
+_R = TypeVar("_R")
+
+
+def run(func: Callable[..., _R]) -> Callable[..., _R]:
+    """Decorates ``func(state, *args, **kwargs)`` to survive peer failures and host changes
+    (see :func:`collectives.elastic.run`); a collective that failed inside a ``tf.function``
+    or a Keras ``fit`` reaches it as the ``tf.errors.OpError`` TensorFlow raised, and counts
+    as the ``HorovodInternalError`` (or ``HostsUpdatedInterrupt``) behind it."""
+
+    @functools.wraps(func)
+    def unwrapping(state: State, *args: Any, **kwargs: Any) -> _R:
+        try:
+            return func(state, *args, **kwargs)
+        except tf.errors.OpError as error:
+            failure = graph.collective_failure(error)
+            if failure is None:
+                raise
+            raise failure from error
+
+    return elastic.run(unwrapping)
 
 
 class TensorFlowState(ObjectState):

@@ -18,6 +18,11 @@ that yields the result. Three things make that safe:
   independent ops in any order.
 * **XLA.** A compiled function (``tf.function(jit_compile=True)``) cannot run Python: an op
   built there raises an error naming the op and the setting, at once.
+* **Errors.** TensorFlow turns an exception inside ``tf.py_function`` into a
+  ``tf.errors.OpError`` that carries its message: a lost peer reaches the caller of a
+  ``tf.function`` (or of Keras ``fit``) as one. The exception itself is kept here, and
+  :func:`collective_failure` gives it back for such an error, so that ``hvd.elastic.run``
+  sees the ``HorovodInternalError`` or ``HostsUpdatedInterrupt`` it reacts to.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ from tensorflow.python.ops import control_flow_util
 
 from collectives.engine import handles
 from collectives.engine.handles import Handle
+from collectives.errors import CollectiveError, HorovodInternalError, HostsUpdatedInterrupt
 from collectives.tensorflow.tensors import from_torch, to_torch
 
-__all__ = ["in_graph", "op_name", "run"]
+__all__ = ["collective_failure", "in_graph", "op_name", "run"]
 
 #: Starts an op on the engine from its inputs (torch views); the handle of its result.
 Submit = Callable[[list[torch.Tensor]], Handle]
@@ -44,6 +50,34 @@ Submit = Callable[[list[torch.Tensor]], Handle]
 Collect = Callable[[Any], Sequence[torch.Tensor]]
 
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_./-]")
+
+
+_FAILURES = (HorovodInternalError, HostsUpdatedInterrupt, CollectiveError)
+#: The exception of the collective that failed last inside a graph (None: none since taken).
+_failure: list[BaseException] = []
+
+
+def collective_failure(error: BaseException) -> BaseException | None:
+    """The collective's exception behind ``error``, a ``tf.errors.OpError`` raised by a
+    graph whose collective failed (and forgets it); None for any other error."""
+    if not isinstance(error, tf.errors.OpError) or not _failure:
+        return None
+    failure = _failure.pop()
+    _failure.clear()
+    return failure if str(failure) in str(error.message) else None
+
+
+def _keeping_failures(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a py_function's body), remembering the collectives' exceptions it raises."""
+
+    def body(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except _FAILURES as error:
+            _failure[:] = [error]
+            raise
+
+    return body
 
 
 def in_graph() -> bool:
@@ -124,7 +158,9 @@ def run(
 
     graph = tf.compat.v1.get_default_graph()
     state = _state(graph)
-    number = tf.py_function(submit_now, list(inputs), Tout=tf.int64, name=f"hvd_{label}_submit")
+    number = tf.py_function(
+        _keeping_failures(submit_now), list(inputs), Tout=tf.int64, name=f"hvd_{label}_submit"
+    )
     submit_op = number.op
     still_open = []
     for wait_op in state.open_waits:
@@ -132,7 +168,9 @@ def run(
             continue  # its result is used: whatever comes later may depend on it
         wait_op._add_control_inputs([submit_op])
         still_open.append(wait_op)
-    outputs = tf.py_function(wait_now, [number], Tout=list(out_dtypes), name=f"hvd_{label}_wait")
+    outputs = tf.py_function(
+        _keeping_failures(wait_now), [number], Tout=list(out_dtypes), name=f"hvd_{label}_wait"
+    )
     if not isinstance(outputs, list):
         outputs = [outputs]
     wait_op = outputs[0].op if outputs else None

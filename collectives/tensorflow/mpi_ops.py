@@ -276,7 +276,11 @@ def _gather(
             rows = [tf.shape(t, out_type=tf.int64)[:1] for t in inputs]
             dims = _gather(rows, None, True, process_set)
             me = process_set.rank() if process_set is not global_process_set else runtime.rank()
-            return [tf.split(g, d, axis=0)[me] for g, d in zip(reduced, dims, strict=True)]
+            size = _size(process_set)
+            return [
+                tf.split(g, tf.reshape(d, [size]), axis=0)[me]
+                for g, d in zip(reduced, dims, strict=True)
+            ]
 
         return outputs, grad
 

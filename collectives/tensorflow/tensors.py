@@ -5,7 +5,8 @@ DLPack (``tf.experimental.dlpack``): the torch tensor is a view of the TensorFlo
 and a result comes back the same way, a TensorFlow tensor over the engine's output. Both
 directions take a few microseconds whatever the size (CPU and GPU alike, every numeric
 dtype and bool). Inputs are never written to: TensorFlow tensors are immutable, so every op
-of this frontend runs out of place.
+of this frontend runs out of place. A result that is an unaligned view (a small tensor's
+slice of a fused buffer) is copied first: TensorFlow's kernels need aligned buffers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tensorflow as tf
 import torch
 from torch.utils import dlpack as torch_dlpack
 
-__all__ = ["check_dense", "from_torch", "to_torch"]
+__all__ = ["ALIGNMENT", "check_dense", "from_torch", "to_torch"]
 
 #: Dtypes the engine moves (TensorFlow's names).
 _SUPPORTED = frozenset(
@@ -53,6 +54,15 @@ def to_torch(tensor: tf.Tensor) -> torch.Tensor:
     return torch.from_dlpack(tf.experimental.dlpack.to_dlpack(tensor))
 
 
+#: TensorFlow's kernels require buffers aligned to this many bytes (Eigen's alignment); its
+#: DLPack import does not check, and a kernel then aborts the process.
+ALIGNMENT = 64
+
+
 def from_torch(tensor: torch.Tensor) -> tf.Tensor:
-    """An eager TensorFlow tensor over a torch tensor's memory (no copy)."""
+    """An eager TensorFlow tensor over a torch tensor's memory: no copy, unless the tensor
+    is a view that TensorFlow's kernels cannot take (an unaligned slice of a fused buffer,
+    or not contiguous), which is copied into memory of its own first."""
+    if tensor.data_ptr() % ALIGNMENT or not tensor.is_contiguous():
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
     return tf.experimental.dlpack.from_dlpack(torch_dlpack.to_dlpack(tensor))

@@ -124,6 +124,27 @@ def test_check_build_lists_what_is_available() -> None:
     assert f"{mpi_mark} MPI" in out
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert f"{devices} device(s)" in out
+    # TensorFlow and Keras with their versions (from their metadata: nothing imported)
+    from importlib import metadata
+
+    for dist_name, label in (("tensorflow", "TensorFlow"), ("keras", "Keras")):
+        try:
+            version = metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            assert f"[ ] {label}" in out, out
+        else:
+            assert f"[X] {label} {version}" in out, out
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    torch_backend = subprocess.run(
+        [sys.executable, "-m", "hvdrun", "--check-build"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=True,
+    ).stdout
+    if "[X] Keras 3" in torch_backend:
+        assert "backend torch (collectives.keras)" in torch_backend, torch_backend
 
 
 def test_check_build_says_which_launcher_started_the_process() -> None:
