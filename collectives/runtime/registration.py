@@ -30,6 +30,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -57,6 +58,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_LOST_AFTER_SECONDS = worker_env.DEFAULT_LOST_AFTER_SECONDS
 #: Elastic jobs: how long a worker waits for the launcher's next membership generation.
 DEFAULT_ELASTIC_TIMEOUT_SECONDS = 600.0
+#: How long a worker keeps dialling a rendezvous that does not answer its first call. The
+#: launcher's server is up when a worker starts (its agent reached it), so a failed connection
+#: is an overloaded host or network; a server that is gone fails the call after this long.
+REGISTER_RETRY_SECONDS = 15.0
 
 
 class HostRemoved(SystemExit):
@@ -121,6 +126,26 @@ def _elastic_timeout() -> float:
     )
 
 
+def _register_retrying(
+    client: Any, runtime_: RuntimeState, min_generation: int, timeout: float
+) -> Any:
+    """``client.register``, dialling again for up to :data:`REGISTER_RETRY_SECONDS` while the
+    server cannot be reached (registering a slot twice is harmless)."""
+    from rendezvous.client import RendezvousUnavailable
+
+    give_up = time.monotonic() + REGISTER_RETRY_SECONDS
+    pause = 0.1
+    while True:
+        try:
+            return client.register(runtime_.host, runtime_.slot, min_generation, timeout=timeout)
+        except RendezvousUnavailable as error:
+            if runtime_.closed.is_set() or time.monotonic() + pause > give_up:
+                raise
+            logger.info("the rendezvous did not answer (%s); dialling again", error)
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+
 def register(runtime_: RuntimeState, min_generation: int) -> Any:
     """Registers with the rendezvous (elastic jobs: for a generation >= ``min_generation``)
     and takes over the place in the job it assigns; raises :class:`HostRemoved` when the
@@ -131,7 +156,7 @@ def register(runtime_: RuntimeState, min_generation: int) -> Any:
     assert client is not None
     timeout = _elastic_timeout() if runtime_.elastic else 0.0
     try:
-        info = client.register(runtime_.host, runtime_.slot, min_generation, timeout=timeout)
+        info = _register_retrying(client, runtime_, min_generation, timeout)
     except RendezvousRemoved:
         message = f"host {runtime_.host!r} is no longer part of the job (removed by host discovery)"
         with contextlib.suppress(Exception):  # stderr may be gone with the launcher

@@ -1,12 +1,20 @@
-"""Elastic bootstrap on a rendezvous harness (no hvdrun, no root): a worker whose bootstrap
-of one membership generation was superseded joins the next one with workers that never
-failed."""
+"""Bootstrap on a rendezvous harness (no hvdrun, no root): a worker whose bootstrap of one
+membership generation was superseded joins the next one with workers that never failed; a
+worker whose rendezvous does not answer its first call at once keeps dialling."""
 
 from __future__ import annotations
 
 import secrets
+import socket
 import subprocess
+import threading
+import time
+from datetime import timedelta
 
+import pytest
+
+from collectives.runtime import registration
+from collectives.runtime.state import RuntimeState, Topology
 from rendezvous.client import RendezvousClient
 from rendezvous.server import RendezvousServer
 from rendezvous.slots import assign_slots
@@ -58,3 +66,40 @@ def test_a_superseded_bootstrap_does_not_keep_the_next_generation_apart() -> Non
     assert workers[1].returncode == 0, c_out + c_err
     assert "joined rank=0 size=2 generation=2 sum=3" in b_out, b_out + b_err
     assert "joined rank=1 size=2 generation=2 sum=3" in c_out, c_out + c_err
+
+
+def test_a_worker_keeps_dialling_a_rendezvous_that_does_not_answer_yet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An overloaded host may fail a worker's first connection: that must not fail its host.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nobody listens here for now
+    secret = secrets.token_hex(16)
+    server = RendezvousServer(
+        assign_slots([("a", 1)], 1), secret, JOB_ID, bind_host="127.0.0.1", port=port
+    )
+    late = threading.Timer(1.5, server.start)
+    late.start()
+    client = RendezvousClient(f"127.0.0.1:{port}", secret, JOB_ID, rpc_timeout=5)
+    state = RuntimeState(Topology(0, 1, 0, 1, 0, 1), "gloo", timedelta(seconds=5), None)
+    state.client, state.host = client, "a"
+    try:
+        registration.register(state, 0)
+        assert (state.topology.rank, state.topology.size) == (0, 1)
+    finally:
+        late.join()
+        client.close()
+        server.stop()
+
+    # a server that never answers fails the worker after the retry window, naming it
+    monkeypatch.setattr(registration, "REGISTER_RETRY_SECONDS", 1.0)
+    client = RendezvousClient(f"127.0.0.1:{port}", secret, JOB_ID, rpc_timeout=5)
+    state.client = client
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="could not register with the rendezvous"):
+            registration.register(state, 0)
+    finally:
+        client.close()
+    assert time.monotonic() - start < 5
