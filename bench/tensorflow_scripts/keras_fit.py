@@ -3,12 +3,15 @@
 process and step.
 
 ``--mode hvd`` runs under ``hvdrun -np 2`` with ``collectives.keras`` (Keras 3 on
-``KERAS_BACKEND``): each process fits its half of the data, ``hvd.DistributedOptimizer``
-averages the gradients, the broadcast and metric callbacks as in the example.
+``KERAS_BACKEND``, or tf_keras with ``TF_USE_LEGACY_KERAS=1``): each process fits its half
+of the data, ``hvd.DistributedOptimizer`` averages the gradients, the broadcast and metric
+callbacks as in the example.
 ``--mode mwms`` is TensorFlow's own way, ``tf.distribute.MultiWorkerMirroredStrategy``
 (its collective all-reduce), with ``TF_CONFIG`` set by the caller: the model is built in the
 strategy's scope and ``fit`` gets the whole data at the global batch of 64, which the
-strategy splits into 32 per process.
+strategy splits into 32 per process. (Keras 3.15's ``fit`` fails under this strategy: its
+first step reduces a batch of per-worker values, which the strategy refuses; run it on
+tf_keras, Keras 2, which TensorFlow's own guides for the strategy use.)
 
 The first epoch (tracing, the first collectives) is left out: the steps of the others and
 their time give steps per second. The first process prints ``RESULT <steps per second>``.
@@ -23,8 +26,12 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras
 from sklearn.datasets import load_digits
+
+if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+    import tf_keras as keras
+else:
+    import keras
 
 BATCH = 32  # per process and step
 
@@ -52,7 +59,7 @@ class Timer(keras.callbacks.Callback):
             self.seconds += time.perf_counter() - self.started
 
 
-def build() -> keras.Model:
+def build() -> Any:
     model = keras.Sequential(
         [keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)]
     )
@@ -76,7 +83,9 @@ def main() -> None:
         hvd.init()
         first = hvd.rank() == 0
         model = build()
-        model.compile(hvd.DistributedOptimizer(keras.optimizers.Adam(0.002)), loss, ["accuracy"])
+        model.compile(
+            hvd.DistributedOptimizer(keras.optimizers.Adam(0.002)), loss, metrics=["accuracy"]
+        )
         callbacks = [
             hvd.callbacks.BroadcastGlobalVariablesCallback(0),
             hvd.callbacks.MetricAverageCallback(),
@@ -93,11 +102,12 @@ def main() -> None:
         first = strategy.cluster_resolver.task_id == 0
         with strategy.scope():
             model = build()
-            model.compile(keras.optimizers.Adam(0.002), loss, ["accuracy"])
+            model.compile(keras.optimizers.Adam(0.002), loss, metrics=["accuracy"])
+        # The whole data at the global batch; the strategy shards it by data and splits each
+        # batch between the processes.
         workers = strategy.num_replicas_in_sync
-        model.fit(
-            x, y, batch_size=BATCH * workers, epochs=args.epochs, callbacks=[timer], verbose=0
-        )
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH * workers)
+        model.fit(data, epochs=args.epochs, callbacks=[timer], verbose=0)
     if first:
         print(f"RESULT {timer.steps / timer.seconds:.3f} steps={timer.steps}", flush=True)
 
