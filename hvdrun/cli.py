@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from hvdrun import __version__
+from hvdrun.abbreviations import AbbreviatingCommand
 from hvdrun.config_file import config_env, config_file_option
 from hvdrun.dry_run import dry_run_option
 from hvdrun.elastic_flags import ElasticFlags, check_num_proc, elastic_options, explicit
@@ -53,7 +54,11 @@ from rendezvous.worker_env import RENDEZVOUS_LOST_AFTER_SECONDS, variable
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
 
-@click.command(cls=SectionedCommand, context_settings=CONTEXT_SETTINGS)
+class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
+    """hvdrun's command: help in sections, long options abbreviated as horovodrun takes them."""
+
+
+@click.command(cls=HvdrunCommand, context_settings=CONTEXT_SETTINGS)
 @click.option(
     "-np",
     "--num-proc",

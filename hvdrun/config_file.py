@@ -61,6 +61,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "hierarchical_allgather": Key(
             "hierarchical_allgather", BOOL, "HOROVOD_HIERARCHICAL_ALLGATHER"
         ),
+        "torus_allreduce": Key("torus_allreduce", BOOL, "HOROVOD_TORUS_ALLREDUCE"),
     },
     "autotune": {
         "enabled": Key("autotune", BOOL, "HOROVOD_AUTOTUNE"),

@@ -119,9 +119,12 @@ def omp_threads(hostname: str, local_workers: int, env: Mapping[str, str]) -> st
 
 def print_plan(spec: JobSpec, echo: Echo) -> None:
     """Prints the plan of ``spec``; starts nothing and connects to nothing."""
-    slots = assign_slots([(h.hostname, h.slots) for h in spec.hosts], spec.num_proc)
-    hosts = list(dict.fromkeys(slot.hostname for slot in slots))
     elastic = spec.elastic
+    discovered = sum(h.slots for h in spec.hosts)
+    # An elastic job's first discovery may offer fewer slots than -np: plan those.
+    planned = min(spec.num_proc, discovered) if elastic is not None else spec.num_proc
+    slots = assign_slots([(h.hostname, h.slots) for h in spec.hosts], planned) if planned else []
+    hosts = list(dict.fromkeys(slot.hostname for slot in slots))
     echo(f"hvdrun dry run: {spec.num_proc} worker(s) on {len(hosts)} host(s); nothing was started")
     echo(f"command: {shlex.join(spec.command)}")
     echo(f"working directory: {spec.cwd}")
@@ -138,9 +141,14 @@ def print_plan(spec: JobSpec, echo: Echo) -> None:
             f"{elastic.elastic_timeout:g} s; the plan of the first discovery "
             f"({', '.join(f'{h.hostname}:{h.slots}' for h in spec.hosts)})"
         )
+        if discovered < elastic.min_np:
+            echo(
+                f"elastic: the first discovery offers {discovered} slot(s), fewer than "
+                f"min-np {elastic.min_np}: the job waits up to the elastic timeout for more"
+            )
     echo("")
     echo("hosts:")
-    width = max(len(host) for host in hosts)
+    width = max((len(host) for host in hosts), default=0)
     for host in hosts:
         count = sum(1 for slot in slots if slot.hostname == host)
         echo(f"  {host:<{width}}  {count} worker(s)  {describe_reach(host, spec.launch)}")

@@ -49,6 +49,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "disable_cache",
             "hierarchical_allreduce",
             "hierarchical_allgather",
+            "torus_allreduce",
             "timeline_filename",
             "timeline_mark_cycles",
             "no_stall_check",

@@ -6,8 +6,9 @@ A command line copied from Horovod's documentation must work unchanged. Three ki
   collective waits for a peer), ``--disable-cache`` (horovodrun caches its host checks for an
   hour unless given; hvdrun never caches them, so the flag asks for what already happens).
 * **Passed on, no effect yet**: ``--hierarchical-allreduce``, ``--hierarchical-allgather``,
-  ``--num-nccl-streams``, ``--thread-affinity``, ``--mpi-threads-disable`` reach every worker
-  under Horovod's ``HOROVOD_*`` names, and hvdrun says once that the runtime ignores them.
+  ``--torus-allreduce``, ``--num-nccl-streams``, ``--thread-affinity``,
+  ``--mpi-threads-disable`` reach every worker under Horovod's ``HOROVOD_*`` names, and
+  hvdrun says once that the runtime ignores them.
 * **Refused**: ``--mpi``, ``--jsrun``, ``--mpi-args``, ``--tcp``, ``--binding-args`` ask
   horovodrun to drive MPI or jsrun. hvdrun starts its workers itself, so it says what to do
   instead, in one line, and exits with 2 before anything starts.
@@ -79,6 +80,7 @@ def _refused_value(name: str) -> Callable[[F], F]:
 NO_EFFECT_VARIABLES: dict[str, str] = {
     "hierarchical_allreduce": "HOROVOD_HIERARCHICAL_ALLREDUCE",
     "hierarchical_allgather": "HOROVOD_HIERARCHICAL_ALLGATHER",
+    "torus_allreduce": "HOROVOD_TORUS_ALLREDUCE",
     "num_nccl_streams": "HOROVOD_NUM_NCCL_STREAMS",
     "thread_affinity": "HOROVOD_THREAD_AFFINITY",
     "mpi_threads_disable": "HOROVOD_MPI_THREADS_DISABLE",
@@ -120,6 +122,11 @@ _OPTIONS = [
         help="Passed on as HOROVOD_HIERARCHICAL_ALLGATHER; no effect yet.",
     ),
     click.option(
+        "--torus-allreduce/--no-torus-allreduce",
+        default=None,
+        help="Passed on as HOROVOD_TORUS_ALLREDUCE; no effect yet.",
+    ),
+    click.option(
         "--num-nccl-streams",
         type=click.IntRange(min=0),
         metavar="N",
@@ -145,6 +152,7 @@ _OPTIONS = [
     # The hidden opposites horovodrun accepts for flags of hvdrun.tuning.
     click.option("--stall-check", is_flag=True, hidden=True),
     click.option("--no-timeline-mark-cycles", is_flag=True, hidden=True),
+    click.option("--no-autotune", is_flag=True, hidden=True),
 ]
 
 NAMES = (
@@ -155,6 +163,7 @@ NAMES = (
     "network_interfaces",
     "stall_check",
     "no_timeline_mark_cycles",
+    "no_autotune",
 )
 
 
@@ -174,12 +183,14 @@ class HorovodFlags:
     disable_cache: bool = False
     hierarchical_allreduce: bool | None = None
     hierarchical_allgather: bool | None = None
+    torus_allreduce: bool | None = None
     num_nccl_streams: int | None = None
     thread_affinity: int | None = None
     mpi_threads_disable: bool | None = None
     network_interfaces: tuple[str, ...] = ()
     stall_check: bool = False
     no_timeline_mark_cycles: bool = False
+    no_autotune: bool = False
 
     @classmethod
     def take(cls, kwargs: dict[str, Any]) -> HorovodFlags:
@@ -192,6 +203,8 @@ class HorovodFlags:
             tuning["no_stall_check"] = None
         if self.no_timeline_mark_cycles and "timeline_mark_cycles" in tuning:
             tuning["timeline_mark_cycles"] = None
+        if self.no_autotune and "autotune" in tuning:
+            tuning["autotune"] = None
 
     def env(self) -> dict[str, str]:
         """The worker variables these flags set."""

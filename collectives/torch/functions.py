@@ -7,8 +7,15 @@ fused buffer per device rather than one collective per tensor.
 (hyper-parameters, step counts, the structure) plus all its tensors in one fused broadcast;
 the other ranks rebuild the state dict and ``load_state_dict`` it. That way the result is
 exactly root's state, whatever the optimizer keeps (scalars, tensors, nested lists) and
-whatever state the other ranks had, and no optimizer step is taken to create state first
-(Horovod does that, which perturbs parameters of optimizers with weight decay).
+whatever state the other ranks had.
+
+An optimizer without any state yet first takes Horovod's dummy step on each rank where it has
+none: every parameter that requires a gradient gets a zero gradient (sparse for
+``SparseAdam``, and for ``SGD`` on the sparse embeddings of ``model``) and the optimizer
+steps once, so that its state exists (Adam's step count is 1 afterwards, as in Horovod).
+The zero gradients stay, as in Horovod, since code reads them right after. Unlike Horovod,
+the parameters are put back after that step: with weight decay a zero gradient still moves
+them, which Horovod lets happen.
 
 A public API module (Horovod's ``horovod.torch.functions``), built on the submission layer
 (:mod:`collectives.ops`); the elastic states sync through it.
@@ -114,14 +121,18 @@ def broadcast_optimizer_state(
 ) -> None:
     """Makes every rank's optimizer state (tensors, step counts and param_group
     hyper-parameters) equal to root_rank's (a global rank, also in a process set); parameters
-    without state on the root (no gradient yet) end up without state everywhere. ``model``
-    is accepted for Horovod compatibility."""
+    without state on the root (no gradient yet) end up without state everywhere. A rank whose
+    optimizer has no state at all first takes Horovod's dummy step (see the module's
+    docstring): zero gradients on the parameters that require one, state created, parameters
+    unchanged. ``model`` marks sparse embeddings, as in Horovod."""
     runtime.require("hvd.broadcast_optimizer_state()")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "hvd.broadcast_optimizer_state() does not support torch.optim.LBFGS: its state "
             "is not per parameter; broadcast the parameters and build LBFGS alike on every rank"
         )
+    if not optimizer.state_dict()["state"]:
+        _dummy_step(optimizer, model)
     skeleton_name = "broadcast_optimizer_state.skeleton"
     if runtime.rank() == root_rank:
         tensors: list[torch.Tensor] = []
@@ -135,6 +146,40 @@ def broadcast_optimizer_state(
     received = [_empty_for(slot) for slot in sorted(slots, key=lambda s: s.index)]
     ops.broadcast_(received, root_rank, process_set, "broadcast_optimizer_state")
     optimizer.load_state_dict(_fill(skeleton, received))
+
+
+def _dummy_step(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """Horovod's state initialisation: zero gradients on every parameter that requires one,
+    then one step of the optimizer itself (never a DistributedOptimizer's step, which would
+    reduce and wait for every rank); the parameters are restored afterwards."""
+    sparse_params: set[int] = set()
+    if model is not None:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding) and module.sparse:
+                sparse_params.update(id(p) for p in module.parameters())
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    for p in params:
+        grad = torch.zeros_like(p.detach())
+        sparse = isinstance(optimizer, torch.optim.SparseAdam) or (
+            isinstance(optimizer, torch.optim.SGD) and id(p) in sparse_params
+        )
+        p.grad = grad.to_sparse() if sparse else grad
+    _own_step(optimizer)
+    with torch.no_grad():
+        for p, before in zip(params, saved, strict=True):
+            p.copy_(before)
+
+
+def _own_step(optimizer: torch.optim.Optimizer) -> None:
+    """The wrapped optimizer's own step. ``hvd.DistributedOptimizer`` returns an instance of
+    a class made from (its mixin, the optimizer's class), with the optimizer's class last
+    among its bases; its step() would reduce the gradients (and Adasum's does not step)."""
+    if hasattr(optimizer, "skip_synchronize") and hasattr(optimizer, "synchronize"):
+        own: Any = type(optimizer).__bases__[-1]
+        own.step(optimizer)
+    else:
+        optimizer.step()
 
 
 def _strip_slots(obj: Any, slots: list[_TensorSlot]) -> None:

@@ -42,6 +42,12 @@ from collectives.torch.optim.gradient_buckets import check_groups
 
 __all__ = ["DistributedOptimizer"]
 
+#: Starts as Horovod's warning does (which names the release that was to drop it).
+NUM_GROUPS_DEPRECATED = (
+    "Parameter `num_groups` has been replaced by `groups` and will be removed; "
+    "groups=num_groups is used meanwhile"
+)
+
 
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
@@ -73,11 +79,7 @@ def DistributedOptimizer(
     if gradient_predivide_factor <= 0:
         raise ValueError("gradient_predivide_factor must be positive")
     if num_groups != 0:
-        warnings.warn(
-            "num_groups is deprecated; use groups=",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warnings.warn(NUM_GROUPS_DEPRECATED, DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
     check_groups(groups, optimizer)

@@ -66,6 +66,8 @@ def test_horovod_spellings(name: str, spellings: list[str]) -> None:
         (["--no-hierarchical-allreduce"], ["HOROVOD_HIERARCHICAL_ALLREDUCE=0"]),
         (["--hierarchical-allgather"], ["HOROVOD_HIERARCHICAL_ALLGATHER=1"]),
         (["--no-hierarchical-allgather"], ["HOROVOD_HIERARCHICAL_ALLGATHER=0"]),
+        (["--torus-allreduce"], ["HOROVOD_TORUS_ALLREDUCE=1"]),
+        (["--no-torus-allreduce"], ["HOROVOD_TORUS_ALLREDUCE=0"]),
         (["--num-nccl-streams", "2"], ["HOROVOD_NUM_NCCL_STREAMS=2"]),
         (["--thread-affinity", "3"], ["HOROVOD_THREAD_AFFINITY=3"]),
         (["--mpi-threads-disable"], ["HOROVOD_MPI_THREADS_DISABLE=1"]),
@@ -94,6 +96,7 @@ def test_horovod_spellings(name: str, spellings: list[str]) -> None:
         (["--verbose"], []),
         (["--stall-check"], []),
         (["--no-timeline-mark-cycles"], []),
+        (["--no-autotune"], []),
         (["--num-proc", "1"], []),
     ],
 )

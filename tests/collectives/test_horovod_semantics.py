@@ -58,7 +58,7 @@ EVERY_RANK = [
     "sparse.shape_mismatch.class",
     "sparse.dense_refused",
     "optimizer_state.partial.params_with_state",
-    "optimizer_state.partial.no_grad_left",
+    "optimizer_state.partial.grads",
     "optimizer_state.partial.equal",
     "optimizer_state.partial.fresh_wrapped",
     "optimizer_state.partial.trains",

@@ -153,7 +153,7 @@ def test_optimizer_on_two_ranks() -> None:
             "optimizer_state.adam.step_count",
             "optimizer_state.sgd.in_step",
             "optimizer_state.fresh_rank_filled",
-            "optimizer_state.empty_root_clears",
+            "optimizer_state.empty_root_dummy_step",
             "distributed_optimizer.sgd",
             "distributed_optimizer.adam",
             "distributed_optimizer.fp16",

@@ -282,8 +282,10 @@ def test_broadcast_parameters_and_optimizer_state(hvd: ModuleType) -> None:
     with pytest.raises(ValueError):
         hvd.broadcast_parameters(3, root_rank=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # empty state: nothing to do
-    assert len(optimizer.state) == 0
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # empty: Horovod's dummy step
+    assert len(optimizer.state) == 2
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     model(torch.ones(4, 3)).sum().backward()
     optimizer.step()
     state = optimizer.state_dict()

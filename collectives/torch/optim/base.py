@@ -35,7 +35,15 @@ from collectives.torch.optim.gradient_buckets import (
     plan_buckets,
 )
 
-__all__ = ["DistributedOptimizerBase", "wrap"]
+__all__ = ["STEP_AFTER_SYNCHRONIZE", "DistributedOptimizerBase", "wrap"]
+
+#: Starts as Horovod's warning does, so that filters written for Horovod's match it.
+STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
+    "code. (Here the gradients are not reduced a second time.)"
+)
 
 
 class DistributedOptimizerBase(torch.optim.Optimizer):
@@ -343,11 +351,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
     def _hvd_sync_for_step(self) -> None:
         if self._hvd_should_synchronize:
             if self._hvd_synchronized:
-                warnings.warn(
-                    "optimizer.step() was called after optimizer.synchronize() outside "
-                    "optimizer.skip_synchronize(); the gradients are not reduced a second time",
-                    stacklevel=3,
-                )
+                warnings.warn(STEP_AFTER_SYNCHRONIZE, stacklevel=3)
             else:
                 self.synchronize()
         self._hvd_synchronized = False
@@ -408,6 +412,8 @@ _classes: dict[tuple[type, type], type] = {}
 
 
 def _wrapper_class(mixin: type, base: type) -> type:
+    # The optimizer's class stays the last base: hvd.broadcast_optimizer_state's dummy step
+    # calls its step directly (collectives.torch.functions cannot import this module).
     cls = _classes.get((mixin, base))
     if cls is None:
         cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})

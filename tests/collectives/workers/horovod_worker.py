@@ -331,7 +331,13 @@ def main() -> None:
         hvd.broadcast_optimizer_state(opt, root_rank=0)
         state = opt.state_dict()
         c.expect("optimizer_state.partial.params_with_state", sorted(state["state"]) == [0, 1])
-        c.expect("optimizer_state.partial.no_grad_left", model[1].weight.grad is None)
+        # Rank 1 had no state: Horovod's dummy step left zero gradients there.
+        grad = model[1].weight.grad
+        c.expect(
+            "optimizer_state.partial.grads",
+            grad is None if r == 0 else grad is not None and not grad.any(),
+            grad,
+        )
         gathered = hvd.allgather_object(state)
         c.expect(
             "optimizer_state.partial.equal", all(states_equal(gathered[0], s) for s in gathered)
@@ -343,7 +349,7 @@ def main() -> None:
             torch.optim.Adam(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
         )
         hvd.broadcast_optimizer_state(dist_opt, root_rank=0)
-        c.expect("optimizer_state.partial.fresh_wrapped", len(dist_opt.state) == 0)
+        c.expect("optimizer_state.partial.fresh_wrapped", len(dist_opt.state) == 4)
         model(torch.ones(2, 3) * (r + 1)).sum().backward()
         dist_opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

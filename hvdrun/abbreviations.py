@@ -1,0 +1,134 @@
+"""Abbreviated long options, as horovodrun (argparse) takes them: ``--slots 4`` for
+``--slots-per-host 4``, ``--num-p 8``, ``--host-disc=discover.sh``.
+
+horovodrun's parser accepts every prefix of a long option that names one option only, and
+command lines copied from Horovod's documentation rely on it. hvdrun does the same for all
+of its ``--`` options, with one rule on top: a prefix that names exactly one of horovodrun's
+options means that option here too, even where hvdrun has an option of its own that starts
+the same way (``--check`` is ``--check-build``, as in horovodrun, although hvdrun also has
+``--check-hosts``). Any other prefix that fits several options is an error that lists them.
+
+Only options are looked at: click stops reading options at the command, so the training
+script's own arguments reach it untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import click
+
+try:  # click >= 8.2
+    from click.parser import _OptionParser as _ClickParser
+except ImportError:  # click 8.1
+    from click.parser import OptionParser as _ClickParser  # type: ignore[no-redef]
+
+#: horovodrun's long options (Horovod 0.28, horovod/runner/launch.py), ``--help`` included.
+HOROVODRUN_LONG_OPTIONS: frozenset[str] = frozenset(
+    {
+        "--help",
+        "--version",
+        "--num-proc",
+        "--check-build",
+        "--disable-cache",
+        "--start-timeout",
+        "--network-interfaces",
+        "--network-interface",
+        "--output-filename",
+        "--verbose",
+        "--config-file",
+        "--ssh-port",
+        "--ssh-identity-file",
+        "--fusion-threshold-mb",
+        "--cycle-time-ms",
+        "--cache-capacity",
+        "--hierarchical-allreduce",
+        "--no-hierarchical-allreduce",
+        "--hierarchical-allgather",
+        "--no-hierarchical-allgather",
+        "--torus-allreduce",
+        "--no-torus-allreduce",
+        "--autotune",
+        "--no-autotune",
+        "--autotune-log-file",
+        "--autotune-warmup-samples",
+        "--autotune-steps-per-sample",
+        "--autotune-bayes-opt-max-samples",
+        "--autotune-gaussian-process-noise",
+        "--min-np",
+        "--min-num-proc",
+        "--max-np",
+        "--max-num-proc",
+        "--slots-per-host",
+        "--elastic-timeout",
+        "--reset-limit",
+        "--blacklist-cooldown-range",
+        "--timeline-filename",
+        "--timeline-mark-cycles",
+        "--no-timeline-mark-cycles",
+        "--no-stall-check",
+        "--stall-check",
+        "--stall-check-warning-time-seconds",
+        "--stall-check-shutdown-time-seconds",
+        "--mpi-threads-disable",
+        "--no-mpi-threads-disable",
+        "--mpi-args",
+        "--tcp",
+        "--binding-args",
+        "--num-nccl-streams",
+        "--thread-affinity",
+        "--gloo-timeout-seconds",
+        "--log-level",
+        "--log-with-timestamp",
+        "--log-without-timestamp",
+        "--prefix-output-with-timestamp",
+        "--log-hide-timestamp",
+        "--no-log-hide-timestamp",
+        "--hosts",
+        "--hostfile",
+        "--host-discovery-script",
+        "--gloo",
+        "--mpi",
+        "--jsrun",
+    }
+)
+
+
+def expand(opt: str, options: Mapping[str, Any]) -> str:
+    """The option ``opt`` stands for, given the parser's long options (spelling -> option).
+
+    ``opt`` itself when it is spelt out or matches nothing (the parser then says "no such
+    option"); raises :class:`click.BadOptionUsage` when it fits several options. Spellings
+    that lead to one option (``--min-np``, ``--min-num-proc``) count as one; a flag's two
+    sides (``--log-with-timestamp``, ``--log-without-timestamp``) count as two.
+    """
+    if not opt.startswith("--") or opt in options:
+        return opt
+    matches = sorted(name for name in options if name.startswith("--") and name.startswith(opt))
+    if len({options[name] for name in matches}) == 1:
+        return matches[0]
+    if not matches:
+        return opt
+    horovod = [name for name in HOROVODRUN_LONG_OPTIONS if name.startswith(opt)]
+    known = horovod and all(name in options for name in horovod)
+    if known and len({options[name] for name in horovod}) == 1:
+        return sorted(horovod)[0]
+    raise click.BadOptionUsage(opt, f"ambiguous option {opt}: it could be {', '.join(matches)}")
+
+
+class _AbbreviatingParser(_ClickParser):
+    """click's parser, reading long options through :func:`expand`."""
+
+    def _match_long_opt(self, opt: str, explicit_value: str | None, state: Any) -> None:
+        super()._match_long_opt(expand(opt, self._long_opt), explicit_value, state)
+
+
+class AbbreviatingCommand(click.Command):
+    """A click command that takes unambiguous prefixes of its long options."""
+
+    def make_parser(self, ctx: click.Context) -> Any:
+        parser = _AbbreviatingParser(ctx)
+        for param in self.get_params(ctx):
+            param.add_to_parser(parser, ctx)
+        return parser

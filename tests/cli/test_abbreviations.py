@@ -1,0 +1,156 @@
+"""horovodrun's abbreviated long options work under hvdrun (issue 28, item 5): every prefix
+that names one option stands for it, an ambiguous one is an error listing the candidates, and
+the command's own arguments are never read as hvdrun's."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import click
+import pytest
+
+from hvdrun.abbreviations import HOROVODRUN_LONG_OPTIONS, expand
+from hvdrun.cli import cli, run_cli
+from hvdrun.logging_setup import reset_logging
+from tests.cli.conftest import assert_usage_error
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> object:
+    yield None
+    reset_logging()
+
+
+def plan(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``hvdrun --dry-run ARGV``'s plan; it must succeed."""
+    code = run_cli(["--dry-run", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def cli_options() -> dict[str, tuple[str, bool]]:
+    """hvdrun's long spellings -> (parameter, which side of an on/off flag)."""
+    found: dict[str, tuple[str, bool]] = {}
+    for param in cli.get_params(click.Context(cli)):
+        for side, spellings in ((True, param.opts), (False, param.secondary_opts)):
+            for spelling in spellings:
+                if spelling.startswith("--"):
+                    found[spelling] = (param.name or "", side)
+    return found
+
+
+@pytest.fixture
+def discover(tmp_path: Path) -> str:
+    script = tmp_path / "discover.sh"
+    # Hosts without slots: each gets --slots-per-host's.
+    script.write_text("#!/bin/sh\necho localhost\necho 127.0.0.1\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(script)
+
+
+def test_horovod_elastic_line_is_accepted_and_the_command_untouched(
+    discover: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The line from Horovod's elastic documentation; the script's own options look like
+    # hvdrun's (abbreviated and not) and must reach it as they are.
+    script_args = ["--slots", "x", "--num-p=3", "--host-disc", "-np", "--log-with", "--", "-v"]
+    horovod_line = ["-np", "8", "--host-discovery-script", discover, "--slots", "4"]
+    out = plan([*horovod_line, "python", "train.py", *script_args], capsys)
+    assert f"command: python train.py {' '.join(script_args)}\n" in out
+    assert "elastic: min-np 8," in out
+    assert "first discovery (localhost:4, 127.0.0.1:4)" in out  # --slots meant --slots-per-host
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--num-p", "2", "true"], "2 worker(s)"),
+        (["--num-p=2", "true"], "2 worker(s)"),
+        (["--num-proc=2", "true"], "2 worker(s)"),
+        (["-np", "1", "--gloo-t=60", "true"], "HVDRUN_GLOO_TIMEOUT_SECONDS=60"),
+        (["-np", "1", "--torus", "true"], "HOROVOD_TORUS_ALLREDUCE=1"),
+        (["-np", "1", "--no-hier", "true"], None),  # ambiguous: checked below
+        (["-np", "1", "--no-hierarchical-allr", "true"], "HOROVOD_HIERARCHICAL_ALLREDUCE=0"),
+        (["-np", "1", "--min-n", "1", "--max-n", "2", "true"], "min-np 1, max-np 2"),
+        (["-np", "1", "--start", "7", "true"], "start timeout: 7 s"),
+        # hvdrun's own options abbreviate too
+        (["-np", "1", "--launch", "local", "true"], "1 worker(s)"),
+        (["-np", "1", "--heartbeat=9", "true"], "heartbeat timeout: 9 s"),
+    ],
+)
+def test_abbreviations_mean_the_full_option(
+    argv: list[str], expected: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if expected is None:
+        assert_usage_error(argv, "ambiguous option --no-hier", capsys)
+        return
+    assert expected in plan(argv, capsys)
+
+
+def test_host_discovery_prefix_with_equals(
+    discover: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = plan(["-np", "2", f"--host-disc={discover}", "--slots=1", "true"], capsys)
+    assert "first discovery (localhost:1, 127.0.0.1:1)" in out
+
+
+@pytest.mark.parametrize(
+    ("option", "candidates"),
+    [
+        ("--log-with", "--log-with-timestamp, --log-without-timestamp"),
+        ("--ssh-", "--ssh-config-file, --ssh-host-key-policy, --ssh-identity-file, --ssh-port"),
+        ("--num", "--num-nccl-streams, --num-proc"),
+        ("--stall", "--stall-check, --stall-check-shutdown-time-seconds"),
+    ],
+)
+def test_ambiguous_prefix_lists_the_candidates(
+    option: str, candidates: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_usage_error(
+        ["-np", "1", option, "1", "true"], f"ambiguous option {option}: it could be", capsys
+    )
+    assert_usage_error(["-np", "1", f"{option}=1", "true"], candidates, capsys)
+
+
+def test_unknown_option_still_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_usage_error(["-np", "1", "--slotz", "4", "true"], "No such option '--slotz'", capsys)
+
+
+def test_every_horovodrun_option_is_spelt_out_here() -> None:
+    assert set(cli_options()) >= HOROVODRUN_LONG_OPTIONS
+
+
+def test_every_prefix_horovodrun_resolves_means_the_same_here() -> None:
+    """What argparse would do with horovodrun's options: a prefix of exactly one of them is
+    that option; hvdrun must read it as the same option, whatever options of its own start
+    the same way (``--check`` is --check-build although hvdrun has --check-hosts)."""
+    options = cli_options()
+    checked = 0
+    for name in HOROVODRUN_LONG_OPTIONS:
+        for end in range(3, len(name) + 1):
+            prefix = name[:end]
+            if [other for other in HOROVODRUN_LONG_OPTIONS if other.startswith(prefix)] != [name]:
+                continue
+            assert options[expand(prefix, options)] == options[name], prefix
+            checked += 1
+    assert checked > 500  # the loop really ran over horovodrun's prefixes
+
+
+def test_expand_leaves_single_dash_and_exact_spellings_alone() -> None:
+    options = {"--hosts": "hosts", "--hostfile": "hostfile", "-hostfile": "hostfile"}
+    assert expand("--hosts", options) == "--hosts"  # exact, though a prefix of --hostfile
+    assert expand("-host", options) == "-host"  # single dash: click's short options
+    assert expand("--hostf", options) == "--hostfile"
+    assert expand("--x", options) == "--x"  # unknown: the parser says "no such option"
+    with pytest.raises(click.BadOptionUsage, match="--hostfile, --hosts"):
+        expand("--host", options)
+
+
+def test_check_prefix_is_check_build_as_in_horovodrun(capsys: pytest.CaptureFixture[str]) -> None:
+    # Without -np, so that the command line only parses if --check means --check-build.
+    code = run_cli(["--check"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Available Frameworks:" in out

@@ -1,0 +1,45 @@
+"""Horovod's PyTorch semantics that need peers (issue 28): broadcast_optimizer_state's dummy
+step on optimizers without state, and DistributedOptimizer with torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.collectives.conftest import WORKERS, assert_all_ok, run_hvdrun
+
+WORKER = WORKERS / "torch_semantics_worker.py"
+
+
+def test_broadcast_optimizer_state_takes_horovods_dummy_step() -> None:
+    # A dummy step that reduced (a DistributedOptimizer's own step) would wait for a rank
+    # that takes none: the stall shutdown turns that into a failure instead of a hang.
+    options = ["--stall-check-shutdown-time-seconds", "20"]
+    code, output = run_hvdrun(2, WORKER, "state", options=options)
+    checks = [
+        f"dummy.{label}.{check}"
+        for label in ("adam", "sgd", "wrapped", "adasum")
+        for check in (
+            "zero_grads",
+            "frozen_no_grad",
+            "params_unchanged",
+            "state_per_trainable",
+            "state_equal",
+        )
+    ]
+    checks += ["dummy.adam.one_step", "dummy.adam.root_lr", "dummy.sparse_adam"]
+    checks += ["dummy.sgd_sparse_embedding", "dummy.fresh_rank_gets_root_state"]
+    assert_all_ok(code, output, 2, checks)
+    assert "[0]<stdout>:OK dummy.stateful_root_untouched\n" in output
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_with_distributed_optimizer() -> None:
+    """Inductor (the default backend; the machine has a C++ compiler), a tiny model: a
+    compiled model, and a compiled training step with backward and step left outside."""
+    code, output = run_hvdrun(2, WORKER, "compile", timeout=400)
+    checks = [
+        f"compile.{variant}.{check}"
+        for variant in ("model", "step")
+        for check in ("ranks_identical", "matches_single_process", "trained")
+    ]
+    assert_all_ok(code, output, 2, checks)
