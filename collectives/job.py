@@ -40,11 +40,15 @@ def handle_average_backwards_compatibility(op: Any, average: Any) -> ReduceOp:
         return op
     if op is not None:
         if average is not None:
-            raise ValueError("pass either op= or the deprecated average=, not both")
+            raise ValueError(
+                "The op parameter supersedes average. Please provide only one of them."
+            )
         return ReduceOp(op)
     if average is not None:
         warnings.warn(
-            "the average= argument is deprecated; use op=hvd.Average or op=hvd.Sum",
+            # Horovod's words first: users filter the warning by its start.
+            "Parameter `average` has been replaced with `op` and will be removed; use "
+            "op=hvd.Average or op=hvd.Sum",
             DeprecationWarning,
             stacklevel=3,
         )

@@ -190,7 +190,7 @@ def test_average_alias(hvd: ModuleType) -> None:
     x = torch.tensor([3.0])
     with pytest.warns(DeprecationWarning):
         assert hvd.allreduce(x, average=False).item() == 3.0
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="supersedes average"):
         hvd.allreduce(x, average=True, op=hvd.Sum)
 
 

@@ -22,6 +22,8 @@ HOROVOD_STEP_AFTER_SYNCHRONIZE = (
     "code."
 )
 HOROVOD_NUM_GROUPS = "Parameter `num_groups` has been replaced by `groups`"
+#: horovod/common/util.py, shared by every Horovod frontend.
+HOROVOD_AVERAGE = "Parameter `average` has been replaced with `op` and will be removed"
 
 
 @pytest.fixture
@@ -48,11 +50,16 @@ def num_groups(hvd: ModuleType) -> None:
     hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), num_groups=1)
 
 
+def average_flag(hvd: ModuleType) -> None:
+    assert float(hvd.allreduce(torch.tensor([2.0]), average=False)) == 2.0
+
+
 @pytest.mark.parametrize(
     ("trigger", "horovod_text", "category"),
     [
         (step_after_synchronize, HOROVOD_STEP_AFTER_SYNCHRONIZE, UserWarning),
         (num_groups, HOROVOD_NUM_GROUPS, DeprecationWarning),
+        (average_flag, HOROVOD_AVERAGE, DeprecationWarning),
     ],
 )
 def test_filters_written_for_horovod_match(
