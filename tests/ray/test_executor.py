@@ -163,7 +163,9 @@ def test_a_dead_worker_fails_run_naming_it_and_leaves_nothing(cluster: None) -> 
     try:
         placed = executor.run(pid_and_rank)
         assert [rank for _, rank in placed] == [0, 1]
-        with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(Ray actor [0-9a-f]+ on") as info:
+        with pytest.raises(
+            WorkerDiedError, match=r"worker rank 1 \(Ray actor [0-9a-f]+ on"
+        ) as info:
             executor.run(rank_1_dies)
         assert info.value.rank == 1 and info.value.actor_id in str(info.value)
     finally:

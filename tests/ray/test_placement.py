@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'hvdrun[ray]')")
 
-from collectives.ray import RayExecutor  # noqa: E402
-from collectives.ray.placement import (  # noqa: E402
+from collectives.ray import RayExecutor
+from collectives.ray.placement import (
     WorkerNode,
     host_names,
     plan_bundles,
