@@ -5,6 +5,14 @@ uint8 tensor and moved with the engine's broadcast or allgather, through the sub
 layer. The standard pickle comes first: it refers to classes by name, so the receiver gets
 instances of its own classes; ``cloudpickle`` (as in Horovod) only for what pickle cannot
 do, such as lambdas and classes defined in a script.
+
+Names: an unnamed call is named after the function (``broadcast_object.sz`` and
+``broadcast_object.t``; ``allgather_object``), never from the unnamed-op counters, so that
+it matches across ranks whatever unnamed ops ran before it (see ``engine/names.py``).
+Horovod names them after ``type(obj).__name__`` instead, which deadlocks where ranks pass
+objects of different types (``None`` on the ranks that receive a broadcast, an ``int`` on
+one rank and a ``float`` on another). Calls follow one another under the same names; calls
+running at the same time from several threads need names of their own.
 """
 
 from __future__ import annotations
@@ -54,10 +62,8 @@ def broadcast_object(
     """Pickles obj on root_rank and returns it, unpickled, on every rank of the process set
     (root_rank is a global rank, as in Horovod)."""
     runtime.require("hvd.broadcast_object()")
-    # Unnamed calls get the engine's automatic names: a name derived from obj (Horovod uses
-    # its type) would differ between the root and ranks that pass None.
-    size_name = f"{name}.sz" if name else None
-    data_name = f"{name}.t" if name else None
+    base = name or "broadcast_object"  # (see the module docstring)
+    size_name, data_name = f"{base}.sz", f"{base}.t"
     if runtime.rank() == root_rank:
         payload = dumps(obj)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
@@ -76,6 +82,8 @@ def allgather_object(
 ) -> list[Any]:
     """Pickles obj on every rank and returns the list of all ranks' objects, in rank order."""
     runtime.require("hvd.allgather_object()")
+    # One allgather: the engine learns every rank's length in its negotiation.
+    name = name or "allgather_object"  # (see the module docstring)
     gathered, lengths = ops.allgather(dumps(obj), process_set, name)
     result = []
     offset = 0

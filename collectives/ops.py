@@ -23,7 +23,9 @@ Semantics follow Horovod:
 * A broadcast's ``root_rank`` is a global rank, also within a process set; a root that is
   not a member of the set is a ``ValueError`` at the call.
 * Unnamed ops get the names ``allreduce.noname.0``, ``allreduce.noname.1``, ... counted per
-  process set and kind, so ranks calling the same ops in the same order agree on them.
+  process set and kind, so ranks calling the same ops in the same order agree on them. The
+  counter is drawn only once every check here passed: an op refused at the call draws none
+  (see :mod:`collectives.engine.names`).
 """
 
 from __future__ import annotations
@@ -111,6 +113,15 @@ def check_tensor(tensor: Any, what: str, min_dims: int = 0) -> torch.Tensor:
     return tensor
 
 
+def check_devices(tensors: Sequence[torch.Tensor], what: str) -> None:
+    """The tensors of one op must share a device (checked before an unnamed op's counter is
+    drawn: see ``submit``)."""
+    if len(tensors) > 1:
+        device = tensors[0].device
+        if any(t.device != device for t in tensors):
+            raise ValueError(f"{what}: all tensors of one op must be on the same device")
+
+
 def check_reduction(
     tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float, what: str
 ) -> None:
@@ -194,13 +205,12 @@ def submit(
     label = kind.label
     engine, group = resolve_process_set(process_set, label)
     set_id = group.process_set_id
+    full = "" if name is None else f"{label}.{_check_name(name)}"
+    request = _request(engine, kind, full, -1, set_id, inputs, outputs, common, var, finish)
     if name is None:
-        counter = engine.next_counter(kind, set_id)
-        full = None
-    else:
-        counter = -1
-        full = f"{label}.{_check_name(name)}"
-    request = _request(engine, kind, full, counter, set_id, inputs, outputs, common, var, finish)
+        # Drawn last, once nothing on this rank can refuse the op any more: an op refused
+        # here on one rank must not move its counter on (see engine/names.py).
+        request.name = noname(kind, engine.next_counter(kind, set_id))
     if blocking and engine.run_now(request):
         return request.handle
     return engine.submit(request, blocking)
@@ -222,9 +232,7 @@ def _request(
     if full is None:
         full = noname(kind, counter)
     if len(inputs) > 1:
-        device = inputs[0].device
-        if any(t.device != device for t in inputs):
-            raise ValueError(f"{kind.label}: all tensors of one op must be on the same device")
+        check_devices(inputs, kind.label)
     sig, specs = _describe(kind, common, inputs)
     handle = engine.new_handle(set_id)
     request = Request(
@@ -375,9 +383,11 @@ def submit_adasum_allreduce(
             raise TypeError(
                 f"allreduce with op=hvd.Adasum needs floating-point tensors, got {tensor.dtype}"
             )
+    check_devices(inputs, "allreduce")
     engine, group = resolve_process_set(process_set, "allreduce")
     if name is None:
-        # From the allreduce counter, so unnamed Adasum ops number like other allreduces.
+        # From the allreduce counter, so unnamed Adasum ops number like other allreduces
+        # (drawn after the checks: see submit).
         name = engine.auto_name(Kind.ALLREDUCE, group.process_set_id)
     targets = list(outputs) if outputs is not None else None
     shapes = [t.shape for t in inputs]

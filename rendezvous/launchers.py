@@ -17,6 +17,12 @@ Slurm step   ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,            the step's f
 Kubernetes   ``RANK``/``WORLD_SIZE`` with ``MASTER_ADDR``           ``MASTER_ADDR:MASTER_PORT``
 ============ ===================================================== =========================
 
+``RANK``/``WORLD_SIZE`` never make a silent job of size 1: ``WORLD_SIZE`` > 1 without an
+address to meet at is a placement the runtime refuses at once on every rank (naming
+``MASTER_ADDR``), and so are ``RANK`` > 0 without ``WORLD_SIZE`` and ``WORLD_SIZE`` > 1
+without ``RANK`` (:class:`DetectionError`). ``RANK=0``, ``WORLD_SIZE=1`` and both together
+describe a process on its own.
+
 The more specific launcher wins where several have left their variables: ``srun torchrun``
 and ``mpirun`` inside a Slurm allocation start their processes from Slurm tasks (one per
 node), so those processes also carry the task's ``SLURM_PROCID`` and a step size that counts
@@ -35,6 +41,7 @@ task counts (``2(x3),1``). This module imports neither torch nor gRPC.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import re
@@ -389,6 +396,8 @@ def _slurm_step(env: Mapping[str, str]) -> Placement | None:
         return None
     size = _first(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
     if size is None:
+        if rank == 0:
+            return None  # rank 0 of a job of unknown size: nothing says it has peers
         raise DetectionError("a Slurm job step without SLURM_STEP_NUM_TASKS or SLURM_NTASKS")
     nodes_text = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
     nodes = expand_nodelist(nodes_text) if nodes_text else []
@@ -442,9 +451,41 @@ def _auto(env: Mapping[str, str]) -> Placement | None:
         found = read(env)
         if found is not None:
             return found
-    if env.get("MASTER_ADDR") or env.get("MASTER_PORT"):
-        return _torchrun(env, elastic_agent=False)
-    return None
+    return _environment(env)
+
+
+def _environment(env: Mapping[str, str]) -> Placement | None:
+    """``RANK``/``WORLD_SIZE`` without another launcher's variables (a Kubernetes
+    PyTorchJob, a hand-written environment). Never a silent job of size 1: variables that
+    say this process has peers, but not which rank it is or how many there are, are an
+    error, and a job of several processes without ``MASTER_ADDR`` is one the runtime
+    refuses at once (there is no address to meet at). Scripts that set ``RANK=0`` for
+    purposes of their own still run alone."""
+    rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    if rank is None and size is None:
+        return None
+    if size is None:
+        if rank == 0:
+            return None  # rank 0 of a job of unknown size: nothing says it has peers
+        raise DetectionError(
+            f"RANK={rank} is set but WORLD_SIZE is not, so the size of the job is unknown: "
+            "set both (WORLD_SIZE=1 for a process on its own), or neither; "
+            f"{LAUNCHER_VARIABLE}=none runs it alone whatever they say"
+        )
+    if rank is None:
+        if size == 1:
+            return None
+        raise DetectionError(
+            f"WORLD_SIZE={size} says this process is one of {size}, but RANK (which one) is "
+            "not set: set RANK on every process (0 .. WORLD_SIZE-1)"
+        )
+    found = _torchrun(env, elastic_agent=False)
+    if found is None or env.get("MASTER_ADDR"):
+        return found
+    found = _checked(dataclasses.replace(found, name="the RANK/WORLD_SIZE environment"))
+    if found.size == 1 and not env.get("MASTER_PORT"):
+        return None  # rank 0 of 1: a process on its own, as without the variables
+    return found
 
 
 def detect(env: Mapping[str, str] | None = None) -> Placement | None:

@@ -36,7 +36,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=11)
     args = parser.parse_args()
+    # One compute thread per process in both frameworks: 2 ranks share the machine's cores.
     torch.set_num_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
     hvd_tf.init()
     timing = dist.new_group(backend="gloo")
     variants: dict[str, Callable[[], float]] = {}

@@ -10,6 +10,7 @@ among its own members, so an op on a set never waits for a rank outside it.
 The parts, bottom up:
 
 * :mod:`.requests` -- what a rank submits and the text that describes it to the others;
+  :mod:`.names` -- the counters that name unnamed ops alike on every rank;
   :mod:`.reduction` -- an op and its scaling, and the steps around the collective;
   :mod:`.handles` -- completions of submitted ops, and Horovod's integer handles;
   :mod:`.config` -- the tuning it runs with (``HVDRUN_*``/``HOROVOD_*`` variables);

@@ -43,6 +43,7 @@ from collectives.engine.cycle import CycleRunner
 from collectives.engine.dispatch import Controls
 from collectives.engine.execute import Group
 from collectives.engine.handles import Handle
+from collectives.engine.names import UnnamedCounters
 from collectives.engine.queue import Submissions
 from collectives.engine.requests import Request
 from collectives.engine.timeline import TimelineSlot
@@ -100,6 +101,7 @@ class Controller:
         on_failure: Callable[[Controller, str], None],
         on_stop: Callable[[Controller], None],
         destroy_group: Callable[[Any], None],
+        counters: UnnamedCounters | None = None,
         tuner: Autotuner | None = None,
         cuda_device: int | None = None,
     ) -> None:
@@ -116,6 +118,7 @@ class Controller:
             data_pg=data_pg,
             controls=controls,
             timeline=timeline,
+            counters=counters,
             tuner=tuner,
         )
         self.timeline = timeline  # (the engine's; read, never replaced, here)

@@ -24,8 +24,8 @@ Ownership:
   control op changes them, and at construction; read by any thread, which always sees a
   consistent snapshot. The :class:`~collectives.engine.execute.Group` values are immutable.
 * ``_next_set_id``: the global set's cycle (with its cycle lock).
-* ``_counters``: the unnamed-op counters, one ``itertools.count`` per (set, kind); created
-  with ``setdefault`` and advanced with ``next()``, both atomic under the GIL.
+* ``_counters``: the unnamed-op counters (see :mod:`.names`), drawn from any thread and
+  caught up by the sets' cycles.
 * ``_slot``: the timeline being written (see ``TimelineSlot``).
 * ``config`` reads the global set's tuning, a value its cycle replaces whole;
 * everything else is set in the constructor and never changed.
@@ -34,7 +34,6 @@ Ownership:
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +48,7 @@ from collectives.engine.controller import Controller
 from collectives.engine.cycle import FINAL_CYCLE_SECONDS
 from collectives.engine.execute import Group
 from collectives.engine.handles import Handle
+from collectives.engine.names import UnnamedCounters
 from collectives.engine.negotiation import Entry
 from collectives.engine.reduction import Reduction
 from collectives.engine.requests import Kind, Request, noname, parse_signature
@@ -86,7 +86,7 @@ class Engine:
         self._destroy_group = destroy_group
         self._cuda_device = cuda_device
         self._slot = TimelineSlot()
-        self._counters: dict[tuple[int, Kind], itertools.count[int]] = {}
+        self._counters = UnnamedCounters()
         self._next_set_id = 1
         tuner = None
         if config.autotune:
@@ -106,7 +106,7 @@ class Engine:
         # The hot lane of the global set (see :func:`collectives.engine.lanes.run_hot`):
         # ``run_hot(name, tensor, reduction, build)``, bound here so that the lane costs
         # no call of its own; it draws unnamed allreduces' counters from their count.
-        allreduces = self._counters.setdefault((0, Kind.ALLREDUCE), itertools.count())
+        allreduces = self._counters.count(Kind.ALLREDUCE, 0)
         self.run_hot: HotLane = functools.partial(lanes.run_hot, self._global, allreduces.__next__)
 
     def _controller(
@@ -123,6 +123,7 @@ class Engine:
             on_failure=self.failed,
             on_stop=self.stopped,
             destroy_group=self._destroy_group,
+            counters=self._counters,
             tuner=tuner,
             cuda_device=self._cuda_device,
         )
@@ -178,10 +179,9 @@ class Engine:
         return noname(kind, self.next_counter(kind, process_set_id))
 
     def next_counter(self, kind: Kind, process_set_id: int) -> int:
-        """The counter of the next unnamed op of this kind in this process set."""
-        key = (process_set_id, kind)
-        counter = self._counters.get(key) or self._counters.setdefault(key, itertools.count())
-        return next(counter)
+        """The counter of the next unnamed op of this kind in this process set (draw it
+        once nothing on this rank can refuse the op any more: see :mod:`.names`)."""
+        return self._counters.draw(kind, process_set_id)
 
     def controller(self, process_set_id: int) -> Controller:
         """This rank's controller of a registered set it belongs to."""

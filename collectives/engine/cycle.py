@@ -51,6 +51,7 @@ from collectives.engine.cache import (
 from collectives.engine.config import EngineConfig
 from collectives.engine.dispatch import Controls, Dispatch
 from collectives.engine.execute import Group
+from collectives.engine.names import UnnamedCounters, unnamed_counter
 from collectives.engine.negotiation import (
     FLAG_ABORT,
     FLAG_LEAVING,
@@ -109,6 +110,7 @@ class CycleRunner:
         data_pg: Any,
         controls: Controls,
         timeline: TimelineSlot,
+        counters: UnnamedCounters | None = None,
         tuner: Autotuner | None = None,
     ) -> None:
         self.rank = rank
@@ -127,6 +129,7 @@ class CycleRunner:
         self._controls = controls
         self._timeline = timeline
         self.tuner = tuner
+        self.counters = counters if counters is not None else UnnamedCounters()
         self.stall = StallInspector(config, rank, inspects=group.index == 0)
         self.eager_budget = eager.budget(group.size, config.fusion_threshold)
         # Rounds run: cache rounds (predicted ones among them, and among those the ones of
@@ -321,6 +324,8 @@ class CycleRunner:
                 if tl is not None:
                     seen = {r: max(t, request.submitted) for r, t in entry.seen_at.items()}
                     tl.negotiated(request.name, request.kind.label.upper(), seen, now)
+            else:
+                self._catch_up(entry)
             error = check(entry, self.members, self.table.joined)
             if error is not None:
                 if request is not None:
@@ -330,6 +335,14 @@ class CycleRunner:
                 self._cache_entry(entry, unnamed)
             checked.append((entry, request))
         self.dispatch.ready(checked)
+
+    def _catch_up(self, entry: Entry) -> None:
+        """An op this rank did not submit became ready (this rank has joined): if it is
+        unnamed, this rank counts it too, whether it runs or is refused, so that its next
+        unnamed op gets the same name as the others' (see :mod:`.names`)."""
+        unnamed = unnamed_counter(entry.kind, entry.name)
+        if unnamed is not None:
+            self.counters.catch_up(unnamed[0], entry.process_set_id, unnamed[1])
 
     def _cache_entry(self, entry: Entry, unnamed: dict[Key, int]) -> None:
         """Caches a ready, consistent op if every member described it alike. ``unnamed``

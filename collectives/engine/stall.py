@@ -7,23 +7,63 @@ Horovod's coordinator does): after
 ``HVDRUN_STALL_CHECK_TIME_SECONDS`` (60) it logs which ops wait for which ranks, again every
 such period; after ``HVDRUN_STALL_SHUTDOWN_TIME_SECONDS`` (0 = never) it asks the engine to
 stop the job's collectives, which every rank then does in the same cycle.
+
+One stall is certain to be a deadlock: unnamed ops whose counters diverged across ranks
+(:func:`diverged`). An unnamed op that waits for a rank which has already submitted a later
+unnamed op of the same kind and set can never run: that rank drew this op's counter for
+another op, and never draws it again. Once such an op has waited the stall check time,
+the inspector stops the job's collectives instead of warning, and every rank's pending ops
+fail with an error that names the ops and says what happened.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 from collectives.engine.config import EngineConfig
+from collectives.engine.names import unnamed_counter
 from collectives.engine.negotiation import Entry, Table
-from collectives.engine.requests import label
+from collectives.engine.requests import Kind, label
 
-__all__ = ["StallInspector"]
+__all__ = ["Divergence", "StallInspector", "diverged"]
 
 logger = logging.getLogger("collectives.engine")
 
 #: How often (seconds) rank 0 looks at the table at most.
 CHECK_INTERVAL = 0.25
+
+
+class Divergence(NamedTuple):
+    """An unnamed op (``entry``) that waits for ``rank``, which has already submitted the
+    later unnamed op ``later`` of the same kind and process set."""
+
+    entry: Entry
+    rank: int
+    later: Entry
+
+
+def diverged(table: Table, members: Callable[[Entry], list[int]]) -> list[Divergence]:
+    """The pending unnamed ops that can never run because the ranks they wait for have
+    counted past them (see the module docstring), in the order they were announced."""
+    by_counter: dict[tuple[int, Kind], list[tuple[int, Entry]]] = {}
+    for entry in table.entries.values():
+        unnamed = unnamed_counter(entry.kind, entry.name)
+        if unnamed is not None:
+            kind, counter = unnamed
+            by_counter.setdefault((entry.process_set_id, kind), []).append((counter, entry))
+    found = []
+    for pending in by_counter.values():
+        if len(pending) < 2:
+            continue
+        pending.sort(key=lambda item: item[0])
+        for position, (_, entry) in enumerate(pending):
+            for rank in table.waiting_for(entry, members(entry)):
+                later = next((e for _, e in pending[position + 1 :] if rank in e.sigs), None)
+                if later is not None:
+                    found.append(Divergence(entry, rank, later))
+    return sorted(found, key=lambda d: (d.entry.order, d.rank))
 
 
 class StallInspector:
@@ -40,19 +80,24 @@ class StallInspector:
         self._last_check = 0.0
 
     def check(self, table: Table, members: Callable[[Entry], list[int]], now: float) -> bool:
-        """Warns about stalled ops; returns True when the job's collectives must stop."""
+        """Warns about stalled ops; returns True when the job's collectives must stop: after
+        the shutdown time, or at the stall check time for unnamed ops that diverged."""
         if not self._active or now - self._last_check < CHECK_INTERVAL:
             return False
         self._last_check = now
         cfg = self._config
         waited = [(now - entry.first_seen, entry) for entry in table.entries.values()]
-        warning = cfg.stall_warning_seconds
+        warning, shutdown = cfg.stall_warning_seconds, cfg.stall_shutdown_seconds
+        limit = min(t for t in (warning, shutdown) if t > 0)
+        old = {id(entry) for w, entry in waited if w >= limit}
+        if old and any(id(d.entry) in old for d in diverged(table, members)):
+            logger.error("%s", self.report(table, members, now, aborting=True))
+            return True
         stalled = [entry for w, entry in waited if warning > 0 and w >= warning]
         if any(now - entry.warned_at >= warning for entry in stalled):
             logger.warning("%s", self.report(table, members, now))
             for entry in stalled:
                 entry.warned_at = now
-        shutdown = cfg.stall_shutdown_seconds
         return shutdown > 0 and any(w >= shutdown for w, _ in waited)
 
     def report(
@@ -62,8 +107,13 @@ class StallInspector:
         now: float,
         aborting: bool = False,
     ) -> str:
-        """Which ops wait, since when, submitted by whom and missing whom."""
+        """Which ops wait, since when, submitted by whom and missing whom; when stopping the
+        job over unnamed ops that diverged, which ones and why."""
         cfg = self._config
+        if aborting:
+            divergences = diverged(table, members)
+            if divergences:
+                return self._divergence_report(divergences, now)
         lines = []
         for entry in sorted(table.entries.values(), key=lambda e: e.order):
             waited = now - entry.first_seen
@@ -88,3 +138,22 @@ class StallInspector:
                 "different ops (names), or some ranks stopped submitting; this will deadlock"
             )
         return "\n".join([head + ":", *lines]) if lines else head
+
+    def _divergence_report(self, divergences: list[Divergence], now: float) -> str:
+        lines = [
+            f"  {label(d.entry.kind, d.entry.name)} (process set {d.entry.process_set_id}, "
+            f"waiting {now - d.entry.first_seen:.0f} s, submitted by ranks "
+            f"{sorted(d.entry.sigs)}) waits for rank {d.rank}, which has already submitted "
+            f"{label(d.later.kind, d.later.name)}"
+            for d in divergences
+        ]
+        head = (
+            f"rank {self._rank}: unnamed op counters diverged across ranks, so these ops can "
+            "never run: ranks submitted different unnamed ops (an unnamed op is called "
+            "<kind>.noname.<counter>, counted per kind and process set on each rank, so an "
+            "unnamed op run on some ranks only shifts the names of all later ones there); the "
+            "stall inspector stopped the job's collectives. Give the ops names (name=...) "
+            "so that ranks match them by name, or make every rank submit the same unnamed "
+            "ops in the same order"
+        )
+        return "\n".join([head + ":", *lines])

@@ -9,6 +9,9 @@ starts the engine on process groups of its own (:mod:`.groups`) and installs the
 * Started by another launcher (srun, mpirun, jsrun, torchrun, a Kubernetes operator: see
   :mod:`rendezvous.launchers`) it joins through a rendezvous that rank 0 serves
   (:mod:`.launched`), and from registration on everything is the same.
+* Where ``torch.distributed`` already has a default process group (Lightning, Accelerate,
+  Ray Train, a torchrun script that called ``init_process_group()``) it joins that group's
+  job and leaves the group to its owner at shutdown (:mod:`.adopted`).
 * Started by no one the script runs as a job of size 1 on a real one-rank Gloo group over an
   in-memory ``HashStore``: every op then takes the same code path as in a real job, so a
   script debugged alone behaves the same under ``hvdrun``. A process whose launcher says it
@@ -36,6 +39,7 @@ import torch.distributed as dist
 from collectives.engine import config as config_module
 from collectives.engine.cycle import FINAL_CYCLE_SECONDS
 from collectives.runtime import logs, state
+from collectives.runtime.adopted import init_adopted
 from collectives.runtime.groups import (
     choose_backend,
     select_cuda_device,
@@ -80,7 +84,8 @@ def _rank_hint() -> int | None:
 
 
 def init(comm: Any = None) -> bool:
-    """Initializes the runtime: joins the job started by ``hvdrun`` (or runs as size 1).
+    """Initializes the runtime: joins the job started by ``hvdrun``, another launcher or a
+    framework's default process group (or runs as size 1).
 
     Returns whether this call initialized it (False: it already was). ``hvd.init()``
     (:func:`collectives.torch.mpi_ops.init`) calls it and then registers the process sets
@@ -94,12 +99,8 @@ def init(comm: Any = None) -> bool:
             return False
         if not dist.is_available():
             raise RuntimeError("this torch build has no torch.distributed support")
-        if dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed already has a default process group; hvd.init() creates "
-                "it itself, so do not call torch.distributed.init_process_group() as well"
-            )
-        logs.configure_from_environment(_rank_hint())
+        adopting = dist.is_initialized()
+        logs.configure_from_environment(dist.get_rank() if adopting else _rank_hint())
         cfg = config_module.from_environment()
         timeout = datetime.timedelta(
             seconds=max(BOOTSTRAP_TIMEOUT_SECONDS, cfg.collective_timeout_seconds)
@@ -107,8 +108,10 @@ def init(comm: Any = None) -> bool:
         backend = choose_backend()
         _init_count += 1
         addr = os.environ.get(worker_env.RENDEZVOUS_ADDR)
-        placement = None if addr else detect_placement()
-        if addr:
+        placement = None if addr or adopting else detect_placement()
+        if adopting:
+            runtime_ = init_adopted(backend)
+        elif addr:
             runtime_ = init_from_rendezvous(addr, backend, timeout, _init_count)
         elif placement is not None and placement.size > 1:
             runtime_ = init_launched(placement, backend, timeout, _init_count)
@@ -188,7 +191,8 @@ def state_synced() -> None:
 
 def shutdown() -> None:
     """Stops the collectives (on every rank: a job's collectives end when one rank leaves),
-    destroys the process groups and leaves the rendezvous; ``init()`` may be called again."""
+    destroys the process groups it made (a framework's default group stays) and leaves the
+    rendezvous; ``init()`` may be called again."""
     with _lock:
         runtime_ = state.current()
         if runtime_ is None:

@@ -10,6 +10,8 @@ engine does not reach for torch.distributed to make more of them: it is handed
 
 How the default group itself comes about depends on how the process joined its job (see
 :mod:`.bootstrap` and :mod:`.registration`); what happens once it exists is the same for all.
+A default group that a framework made before ``hvd.init()`` (:mod:`.adopted`) outlives the
+runtime: shutdown then destroys the engine's groups only.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collectives.runtime.state import RuntimeState
 __all__ = [
     "choose_backend",
     "destroy_groups",
+    "destroy_own_groups",
     "select_cuda_device",
     "start_engine",
     "stop_collectives",
@@ -83,16 +86,21 @@ def start_engine(runtime_: RuntimeState) -> Engine:
     topo, cfg = runtime_.topology, runtime_.config
     timeout = datetime.timedelta(seconds=cfg.collective_timeout_seconds)
     everyone = list(range(topo.size))
-    control = dist.new_group(everyone, backend="gloo", timeout=timeout)
-    data = dist.new_group(everyone, backend=runtime_.backend, timeout=timeout)
+    own = runtime_.own_groups
 
     def make_groups(ranks: list[int]) -> tuple[Any, Any]:
         control_ = dist.new_group(ranks, backend="gloo", timeout=timeout)
-        return control_, dist.new_group(ranks, backend=runtime_.backend, timeout=timeout)
+        data_ = dist.new_group(ranks, backend=runtime_.backend, timeout=timeout)
+        own.extend(group for group in (control_, data_) if isinstance(group, dist.ProcessGroup))
+        return control_, data_
 
     def destroy_group(group: Any) -> None:
         if isinstance(group, dist.ProcessGroup):
+            if group in own:
+                own.remove(group)
             dist.destroy_process_group(group)
+
+    control, data = make_groups(everyone)
 
     engine = Engine(
         rank=topo.rank,
@@ -110,10 +118,24 @@ def start_engine(runtime_: RuntimeState) -> Engine:
     return engine
 
 
+def destroy_own_groups(runtime_: RuntimeState) -> None:
+    """Destroys the engine's process groups only: the default group is a framework's."""
+    own, runtime_.own_groups = runtime_.own_groups, []
+    for group in own:
+        try:
+            dist.destroy_process_group(group)
+        except Exception as error:  # already destroyed with the whole world, or broken
+            logger.debug("destroying an engine group failed: %s", error)
+
+
 def stop_collectives(runtime_: RuntimeState, timeout: float) -> None:
     """Stops the engine (waiting at most ``timeout`` for its last cycle) and destroys the
-    process groups; the rendezvous connection stays."""
+    process groups (not a framework's default group); the rendezvous connection stays."""
     engine_, runtime_.engine = runtime_.engine, None
     if engine_ is not None:
         engine_.stop(timeout=timeout)
-    destroy_groups()
+    if runtime_.adopted:
+        destroy_own_groups(runtime_)
+    else:
+        runtime_.own_groups = []
+        destroy_groups()

@@ -95,6 +95,11 @@ class RuntimeState:
     #: Elastic jobs: the generation this worker last told hvdrun it holds the training
     #: state in (-1: never).
     state_reported: int = -1
+    #: The default process group is a framework's (:mod:`.adopted`): shutdown leaves it be.
+    adopted: bool = False
+    #: The process groups the engine runs on, which shutdown destroys where the default
+    #: group is not this runtime's to destroy.
+    own_groups: list[Any] = field(default_factory=list)
 
     def saw_generation(self, generation: int) -> None:
         if generation > self.newest_generation:

@@ -40,10 +40,15 @@ def check_dense(value: Any, what: str) -> tf.Tensor:
     """A tf.Tensor of a dtype the engine moves (a Variable is read); a clear error else."""
     if isinstance(value, tf.IndexedSlices):
         raise TypeError(f"{what} expects a dense tensor here, got tf.IndexedSlices")
-    try:
-        tensor = tf.convert_to_tensor(value)
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"{what} expects tensors, got {type(value).__name__}: {error}") from None
+    if isinstance(value, tf.Tensor):
+        tensor = value
+    else:
+        try:
+            tensor = tf.convert_to_tensor(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"{what} expects tensors, got {type(value).__name__}: {error}"
+            ) from None
     if tensor.dtype not in _SUPPORTED:
         raise TypeError(f"{what} does not support tensors of dtype {tensor.dtype.name}")
     return tensor

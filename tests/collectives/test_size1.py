@@ -84,12 +84,23 @@ def test_init_shutdown_init(alone: None) -> None:
         hvd_module.shutdown()
 
 
-def test_init_refuses_foreign_default_group(alone: None) -> None:
+def test_init_joins_an_existing_default_group(alone: None) -> None:
+    # A framework made the default group first: hvd.init() joins it and leaves it be.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    default = dist.group.WORLD
     try:
-        with pytest.raises(RuntimeError, match="already has a default process group"):
-            hvd_module.init()
+        hvd_module.init()
+        assert (hvd_module.rank(), hvd_module.size(), hvd_module.local_size()) == (0, 1, 1)
+        assert hvd_module.allreduce(torch.tensor([3.0]), op=hvd_module.Sum).item() == 3.0
+        hvd_module.shutdown()
+        assert dist.is_initialized() and dist.group.WORLD is default
+        tensor = torch.tensor([2.0])
+        dist.all_reduce(tensor)
+        assert tensor.item() == 2.0
+        hvd_module.init()  # joins it again
+        assert hvd_module.broadcast_object("again") == "again"
     finally:
+        hvd_module.shutdown()
         dist.destroy_process_group()
 
 

@@ -199,10 +199,55 @@ def test_kubernetes_style_environment() -> None:
     assert (found.master_addr, found.master_port) == ("job-master-0", 23456)
 
 
-def test_rank_and_world_size_alone_are_not_a_job() -> None:
-    # Scripts set RANK for their own purposes; without a launcher's or an address there is
-    # nothing to join.
-    assert detect({"RANK": "0", "WORLD_SIZE": "2"}) is None
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"RANK": "0"},  # scripts set RANK=0 for purposes of their own
+        {"WORLD_SIZE": "1"},
+        {"RANK": "0", "WORLD_SIZE": "1"},
+        {"WORLD_SIZE": "1", "MASTER_ADDR": "10.0.0.1"},
+    ],
+)
+def test_environment_of_a_process_on_its_own(env: dict[str, str]) -> None:
+    assert detect(env) is None
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_rank_and_world_size_without_an_address_are_a_job(rank: str) -> None:
+    # No silent size 1: the job is detected on every rank, and the runtime refuses it at
+    # once for want of an address (tests/collectives/test_adopted.py runs it).
+    found = detect({"RANK": rank, "WORLD_SIZE": "2"})
+    assert found is not None
+    assert (found.launcher, found.rank, found.size) == ("torchrun", int(rank), 2)
+    assert found.name == "the RANK/WORLD_SIZE environment"
+    assert found.master_addr is None
+
+
+def test_rank_and_world_size_with_only_a_port() -> None:
+    found = detect({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "23456"})
+    assert found is not None and (found.size, found.master_addr) == (1, None)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not"),
+        ({"RANK": "3", "MASTER_ADDR": "10.0.0.1"}, "RANK=3 is set but WORLD_SIZE is not"),
+        ({"WORLD_SIZE": "2"}, r"WORLD_SIZE=2 says this process is one of 2, but RANK"),
+        ({"WORLD_SIZE": "4", "MASTER_ADDR": "h"}, r"one of 4, but RANK \(which one\) is not"),
+        ({"RANK": "1", "WORLD_SIZE": "1"}, "says this is rank 1 of a job of 1"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK/WORLD_SIZE environment says this is rank 2"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "says the job has 0 processes"),
+        ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK must be an integer"),
+    ],
+)
+def test_environment_that_cannot_be_a_job(env: dict[str, str], message: str) -> None:
+    with pytest.raises(DetectionError, match=message):
+        detect(env)
+
+
+def test_launcher_none_overrides_the_environment() -> None:
+    assert detect({"RANK": "1", "WORLD_SIZE": "2", "HVDRUN_LAUNCHER": "none"}) is None
 
 
 def test_hvdrun_wins() -> None:
