@@ -1,0 +1,91 @@
+"""The Ray actor that hosts one worker of a :class:`~collectives.ray.RayExecutor` job.
+
+An actor is a process of its own that lives as long as the executor. It does what an
+``hvdrun`` worker's start-up does, in three calls from the driver:
+
+1. :meth:`RayWorker.node` -- where Ray placed it, so the driver can number the ranks of
+   each node;
+2. :meth:`RayWorker.setup` -- the environment a worker started by ``hvdrun`` gets (placement,
+   rendezvous address, job id, secret, TLS certificate), set in this process before any user
+   code runs, so ``hvd.init()`` joins the job through the rendezvous exactly as under
+   ``hvdrun``. The secret arrives as a call argument, never on a command line;
+3. :meth:`RayWorker.start_executable` -- Horovod's stateful ``executable_cls``, if any.
+
+Then it runs what :meth:`~collectives.ray.RayExecutor.run` and
+:meth:`~collectives.ray.RayExecutor.execute` send it, one call at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ray
+
+from collectives.ray.placement import WorkerNode
+from rendezvous import worker_env
+from rendezvous.addresses import interface_facing
+
+__all__ = ["BaseHorovodWorker", "RayWorker"]
+
+#: Gloo's and NCCL's choice of network interface; the rendezvous's when the job set none.
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+class RayWorker:
+    """One worker's actor (Horovod's ``BaseHorovodWorker``)."""
+
+    def __init__(self) -> None:
+        self.executable: Any = None
+
+    def node(self) -> WorkerNode:
+        """The Ray node this actor runs on, its process id and the GPUs Ray gave it."""
+        context = ray.get_runtime_context()
+        gpus = tuple(str(gpu) for gpu in ray.get_gpu_ids())
+        return WorkerNode(
+            context.get_node_id(),
+            ray.util.get_node_ip_address(),
+            os.getpid(),
+            context.get_actor_id() or "",
+            gpus,
+        )
+
+    def setup(self, env: Mapping[str, str]) -> None:
+        """Takes on a launched worker's environment; points Gloo and NCCL at the interface
+        that faces the rendezvous unless the job chose one."""
+        os.environ.update(env)
+        ifname, _ = interface_facing(env[worker_env.RENDEZVOUS_ADDR])
+        for name in IFNAME_VARIABLES:
+            if ifname is not None and not os.environ.get(name):
+                os.environ[name] = ifname
+
+    def update_env_vars(self, env_vars: Mapping[str, Any]) -> None:
+        """Horovod's name: sets environment variables in this actor's process."""
+        os.environ.update({name: str(value) for name, value in env_vars.items()})
+
+    def env_vars(self) -> dict[str, str]:
+        """Horovod's name: this actor's environment."""
+        return dict(os.environ)
+
+    def start_executable(
+        self,
+        executable_cls: type | None = None,
+        executable_args: Sequence[Any] | None = None,
+        executable_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Creates the executable that :meth:`execute` hands to its functions."""
+        if executable_cls is not None:
+            self.executable = executable_cls(*(executable_args or ()), **(executable_kwargs or {}))
+
+    def execute(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(executable)`` (None without an ``executable_cls``)."""
+        return fn(self.executable)
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """``fn(*args, **kwargs)``."""
+        return fn(*args, **kwargs)
+
+
+#: Horovod's name for the worker actor class.
+BaseHorovodWorker = RayWorker
