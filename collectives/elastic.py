@@ -36,7 +36,7 @@ from collectives.common import ReduceOp, global_process_set
 from collectives.errors import HorovodInternalError, HostsUpdatedInterrupt
 from collectives.objects import broadcast_object
 
-__all__ = ["HostMessages", "HostUpdateResult", "ObjectState", "State", "run"]
+__all__ = ["HostMessages", "HostUpdateResult", "ObjectState", "State", "VariablesState", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +179,47 @@ class ObjectState(State):
             for name, value in synced.items():
                 setattr(self, name, value)
         self.save()
+
+
+class VariablesState(ObjectState):
+    """A framework's variables and picklable attributes: commit copies the variables'
+    values to host memory, restore assigns them back, sync broadcasts them from rank 0.
+    A frontend says which variables (:meth:`_variables`), how to read one
+    (:meth:`_value_of`) and how to broadcast them (:meth:`_broadcast_variables`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._saved_values: list[Any] = []
+        super().__init__(**kwargs)
+        self._save_variables()
+
+    def _variables(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _value_of(self, variable: Any) -> Any:
+        import numpy as np
+
+        return np.array(variable.numpy(), copy=True)
+
+    def _broadcast_variables(self, variables: list[Any]) -> None:
+        raise NotImplementedError
+
+    def _save_variables(self) -> None:
+        self._saved_values = [self._value_of(v) for v in self._variables()]
+
+    def save(self) -> None:
+        self._save_variables()
+        super().save()
+
+    def restore(self) -> None:
+        for variable, value in zip(self._variables(), self._saved_values, strict=True):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        variables = self._variables()
+        if variables:
+            self._broadcast_variables(variables)
+        super().sync()  # ends with save(), which saves the variables too
 
 
 def run(func: Callable[..., _R]) -> Callable[..., _R]:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from collectives import elastic
-from collectives.elastic import ObjectState
+from collectives.elastic import VariablesState
 from collectives.keras import backend as keras_backend
 from collectives.keras.callbacks import KerasCallback, optimizer_variables
 
@@ -35,7 +35,7 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
     return run_on_tensorflow(func)
 
 
-class KerasState(ObjectState):
+class KerasState(VariablesState):
     """A Keras model, its optimizer and picklable attributes (``epoch``, ``batch``...):
     commit copies the variables' values to host memory, restore assigns them back, sync
     broadcasts them from rank 0."""
@@ -45,36 +45,21 @@ class KerasState(ObjectState):
     ) -> None:
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        self._saved_values: list[Any] = []
         super().__init__(**kwargs)
-        self._save_variables()
 
     def _variables(self) -> list[Any]:
         return list(self.model.variables) + optimizer_variables(self.optimizer, self.model)
 
-    def _save_variables(self) -> None:
+    def _value_of(self, variable: Any) -> Any:
         import numpy as np
 
         keras = keras_backend.current().keras
-        self._saved_values = [
-            np.array(keras.ops.convert_to_numpy(v), copy=True)
-            if hasattr(keras, "ops")
-            else np.array(v.numpy(), copy=True)
-            for v in self._variables()
-        ]
+        if hasattr(keras, "ops"):  # Keras 3, any backend
+            return np.array(keras.ops.convert_to_numpy(variable), copy=True)
+        return np.array(variable.numpy(), copy=True)
 
-    def save(self) -> None:
-        self._save_variables()
-        super().save()
-
-    def restore(self) -> None:
-        for variable, value in zip(self._variables(), self._saved_values, strict=True):
-            variable.assign(value)
-        super().restore()
-
-    def sync(self) -> None:
-        keras_backend.current().broadcast_variables(self._variables(), root_rank=0)
-        super().sync()
+    def _broadcast_variables(self, variables: list[Any]) -> None:
+        keras_backend.current().broadcast_variables(variables, root_rank=0)
 
 
 class CommitStateCallback(KerasCallback):

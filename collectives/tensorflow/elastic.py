@@ -13,11 +13,10 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
 import tensorflow as tf
 
 from collectives import elastic
-from collectives.elastic import ObjectState, State
+from collectives.elastic import ObjectState, State, VariablesState
 from collectives.tensorflow import graph
 from collectives.tensorflow.functions import broadcast_variables
 
@@ -46,37 +45,20 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
     return elastic.run(unwrapping)
 
 
-class TensorFlowState(ObjectState):
+class TensorFlowState(VariablesState):
     """Variables (``variables``, e.g. ``model.variables``) and picklable attributes."""
 
     def __init__(
         self, variables: Sequence[tf.Variable] | None = None, session: Any = None, **kwargs: Any
     ) -> None:
         self._tf_variables = list(variables or [])
-        self._saved_values: list[np.ndarray] = []
         super().__init__(**kwargs)
-        self._save_variables()
 
     def _variables(self) -> list[tf.Variable]:
         return self._tf_variables
 
-    def _save_variables(self) -> None:
-        self._saved_values = [np.array(v.numpy(), copy=True) for v in self._variables()]
-
-    def save(self) -> None:
-        self._save_variables()
-        super().save()
-
-    def restore(self) -> None:
-        for variable, value in zip(self._variables(), self._saved_values, strict=True):
-            variable.assign(value)
-        super().restore()
-
-    def sync(self) -> None:
-        variables = self._variables()
-        if variables:
-            broadcast_variables(variables, root_rank=0)
-        super().sync()  # ends with save(), which saves the variables too
+    def _broadcast_variables(self, variables: list[Any]) -> None:
+        broadcast_variables(variables, root_rank=0)
 
 
 class TensorFlowKerasState(TensorFlowState):
