@@ -3,6 +3,8 @@ step on optimizers without state, and DistributedOptimizer with torch.compile.""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from tests.collectives.conftest import WORKERS, assert_all_ok, run_hvdrun
@@ -33,8 +35,12 @@ def test_broadcast_optimizer_state_takes_horovods_dummy_step() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("c++")),
+    reason="torch.compile's Inductor needs a C++ compiler (apt-get install g++)",
+)
 def test_torch_compile_trains_with_distributed_optimizer() -> None:
-    """Inductor (the default backend; the machine has a C++ compiler), a tiny model: a
+    """Inductor (the default backend, which needs a C++ compiler), a tiny model: a
     compiled model, and a compiled training step with backward and step left outside."""
     code, output = run_hvdrun(2, WORKER, "compile", timeout=400)
     checks = [
