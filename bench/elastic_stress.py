@@ -537,6 +537,19 @@ def rank_fails(run: Run) -> Outcome:
     return ok()
 
 
+def failed_job(run: Run, job: Job, horovods: str, stop: tuple[str, str]) -> Outcome:
+    """The end of a job that must fail: exit 1, Horovod's sentence first, then hvdrun's
+    stop line (its text and a word to show the nearest line by), no step lost or
+    repeated, and nothing left on the hosts."""
+    code, output = run.wait(job)
+    expect(code == 1, f"hvdrun exited {code}, not 1: {last_line(output)}")
+    expect_line(output, horovods, "Horovod's sentence", near="Horovod")
+    expect_line(output, stop[0], "the stop", stop[1])
+    check("no step lost or repeated", check_steps_never_go_back, output)
+    check("hosts clean", assert_hosts_clean, run.cluster, run.hosts, within=10)
+    return ok()
+
+
 @scenario("all-ranks-fail")
 def all_ranks_fail(run: Run) -> Outcome:
     """Every worker exits 1 after step 5: the job ends (exit 1) with Horovod's sentence,
@@ -547,18 +560,12 @@ def all_ranks_fail(run: Run) -> Outcome:
         "-np", "2", "--min-np", "1", "-x", "FAIL_HOST=*", "-x", "FAIL_AT_STEP=5",
         *elastic_args(discovery, 100000),
     )  # fmt: skip
-    code, output = run.wait(job)
-    expect(code == 1, f"hvdrun exited {code}, not 1: {last_line(output)}")
-    expect_line(
-        output,
+    return failed_job(
+        run,
+        job,
         "Horovod detected that one or more processes exited with non-zero status",
-        "Horovod's sentence",
-        near="Horovod",
+        ("every worker of the elastic job has failed", "every"),
     )
-    expect_line(output, "every worker of the elastic job has failed", "the stop", "every")
-    check("no step lost or repeated", check_steps_never_go_back, output)
-    check("hosts clean", assert_hosts_clean, run.cluster, run.hosts, within=10)
-    return ok()
 
 
 @scenario("reset-limit")
@@ -572,18 +579,12 @@ def reset_limit(run: Run) -> Outcome:
         "-x", f"FAIL_HOST={node3.alias}", "-x", "FAIL_AT_STEP=5",
         *elastic_args(discovery, 100000),
     )  # fmt: skip
-    code, output = run.wait(job)
-    expect(code == 1, f"hvdrun exited {code}, not 1: {last_line(output)}")
-    expect_line(
-        output,
+    return failed_job(
+        run,
+        job,
         "Horovod was shutdown because number of resets during elastic job exceeded limit: 0",
-        "Horovod's sentence",
-        near="Horovod",
+        ("would need reset 1, more than --reset-limit 0", "reset"),
     )
-    expect_line(output, "would need reset 1, more than --reset-limit 0", "the stop", "reset")
-    check("no step lost or repeated", check_steps_never_go_back, output)
-    check("hosts clean", assert_hosts_clean, run.cluster, run.hosts, within=10)
-    return ok()
 
 
 @scenario("blacklist-cooldown")
