@@ -20,8 +20,15 @@ what this class provides:
 * ``multi_get``/``multi_set`` are one batched call each (``MultiGet``/``MultiSet``);
   ``append`` is built from compare-and-set; ``has_extended_api`` stays False so Gloo takes
   its plain bootstrap path.
-* NCCL calls the store from C++ background threads: the only state here is the thread-safe
-  client and an immutable prefix.
+* NCCL calls the store from C++ background threads (its watchdog and heartbeat monitor,
+  which poll for a "dump" flag), so the store is thread-safe (a thread-safe client, an
+  immutable prefix) and never raises into those threads: a call from a thread Python did
+  not start that fails (the rendezvous stopped, gone, or the client closed at shutdown) is
+  logged once and gets a neutral answer (``check`` False, ``get`` empty, ``wait`` returns),
+  which torch's callers take as "no flag set". The runtime also turns that polling off
+  (``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` unless the user set it) and destroys the process groups
+  before it closes the client, so no C++ thread is inside the store while the interpreter
+  shuts down (a C++ thread entering Python then aborts the process).
 
 **Gloo's full mesh in few calls.** torch 2.13's Gloo bootstraps a group of N ranks on a
 Python store with ``wait([p/i])`` then ``get(p/i)`` for every i in 0..N-1, one key at a time
@@ -49,9 +56,11 @@ Keep a Python reference to the store for as long as its process group lives.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -100,6 +109,35 @@ def _siblings(key: str, values: Sequence[bytes]) -> dict[str, bytes]:
     return {f"{base}{number + j}": value for j, value in enumerate(values, 1)}
 
 
+_DummyThread: type = getattr(threading, "_DummyThread", type(None))
+
+
+def _python_thread() -> bool:
+    """Whether Python started the calling thread (torch's C++ threads show up as dummies)."""
+    return not isinstance(threading.current_thread(), _DummyThread)
+
+
+def _neutral_to_torch_threads(answer: Any) -> Callable[[Any], Any]:
+    """Wraps a store method so that, called from a thread Python did not start (NCCL's
+    watchdog or monitor), a failure is logged once and returns ``answer`` (called, when it
+    is a type) instead of raising into C++."""
+
+    def wrap(method: Any) -> Any:
+        @functools.wraps(method)
+        def call(self: RendezvousStore, *args: Any, **kwargs: Any) -> Any:
+            if _python_thread():
+                return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as error:
+                self._note_background_failure(method.__name__, error)
+                return answer() if isinstance(answer, type) else answer
+
+        return call
+
+    return wrap
+
+
 class RendezvousStore(dist.Store):
     """torch.distributed Store backed by a :class:`RendezvousClient`, keys under ``prefix``."""
 
@@ -113,6 +151,7 @@ class RendezvousStore(dist.Store):
         self._client = client
         self._prefix = prefix
         self._read = threading.local()  # per thread: see "Gloo's full mesh" above
+        self._background_failed = threading.Event()  # (logged once)
         self.set_timeout(timeout)
 
     def __repr__(self) -> str:
@@ -157,6 +196,17 @@ class RendezvousStore(dist.Store):
             ahead = _siblings(key, values)
         read.update(waited=key, value=value, ahead=ahead)
 
+    def _note_background_failure(self, call: str, error: Exception) -> None:
+        if not self._background_failed.is_set():
+            self._background_failed.set()
+            logger.info(
+                "a torch background thread's %s on the rendezvous store (prefix %r) failed "
+                "(%s); such calls get a neutral answer",
+                call,
+                self._prefix,
+                error,
+            )
+
     def _fail(self, error: RendezvousError) -> RuntimeError:
         """The torch-style exception for a failed rendezvous call (the client's message names
         the call, the full key and the timeout)."""
@@ -166,6 +216,7 @@ class RendezvousStore(dist.Store):
 
     # ---- the basic Store API -----------------------------------------------------------
 
+    @_neutral_to_torch_threads(None)
     def set(self, key: str, value: bytes | str) -> None:
         self._forget()
         try:
@@ -173,6 +224,7 @@ class RendezvousStore(dist.Store):
         except RendezvousError as error:
             raise self._fail(error) from error
 
+    @_neutral_to_torch_threads(b"")
     def get(self, key: str) -> bytes:
         """The key's value; blocks until it is set, up to the store timeout."""
         value = self._waited_value(key)
@@ -184,6 +236,7 @@ class RendezvousStore(dist.Store):
         except RendezvousError as error:
             raise self._fail(error) from error
 
+    @_neutral_to_torch_threads(0)
     def add(self, key: str, value: int) -> int:
         self._forget()
         try:
@@ -191,6 +244,7 @@ class RendezvousStore(dist.Store):
         except RendezvousError as error:
             raise self._fail(error) from error
 
+    @_neutral_to_torch_threads(b"")
     def compare_set(
         self, key: str, expected_value: bytes | str, desired_value: bytes | str
     ) -> bytes:
@@ -202,6 +256,7 @@ class RendezvousStore(dist.Store):
         except RendezvousError as error:
             raise self._fail(error) from error
 
+    @_neutral_to_torch_threads(False)
     def check(self, keys: Sequence[str]) -> bool:
         self._forget()
         try:
@@ -209,6 +264,7 @@ class RendezvousStore(dist.Store):
         except RendezvousError as error:
             raise self._fail(error) from error
 
+    @_neutral_to_torch_threads(None)
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | float | None = None) -> None:
         """Blocks until every key is set, up to ``timeout`` (default: the store timeout)."""
         keys = list(keys)
@@ -222,6 +278,7 @@ class RendezvousStore(dist.Store):
         except RendezvousError as error:
             raise self._fail(error) from error
 
+    @_neutral_to_torch_threads(False)
     def delete_key(self, key: str) -> bool:
         self._forget()
         try:
@@ -232,6 +289,7 @@ class RendezvousStore(dist.Store):
     def deleteKey(self, key: str) -> bool:  # the name torch's C++ side calls
         return self.delete_key(key)
 
+    @_neutral_to_torch_threads(0)
     def num_keys(self) -> int:
         """Keys in the whole rendezvous store (every prefix), like a shared TCPStore."""
         self._forget()
@@ -254,6 +312,7 @@ class RendezvousStore(dist.Store):
         # False keeps the plain bootstrap path that every torch version takes.
         return False
 
+    @_neutral_to_torch_threads(list)
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """Every key's value, in one call; blocks like :meth:`get` until all are set."""
         self._forget()
@@ -263,6 +322,7 @@ class RendezvousStore(dist.Store):
         except RendezvousError as error:
             raise self._fail(error) from error
 
+    @_neutral_to_torch_threads(None)
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
         self._forget()
         if len(keys) != len(values):
@@ -274,6 +334,7 @@ class RendezvousStore(dist.Store):
         except RendezvousError as error:
             raise self._fail(error) from error
 
+    @_neutral_to_torch_threads(None)
     def append(self, key: str, value: bytes | str) -> None:
         """Appends to the key's value (creating it), by compare-and-set retries.
 

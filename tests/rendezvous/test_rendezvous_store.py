@@ -3,6 +3,7 @@ driving real Gloo process groups in 4 processes."""
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import subprocess
@@ -122,6 +123,53 @@ def test_store_reports_dead_server(make_client: ClientFactory, secret: str, job_
     srv.stop()
     with pytest.raises(RuntimeError, match="unavailable"):
         store.get("k")
+
+
+def _in_a_thread_python_did_not_start(call: Callable[[], object]) -> object:
+    """Runs ``call`` on a thread made by pthread_create, as NCCL's watchdog and monitor are:
+    Python sees it as a foreign (dummy) thread. Returns the result or the exception."""
+    libc = ctypes.CDLL(None)
+    outcome: list[object] = []
+
+    def body(_: object) -> None:
+        try:
+            outcome.append(call())
+        except BaseException as error:  # what would have reached the C++ caller
+            outcome.append(error)
+
+    start = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(body)
+    thread = ctypes.c_ulong()
+    assert libc.pthread_create(ctypes.byref(thread), None, start, None) == 0
+    assert libc.pthread_join(thread, None) == 0
+    return outcome[0]
+
+
+def test_torch_threads_never_get_an_exception_from_the_store(
+    make_client: ClientFactory, secret: str, job_id: str
+) -> None:
+    """NCCL's C++ threads poll the store (its "dump" flag) through torch's C++ Store; once
+    the rendezvous is gone or the client closed, they get neutral answers instead of an
+    exception, while Python callers still see the failure."""
+    srv = RendezvousServer(assign_slots([("h", 1)], 1), secret, job_id, bind_host="127.0.0.1")
+    srv.start()
+    client = make_client(srv, rpc_timeout=2.0)
+    store = RendezvousStore(client, prefix="p/", timeout=datetime.timedelta(seconds=1))
+    through_cpp = dist.PrefixStore("pg", store)  # as a process group holds it
+    through_cpp.set("flag", b"1")
+    assert _in_a_thread_python_did_not_start(lambda: through_cpp.check(["flag"])) is True
+
+    srv.stop()
+    assert _in_a_thread_python_did_not_start(lambda: through_cpp.check(["flag"])) is False
+    assert _in_a_thread_python_did_not_start(lambda: through_cpp.get("flag")) == b""
+    assert _in_a_thread_python_did_not_start(lambda: through_cpp.set("x", b"1")) is None
+    assert _in_a_thread_python_did_not_start(lambda: through_cpp.add("n", 1)) == 0
+    with pytest.raises(RuntimeError, match="rendezvous store"):
+        through_cpp.check(["flag"])  # a Python thread is told
+
+    client.close()  # at shutdown, after the process groups are gone
+    assert _in_a_thread_python_did_not_start(lambda: through_cpp.check(["flag"])) is False
+    with pytest.raises(RuntimeError, match="closed"):
+        through_cpp.check(["flag"])
 
 
 def test_gloo_process_groups_in_four_processes(secret: str, job_id: str, tmp_path: Path) -> None:
