@@ -30,6 +30,7 @@ __all__ = [
     "InvalidSplitsError",
     "NotInitializedError",
     "NotSupportedWithJoinError",
+    "SharedGpuError",
     "TensorMismatchError",
 ]
 
@@ -69,6 +70,12 @@ class NotSupportedWithJoinError(CollectiveError):
 class InvalidSplitsError(CollectiveError, TypeError, ValueError):
     """Alltoall splits that are not integers. Horovod raises ``ValueError`` here; earlier
     hvdrun releases ``TypeError``: both still catch it."""
+
+
+class SharedGpuError(RuntimeError):
+    """``hvd.init()`` found two ranks on one host that would run NCCL on the same GPU, which
+    NCCL refuses. Raised on every rank, naming the host, the ranks and the ways out; a
+    setup mistake, so elastic jobs do not retry it."""
 
 
 class NotInitializedError(ValueError):

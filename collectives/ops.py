@@ -52,7 +52,7 @@ from collectives.engine.requests import (
     noname,
     signature,
 )
-from collectives.errors import InvalidSplitsError
+from collectives.errors import InvalidSplitsError, SharedGpuError
 
 __all__ = [
     "allgather",
@@ -252,6 +252,9 @@ def _request(
     elif kind == Kind.BROADCAST:
         request.root = common[0]
     if inputs and inputs[0].is_cuda:
+        refusal = runtime.cuda_refusal()
+        if refusal is not None:
+            raise SharedGpuError(refusal)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(inputs[0].device))
         request.ready_events = [event]

@@ -78,6 +78,7 @@ def describe_reach(hostname: str, launch: LaunchOptions) -> str:
 TUNING: tuple[tuple[str, str, str, str], ...] = (
     (we.FUSION_THRESHOLD, "fusion threshold", str(128 * 1024 * 1024), "bytes"),
     (we.CYCLE_TIME, "cycle time", "1", "ms"),
+    (we.CUDA_BACKEND, "CUDA tensors through", "nccl where there are GPUs", ""),
     (we.TIMELINE, "timeline", "off", ""),
     (we.TIMELINE_MARK_CYCLES, "timeline marks cycles", "0", ""),
     (we.STALL_CHECK_DISABLE, "stall check disabled", "0", ""),

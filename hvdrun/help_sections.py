@@ -45,6 +45,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "fusion_threshold_mb",
             "cycle_time_ms",
+            "cuda_backend",
             "cache_capacity",
             "disable_cache",
             "hierarchical_allreduce",

@@ -32,6 +32,13 @@ _OPTIONS = [
         "(HVDRUN_CYCLE_TIME; default 1).",
     ),
     click.option(
+        "--cuda-backend",
+        type=click.Choice(worker_env.CUDA_BACKENDS),
+        help="What carries CUDA tensors: nccl (the default where there are GPUs) or gloo, "
+        "through host memory, which lets several ranks share one GPU: for more processes "
+        "than GPUs, debugging and tests (HVDRUN_CUDA_BACKEND).",
+    ),
+    click.option(
         "--timeline-filename",
         type=click.Path(dir_okay=False),
         metavar="FILE",
@@ -125,6 +132,7 @@ def tuning_options(fn: F) -> F:
 def tuning_env(
     fusion_threshold_mb: float | None = None,
     cycle_time_ms: float | None = None,
+    cuda_backend: str | None = None,
     timeline_filename: str | None = None,
     timeline_mark_cycles: bool | None = None,
     no_stall_check: bool | None = None,
@@ -145,6 +153,8 @@ def tuning_env(
         env[we.variable(we.FUSION_THRESHOLD)] = str(int(fusion_threshold_mb * 1024 * 1024))
     if cycle_time_ms is not None:
         env[we.variable(we.CYCLE_TIME)] = f"{cycle_time_ms:g}"
+    if cuda_backend is not None:
+        env[we.variable(we.CUDA_BACKEND)] = cuda_backend
     if timeline_filename is not None:
         env[we.variable(we.TIMELINE)] = os.path.abspath(timeline_filename)
     if timeline_mark_cycles:

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from rendezvous.slots import SlotInfo
 
 __all__ = [
+    "CUDA_BACKEND",
     "ELASTIC",
     "ELASTIC_TIMEOUT",
     "GENERATION",
@@ -46,6 +47,7 @@ __all__ = [
     "SECRET",
     "STATE_KEY_PREFIX",
     "WORKER",
+    "choice",
     "connection_env",
     "flag",
     "horovod_placement_env",
@@ -127,6 +129,11 @@ AUTOTUNE_BAYES_OPT_MAX_SAMPLES = "AUTOTUNE_BAYES_OPT_MAX_SAMPLES"
 AUTOTUNE_GAUSSIAN_PROCESS_NOISE = "AUTOTUNE_GAUSSIAN_PROCESS_NOISE"
 #: How long a collective (and a negotiation round) waits for a peer.
 GLOO_TIMEOUT_SECONDS = "GLOO_TIMEOUT_SECONDS"
+#: Which backend carries CUDA tensors: ``nccl`` (the default where NCCL and a GPU exist) or
+#: ``gloo`` (through host memory: several ranks may then share one GPU; ``hvdrun
+#: --cuda-backend``).
+CUDA_BACKEND = "CUDA_BACKEND"
+CUDA_BACKENDS = ("nccl", "gloo")
 #: How long the rendezvous heartbeat may stay silent (and the server not answer) before
 #: the job counts as lost (``hvdrun --heartbeat-timeout``): well above the scheduling
 #: hiccups of a loaded machine; a closed connection counts at once.
@@ -196,6 +203,18 @@ def flag(name: str, env: Mapping[str, str] | None = None) -> bool:
     if lowered in _FALSE:
         return False
     raise ValueError(f"{PREFIX}{name} must be 0 or 1, got {raw!r}")
+
+
+def choice(name: str, choices: tuple[str, ...], env: Mapping[str, str] | None = None) -> str | None:
+    """A setting that must be one of ``choices`` (case-insensitive); None when unset;
+    ValueError naming ``HVDRUN_<name>`` and the choices otherwise."""
+    raw = setting(name, env)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ValueError(f"{PREFIX}{name} must be one of {', '.join(choices)}; got {raw!r}")
+    return value
 
 
 def integer(variable: str, default: int, env: Mapping[str, str] | None = None) -> int:

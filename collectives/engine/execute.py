@@ -324,6 +324,10 @@ class Executor:
         self._trace = tracer
         self.outputs = OutputPool()
         self._sums = Sums()
+        # CUDA tensors go to NCCL, or to Gloo where the job runs them through host memory
+        # (hvdrun --cuda-backend gloo).
+        self._cuda_nccl = "nccl" in _backend_name(pg)
+        self._cuda_phase = "NCCL_" if self._cuda_nccl else "GLOO_"
 
     def buffer(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A view of ``numel`` elements of the device's fusion buffer."""
@@ -396,7 +400,7 @@ class Executor:
     def _collective(self, bucket: Bucket, device: torch.device, call: Callable[[], Any]) -> None:
         start = time.monotonic()
         call().wait()
-        phase = ("NCCL_" if device.type == "cuda" else "GLOO_") + bucket.kind.label.upper()
+        phase = (self._cuda_phase if device.type == "cuda" else "GLOO_") + bucket.kind.label.upper()
         self._trace(bucket, phase, start, time.monotonic())
 
     # ---- reductions ------------------------------------------------------------------
@@ -493,14 +497,17 @@ class Executor:
         total = sum(chunk_counts)
         if total == 0:
             return
-        uneven_cuda = device.type == "cuda" and len(set(chunk_counts)) > 1
+        # NCCL wants equal chunks, and Gloo's reduce-scatter of CUDA tensors differs between
+        # torch versions: those reduce the whole buffer (an allreduce, which both have for
+        # CUDA tensors) and keep this rank's part.
+        reduce_whole = device.type == "cuda" and (not self._cuda_nccl or len(set(chunk_counts)) > 1)
         request = slots[0].request
         if (
             len(slots) == 1
             and request is not None
             and work_dtype == dtype
             and reduction.prescale == 1.0
-            and not uneven_cuda
+            and not reduce_whole
             and dense(_input(slots[0]))
             and dense(_output(slots[0]))
         ):
@@ -534,7 +541,7 @@ class Executor:
                     if slot.request is None:
                         chunk[offset : offset + count].fill_(fill)
                     offset += count
-        if uneven_cuda:  # NCCL wants equal chunks: reduce everything, keep this rank's part
+        if reduce_whole:
             whole = buf[:total]
             self._collective(bucket, device, lambda: self._pg.allreduce([whole], _ar(op)))
             mine.copy_(chunks[me])
@@ -677,6 +684,16 @@ class Executor:
                 target, source, out_sizes, in_sizes, dist.AllToAllOptions()
             ),
         )
+
+
+def _backend_name(pg: Any) -> str:
+    """The data group's backend ("gloo", "cpu:gloo,cuda:nccl", ...); "" when unknown."""
+    if not isinstance(pg, dist.ProcessGroup):
+        return ""
+    try:
+        return str(dist.get_backend(pg))
+    except (RuntimeError, ValueError):  # destroyed already, or not a group torch knows
+        return ""
 
 
 def _ar(op: int) -> Any:

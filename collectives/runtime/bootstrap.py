@@ -42,6 +42,7 @@ from collectives.runtime import logs, state
 from collectives.runtime.adopted import init_adopted
 from collectives.runtime.groups import (
     choose_backend,
+    keep_nccl_off_the_store,
     select_cuda_device,
     start_engine,
     stop_collectives,
@@ -109,6 +110,8 @@ def init(comm: Any = None) -> bool:
         _init_count += 1
         addr = os.environ.get(worker_env.RENDEZVOUS_ADDR)
         placement = None if addr or adopting else detect_placement()
+        if not adopting:  # (a framework's default group has a store of its own)
+            keep_nccl_off_the_store(backend)
         if adopting:
             runtime_ = init_adopted(backend)
         elif addr:

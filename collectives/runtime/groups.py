@@ -17,7 +17,12 @@ runtime: shutdown then destroys the engine's groups only.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,40 +31,139 @@ from torch.distributed import distributed_c10d
 
 from collectives.engine import timeline
 from collectives.engine.core import Engine
+from collectives.errors import SharedGpuError
 from collectives.runtime.state import RuntimeState
+from rendezvous import worker_env
 
 __all__ = [
+    "GpuPlace",
     "choose_backend",
+    "cuda_backend_setting",
     "destroy_groups",
     "destroy_own_groups",
+    "keep_nccl_off_the_store",
     "select_cuda_device",
+    "shared_gpu_error",
+    "shared_gpus_in_job",
     "start_engine",
     "stop_collectives",
+    "uses_cuda",
 ]
 
 logger = logging.getLogger(__name__)
 
 
+def cuda_backend_setting() -> str | None:
+    """``HVDRUN_CUDA_BACKEND`` (``hvdrun --cuda-backend``): "nccl", "gloo" or None (unset)."""
+    return worker_env.choice(worker_env.CUDA_BACKEND, worker_env.CUDA_BACKENDS)
+
+
 def choose_backend() -> str:
-    """Gloo for CPU tensors, and NCCL for CUDA tensors where there is a GPU."""
+    """Gloo for CPU tensors; for CUDA tensors NCCL where there is a GPU, unless the job
+    asked for Gloo (``HVDRUN_CUDA_BACKEND=gloo``: through host memory, so that several
+    ranks may share a GPU)."""
+    wanted = cuda_backend_setting()
+    if wanted == "gloo":
+        return "gloo"
     if torch.cuda.is_available() and dist.is_nccl_available():
         return "cpu:gloo,cuda:nccl"
+    if wanted == "nccl":
+        why = "no GPU is visible" if dist.is_nccl_available() else "this torch has no NCCL"
+        raise RuntimeError(
+            f"{worker_env.variable(worker_env.CUDA_BACKEND)}=nccl (hvdrun --cuda-backend "
+            f"nccl), but {why}; leave it unset to run on the CPU with Gloo"
+        )
     return "gloo"
 
 
+#: NCCL's flight-recorder "dump" signal travels through the default group's store: every
+#: second NCCL's monitor thread polls it from C++, and its watchdog writes it on an error.
+DUMP_SIGNAL_VARIABLE = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+
+
+def keep_nccl_off_the_store(backend: str) -> None:
+    """Turns NCCL's dump signal off (unless the user set it) where the default group's store
+    is the rendezvous, a Python store: then no C++ thread of torch calls into Python, which
+    aborts the process if it happens while the interpreter shuts down."""
+    if "nccl" in backend:
+        os.environ.setdefault(DUMP_SIGNAL_VARIABLE, "0")
+
+
+def uses_cuda(backend: str) -> bool:
+    """Whether the job runs CUDA tensors: through NCCL, or through Gloo when asked to."""
+    if "nccl" in backend:
+        return True
+    return cuda_backend_setting() == "gloo" and torch.cuda.is_available()
+
+
 def select_cuda_device(backend: str, local_rank_: int) -> None:
-    """With NCCL, makes the GPU of this local rank the current CUDA device."""
-    if "nccl" not in backend:
+    """Makes the GPU of this local rank the current CUDA device: with NCCL the GPU of its
+    own (a rank beyond the visible GPUs keeps the current one, as under a launcher that
+    gives every rank one GPU through CUDA_VISIBLE_DEVICES); with CUDA through Gloo, the
+    local ranks take the visible GPUs in turn and may share them."""
+    if not uses_cuda(backend):
         return
     count = torch.cuda.device_count()
     if local_rank_ < count:
         torch.cuda.set_device(local_rank_)
+    elif "nccl" not in backend and count:
+        torch.cuda.set_device(local_rank_ % count)
     else:
-        logger.warning(
+        logger.info(
             "local rank %d has no GPU of its own (%d visible); leaving the CUDA device as is",
             local_rank_,
             count,
         )
+
+
+@dataclass(frozen=True)
+class GpuPlace:
+    """The GPU one rank runs its CUDA collectives on, as NCCL tells GPUs apart."""
+
+    rank: int
+    host: str
+    index: int  # its CUDA device index in this process
+    gpu: str  # what identifies the physical GPU (its UUID); "" when unknown
+    visible: int  # GPUs this process sees
+
+    @staticmethod
+    def of_this_process(rank_: int, host: str) -> GpuPlace:
+        index = torch.cuda.current_device()
+        properties = torch.cuda.get_device_properties(index)
+        uuid = getattr(properties, "uuid", None)  # (older torch builds lack it)
+        return GpuPlace(rank_, host, index, str(uuid) if uuid else "", torch.cuda.device_count())
+
+
+def shared_gpu_error(places: Sequence[GpuPlace]) -> str | None:
+    """Why NCCL cannot run the job, when two ranks on one host would use one GPU (NCCL
+    refuses that, and the failure would look like a dead peer); None when every rank has
+    a GPU of its own."""
+    users: dict[tuple[str, str], list[GpuPlace]] = {}
+    for place in places:
+        if place.gpu:
+            users.setdefault((place.host, place.gpu), []).append(place)
+    shared = next((ranks for ranks in users.values() if len(ranks) > 1), None)
+    if shared is None:
+        return None
+    host = shared[0].host
+    local = sum(1 for place in places if place.host == host)
+    ranks = ", ".join(str(place.rank) for place in shared)
+    return (
+        f"{local} ranks run on host {host}, which has {shared[0].visible} visible GPU(s): "
+        f"ranks {ranks} would share GPU {shared[0].index}, and NCCL cannot run two ranks "
+        "of one job on one GPU. Start at most one process per GPU on each host (-np, "
+        "-H HOST:SLOTS), make more GPUs visible (CUDA_VISIBLE_DEVICES), or run CUDA "
+        "tensors through Gloo, which lets ranks share a GPU (slower): hvdrun "
+        f"--cuda-backend gloo, or {worker_env.variable(worker_env.CUDA_BACKEND)}=gloo"
+    )
+
+
+def shared_gpus_in_job(control: Any, place: GpuPlace) -> str | None:
+    """Every rank learns every rank's GPU (over the Gloo group ``control``); returns the same
+    :func:`shared_gpu_error` verdict on every rank."""
+    places: list[Any] = [None] * dist.get_world_size(control)
+    dist.all_gather_object(places, place, group=control)
+    return shared_gpu_error(places)
 
 
 def destroy_groups() -> None:
@@ -88,8 +192,10 @@ def start_engine(runtime_: RuntimeState) -> Engine:
     everyone = list(range(topo.size))
     own = runtime_.own_groups
 
-    def make_groups(ranks: list[int]) -> tuple[Any, Any]:
+    def make_groups(ranks: list[int], check: Any = None) -> tuple[Any, Any]:
         control_ = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if check is not None:
+            check(control_)
         data_ = dist.new_group(ranks, backend=runtime_.backend, timeout=timeout)
         own.extend(group for group in (control_, data_) if isinstance(group, dist.ProcessGroup))
         return control_, data_
@@ -100,7 +206,12 @@ def start_engine(runtime_: RuntimeState) -> Engine:
                 own.remove(group)
             dist.destroy_process_group(group)
 
-    control, data = make_groups(everyone)
+    check = None
+    if "nccl" in runtime_.backend:
+        # Before the first NCCL group: ranks that would share a GPU learn it together.
+        place = GpuPlace.of_this_process(topo.rank, runtime_.host or socket.gethostname())
+        check = functools.partial(_refuse_shared_gpus, runtime_, place)
+    control, data = make_groups(everyone, check)
 
     engine = Engine(
         rank=topo.rank,
@@ -110,12 +221,21 @@ def start_engine(runtime_: RuntimeState) -> Engine:
         global_group=data,
         make_groups=make_groups,
         destroy_group=destroy_group,
-        cuda_device=torch.cuda.current_device() if "nccl" in runtime_.backend else None,
+        cuda_device=torch.cuda.current_device() if uses_cuda(runtime_.backend) else None,
     )
     if cfg.timeline:
         engine.timeline = timeline.open_for_rank(cfg.timeline, cfg.timeline_mark_cycles, topo.rank)
     engine.start()
     return engine
+
+
+def _refuse_shared_gpus(runtime_: RuntimeState, place: GpuPlace, control: Any) -> None:
+    """Where ranks would share a GPU under NCCL, CUDA collectives fail at the call with the
+    reason on every rank (CPU ones run: a CPU job on a GPU machine stays fine), and at once
+    when the job asked for NCCL by name."""
+    runtime_.cuda_refusal = shared_gpus_in_job(control, place)
+    if runtime_.cuda_refusal is not None and cuda_backend_setting() == "nccl":
+        raise SharedGpuError(runtime_.cuda_refusal)
 
 
 def destroy_own_groups(runtime_: RuntimeState) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "config",
     "cross_rank",
     "cross_size",
+    "cuda_refusal",
     "current",
     "engine",
     "generation",
@@ -100,6 +101,9 @@ class RuntimeState:
     #: The process groups the engine runs on, which shutdown destroys where the default
     #: group is not this runtime's to destroy.
     own_groups: list[Any] = field(default_factory=list)
+    #: Why CUDA tensors cannot be reduced in this job (ranks that would share a GPU under
+    #: NCCL); None where they can. Every rank holds the same verdict.
+    cuda_refusal: str | None = None
 
     def saw_generation(self, generation: int) -> None:
         if generation > self.newest_generation:
@@ -202,6 +206,13 @@ def is_elastic() -> bool:
 def backend() -> str:
     """The torch.distributed backend string the default process group was created with."""
     return require().backend
+
+
+def cuda_refusal() -> str | None:
+    """Why this job's collectives refuse CUDA tensors (ranks sharing a GPU under NCCL), or
+    None (also before ``init()``: the op then fails on that)."""
+    runtime = _current
+    return None if runtime is None else runtime.cuda_refusal
 
 
 def timeout() -> datetime.timedelta:

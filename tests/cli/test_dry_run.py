@@ -61,6 +61,16 @@ def test_local_job(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert "fusion threshold        134217728 bytes (128 MiB)  (default)" in tuning
 
 
+def test_cuda_backend_flag_reaches_the_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    tuning = section(dry_run(["-np", "2", "true"], capsys), "tuning the workers run with")
+    assert "CUDA tensors through    nccl where there are GPUs  (default)" in tuning
+    out = dry_run(["-np", "2", "--cuda-backend", "gloo", "true"], capsys)
+    tuning = section(out, "tuning the workers run with")
+    assert "CUDA tensors through    gloo  (from HVDRUN_CUDA_BACKEND)" in tuning
+    assert run_cli(["--dry-run", "-np", "2", "--cuda-backend", "mpi", "true"]) == 2
+    assert "'mpi' is not one of 'nccl', 'gloo'" in capsys.readouterr().err
+
+
 def test_secrets_are_masked(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
