@@ -30,7 +30,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # NCCL needs a GPU per process: with fewer GPUs than processes on a host, train on the
+    # CPU with Gloo instead.
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = "nccl" if gpus >= local_size else "gloo"
     dist.init_process_group(backend)  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")

@@ -8,6 +8,7 @@ The models use torch.nn only (no torchvision), so the benchmark runs wherever to
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import timeit
 
@@ -79,6 +80,26 @@ MODELS = {
 }
 
 
+def choose_device(no_cuda: bool) -> torch.device:
+    """This rank's GPU, one per local rank. With more local ranks than GPUs, NCCL cannot run
+    the job: the ranks share the GPUs when hvdrun runs CUDA tensors through Gloo
+    (--cuda-backend gloo), and train on the CPU otherwise."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and not no_cuda else 0
+    if gpus == 0:
+        return torch.device("cpu")
+    if hvd.local_size() <= gpus:
+        return torch.device("cuda", hvd.local_rank())
+    if os.environ.get("HVDRUN_CUDA_BACKEND", "").lower() == "gloo":
+        return torch.device("cuda", hvd.local_rank() % gpus)
+    if hvd.rank() == 0:
+        print(
+            f"{hvd.local_size()} ranks per host but {gpus} GPU(s): training on the CPU "
+            "(hvdrun --cuda-backend gloo lets the ranks share the GPUs)",
+            flush=True,
+        )
+    return torch.device("cpu")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="convnet")
@@ -95,8 +116,7 @@ def main() -> None:
 
     hvd.init()
     torch.set_num_threads(args.threads)
-    cuda = torch.cuda.is_available() and not args.no_cuda
-    device = torch.device("cuda", hvd.local_rank()) if cuda else torch.device("cpu")
+    device = choose_device(args.no_cuda)
     torch.manual_seed(1234)
 
     model = MODELS[args.model]().to(device)

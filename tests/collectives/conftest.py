@@ -3,6 +3,7 @@ rendezvous harness for the failure tests that must see a worker's own exit code 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import secrets
@@ -26,10 +27,24 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def clean_env() -> dict[str, str]:
-    """The test runner's environment minus anything that says "you are a worker of a job"."""
+    """The test runner's environment minus anything that says "you are a worker of a job".
+
+    On a machine with fewer GPUs than the suite's largest jobs (4 ranks), CUDA tensors go
+    through Gloo: frameworks that put tensors on the GPU by themselves (Keras on torch)
+    would otherwise have ranks share a GPU under NCCL, which refuses that (tests/gpu tests
+    both backends on purpose)."""
     env = {k: v for k, v in os.environ.items() if not _JOB_ENV.search(k)}
     env["PYTHONUNBUFFERED"] = "1"
+    if 0 < _visible_gpus() < 4:
+        env["HVDRUN_CUDA_BACKEND"] = "gloo"
     return env
+
+
+@functools.cache
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def run_hvdrun(

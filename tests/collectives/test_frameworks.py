@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.collectives.conftest import REPO, WORKERS, clean_env
 from tests.collectives.test_other_launchers import free_port, identities
@@ -25,9 +26,9 @@ def installed(*names: str) -> bool:
     return any(importlib.util.find_spec(name) is not None for name in names)
 
 
-def run(command: list[str]) -> str:
+def run(command: list[str], env: dict[str, str] | None = None) -> str:
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO
+        command, capture_output=True, text=True, timeout=300, env=env or clean_env(), cwd=REPO
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
@@ -55,11 +56,16 @@ def test_lightning_ddp_with_hvd_metrics() -> None:
     reason="Accelerate is not installed (pip install -e '.[accelerate]')",
 )
 def test_accelerate_ddp_with_hvd_metrics() -> None:
+    # Accelerate gives each process the GPU of its local rank: with fewer than 2 GPUs the
+    # two processes train on the CPU (no GPU visible).
+    env = clean_env()
+    if torch.cuda.device_count() < 2:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
         "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
         "--dynamo_backend", "no", "--main_process_port", str(free_port()),
         str(WORKERS / "accelerate_worker.py"),
     ]  # fmt: skip
-    output = run(command)
+    output = run(command, env)
     assert output.count("OK step 3: hvd.allreduce") == 2, output

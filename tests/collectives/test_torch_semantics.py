@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from tests.collectives.conftest import WORKERS, assert_all_ok, run_hvdrun
 
@@ -42,10 +43,21 @@ def test_broadcast_optimizer_state_takes_horovods_dummy_step() -> None:
 def test_torch_compile_trains_with_distributed_optimizer() -> None:
     """Inductor (the default backend, which needs a C++ compiler), a tiny model: a
     compiled model, and a compiled training step with backward and step left outside."""
-    code, output = run_hvdrun(2, WORKER, "compile", timeout=400)
+    # torch 2.11's Dynamo cannot trace the compiled step (an internal assertion, "Attempted
+    # setattr on a user-defined object that does not have an AttributeMutation
+    # mutation_type"); 2.12 and later can. The compiled model works on both.
+    step = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 12)
+    variants = ("model", "step") if step else ("model",)
+    env = {"COMPILE_STEP": "1" if step else "0"}
+    code, output = run_hvdrun(2, WORKER, "compile", env=env, timeout=400)
     checks = [
         f"compile.{variant}.{check}"
-        for variant in ("model", "step")
+        for variant in variants
         for check in ("ranks_identical", "matches_single_process", "trained")
     ]
     assert_all_ok(code, output, 2, checks)
+    if not step:
+        pytest.skip(
+            f"the compiled model trains; the compiled step needs torch >= 2.12 (Dynamo of "
+            f"torch {torch.__version__} cannot trace it)"
+        )
