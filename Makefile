@@ -11,7 +11,7 @@ NP ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hvdrun-installed
 
-.PHONY: setup demo test lint proto bench clean
+.PHONY: setup demo test lint proto bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,10 @@ proto: setup
 # Every bench/*.py prints its own table of medians and ratios against a baseline of the same run.
 bench: setup
 	@set -e; for script in bench/*.py; do echo "== $$script"; $(PY) $$script; done
+
+# On a machine with a GPU: the GPU tests and the CUDA benchmarks, one table (docs/gpu.md).
+gpu-check: setup
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -33,9 +33,14 @@ STOP_FILE = os.environ.get("STOP_FILE")
 # with a new generation.
 FINISH_AT_GENERATION = int(os.environ.get("FINISH_AT_GENERATION", "0"))
 
+# DEVICE=cuda: the weight and its gradient live on this rank's GPU (tests/gpu).
+DEVICE = os.environ.get("DEVICE", "cpu")
+
 torch.set_num_threads(1)
 hvd.init()
-model = torch.nn.Linear(1, 1, bias=False)
+if DEVICE == "cuda":
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+model = torch.nn.Linear(1, 1, bias=False).to(DEVICE)
 with torch.no_grad():
     model.weight.zero_()
 optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
