@@ -384,6 +384,13 @@ def test_check_hosts_table(cluster: Cluster) -> None:
     ]
     python = ".".join(map(str, sys.version_info[:3]))
     torch_version = metadata.version("torch")
+    # The hosts are this machine's namespaces: its GPUs, and its torch's NCCL (a CUDA build
+    # of torch has NCCL even where no GPU is).
+    import torch
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "-"
     for host, line in zip((node1, node2), lines[1:3], strict=True):
         assert line.split() == [
             host.alias,
@@ -391,8 +398,8 @@ def test_check_hosts_table(cluster: Cluster) -> None:
             python,
             torch_version,
             metadata.version("hvdrun"),
-            "0",
-            "-",
+            str(gpus),
+            nccl,
             "eth0",
             host.address,
         ]
