@@ -433,8 +433,6 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         if self.stopping or self.finishing:
             return
         members = self.members
-        if members.need_publish:
-            members.note_holders(self.server.state_holders())
         members.retire_finished()
         for host in members.drop_undiscovered():
             self.sink.message(f"host {host.name} is no longer discovered; removing it")
@@ -450,6 +448,10 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             )
             if host.agent is not None:
                 host.agent.kill()  # a stopped process ignores SIGTERM until it runs
+        if members.need_publish:
+            # Read now, after this step's removals and failures: who holds the state at
+            # the moment of the decision, not at the last publish.
+            members.note_holders(self.server.state_holders())
         decision = members.decide(now)
         if isinstance(decision, Stop):
             self._give_up(decision.message)
