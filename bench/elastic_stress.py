@@ -87,7 +87,7 @@ from tests.elastic.test_elastic_jobs import (  # noqa: E402
     after_step,
     at_size,
     check_finished_exactly,
-    committed,
+    check_steps_never_go_back,
     elastic_args,
     hosts_file,
 )
@@ -640,14 +640,6 @@ def stopped_hvdrun(run: Run) -> Outcome:
 def failed_line(output: str) -> str:
     lines = [line.strip() for line in output.splitlines() if " failed (" in line]
     return lines[0][:200] if lines else ""
-
-
-def check_steps_never_go_back(output: str) -> None:
-    """Rank 0's commits go 1, 2, 3, ... and never back to an earlier step (a restart from
-    the initial state would), across every generation."""
-    steps = [step for step, rank, _, _ in committed(output) if rank == 0]
-    assert steps == sorted(steps), f"rank 0 committed {steps}"
-    assert steps and steps[0] == 1, f"rank 0 committed {steps}"
 
 
 # ---- the driver -----------------------------------------------------------------------------
