@@ -75,8 +75,8 @@ STATE_LOST = (
 #: receive the state from the removed host's workers, which stay until it is done).
 SYNC_WAIT = 60.0
 SYNC_WAITING = (
-    "the workers on {hosts} are still receiving the training state from {leaving}; "
-    "{leaving} leaves once they hold it (waiting up to {wait:g} s)"
+    "the workers on {hosts} are still receiving the training state from {leaving}, which "
+    "discovery removed: the removal waits for them to hold it (up to {wait:g} s)"
 )
 STATE_NOT_HANDED_ON = (
     "No hosts from previous set remaining, unable to broadcast state.\n"

@@ -25,8 +25,8 @@ from tests.elastic.test_elastic_jobs import (
 )
 
 SYNC_WAITING = (
-    "hvdrun: the workers on 127.0.0.1 are still receiving the training state from localhost; "
-    "localhost leaves once they hold it"
+    "hvdrun: the workers on 127.0.0.1 are still receiving the training state from localhost, "
+    "which discovery removed: the removal waits for them to hold it"
 )
 LOST = "the training state is lost"
 

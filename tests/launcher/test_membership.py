@@ -248,8 +248,8 @@ def test_a_removal_while_the_new_host_syncs_waits_for_that_sync() -> None:
     a, b = members.retired[0], members.hosts["b"]
     waiting = members.decide(2.0)  # b's workers still receive the state from a's
     assert waiting == Wait(
-        "the workers on b are still receiving the training state from a; a leaves once "
-        f"they hold it (waiting up to {SYNC_WAIT:g} s)"
+        "the workers on b are still receiving the training state from a, which discovery "
+        f"removed: the removal waits for them to hold it (up to {SYNC_WAIT:g} s)"
     )
     assert members.removed_to_stop(registered=4) == []  # a's workers still hand it on
     assert members.decide(2.0 + SYNC_WAIT - 1) == Wait(None)
