@@ -19,10 +19,12 @@ join and leave, without restarting the workers that survive:
 * Discovery runs every second; new hosts are started up to ``--max-np`` slots, hosts it no
   longer lists are removed gracefully (their workers take part in the commit that switches
   generations, then leave; their agents are stopped once the new generation is complete).
+  Who holds the training state is read from the rendezvous right before each decision; a
+  removal that would leave no holder waits for a sync under way to the hosts left.
 * The job ends successfully once a worker has exited 0 and every other worker has exited.
   It fails, with one clear line, when fewer than ``--min-np`` slots are available for longer
-  than ``--elastic-timeout``, when every worker is gone (their state with them), or after
-  more than ``--reset-limit`` resets.
+  than ``--elastic-timeout``, when every worker is gone (their state with them), after
+  more than ``--reset-limit`` resets, or when no worker left holds the training state.
 
 A host's slot count is fixed while its agent runs; a changed count applies when the host
 comes back after leaving the job. Output lines are prefixed with a worker number, which is
@@ -433,8 +435,6 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         if self.stopping or self.finishing:
             return
         members = self.members
-        if members.need_publish:
-            members.note_holders(self.server.state_holders())
         members.retire_finished()
         for host in members.drop_undiscovered():
             self.sink.message(f"host {host.name} is no longer discovered; removing it")
@@ -450,6 +450,10 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             )
             if host.agent is not None:
                 host.agent.kill()  # a stopped process ignores SIGTERM until it runs
+        if members.need_publish:
+            # Read now, after this step's removals and failures: who holds the state at
+            # the moment of the decision, not at the last publish.
+            members.note_holders(self.server.state_holders())
         decision = members.decide(now)
         if isinstance(decision, Stop):
             self._give_up(decision.message)

@@ -11,13 +11,23 @@ yet), ``running`` (its workers belong to the job), then ``removed`` (discovery d
 ``failed`` or ``done``.
 
 The training state lives in the workers' memory only. A worker *holds* it once it synced it
-in a generation (``hvd.elastic.run`` reports that, see ``worker_env.STATE_KEY_PREFIX``);
+in a generation (``hvd.elastic.run`` reports that right after the sync, see
+``worker_env.STATE_KEY_PREFIX``; the driver reads the reports afresh before every decision);
 brand-new workers hold nothing until then. So a generation never starts without a holder
-(rank 0, from which every other rank syncs, is put on a holder's host); when no holder is
-left the job stops with an error instead of training on from the initial state. Only a
-generation that replaces one in which the state was synced counts as a reset: a generation
-that never trained cost nothing. The first generation waits a short start window for every
-host discovery listed, so that hosts that come up a moment apart start together.
+(rank 0, from which every other rank syncs, is put on a holder's host). The workers of a
+removed host leave only at the commit that switches generations, so they still hold the
+state until the next generation is published: when a removal would leave the members without
+a holder while the current generation's sync is under way (the new members are receiving
+the state from the removed host's workers), the decision waits for that sync, up to
+:data:`SYNC_WAIT`. Only when no worker that ever held the state is alive does the job stop
+as *lost*; when the only holders are leaving and the members left did not receive the state,
+it stops saying so. Either way it never trains on from the initial state.
+
+Only a generation that replaces one in which the state was synced counts as a reset: a
+generation that never trained cost nothing. The checks come in Horovod's order: every
+worker gone, then the reset limit, then the state. The first generation waits a short start
+window for every host discovery listed, so that hosts that come up a moment apart start
+together.
 
 Threads: nothing here locks. :class:`Membership` and every :class:`HostRecord` belong to the
 elastic driver's main loop, which alone reads and writes them; the driver's other threads
@@ -60,6 +70,20 @@ STATE_LOST = (
     "({hosts}) never received it; stopping the job rather than training on from the "
     "initial state"
 )
+#: A removal that would leave the members without a holder of the training state waits this
+#: long for the sync under way (new workers start, import their framework, bootstrap and
+#: receive the state from the removed host's workers, which stay until it is done).
+SYNC_WAIT = 60.0
+SYNC_WAITING = (
+    "the workers on {hosts} are still receiving the training state from {leaving}, which "
+    "discovery removed: the removal waits for them to hold it (up to {wait:g} s)"
+)
+STATE_NOT_HANDED_ON = (
+    "No hosts from previous set remaining, unable to broadcast state.\n"
+    "only the workers on {leaving}, which discovery removed, hold the training state, and the "
+    "hosts left ({hosts}) {received}; stopping the job rather than training on from the "
+    "initial state"
+)
 
 
 @dataclass
@@ -73,6 +97,7 @@ class HostRecord:
     exits: dict[int, int] = field(default_factory=dict)
     agent_finished: bool = False
     terminated: bool = False
+    removed_in: int | None = None  # the last generation it was a member of, once removed
 
     @property
     def agent_alive(self) -> bool:
@@ -100,7 +125,8 @@ class Publish:
 
 @dataclass
 class Wait:
-    """Too few slots: wait for discovery (``message`` is said once, when waiting starts)."""
+    """Not yet: too few slots (wait for discovery), or a removal waits for the sync under way
+    (``message`` is said once, when waiting starts)."""
 
     message: str | None
 
@@ -135,6 +161,7 @@ class Membership:
         self._enough_since: float | None = None  # the first generation had enough slots
         self._short_since: float | None = None
         self._rejoin_since: float | None = None
+        self._sync_since: float | None = None  # a removal waits for the sync under way
         self._orders = itertools.count()
 
     def all_hosts(self) -> list[HostRecord]:
@@ -163,6 +190,19 @@ class Membership:
         """Whether the state was synced in ``generation`` (or later): it trained."""
         return any(synced >= generation for synced in self.holders.values())
 
+    def leaving_holders(self) -> list[HostRecord]:
+        """Removed hosts still in the current generation whose live workers hold the state:
+        they leave at the commit that switches generations, so a member can still sync
+        from them until the next one is published."""
+        return [
+            h
+            for h in self.all_hosts()
+            if h.state == "removed"
+            and h.removed_in == self.generation
+            and h.agent_alive
+            and self.holds(h)
+        ]
+
     def ready(self, host: HostRecord) -> None:
         """The host's agent is up: it joins with the next generation."""
         host.state = "ready"
@@ -184,6 +224,7 @@ class Membership:
             if host.state in ACTIVE and host.name not in listed:
                 if host.state == "running":
                     self.need_publish = True
+                    host.removed_in = self.generation
                 host.state = "removed"
                 dropped.append(host)
         return dropped
@@ -255,23 +296,59 @@ class Membership:
                 return self._wait(now, total, starting)
         elif not self.need_publish:
             return None
-        elif not any(h.state == "running" for h in members):
-            return Stop(EVERY_WORKER_FAILED)
-        elif self.trained and not any(self.holds(h) for h in members):
-            return Stop(STATE_LOST.format(hosts=", ".join(h.name for h in members)))
-        elif total < min_np:
-            return self._wait(now, total, starting)
+        else:
+            judged = self._judge(now, members)
+            if judged is not None:
+                return judged
+            if total < min_np:
+                return self._wait(now, total, starting)
         self._short_since = None
-        if self.generation > 0 and self.trained_in(self.generation):
-            self.resets += 1
-            limit = self.options.reset_limit
-            if limit is not None and self.resets > limit:
-                return Stop(RESET_LIMIT_EXCEEDED.format(limit=limit, resets=self.resets))
+        self._sync_since = None
+        self.resets = self._resets_with_next()
         if self.trained and not self.holds(members[0]):
             # Every rank syncs from rank 0, on the first member: the oldest holder.
             first = next(h for h in members if self.holds(h))
             members = [first, *(h for h in members if h is not first)]
         return Publish(members, assign_slots([(h.name, h.slots) for h in members], total))
+
+    def _resets_with_next(self) -> int:
+        """The resets once the next generation is published: it is one if it replaces a
+        generation that trained."""
+        return self.resets + (self.generation > 0 and self.trained_in(self.generation))
+
+    def _judge(self, now: float, members: list[HostRecord]) -> Decision:
+        """Whether a later generation can come at all, in Horovod's order: every worker gone,
+        then the reset limit, then the training state (None: it can)."""
+        running = [h for h in members if h.state == "running"]
+        left = [h for h in self.hosts.values() if h.state in ACTIVE]  # starting ones too
+        leaving = self.leaving_holders() if self.trained and left else []
+        if not running and not leaving:
+            return Stop(EVERY_WORKER_FAILED)
+        limit = self.options.reset_limit
+        resets = self._resets_with_next()
+        if limit is not None and resets > limit:
+            return Stop(RESET_LIMIT_EXCEEDED.format(limit=limit, resets=resets))
+        if not self.trained or any(self.holds(h) for h in members):
+            self._sync_since = None
+            return None
+        if not leaving:
+            return Stop(STATE_LOST.format(hosts=", ".join(h.name for h in members)))
+        # No member holds the state, but the leaving holders are still in the current
+        # generation: its running members are receiving the state from them (or will, once
+        # the generation has bootstrapped).
+        names = ", ".join(h.name for h in leaving)
+        if running:
+            if self._sync_since is None:
+                self._sync_since = now
+                syncing = ", ".join(h.name for h in running)
+                return Wait(SYNC_WAITING.format(hosts=syncing, leaving=names, wait=SYNC_WAIT))
+            if now - self._sync_since < SYNC_WAIT:
+                return Wait(None)
+            received = f"did not receive it within {SYNC_WAIT:g} s"
+        else:
+            received = "had no worker running yet to receive it"
+        hosts = ", ".join(h.name for h in left)
+        return Stop(STATE_NOT_HANDED_ON.format(leaving=names, hosts=hosts, received=received))
 
     def _window(self, now: float) -> bool:
         """Whether the first generation's start window (from when it had enough slots)
@@ -302,11 +379,18 @@ class Membership:
         return Wait(None)
 
     def removed_to_stop(self, registered: int) -> list[HostRecord]:
-        """Removed hosts whose agents can be stopped: the new generation is complete, so
-        their workers have passed the commit that switched generations."""
+        """Removed hosts whose agents can be stopped: a generation without them is published
+        and complete, so their workers have passed the commit that switched generations.
+        (Until it is published they still train, and may still hand the state on.)"""
         if registered < sum(h.slots for h in self.running()):
             return []
-        stop = [h for h in self.retired if h.state == "removed" and not h.terminated]
+        stop = [
+            h
+            for h in self.retired
+            if h.state == "removed"
+            and not h.terminated
+            and (h.removed_in is None or h.removed_in < self.generation)
+        ]
         for host in stop:
             host.terminated = True
         return [h for h in stop if h.agent is not None]

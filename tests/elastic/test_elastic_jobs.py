@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.cluster import Cluster, ClusterHost, assert_hosts_clean, kill_host, write_hosts
+from tests.collectives.conftest import REPO, clean_env
 
 WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
 PY = sys.executable
@@ -26,16 +27,24 @@ FINAL = re.compile(r"^\[\d+\]<stdout>:final rank=(\d+) size=(\d+) step=(\d+) wei
 
 
 class Job:
-    """hvdrun as a subprocess whose output is read line by line, with a trigger on a line."""
+    """hvdrun as a subprocess whose output is read line by line, with a trigger on a line:
+    on the cluster's hosts, or (``cluster`` None) on this machine's own, with ``env``."""
 
-    def __init__(self, cluster: Cluster, *args: str) -> None:
+    def __init__(
+        self, cluster: Cluster | None, *args: str, env: dict[str, str] | None = None
+    ) -> None:
+        if cluster is None:
+            argv, environ = [PY, "-m", "hvdrun", *args], {**clean_env(), **(env or {})}
+        else:
+            argv, environ = cluster.hvdrun_argv(*args), cluster.env(**(env or {}))
         self.proc = subprocess.Popen(
-            cluster.hvdrun_argv(*args),
+            argv,
+            cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             text=True,
-            env=cluster.env(),
+            env=environ,
         )
         self.lines: list[str] = []
         self._triggers: list[tuple[Callable[[str], bool], Callable[[], None]]] = []
@@ -151,6 +160,14 @@ def check_finished_exactly(output: str, steps: int | None, size: int) -> None:
     # every step committed once, in order, on the final ranks
     last_commits = [c for c in committed(output) if c[2] == size and c[1] == 0]
     assert last_commits and last_commits[-1][0] == steps, output
+
+
+def check_steps_never_go_back(output: str) -> None:
+    """Rank 0's commits go 1, 2, 3, ... and never back to an earlier step (a restart from
+    the initial state would), across every generation."""
+    steps = [step for step, rank, _, _ in committed(output) if rank == 0]
+    assert steps == sorted(steps), f"rank 0 committed {steps}"
+    assert steps and steps[0] == 1, f"rank 0 committed {steps}"
 
 
 def test_killed_host_training_finishes_on_the_rest(

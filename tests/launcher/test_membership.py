@@ -9,6 +9,7 @@ from launcher.spec.options import ElasticOptions
 from launcher.supervision.discovery import FixedHosts
 from launcher.supervision.membership import (
     START_WINDOW,
+    SYNC_WAIT,
     HostRecord,
     Membership,
     Publish,
@@ -215,3 +216,96 @@ def test_rank_0_goes_to_a_holder_of_the_training_state() -> None:
     second = publish(members, now=1.0)
     assert [s.hostname for s in first.slots] == ["a", "b"]
     assert [s.hostname for s in second.slots] == ["b", "a"]  # rank 0 syncs everyone
+
+
+def added_then_original_removed(**options: object) -> Membership:
+    """a trains alone (generation 1), b joins (generation 2, not synced yet), then
+    discovery drops a."""
+    members = membership([("a", 2)], num_proc=2, min_np=2, max_np=None, **options)
+    start_all(members)
+    publish(members).members[0].agent = object()  # a's agent runs while it leaves
+    members.discovered = [HostSpec("a", 2), HostSpec("b", 2)]
+    start_all(members, now=1.0)
+    publish(members, now=1.0, synced=False)
+    members.discovered = [HostSpec("b", 2)]
+    (removed,) = members.drop_undiscovered()
+    assert removed.name == "a" and members.need_publish
+    members.retire_finished()
+    return members
+
+
+def test_a_removal_after_the_new_host_synced_goes_on_with_it() -> None:
+    members = added_then_original_removed()
+    a, b = members.retired[0], members.hosts["b"]
+    sync(members, a, b)  # generation 2 trained on both
+    decision = members.decide(2.0)
+    assert isinstance(decision, Publish) and [s.hostname for s in decision.slots] == ["b", "b"]
+    assert members.resets == 2
+
+
+def test_a_removal_while_the_new_host_syncs_waits_for_that_sync() -> None:
+    members = added_then_original_removed()
+    a, b = members.retired[0], members.hosts["b"]
+    waiting = members.decide(2.0)  # b's workers still receive the state from a's
+    assert waiting == Wait(
+        "the workers on b are still receiving the training state from a, which discovery "
+        f"removed: the removal waits for them to hold it (up to {SYNC_WAIT:g} s)"
+    )
+    assert members.removed_to_stop(registered=4) == []  # a's workers still hand it on
+    assert members.decide(2.0 + SYNC_WAIT - 1) == Wait(None)
+    sync(members, a, b)
+    decision = members.decide(2.0 + SYNC_WAIT - 0.5)
+    assert isinstance(decision, Publish) and [h.name for h in decision.members] == ["b"]
+    members.published(members.generation + 1)
+    assert members.removed_to_stop(registered=2) == [a]  # the generation without a is complete
+
+
+def test_a_removal_whose_sync_never_completes_stops_the_job_after_the_wait() -> None:
+    members = added_then_original_removed()
+    assert isinstance(members.decide(2.0), Wait)
+    stop = members.decide(2.0 + SYNC_WAIT + 0.1)
+    assert isinstance(stop, Stop) and stop.message.splitlines() == [
+        "No hosts from previous set remaining, unable to broadcast state.",
+        "only the workers on a, which discovery removed, hold the training state, and the "
+        f"hosts left (b) did not receive it within {SYNC_WAIT:g} s; stopping the job rather "
+        "than training on from the initial state",
+    ]
+
+
+def test_a_removal_before_the_new_host_runs_cannot_hand_the_state_on() -> None:
+    members = membership([("a", 1)], num_proc=1, min_np=1, max_np=None)
+    start_all(members)
+    publish(members).members[0].agent = object()
+    members.discovered = [HostSpec("b", 1)]  # a replaced at once: b is still starting
+    members.drop_undiscovered()
+    members.retire_finished()
+    members.hosts_to_start(1.0)
+    stop = members.decide(1.0)
+    assert isinstance(stop, Stop) and "(b) had no worker running yet to receive it" in stop.message
+    assert "every worker" not in stop.message and "is lost" not in stop.message
+
+
+def test_the_state_is_lost_only_when_every_holder_is_gone() -> None:
+    members = added_then_original_removed()
+    a = members.retired[0]
+    assert isinstance(members.decide(2.0), Wait)
+    a.exits = dict.fromkeys(a.workers, -9)  # the leaving holders die before b synced
+    stop = members.decide(2.5)
+    assert isinstance(stop, Stop) and stop.message == (
+        "the training state is lost: every worker that held it is gone, and the workers left "
+        "(b) never received it; stopping the job rather than training on from the initial state"
+    )
+
+
+def test_a_job_over_its_reset_limit_ends_with_horovods_sentence_first() -> None:
+    members = added_then_original_removed(reset_limit=1)  # generation 2 was reset 1
+    sync(members, members.retired[0])  # generation 2 trained on a alone; b still syncs
+    stop = members.decide(2.0)  # needs reset 2, and b holds nothing: the limit comes first
+    assert isinstance(stop, Stop) and stop.message.splitlines()[0] == (
+        "Horovod was shutdown because number of resets during elastic job exceeded limit: 1"
+    )
+    members = added_then_original_removed(reset_limit=1)
+    assert isinstance(members.decide(2.0), Wait)  # generation 2 has not trained yet
+    sync(members, members.retired[0], members.hosts["b"])
+    stop = members.decide(3.0)
+    assert isinstance(stop, Stop) and "need reset 2, more than --reset-limit 1" in stop.message

@@ -32,11 +32,19 @@ STOP_FILE = os.environ.get("STOP_FILE")
 # (returns from training, exit 0) instead of joining it: the end of a job that coincides
 # with a new generation.
 FINISH_AT_GENERATION = int(os.environ.get("FINISH_AT_GENERATION", "0"))
+# SLOW_HOST=h START_FILE=path: the workers on host h wait (up to 60 s) for the file to exist
+# before hvd.init(), as a host slow to start does: the sync of the generation that added
+# it is under way until then.
+SLOW_HOST = os.environ.get("SLOW_HOST")
 
 # DEVICE=cuda: the weight and its gradient live on this rank's GPU (tests/gpu).
 DEVICE = os.environ.get("DEVICE", "cpu")
 
 torch.set_num_threads(1)
+if SLOW_HOST and os.environ.get("HVDRUN_HOSTNAME") == SLOW_HOST:
+    give_up = time.monotonic() + 60
+    while not os.path.exists(os.environ["START_FILE"]) and time.monotonic() < give_up:
+        time.sleep(0.05)
 hvd.init()
 if DEVICE == "cuda":
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
