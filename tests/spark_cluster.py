@@ -5,7 +5,8 @@ Built from PySpark's own jars (``pip install pyspark``; Spark 4 needs Java 17, D
 
 * the master in this machine's network namespace, at the bridge's address (the hosts reach
   it there, and nothing listens on another interface);
-* one worker per host, in the host's namespace, with two cores and 1.2 GiB for executors,
+* one worker per host, in the host's namespaces (network, and UTS for a host name of its
+  own), with two cores and 1.2 GiB for executors,
   so that two applications fit (one executor of each): the executors it starts run there,
   each a separate host with its own address;
 * the driver (:meth:`SparkCluster.session`) here, at the bridge's address too.
@@ -107,6 +108,7 @@ class SparkCluster:
             SPARK_HOME=str(spark_home()),
             SPARK_CONF_DIR=str(conf),
             SPARK_LOCAL_IP=local_ip,
+            SPARK_LOCAL_HOSTNAME=local_ip,
             SPARK_DAEMON_MEMORY="256m",
             SPARK_DAEMON_JAVA_OPTS=JAVA_OPTIONS,
             SPARK_NO_DAEMONIZE="1",
@@ -161,7 +163,10 @@ class SparkCluster:
         spark_class = str(spark_home() / "bin" / "spark-class")
         work = self.root / f"work-{node.index}"
         work.mkdir(exist_ok=True)
-        argv = ["ip", "netns", "exec", node.netns, spark_class]
+        # A UTS namespace too: each host has a host name of its own, as real ones do.
+        rename = 'hostname "$0" && exec "$@"'
+        argv = ["ip", "netns", "exec", node.netns, "unshare", "--uts", "--", "sh", "-c", rename]
+        argv += [f"hvdt-spark{node.index}-{os.getpid()}", spark_class]
         argv += ["org.apache.spark.deploy.worker.Worker", "--host", node.address]
         argv += ["--cores", "2", "--memory", "1200m", "--work-dir", str(work)]
         argv += ["--webui-port", "0", self.master_url]
@@ -171,42 +176,23 @@ class SparkCluster:
 
     def session(self, app: str, **conf: str) -> Any:
         """A SparkSession of this cluster (the driver runs here, in this process)."""
-        from pyspark.sql import SparkSession
-
-        os.environ["PYSPARK_PYTHON"] = sys.executable
-        settings = {
-            "spark.driver.host": self.driver_host,
-            "spark.driver.bindAddress": self.driver_host,
-            "spark.driver.memory": EXECUTOR_MEMORY,
-            "spark.driver.extraJavaOptions": JAVA_OPTIONS,
-            "spark.executor.memory": EXECUTOR_MEMORY,
-            "spark.executor.cores": "1",
-            "spark.cores.max": str(len(self.hosts.hosts)),
-            "spark.executor.extraJavaOptions": JAVA_OPTIONS,
-            "spark.executorEnv.PYTHONPATH": str(REPO),
-            "spark.executorEnv.PYSPARK_PYTHON": sys.executable,
-            "spark.ui.enabled": "false",
-            "spark.ui.showConsoleProgress": "false",
-            "spark.default.parallelism": str(len(self.hosts.hosts)),
-            **conf,
-        }
-        builder = SparkSession.builder.master(self.master_url).appName(app)
-        for key, value in settings.items():
-            builder = builder.config(key, value)
-        session = builder.getOrCreate()
-        session.sparkContext.setLogLevel("ERROR")
+        session = make_session(self.master_url, self.driver_host, len(self.hosts.hosts), app, conf)
         self.note_jvms()
         return session
 
-    def executors(self) -> dict[str, psutil.Process]:
-        """The running executors' JVMs, by host address."""
-        found = {}
-        for address, worker in self.workers.items():
+    def executors(self, app_id: str | None = None) -> list[tuple[str, psutil.Process]]:
+        """The running executors' JVMs (of application ``app_id``, or all), with the host
+        each runs on."""
+        found = []
+        for worker in self.workers.values():
             with contextlib.suppress(psutil.Error):
                 for child in psutil.Process(worker.pid).children(recursive=True):
                     with contextlib.suppress(psutil.Error):
-                        if "CoarseGrainedExecutorBackend" in " ".join(child.cmdline()):
-                            found[address] = child
+                        argv = child.cmdline()
+                        if "org.apache.spark.executor.CoarseGrainedExecutorBackend" not in argv:
+                            continue
+                        if app_id is None or app_id in argv:
+                            found.append((argv[argv.index("--hostname") + 1], child))
         return found
 
     def wait_for_executors(self, context: Any, count: int, within: float = 90) -> None:
@@ -270,6 +256,38 @@ class SparkCluster:
                 return
             time.sleep(0.1)
         raise AssertionError(f"Spark processes left running: {left}")
+
+
+def make_session(
+    master_url: str, driver_host: str, executors: int, app: str, conf: dict[str, str]
+) -> Any:
+    """A SparkSession of the cluster at ``master_url`` with one single-core executor on each
+    of ``executors`` hosts, its driver in this process at ``driver_host``."""
+    from pyspark.sql import SparkSession
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    settings = {
+        "spark.driver.host": driver_host,
+        "spark.driver.bindAddress": driver_host,
+        "spark.driver.memory": EXECUTOR_MEMORY,
+        "spark.driver.extraJavaOptions": JAVA_OPTIONS,
+        "spark.executor.memory": EXECUTOR_MEMORY,
+        "spark.executor.cores": "1",
+        "spark.cores.max": str(executors),
+        "spark.executor.extraJavaOptions": JAVA_OPTIONS,
+        "spark.executorEnv.PYTHONPATH": str(REPO),
+        "spark.executorEnv.PYSPARK_PYTHON": sys.executable,
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.default.parallelism": str(executors),
+        **conf,
+    }
+    builder = SparkSession.builder.master(master_url).appName(app)
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    return session
 
 
 def _alive(pid: int) -> bool:

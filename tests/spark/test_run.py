@@ -228,7 +228,8 @@ def test_a_lost_executor_fails_the_job_naming_it(
     runner.start()
     started = _pids(tmp_path, 2)
     victim_host = started[1][1]
-    spark_cluster.executors()[victim_host].kill()  # the executor's JVM, with its tasks
+    executors = dict(spark_cluster.executors(spark.sparkContext.applicationId))
+    executors[victim_host].kill()  # the executor's JVM, with its tasks
     runner.join(60)
     assert not runner.is_alive()
     assert len(failure) == 1 and isinstance(failure[0], hvd_spark.SparkJobError), failure
