@@ -31,10 +31,11 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collectives.spark.elastic import run_elastic
     from collectives.spark.job import SparkJobError
     from collectives.spark.runner import run
 
-__all__ = ["SparkJobError", "run"]
+__all__ = ["SparkJobError", "run", "run_elastic"]
 
 
 def __getattr__(name: str) -> Any:
@@ -44,6 +45,10 @@ def __getattr__(name: str) -> Any:
         from collectives.spark.runner import run
 
         return run
+    if name == "run_elastic":
+        from collectives.spark.elastic import run_elastic
+
+        return run_elastic
     if name == "SparkJobError":
         from collectives.spark.job import SparkJobError
 

@@ -44,7 +44,7 @@ from collectives.spark.task import TaskArgs, run_task
 from rendezvous import worker_env
 from rendezvous.server import RendezvousServer
 
-__all__ = ["START_ADVICE", "run"]
+__all__ = ["START_ADVICE", "num_proc_of", "run"]
 
 #: What to check when the tasks do not all start (Horovod gives the same advice).
 START_ADVICE = (
@@ -80,7 +80,7 @@ def run(
     """
     what = FixedDriver.WHAT
     context = active_context(what)
-    size = _num_proc(num_proc, context, what)
+    size = num_proc_of(num_proc, context, what)
     timeout = resolve_start_timeout(start_timeout)
     from pyspark import cloudpickle
 
@@ -96,7 +96,7 @@ def run(
     return driver.run(size, payload, executable, timeout)
 
 
-def _num_proc(num_proc: int | None, context: Any, what: str) -> int:
+def num_proc_of(num_proc: int | None, context: Any, what: str) -> int:
     if num_proc is None:
         num_proc = int(context.defaultParallelism)
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
