@@ -36,6 +36,7 @@ from collectives.spark.job import (
     SparkJobError,
     TaskState,
     active_context,
+    horovod_options,
     spark_reason,
 )
 from collectives.spark.membership import Member, Membership, Publish, Stop, Wait
@@ -74,12 +75,15 @@ def run_elastic(
     verbose: int = 1,
     prefix_output_with_timestamp: bool = False,
     executable: str | None = None,
+    *,
+    nics: Any = None,
 ) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` as an elastic job of ``num_proc`` workers (at least
     ``min_num_proc``, at most ``max_num_proc``; both default to ``num_proc``, which defaults
     to ``spark.default.parallelism``), one per Spark task; ``fn`` uses ``hvd.elastic.run``.
     Returns the results of the last generation's workers in rank order."""
     what = ElasticDriver.WHAT
+    env = horovod_options(what, env, None, None, nics)
     context = active_context(what)
     size = num_proc_of(num_proc, context, what)
     low = size if min_num_proc is None else min_num_proc
@@ -165,11 +169,11 @@ class ElasticDriver(Driver):
         )
         tasks = membership.max_np
         self.say(
-            "running an elastic job of %d (%d to %d) processes in Spark tasks (job %s)",
+            "running an elastic job of %d (%d to %d) processes in Spark tasks (Spark job tag %s)",
             membership.num_proc,
             membership.min_np,
             tasks,
-            self.job_id,
+            self.spark.tag,
         )
         try:
             server = RendezvousServer(

@@ -57,6 +57,7 @@ __all__ = [
     "TaskState",
     "active_context",
     "first_cause",
+    "horovod_options",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,29 @@ class SparkJobError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
+def horovod_options(
+    what: str,
+    env: Mapping[str, Any] | None,
+    use_mpi: bool | None,
+    extra_mpi_args: str | None,
+    nics: Any,
+) -> dict[str, Any]:
+    """Horovod's MPI and network arguments: there is no MPI here (Gloo on CPU, NCCL on GPU,
+    as ``use_gloo`` asks), and ``nics`` become ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``
+    in ``env`` (returned)."""
+    if use_mpi or extra_mpi_args:
+        raise ValueError(
+            f"{what}: use_mpi and extra_mpi_args are not supported: hvdrun's workers meet "
+            "through its rendezvous and run Gloo (CPU) or NCCL (GPU), not MPI"
+        )
+    merged = dict(env or {})
+    if nics:
+        names = ",".join(sorted({nics} if isinstance(nics, str) else set(nics)))
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            merged.setdefault(variable, names)
+    return merged
+
+
 def active_context(what: str) -> Any:
     """The active SparkContext; a clear error without one."""
     try:
@@ -118,7 +142,8 @@ def active_context(what: str) -> Any:
     if context is None:
         raise RuntimeError(
             f"{what} needs an active SparkContext: create a SparkSession first "
-            "(SparkSession.builder.getOrCreate()), or call it from a PySpark shell or notebook"
+            "(SparkSession.builder.getOrCreate()), or call it from a PySpark shell or notebook "
+            "(a Spark Connect session has none)"
         )
     return context
 

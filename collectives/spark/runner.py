@@ -37,6 +37,7 @@ from collectives.spark.job import (
     SparkJobError,
     TaskState,
     active_context,
+    horovod_options,
     spark_reason,
 )
 from collectives.spark.placement import resolve_start_timeout, slot_table, visible_devices
@@ -67,6 +68,11 @@ def run(
     verbose: int = 1,
     prefix_output_with_timestamp: bool = False,
     executable: str | None = None,
+    *,
+    use_mpi: bool | None = None,
+    use_gloo: bool | None = None,
+    extra_mpi_args: str | None = None,
+    nics: Any = None,
 ) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` in ``num_proc`` processes, one per Spark task, as one
     hvdrun job; returns their results in rank order.
@@ -75,10 +81,13 @@ def run(
     ``HOROVOD_SPARK_START_TIMEOUT``, else 600 s) bounds the wait for all tasks to start;
     ``env`` adds variables to every worker's environment (the executor's own); ``stdout``
     and ``stderr`` receive the workers' output (default: the driver's); ``executable`` is
-    the Python that runs each worker (default: the executor's). Raises
-    :class:`~collectives.spark.SparkJobError` when a worker fails or its task is lost.
+    the Python that runs each worker (default: the executor's). Horovod's ``nics`` name the
+    workers' network interfaces; ``use_gloo`` is accepted (Gloo is what runs on CPUs), MPI
+    is refused. Raises :class:`~collectives.spark.SparkJobError` when a worker fails or its
+    task is lost.
     """
     what = FixedDriver.WHAT
+    env = horovod_options(what, env, use_mpi, extra_mpi_args, nics)
     context = active_context(what)
     size = num_proc_of(num_proc, context, what)
     timeout = resolve_start_timeout(start_timeout)
@@ -121,7 +130,7 @@ class FixedDriver(Driver):
         )
         task = functools.partial(run_task, task_args)
         context = self.context
-        self.say("running %d processes in Spark tasks (job %s)", size, self.job_id)
+        self.say("running %d processes in Spark tasks (Spark job tag %s)", size, self.spark.tag)
         try:
             self.spark.start(
                 lambda: (

@@ -23,7 +23,7 @@ from collectives.spark.channel import (
     json_frame,
     read_json,
 )
-from collectives.spark.job import Failure, TaskState, first_cause
+from collectives.spark.job import Failure, TaskState, first_cause, horovod_options
 from collectives.spark.membership import Membership, Publish, Stop, Wait
 from collectives.spark.placement import (
     ServerPlan,
@@ -213,3 +213,11 @@ def test_the_channel_carries_frames_both_ways_and_refuses_a_wrong_secret() -> No
             events.get(timeout=0.5)
     finally:
         server.stop()
+
+
+def test_horovods_network_arguments_map_onto_the_workers_environment() -> None:
+    env = horovod_options("run()", {"A": "1"}, None, None, ["eth1", "eth0"])
+    assert env == {"A": "1", "GLOO_SOCKET_IFNAME": "eth0,eth1", "NCCL_SOCKET_IFNAME": "eth0,eth1"}
+    assert horovod_options("run()", None, False, None, None) == {}
+    with pytest.raises(ValueError, match="use_mpi and extra_mpi_args are not supported"):
+        horovod_options("run()", None, True, None, None)
