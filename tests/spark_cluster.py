@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,7 +251,7 @@ class SparkCluster:
             proc.wait(30)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            left = [pid for pid in self.seen if _alive(pid)]
+            left = [pid for pid in self.seen if alive(pid)]
             if not left:
                 return
             time.sleep(0.1)
@@ -290,11 +290,38 @@ def make_session(
     return session
 
 
-def _alive(pid: int) -> bool:
+def eventually(check: Callable[[], bool], what: str, within: float = 20.0) -> None:
+    """Waits (boundedly) for ``check()``: processes end and files appear asynchronously."""
+    give_up = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < give_up, what
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie does not)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def no_worker_left(pids: list[int]) -> None:
+    """Within seconds, the workers ``pids`` and every other Spark worker process are gone."""
+    eventually(lambda: not any(alive(pid) for pid in pids), f"workers {pids} still run")
+    workers = [
+        proc.pid
+        for proc in psutil.process_iter(["cmdline"])
+        if "collectives.spark.worker" in " ".join(proc.info["cmdline"] or ())
+    ]
+    eventually(lambda: not any(alive(pid) for pid in workers), f"workers {workers} still run")
+
+
+def worker_pids(pid_dir: Path, count: int, within: float = 60.0) -> dict[int, list[str]]:
+    """``{rank or worker: [pid, ...]}`` from the files ``count`` workers wrote in ``pid_dir``."""
+    eventually(lambda: len(list(pid_dir.glob("*.pid"))) == count, "workers not started", within)
+    time.sleep(0.1)  # the files are written whole, but let both land
+    return {int(path.stem): path.read_text().split() for path in pid_dir.glob("*.pid")}
 
 
 def spark_cluster_for_tests(hosts: int) -> Iterator[SparkCluster]:

@@ -188,6 +188,9 @@ class _Supervisor:
             thread.start()
         self._hand_over(proc)
         code = proc.wait()
+        # What the worker started and left behind in its session goes with it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
         for thread in threads[:3]:
             thread.join()
         self._finish(code)

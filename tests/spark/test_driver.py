@@ -15,8 +15,7 @@ import pytest
 
 pytest.importorskip("pyspark", reason="PySpark is not installed (pip install 'hvdrun[spark]')")
 
-from tests.spark.test_run import _alive, _eventually, _no_worker_left, _pids
-from tests.spark_cluster import REPO, SparkCluster
+from tests.spark_cluster import REPO, SparkCluster, alive, eventually, no_worker_left, worker_pids
 
 
 def _wait_for_line(proc: subprocess.Popen[str], text: str, within: float) -> str:
@@ -49,22 +48,22 @@ def test_ctrl_c_and_a_killed_driver_leave_nothing_running(
     )
     try:
         jvm = int(_wait_for_line(proc, "driver jvm", 120).split()[-1])
-        first = _pids(tmp_path / "1", 2, within=120)
+        first = worker_pids(tmp_path / "1", 2, within=120)
         theirs = [p.pid for _, p in spark_cluster.executors() if p.pid not in ours]
         assert len(theirs) == 2, theirs
         proc.send_signal(signal.SIGINT)  # as Ctrl-C does
         _wait_for_line(proc, "job 1 interrupted", 60)
-        _no_worker_left([int(words[0]) for words in first.values()])
+        no_worker_left([int(words[0]) for words in first.values()])
 
-        second = _pids(tmp_path / "2", 2, within=120)
+        second = worker_pids(tmp_path / "2", 2, within=120)
         proc.kill()
         proc.wait(10)
-        _no_worker_left([int(words[0]) for words in second.values()])
-        _eventually(lambda: not _alive(jvm), "the driver's JVM still runs")
-        _eventually(lambda: not any(_alive(pid) for pid in theirs), "its executors still run")
+        no_worker_left([int(words[0]) for words in second.values()])
+        eventually(lambda: not alive(jvm), "the driver's JVM still runs")
+        eventually(lambda: not any(alive(pid) for pid in theirs), "its executors still run")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
     # The tests' own application keeps its executors.
-    assert all(_alive(pid) for pid in ours)
+    assert all(alive(pid) for pid in ours)

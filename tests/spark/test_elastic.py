@@ -16,8 +16,7 @@ import pytest
 pytest.importorskip("pyspark", reason="PySpark is not installed (pip install 'hvdrun[spark]')")
 
 import collectives.spark as hvd_spark
-from tests.spark.test_run import _eventually, _no_worker_left, _pids
-from tests.spark_cluster import SparkCluster
+from tests.spark_cluster import SparkCluster, eventually, no_worker_left, worker_pids
 
 MIN_STEPS = 30
 MAX_STEPS = 2000
@@ -81,8 +80,8 @@ def test_an_elastic_job_survives_a_lost_executor(
 
     runner = threading.Thread(target=run)
     runner.start()
-    started = _pids(tmp_path, 2, within=120)
-    _eventually(lambda: _progress(tmp_path) >= 5, "the job does not train", within=60)
+    started = worker_pids(tmp_path, 2, within=120)
+    eventually(lambda: _progress(tmp_path) >= 5, "the job does not train", within=60)
     victim_pid, victim_host = started[1][0], started[1][1].split("-task")[0]
     executors = dict(spark_cluster.executors(spark.sparkContext.applicationId))
     executors[victim_host].kill()  # worker 1's executor, with its task
@@ -101,5 +100,5 @@ def test_an_elastic_job_survives_a_lost_executor(
     assert all(size == 2 for size in sizes[:lost_at]) and lost_at >= 5, sizes
     assert sizes[lost_at:] == sorted(sizes[lost_at:]), sizes  # one worker, then two again
     assert (tmp_path / "2.pid").exists()  # Spark's retry of the lost task: worker 2
-    _no_worker_left([int(started[0][0]), int(victim_pid)])
+    no_worker_left([int(started[0][0]), int(victim_pid)])
     spark_cluster.wait_for_executors(spark.sparkContext, 2)

@@ -10,18 +10,16 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 pytest.importorskip("pyspark", reason="PySpark is not installed (pip install 'hvdrun[spark]')")
 
 import collectives.spark as hvd_spark
 from rendezvous.addresses import split_addr
-from tests.spark_cluster import SparkCluster
+from tests.spark_cluster import SparkCluster, no_worker_left, worker_pids
 
 STEPS = 5
 LEARNING_RATE = 0.1
@@ -137,36 +135,6 @@ def train_until_stopped(pid_dir: str) -> int:
 # ---- checks ----------------------------------------------------------------------------
 
 
-def _eventually(check: Callable[[], bool], what: str, within: float = 20.0) -> None:
-    give_up = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < give_up, what
-        time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _no_worker_left(pids: list[int]) -> None:
-    _eventually(lambda: not any(_alive(pid) for pid in pids), f"workers {pids} still run")
-    workers = [
-        proc.pid
-        for proc in psutil.process_iter(["cmdline"])
-        if "collectives.spark.worker" in " ".join(proc.info["cmdline"] or ())
-    ]
-    _eventually(lambda: not any(_alive(pid) for pid in workers), f"workers {workers} still run")
-
-
-def _pids(pid_dir: Path, count: int, within: float = 60.0) -> dict[int, list[str]]:
-    _eventually(lambda: len(list(pid_dir.glob("*.pid"))) == count, "workers not started", within)
-    time.sleep(0.1)  # the files are written whole, but let both land
-    return {int(path.stem): path.read_text().split() for path in pid_dir.glob("*.pid")}
-
-
 def _closed(addr: str) -> bool:
     host, port = split_addr(addr)
     try:
@@ -197,7 +165,7 @@ def test_results_by_rank_and_a_training_that_matches_one_process(spark: Any) -> 
     for rank in (0, 1):
         assert f"[{rank}]<stdout>:rank {rank} of 2 says hello\n" in out.getvalue()
         assert f"[{rank}]<stderr>:rank {rank} on stderr\n" in err.getvalue()
-    _no_worker_left([r["pid"] for r in results])
+    no_worker_left([r["pid"] for r in results])
     assert _closed(results[0]["rendezvous"])
 
 
@@ -210,7 +178,7 @@ def test_a_failing_rank_is_named_and_every_worker_ends(spark: Any, tmp_path: Pat
     assert f"executor {error.executor} on {error.host}" in message, message
     assert "ValueError: rank 1 gives up" in message and error.rank == 1, message
     assert error.executor not in (None, "driver") and "Traceback" in error.remote_traceback
-    _no_worker_left([int(words[0]) for words in _pids(tmp_path, 2).values()])
+    no_worker_left([int(words[0]) for words in worker_pids(tmp_path, 2).values()])
 
 
 def test_a_lost_executor_fails_the_job_naming_it(
@@ -226,7 +194,7 @@ def test_a_lost_executor_fails_the_job_naming_it(
 
     runner = threading.Thread(target=run)
     runner.start()
-    started = _pids(tmp_path, 2)
+    started = worker_pids(tmp_path, 2)
     victim_host = started[1][1]
     executors = dict(spark_cluster.executors(spark.sparkContext.applicationId))
     executors[victim_host].kill()  # the executor's JVM, with its tasks
@@ -236,7 +204,7 @@ def test_a_lost_executor_fails_the_job_naming_it(
     error = failure[0]
     assert error.rank == 1 and error.host == victim_host, str(error)
     assert "task was lost" in str(error), str(error)
-    _no_worker_left([int(words[0]) for words in started.values()])
+    no_worker_left([int(words[0]) for words in started.values()])
     # The cluster starts another executor for the application, for the tests that follow.
     spark_cluster.wait_for_executors(spark.sparkContext, 2)
 
@@ -254,13 +222,13 @@ def test_cancelling_the_job_group_ends_every_worker(spark: Any, tmp_path: Path) 
 
     runner = threading.Thread(target=run)
     runner.start()
-    started = _pids(tmp_path, 2)
+    started = worker_pids(tmp_path, 2)
     context.cancelJobGroup("my-training")
     runner.join(60)
     assert not runner.is_alive()
     assert len(failure) == 1 and isinstance(failure[0], hvd_spark.SparkJobError), failure
     assert "cancel" in str(failure[0]).lower(), str(failure[0])
-    _no_worker_left([int(words[0]) for words in started.values()])
+    no_worker_left([int(words[0]) for words in started.values()])
 
 
 def test_too_few_slots_time_out_with_advice(spark: Any) -> None:
