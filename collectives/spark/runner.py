@@ -151,10 +151,10 @@ class FixedDriver(Driver):
         while len(by_partition) < size:
             if self.spark_error is not None:
                 reason = spark_reason(self.spark_error)
-                raise SparkJobError(
-                    f"{self.WHAT}: Spark could not run the {size} tasks: {reason}. "
-                    + START_ADVICE.format(num_proc=size)
-                )
+                message = f"{self.WHAT}: Spark could not run the {size} tasks: {reason}"
+                if "slot" in reason.lower() or "resource" in reason.lower():
+                    message += ". " + START_ADVICE.format(num_proc=size)
+                raise SparkJobError(message)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
