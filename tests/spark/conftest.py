@@ -1,5 +1,6 @@
 """One standalone Spark cluster for all of tests/spark (master here, a worker on each of two
-namespace hosts) and one driver session on it: JVMs start slowly on two cores."""
+namespace hosts) and one driver session on it, stopped after the package's last test: JVMs
+start slowly on two cores, and must not idle through the rest of the suite."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import pytest
 from tests.spark_cluster import SparkCluster, spark_cluster_for_tests
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def spark_cluster() -> Iterator[SparkCluster]:
     yield from spark_cluster_for_tests(hosts=2)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def spark(spark_cluster: SparkCluster) -> Iterator[Any]:
     """The tests' SparkSession, with one executor on each host."""
     session = spark_cluster.session("hvdrun-tests")
