@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TF_SPEC)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,examples,keras,lightning,accelerate,ray]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,examples,keras,lightning,accelerate,ray,spark]'
 	# (tf_keras names the full "tensorflow" package: the one installed above serves it)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(TF_KERAS_SPEC)"
 	touch $(STAMP)

@@ -51,7 +51,7 @@ COLLECTIVES = [
     {"process_sets"},  # registering process sets (a negotiated op)
     {"job", "objects"},  # the job API every frontend shares: init, join, barrier, objects
     {"elastic"},  # elastic states and run, shared by every frontend
-    FRONTENDS := {"torch", "tensorflow", "keras", "ray"},  # frontends, side by side
+    FRONTENDS := {"torch", "tensorflow", "keras", "ray", "spark"},  # frontends, side by side
 ]
 
 #: collectives.torch (the PyTorch frontend): its parts from the bottom up.

@@ -1,0 +1,223 @@
+"""The Spark frontend's decisions without a cluster: ranks and GPUs from the tasks' reports,
+where the driver listens, the start timeout, the elastic membership, the failure to name,
+and the task channel (a real gRPC stream on loopback, with a wrong secret refused)."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pyspark", reason="PySpark is not installed (pip install 'hvdrun[spark]')")
+
+from collectives.spark.channel import (
+    HELLO,
+    START,
+    Closed,
+    Received,
+    TaskChannelClient,
+    TaskChannelServer,
+    decode_exit,
+    encode_exit,
+    json_frame,
+    read_json,
+)
+from collectives.spark.job import Failure, TaskState, first_cause, horovod_options
+from collectives.spark.membership import Membership, Publish, Stop, Wait
+from collectives.spark.placement import (
+    ServerPlan,
+    TaskReport,
+    elastic_host,
+    executor_of,
+    plan_server,
+    resolve_start_timeout,
+    slot_table,
+    visible_devices,
+)
+
+
+def _report(partition: int, host: str, gpus: tuple[str, ...] = ()) -> TaskReport:
+    return TaskReport(partition, 0, str(partition), host, gpus)
+
+
+def test_ranks_fill_hosts_in_the_order_of_their_lowest_partition() -> None:
+    # Partitions 0 and 2 on host a, 1 and 3 on host b: a's tasks take ranks 0 and 1.
+    reports = [_report(0, "a"), _report(1, "b"), _report(2, "a"), _report(3, "b")]
+    slots = slot_table(reports)
+    assert [slot.rank for slot in slots] == [0, 2, 1, 3]
+    assert [(s.hostname, s.local_rank, s.cross_rank) for s in slots] == [
+        ("a", 0, 0),
+        ("b", 0, 1),
+        ("a", 1, 0),
+        ("b", 1, 1),
+    ]
+    assert all(slot.size == 4 and slot.local_size == 2 for slot in slots)
+
+
+def test_gpus_are_listed_per_host_in_local_rank_order() -> None:
+    reports = [_report(0, "a", ("3",)), _report(1, "a", ("1",)), _report(2, "b", ("0",))]
+    slots = slot_table(reports)
+    assert visible_devices(reports, slots) == ["3,1", "3,1", "0"]
+    # A task without GPUs: CUDA_VISIBLE_DEVICES is left alone everywhere.
+    without = [_report(0, "a", ("0",)), _report(1, "a")]
+    assert visible_devices(without, slot_table(without)) == [None, None]
+
+
+def test_the_executor_comes_from_the_ancestor_jvm() -> None:
+    daemon = ["python3", "-m", "pyspark.daemon"]
+    jvm = ["java", "-cp", "x", "org.apache.spark.executor.CoarseGrainedExecutorBackend"]
+    jvm += ["--driver-url", "spark://x", "--executor-id", "7", "--hostname", "10.0.0.5"]
+    assert executor_of([daemon, jvm]) == ("7", "10.0.0.5")
+    assert executor_of([daemon, ["java", "org.apache.spark.deploy.SparkSubmit"]]) == (
+        "driver",
+        None,
+    )
+
+
+def test_the_driver_listens_on_loopback_only_for_a_local_master() -> None:
+    assert plan_server("local[2]", "10.0.0.1") == ServerPlan("127.0.0.1", "127.0.0.1")
+    assert plan_server("local", "10.0.0.1") == ServerPlan("127.0.0.1", "127.0.0.1")
+    assert plan_server("spark://m:7077", "10.0.0.1") == ServerPlan("0.0.0.0", "10.0.0.1")
+    assert plan_server("yarn", "10.0.0.1", "10.0.0.1") == ServerPlan("10.0.0.1", "10.0.0.1")
+    assert plan_server("k8s://x", "fd00::1") == ServerPlan("::", "fd00::1")
+
+
+def test_start_timeout_defaults_to_horovods_variable_then_600_s() -> None:
+    assert resolve_start_timeout(None, {}) == 600
+    assert resolve_start_timeout(None, {"HOROVOD_SPARK_START_TIMEOUT": "30"}) == 30
+    assert resolve_start_timeout(5, {"HOROVOD_SPARK_START_TIMEOUT": "30"}) == 5
+    with pytest.raises(ValueError, match="HOROVOD_SPARK_START_TIMEOUT must be a positive"):
+        resolve_start_timeout(None, {"HOROVOD_SPARK_START_TIMEOUT": "soon"})
+    with pytest.raises(ValueError, match="start_timeout must be a positive"):
+        resolve_start_timeout(0, {})
+
+
+def _membership(**options: Any) -> Membership:
+    settings: dict[str, Any] = dict(
+        num_proc=2, min_np=1, max_np=3, elastic_timeout=10.0, reset_limit=None
+    )
+    settings.update(options)
+    return Membership(start_timeout=30.0, started_at=0.0, **settings)
+
+
+def _start(members: Membership, decision: Any, generation: int) -> None:
+    assert isinstance(decision, Publish)
+    for member in decision.members:
+        member.state = "running"
+        if member.worker is None:
+            member.worker = member.stream
+    members.published(generation)
+
+
+def test_elastic_generations_follow_the_tasks_that_come_and_go() -> None:
+    members = _membership()
+    first = members.join(0, elastic_host(_report(0, "a")))
+    assert first.host == "a-task0.0"
+    assert members.decide(1.0) is None  # waits for num_proc tasks
+    second = members.join(1, "b-task1.0")
+    decision = members.decide(2.0)
+    assert isinstance(decision, Publish) and [s.rank for s in decision.slots] == [0, 1]
+    _start(members, decision, 1)
+    members.note_holders({0: 1, 1: 1})
+    # The task of rank 0 is lost: the survivor, which holds the state, becomes rank 0.
+    members.lose(first)
+    decision = members.decide(3.0)
+    assert isinstance(decision, Publish) and decision.members == [second]
+    assert members.resets == 1
+    _start(members, decision, 2)
+    # Spark's retry arrives: a new host, appended after the older one.
+    retry = members.join(2, "a-task0.1")
+    decision = members.decide(4.0)
+    assert isinstance(decision, Publish) and decision.members == [second, retry]
+    _start(members, decision, 3)
+    assert members.decide(5.0) is None  # nothing changed since
+
+
+def test_elastic_jobs_stop_as_hvdrun_does() -> None:
+    # Too few tasks after the start timeout.
+    members = _membership(num_proc=3, min_np=2)
+    members.join(0, "a")
+    assert members.decide(10.0) is None
+    stop = members.decide(31.0)
+    assert isinstance(stop, Stop) and "only 1 of 3 Spark tasks started" in stop.message
+    # Fewer than min_num_proc for longer than elastic_timeout.
+    members = _membership(num_proc=2, min_np=2)
+    one, two = members.join(0, "a"), members.join(1, "b")
+    _start(members, members.decide(1.0), 1)
+    members.lose(two)
+    wait = members.decide(2.0)
+    assert isinstance(wait, Wait) and "min_num_proc is 2" in (wait.message or "")
+    stop = members.decide(13.0)
+    assert isinstance(stop, Stop) and "elastic timeout (10 s)" in stop.message
+    # Every holder of the trained state gone.
+    members = _membership()
+    one, two = members.join(0, "a"), members.join(1, "b")
+    _start(members, members.decide(1.0), 1)
+    members.note_holders({0: 1})
+    members.lose(one)
+    stop = members.decide(2.0)
+    assert isinstance(stop, Stop) and "training state is lost" in stop.message
+    # More resets than reset_limit.
+    members = _membership(reset_limit=0)
+    one, two = members.join(0, "a"), members.join(1, "b")
+    _start(members, members.decide(1.0), 1)
+    members.note_holders({0: 1, 1: 1})
+    members.lose(two)
+    stop = members.decide(2.0)
+    assert isinstance(stop, Stop) and "more than reset_limit 0" in stop.message
+
+
+def _state(partition: int, rank: int) -> TaskState:
+    return TaskState(partition, _report(partition, "h"), rank=rank)
+
+
+def test_the_first_cause_is_named_not_a_peers_broken_collective() -> None:
+    peer = Failure(_state(0, 0), "exit code 1", {"type": "HorovodInternalError"}, at=1.0)
+    lost = Failure(_state(1, 1), "its task was lost", None, at=2.0)
+    assert first_cause([peer, lost]) is lost
+    raised = Failure(_state(1, 1), "exit code 1", {"type": "ValueError", "message": "x"}, 3.0)
+    killed = Failure(_state(0, 0), "its task was lost", None, at=4.0)
+    assert first_cause([killed, raised]) is raised
+    error = raised.describe("collectives.spark.run()")
+    assert str(error).startswith("collectives.spark.run(): rank 1 (task 1, executor 1 on h)")
+    assert error.rank == 1 and error.executor == "1" and error.error_type == "ValueError"
+
+
+def test_frames_round_trip() -> None:
+    assert read_json(json_frame(HELLO, {"a": [1]})) == {"a": [1]}
+    header, result = decode_exit(encode_exit({"code": 0, "error": None}, b"\x00pickled"))
+    assert header == {"code": 0, "error": None} and result == b"\x00pickled"
+
+
+def test_the_channel_carries_frames_both_ways_and_refuses_a_wrong_secret() -> None:
+    events: queue.Queue[Any] = queue.Queue()
+    server = TaskChannelServer("the-secret", "job-1", events)
+    port = server.start()
+    try:
+        client = TaskChannelClient(f"127.0.0.1:{port}", "the-secret", "job-1")
+        client.send(json_frame(HELLO, {"partition": 0}))
+        event = events.get(timeout=10)
+        assert isinstance(event, Received) and read_json(event.frame) == {"partition": 0}
+        server.send(event.stream, json_frame(START, {"env": {"X": "1"}}))
+        assert client.receive(10) == json_frame(START, {"env": {"X": "1"}})
+        client.close()
+        closed = events.get(timeout=10)
+        assert isinstance(closed, Closed) and closed.stream == event.stream
+
+        intruder = TaskChannelClient(f"127.0.0.1:{port}", "not-the-secret", "job-1")
+        intruder.send(json_frame(HELLO, {"partition": 1}))
+        assert intruder.receive(10) is None and "invalid job token" in intruder.ended
+        intruder.close()
+        with pytest.raises(queue.Empty):  # nothing of the intruder reached the driver
+            events.get(timeout=0.5)
+    finally:
+        server.stop()
+
+
+def test_horovods_network_arguments_map_onto_the_workers_environment() -> None:
+    env = horovod_options("run()", {"A": "1"}, None, None, ["eth1", "eth0"])
+    assert env == {"A": "1", "GLOO_SOCKET_IFNAME": "eth0,eth1", "NCCL_SOCKET_IFNAME": "eth0,eth1"}
+    assert horovod_options("run()", None, False, None, None) == {}
+    with pytest.raises(ValueError, match="use_mpi and extra_mpi_args are not supported"):
+        horovod_options("run()", None, True, None, None)
