@@ -22,7 +22,6 @@ times, or the job was cancelled).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import time
@@ -42,7 +41,6 @@ from collectives.spark.job import (
 from collectives.spark.membership import Member, Membership, Publish, Stop, Wait
 from collectives.spark.placement import elastic_host, resolve_start_timeout
 from collectives.spark.runner import num_proc_of
-from collectives.spark.task import TaskArgs, run_task
 from rendezvous import worker_env
 from rendezvous.server import RendezvousServer
 
@@ -157,16 +155,6 @@ class ElasticDriver(Driver):
                 f"{FAILURE_TIMEOUT:g}"
             )
         self.open()
-        task_args = TaskArgs(
-            addr=self.channel_addr,
-            job_id=self.job_id,
-            secret=self.secret,
-            cert_pem=self.cert_pem,
-            payload=payload,
-            env=self.env,
-            executable=executable,
-            barrier=False,
-        )
         tasks = membership.max_np
         self.say(
             "running an elastic job of %d (%d to %d) processes in Spark tasks (Spark job tag %s)",
@@ -185,7 +173,7 @@ class ElasticDriver(Driver):
                 tls=self.tls,
             )
             self.serve_rendezvous(server)
-            task = functools.partial(run_task, task_args)
+            task = self.task_function(payload, executable, barrier=False)
             self.spark.start(
                 self.context.parallelize(range(tasks), tasks).mapPartitions(task).collect
             )

@@ -18,6 +18,7 @@ channel's and the Spark thread's reports reach it through ``events`` only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import sys
@@ -41,6 +42,7 @@ from collectives.spark.channel import (
     read_json,
 )
 from collectives.spark.placement import TaskReport, plan_server
+from collectives.spark.task import TaskArgs, run_task
 from rendezvous import worker_env
 from rendezvous.addresses import join_addr
 from rendezvous.slots import SlotInfo
@@ -344,6 +346,23 @@ class Driver:
 
     def open(self) -> None:
         self.channel_addr = join_addr(self.plan.dial_host, self.channel.start())
+
+    def task_function(
+        self, payload: bytes, executable: str | None, *, barrier: bool
+    ) -> Callable[[Any], Any]:
+        """What every Spark task of this job runs (``mapPartitions``): it dials the
+        driver's channel and runs one worker."""
+        args = TaskArgs(
+            addr=self.channel_addr,
+            job_id=self.job_id,
+            secret=self.secret,
+            cert_pem=self.cert_pem,
+            payload=payload,
+            env=self.env,
+            executable=executable,
+            barrier=barrier,
+        )
+        return functools.partial(run_task, args)
 
     def serve_rendezvous(self, server: Any) -> None:
         self.server = server

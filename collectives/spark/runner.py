@@ -24,7 +24,6 @@ those that were lost; after that, Spark's retries are refused.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
@@ -41,7 +40,6 @@ from collectives.spark.job import (
     spark_reason,
 )
 from collectives.spark.placement import resolve_start_timeout, slot_table, visible_devices
-from collectives.spark.task import TaskArgs, run_task
 from rendezvous import worker_env
 from rendezvous.server import RendezvousServer
 
@@ -118,17 +116,7 @@ class FixedDriver(Driver):
 
     def run(self, size: int, payload: bytes, executable: str | None, timeout: float) -> list[Any]:
         self.open()
-        task_args = TaskArgs(
-            addr=self.channel_addr,
-            job_id=self.job_id,
-            secret=self.secret,
-            cert_pem=self.cert_pem,
-            payload=payload,
-            env=self.env,
-            executable=executable,
-            barrier=True,
-        )
-        task = functools.partial(run_task, task_args)
+        task = self.task_function(payload, executable, barrier=True)
         context = self.context
         self.say("running %d processes in Spark tasks (Spark job tag %s)", size, self.spark.tag)
         try:
