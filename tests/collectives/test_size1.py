@@ -27,6 +27,8 @@ DTYPES = [
     torch.float32,
     torch.float64,
     torch.uint8,
+    torch.uint16,
+    torch.uint32,
     torch.int8,
     torch.int16,
     torch.int32,
@@ -227,7 +229,7 @@ def test_argument_errors(hvd: ModuleType) -> None:
     with pytest.raises(TypeError, match="splits must be integers"):
         hvd.alltoall(torch.ones(2), splits=[0.5, 1.5])
     with pytest.raises(TypeError, match="dtype"):
-        hvd.allreduce(torch.ones(1, dtype=torch.uint16))
+        hvd.allreduce(torch.ones(1, dtype=torch.uint64))
     with pytest.raises(TypeError, match="bool"):
         hvd.allreduce(torch.ones(1, dtype=torch.bool))
     with pytest.raises(ValueError, match="not MIN"):
