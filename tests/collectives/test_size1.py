@@ -307,6 +307,8 @@ def test_distributed_optimizer_matches_plain_training(hvd: ModuleType) -> None:
     )
     assert issubclass(type(wrapped), torch.optim.SGD)
     assert type(wrapped).__name__ == "SGD"
+    # Horovod's parameter -> name table, which scripts read
+    assert wrapped._parameter_names == {dist_model.weight: "weight", dist_model.bias: "bias"}
     for step in range(3):
         x = torch.randn(5, 4)
         for model, optimizer in ((plain_model, plain), (dist_model, wrapped)):
