@@ -3,21 +3,22 @@
 In eager mode an op submits its tensors to the engine and waits for the result right away.
 In a graph it becomes three ops:
 
-* a *submit*, a ``tf.py_function`` (CPU and GPU kernels, so device tensors stay where they
-  are): hands the inputs to the engine and yields a handle at once, never waiting;
+* a *hand-over*, a ``tf.py_function`` (CPU and GPU kernels, so device tensors stay where they
+  are): takes the inputs as torch views and returns at once;
 * an *await*: ``DatasetToSingleElement`` over a one-element dataset whose map function
-  waits for the handle. TensorFlow runs that kernel asynchronously, on a thread of its own
-  (an unbounded pool), not on one of the graph's inter-op threads;
-* a *collect*, a ``tf.py_function`` again: yields the finished op's outputs.
+  submits the op and waits for it, as an eager op does. TensorFlow runs that kernel
+  asynchronously, on a thread of its own (an unbounded pool), not on one of the graph's
+  inter-op threads;
+* a *collect*, a ``tf.py_function`` again: yields the outputs (or raises the op's error).
 
 **No deadlock.** TensorFlow runs a graph's independent ops in any order on a small pool of
 threads (``inter_op_parallelism_threads``). A collective that held one of those threads while
 it waited for its peers could starve the submissions the peers need: every rank would hang,
-each blocked on ops the other had not submitted yet. Here the only op that waits runs off
-that pool, so every submit whose inputs are ready gets a thread, on every rank, whatever the
-graph's size, shape or order: Horovod's asynchronous kernels give the same guarantee. In a
-``tf.function`` the three ops are left out of the automatic ordering of stateful ops (they
-still always run), so an op's wait never holds back the submission of another.
+each blocked on ops the other had not submitted yet. Here nothing on that pool waits: every
+op whose inputs are ready is submitted and waited for on a thread of its own, on every rank,
+whatever the graph's size, shape or order; Horovod's asynchronous kernels give the same
+guarantee. In a ``tf.function`` the ops are left out of the automatic ordering of stateful
+ops (they still always run), so an op's wait never holds back the submission of another.
 
 **Names.** Ops are negotiated by name, so a name is fixed when the graph is built: the one
 given (under the name scope, as in Horovod), else one derived from the first input tensor's
@@ -41,7 +42,6 @@ error, so that ``hvd.elastic.run`` sees the ``HorovodInternalError`` or
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import re
 import weakref
@@ -54,7 +54,6 @@ from tensorflow.python.autograph.core import config as autograph_config
 from tensorflow.python.data.ops import structured_function
 from tensorflow.python.ops import control_flow_util, gen_dataset_ops
 
-from collectives.engine import handles
 from collectives.engine.handles import Handle
 from collectives.errors import CollectiveError, HorovodInternalError, HostsUpdatedInterrupt
 from collectives.tensorflow.errors import as_tensorflow_error
@@ -177,19 +176,19 @@ def run(
         return [from_torch(out) for out in collect(result)]
     _check_xla(label)
 
-    def submit_now(*tensors: tf.Tensor) -> tf.Tensor:
-        handle = submit([to_torch(t) for t in tensors], False)
-        return tf.constant(handles.register(handle), dtype=tf.int64)
+    def hand_over(*tensors: tf.Tensor) -> tf.Tensor:
+        key = next(_keys)
+        _flights[key] = _Flight([to_torch(t) for t in tensors], submit)
+        return tf.constant(key, dtype=tf.int64)
 
     def collect_now(number: tf.Tensor) -> list[tf.Tensor]:
-        handle = handles.release(int(number.numpy()))
-        assert handle is not None, "a collective's handle was collected twice"
-        return [from_torch(out) for out in collect(handle.wait())]
+        flight = _flights.pop(int(number.numpy()))
+        if flight.error is not None:
+            raise flight.error
+        return [from_torch(out) for out in collect(flight.result)]
 
     graph = tf.compat.v1.get_default_graph()
-    number = tf.py_function(
-        _keeping_failures(submit_now), list(inputs), Tout=tf.int64, name=f"hvd_{label}_submit"
-    )
+    number = tf.py_function(hand_over, list(inputs), Tout=tf.int64, name=f"hvd_{label}_inputs")
     done, dataset_ops = _await(graph, number, label)
     outputs = tf.py_function(
         _keeping_failures(collect_now), [done], Tout=list(out_dtypes), name=f"hvd_{label}"
@@ -214,7 +213,7 @@ def _await(graph: Any, number: tf.Tensor, label: str) -> tuple[tf.Tensor, list[A
     state = _state(graph)
     if state.awaiting is None:
         state.awaiting = structured_function.StructuredFunctionWrapper(
-            lambda n: tf.py_function(_wait, [n], Tout=tf.int64),
+            lambda n: tf.py_function(_run, [n], Tout=tf.int64),
             "hvd_await",
             input_structure=tf.TensorSpec([], tf.int64),
         ).function
@@ -235,11 +234,31 @@ def _await(graph: Any, number: tf.Tensor, label: str) -> tuple[tf.Tensor, list[A
     return done, [one.op, waited.op, done.op]
 
 
-def _wait(number: tf.Tensor) -> tf.Tensor:
-    """The await's body: blocks until the op of handle ``number`` finished, or failed (its
-    error is raised by the collect, so that TensorFlow reports it at the op's own node)."""
-    handle = handles.lookup(int(number.numpy()))
-    assert handle is not None, "a collective's handle was awaited after it was collected"
-    with contextlib.suppress(Exception):
-        handle.wait()
+class _Flight:
+    """One graph op between the hand-over of its inputs and the collection of its result."""
+
+    __slots__ = ("error", "result", "submit", "views")
+
+    def __init__(self, views: list[torch.Tensor], submit: Submit) -> None:
+        self.views: list[torch.Tensor] | None = views
+        self.submit = submit
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+_flights: dict[int, _Flight] = {}  # (dict operations are atomic under the GIL)
+_keys = itertools.count(1)
+
+
+def _run(number: tf.Tensor) -> tf.Tensor:
+    """The await's body, off TensorFlow's inter-op threads: submits the op of ``number``
+    and waits for it, as an eager op does (its error is raised by the collect, so that
+    TensorFlow reports it at the op's own node)."""
+    flight = _flights[int(number.numpy())]
+    views, flight.views = flight.views, None
+    assert views is not None, "a graph op ran twice"
+    try:
+        flight.result = flight.submit(views, True).wait()
+    except Exception as error:
+        flight.error = error
     return number
