@@ -61,9 +61,9 @@ from collectives.tensorflow.tensors import from_torch, to_torch
 
 __all__ = ["collective_failure", "in_graph", "op_name", "run"]
 
-#: Starts an op on the engine from its inputs (torch views); the handle of its result. The
-#: flag: whether the caller waits for the result at once (eager), or only later (graphs).
-Submit = Callable[[list[torch.Tensor], bool], Handle]
+#: Starts an op on the engine from its inputs (torch views), for a caller that waits for it
+#: at once (eager mode, or a graph's await); the handle of its result.
+Submit = Callable[[list[torch.Tensor]], Handle]
 #: Turns a handle's result into the op's outputs (torch tensors).
 Collect = Callable[[Any], Sequence[torch.Tensor]]
 
@@ -167,10 +167,10 @@ def run(
     out_dtypes: Sequence[tf.DType],
     out_shapes: Sequence[Any] | None = None,
 ) -> list[tf.Tensor]:
-    """Runs one op: at once in eager mode, as submit, await and collect in a graph."""
+    """Runs one op: at once in eager mode, as hand-over, await and collect in a graph."""
     if not in_graph():
         try:
-            result = submit([to_torch(t) for t in inputs], True).wait()
+            result = submit([to_torch(t) for t in inputs]).wait()
         except (*_FAILURES, ValueError, TypeError) as error:
             raise as_tensorflow_error(error) from None
         return [from_torch(out) for out in collect(result)]
@@ -258,7 +258,7 @@ def _run(number: tf.Tensor) -> tf.Tensor:
     views, flight.views = flight.views, None
     assert views is not None, "a graph op ran twice"
     try:
-        flight.result = flight.submit(views, True).wait()
+        flight.result = flight.submit(views).wait()
     except Exception as error:
         flight.error = error
     return number

@@ -90,8 +90,8 @@ def join() -> tf.Tensor:
     if not graph.in_graph():
         runtime.engine("hvd.join()")
 
-    def submit(views: list[torch.Tensor], blocking: bool) -> Any:
-        return ops.submit(Kind.JOIN, "join", global_process_set, [], [], blocking=blocking)
+    def submit(views: list[torch.Tensor]) -> Any:
+        return ops.submit(Kind.JOIN, "join", global_process_set, [], [], blocking=True)
 
     def collect(last: int) -> list[torch.Tensor]:
         return [torch.tensor(last, dtype=torch.int32)]
@@ -196,7 +196,7 @@ def _reduce(
         label = "allreduce" if len(inputs) == 1 else "grouped_allreduce"
         full = graph.op_name("allreduce", name, inputs, ignore_name_scope)
 
-        def submit(views: list[torch.Tensor], blocking: bool) -> Any:
+        def submit(views: list[torch.Tensor]) -> Any:
             return ops.submit_allreduce(
                 views,
                 None,
@@ -206,7 +206,7 @@ def _reduce(
                 process_set,
                 full,
                 ops.outputs_of,
-                blocking=blocking,
+                blocking=True,
             )
 
         outputs = graph.run(
@@ -348,7 +348,7 @@ def _adasum(
             )
     full = graph.op_name("allreduce", name, tensors)
 
-    def submit(views: list[torch.Tensor], blocking: bool) -> Any:
+    def submit(views: list[torch.Tensor]) -> Any:
         return ops.submit_adasum_allreduce(
             views, None, prescale, postscale, process_set, full, ops.outputs_of
         )
@@ -371,8 +371,8 @@ def _gather(
     def gather(*inputs: tf.Tensor) -> Any:
         full = graph.op_name("allgather", name, inputs, ignore_name_scope)
 
-        def submit(views: list[torch.Tensor], blocking: bool) -> Any:
-            return ops.submit_allgather(views, process_set, full, ops.outputs_of, blocking=blocking)
+        def submit(views: list[torch.Tensor]) -> Any:
+            return ops.submit_allgather(views, process_set, full, ops.outputs_of, blocking=True)
 
         shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in inputs]
         outputs = graph.run("allgather", inputs, submit, list, [t.dtype for t in inputs], shapes)
@@ -447,7 +447,7 @@ def _broadcast(
     def bcast(*inputs: tf.Tensor) -> Any:
         full = graph.op_name("broadcast", name, inputs, ignore_name_scope)
 
-        def submit(views: list[torch.Tensor], blocking: bool) -> Any:
+        def submit(views: list[torch.Tensor]) -> Any:
             return ops.submit_broadcast(
                 views,
                 None,
@@ -455,7 +455,7 @@ def _broadcast(
                 process_set,
                 full,
                 ops.outputs_of,
-                blocking=blocking,
+                blocking=True,
             )
 
         outputs = graph.run(
@@ -522,10 +522,10 @@ def _alltoall(
     def exchange(value: tf.Tensor, *split: tf.Tensor) -> Any:
         full = graph.op_name("alltoall", name, [value], ignore_name_scope)
 
-        def submit(views: list[torch.Tensor], blocking: bool) -> Any:
+        def submit(views: list[torch.Tensor]) -> Any:
             wanted = views[1].tolist() if len(views) > 1 else None
             return ops.submit_alltoall(
-                views[0], wanted, process_set, full, _with_splits, blocking=blocking
+                views[0], wanted, process_set, full, _with_splits, blocking=True
             )
 
         outputs = graph.run(
@@ -629,7 +629,7 @@ def _scatter(
     def scatter(*inputs: tf.Tensor) -> Any:
         full = graph.op_name("reducescatter", name, inputs, ignore_name_scope)
 
-        def submit(views: list[torch.Tensor], blocking: bool) -> Any:
+        def submit(views: list[torch.Tensor]) -> Any:
             return ops.submit_reducescatter(
                 views,
                 op,
@@ -638,7 +638,7 @@ def _scatter(
                 process_set,
                 full,
                 ops.outputs_of,
-                blocking=blocking,
+                blocking=True,
             )
 
         size = _size(process_set)
