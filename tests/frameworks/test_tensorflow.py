@@ -35,6 +35,8 @@ CHECKS = [
     "dtypes.unsigned_reduced",
     "dtypes.uint64_reduce_refused",
     *(f"job_ops.{mode}" for mode in MODES),
+    "job_ops.process_set",
+    "job_ops.tape_outside_set",
     "errors.job_goes_on",
 ]
 #: Checks run in the job of 2 ranks only (the size changes nothing in them).

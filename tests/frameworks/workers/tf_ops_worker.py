@@ -336,6 +336,18 @@ def job_ops(c: Checks, r: int, n: int) -> None:
         got = run(lambda: numbers())
         ok = [int(v) for v in got] == want and all(np.asarray(v).dtype == np.int32 for v in got)
         c.expect(f"job_ops.{mode}", ok, (got, want))
+    # the process-set forms, on a set of rank 0 alone; a tape over it leaves the other
+    # ranks' gradients as they are (Horovod's rule for ranks outside the set)
+    alone = hvd.add_process_set([0])
+    set_id = alone.process_set_id
+    got = [int(hvd.size_op(process_set_id=set_id)), int(hvd.process_set_included_op(set_id))]
+    c.expect("job_ops.process_set", got == [1, int(r == 0)], got)
+    w = tf.Variable([float(r + 1)])
+    with tf.GradientTape() as raw:
+        loss = tf.reduce_sum(w * w)
+    grad = hvd.DistributedGradientTape(raw, process_set=alone).gradient(loss, [w])[0]
+    c.expect("job_ops.tape_outside_set", np.allclose(grad.numpy(), 2 * (r + 1)), grad)
+    hvd.remove_process_set(alone)
 
 
 def horovod_names(c: Checks, r: int, n: int) -> None:
