@@ -20,7 +20,14 @@ from typing import Any
 
 from collectives.errors import NotInitializedError
 
-__all__ = ["ProcessSet", "ReduceOp", "bind_job", "global_process_set"]
+__all__ = [
+    "ProcessSet",
+    "ReduceOp",
+    "bind_job",
+    "global_process_set",
+    "layer_variables",
+    "variable_key",
+]
 
 
 class ReduceOp(enum.IntEnum):
@@ -127,3 +134,30 @@ def _make_global() -> ProcessSet:
 
 
 global_process_set = _make_global()
+
+
+def variable_key(variable: Any) -> int:
+    """One key per variable, whichever object stands for it: a Keras 3 variable (which has
+    no ``ref()`` and no hash) and the backend variable it holds (a ``tf.Variable``, a torch
+    parameter) get the same key, so that a variable registered as local is recognised in
+    whichever form the gradients come."""
+    inner = getattr(variable, "_value", None)
+    if inner is not None and type(variable).__module__.startswith("keras"):
+        return id(inner)
+    return id(variable)
+
+
+def layer_variables(layers: Any) -> list[Any]:
+    """The trainable variables of a layer or of a list of layers (None: none); a clear
+    error for anything that is not a layer."""
+    if layers is None:
+        return []
+    if hasattr(layers, "trainable_weights"):
+        layers = [layers]
+    elif not isinstance(layers, Iterable):
+        raise ValueError(f"local_layers must be Keras layers, got {type(layers).__name__}")
+    layers = list(layers)
+    bad = [type(layer).__name__ for layer in layers if not hasattr(layer, "trainable_weights")]
+    if bad:
+        raise ValueError(f"All local layers must be Keras layers, got {', '.join(bad)}")
+    return [variable for layer in layers for variable in layer.trainable_weights]

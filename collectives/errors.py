@@ -27,6 +27,7 @@ __all__ = [
     "CollectiveError",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "InvalidArgumentsError",
     "InvalidSplitsError",
     "NotInitializedError",
     "NotSupportedWithJoinError",
@@ -59,6 +60,15 @@ class TensorMismatchError(CollectiveError, ValueError):
     operation, the ranks and what differs. Also a ``ValueError``, as it was in earlier
     hvdrun releases.
     """
+
+
+class InvalidArgumentsError(TensorMismatchError):
+    """An op whose arguments cannot run as a rank passed them, found when the ranks
+    negotiate it (so that every member raises it rather than waits): alltoall splits that
+    do not sum to the rank's rows or do not give one count per rank, rows that do not split
+    evenly without splits, a broadcast root outside the process set. A
+    :class:`TensorMismatchError`, as these were before; the TensorFlow frontend raises it
+    as ``tf.errors.InvalidArgumentError``, Horovod's type for them."""
 
 
 class NotSupportedWithJoinError(CollectiveError):

@@ -70,6 +70,8 @@ REDUCIBLE = {
     torch.float32,
     torch.float64,
     torch.uint8,
+    torch.uint16,
+    torch.uint32,
     torch.int8,
     torch.int16,
     torch.int32,

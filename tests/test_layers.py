@@ -238,6 +238,8 @@ ALIASES = {
     ("collectives.tensorflow.keras", "collectives.keras"),  # horovod.tensorflow.keras
     # horovod.tensorflow.DistributedOptimizer takes Keras optimizers too
     ("collectives.tensorflow.optimizer", "collectives.keras.optimizer"),
+    # horovod.tensorflow.SyncBatchNormalization is a Keras layer
+    ("collectives.tensorflow", "collectives.keras.sync_batch_norm"),
 }
 
 

@@ -26,7 +26,7 @@ from collectives.engine.negotiation import Entry
 from collectives.engine.queue import Submissions
 from collectives.engine.requests import Kind, Request, check_alltoall, label
 from collectives.engine.timeline import Timeline
-from collectives.errors import TensorMismatchError
+from collectives.errors import InvalidArgumentsError
 
 __all__ = ["Controls", "Dispatch"]
 
@@ -102,7 +102,7 @@ class Dispatch:
                 if kind == Kind.ALLTOALL:
                     error = check_alltoall(request.name, members, vars_)
                     if error is not None:
-                        request.handle.fail(TensorMismatchError(error))
+                        request.handle.fail(InvalidArgumentsError(error))
                         continue
             works.append(Work.of(request, vars_, 0))
         self.execute(works, controls)

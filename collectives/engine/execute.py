@@ -54,8 +54,13 @@ _SUM_OPTIONS.reduceOp = _SUM
 
 # Dtypes the backend cannot reduce natively are reduced in a wider type and cast back.
 _UPCAST = {
-    "cpu": {torch.int16: torch.int32},
-    "cuda": {torch.int16: torch.int32, torch.bool: torch.int32},
+    "cpu": {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64},
+    "cuda": {
+        torch.int16: torch.int32,
+        torch.bool: torch.int32,
+        torch.uint16: torch.int32,
+        torch.uint32: torch.int64,
+    },
 }
 
 Tracer = Callable[[Bucket, str, float, float], None]

@@ -46,6 +46,7 @@ from collectives.engine.requests import (
 )
 from collectives.errors import (
     CollectiveError,
+    InvalidArgumentsError,
     NotSupportedWithJoinError,
     TensorMismatchError,
 )
@@ -291,11 +292,11 @@ def check(entry: Entry, members: list[int], joined: dict[int, int]) -> Collectiv
             )
     if entry.kind == Kind.ALLTOALL:
         error = check_alltoall(entry.name, members, entry.vars)
-        return None if error is None else TensorMismatchError(error)
+        return None if error is None else InvalidArgumentsError(error)
     if entry.kind == Kind.BROADCAST:
         root = parse_signature(entry.kind, first).root()
         if not 0 <= root < len(members):
-            return TensorMismatchError(
+            return InvalidArgumentsError(
                 f"{label(entry.kind, entry.name)}: root_rank {root} is not a rank of the "
                 f"process set (size {len(members)})"
             )

@@ -25,29 +25,39 @@ from typing import Any
 import numpy as np
 
 from collectives import job, objects
-from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.common import ProcessSet, ReduceOp, global_process_set, layer_variables
 from collectives.errors import (
     CollectiveError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
+    InvalidArgumentsError,
+    InvalidSplitsError,
     NotSupportedWithJoinError,
     TensorMismatchError,
 )
 from collectives.keras import backend as keras_backend
 from collectives.keras import callbacks, elastic
 from collectives.keras.optimizer import create_distributed_optimizer
+from collectives.keras.sync_batch_norm import SyncBatchNormalization
 from collectives.process_sets import add_process_set, remove_process_set
 from collectives.runtime import (
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
     gloo_built,
+    gloo_enabled,
     is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
     mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
     nccl_built,
     rank,
+    rocm_built,
     shutdown,
     size,
     start_timeline,
@@ -104,6 +114,64 @@ def DistributedOptimizer(
         num_groups,
         groups,
         process_set,
+        scale_local_gradients,
+    )
+
+
+def PartialDistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: Any = ReduceOp.AVERAGE,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """A :func:`DistributedOptimizer` whose ``local_layers`` (a Keras layer or a list of
+    them) keep each rank's own gradients: not reduced, divided by the process set's size
+    unless ``scale_local_gradients=False``, as in Horovod."""
+    if ReduceOp(op) not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError("op currently only supports Average and Sum")
+    return create_distributed_optimizer(
+        optimizer,
+        name,
+        compression,
+        sparse_as_dense,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        average_aggregated_gradients,
+        0,
+        groups,
+        process_set,
+        scale_local_gradients,
+        layer_variables(local_layers),
+    )
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Horovod's TF1 helper: broadcasts every global variable from ``root_rank`` in the
+    Keras session (tf_keras in graph mode). Keras 3 and eager Keras have no session: use
+    ``hvd.callbacks.BroadcastGlobalVariablesCallback`` or broadcast the model's variables."""
+    if _bridge.legacy:
+        import tensorflow as tf
+
+        if not tf.executing_eagerly():
+            from collectives.tensorflow import functions
+
+            session = _bridge.keras.backend.get_session()
+            return session.run(functions.broadcast_global_variables(root_rank))
+    raise RuntimeError(
+        "hvd.broadcast_global_variables() needs a TF1 Keras session; with eager Keras use "
+        "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) in fit(), or "
+        "hvd.broadcast_variables(model.variables, root_rank)"
     )
 
 
@@ -225,13 +293,17 @@ __all__ = [
     "DistributedOptimizer",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "InvalidArgumentsError",
+    "InvalidSplitsError",
     "Max",
     "Min",
     "NotSupportedWithJoinError",
+    "PartialDistributedOptimizer",
     "ProcessSet",
     "Product",
     "ReduceOp",
     "Sum",
+    "SyncBatchNormalization",
     "TensorMismatchError",
     "add_process_set",
     "allgather",
@@ -240,13 +312,18 @@ __all__ = [
     "backend",
     "barrier",
     "broadcast",
+    "broadcast_global_variables",
     "broadcast_object",
     "callbacks",
+    "ccl_built",
     "cross_rank",
     "cross_size",
+    "cuda_built",
+    "ddl_built",
     "elastic",
     "global_process_set",
     "gloo_built",
+    "gloo_enabled",
     "init",
     "is_homogeneous",
     "is_initialized",
@@ -255,10 +332,13 @@ __all__ = [
     "local_rank",
     "local_size",
     "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
     "nccl_built",
     "rank",
     "reducescatter",
     "remove_process_set",
+    "rocm_built",
     "shutdown",
     "size",
     "start_timeline",

@@ -94,6 +94,16 @@ class KerasBackend:
             **kwargs,
         )
 
+    def sum_over_ranks(self, tensor: Any) -> Any:
+        """A backend tensor summed over the job's ranks, its gradient the sum of the ranks'
+        gradients (Horovod's allreduce gradient): for statistics that training
+        differentiates through (``SyncBatchNormalization``)."""
+        if self.is_torch:
+            return _summed_over_ranks().apply(tensor)
+        from collectives.tensorflow import mpi_ops
+
+        return mpi_ops.allreduce(tensor, op=ReduceOp.SUM)
+
     def broadcast(
         self,
         tensors: Sequence[Any],
@@ -212,6 +222,42 @@ class KerasBackend:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         outputs = [out.numpy() for out in submit([tensor]).wait()]
         return [out.reshape(array.shape) if out.size == array.size else out for out in outputs]
+
+
+_summed: Any = None
+
+
+def _summed_over_ranks() -> Any:
+    """The torch autograd function of :meth:`KerasBackend.sum_over_ranks` (made once, on
+    first use: this module does not import torch before a backend needs it)."""
+    global _summed
+    if _summed is None:
+        import torch
+
+        def summed(tensor: Any) -> Any:
+            return ops.submit_allreduce(
+                [tensor.detach().contiguous()],
+                None,
+                ReduceOp.SUM,
+                1.0,
+                1.0,
+                global_process_set,
+                None,
+                ops.first_output,
+                blocking=True,
+            ).wait()
+
+        class SummedOverRanks(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, tensor: Any) -> Any:
+                return summed(tensor)
+
+            @staticmethod
+            def backward(ctx: Any, grad: Any) -> Any:
+                return summed(grad)
+
+        _summed = SummedOverRanks
+    return _summed
 
 
 def _tf_variable(variable: Any) -> Any:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from collectives import runtime
-from collectives.common import ReduceOp, global_process_set
+from collectives.common import ReduceOp, global_process_set, variable_key
 from collectives.keras import backend as keras_backend
 
 __all__ = [
@@ -38,21 +38,29 @@ def optimizer_variables(optimizer: Any, model: Any) -> list[Any]:
 class BroadcastGlobalVariablesCallback(KerasCallback):
     """Broadcasts the model's and the optimizer's variables from ``root_rank`` before
     training starts, so that every rank starts from the same state (the optimizer's
-    variables included: Keras 3 creates them lazily, they are built here first)."""
+    variables included: Keras 3 creates them lazily, they are built here first).
+    ``local_variables`` (a variable or a list of them, Keras or backend variables) are
+    each rank's own and never broadcast."""
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
         self._local: set[int] = set()
+        if local_variables is None:
+            local_variables = []
+        elif not isinstance(local_variables, list | tuple | set):
+            local_variables = [local_variables]
+        for variable in local_variables:
+            self.register_local_var(variable)
 
     def register_local_var(self, var: Any) -> None:
         """A variable each worker keeps for itself (never broadcast)."""
-        self._local.add(id(var))
+        self._local.add(variable_key(var))
 
     def _broadcast(self) -> None:
         model = self.model
-        variables = [v for v in model.variables if id(v) not in self._local]
+        variables = [v for v in model.variables if variable_key(v) not in self._local]
         variables += optimizer_variables(getattr(model, "optimizer", None), model)
         _bridge.broadcast_variables(variables, self.root_rank)
         self.broadcast_done = True

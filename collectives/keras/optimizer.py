@@ -10,7 +10,12 @@ working): it is re-classed as a subclass of its class whose gradient step reduce
   ``gradient_accumulation_steps``) and reduces only the accumulated ones, every k-th step:
   their average with ``average_aggregated_gradients=True``, else their sum (Horovod's
   default).
-* **Keras 2** (``tf_keras``): ``apply_gradients`` reduces first.
+* **Keras 2** (``tf_keras``): ``apply_gradients`` reduces first; ``backward_passes_per_step``
+  accumulates with Horovod's algorithm (:mod:`collectives.tensorflow.gradient_aggregation`).
+
+Variables registered as local (``register_local_var``, or the local layers of
+``PartialDistributedOptimizer``) keep each rank's own gradient, divided by the process set's
+size unless ``scale_local_gradients=False``, as in Horovod.
 
 No double averaging where something else already reduces the gradients over the job's
 processes: a model wrapped in torch's ``DistributedDataParallel`` (Keras's recipe for
@@ -23,9 +28,10 @@ from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.common import ProcessSet, ReduceOp, global_process_set, variable_key
 from collectives.keras import backend as keras_backend
 
 __all__ = ["create_distributed_optimizer"]
@@ -43,6 +49,8 @@ def create_distributed_optimizer(
     num_groups: int = 0,
     groups: Any = None,
     process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+    local_variables: Iterable[Any] = (),
 ) -> Any:
     """Re-classes ``optimizer`` so that its gradients are reduced first (see the module)."""
     if getattr(optimizer, "_hvd_distributed", False):
@@ -64,18 +72,29 @@ def create_distributed_optimizer(
         sparse_as_dense,
         process_set,
         groups if groups is not None else (num_groups or None),
+        scale_local_gradients,
     )
+    for variable in local_variables:
+        settings.local.add(variable_key(variable))
     base = type(optimizer)
-    methods: dict[str, Any]
+    methods: dict[str, Any] = {"register_local_var": _register_local_var}
     if bridge.legacy:
-        methods = {"apply_gradients": _legacy_apply_gradients}
+        methods["apply_gradients"] = _legacy_apply_gradients
         if backward_passes_per_step != 1:
-            raise NotImplementedError(
-                "backward_passes_per_step > 1 needs Keras 3 (its optimizers accumulate "
-                "gradients); with tf_keras accumulate them in the training loop"
+            from collectives.tensorflow.gradient_aggregation import (
+                LocalGradientAggregationHelper,
+            )
+
+            settings.aggregation = LocalGradientAggregationHelper(
+                backward_passes_per_step,
+                lambda grads, variables: _reduce_unless_elsewhere(
+                    optimizer, grads, list(variables)
+                ),
+                sparse_as_dense,
+                average_aggregated_gradients,
             )
     elif backward_passes_per_step == 1:
-        methods = {"apply": _apply}
+        methods["apply"] = _apply
     else:
         if getattr(optimizer, "built", False):
             raise ValueError(
@@ -86,7 +105,8 @@ def create_distributed_optimizer(
         # Keras averages the accumulated gradients; Horovod's default is their sum.
         if not average_aggregated_gradients:
             settings.postscale *= backward_passes_per_step
-        methods = {"_backend_update_step": _update_step}
+            settings.local_scale *= backward_passes_per_step
+        methods["_backend_update_step"] = _update_step
     cls = type(base.__name__, (base,), methods)
     cls.__module__ = base.__module__
     optimizer.__class__ = cls
@@ -108,6 +128,7 @@ class _Settings:
         sparse_as_dense: bool,
         process_set: ProcessSet,
         groups: Any,
+        scale_local_gradients: bool,
     ) -> None:
         self.bridge = bridge
         self.op = op
@@ -117,10 +138,40 @@ class _Settings:
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self.groups = groups
+        self.scale_local_gradients = scale_local_gradients
+        #: Keys (``variable_key``) of the variables whose gradients stay local.
+        self.local: set[int] = set()
+        #: What multiplies a local variable's gradient, besides 1 / size (Horovod's
+        #: ``scale_local_gradients``): the k passes' sum of Keras 3's average.
+        self.local_scale = 1.0
+        #: tf_keras's accumulation of backward passes (None: every pass is applied).
+        self.aggregation: Any = None
         #: What reduces the gradients already ("": nothing; None: not known yet).
         self.elsewhere: str | None = None
 
-    def reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+    def reduce(self, grads: list[Any], variables: Sequence[Any]) -> list[Any]:
+        """The gradients reduced over the ranks, but local variables' (scaled only)."""
+        local = [i for i, v in enumerate(variables) if v is not None and self.is_local(v)]
+        if local:
+            mine = set(local)
+            shared = [i for i in range(len(grads)) if i not in mine]
+            reduced = self._reduce([grads[i] for i in shared], [variables[i] for i in shared])
+            result = list(grads)
+            for i, value in zip(shared, reduced, strict=True):
+                result[i] = value
+            scale = self.local_scale
+            if self.scale_local_gradients:
+                scale /= self.process_set.size()
+            for i in local:
+                if result[i] is not None and scale != 1.0:
+                    result[i] = result[i] * scale
+            return result
+        return self._reduce(grads, variables)
+
+    def is_local(self, variable: Any) -> bool:
+        return bool(self.local) and variable_key(variable) in self.local
+
+    def _reduce(self, grads: list[Any], variables: Sequence[Any]) -> list[Any]:
         bridge = self.bridge
         if not bridge.is_torch:
             from collectives.tensorflow.gradient_tape import GradientReducer
@@ -155,6 +206,12 @@ class _Settings:
         for i, value, (_, ctx) in zip(present, reduced, packed, strict=True):
             result[i] = compression.decompress(value, ctx) if compression is not None else value
         return result
+
+
+def _register_local_var(self: Any, var: Any) -> None:
+    """A variable whose gradient each rank keeps for itself: never reduced, divided by the
+    process set's size with ``scale_local_gradients`` (Horovod's ``register_local_var``)."""
+    self._hvd_settings.local.add(variable_key(var))
 
 
 def _reduced_elsewhere(bridge: Any, variables: list[Any]) -> str | None:
@@ -222,6 +279,14 @@ def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate:
 
 def _legacy_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
     pairs = list(grads_and_vars)
-    grads = _reduce_unless_elsewhere(self, [g for g, _ in pairs], [v for _, v in pairs])
-    merged = list(zip(grads, [v for _, v in pairs], strict=True))
-    return super(type(self), self).apply_gradients(merged, *args, **kwargs)
+    variables = [v for _, v in pairs]
+    aggregation = self._hvd_settings.aggregation
+    if aggregation is None:
+        grads = _reduce_unless_elsewhere(self, [g for g, _ in pairs], variables)
+        merged = list(zip(grads, variables, strict=True))
+        return super(type(self), self).apply_gradients(merged, *args, **kwargs)
+    grads = aggregation.compute_gradients([g for g, _ in pairs], variables)
+    merged = list(zip(grads, variables, strict=True))
+    return aggregation.apply_gradients(
+        lambda: super(type(self), self).apply_gradients(merged, *args, **kwargs), self
+    )

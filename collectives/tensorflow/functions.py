@@ -15,9 +15,11 @@ from collectives.tensorflow import graph
 from collectives.tensorflow.mpi_ops import broadcast_
 
 __all__ = [
+    "BroadcastGlobalVariablesHook",
     "allgather_object",
     "broadcast_global_variables",
     "broadcast_object",
+    "broadcast_object_fn",
     "broadcast_variables",
 ]
 
@@ -57,6 +59,39 @@ def broadcast_object(
     """root_rank's object on every rank of the process set (pickled; ``session`` is
     accepted for Horovod compatibility: it runs eagerly)."""
     return objects.broadcast_object(obj, root_rank, name, process_set)
+
+
+def broadcast_object_fn(
+    root_rank: int = 0,
+    session: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """A function that broadcasts an object from root_rank each time it is called
+    (Horovod's TF1 helper; ``session`` is accepted: it runs eagerly)."""
+
+    def broadcast(obj: Any) -> Any:
+        return objects.broadcast_object(obj, root_rank, name, process_set)
+
+    return broadcast
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """TF1 ``SessionRunHook`` (``MonitoredTrainingSession``): broadcasts every global
+    variable from ``root_rank`` once the session is created."""
+
+    def __init__(self, root_rank: int, device: str = "") -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.bcast_op: Any = None
+        self.device = device
+
+    def begin(self) -> None:
+        if self.bcast_op is None or self.bcast_op.graph != tf.compat.v1.get_default_graph():
+            self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session: Any, coord: Any) -> None:
+        session.run(self.bcast_op)
 
 
 def allgather_object(

@@ -31,8 +31,10 @@ from tensorflow.python.eager import record
 from collectives import job, ops, runtime
 from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.engine.execute import split_rows
+from collectives.engine.requests import Kind
 from collectives.tensorflow import graph
 from collectives.tensorflow.compression import Compression, Compressor
+from collectives.tensorflow.errors import as_tensorflow_error
 from collectives.tensorflow.tensors import check_dense
 
 __all__ = [
@@ -48,11 +50,22 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_",
+    "check_num_rank_power_of_2",
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",
+    "handle_average_backwards_compatibility",
     "join",
+    "local_rank_op",
+    "local_size_op",
+    "process_set_included_op",
+    "rank_op",
+    "raw_allreduce",
+    "raw_grouped_allreduce",
+    "raw_grouped_reducescatter",
+    "raw_reducescatter",
     "reducescatter",
+    "size_op",
 ]
 
 Average = ReduceOp.AVERAGE
@@ -62,8 +75,89 @@ Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
-join = job.join
 barrier = job.barrier
+handle_average_backwards_compatibility = job.handle_average_backwards_compatibility
+
+
+def check_num_rank_power_of_2(num_rank: int) -> bool:
+    """Whether ``num_rank`` is a power of two (Adasum's requirement)."""
+    return num_rank > 0 and num_rank & (num_rank - 1) == 0
+
+
+def join() -> tf.Tensor:
+    """Declares this rank done (see :func:`collectives.job.join`); an int32 scalar tensor:
+    the last rank to join, as Horovod's op returns it (in a graph, when it runs)."""
+    if not graph.in_graph():
+        runtime.engine("hvd.join()")
+
+    def submit(views: list[torch.Tensor]) -> Any:
+        return ops.submit(Kind.JOIN, "join", global_process_set, [], [], blocking=True)
+
+    def collect(last: int) -> list[torch.Tensor]:
+        return [torch.tensor(last, dtype=torch.int32)]
+
+    return graph.run("join", [], submit, collect, [tf.int32], [tf.TensorShape([])])[0]
+
+
+# ---- the job's numbers as ops ---------------------------------------------------------------
+
+#: What the process-set ops return for a set that is not registered (Horovod's code).
+PROCESS_SET_ERROR_UNKNOWN_SET = -3
+
+
+def _number_op(value: Callable[[], int], name: str | None) -> tf.Tensor:
+    """An int32 scalar computed when the op runs: at once in eager mode, at every run of a
+    graph (a graph may run in another job than the one it was built in, as in Horovod)."""
+    if not graph.in_graph():
+        return tf.constant(value(), dtype=tf.int32)
+
+    def body() -> tf.Tensor:
+        try:
+            return tf.constant(value(), dtype=tf.int32)
+        except ValueError as error:  # (not initialized)
+            raise as_tensorflow_error(error) from None
+
+    out = tf.py_function(body, [], Tout=tf.int32, name=name or "hvd_number")
+    out.set_shape([])
+    return out
+
+
+def _set_size(process_set_id: int) -> int:
+    group = runtime.engine("hvd.size_op()").groups.get(process_set_id)
+    return PROCESS_SET_ERROR_UNKNOWN_SET if group is None else len(group.ranks)
+
+
+def _set_included(process_set_id: int) -> int:
+    group = runtime.engine("hvd.process_set_included_op()").groups.get(process_set_id)
+    if group is None:
+        return PROCESS_SET_ERROR_UNKNOWN_SET
+    return int(runtime.rank() in group.ranks)
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """The number of processes (of the process set ``process_set_id``), as an int32 op."""
+    return _number_op(lambda: _set_size(process_set_id), name)
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """The number of processes on this host, as an int32 op."""
+    return _number_op(runtime.local_size, name)
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank, as an int32 op."""
+    return _number_op(runtime.rank, name)
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank on its host, as an int32 op."""
+    return _number_op(runtime.local_rank, name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """1 if this process belongs to the process set ``process_set_id``, else 0; -3
+    (Horovod's code) for a set that is not registered; an int32 op."""
+    return _number_op(lambda: _set_included(process_set_id), name)
 
 
 def _differentiable(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -112,7 +206,7 @@ def _reduce(
                 process_set,
                 full,
                 ops.outputs_of,
-                blocking=not graph.in_graph(),
+                blocking=True,
             )
 
         outputs = graph.run(
@@ -148,7 +242,7 @@ def allreduce(
         return _sparse_allreduce(
             tensor, op, prescale_factor, postscale_factor, name, process_set, ignore_name_scope
         )
-    dense = check_dense(tensor, "allreduce")
+    dense = check_dense(tensor, "allreduce", reduces=True)
     if op == ReduceOp.ADASUM:
         return _adasum([dense], prescale_factor, postscale_factor, name, process_set)[0]
     compressed, ctx = compression.compress(dense)
@@ -192,7 +286,7 @@ def grouped_allreduce(
             )
             for t in tensors
         ]
-    dense = [check_dense(t, "grouped_allreduce") for t in tensors]
+    dense = [check_dense(t, "grouped_allreduce", reduces=True) for t in tensors]
     if op == ReduceOp.ADASUM:
         return _adasum(dense, prescale_factor, postscale_factor, name, process_set)
     compressed = [compression.compress(t) for t in dense]
@@ -278,9 +372,7 @@ def _gather(
         full = graph.op_name("allgather", name, inputs, ignore_name_scope)
 
         def submit(views: list[torch.Tensor]) -> Any:
-            return ops.submit_allgather(
-                views, process_set, full, ops.outputs_of, blocking=not graph.in_graph()
-            )
+            return ops.submit_allgather(views, process_set, full, ops.outputs_of, blocking=True)
 
         shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in inputs]
         outputs = graph.run("allgather", inputs, submit, list, [t.dtype for t in inputs], shapes)
@@ -363,7 +455,7 @@ def _broadcast(
                 process_set,
                 full,
                 ops.outputs_of,
-                blocking=not graph.in_graph(),
+                blocking=True,
             )
 
         outputs = graph.run(
@@ -433,7 +525,7 @@ def _alltoall(
         def submit(views: list[torch.Tensor]) -> Any:
             wanted = views[1].tolist() if len(views) > 1 else None
             return ops.submit_alltoall(
-                views[0], wanted, process_set, full, _with_splits, blocking=not graph.in_graph()
+                views[0], wanted, process_set, full, _with_splits, blocking=True
             )
 
         outputs = graph.run(
@@ -506,7 +598,7 @@ def grouped_reducescatter(
     op = ReduceOp(op)
     if not tensors:
         return []
-    dense = [check_dense(t, "reducescatter") for t in tensors]
+    dense = [check_dense(t, "reducescatter", reduces=True) for t in tensors]
     if any(t.shape.rank == 0 for t in dense):
         raise ValueError("reducescatter needs tensors with at least one dimension")
     compressed = [compression.compress(t) for t in dense]
@@ -546,7 +638,7 @@ def _scatter(
                 process_set,
                 full,
                 ops.outputs_of,
-                blocking=not graph.in_graph(),
+                blocking=True,
             )
 
         size = _size(process_set)
@@ -568,3 +660,81 @@ def _scatter(
         return outputs, grad
 
     return list(scatter(*tensors))
+
+
+# ---- Horovod's raw ops (no compression, Sum by default), which scripts call by their private
+# names (hvd._allreduce, ...)
+
+
+def raw_allreduce(
+    tensor: Any,
+    name: str | None = None,
+    op: Any = ReduceOp.SUM,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tf.Tensor:
+    return allreduce(
+        tensor,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        name=name,
+        process_set=process_set,
+        ignore_name_scope=ignore_name_scope,
+    )
+
+
+def raw_grouped_allreduce(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    op: Any = ReduceOp.SUM,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> list[tf.Tensor]:
+    return grouped_allreduce(
+        tensors,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        ignore_name_scope=ignore_name_scope,
+        name=name,
+    )
+
+
+def raw_reducescatter(
+    tensor: Any,
+    name: str | None = None,
+    op: Any = ReduceOp.SUM,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    return raw_grouped_reducescatter(
+        [tensor], name, op, ignore_name_scope, process_set, prescale_factor, postscale_factor
+    )[0]
+
+
+def raw_grouped_reducescatter(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    op: Any = ReduceOp.SUM,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[tf.Tensor]:
+    return grouped_reducescatter(
+        tensors,
+        op=op,
+        process_set=process_set,
+        ignore_name_scope=ignore_name_scope,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        name=name,
+    )

@@ -6,7 +6,9 @@ optimizer applies them.
   optimizers the same way), with ``backward_passes_per_step`` and
   ``average_aggregated_gradients``.
 * A TF1 optimizer (``tf.compat.v1.train.Optimizer``) reduces in ``compute_gradients``, so
-  ``minimize`` and ``apply_gradients`` after it work as in Horovod.
+  ``minimize`` and ``apply_gradients`` after it work as in Horovod; with
+  ``backward_passes_per_step`` it accumulates as Horovod does
+  (:mod:`.gradient_aggregation`); ``register_local_var`` keeps a variable's gradient local.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tensorflow as tf
 
 from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.tensorflow.compression import Compression, Compressor
+from collectives.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from collectives.tensorflow.gradient_tape import GradientReducer
 
 __all__ = ["DistributedOptimizer"]
@@ -41,11 +44,6 @@ def DistributedOptimizer(
 ) -> Any:
     """Wraps ``optimizer`` so that it applies gradients averaged (``op``) over the ranks."""
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        if backward_passes_per_step != 1:
-            raise NotImplementedError(
-                "backward_passes_per_step > 1 is for Keras optimizers; with a TF1 optimizer "
-                "accumulate the gradients yourself"
-            )
         reducer = GradientReducer(
             compression,
             sparse_as_dense,
@@ -54,8 +52,17 @@ def DistributedOptimizer(
             num_groups,
             groups,
             process_set,
+            scale_local_gradients,
         )
-        return _distributed_tf1(optimizer, reducer)
+        aggregation = None
+        if backward_passes_per_step != 1:
+            aggregation = LocalGradientAggregationHelper(
+                backward_passes_per_step,
+                reducer.reduce,
+                sparse_as_dense,
+                average_aggregated_gradients,
+            )
+        return _distributed_tf1(optimizer, reducer, aggregation)
     # Keras optimizers: the Keras frontend's wrapper (Keras on TensorFlow is built on this
     # frontend, as horovod.tensorflow.keras is on horovod.tensorflow).
     from collectives.keras.optimizer import create_distributed_optimizer
@@ -72,18 +79,46 @@ def DistributedOptimizer(
         num_groups=num_groups,
         groups=groups,
         process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
     )
 
 
-def _distributed_tf1(optimizer: Any, reducer: GradientReducer) -> Any:
-    """The TF1 optimizer, its class subclassed so that ``compute_gradients`` reduces."""
+def _distributed_tf1(
+    optimizer: Any, reducer: GradientReducer, aggregation: LocalGradientAggregationHelper | None
+) -> Any:
+    """The TF1 optimizer, its class subclassed so that ``compute_gradients`` reduces (and,
+    with ``backward_passes_per_step``, ``apply_gradients`` applies every k-th pass)."""
     base = type(optimizer)
 
     def compute_gradients(self: Any, *args: Any, **kwargs: Any) -> Any:
         pairs = base.compute_gradients(self, *args, **kwargs)
-        grads = reducer.reduce([g for g, _ in pairs], [v for _, v in pairs])
-        return list(zip(grads, [v for _, v in pairs], strict=True))
+        variables = [v for _, v in pairs]
+        grads = [g for g, _ in pairs]
+        if aggregation is None:
+            grads = reducer.reduce(grads, variables)
+        else:
+            grads = aggregation.compute_gradients(grads, variables)
+        return list(zip(grads, variables, strict=True))
 
-    cls = type(f"Distributed{base.__name__}", (base,), {"compute_gradients": compute_gradients})
+    def apply_gradients(
+        self: Any, grads_and_vars: Any, global_step: Any = None, name: Any = None
+    ) -> Any:
+        def apply() -> Any:
+            return base.apply_gradients(self, grads_and_vars, global_step, name)
+
+        if aggregation is None:
+            return apply()
+        return aggregation.apply_gradients(apply, self, global_step)
+
+    def register_local_var(self: Any, var: Any) -> None:
+        """A variable whose gradient each rank keeps for itself (never reduced)."""
+        reducer.register_local(var)
+
+    methods = {
+        "compute_gradients": compute_gradients,
+        "apply_gradients": apply_gradients,
+        "register_local_var": register_local_var,
+    }
+    cls = type(f"Distributed{base.__name__}", (base,), methods)
     optimizer.__class__ = cls  # (re-classed in place: its state stays its own)
     return optimizer

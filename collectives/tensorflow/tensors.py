@@ -19,14 +19,20 @@ from torch.utils import dlpack as torch_dlpack
 
 __all__ = ["ALIGNMENT", "check_dense", "from_torch", "to_torch"]
 
-#: Dtypes the engine moves (TensorFlow's names).
-_SUPPORTED = frozenset(
+#: Dtypes the engine moves (allgather, broadcast, alltoall): every integer, float, complex
+#: and bool type, as raw bytes.
+_MOVABLE = frozenset(
     (
         tf.float16,
         tf.bfloat16,
         tf.float32,
         tf.float64,
+        tf.complex64,
+        tf.complex128,
         tf.uint8,
+        tf.uint16,
+        tf.uint32,
+        tf.uint64,
         tf.int8,
         tf.int16,
         tf.int32,
@@ -34,10 +40,14 @@ _SUPPORTED = frozenset(
         tf.bool,
     )
 )
+#: Dtypes the engine reduces (allreduce, reducescatter): 64-bit unsigned integers and complex
+#: numbers have no reduction in Gloo or NCCL.
+_REDUCIBLE = _MOVABLE - {tf.uint64, tf.complex64, tf.complex128}
 
 
-def check_dense(value: Any, what: str) -> tf.Tensor:
-    """A tf.Tensor of a dtype the engine moves (a Variable is read); a clear error else."""
+def check_dense(value: Any, what: str, reduces: bool = False) -> tf.Tensor:
+    """A tf.Tensor of a dtype the engine moves, or reduces for an op that ``reduces`` (a
+    Variable is read); a clear error else."""
     if isinstance(value, tf.IndexedSlices):
         raise TypeError(f"{what} expects a dense tensor here, got tf.IndexedSlices")
     if isinstance(value, tf.Tensor):
@@ -49,7 +59,7 @@ def check_dense(value: Any, what: str) -> tf.Tensor:
             raise TypeError(
                 f"{what} expects tensors, got {type(value).__name__}: {error}"
             ) from None
-    if tensor.dtype not in _SUPPORTED:
+    if tensor.dtype not in (_REDUCIBLE if reduces else _MOVABLE):
         raise TypeError(f"{what} does not support tensors of dtype {tensor.dtype.name}")
     return tensor
 

@@ -27,6 +27,8 @@ DTYPES = [
     torch.float32,
     torch.float64,
     torch.uint8,
+    torch.uint16,
+    torch.uint32,
     torch.int8,
     torch.int16,
     torch.int32,
@@ -227,7 +229,7 @@ def test_argument_errors(hvd: ModuleType) -> None:
     with pytest.raises(TypeError, match="splits must be integers"):
         hvd.alltoall(torch.ones(2), splits=[0.5, 1.5])
     with pytest.raises(TypeError, match="dtype"):
-        hvd.allreduce(torch.ones(1, dtype=torch.uint16))
+        hvd.allreduce(torch.ones(1, dtype=torch.uint64))
     with pytest.raises(TypeError, match="bool"):
         hvd.allreduce(torch.ones(1, dtype=torch.bool))
     with pytest.raises(ValueError, match="not MIN"):
@@ -305,6 +307,8 @@ def test_distributed_optimizer_matches_plain_training(hvd: ModuleType) -> None:
     )
     assert issubclass(type(wrapped), torch.optim.SGD)
     assert type(wrapped).__name__ == "SGD"
+    # Horovod's parameter -> name table, which scripts read
+    assert wrapped._parameter_names == {dist_model.weight: "weight", dist_model.bias: "bias"}
     for step in range(3):
         x = torch.randn(5, 4)
         for model, optimizer in ((plain_model, plain), (dist_model, wrapped)):

@@ -1,6 +1,9 @@
 """collectives.tensorflow on real jobs: every op and dtype in eager mode, tf.function and
 TF1 graphs with exact values, gradients, reordered ops, a distributed tape that trains as
-one process, XLA refused, mismatches named (workers/tf_ops_worker.py)."""
+one process, XLA refused, Horovod's error types in every mode, the job's numbers as ops,
+Horovod's private names, local gradients and TF1 accumulation (workers/tf_ops_worker.py);
+graphs of hundreds of collectives on one and two inter-op threads that never deadlock
+(workers/tf_graph_worker.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 from tests.collectives.conftest import REPO, assert_all_ok, clean_env, run_hvdrun
 
 WORKERS = Path(__file__).parent / "workers"
+MODES = ("eager", "function", "graph")
 CHECKS = [
     "allreduce.eager.Average.float32",
     "allreduce.function.Sum.int64",
@@ -27,15 +31,47 @@ CHECKS = [
     "tf_function.reordered",
     "tape.equals_single_process",
     "xla.refused",
-    "mismatch.raises",
-    "mismatch.function_raises",
+    *(f"dtypes.moved.{mode}" for mode in MODES),
+    "dtypes.unsigned_reduced",
+    "dtypes.uint64_reduce_refused",
+    *(f"job_ops.{mode}" for mode in MODES),
+    "job_ops.process_set",
+    "job_ops.tape_outside_set",
+    "errors.job_goes_on",
+]
+#: Checks run in the job of 2 ranks only (the size changes nothing in them).
+TWO_RANKS = [
+    *(f"errors.{what}.{mode}" for what in ("mismatch", "root", "splits") for mode in MODES),
+    "names.executing_eagerly",
+    "names.raw_allreduce_sums",
+    "names.refs",
+    "names.broadcast_object_fn",
+    "names.power_of_2",
+    "names.join_tensor",
+    "local.partial_tape",
+    "local.unscaled_split",
+    "tf1.accumulated",
 ]
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_tensorflow_ops_gradients_and_tape(ranks: int) -> None:
     code, output = run_hvdrun(ranks, WORKERS / "tf_ops_worker.py", timeout=300)
-    assert_all_ok(code, output, ranks, CHECKS)
+    assert_all_ok(code, output, ranks, CHECKS + (TWO_RANKS if ranks == 2 else []))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_graphs_of_many_collectives_never_deadlock(threads: int) -> None:
+    # (the old design hung on the first case, 21 allreduces, with 1 and with 2 threads)
+    code, output = run_hvdrun(
+        2, WORKERS / "tf_graph_worker.py", env={"HVD_TEST_INTER_OP": str(threads)}, timeout=420
+    )
+    checks = [f"{case}.function.threads={threads}" for case in ("issue21",)]
+    checks += [f"many.function.threads={threads}.run{k}" for k in (0, 1)]
+    if threads == 1:  # (that job runs the TF1 sessions too, of 1 and 2 threads)
+        checks += [f"issue21.session.threads={t}" for t in (1, 2)]
+        checks += [f"many.session.threads={t}.run{k}" for t in (1, 2) for k in (0, 1)]
+    assert_all_ok(code, output, 2, checks)
 
 
 def test_importing_the_torch_frontend_or_hvdrun_never_imports_tensorflow() -> None:

@@ -9,7 +9,8 @@ many tensors it holds), and waits for all of them before the wrapped optimizer's
 floating gradients without compression travel as views of one flat tensor per bucket.
 
 Because the mixin sits in front of the user's optimizer class, everything it adds besides
-Horovod's public methods is named ``_hvd_*``, so that it cannot shadow the wrapped class's
+Horovod's public methods (and ``_parameter_names``, which scripts read) is named ``_hvd_*``,
+so that it cannot shadow the wrapped class's
 own attributes. Those names are the mixin's namespace, shared with its subclasses:
 :class:`~collectives.torch.optim.adasum_optimizer.DistributedAdasumOptimizer` overrides
 ``_hvd_plan``, ``_hvd_start`` and ``_hvd_finish``.
@@ -295,6 +296,12 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
             hook.remove()
 
     # ---- the public methods ------------------------------------------------------------
+
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Each parameter's name, under Horovod's attribute name, which scripts read (the
+        names given by ``named_parameters``, else ``noname.<group>.<index>``)."""
+        return self._hvd_names
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Sets how many backward passes accumulate locally before gradients are reduced."""

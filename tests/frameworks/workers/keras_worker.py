@@ -5,8 +5,11 @@ Every rank starts from different weights and trains on its own shard: after ``fi
 the broadcast callback and the distributed optimizer every rank must hold identical
 weights, the logged metrics must be the ranks' average, and the warmup callback must set
 the learning rates Horovod's formula gives. Then: the ops on values, ``backward_passes_per_step``
-(one update from two accumulated steps, summed or averaged), a model in torch's
-DistributedDataParallel (its gradients not reduced twice), ``load_model``.
+against Horovod's algorithm (summed or averaged, local layers scaled or not, an inf
+gradient, sparse gradients as dense), ``PartialDistributedOptimizer`` and the broadcast
+callback's ``local_variables``, ``SyncBatchNormalization`` against BatchNormalization on the
+whole batch, a model in torch's DistributedDataParallel (its gradients not reduced twice),
+``load_model``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -78,25 +82,8 @@ def main() -> None:
     )
     c.expect("ops.broadcast", hvd.broadcast(np.arange(3) + r, n - 1).tolist() == [n - 1, n, n + 1])
 
-    # backward_passes_per_step=2: one update from the two accumulated steps, on every rank
-    if not hvd._bridge.legacy:
-        for average in (False, True):
-            dense = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False)])
-            dense.layers[0].set_weights([np.zeros((1, 1), np.float32)])
-            accumulating = hvd.DistributedOptimizer(
-                keras.optimizers.SGD(1.0),
-                backward_passes_per_step=2,
-                average_aggregated_gradients=average,
-            )
-            dense.compile(accumulating, "mse")
-            # gradient of mean((w*x - t)^2) at w=0 is -2*x*t: rank-dependent targets
-            xs = np.ones((2, 1), np.float32)
-            ts = np.full((2, 1), float(r + 1), np.float32)
-            dense.fit(xs, ts, batch_size=1, epochs=1, shuffle=False, verbose=0)
-            mean_grad = -2.0 * np.mean([q + 1 for q in range(n)])
-            step = mean_grad * (1 if average else 2)
-            got = float(np.asarray(dense.get_weights()[0]).ravel()[0])
-            c.expect(f"accumulate.average={average}", np.isclose(got, -step, rtol=1e-5), got)
+    accumulation(c, r, n)
+    sync_batch_norm(c, r, n)
 
     # a model that torch's DistributedDataParallel wraps (Keras's recipe on torch): its
     # gradients arrive averaged over the ranks and are not reduced again (op=Sum would show)
@@ -121,6 +108,188 @@ def main() -> None:
         c.expect("load_model.distributed", getattr(loaded.optimizer, "_hvd_distributed", False))
     hvd.shutdown()
     c.finish(r)
+
+
+LR = 0.25
+PASSES = 4
+
+
+def two_inputs() -> tuple[object, object, object]:
+    """y = shared(a) + local(b): two one-weight layers, so that one can be local."""
+    inp = keras.Input((2,))
+    shared = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros", name="shared")
+    local = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros", name="local")
+    return keras.Model(inp, shared(inp[:, :1]) + local(inp[:, 1:])), shared, local
+
+
+def data(rank: int, inf_at: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Pass p of rank q: a = 1 + p % 2, b = 1 + q, target q + p + 1 (inf at ``inf_at``)."""
+    x = np.array([[1 + p % 2, 1 + rank] for p in range(PASSES)], np.float32)
+    y = np.array([[rank + p + 1] for p in range(PASSES)], np.float32)
+    if inf_at is not None and inf_at[0] == rank:
+        y[inf_at[1], 0] = np.inf
+    return x, y
+
+
+def reference(
+    n: int,
+    k: int,
+    average: bool,
+    local: bool,
+    scale_local: bool,
+    shared0: float = 0.0,
+    local0: Callable[[int], float] = lambda q: 0.0,
+    inf_at: tuple[int, int] | None = None,
+    passes: int = PASSES,
+) -> list[tuple[float, float]]:
+    """Horovod's algorithm (horovod/tensorflow/gradient_aggregation_eager.py) on the data of
+    every rank: each pass adds its gradients to the rank's sums; every k-th pass averages
+    the sums over the ranks (a local weight keeps its own, divided by the size unless
+    scale_local is off), divides by k with average, and steps SGD. Every rank's weights."""
+    ws = [np.float32(shared0)] * n
+    wl = [np.float32(local0(q)) for q in range(n)]
+    for first in range(0, passes, k):
+        sums = []
+        for q in range(n):
+            x, y = data(q, inf_at)
+            total = [np.float32(0), np.float32(0)]
+            for p in range(first, first + k):
+                residual = 2 * (ws[q] * x[p, 0] + wl[q] * x[p, 1] - y[p, 0])
+                total = [total[0] + residual * x[p, 0], total[1] + residual * x[p, 1]]
+            sums.append(total)
+        mean = [np.mean([t[0] for t in sums]), np.mean([t[1] for t in sums])]
+        for q in range(n):
+            g_local = sums[q][1] / (n if scale_local else 1) if local else mean[1]
+            step = [mean[0], g_local]
+            if average:
+                step = [g / k for g in step]
+            ws[q] = np.float32(ws[q] - LR * step[0])
+            wl[q] = np.float32(wl[q] - LR * step[1])
+    return list(zip(ws, wl, strict=True))
+
+
+def kernels(shared: object, local: object) -> tuple[float, float]:
+    return (
+        float(np.asarray(shared.get_weights()[0]).ravel()[0]),  # type: ignore[attr-defined]
+        float(np.asarray(local.get_weights()[0]).ravel()[0]),  # type: ignore[attr-defined]
+    )
+
+
+def accumulation(c: Checks, r: int, n: int) -> None:
+    """backward_passes_per_step=2 against Horovod's algorithm: summed or averaged, with a
+    local layer (scaled or not), an inf gradient in one pass, sparse gradients as dense."""
+    # a local layer of a PartialDistributedOptimizer, not broadcast by the callback
+    model, shared, local = two_inputs()
+    shared.set_weights([np.full((1, 1), 0.5 + r, np.float32)])  # rank 0's is broadcast
+    local.set_weights([np.full((1, 1), float(r), np.float32)])  # each rank keeps its own
+    opt = hvd.PartialDistributedOptimizer(
+        keras.optimizers.SGD(LR), backward_passes_per_step=2, local_layers=[local]
+    )
+    model.compile(opt, "mse")
+    callback = hvd.callbacks.BroadcastGlobalVariablesCallback(
+        0, local_variables=local.trainable_weights
+    )
+    model.fit(*data(r), batch_size=1, shuffle=False, verbose=0, callbacks=[callback])
+    want = reference(n, 2, False, True, True, 0.5, float)[r]
+    got = kernels(shared, local)
+    c.expect("accumulate.sum.partial", np.allclose(got, want, rtol=1e-6), (got, want))
+    # register_local_var, averaged, local gradients unscaled
+    model, shared, local = two_inputs()
+    opt = hvd.DistributedOptimizer(
+        keras.optimizers.SGD(LR),
+        backward_passes_per_step=2,
+        average_aggregated_gradients=True,
+        scale_local_gradients=False,
+    )
+    opt.register_local_var(local.kernel)
+    model.compile(opt, "mse")
+    model.fit(*data(r), batch_size=1, shuffle=False, verbose=0)
+    want = reference(n, 2, True, True, False)[r]
+    got = kernels(shared, local)
+    c.expect("accumulate.average.local", np.allclose(got, want, rtol=1e-6), (got, want))
+    # an inf gradient in the first pass of rank 0 (the update it reaches: +inf on every rank)
+    model, shared, local = two_inputs()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(LR), backward_passes_per_step=2)
+    model.compile(opt, "mse")
+    x, y = data(r, (0, 0))
+    model.fit(x[:2], y[:2], batch_size=1, shuffle=False, verbose=0)
+    want = reference(n, 2, False, False, True, inf_at=(0, 0), passes=2)[r]
+    got = kernels(shared, local)
+    c.expect("accumulate.inf", np.array_equal(got, want) and np.isinf(got).all(), (got, want))
+    # sparse gradients (an embedding's) as dense, averaged
+    embedding = keras.layers.Embedding(4, 1, embeddings_initializer="zeros")
+    model = keras.Sequential([keras.Input((1,), dtype="int32"), embedding, keras.layers.Flatten()])
+    opt = hvd.DistributedOptimizer(
+        keras.optimizers.SGD(LR),
+        backward_passes_per_step=2,
+        average_aggregated_gradients=True,
+        sparse_as_dense=True,
+    )
+    model.compile(opt, "mse")
+    rows = np.array([[(r + p) % 4] for p in range(PASSES)], np.int32)
+    targets = np.array([[r + p + 1] for p in range(PASSES)], np.float32)
+    model.fit(rows, targets, batch_size=1, shuffle=False, verbose=0)
+    table = np.zeros(4, np.float32)
+    for first in (0, 2):
+        sums = np.zeros((n, 4), np.float32)
+        for q in range(n):
+            for p in (first, first + 1):
+                row = (q + p) % 4
+                sums[q, row] += 2 * (table[row] - (q + p + 1))
+        table = table - LR * sums.mean(0) / 2
+    got_table = np.asarray(embedding.get_weights()[0]).ravel()
+    c.expect("accumulate.sparse_as_dense", np.allclose(got_table, table), (got_table, table))
+
+
+def sync_batch_norm(c: Checks, r: int, n: int) -> None:
+    """hvd.SyncBatchNormalization (Horovod's arguments) normalises with every rank's batch:
+    its output, moving statistics and input gradient are those of BatchNormalization on the
+    whole batch in one process."""
+    batches = [np.arange(12, dtype=np.float32).reshape(4, 3) * (q + 1) + q for q in range(n)]
+    sync = hvd.SyncBatchNormalization(fused=False, momentum=0.5)
+    plain = keras.layers.BatchNormalization(momentum=0.5)
+    out, grad = forward_and_grad(sync, batches[r], 4 * r)
+    whole_out, whole_grad = forward_and_grad(plain, np.concatenate(batches), 0)
+    rows = slice(4 * r, 4 * r + 4)
+    ok = np.allclose(out, whole_out[rows], atol=1e-5) and np.allclose(
+        grad, whole_grad[rows], atol=1e-5
+    )
+    c.expect("sync_batch_norm.output_and_grad", ok, (out, whole_out[rows], grad, whole_grad[rows]))
+    moving = [np.asarray(w) for w in sync.get_weights()[2:]]
+    whole_moving = [np.asarray(w) for w in plain.get_weights()[2:]]
+    ok = all(np.allclose(a, b, rtol=1e-5) for a, b in zip(moving, whole_moving, strict=True))
+    c.expect("sync_batch_norm.moving_statistics", ok, (moving, whole_moving))
+    c.expect("sync_batch_norm.name", sync.name.startswith("sync_batch_normalization"), sync.name)
+    try:
+        hvd.SyncBatchNormalization(fused=True)
+        c.expect("sync_batch_norm.fused_refused", False, "no error")
+    except ValueError as error:
+        c.expect("sync_batch_norm.fused_refused", "fused" in str(error), error)
+
+
+def forward_and_grad(
+    layer: object, batch: np.ndarray, first_row: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's training-mode output for ``batch`` (rows ``first_row`` on of the whole
+    batch) and the gradient of sum(out * w) with respect to it, w fixed per row of the whole
+    batch, on the backend in use."""
+    index = np.arange(first_row * 3, (first_row + len(batch)) * 3).reshape(batch.shape)
+    weights = ((index % 5 - 2) / 2).astype(np.float32)
+    if hvd._bridge.is_torch:
+        import torch
+
+        x = torch.tensor(batch, requires_grad=True)
+        out = layer(x, training=True)  # type: ignore[operator]
+        (out * torch.tensor(weights)).sum().backward()
+        return out.detach().numpy(), x.grad.numpy()  # type: ignore[union-attr]
+    import tensorflow as tf
+
+    x = tf.constant(batch)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = layer(x, training=True)  # type: ignore[operator]
+        loss = tf.reduce_sum(out * weights)
+    return out.numpy(), tape.gradient(loss, x).numpy()
 
 
 if __name__ == "__main__":

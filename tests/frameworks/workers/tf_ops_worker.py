@@ -17,6 +17,7 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -203,28 +204,238 @@ def main() -> None:
         text = str(error)
         c.expect("xla.refused", "hvd.allreduce" in text and "jit_compile" in text, text[:300])
 
-    # mismatched shapes: a CollectiveError naming the op, on every rank
-    try:
-        hvd.allreduce(tf.ones([r + 1]), name="mismatch")
-        c.expect("mismatch.raises", False, "no error")
-    except hvd.CollectiveError as error:
-        c.expect("mismatch.raises", "mismatch" in str(error) and "shape" in str(error), str(error))
-
-    # ... and inside a tf.function: TensorFlow's error, carrying the op's name and the reason
-    @tf.function
-    def mismatched(x: tf.Tensor) -> tf.Tensor:
-        return hvd.allreduce(x, name="mismatch_in_function")
-
-    try:
-        mismatched(tf.ones([r + 1]))
-        c.expect("mismatch.function_raises", False, "no error")
-    except tf.errors.OpError as error:
-        text = str(error.message)
-        c.expect("mismatch.function_raises", "mismatch_in_function" in text, text[:400])
+    dtypes(c, r, n)
+    job_ops(c, r, n)
+    if n == 2:  # (what the size does not change: once)
+        errors(c, r, n)
+        horovod_names(c, r, n)
+        local_gradients(c, r, n)
+        tf1_accumulation(c, r, n)
     after = hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="after")
-    c.expect("mismatch.job_goes_on", np.allclose(after.numpy(), n), after)
+    c.expect("errors.job_goes_on", np.allclose(after.numpy(), n), after)
     hvd.shutdown()
     c.finish(r)
+
+
+def error_of(mode: str, fn: Callable[[], Any]) -> BaseException | None:
+    """The exception ``fn``'s ops raise eagerly, in a tf.function or in a TF1 session."""
+    try:
+        if mode == "eager":
+            fn()
+        elif mode == "function":
+            tf.function(fn)()
+        else:
+            with tf.Graph().as_default():
+                out = fn()
+                with tf.compat.v1.Session() as session:
+                    session.run(out)
+    except Exception as error:
+        return error
+    return None
+
+
+def errors(c: Checks, r: int, n: int) -> None:
+    """Horovod's TensorFlow error types: FailedPreconditionError for ranks that disagree
+    (eagerly; in graphs TensorFlow gives a py_function's ValueError InvalidArgumentError),
+    InvalidArgumentError for bad arguments, in every mode; hvdrun's types still catch them."""
+    for mode in ("eager", "function", "graph"):
+        error = error_of(mode, lambda m=mode: hvd.allreduce(tf.ones([r + 1]), name=f"shape.{m}"))
+        text = str(getattr(error, "message", error))
+        named = f"shape.{mode}" in text and "shape" in text
+        if mode == "eager":
+            kind = isinstance(error, tf.errors.FailedPreconditionError) and isinstance(
+                error, hvd.TensorMismatchError
+            )
+        else:
+            kind = isinstance(error, tf.errors.InvalidArgumentError)
+        c.expect(f"errors.mismatch.{mode}", kind and named, repr(error)[:400])
+        error = error_of(mode, lambda m=mode: hvd.broadcast(tf.ones([2]), n + 3, name=f"root.{m}"))
+        text = str(getattr(error, "message", error))
+        kind = isinstance(error, tf.errors.InvalidArgumentError)
+        if mode == "eager":
+            kind = kind and isinstance(error, ValueError)
+        c.expect(f"errors.root.{mode}", kind and "root_rank" in text, repr(error)[:400])
+        error = error_of(
+            mode, lambda m=mode: hvd.alltoall(tf.ones([2 * n]), splits=[1] * n, name=f"sp.{m}")
+        )
+        text = str(getattr(error, "message", error))
+        kind = isinstance(error, tf.errors.InvalidArgumentError)
+        if mode == "eager":
+            kind = kind and isinstance(error, hvd.InvalidArgumentsError)
+        c.expect(f"errors.splits.{mode}", kind and "splits" in text, repr(error)[:400])
+
+
+def dtypes(c: Checks, r: int, n: int) -> None:
+    """Every integer, float, complex and bool type moves through allgather, broadcast and
+    alltoall; 16- and 32-bit unsigned integers reduce with every op (as numpy computes)."""
+    movable = [
+        tf.uint8, tf.uint16, tf.uint32, tf.uint64, tf.int8, tf.int16, tf.int32, tf.int64,
+        tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128, tf.bool,
+    ]  # fmt: skip
+    everyone = range(n)
+
+    def values(rank: int, dtype: tf.DType) -> np.ndarray:
+        raw = (np.arange(2 * n) + 3 * rank) % 7
+        return raw.astype(dtype.as_numpy_dtype) if dtype != tf.bool else raw % 2 == 1
+
+    for mode, run in modes().items():
+        wrong = []
+        for dtype in movable:
+            mine = values(r, dtype)
+            got = run(lambda x: hvd.allgather(x), mine)
+            if not np.array_equal(got, np.concatenate([values(q, dtype) for q in everyone])):
+                wrong.append(f"allgather {dtype.name}")
+            got = run(lambda x: hvd.broadcast(x, n - 1), mine)
+            if not np.array_equal(got, values(n - 1, dtype)):
+                wrong.append(f"broadcast {dtype.name}")
+            got = run(lambda x: hvd.alltoall(x)[0], mine)
+            want = np.concatenate([values(q, dtype)[2 * r : 2 * r + 2] for q in everyone])
+            if not np.array_equal(got, want):
+                wrong.append(f"alltoall {dtype.name}")
+            if mode != "eager":  # (the others once: every op and dtype costs a trace)
+                break
+        c.expect(f"dtypes.moved.{mode}", not wrong, wrong)
+    wrong = []
+    for dtype in (tf.uint16, tf.uint32):
+        big = int(np.iinfo(dtype.as_numpy_dtype).max)
+        ranks = [np.array([q + 1, big - q, 7], dtype=dtype.as_numpy_dtype) for q in everyone]
+        wide = np.stack([v.astype(np.float64) for v in ranks])
+        wants = {
+            "Sum": (wide.sum(0) % (big + 1)),
+            "Average": np.trunc(wide.mean(0)),
+            "Min": wide.min(0),
+            "Max": wide.max(0),
+        }
+        for label, want in wants.items():
+            got = hvd.allreduce(tf.constant(ranks[r]), op=OPS[label]).numpy()
+            if got.dtype != ranks[r].dtype or not np.array_equal(got.astype(np.float64), want):
+                wrong.append(f"{dtype.name} {label}: {got} vs {want}")
+    c.expect("dtypes.unsigned_reduced", not wrong, wrong)
+    try:
+        hvd.allreduce(tf.constant([1], tf.uint64))
+        c.expect("dtypes.uint64_reduce_refused", False, "no error")
+    except TypeError as error:
+        c.expect("dtypes.uint64_reduce_refused", "uint64" in str(error), error)
+
+
+def job_ops(c: Checks, r: int, n: int) -> None:
+    """rank_op and friends are int32 tensors, computed when they run; join returns one."""
+    want = [r, n, hvd.local_rank(), hvd.local_size(), -3, 1]  # -3: Horovod's unknown set
+
+    def numbers() -> list[tf.Tensor]:
+        return [
+            hvd.rank_op(),
+            hvd.size_op(),
+            hvd.local_rank_op(),
+            hvd.local_size_op(),
+            hvd.size_op(process_set_id=99),
+            hvd.process_set_included_op(),
+        ]
+
+    for mode, run in modes().items():
+        got = run(lambda: numbers())
+        ok = [int(v) for v in got] == want and all(np.asarray(v).dtype == np.int32 for v in got)
+        c.expect(f"job_ops.{mode}", ok, (got, want))
+    # the process-set forms, on a set of rank 0 alone; a tape over it leaves the other
+    # ranks' gradients as they are (Horovod's rule for ranks outside the set)
+    alone = hvd.add_process_set([0])
+    set_id = alone.process_set_id
+    got = [int(hvd.size_op(process_set_id=set_id)), int(hvd.process_set_included_op(set_id))]
+    c.expect("job_ops.process_set", got == [1, int(r == 0)], got)
+    w = tf.Variable([float(r + 1)])
+    with tf.GradientTape() as raw:
+        loss = tf.reduce_sum(w * w)
+    grad = hvd.DistributedGradientTape(raw, process_set=alone).gradient(loss, [w])[0]
+    c.expect("job_ops.tape_outside_set", np.allclose(grad.numpy(), 2 * (r + 1)), grad)
+    hvd.remove_process_set(alone)
+
+
+def horovod_names(c: Checks, r: int, n: int) -> None:
+    """Horovod's names that scripts and suites call, with Horovod's behaviour."""
+    inside = tf.function(lambda: tf.constant(hvd._executing_eagerly()))()
+    c.expect("names.executing_eagerly", hvd._executing_eagerly() and not bool(inside))
+    summed = hvd._allreduce(tf.constant([float(r)]))  # (Sum by default, as in Horovod)
+    c.expect("names.raw_allreduce_sums", np.allclose(summed.numpy(), sum(range(n))), summed)
+    keras_variable = keras.Variable([1.0])
+    variables = [tf.Variable([1.0]), [keras_variable]]
+    back = hvd.refs_to_vars(hvd.vars_to_refs(variables))
+    c.expect("names.refs", back[0] is variables[0] and back[1][0] is keras_variable, back)
+    broadcast = hvd.broadcast_object_fn(root_rank=n - 1)
+    c.expect("names.broadcast_object_fn", broadcast({"r": r}) == {"r": n - 1})
+    c.expect(
+        "names.power_of_2",
+        [hvd.check_num_rank_power_of_2(k) for k in (1, 2, 3, 4, 6)]
+        == [True, True, False, True, False],
+    )
+    last = hvd.join()
+    c.expect("names.join_tensor", isinstance(last, tf.Tensor) and int(last) in range(n), last)
+
+
+def local_gradients(c: Checks, r: int, n: int) -> None:
+    """Local sources keep their own gradient, divided by the size (Horovod's
+    scale_local_gradients): a Keras 3 layer's variables and a tf.Variable alike."""
+    layer = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
+    layer.build((None, 1))
+    shared = tf.Variable([[1.0]])
+    local = tf.Variable([[1.0]])
+    x = tf.constant([[float(r + 1)]])
+    mean = (n + 1) / 2
+
+    def recorded() -> tuple[tf.GradientTape, tf.Tensor]:
+        tape = tf.GradientTape()
+        with tape:
+            loss = tf.reduce_sum(layer(x)) + tf.reduce_sum((shared + local) * x)
+        return tape, loss
+
+    raw, loss = recorded()
+    tape = hvd.PartialDistributedGradientTape(raw, local_layers=[layer])
+    tape.register_local_source(local)
+    grads = [g.numpy().item() for g in tape.gradient(loss, [layer.kernel, shared, local])]
+    want = [(r + 1) / n, mean, (r + 1) / n]
+    c.expect("local.partial_tape", np.allclose(grads, want), (grads, want))
+    raw, loss = recorded()
+    tape = hvd.DistributedGradientTape(raw, scale_local_gradients=False)
+    tape.register_local_source(layer.kernel)  # a Keras 3 variable (no ref())
+    local_pairs, global_pairs = tape.get_local_and_global_gradients(loss, [layer.kernel, shared])
+    got = (local_pairs[0][1].numpy().item(), global_pairs[0][1].numpy().item())
+    ok = local_pairs[0][0] is layer.kernel and np.allclose(got, [r + 1, mean])
+    c.expect("local.unscaled_split", ok, got)
+
+
+def tf1_accumulation(c: Checks, r: int, n: int) -> None:
+    """A TF1 optimizer with backward_passes_per_step=2 and a local variable, in a graph:
+    Horovod's algorithm (sum two passes, average over the ranks, apply every second pass;
+    the local variable's sum divided by the size)."""
+    with tf.Graph().as_default():
+        shared = tf.compat.v1.get_variable("shared", initializer=0.0)
+        local = tf.compat.v1.get_variable("local", initializer=0.0)
+        t = tf.compat.v1.placeholder(tf.float32, [])
+        loss = (shared + local - t) ** 2
+        step = tf.compat.v1.train.get_or_create_global_step()
+        opt = hvd.DistributedOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(0.25), backward_passes_per_step=2
+        )
+        opt.register_local_var(local)
+        train = opt.minimize(loss, global_step=step)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            targets = [1.0 + r, 2.0 + r, 3.0, 1.0]
+            for target in targets:
+                session.run(train, {t: target})
+            got = session.run([shared, local, step])
+    # reference: Horovod's algorithm on every rank's targets
+    ws, wl = 0.0, [0.0] * n
+    for first in (0, 2):
+        sums_s, sums_l = [], []
+        for q in range(n):
+            qt = [1.0 + q, 2.0 + q, 3.0, 1.0]
+            g = [2 * (ws + wl[q] - qt[p]) for p in (first, first + 1)]
+            sums_s.append(sum(g))
+            sums_l.append(sum(g))
+        ws -= 0.25 * np.mean(sums_s)
+        wl = [w - 0.25 * s / n for w, s in zip(wl, sums_l, strict=True)]
+    want = [ws, wl[r], 4]
+    c.expect("tf1.accumulated", np.allclose(got, want), (got, want))
 
 
 def _grad(w: tf.Variable, fn: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:

@@ -1,0 +1,140 @@
+"""Gradients accumulated locally over several backward passes, reduced every k-th
+(Horovod's ``backward_passes_per_step``), for optimizers that do not accumulate by
+themselves: tf_keras's and TF1's. Keras 3 optimizers accumulate on their own
+(``gradient_accumulation_steps``), which :mod:`collectives.keras.optimizer` uses.
+
+Horovod's algorithm, the reference: every pass adds its gradients to local sums and counts;
+the k-th pass reduces the sums (the reducer averages over the ranks, keeps local variables'
+own), divides them by k with ``average_aggregated_gradients``, clears the sums and applies
+the result; the other passes apply nothing and only advance the optimizer's iteration count
+(a TF1 optimizer's ``global_step``). A non-finite gradient in any pass reaches the sum, and
+so the update, as it does in Horovod. Works eagerly, in ``tf.function`` and in TF1 graphs
+(explicit control dependencies order the reads after the updates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+__all__ = ["LocalGradientAggregationHelper"]
+
+Reduce = Callable[[list[Any], Sequence[Any]], list[Any]]
+
+
+class LocalGradientAggregationHelper:
+    """Accumulates ``backward_passes_per_step`` passes' gradients, reduced with
+    ``allreduce_func(grads, variables)`` every k-th (see the module)."""
+
+    def __init__(
+        self,
+        backward_passes_per_step: int,
+        allreduce_func: Reduce,
+        sparse_as_dense: bool,
+        average_aggregated_gradients: bool,
+    ) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError(
+                f"backward_passes_per_step must be at least 1, got {backward_passes_per_step}"
+            )
+        self.backward_passes_per_step = backward_passes_per_step
+        self.allreduce_grads = allreduce_func
+        self.sparse_as_dense = sparse_as_dense
+        self.average_aggregated_gradients = average_aggregated_gradients
+        self._sums: dict[int, tf.Variable] = {}
+        self._computed: list[Any] = []  # this pass's gradients, once summed or reduced
+        with tf.init_scope():
+            self.counter = tf.Variable(0, trainable=False, dtype=tf.int64, name="hvd_passes")
+
+    def _dense(self, grad: Any) -> Any:
+        if isinstance(grad, tf.IndexedSlices):
+            if not self.sparse_as_dense:
+                raise ValueError(
+                    "backward_passes_per_step > 1 accumulates dense gradients: pass "
+                    "sparse_as_dense=True for sparse ones (tf.IndexedSlices), as in Horovod"
+                )
+            return tf.convert_to_tensor(grad)
+        return grad
+
+    def compute_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+        """This pass's gradients added to the sums; the reduced sums on the k-th pass (and
+        the sums cleared), the running sums on the others."""
+        grads = [None if g is None else self._dense(g) for g in grads]
+        present = [i for i, g in enumerate(grads) if g is not None]
+        for i in present:
+            if i not in self._sums:
+                with tf.init_scope():
+                    self._sums[i] = tf.Variable(
+                        tf.zeros(grads[i].shape, grads[i].dtype), trainable=False
+                    )
+        updates = [self._sums[i].assign_add(grads[i]) for i in present]
+        with tf.control_dependencies(updates):
+            count = self.counter.assign_add(1)
+        with tf.control_dependencies([count]):
+            totals = [self._sums[i].read_value() for i in present]
+        if not present:
+            return grads
+
+        def reduce_and_clear() -> list[tf.Tensor]:
+            full: list[Any] = [None] * len(grads)
+            for i, total in zip(present, totals, strict=True):
+                full[i] = total
+            reduced = self.allreduce_grads(full, variables)
+            out = [reduced[i] for i in present]
+            if self.average_aggregated_gradients:
+                k = self.backward_passes_per_step
+                out = [g / tf.cast(k, g.dtype) for g in out]
+            with tf.control_dependencies(out):
+                clears = [self._sums[i].assign(tf.zeros_like(self._sums[i])) for i in present]
+                clears.append(self.counter.assign(0))
+            with tf.control_dependencies(clears):
+                return [tf.identity(g) for g in out]
+
+        def keep() -> list[tf.Tensor]:
+            return [tf.identity(t) for t in totals]
+
+        chosen = tf.cond(tf.equal(count, self.backward_passes_per_step), reduce_and_clear, keep)
+        self._computed = list(chosen)
+        result: list[Any] = [None] * len(grads)
+        for i, grad in zip(present, chosen, strict=True):
+            result[i] = grad
+        return result
+
+    def apply_gradients(
+        self, apply: Callable[[], Any], optimizer: Any, global_step: Any = None
+    ) -> Any:
+        """``apply()`` on the pass that reduced (the counter is back at 0); on the others
+        only the optimizer's iteration count (or ``global_step``) moves on."""
+
+        def applied() -> tf.Tensor:
+            with tf.control_dependencies(_ops(apply())):
+                return tf.constant(True)
+
+        def skipped() -> tf.Tensor:
+            counter = global_step if global_step is not None else _iterations(optimizer)
+            step = [] if counter is None else _ops(counter.assign_add(1))
+            with tf.control_dependencies(step):
+                return tf.constant(False)
+
+        with tf.control_dependencies(_ops(self._computed)):  # (after this pass's clearing)
+            reduced_now = tf.equal(self.counter.read_value(), 0)
+        return tf.cond(reduced_now, applied, skipped)
+
+
+def _iterations(optimizer: Any) -> Any:
+    return getattr(optimizer, "iterations", None)
+
+
+def _ops(result: Any) -> list[Any]:
+    """What a control dependency can wait for in ``result`` (nothing in eager mode)."""
+    if tf.executing_eagerly() or result is None:
+        return []
+    found = []
+    for item in tf.nest.flatten(result):
+        if isinstance(item, tf.Operation | tf.Tensor):
+            found.append(item)
+        elif hasattr(item, "op"):
+            found.append(item.op)
+    return found
