@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from tests.collectives.conftest import REPO, clean_env, run_hvdrun
+from tests.processes import rest_of_output
 
 WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
 TWO_HOSTS = "printf 'localhost\\n127.0.0.1\\n'"  # a discovery script
@@ -199,7 +200,7 @@ def test_a_stopped_hvdrun_does_not_kill_its_workers() -> None:
         job.send_signal(signal.SIGSTOP)
         time.sleep(8)
         job.send_signal(signal.SIGCONT)
-        output = "".join(lines) + job.communicate(timeout=120)[0]
+        output = "".join(lines) + rest_of_output(job, timeout=120)[0]
     finally:
         if job.poll() is None:
             job.kill()

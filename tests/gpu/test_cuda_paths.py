@@ -15,6 +15,7 @@ import pytest
 
 from tests.collectives.conftest import REPO, assert_all_ok, clean_env, run_hvdrun
 from tests.gpu.conftest import DEVICE, needs_gpu, needs_nccl
+from tests.processes import rest_of_output
 
 WORKERS = Path(__file__).parent / "workers"
 ELASTIC_WORKER = REPO / "tests" / "elastic" / "workers" / "elastic_steps.py"
@@ -143,7 +144,7 @@ def test_nccl_workers_end_cleanly_while_hvdrun_is_stopped() -> None:
         job.send_signal(signal.SIGSTOP)
         time.sleep(6)  # the worker finishes its 40 steps meanwhile
         job.send_signal(signal.SIGCONT)
-        output = "".join(lines) + job.communicate(timeout=120)[0]
+        output = "".join(lines) + rest_of_output(job, timeout=120)[0]
     finally:
         if job.poll() is None:
             job.kill()

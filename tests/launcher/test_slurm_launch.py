@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from tests.launcher.reports import placements
+from tests.processes import rest_of_output
 from tests.slurm import SlurmCluster, slurm_for_tests
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -154,7 +155,7 @@ def test_workers_see_no_launcher_variables_and_the_secret_is_in_no_argv(
     for other in psutil.process_iter(["cmdline"]):
         argvs.append(" ".join(other.info["cmdline"] or []))
     assert not [argv for argv in argvs if secret in argv]  # srun, agents, workers alike
-    out, err = proc.communicate(timeout=60)
+    out, err = rest_of_output(proc, timeout=60)
     assert proc.returncode == 0, err
     lines = seen + out.splitlines()
     for rank in range(4):
