@@ -100,6 +100,8 @@ class RuntimeState:
     #: The process groups the engine runs on, which shutdown destroys where the default
     #: group is not this runtime's to destroy.
     own_groups: list[Any] = field(default_factory=list)
+    #: What publishes this rank's arrival figures (``collectives.runtime.insight``).
+    insight: Any = None
 
     def saw_generation(self, generation: int) -> None:
         if generation > self.newest_generation:
@@ -224,9 +226,11 @@ def engine(what: str = "this function") -> Engine:
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Starts writing a Chrome-trace timeline (rank 0; every rank if the path has
-    ``{rank}``), replacing one being written."""
+    ``{rank}`` or the job runs with ``--timeline-all-ranks``), replacing one being written."""
+    runtime_ = require("hvd.start_timeline()")
     engine_ = engine("hvd.start_timeline()")
-    new = timeline.open_for_rank(file_path, mark_cycles, engine_.rank)
+    all_ranks = runtime_.config.timeline_all_ranks
+    new = timeline.open_for_rank(file_path, mark_cycles, engine_.rank, all_ranks, runtime_.host)
     old, engine_.timeline = engine_.timeline, new
     if old is not None:
         old.close()
