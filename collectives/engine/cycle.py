@@ -222,8 +222,9 @@ class CycleRunner:
             results.append((peer_flags, peer_records))
             datas.append(peer_data)
         # A member that leaves (or an abort) ends the set after this round: the last flush.
-        if flush or any(peer_flags for peer_flags, _ in results):
-            arrivals.flush(self.control_pg, timeout)
+        arrivals.after(
+            self.control_pg, flush or any(peer_flags for peer_flags, _ in results), timeout
+        )
         leavers, abort = [], False
         if self._agreed(new, records, results):
             delivery = eager.delivery(riders, datas, exchange.wants)

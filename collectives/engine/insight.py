@@ -19,12 +19,18 @@ with another host's) and the members compare those durations afterwards:
 Comparing costs nothing per round: a member keeps its durations (and what each round
 waited on, its *label*) in a buffer and the members compare them in a *flush* of up to
 :data:`CAPACITY` rounds at a time, two small collectives on the set's Gloo group (the
-shortest duration per round, then per round the waits' sum and who was last). A member whose
-oldest unflushed round is :data:`INTERVAL` old, or whose buffer is full, raises a flag in
-its next round (a header bit of the full negotiation, one slot of the cache's vectors);
-every member sees the flag in the round's result and flushes right after that round, at the
-same point. The round in which a member leaves the set flushes too, so the figures of a job
-that ends are complete.
+shortest duration per round, then per round the waits' sum and who was last). Every member
+flushes right after the same round, so after:
+
+* a round in which the buffer became full (every member counts the same rounds);
+* a round in which a member raised its flag, because its oldest unflushed round is
+  :data:`INTERVAL` old (or ``hvd.report()`` asked): a header bit of the full negotiation,
+  a share of the cache round's first slot, the predicted round's NaN slot when it carries no
+  data, or one more element when its data has three or more (an allreduce of one or two
+  elements would take Gloo one more step with it: those rounds leave the flag to others, or
+  to the full buffer);
+* the round in which a member leaves the set, so that the figures of a job that ends are
+  complete.
 
 Besides, each member adds up the time it spends in the set's cycles and lanes (*busy*):
 time in collectives, as against time between them.
@@ -62,7 +68,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Rounds one flush compares at most.
-CAPACITY = 512
+CAPACITY = 1024
 #: Seconds after which a member's oldest unflushed round makes it ask for a flush.
 INTERVAL = 1.0
 #: A round in which the members waited this long in all held the set back.
@@ -129,18 +135,22 @@ class Arrivals:
 
     def note(self, started: float, ended: float, label: str | None) -> None:
         """A round this member was in from ``started`` to ``ended`` (``time.perf_counter``),
-        waiting on the op ``label`` (None: the hot lane's unnamed allreduce)."""
+        waiting on the op ``label`` (None: the hot lane's unnamed allreduce). The round then
+        calls :meth:`after`."""
         n = self.n
-        if n == CAPACITY:  # (every member alike: the flag was lost in a round that fell back)
-            self.want = True
-            return
         self._write[n] = ended - started
         self._labels[n] = label
         self.n = n + 1
         if n == 0:
             self._first = ended
-        elif n + 1 == CAPACITY or ended - self._first >= INTERVAL:
+        elif ended - self._first >= INTERVAL:
             self.want = True
+
+    def after(self, group: Any, flagged: bool, timeout: float | None = None) -> None:
+        """After a noted round: flushes when a member raised its flag in it (``flagged``)
+        or the buffer is full, alike on every member."""
+        if flagged or self.n == CAPACITY:
+            self.flush(group, timeout)
 
     def ask(self) -> None:
         """Makes the set's next round flush (any thread: ``hvd.report()``)."""

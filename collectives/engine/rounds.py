@@ -13,13 +13,16 @@ starts with a *cache round* instead of the allgather of full descriptions: one a
   negotiation (the allgather of :mod:`.negotiation`) right away, as if there were no cache;
 * the data of the small Sum/Average allreduces that rode the previous cache round
   (*riders*): members lay them out alike from the shared cache, so the op costs one
-  collective. A rider runs from this data only when every member contributed it;
-* how many members ask for the arrival accounting's flush (see :mod:`.insight`).
+  collective. A rider runs from this data only when every member contributed it.
+
+The first slot also counts, in multiples of FLAG_WEIGHT, the members that ask for the
+arrival accounting's flush (see :mod:`.insight`): one more element could take Gloo one more
+step.
 
 Once two clean rounds in a row held the same ops (unnamed ones with counters that moved on),
 the next round is *predicted* (the same ops, unnamed ones' counters moved on as much again):
-one allreduce of just the riders' data and the accounting's flag (see
-``CacheRound._predicted``). A burst of riders too large for a cache round (up to
+one allreduce of just the riders' data (see ``CacheRound._predicted``), with the
+accounting's flag where it costs nothing. A burst of riders too large for a cache round (up to
 PREDICTED_BYTES in float32 or float64) rides predicted rounds only. A member whose ops are
 not the predicted ones sends NaN, and every member falls back.
 
@@ -67,6 +70,12 @@ MAX_BACKOFF = 16
 #: Rounds of full negotiation after a burst of small allreduces too large to ride.
 BURST_ROUNDS = 16
 _RIDER_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+#: The cache round's first slot holds the dirty members plus this many times the members
+#: that raised the accounting's flag (exact in float64 for any job size below it).
+FLAG_WEIGHT = float(1 << 24)
+#: Riders whose data the flag may follow: one more element than one or two would cost Gloo's
+#: allreduce one more step (with three or more their sum is an allgather already).
+_FLAG_AFTER = 3
 
 
 @dataclass(frozen=True)
@@ -82,8 +91,9 @@ class _Staging:
     """The predicted round's vector, kept from round to round for one layout of riders:
     each rider's slice viewed in its tensor's shape, so that a round copies the inputs in
     and the results out without allocating (a fresh tensor per round also costs a GIL
-    round trip when Gloo's thread drops the last reference to it). Its last element is the
-    accounting's flag (see :mod:`.insight`); with no riders it is also the one NaN goes in."""
+    round trip when Gloo's thread drops the last reference to it). With no riders, its one
+    element is the accounting's flag (see :mod:`.insight`) and where NaN goes; behind three
+    or more riders' elements the flag takes one more (``flag``: its index; None: no flag)."""
 
     def __init__(self, layout: list[_Rider]) -> None:
         self.layout = layout
@@ -94,14 +104,14 @@ class _Staging:
         if dtype not in (torch.float32, torch.float64):
             dtype = torch.float64
         riders = sum(r.numel for r in layout)
-        numel = riders + 1
+        self.flag = riders if riders == 0 or riders >= _FLAG_AFTER else None
+        numel = riders if self.flag is None else riders + 1
         # Over a bytearray: Python reads the first element (the NaN test) and the flag
         # without a torch call.
         raw = bytearray(numel * dtype.itemsize)
         self.vector = torch.frombuffer(raw, dtype=dtype)
         self.data = self.vector[:riders]  # the riders' part
         self.first = memoryview(raw).cast("f" if dtype == torch.float32 else "d")
-        self.flag = riders  # the flag's index in ``first``
         self.dtype = dtype
         self.parts: list[torch.Tensor] = []
         offset = 0
@@ -221,9 +231,8 @@ class CacheRound:
         self._prediction = None
 
     def _slots(self) -> list[int]:
-        """Each cache entry's first slot in the vector (after slot 0, the dirty count, and
-        slot 1, the accounting's flag)."""
-        starts, at = [], 2
+        """Each cache entry's first slot in the vector (after slot 0, the dirty count)."""
+        starts, at = [], 1
         for key in self.cache.keys:
             starts.append(at)
             at += 3 if is_unnamed(key) else 1
@@ -342,19 +351,19 @@ class CacheRound:
         staging = self._staging
         assert staging is not None
         first, flag, arrivals = staging.first, staging.flag, self.arrivals
-        first[flag] = 1.0 if arrivals.want else 0.0
+        if flag is not None:
+            first[flag] = 1.0 if arrivals.want else 0.0
         started = time.perf_counter()
         self._sums.start(group, self.size, staging.vector).wait()
         ended = time.perf_counter()
         arrivals.note(started, ended, label)
         if lane:
             arrivals.busy += ended - started
-        if math.isnan(first[0]):
+        agreed = not math.isnan(first[0])
+        arrivals.after(group, agreed and flag is not None and first[flag] > 0.5)
+        if not agreed:
             self.forget()
-            return False
-        if first[flag] > 0.5:
-            arrivals.flush(group)
-        return True
+        return agreed
 
     def _lone_agreed(self, index: int, counter: int) -> None:
         """:meth:`_repeated` for a lone op's predicted round that agreed (its counter moves
@@ -421,14 +430,14 @@ class CacheRound:
                 offset += rider.numel
         arrivals = self.arrivals
         if arrivals.want:
-            vector[1] = 1.0
+            vector[0] += FLAG_WEIGHT
         started = time.perf_counter()
         self._sums.start(group, self.size, vector, timeout).wait()
         arrivals.note(started, time.perf_counter(), new[0].name if new else IDLE)
-        dirties, flags = vector[:2].tolist()
-        if flags > 0.5:
-            arrivals.flush(group, timeout)
-        if dirties != 0.0:
+        first = vector[0].item()
+        flags = first // FLAG_WEIGHT
+        arrivals.after(group, flags > 0, timeout)
+        if first - flags * FLAG_WEIGHT != 0.0:  # (dirty members)
             return None
         counts = vector[:data_at].tolist()
         agreed: list[int] = []
@@ -511,17 +520,19 @@ class CacheRound:
             riders = [by_index[rider.index] for rider in layout]
             if riders:
                 staging.load(riders)
-            staging.first[staging.flag] = 1.0 if arrivals.want else 0.0
+            if staging.flag is not None:
+                staging.first[staging.flag] = 1.0 if arrivals.want else 0.0
         else:
             staging.vector.fill_(math.nan)
         started = time.perf_counter()
         self._sums.start(group, self.size, staging.vector, timeout).wait()
         arrivals.note(started, time.perf_counter(), new[0].name if new else IDLE)
-        if math.isnan(staging.first[0]):
+        flag = staging.flag
+        agreed = not math.isnan(staging.first[0])
+        arrivals.after(group, agreed and flag is not None and staging.first[flag] > 0.5, timeout)
+        if not agreed:
             self.forget()
             return None
-        if staging.first[staging.flag] > 0.5:
-            arrivals.flush(group, timeout)
         staging.unload(riders, self.size)
         if len(ops) > 1:
             ops.sort(key=_FIRST)

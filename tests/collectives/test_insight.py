@@ -119,19 +119,21 @@ def test_a_member_with_no_op_of_its_own_waited_for_nothing() -> None:
     assert snap.held == 1
 
 
-def test_a_member_asks_for_a_flush_after_the_interval_or_a_full_buffer() -> None:
+def test_a_member_flushes_after_a_flagged_round_or_a_full_buffer() -> None:
     arrivals = Arrivals(index=0, size=2)
     arrivals.note(0.0, 0.001, "a")
     arrivals.note(0.5, 0.501, "a")
     assert not arrivals.want
+    arrivals.after(Peers({1: [0.001, 0.001]}), flagged=False)
+    assert arrivals.n == 2 and arrivals.snapshot.flushes == 0
     arrivals.note(INTERVAL + 0.01, INTERVAL + 0.011, "a")
-    assert arrivals.want
-    full = Arrivals(index=0, size=2)
-    for k in range(CAPACITY):
-        full.note(k * 1e-6, k * 1e-6, "a")
-    assert full.want and full.n == CAPACITY
-    full.note(1.0, 1.0, "a")  # (a flag lost in a round that fell back: nothing overflows)
-    assert full.n == CAPACITY
+    assert arrivals.want  # (the next round that can carry the flag raises it)
+    arrivals.after(Peers({1: [0.001] * 3}), flagged=True)
+    assert arrivals.n == 0 and not arrivals.want and arrivals.snapshot.flushes == 1
+    for k in range(CAPACITY):  # rounds that carry no flag: the full buffer flushes
+        arrivals.note(k * 1e-6, k * 1e-6, "a")
+        arrivals.after(Peers({1: [0.0] * CAPACITY}), flagged=False)
+    assert arrivals.n == 0 and arrivals.snapshot.rounds == 3 + CAPACITY
 
 
 def test_a_rank_sums_up_its_sets_by_global_rank() -> None:
