@@ -19,9 +19,9 @@ its figures out of the process:
 Elastic jobs start a new engine every generation: the figures of a worker's earlier engines
 are carried over, so a worker's figures cover its whole run.
 
-Ownership: the publisher's fields belong to its thread, but for ``_carried`` and
-``_published`` (under ``_lock``), which :func:`finish` and :func:`report` also touch from
-the thread that calls them.
+Ownership: the publisher's fields belong to its thread, but for ``_carried``, ``_folded``
+and ``_published`` (under ``_lock``), which :func:`finish`, :func:`report` and an elastic
+reset also touch from the thread that calls them.
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ class Publisher:
         self._key = _key(runtime_)
         self._lock = threading.Lock()
         self._carried = _EMPTY  # earlier engines' figures
+        self._folded: set[int] = set()  # (ids of) the engines carried in it
         self._published = (0, -1)  # (id of the engine, its flushes) last published
         self._stop = threading.Event()
         self._live = LiveWatch() if self._watches() else None
@@ -147,7 +148,9 @@ class Publisher:
         engine_ = engine_ if engine_ is not None else self._runtime.engine
         with self._lock:
             carried = self._carried
-        return carried if engine_ is None else _add(carried, engine_.arrivals())
+            if engine_ is None or id(engine_) in self._folded:
+                return carried
+        return _add(carried, engine_.arrivals())
 
     def figures(self, summary: Summary, final: bool = False) -> RankFigures:
         runtime_ = self._runtime
@@ -206,7 +209,9 @@ class Publisher:
         """An engine stopped (shutdown, or an elastic reset): its figures are carried."""
         last = engine_.arrivals()
         with self._lock:
-            self._carried = _add(self._carried, last)
+            if id(engine_) not in self._folded:
+                self._folded.add(id(engine_))
+                self._carried = _add(self._carried, last)
             self._published = (0, -1)
 
     def collect(self, mine: RankFigures, final: bool) -> JobReport:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,16 @@ from collectives.engine.insight import (
     INTERVAL,
     NO_OP,
     Arrivals,
+    Summary,
     op_label,
     summarize,
 )
 from collectives.engine.reduction import Reduction
+from collectives.runtime import insight as insight_runtime
+from collectives.runtime.insight import Publisher
+from collectives.runtime.state import RuntimeState, Topology
+from rendezvous.insight import RankFigures
+from rendezvous.worker_env import INSIGHT_KEY_PREFIX
 from tests.collectives.conftest import REPO, WORKERS, clean_env, run_hvdrun
 from tests.collectives.test_engine_units import Groups, _request
 
@@ -157,6 +164,51 @@ def test_op_labels_put_an_unnamed_ops_calls_together() -> None:
     assert op_label("allreduce.grad.3") == "allreduce.grad.3"
     assert op_label(None) == "allreduce.noname"
     assert op_label(IDLE) == NO_OP
+
+
+# ---- publishing a worker's figures ------------------------------------------------------
+
+
+class FakeEngine:
+    """An engine as the publisher sees it: its figures."""
+
+    def __init__(self, rounds: int, waited: float, ops: dict[str, Any]) -> None:
+        self.summary = Summary(1, rounds, rounds // 2, waited, 2 * waited, 10.0 * waited,
+                               0.1, 0.1, 1, ops, {}, {})  # fmt: skip
+
+    def arrivals(self) -> Summary:
+        return self.summary
+
+
+def test_a_worker_publishes_its_figures_and_carries_them_from_engine_to_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = dist.HashStore()
+    topology = Topology(rank=1, size=3, local_rank=1, local_size=3, cross_rank=0, cross_size=1)
+    runtime_ = RuntimeState(topology=topology, backend="gloo", timeout=timedelta(seconds=5),
+                            store=store, host="h1")  # fmt: skip
+    publisher = Publisher(runtime_)
+    first = FakeEngine(10, 0.5, {"allreduce.g": (0.5, {0: 0.5})})
+    runtime_.engine = first  # type: ignore[assignment]
+    published = publisher.publish(only_new=True)
+    assert RankFigures.from_json(store.get(INSIGHT_KEY_PREFIX + "1")) == published
+    assert published.rank == 1 and published.host == "h1" and published.waited_s == 0.5
+    store.set(INSIGHT_KEY_PREFIX + "1", b"")
+    publisher.publish(only_new=True)  # (nothing new: not written again)
+    assert store.get(INSIGHT_KEY_PREFIX + "1") == b""
+    # An elastic reset: the next engine's figures add to the first one's, counted once.
+    publisher.engine_stopped(first)  # type: ignore[arg-type]
+    publisher.engine_stopped(first)  # type: ignore[arg-type]
+    runtime_.engine = FakeEngine(4, 0.25, {"allreduce.g": (0.25, {2: 0.25})})  # type: ignore[assignment]
+    figures = publisher.publish()
+    assert (figures.rounds, figures.waited_s, figures.times_last) == (14, 0.75, 2)
+    assert figures.ops == {"allreduce.g": {"waited_s": 0.75, "for": {"0": 0.5, "2": 0.25}}}
+    # The job's report: rank 0 published, rank 2 never did (its row is missing).
+    rank0 = RankFigures(rank=0, host="h0", flushes=5, waited_s=0.1, wait_caused_s=0.5)
+    store.set(INSIGHT_KEY_PREFIX + "0", rank0.to_json())
+    monkeypatch.setattr(insight_runtime, "COLLECT_SECONDS", 0.1)
+    report = publisher.collect(figures, final=False)
+    assert [f.rank for f in report.ranks] == [0, 1] and report.missing == [2]
 
 
 # ---- every kind of round carries the flag (an engine of one rank) -----------------------
