@@ -50,6 +50,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -111,20 +112,28 @@ class Arrivals:
         self.busy = 0.0
         self.n = 0  # unflushed rounds
         self._first = 0.0  # when the oldest unflushed round ended
-        # The unflushed rounds' durations, written from Python without a torch call.
+        # The unflushed rounds' durations (written from Python), and the two vectors the
+        # members compare them in: each a bytearray the allreduce sees as a tensor and the
+        # arithmetic as a numpy array (a dozen torch ops touched for the first time would
+        # add megabytes of code to the process's memory; numpy's, loaded with torch, add
+        # next to none, and are faster on vectors this small).
         raw = bytearray(CAPACITY * 8)
-        self._durations = torch.frombuffer(raw, dtype=torch.float64)
         self._write = memoryview(raw).cast("d")
+        self._durations = numpy.frombuffer(raw, dtype=numpy.float64)
+        raw = bytearray((CAPACITY + 1) * 8)
+        self._shortest_t = torch.frombuffer(raw, dtype=torch.float64)
+        self._shortest = numpy.frombuffer(raw, dtype=numpy.float64)
+        raw = bytearray(3 * CAPACITY * 8)
+        self._sums_t = torch.frombuffer(raw, dtype=torch.float64)
+        self._sums = numpy.frombuffer(raw, dtype=numpy.float64)
         self._labels: list[str | None] = [None] * CAPACITY
-        self._shortest = torch.zeros(CAPACITY + 1, dtype=torch.float64)
-        self._sums = torch.zeros(3 * CAPACITY, dtype=torch.float64)
         self._started = time.perf_counter()
         self._rounds = 0
         self._held = 0
         self._waited = 0.0
-        self._caused = torch.zeros(size, dtype=torch.float64)
-        self._peak = torch.zeros(size, dtype=torch.float64)
-        self._last = torch.zeros(size, dtype=torch.int64)
+        self._caused = numpy.zeros(size)
+        self._peak = numpy.zeros(size)
+        self._last = numpy.zeros(size, dtype=numpy.int64)
         self._ops: dict[str, list[Any]] = {}
         self._warned = False
         self.snapshot = Snapshot(
@@ -166,23 +175,23 @@ class Arrivals:
         self.want = False
         shortest = self._shortest
         shortest[0] = n
-        shortest[1 : n + 1] = self._durations[:n]
-        _allreduce(group, shortest, _MIN, timeout)
         mine = self._durations[:n]
+        shortest[1 : n + 1] = mine
+        _allreduce(group, self._shortest_t, _MIN, timeout)
         low = shortest[1 : n + 1]
-        excess = (mine - low).clamp_(min=0.0)
+        excess = numpy.maximum(mine - low, 0.0)
         labels = self._labels
         idle = [k for k in range(n) if labels[k] == IDLE]
         if idle:
             excess[idle] = 0.0
         last = mine <= low
         sums = self._sums
-        sums.zero_()
+        sums.fill(0.0)
         sums[:n] = excess
         sums[CAPACITY : CAPACITY + n] = last
         sums[2 * CAPACITY : 2 * CAPACITY + n] = last * float(self.index)
-        _allreduce(group, sums, _SUM, timeout)
-        if int(shortest[0].item()) != n:
+        _allreduce(group, self._sums_t, _SUM, timeout)
+        if int(shortest[0]) != n:
             # Members counted different rounds: nothing to compare (never expected).
             if not self._warned:
                 self._warned = True
@@ -190,21 +199,22 @@ class Arrivals:
             return
         self._add(n, excess, sums)
 
-    def _add(self, n: int, excess: torch.Tensor, sums: torch.Tensor) -> None:
+    def _add(self, n: int, excess: numpy.ndarray, sums: numpy.ndarray) -> None:
+        size = self.size
         waits = sums[:n]
         lasts = sums[CAPACITY : CAPACITY + n]
         # Who was last, where exactly one member was (ties: nobody); -1 otherwise.
-        who = torch.where(lasts == 1.0, sums[2 * CAPACITY : 2 * CAPACITY + n], -1.0).long()
+        who = numpy.where(lasts == 1.0, sums[2 * CAPACITY : 2 * CAPACITY + n], -1.0)
+        who = who.astype(numpy.int64)
         held = waits >= HELD_SECONDS
         known = who >= 0
-        self._caused.index_add_(0, who[known], waits[known])
-        self._peak.scatter_reduce_(0, who[known], waits[known], reduce="amax")
-        counted = who[known & held]
-        self._last.index_add_(0, counted, torch.ones_like(counted))
+        self._caused += numpy.bincount(who[known], weights=waits[known], minlength=size)
+        numpy.maximum.at(self._peak, who[known], waits[known])
+        self._last += numpy.bincount(who[known & held], minlength=size)
         self._rounds += n
-        self._held += int(held.sum().item())
-        self._waited += float(excess.sum().item())
-        rows = (held & (excess > 0)).nonzero().flatten().tolist()
+        self._held += int(held.sum())
+        self._waited += float(excess.sum())
+        rows = numpy.flatnonzero(held & (excess > 0)).tolist()
         if rows:
             mine = excess.tolist()
             whom = who.tolist()

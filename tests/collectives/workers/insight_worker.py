@@ -3,12 +3,14 @@
 Every step reduces a "gradient" (in place) and a "loss"; the slow rank first sleeps or spins
 (a CPU-bound busy loop, holding the GIL) for ``--delay`` seconds, while the others work for a
 tenth of that. ``--report FILE``: rank 0 prints ``hvd.report()`` at the end and writes its
-JSON to FILE (jobs of other launchers).
+JSON to FILE (jobs of other launchers). ``--fail CODE``: the last rank exits with CODE after
+the loop (its ``hvd.shutdown()`` runs at exit).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -30,6 +32,7 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.04)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--report", default=None)
+    parser.add_argument("--fail", type=int, default=0)
     args = parser.parse_args()
     hvd.init()
     rank = hvd.rank()
@@ -45,6 +48,8 @@ def main() -> None:
         report = hvd.report(file=args.report)
         print(report)
     print(f"DONE rank {rank}")
+    if args.fail and rank == hvd.size() - 1:
+        sys.exit(args.fail)
 
 
 if __name__ == "__main__":
