@@ -46,7 +46,9 @@ STANDOUT_SHARE = 0.5
 STANDOUT_RATIO = 3.0
 #: ... and the others waited for it, on average, at least this long and this share of
 #: their time (end of job; a loaded machine makes balanced ranks wait for each other for a
-#: few percent of their time, one of them more by chance).
+#: few percent of their time, one of them more by chance). All three leave out each rank's
+#: longest single wait caused: one late start (loading data, a first compilation) does not
+#: make a straggler.
 STANDOUT_SECONDS = 0.1
 STANDOUT_FRACTION = 0.1
 #: Live: the window looked at, and how long the others must have waited for one rank in it
@@ -57,6 +59,9 @@ LIVE_WAIT_SECONDS = 1.0
 LIVE_MIN_SPAN = 2.0
 #: Live: the same rank is warned about again after this long at the earliest.
 LIVE_REPEAT_SECONDS = 300.0
+#: Live: the rank was last in at least this many of the window's collectives that waited,
+#: and at least half of them (one late start is not a straggler).
+LIVE_MIN_LAST = 3
 
 
 @dataclass
@@ -285,14 +290,16 @@ def analyse(figures: Iterable[RankFigures], size: int | None = None) -> JobRepor
     held = max((f.held_rounds for f in ranks), default=0)
     ops = _job_ops(ranks)
     caused: dict[int, float] = collections.defaultdict(float)
+    repeated: dict[int, float] = collections.defaultdict(float)  # without the longest wait
     for f in ranks:
         caused[f.rank] += f.wait_caused_s
+        repeated[f.rank] += max(0.0, f.wait_caused_s - f.largest_wait_caused_s)
     straggler = None
-    rank = stands_out(caused)
+    rank = stands_out(repeated)
     if rank is not None and len(ranks) > 1:
         mine = [f for f in ranks if f.rank == rank]
         others = [f for f in ranks if f.rank != rank]
-        per_other = caused[rank] / max(1, len(others))
+        per_other = repeated[rank] / max(1, len(others))
         elapsed = statistics.median([f.elapsed_s for f in others]) if others else 0.0
         if per_other >= STANDOUT_SECONDS and per_other >= STANDOUT_FRACTION * elapsed:
             times_last = sum(f.times_last for f in mine)
@@ -307,7 +314,7 @@ def analyse(figures: Iterable[RankFigures], size: int | None = None) -> JobRepor
                 times_last=times_last,
                 held_rounds=held,
                 per_time_s=caused[rank] / max(1, times_last) / max(1, len(others)),
-                others_fraction=per_other / elapsed if elapsed > 0 else 0.0,
+                others_fraction=caused[rank] / max(1, len(others)) / elapsed if elapsed else 0.0,
                 op=max(waited_for)[1] if waited_for else None,
             )
     return JobReport(ranks, size, missing, total, held, straggler, ops)
@@ -387,7 +394,7 @@ class LiveWatch:
             held = max(held, f.held_rounds - (before.held_rounds if before else 0))
             hosts[f.rank] = f.host
         rank = stands_out(caused)
-        if rank is None or len(caused) < 2:
+        if rank is None or len(caused) < 2 or last[rank] < max(LIVE_MIN_LAST, held / 2):
             return LiveNews()
         span = now - start
         per_other = caused[rank] / (len(caused) - 1)

@@ -19,10 +19,12 @@ def _sink() -> tuple[OutputSink, io.BytesIO]:
 
 
 def _figures(caused: float) -> dict[str, RankFigures]:
+    """Rank 1 made rank 0 wait ``caused`` seconds so far, last in 20 collectives a second."""
+    last = int(20 * caused)
     return {
-        "0": RankFigures(rank=0, host="a", elapsed_s=10.0, waited_s=caused, held_rounds=50),
-        "1": RankFigures(rank=1, host="b", elapsed_s=10.0, wait_caused_s=caused, times_last=48,
-                         held_rounds=50),
+        "0": RankFigures(rank=0, host="a", elapsed_s=10.0, waited_s=caused, held_rounds=last + 1),
+        "1": RankFigures(rank=1, host="b", elapsed_s=10.0, wait_caused_s=caused, times_last=last,
+                         held_rounds=last + 1),
     }  # fmt: skip
 
 

@@ -79,6 +79,15 @@ def test_no_rank_is_named_when_the_waiting_is_spread_or_small() -> None:
     assert stands_out({0: 1.0, 1: 0.3}) == 0 and stands_out({0: 1.0, 1: 0.4}) is None
 
 
+def test_one_late_start_does_not_make_a_straggler() -> None:
+    late_once = [_rank(0, 2.0, 0.0, 0), _rank(1, 0.0, 2.0, 2, largest_wait_caused_s=1.95)]
+    assert analyse(late_once).straggler is None
+    watch = LiveWatch()
+    watch.update(0.0, {"0": _live(0, 0.0, 0, 0), "1": _live(1, 0.0, 0, 0)})
+    once = {"0": _live(0, 0.0, 0, 1), "1": _live(1, 1.5, 1, 1)}
+    assert watch.update(3.0, once).warning is None
+
+
 def test_ranks_without_figures_are_listed_and_big_jobs_show_the_worst() -> None:
     report = analyse([_rank(0, 0.0, 0.0, 0, size=4), _rank(2, 0.0, 0.0, 0, size=4)], size=4)
     assert report.missing == [1, 3] and "no figures from rank(s) 1, 3" in "\n".join(report.table())
