@@ -379,29 +379,37 @@ class LiveWatch:
         samples.append((now, dict(figures)))
         while len(samples) > 2 and now - samples[1][0] >= self.window:
             samples.popleft()
-        start, old = samples[0]
-        if now - start < LIVE_MIN_SPAN:
-            return LiveNews()
+        # Each worker's figures against its oldest in the window (workers publish at their
+        # own pace: a worker first seen now has nothing to compare yet).
+        oldest: dict[str, tuple[float, RankFigures]] = {}
+        for when, sample in samples:
+            for key, before in sample.items():
+                oldest.setdefault(key, (when, before))
         caused: dict[int, float] = collections.defaultdict(float)
         last: dict[int, int] = collections.defaultdict(int)
-        held = 0
+        held: dict[int, int] = collections.defaultdict(int)  # over the rank's own stretch
+        since: dict[int, float] = {}
         hosts: dict[int, str] = {}
         for key, f in figures.items():
-            before = old.get(key)
-            base_caused = before.wait_caused_s if before is not None else 0.0
-            caused[f.rank] += max(0.0, f.wait_caused_s - base_caused)
-            last[f.rank] += max(0, f.times_last - (before.times_last if before else 0))
-            held = max(held, f.held_rounds - (before.held_rounds if before else 0))
+            when, before = oldest[key]
+            if when == now:
+                continue
+            caused[f.rank] += max(0.0, f.wait_caused_s - before.wait_caused_s)
+            last[f.rank] += max(0, f.times_last - before.times_last)
+            held[f.rank] = max(held[f.rank], f.held_rounds - before.held_rounds)
+            since[f.rank] = min(since.get(f.rank, now), when)
             hosts[f.rank] = f.host
         rank = stands_out(caused)
-        if rank is None or len(caused) < 2 or last[rank] < max(LIVE_MIN_LAST, held / 2):
+        if rank is None or len(caused) < 2:
             return LiveNews()
-        span = now - start
+        span, rounds = now - since[rank], held[rank]
+        if span < LIVE_MIN_SPAN or last[rank] < max(LIVE_MIN_LAST, rounds / 2):
+            return LiveNews()
         per_other = caused[rank] / (len(caused) - 1)
         if per_other < self.wait_seconds * min(1.0, span / self.window):
             return LiveNews()
         where = f"rank {rank}" + (f" on {hosts[rank]}" if hosts.get(rank) else "")
-        share = f", last at {_percent(last[rank], held)} of them" if held else ""
+        share = f", last at {_percent(last[rank], rounds)} of them" if rounds else ""
         status = (
             f"{where} holds the others back: they waited {seconds(per_other)} for it "
             f"in the last {span:.0f} s"
@@ -411,7 +419,7 @@ class LiveWatch:
             self._warned[rank] = now
             warning = (
                 f"{where} is holding the job back: in the last {span:.0f} s the other ranks "
-                f"waited {seconds(per_other)} each for it in {held} collectives{share} "
+                f"waited {seconds(per_other)} each for it in {rounds} collectives{share} "
                 "(the end-of-job table has the details)"
             )
         return LiveNews(status, warning)

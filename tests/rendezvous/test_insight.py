@@ -128,3 +128,14 @@ def test_the_live_watch_says_nothing_about_a_balanced_job() -> None:
     for now in range(12):
         figures = {str(r): _live(r, 0.3 * now, 2 * now, 4 * now) for r in (0, 1)}
         assert watch.update(float(now), figures).status is None
+
+
+def test_the_live_watch_judges_a_worker_from_its_first_figures_in_the_window() -> None:
+    watch = LiveWatch()
+    watch.update(0.0, {"0": _live(0, 0.0, 0, 0)})
+    # Rank 1 publishes for the first time with 5 s caused since the start: not in the window.
+    watch.update(1.0, {"0": _live(0, 0.0, 0, 90), "1": _live(1, 5.0, 90, 90)})
+    news = watch.update(3.5, {"0": _live(0, 0.0, 0, 95), "1": _live(1, 5.2, 95, 95)})
+    assert news.warning is None  # 0.2 s since then: below 1 s in 10 s
+    news = watch.update(4.0, {"0": _live(0, 0.0, 0, 99), "1": _live(1, 6.2, 99, 99)})
+    assert news.warning is not None and "in the last 3 s" in news.warning
