@@ -278,7 +278,7 @@ def report(file: str | None = None) -> JobReport:
     if not isinstance(publisher, Publisher):
         raise RuntimeError("hvd.report(): this process publishes no figures")
     engine_ = runtime_.engine
-    if engine_ is not None and runtime_.topology.size > 1:
+    if engine_ is not None:
         before = engine_.arrivals().flushes
         running = engine_.flush_arrivals()
         deadline = time.monotonic() + (FLUSH_SECONDS if running else 0.0)
