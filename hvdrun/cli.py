@@ -30,6 +30,7 @@ from hvdrun.horovod_flags import (
     notices,
 )
 from hvdrun.logging_setup import LogSettings, configure_logging, logging_options
+from hvdrun.report_flags import ReportFlags, merge_after_job, merge_command, report_options
 from hvdrun.tuning import tuning_env, tuning_options
 from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports
 from launcher.spec.hosts import (
@@ -212,6 +213,7 @@ class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
 @tuning_options
 @horovod_options
 @logging_options
+@report_options
 @config_file_option
 @dry_run_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -258,6 +260,9 @@ def cli(
             click.echo(line)
         return 0
 
+    report = ReportFlags.take(tuning)
+    if report.merge_timelines is not None:
+        return merge_command(report.merge_timelines, command)
     log_settings = LogSettings.take(tuning)
     configure_logging(log_settings)
     compat = HorovodFlags.take(tuning)
@@ -328,6 +333,8 @@ def cli(
         check_command(command)
     if output_filename is not None and not dry_run:
         check_output_dir(output_filename)
+    if not dry_run:
+        report.check()
     for notice in notices(compat, env, host_list, num_proc):
         click.echo(f"hvdrun: {notice}", err=True)
 
@@ -362,7 +369,10 @@ def cli(
         num_ranks=max(num_proc, (elastic_options.max_np or 0) if elastic_options else 0),
     )
     try:
-        return run_job(spec, OutputSink(stdout, stderr, options=options)).exit_code
+        sink = OutputSink(stdout, stderr, options=options)
+        code = run_job(spec, sink, report.options()).exit_code
+        merge_after_job(env, options.num_ranks)
+        return code
     except LaunchError as exc:
         raise LaunchFailed(str(exc)) from None
     except LaunchInterrupted as exc:

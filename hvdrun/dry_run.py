@@ -81,6 +81,7 @@ TUNING: tuple[tuple[str, str, str, str], ...] = (
     (we.CUDA_BACKEND, "CUDA tensors through", "nccl where there are GPUs", ""),
     (we.TIMELINE, "timeline", "off", ""),
     (we.TIMELINE_MARK_CYCLES, "timeline marks cycles", "0", ""),
+    (we.TIMELINE_ALL_RANKS, "timeline of every rank", "0", ""),
     (we.STALL_CHECK_DISABLE, "stall check disabled", "0", ""),
     (we.STALL_CHECK_TIME_SECONDS, "stall warning after", "60", "s"),
     (we.STALL_SHUTDOWN_TIME_SECONDS, "stall shutdown after", "0", "s"),

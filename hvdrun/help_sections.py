@@ -26,7 +26,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("Environment and network", ("exports", "network_interface", "network_interfaces")),
-    ("Output", ("output_filename", "prefix_timestamp")),
+    ("Output", ("output_filename", "prefix_timestamp", "no_report", "report_file")),
     ("Logging", ("verbose", "log_level", "log_without_timestamp", "log_hide_timestamp")),
     (
         "Elastic jobs",
@@ -53,6 +53,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "torus_allreduce",
             "timeline_filename",
             "timeline_mark_cycles",
+            "timeline_all_ranks",
             "no_stall_check",
             "stall_check_warning_time_seconds",
             "stall_check_shutdown_time_seconds",
@@ -65,7 +66,15 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Horovod compatibility", ("gloo", "mpi", "jsrun", "mpi_args", "tcp", "binding_args")),
     (
         "Planning and information",
-        ("config_file", "dry_run", "check_hosts", "check_build", "version", "help"),
+        (
+            "config_file",
+            "dry_run",
+            "check_hosts",
+            "check_build",
+            "merge_timelines",
+            "version",
+            "help",
+        ),
     ),
 )
 

@@ -52,6 +52,14 @@ _OPTIONS = [
         help="Mark negotiation cycles in the timeline (HVDRUN_TIMELINE_MARK_CYCLES).",
     ),
     click.option(
+        "--timeline-all-ranks",
+        is_flag=True,
+        default=None,
+        help="Every rank writes its own timeline (FILE with the rank before its extension) "
+        "and hvdrun merges them into FILE, one process per rank, when the job ends "
+        "(HVDRUN_TIMELINE_ALL_RANKS).",
+    ),
+    click.option(
         "--no-stall-check",
         is_flag=True,
         default=None,
@@ -135,6 +143,7 @@ def tuning_env(
     cuda_backend: str | None = None,
     timeline_filename: str | None = None,
     timeline_mark_cycles: bool | None = None,
+    timeline_all_ranks: bool | None = None,
     no_stall_check: bool | None = None,
     stall_check_warning_time_seconds: float | None = None,
     stall_check_shutdown_time_seconds: float | None = None,
@@ -159,6 +168,8 @@ def tuning_env(
         env[we.variable(we.TIMELINE)] = os.path.abspath(timeline_filename)
     if timeline_mark_cycles:
         env[we.variable(we.TIMELINE_MARK_CYCLES)] = "1"
+    if timeline_all_ranks:
+        env[we.variable(we.TIMELINE_ALL_RANKS)] = "1"
     if no_stall_check:
         env[we.variable(we.STALL_CHECK_DISABLE)] = "1"
     if stall_check_warning_time_seconds is not None:

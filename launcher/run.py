@@ -2,7 +2,8 @@
 
 A spec with ``elastic`` set goes to the elastic driver (:mod:`launcher.supervision.elastic`),
 any other to the fixed supervisor (:mod:`launcher.supervision.fixed`). The choice lives here,
-in a module neither of them imports, so that the two never import each other.
+in a module neither of them imports, so that the two never import each other. Both end the
+same way: the table of where the ranks' time went (:mod:`launcher.supervision.insight`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ from launcher.spec.job import JobSpec
 from launcher.supervision.core import JobResult
 from launcher.supervision.elastic import run_elastic_job
 from launcher.supervision.fixed import run_fixed_job
+from launcher.supervision.insight import ReportOptions, report_insight
 
 
-def run_job(spec: JobSpec, sink: OutputSink) -> JobResult:
-    """Starts and supervises the job; raises LaunchError when a host cannot be started."""
-    if spec.elastic is not None:
-        return run_elastic_job(spec, sink)
-    return run_fixed_job(spec, sink)
+def run_job(spec: JobSpec, sink: OutputSink, report: ReportOptions | None = None) -> JobResult:
+    """Starts and supervises the job; raises LaunchError when a host cannot be started.
+    Afterwards, where workers reported their figures, the end-of-job table (``report``)."""
+    elastic = spec.elastic is not None
+    result = run_elastic_job(spec, sink) if elastic else run_fixed_job(spec, sink)
+    # (an elastic job's sizes change: its figures say which ranks there were)
+    size = None if elastic else spec.num_proc
+    report_insight(result.figures, size, sink, report or ReportOptions())
+    return result

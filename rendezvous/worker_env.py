@@ -37,6 +37,7 @@ __all__ = [
     "GENERATION",
     "GLOO_TIMEOUT_SECONDS",
     "HOSTNAME",
+    "INSIGHT_KEY_PREFIX",
     "JOB_ID",
     "LOCAL_RANK",
     "RANK",
@@ -58,6 +59,7 @@ __all__ = [
     "setting",
     "setting_names",
     "slot_env",
+    "timeline_file",
     "variable",
 ]
 
@@ -110,12 +112,20 @@ WORKER = "HVDRUN_WORKER"
 #: in (see ``collectives.runtime.state_synced``); the launcher never starts a generation
 #: from workers that hold none.
 STATE_KEY_PREFIX = "hvdrun/state/"
+#: Every worker publishes its arrival figures (JSON, see :mod:`rendezvous.insight`) in the
+#: rendezvous store under this prefix and its number (its rank in fixed jobs), every few
+#: seconds and at shutdown; the launcher reads them for its report.
+INSIGHT_KEY_PREFIX = "hvdrun/insight/"
 
 # ---- settings: read as HVDRUN_<name> or HOROVOD_<name> ---------------------------------
 FUSION_THRESHOLD = "FUSION_THRESHOLD"
 CYCLE_TIME = "CYCLE_TIME"
 TIMELINE = "TIMELINE"
 TIMELINE_MARK_CYCLES = "TIMELINE_MARK_CYCLES"
+#: Every rank writes its own timeline (FILE.<rank>.json), not rank 0 alone.
+TIMELINE_ALL_RANKS = "TIMELINE_ALL_RANKS"
+#: Jobs of other launchers: rank 0 writes the job's report (JSON) here at shutdown.
+REPORT_FILE = "REPORT_FILE"
 STALL_CHECK_DISABLE = "STALL_CHECK_DISABLE"
 STALL_CHECK_TIME_SECONDS = "STALL_CHECK_TIME_SECONDS"
 STALL_SHUTDOWN_TIME_SECONDS = "STALL_SHUTDOWN_TIME_SECONDS"
@@ -277,6 +287,19 @@ def horovod_placement_env(
         HOROVOD_CROSS_SIZE: str(cross_size),
         HOROVOD_HOSTNAME: hostname,
     }
+
+
+def timeline_file(path: str, rank: int, all_ranks: bool = False) -> str | None:
+    """The file rank ``rank`` writes its timeline to, if any: rank 0 writes ``path``, as in
+    Horovod. A ``{rank}`` in ``path``, or ``all_ranks`` (``HVDRUN_TIMELINE_ALL_RANKS``),
+    gives every rank its own: ``{rank}`` replaced, else the rank before the extension
+    (``trace.json`` -> ``trace.3.json``)."""
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    if all_ranks:
+        root, ext = os.path.splitext(path)
+        return f"{root}.{rank}{ext}"
+    return path if rank == 0 else None
 
 
 def master_env(address: str, port: int) -> dict[str, str]:

@@ -48,6 +48,7 @@ Why it is a layer of its own: the engine is the part with the subtle concurrency
 tested on its own (``tests/collectives/test_engine_parts.py``, ``test_engine_units.py``)
 without a job around it. So it depends only downward: torch, the standard library,
 ``collectives.errors``, ``collectives.common`` and ``rendezvous.worker_env`` (for its
-configuration). It never imports the runtime or a frontend: the runtime creates the engine
-and hands it what it needs, its process groups and the function that makes more of them.
+configuration); numpy too, which torch loads anyway (the arrival accounting's arithmetic).
+It never imports the runtime or a frontend: the runtime creates the engine and hands it what
+it needs, its process groups and the function that makes more of them.
 """

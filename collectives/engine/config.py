@@ -39,6 +39,8 @@ class EngineConfig:
     #: Chrome-trace file written from ``hvd.init()`` on (rank 0; ``{rank}`` in it: every rank).
     timeline: str | None = None
     timeline_mark_cycles: bool = False
+    #: Every rank writes its own timeline (``{rank}`` in the file name does too).
+    timeline_all_ranks: bool = False
     stall_check: bool = True
     stall_warning_seconds: float = DEFAULT_STALL_CHECK_SECONDS
     #: 0 = never; otherwise the job's collectives fail after a stall this long.
@@ -70,6 +72,7 @@ def from_environment() -> EngineConfig:
         cycle_time_ms=we.number(we.CYCLE_TIME, DEFAULT_CYCLE_TIME_MS),
         timeline=we.setting(we.TIMELINE),
         timeline_mark_cycles=we.flag(we.TIMELINE_MARK_CYCLES),
+        timeline_all_ranks=we.flag(we.TIMELINE_ALL_RANKS),
         stall_check=not we.flag(we.STALL_CHECK_DISABLE),
         stall_warning_seconds=we.number(we.STALL_CHECK_TIME_SECONDS, DEFAULT_STALL_CHECK_SECONDS),
         stall_shutdown_seconds=we.number(we.STALL_SHUTDOWN_TIME_SECONDS, 0.0),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -173,6 +174,7 @@ class Controller:
         """Runs one cycle (``body`` instead of the runner's, for a lane); any failure stops
         the engine."""
         runner = self.runner
+        started = time.perf_counter()
         try:
             runner.busy = False
             runner.round_bytes = 0
@@ -193,6 +195,7 @@ class Controller:
         except BaseException as error:
             self.cycle_failed(error)
             return
+        runner.arrivals.busy += time.perf_counter() - started
         if not going_on:
             self._on_stop(self)
         elif runner.pace.awaiting and threading.get_ident() != self.thread_ident:

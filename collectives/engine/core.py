@@ -48,6 +48,7 @@ from collectives.engine.controller import Controller
 from collectives.engine.cycle import FINAL_CYCLE_SECONDS
 from collectives.engine.execute import Group
 from collectives.engine.handles import Handle
+from collectives.engine.insight import Summary, summarize
 from collectives.engine.names import UnnamedCounters
 from collectives.engine.negotiation import Entry
 from collectives.engine.reduction import Reduction
@@ -161,6 +162,20 @@ class Engine:
         """The global set's response cache (None when it is off)."""
         rounds = self._global.runner.rounds
         return rounds.cache if rounds is not None else None
+
+    def arrivals(self) -> Summary:
+        """This rank's arrival figures as of each set's latest flush (see :mod:`.insight`):
+        how long it waited for others, how often it was last, what it cost them."""
+        controllers = list(self._controllers.values())  # (the global set first)
+        return summarize(
+            [(c.group.ranks, c.group.index, c.runner.arrivals.snapshot) for c in controllers]
+        )
+
+    def flush_arrivals(self) -> bool:
+        """Makes the global set's next round (within a keepalive) flush the accounting;
+        False when no round will run any more (the set stopped)."""
+        self._global.runner.arrivals.ask()
+        return self._global.queue.running
 
     @property
     def stats(self) -> dict[str, int]:

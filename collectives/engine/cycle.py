@@ -51,9 +51,11 @@ from collectives.engine.cache import (
 from collectives.engine.config import EngineConfig
 from collectives.engine.dispatch import Controls, Dispatch
 from collectives.engine.execute import Group
+from collectives.engine.insight import IDLE, Arrivals
 from collectives.engine.names import UnnamedCounters, unnamed_counter
 from collectives.engine.negotiation import (
     FLAG_ABORT,
+    FLAG_FLUSH,
     FLAG_LEAVING,
     Entry,
     Exchange,
@@ -122,9 +124,11 @@ class CycleRunner:
         self.control_pg = control_pg  # the set's Gloo group for rounds (None once released)
         self.exchange = Exchange(control_pg, group.index, group.size)
         self.table = Table(group.size)
+        self.arrivals = Arrivals(group.index, group.size)
         self.rounds: CacheRound | None = None
         if config.cache_capacity > 0:
-            self.rounds = CacheRound(ResponseCache(config.cache_capacity), group.size)
+            cache = ResponseCache(config.cache_capacity)
+            self.rounds = CacheRound(cache, group.size, self.arrivals)
         self.dispatch = Dispatch(group, queue, data_pg, self.control, config.fusion_threshold)
         self._controls = controls
         self._timeline = timeline
@@ -163,6 +167,7 @@ class CycleRunner:
         self.cycle_no += 1
         tl = self.dispatch.tl = self._timeline.current
         if tl is not None:
+            self.dispatch.round_id = f"{self.group.process_set_id}:{self.cycle_no}"
             tl.cycle(start)
             for request in new:
                 tl.begin(request.name, "NEGOTIATE_" + request.kind.label.upper(), request.submitted)
@@ -195,20 +200,31 @@ class CycleRunner:
         records = RECORD.join([request.record() for request in new]).encode()
         exchange = self.exchange
         riders = eager.select(records, new, exchange.room, self.eager_budget)
+        arrivals = self.arrivals
+        started = time.perf_counter()
         gathered = exchange.round(
             riders.payload,
-            flags,
+            flags | FLAG_FLUSH if arrivals.want else flags,
             timeout=timeout,
             data=riders.tensors() if riders.inline else (),
             want=riders.want,
         )
+        arrivals.note(started, time.perf_counter(), self._label(new))
         now = time.monotonic()
         results = []
         datas: list[Any] = []
+        flush = False
         for peer_flags, peer_payload in gathered:
             peer_records, peer_data = eager.split(peer_payload)
+            if peer_flags & FLAG_FLUSH:
+                flush = True
+                peer_flags &= ~FLAG_FLUSH
             results.append((peer_flags, peer_records))
             datas.append(peer_data)
+        # A member that leaves (or an abort) ends the set after this round: the last flush.
+        arrivals.after(
+            self.control_pg, flush or any(peer_flags for peer_flags, _ in results), timeout
+        )
         leavers, abort = [], False
         if self._agreed(new, records, results):
             delivery = eager.delivery(riders, datas, exchange.wants)
@@ -252,6 +268,16 @@ class CycleRunner:
         if self.stall.check(self.table, self._members, now):
             self.queue.request_abort()
         return True
+
+    def _label(self, new: list[Request]) -> str:
+        """What this member waits on in a round: its first new op, else the oldest op it
+        announced before (the table holds only ops not run yet)."""
+        if new:
+            return new[0].name
+        for entry in self.table.entries.values():
+            if self.rank in entry.seen_at:
+                return entry.name
+        return IDLE
 
     def count(self, requests: list[Request]) -> None:
         """Notes a round's ops for the autotuner (their bytes, on this rank)."""
@@ -323,7 +349,8 @@ class CycleRunner:
                 current.append(request)
                 if tl is not None:
                     seen = {r: max(t, request.submitted) for r, t in entry.seen_at.items()}
-                    tl.negotiated(request.name, request.kind.label.upper(), seen, now)
+                    op = request.kind.label.upper()
+                    tl.negotiated(request.name, op, seen, now, self.dispatch.round_id)
             else:
                 self._catch_up(entry)
             error = check(entry, self.members, self.table.joined)
@@ -430,6 +457,8 @@ class CycleRunner:
         self.eager_budget = eager.budget(self.size, setting.fusion_threshold)
         if setting.cache != (self.rounds is not None):
             capacity = self.config.cache_capacity or DEFAULT_CAPACITY
-            self.rounds = CacheRound(ResponseCache(capacity), self.size) if cache else None
+            self.rounds = (
+                CacheRound(ResponseCache(capacity), self.size, self.arrivals) if cache else None
+            )
         if final >= 0.5:
             logger.info("autotune settled on %s", setting)

@@ -10,7 +10,7 @@ control ops, and completes the handles.
 Ownership: a Dispatch belongs to one process set's cycle runner and is used only by the
 holder of that set's cycle lock; ``current`` (the requests of the round being run, failed
 with the round if it fails) and ``tl`` (the engine's timeline, read by the runner at the
-start of each cycle) are its only state besides the executor.
+start of each cycle, with its ``round_id``) are its only state besides the executor.
 """
 
 from __future__ import annotations
@@ -55,8 +55,10 @@ class Dispatch:
         self.group = group
         self.queue = queue
         self.executor = Executor(self.trace_phase, group, data_pg)
-        #: The engine's timeline as the runner read it at the start of the cycle.
+        #: The engine's timeline as the runner read it at the start of the cycle, and the
+        #: cycle's round ("set:cycle", alike on every member) for its NEGOTIATE phases.
         self.tl: Timeline | None = None
+        self.round_id = ""
         self.controls = controls
         self.fusion_threshold = fusion_threshold
         self.current: list[Request] = []  # the round's requests until they completed
@@ -172,7 +174,7 @@ class Dispatch:
         """Every member announced ``requests`` together (the timeline's ticks)."""
         seen = dict.fromkeys(self.group.ranks, now)
         for request in requests:
-            tl.negotiated(request.name, request.kind.label.upper(), seen, now)
+            tl.negotiated(request.name, request.kind.label.upper(), seen, now, self.round_id)
 
     def trace_phase(self, bucket: Bucket, phase: str, start: float, end: float) -> None:
         """The executor's tracer: a phase of every request in the bucket."""

@@ -149,7 +149,7 @@ def run_hot(
         assert rounds is not None
         counter = -1 if name is not None else draw()
         try:
-            agreed = rounds.run_lone(runner.control_pg, counter + 1, tensor, reduction)
+            agreed = rounds.run_lone(runner.control_pg, counter + 1, tensor, reduction, name)
         except BaseException as error:
             controller.cycle_failed(error)
             failed = Handle()

@@ -15,11 +15,19 @@ starts with a *cache round* instead of the allgather of full descriptions: one a
   (*riders*): members lay them out alike from the shared cache, so the op costs one
   collective. A rider runs from this data only when every member contributed it.
 
+The first slot also counts, in multiples of FLAG_WEIGHT, the members that ask for the
+arrival accounting's flush (see :mod:`.insight`): one more element could take Gloo one more
+step.
+
 Once two clean rounds in a row held the same ops (unnamed ones with counters that moved on),
 the next round is *predicted* (the same ops, unnamed ones' counters moved on as much again):
-one allreduce of just the riders' data (see ``CacheRound._predicted``). A burst of riders too
-large for a cache round (up to PREDICTED_BYTES in float32 or float64) rides predicted rounds
-only. A member whose ops are not the predicted ones sends NaN, and every member falls back.
+one allreduce of just the riders' data (see ``CacheRound._predicted``), with the
+accounting's flag where it costs nothing. A burst of riders too large for a cache round (up to
+PREDICTED_BYTES in float32 or float64) rides predicted rounds only. A member whose ops are
+not the predicted ones sends NaN, and every member falls back.
+
+Every round notes how long this member spent in its collective, and flushes the accounting
+when a member raised its flag (see :mod:`.insight`).
 
 Every member derives the layout, the prediction and the back-off from what all saw alike,
 so all choose the same kind of round. A :class:`CacheRound` is owned by its process set's
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import math
 import operator
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +48,7 @@ import torch
 from collectives.common import ReduceOp
 from collectives.engine.cache import Key, ResponseCache, is_unnamed, keys_of, request_key
 from collectives.engine.execute import Sums, check_unchanged
+from collectives.engine.insight import IDLE, Arrivals
 from collectives.engine.reduction import Reduction
 from collectives.engine.requests import Kind, Request
 
@@ -60,6 +70,12 @@ MAX_BACKOFF = 16
 #: Rounds of full negotiation after a burst of small allreduces too large to ride.
 BURST_ROUNDS = 16
 _RIDER_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+#: The cache round's first slot holds the dirty members plus this many times the members
+#: that raised the accounting's flag (exact in float64 for any job size below it).
+FLAG_WEIGHT = float(1 << 24)
+#: Riders whose data the flag may follow: one more element than one or two would cost Gloo's
+#: allreduce one more step (with three or more their sum is an allgather already).
+_FLAG_AFTER = 3
 
 
 @dataclass(frozen=True)
@@ -75,7 +91,9 @@ class _Staging:
     """The predicted round's vector, kept from round to round for one layout of riders:
     each rider's slice viewed in its tensor's shape, so that a round copies the inputs in
     and the results out without allocating (a fresh tensor per round also costs a GIL
-    round trip when Gloo's thread drops the last reference to it)."""
+    round trip when Gloo's thread drops the last reference to it). With no riders, its one
+    element is the accounting's flag (see :mod:`.insight`) and where NaN goes; behind three
+    or more riders' elements the flag takes one more (``flag``: its index; None: no flag)."""
 
     def __init__(self, layout: list[_Rider]) -> None:
         self.layout = layout
@@ -85,10 +103,14 @@ class _Staging:
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
         if dtype not in (torch.float32, torch.float64):
             dtype = torch.float64
-        numel = sum(r.numel for r in layout) or 1
-        # Over a bytearray: Python reads the first element (the NaN test) without a torch call.
+        riders = sum(r.numel for r in layout)
+        self.flag = riders if riders == 0 or riders >= _FLAG_AFTER else None
+        numel = riders if self.flag is None else riders + 1
+        # Over a bytearray: Python reads the first element (the NaN test) and the flag
+        # without a torch call.
         raw = bytearray(numel * dtype.itemsize)
         self.vector = torch.frombuffer(raw, dtype=dtype)
+        self.data = self.vector[:riders]  # the riders' part
         self.first = memoryview(raw).cast("f" if dtype == torch.float32 else "d")
         self.dtype = dtype
         self.parts: list[torch.Tensor] = []
@@ -111,14 +133,15 @@ class _Staging:
             inputs = [request.inputs[0] for request in requests]
             if self.flat:
                 # cat resizes its output to fit when an input was resized in flight (a
-                # shrink silently; a growth fails): the vector keeping its size proves none was.
-                numel = self.vector.numel()
+                # shrink silently; a growth fails): the data keeping its size proves none was.
+                numel = self.data.numel()
                 try:
-                    torch.cat(inputs, out=self.vector)
+                    torch.cat(inputs, out=self.data)
                 except RuntimeError:
                     _check_inputs(requests)  # (names the op, if that is why)
                     raise
-                if self.vector.numel() != numel:
+                if self.data.numel() != numel:
+                    self.data = self.vector[:numel]
                     _check_inputs(requests)
                 return
             _check_inputs(requests)  # (a copy would broadcast a resized input silently)
@@ -150,7 +173,7 @@ class _Staging:
             return True
         if any(out is not None for out in outputs):
             return False
-        result = self.vector.clone()
+        result = self.data.clone()
         reduction.finish(result, size)
         pieces = result.split(self.counts)
         for request, rider, piece in zip(requests, self.layout, pieces, strict=True):
@@ -175,9 +198,10 @@ class CacheRound:
     """Builds and reads the cache round's vector; holds the riders' layout between rounds
     (derived only from what every rank saw alike)."""
 
-    def __init__(self, cache: ResponseCache, size: int) -> None:
+    def __init__(self, cache: ResponseCache, size: int, arrivals: Arrivals | None = None) -> None:
         self.cache = cache
         self.size = size
+        self.arrivals = arrivals if arrivals is not None else Arrivals(0, size)
         self._layout: list[_Rider] = []
         # The last clean round's ops as (cache index, counter), and the ops predicted for
         # the next round (the same ops again, unnamed ones' counters moved on by as much as
@@ -272,20 +296,25 @@ class CacheRound:
             return None
         part = self._staging_of_one()
         request.reduction.stage(part, request.inputs[0])
-        if not self._lone_round(group):
+        if not self._lone_round(group, request.name):
             return False
         _finish_rider(request, part, self.size)
         self._lone_agreed(index, counter)
         return True
 
     def run_lone(
-        self, group: Any, want: int, tensor: torch.Tensor, reduction: Reduction
+        self,
+        group: Any,
+        want: int,
+        tensor: torch.Tensor,
+        reduction: Reduction,
+        name: str | None = None,
     ) -> bool | None:
         """:meth:`run_one` for the engine's hot lane, which vouches that no other round ran
         since the last one of this lane (the prediction is this lone rider's, its layout and
         staging stand): the op is ``tensor``, reduced in place with ``reduction``, with
-        counter ``want`` (0 for a named op). Only the checks are its own; the round is
-        run_one's."""
+        counter ``want`` (0 for a named op, ``name``). Only the checks are its own; the
+        round is run_one's (the lane's time counts as busy: no cycle counts it)."""
         ((index, predicted),) = self._prediction or ((-1, -1),)
         if predicted != want or want >= MAX_COUNTER:
             return None
@@ -293,7 +322,7 @@ class CacheRound:
         assert staging is not None
         part = staging.parts[0]
         reduction.stage(part, tensor)
-        if not self._lone_round(group):
+        if not self._lone_round(group, name, lane=True):
             return False
         _finish_out(tensor, part, reduction, self.size)
         self._lone_agreed(index, want)
@@ -317,15 +346,24 @@ class CacheRound:
         """The lone rider's slice of the staging vector (after :meth:`_lone`)."""
         return self._stage(self._layout).parts[0]
 
-    def _lone_round(self, group: Any) -> bool:
+    def _lone_round(self, group: Any, label: str | None, lane: bool = False) -> bool:
         """The allreduce of a lone rider's round; False when another rank's ops differed."""
         staging = self._staging
         assert staging is not None
+        first, flag, arrivals = staging.first, staging.flag, self.arrivals
+        if flag is not None:
+            first[flag] = 1.0 if arrivals.want else 0.0
+        started = time.perf_counter()
         self._sums.start(group, self.size, staging.vector).wait()
-        if math.isnan(staging.first[0]):
+        ended = time.perf_counter()
+        arrivals.note(started, ended, label)
+        if lane:
+            arrivals.busy += ended - started
+        agreed = not math.isnan(first[0])
+        arrivals.after(group, agreed and flag is not None and first[flag] > 0.5)
+        if not agreed:
             self.forget()
-            return False
-        return True
+        return agreed
 
     def _lone_agreed(self, index: int, counter: int) -> None:
         """:meth:`_repeated` for a lone op's predicted round that agreed (its counter moves
@@ -390,8 +428,16 @@ class CacheRound:
                     part = vector[offset : offset + rider.numel]
                     request.reduction.stage(part, request.inputs[0].reshape(-1))
                 offset += rider.numel
+        arrivals = self.arrivals
+        if arrivals.want:
+            vector[0] += FLAG_WEIGHT
+        started = time.perf_counter()
         self._sums.start(group, self.size, vector, timeout).wait()
-        if vector[0].item() != 0.0:
+        arrivals.note(started, time.perf_counter(), new[0].name if new else IDLE)
+        first = vector[0].item()
+        flags = first // FLAG_WEIGHT
+        arrivals.after(group, flags > 0, timeout)
+        if first - flags * FLAG_WEIGHT != 0.0:  # (dirty members)
             return None
         counts = vector[:data_at].tolist()
         agreed: list[int] = []
@@ -469,16 +515,22 @@ class CacheRound:
                 by_index[index] = request
         staging = self._stage(layout)
         riders: list[Request] = []
+        arrivals = self.arrivals
         if ops and all(r.index in by_index for r in layout):
             riders = [by_index[rider.index] for rider in layout]
             if riders:
                 staging.load(riders)
-            else:
-                staging.vector.zero_()
+            if staging.flag is not None:
+                staging.first[staging.flag] = 1.0 if arrivals.want else 0.0
         else:
             staging.vector.fill_(math.nan)
+        started = time.perf_counter()
         self._sums.start(group, self.size, staging.vector, timeout).wait()
-        if math.isnan(staging.first[0]):
+        arrivals.note(started, time.perf_counter(), new[0].name if new else IDLE)
+        flag = staging.flag
+        agreed = not math.isnan(staging.first[0])
+        arrivals.after(group, agreed and flag is not None and staging.first[flag] > 0.5, timeout)
+        if not agreed:
             self.forget()
             return None
         staging.unload(riders, self.size)

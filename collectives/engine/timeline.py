@@ -15,6 +15,12 @@ The file is a JSON array that stays valid while it is written: the engine append
 events in one write over the closing bracket, which it writes again behind them, so a file
 copied off a running job always parses. Only the engine thread writes; events are buffered
 during a cycle and written at its end.
+
+For merging the timelines of all ranks into one trace (``hvdrun --merge-timelines``), each
+file starts with an ``hvdrun_rank`` metadata event (the rank, its host and the monotonic
+clock's reading at the file's time 0), and each NEGOTIATE phase ends with the round that made
+the op ready (``args.round``: process set and cycle, alike on every rank): the rounds every
+rank left together align the ranks' clocks.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import os
 import threading
 import time
 from typing import Any
+
+from rendezvous.worker_env import timeline_file
 
 __all__ = ["Timeline", "TimelineSlot", "open_for_rank"]
 
@@ -40,7 +48,9 @@ class Timeline:
     records, any thread may stop the recording).
     """
 
-    def __init__(self, path: str, mark_cycles: bool = False) -> None:
+    def __init__(
+        self, path: str, mark_cycles: bool = False, rank: int | None = None, host: str = ""
+    ) -> None:
         self.path = path
         self.mark_cycles = mark_cycles
         directory = os.path.dirname(os.path.abspath(path))
@@ -57,6 +67,10 @@ class Timeline:
         self._last: dict[int, float] = {}  # per row: events never go back in time
         self._pending: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+        if rank is not None:
+            origin = round(self._start * 1e6, 3)
+            args = {"rank": rank, "host": host, "monotonic_us": origin}
+            self._pending.append({"name": "hvdrun_rank", "ph": "M", "pid": 0, "args": args})
         self._row(".cycles")
 
     def _ts(self, when: float) -> float:
@@ -90,7 +104,7 @@ class Timeline:
             self._open[row].append(phase)
             self._event(phase, "B", when, row)
 
-    def end(self, name: str, phase: str, when: float) -> None:
+    def end(self, name: str, phase: str, when: float, **extra: Any) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -98,7 +112,7 @@ class Timeline:
             stack = self._open[row]
             if stack and stack[-1] == phase:
                 stack.pop()
-                self._event(phase, "E", when, row)
+                self._event(phase, "E", when, row, **extra)
 
     def tick(self, name: str, label: str, when: float) -> None:
         """An instant mark on a row (a rank's announcement under NEGOTIATE_*)."""
@@ -106,12 +120,15 @@ class Timeline:
             if not self._closed:
                 self._event(label, "i", when, self._row(name), s="t")
 
-    def negotiated(self, name: str, op: str, seen: dict[int, float], now: float) -> None:
-        """An op became ready: a tick per rank's announcement under NEGOTIATE_<OP>, which
-        ends, and the op's own phase begins, with QUEUE until its collective starts."""
+    def negotiated(
+        self, name: str, op: str, seen: dict[int, float], now: float, round_id: str = ""
+    ) -> None:
+        """An op became ready in round ``round_id``: a tick per rank's announcement under
+        NEGOTIATE_<OP>, which ends, and the op's own phase begins, with QUEUE until its
+        collective starts."""
         for rank, when in sorted(seen.items(), key=lambda item: item[1]):
             self.tick(name, str(rank), when)
-        self.end(name, "NEGOTIATE_" + op, now)
+        self.end(name, "NEGOTIATE_" + op, now, args={"round": round_id})
         self.begin(name, op, now)
         if op in _DATA_OPS:
             self.begin(name, "QUEUE", now)
@@ -164,9 +181,11 @@ class TimelineSlot:
         self.current: Timeline | None = None
 
 
-def open_for_rank(path: str, mark_cycles: bool, rank: int) -> Timeline | None:
+def open_for_rank(
+    path: str, mark_cycles: bool, rank: int, all_ranks: bool = False, host: str = ""
+) -> Timeline | None:
     """The timeline this rank writes, if any: rank 0 writes it, as in Horovod; a ``{rank}``
-    in the path makes every rank write its own file."""
-    if "{rank}" in path:
-        return Timeline(path.replace("{rank}", str(rank)), mark_cycles)
-    return Timeline(path, mark_cycles) if rank == 0 else None
+    in the path, or ``all_ranks``, makes every rank write its own file (see
+    ``worker_env.timeline_file``)."""
+    own = timeline_file(path, rank, all_ranks)
+    return Timeline(own, mark_cycles, rank, host) if own is not None else None

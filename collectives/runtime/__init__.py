@@ -3,7 +3,8 @@
 ``from collectives import runtime`` gives ``runtime.init()``, ``runtime.shutdown()``,
 ``runtime.reset()``, the rank queries (``runtime.rank()``, ``runtime.size()``, ...),
 ``runtime.require()``, ``runtime.engine()``, ``runtime.config()``, ``runtime.timeout()``,
-``runtime.generation()`` and the build queries; the modules behind them:
+``runtime.generation()``, ``runtime.report()`` and the build queries; the modules behind
+them:
 
 * :mod:`.state` -- the live runtime of this process and the questions asked of it;
 * :mod:`.bootstrap` -- ``init()``, ``shutdown()`` and the elastic ``reset()``: how a process
@@ -11,6 +12,7 @@
 * :mod:`.registration` -- joining through the rendezvous: registration, the default process
   group over the rendezvous store, the heartbeat watch, elastic generations;
 * :mod:`.groups` -- the backend, the CUDA device, and the engine on process groups of its own;
+* :mod:`.insight` -- publishing this rank's arrival figures, and ``hvd.report()``;
 * :mod:`.build` -- what this build supports (``gloo_built()``, ``nccl_built()``, ...).
 
 Layering: the runtime sits above the engine (:mod:`collectives.engine`), which it creates
@@ -36,6 +38,7 @@ from collectives.runtime.build import (
     nccl_built,
     rocm_built,
 )
+from collectives.runtime.insight import report
 from collectives.runtime.registration import HostRemoved
 from collectives.runtime.state import (
     RuntimeState,
@@ -91,6 +94,7 @@ __all__ = [
     "nccl_built",
     "newest_generation",
     "rank",
+    "report",
     "require",
     "reset",
     "rocm_built",

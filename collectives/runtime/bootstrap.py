@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from collectives.engine import config as config_module
 from collectives.engine.cycle import FINAL_CYCLE_SECONDS
-from collectives.runtime import logs, state
+from collectives.runtime import insight, logs, state
 from collectives.runtime.adopted import init_adopted
 from collectives.runtime.groups import (
     choose_backend,
@@ -131,6 +131,7 @@ def init(comm: Any = None) -> bool:
             _teardown(runtime_)
             raise
         state.set_current(runtime_)
+        insight.start(runtime_)
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
@@ -150,7 +151,9 @@ def init(comm: Any = None) -> bool:
 
 def _teardown(runtime_: RuntimeState) -> None:
     runtime_.closed.set()
+    engine_ = runtime_.engine
     stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 2.0)
+    insight.finish(runtime_, engine_)  # (its last figures, before the store goes)
     if runtime_.leave is not None:
         runtime_.leave()
     elif runtime_.client is not None:
@@ -172,7 +175,10 @@ def reset() -> None:
                 "elastic reset needs an elastic job: start it with hvdrun --min-np/--max-np"
             )
         # Shorter than at shutdown: a peer that is gone must not delay the recovery.
+        engine_ = runtime_.engine
         stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 1.0)
+        if engine_ is not None and runtime_.insight is not None:
+            runtime_.insight.engine_stopped(engine_)  # (the next engine's figures add up)
         try:
             register(runtime_, runtime_.generation + 1)
             join_elastic(runtime_)

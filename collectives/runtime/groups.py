@@ -224,7 +224,9 @@ def start_engine(runtime_: RuntimeState) -> Engine:
         cuda_device=torch.cuda.current_device() if uses_cuda(runtime_.backend) else None,
     )
     if cfg.timeline:
-        engine.timeline = timeline.open_for_rank(cfg.timeline, cfg.timeline_mark_cycles, topo.rank)
+        engine.timeline = timeline.open_for_rank(
+            cfg.timeline, cfg.timeline_mark_cycles, topo.rank, cfg.timeline_all_ranks, runtime_.host
+        )
     engine.start()
     return engine
 

@@ -104,6 +104,8 @@ class RuntimeState:
     #: Why CUDA tensors cannot be reduced in this job (ranks that would share a GPU under
     #: NCCL); None where they can. Every rank holds the same verdict.
     cuda_refusal: str | None = None
+    #: What publishes this rank's arrival figures (``collectives.runtime.insight``).
+    insight: Any = None
 
     def saw_generation(self, generation: int) -> None:
         if generation > self.newest_generation:
@@ -235,9 +237,11 @@ def engine(what: str = "this function") -> Engine:
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Starts writing a Chrome-trace timeline (rank 0; every rank if the path has
-    ``{rank}``), replacing one being written."""
+    ``{rank}`` or the job runs with ``--timeline-all-ranks``), replacing one being written."""
+    runtime_ = require("hvd.start_timeline()")
     engine_ = engine("hvd.start_timeline()")
-    new = timeline.open_for_rank(file_path, mark_cycles, engine_.rank)
+    all_ranks = runtime_.config.timeline_all_ranks
+    new = timeline.open_for_rank(file_path, mark_cycles, engine_.rank, all_ranks, runtime_.host)
     old, engine_.timeline = engine_.timeline, new
     if old is not None:
         old.close()

@@ -17,7 +17,9 @@ membership, discovery and generations):
 
 Everything is driven by :meth:`Supervision.step` and an injectable clock, so tests can run
 it with fake agents. :class:`JobResult` and :class:`WorkerFailure` are what the failure
-report (:mod:`launcher.supervision.report`) reads.
+report (:mod:`launcher.supervision.report`) reads. A supervisor given an ``insight`` watch
+(:mod:`launcher.supervision.insight`) has it look at the workers' arrival figures every
+step, and keeps their last figures in the result for the end-of-job table.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from typing import Generic, Protocol, TypeVar
 
 from launcher.output import OutputSink
 from launcher.spec.job import JobSpec
+from launcher.supervision.insight import InsightWatch
 from launcher.transport.connection import AgentExit
 from launcher.transport.protocol import AgentSpec, Done, WorkerLaunch
 from rendezvous import worker_env
+from rendezvous.insight import RankFigures
 from rendezvous.slots import SlotInfo
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,7 @@ class JobResult:
     stopped: set[int] = field(default_factory=set)  # exited after hvdrun began stopping
     lost: dict[int, str] = field(default_factory=dict)  # rank -> why it was never reported
     hosts: dict[int, str] = field(default_factory=dict)  # rank -> host
+    figures: dict[str, RankFigures] = field(default_factory=dict)  # the workers' last figures
 
 
 def agent_spec(
@@ -199,6 +204,7 @@ class Supervision(ABC, Generic[E]):
         self.stop_deadline: float | None = None  # then agents that have not reported are killed
         self._last_check: float | None = None  # when this loop last judged heartbeats
         self._grace_until = 0.0  # after this loop itself stalled, silence is its own
+        self.insight: InsightWatch | None = None  # watches the workers' arrival figures
 
     # ---- what differs between supervisors ----------------------------------------------
 
@@ -238,6 +244,11 @@ class Supervision(ABC, Generic[E]):
     def run(self) -> JobResult:
         while not self.finished():
             self.step()
+        if self.insight is not None:
+            try:
+                self.result.figures = self.insight.figures()
+            except Exception as error:  # the report is a bonus: never fail the job over it
+                log.warning("could not read the workers' figures: %s", error)
         return self.result
 
     def step(self) -> None:
@@ -252,6 +263,8 @@ class Supervision(ABC, Generic[E]):
         self.check_heartbeats(now)
         self.drain_events()
         self.after_events(self.clock())
+        if self.insight is not None and not self.stopping:
+            self.insight.step(self.clock())
 
     def act_on_signals(self) -> None:
         for before, signum in self.signals.take():
@@ -328,6 +341,8 @@ class Supervision(ABC, Generic[E]):
         if self.stopping:
             return
         self.stopping = True
+        if self.insight is not None:
+            self.insight.stop()
         self.sink.status(None)
         self.stop_deadline = self.clock() + self.term_grace + AGENT_REPORT_SLACK
         for agent in self.live_agents():

@@ -81,6 +81,7 @@ from launcher.supervision.core import (
     agent_spec,
 )
 from launcher.supervision.discovery import DiscoveryError, FixedHosts
+from launcher.supervision.insight import InsightWatch
 from launcher.supervision.membership import HostRecord, Membership, Publish, Stop, Wait
 from launcher.supervision.report import describe_exit, report_failure
 from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
@@ -196,6 +197,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         self._done = threading.Event()
         self._versions = installed_versions() if spec.launch.check_versions else None
         self._discovery_error: str | None = None
+        self.insight = InsightWatch(lambda prefix: self.server.values_under(prefix), sink)
 
     # ---- the loop -------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from launcher.supervision.core import (
     agent_loss_reason,
     agent_spec,
 )
+from launcher.supervision.insight import InsightWatch
 from launcher.supervision.report import report_failure
 from launcher.transport.connection import (
     AgentConnection,
@@ -77,6 +78,8 @@ class Supervisor(Supervision[HostEvent]):
         self.result.hosts = dict(self.host_of)
         self._pending_hosts = set(self.agents)  # hosts that have not reported every rank yet
         self._registered = -1
+        if server is not None:
+            self.insight = InsightWatch(server.values_under, sink)
 
     def run(self) -> JobResult:
         result = super().run()

@@ -89,6 +89,10 @@ class Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     def watching_ranks(self) -> set[int]:
         return self._watches.watching_ranks()
 
+    def values_under(self, prefix: str) -> dict[str, bytes]:
+        """Every key of the store under ``prefix`` (the workers' reports), and its value."""
+        return self._store.values_under(prefix)
+
     # ---- RPCs --------------------------------------------------------------------------
 
     async def Register(

@@ -14,7 +14,8 @@ Why it looks the way it does:
 * The job's state belongs to the loop. The launcher's threads (the fixed supervisor's
   status line, the elastic driver, a placed job's rank 0 waiting for the others to leave)
   read it through :meth:`RendezvousServer.registered_count`,
-  :meth:`~RendezvousServer.waiting_slots` and :meth:`~RendezvousServer.watching_ranks`,
+  :meth:`~RendezvousServer.waiting_slots`, :meth:`~RendezvousServer.watching_ranks` and
+  :meth:`~RendezvousServer.values_under`,
   which run a small coroutine on the loop and wait for its answer: no lock is shared with
   the loop, and an answer is never a half-made change.
 
@@ -235,6 +236,11 @@ class RendezvousServer:
     def watching_ranks(self) -> set[int]:
         """Ranks that hold an open Watch stream right now."""
         return self._ask(self._servicer.watching_ranks, set())
+
+    def values_under(self, prefix: str) -> dict[str, bytes]:
+        """The store's keys under ``prefix`` and their values (the workers' reports, such
+        as their arrival figures under ``worker_env.INSIGHT_KEY_PREFIX``)."""
+        return self._ask(lambda: self._servicer.values_under(prefix), {})
 
     def _ask(self, question: Callable[[], _T], unstarted: _T) -> _T:
         """``question()`` answered on the server's loop, which owns the job's state: callers

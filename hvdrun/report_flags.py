@@ -1,0 +1,143 @@
+"""``--report-file``, ``--no-report`` and ``--merge-timelines``: what hvdrun says about where
+the ranks' time went.
+
+When a job ends, hvdrun prints a short table of every rank's time in collectives, how long it
+waited for the others, how often it arrived last and what that cost the others, and names
+the rank that held the job back when one stands out (:mod:`launcher.supervision.insight`);
+``--no-report`` leaves the table out and ``--report-file FILE`` writes the full figures as
+JSON. Where every rank wrote its own timeline (``--timeline-all-ranks``, or ``{rank}`` in
+``--timeline-filename``) hvdrun merges them into one trace afterwards; ``--merge-timelines
+OUTPUT FILE...`` does the same for files gathered by hand (:mod:`hvdrun.timelines`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from hvdrun.timelines import TimelineError, merge_files, merged_path, rank_files
+from rendezvous import worker_env
+
+if TYPE_CHECKING:
+    from launcher.supervision.insight import ReportOptions
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_OPTIONS = [
+    click.option(
+        "--report-file",
+        type=click.Path(dir_okay=False),
+        metavar="FILE",
+        help="Write the end-of-job report's full figures as JSON: per rank its time in "
+        "collectives, its waits for the others, how often it arrived last, what that cost "
+        "the others, and the ops waited at most.",
+    ),
+    click.option(
+        "--no-report",
+        is_flag=True,
+        help="Do not print the end-of-job table of where the ranks' time went.",
+    ),
+    click.option(
+        "--merge-timelines",
+        type=click.Path(dir_okay=False),
+        metavar="OUTPUT",
+        help="Merge the per-rank timelines given as arguments (hvdrun --merge-timelines "
+        "OUTPUT trace.0.json trace.1.json ...) into one trace, one process per rank, clocks "
+        "aligned, and exit.",
+    ),
+]
+
+
+def report_options(fn: F) -> F:
+    """Adds the report flags to a click command."""
+    for option in reversed(_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+@dataclass(frozen=True)
+class ReportFlags:
+    report_file: str | None = None
+    no_report: bool = False
+    merge_timelines: str | None = None
+
+    @classmethod
+    def take(cls, params: dict[str, Any]) -> ReportFlags:
+        """Removes the report flags from the command's parameters."""
+        return cls(
+            params.pop("report_file", None),
+            bool(params.pop("no_report", False)),
+            params.pop("merge_timelines", None),
+        )
+
+    def check(self) -> None:
+        """A report file's directory must exist or be creatable, before the job starts."""
+        if self.report_file is None:
+            return
+        directory = os.path.dirname(os.path.abspath(self.report_file))
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise click.BadParameter(
+                f"cannot create {directory}: {exc.strerror or exc}", param_hint="'--report-file'"
+            ) from None
+
+    def options(self) -> ReportOptions:
+        from launcher.supervision.insight import ReportOptions
+
+        path = os.path.abspath(self.report_file) if self.report_file else None
+        return ReportOptions(table=not self.no_report, file=path)
+
+
+def _say(line: str) -> None:
+    click.echo(line, err=True)
+
+
+def merge_command(output: str, inputs: Sequence[str], echo: Callable[[str], None] = _say) -> int:
+    """``hvdrun --merge-timelines OUTPUT FILE...``."""
+    if not inputs:
+        raise click.UsageError(
+            "--merge-timelines OUTPUT needs the timelines to merge: hvdrun --merge-timelines "
+            "OUTPUT trace.0.json trace.1.json ..."
+        )
+    try:
+        notes = merge_files(output, inputs)
+    except TimelineError as exc:
+        raise click.ClickException(str(exc)) from None
+    for note in notes:
+        echo(f"hvdrun: note: {note}")
+    echo(f"hvdrun: merged {len(inputs)} timelines into {output}")
+    return 0
+
+
+def merge_after_job(env: Mapping[str, str], ranks: int, echo: Callable[[str], None] = _say) -> None:
+    """Merges the job's per-rank timelines, where every rank wrote one that is on this
+    machine (the others are named, for ``--merge-timelines`` by hand)."""
+    path = worker_env.setting(worker_env.TIMELINE, env)
+    if not path or (
+        "{rank}" not in path and not worker_env.flag(worker_env.TIMELINE_ALL_RANKS, env)
+    ):
+        return
+    files = rank_files(path, ranks)
+    here = [name for name in files if os.path.exists(name)]
+    if not here:
+        return
+    output = merged_path(path)
+    try:
+        notes = merge_files(output, here)
+    except TimelineError as exc:
+        echo(f"hvdrun: the timelines were not merged: {exc}")
+        return
+    for note in notes:
+        echo(f"hvdrun: note: {note}")
+    missing = [name for name in files if name not in here]
+    echo(f"hvdrun: merged the timelines of {len(here)} rank(s) into {output}")
+    if missing:
+        echo(
+            f"hvdrun: {len(missing)} timeline(s) are not on this machine (e.g. {missing[0]}): "
+            "copy them here and merge them all with hvdrun --merge-timelines OUTPUT FILE..."
+        )

@@ -1,0 +1,277 @@
+"""Merging the timelines of all ranks into one trace: ``hvdrun --merge-timelines OUT FILE...``.
+
+With ``--timeline-all-ranks`` (or a ``{rank}`` in ``--timeline-filename``) every rank writes
+its own Chrome trace, on its own clock. The merged trace has one process per rank (named
+``rank N (host)``) and one thread per op within it, so chrome://tracing or Perfetto shows
+the ranks one above the other, and who was late for what.
+
+Aligning the clocks: a rank's file records its times from its own start. Ranks on one host
+share the host's monotonic clock, which each file records (its ``hvdrun_rank`` event), so
+they align exactly. Across hosts the ranks' clocks are compared on the rounds that they left
+together: every op's NEGOTIATE phase ends when the round that made it ready ends, at nearly
+the same moment on every rank (within the round's own latency), and names that round. A line
+fitted through those ends (the offset and the drift of one host's clock against the
+reference rank's, outliers dropped) maps the host's times onto the reference's.
+
+Each NEGOTIATE phase of the merged trace then says which rank submitted the op last
+(``args.last_rank``) and how long this rank waited for it (``args.waited_ms``).
+
+This module reads and writes JSON only: the CLI imports it without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rendezvous import worker_env
+
+__all__ = ["TimelineError", "merge", "merge_files", "merged_path", "rank_files"]
+
+#: Keys of an op occurrence: (op row name, round).
+Key = tuple[str, str]
+
+
+class TimelineError(Exception):
+    """A timeline that cannot be read or merged (the message says which and why)."""
+
+
+@dataclass
+class _Rank:
+    path: str
+    rank: int
+    host: str
+    origin_us: float | None  # the host's monotonic clock at the file's time 0
+    events: list[dict[str, Any]]
+    rows: dict[int, str] = field(default_factory=dict)  # file pid -> op name
+    ends: dict[Key, float] = field(default_factory=dict)  # NEGOTIATE end, by round
+    begins: dict[Key, float] = field(default_factory=dict)  # its NEGOTIATE begin
+    # Its times on the reference rank's clock: (ts + local - offset) / (1 + slope), with
+    # ``local`` onto its host's first rank's clock, then that clock's fit onto the reference.
+    local: float = 0.0
+    offset: float = 0.0
+    slope: float = 0.0
+
+    def time(self, ts: float) -> float:
+        return (ts + self.local - self.offset) / (1.0 + self.slope)
+
+
+def rank_files(path: str, size: int) -> list[str]:
+    """The files ranks 0..size-1 write for ``--timeline-filename path`` with every rank
+    writing its own."""
+    files = [worker_env.timeline_file(path, rank, all_ranks=True) for rank in range(size)]
+    return [name for name in files if name is not None]
+
+
+def merged_path(path: str) -> str:
+    """Where hvdrun writes the merged trace of ``--timeline-filename path``: the path itself,
+    or with ``{rank}`` as ``all``."""
+    return path.replace("{rank}", "all")
+
+
+def _load(path: str, index: int) -> _Rank:
+    try:
+        with open(path, encoding="utf-8") as source:
+            events = json.load(source)
+    except OSError as error:
+        raise TimelineError(f"cannot read {path}: {error.strerror or error}") from None
+    except ValueError as error:
+        raise TimelineError(f"{path} is not a timeline (JSON): {error}") from None
+    if not isinstance(events, list):
+        raise TimelineError(f"{path} is not a timeline: not a JSON array of trace events")
+    rank, host, origin = index, "", None
+    number = re.findall(r"\d+", os.path.basename(path))
+    if number:
+        rank = int(number[-1])
+    for event in events:
+        if (
+            isinstance(event, dict)
+            and event.get("name") == "hvdrun_rank"
+            and event.get("ph") == "M"
+        ):
+            args = event.get("args", {})
+            rank = int(args.get("rank", rank))
+            host = str(args.get("host", ""))
+            origin = args.get("monotonic_us")
+            break
+    found = _Rank(path, rank, host, float(origin) if origin is not None else None, events)
+    _index(found)
+    return found
+
+
+def _index(rank: _Rank) -> None:
+    """The rows' names, and each op occurrence's NEGOTIATE begin and end (by round)."""
+    open_negotiations: dict[int, list[float]] = defaultdict(list)
+    for event in rank.events:
+        if not isinstance(event, dict):
+            continue
+        pid = event.get("pid", 0)
+        phase = event.get("ph")
+        name = str(event.get("name", ""))
+        if phase == "M" and name == "process_name":
+            rank.rows[pid] = str(event.get("args", {}).get("name", pid))
+            continue
+        if not name.startswith("NEGOTIATE_") or "ts" not in event:
+            continue
+        if phase == "B":
+            open_negotiations[pid].append(float(event["ts"]))
+        elif phase == "E" and open_negotiations[pid]:
+            began = open_negotiations[pid].pop()
+            round_id = event.get("args", {}).get("round")
+            if round_id:
+                key = (rank.rows.get(pid, str(pid)), str(round_id))
+                rank.ends[key] = float(event["ts"])
+                rank.begins[key] = began
+
+
+def _fit(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """(offset, slope) of ``mine - reference`` against ``reference``, fitted by least squares
+    after dropping outliers (a round one rank left late: it was busy, not the clock)."""
+    diffs = [mine - ref for ref, mine in pairs]
+    middle = statistics.median(diffs)
+    spread = statistics.median([abs(d - middle) for d in diffs]) or 1.0
+    kept = [(ref, mine - ref) for ref, mine in pairs if abs(mine - ref - middle) <= 5 * spread]
+    if len(kept) < 3:
+        return middle, 0.0
+    mean_x = statistics.fmean(x for x, _ in kept)
+    mean_y = statistics.fmean(y for _, y in kept)
+    var = sum((x - mean_x) ** 2 for x, _ in kept)
+    if var <= 0:
+        return mean_y, 0.0
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in kept) / var
+    return mean_y - slope * mean_x, slope
+
+
+def _align(ranks: list[_Rank]) -> list[str]:
+    """Puts every rank on the first rank's clock (see the module docstring); returns notes
+    for the user."""
+    notes = []
+    reference = ranks[0]
+    clocks: dict[str, list[_Rank]] = defaultdict(list)  # the ranks that share a clock
+    for rank in ranks:
+        shared = rank.host and rank.origin_us is not None
+        clocks[rank.host if shared else f"?{rank.rank}"].append(rank)
+    for members in clocks.values():
+        head = members[0]
+        for other in members[1:]:
+            assert other.origin_us is not None and head.origin_us is not None
+            other.local = other.origin_us - head.origin_us
+        if reference in members:
+            offset, slope = -reference.local, 0.0
+        else:
+            common = [key for key in head.ends if key in reference.ends]
+            if not common:
+                notes.append(
+                    f"rank {head.rank} ({head.path}) shares no round with rank "
+                    f"{reference.rank}: its clock is left as it is"
+                )
+                offset, slope = 0.0, 0.0
+            else:
+                pairs = [(reference.time(reference.ends[key]), head.ends[key]) for key in common]
+                offset, slope = _fit(pairs)
+        for member in members:
+            member.offset, member.slope = offset, slope
+    return notes
+
+
+def merge(ranks: list[_Rank]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The merged trace's events, and notes for the user."""
+    ranks = sorted(ranks, key=lambda r: r.rank)
+    notes = _align(ranks)
+    lasts = _last_submitters(ranks)
+    merged: list[dict[str, Any]] = []
+    start = min(
+        (
+            r.time(float(e["ts"]))
+            for r in ranks
+            for e in r.events
+            if isinstance(e, dict) and "ts" in e
+        ),
+        default=0.0,
+    )
+    for rank in ranks:
+        label = f"rank {rank.rank}" + (f" ({rank.host})" if rank.host else "")
+        merged.append(
+            {"name": "process_name", "ph": "M", "pid": rank.rank, "args": {"name": label}}
+        )
+        merged.append(
+            {
+                "name": "process_sort_index",
+                "ph": "M",
+                "pid": rank.rank,
+                "args": {"sort_index": rank.rank},
+            }
+        )
+        open_negotiations: dict[int, list[float]] = defaultdict(list)
+        for event in rank.events:
+            if not isinstance(event, dict):
+                continue
+            pid = event.get("pid", 0)
+            name = event.get("name")
+            if event.get("ph") == "M":
+                if name == "process_name":
+                    merged.append(
+                        {"name": "thread_name", "ph": "M", "pid": rank.rank, "tid": pid,
+                         "args": event.get("args", {})}
+                    )  # fmt: skip
+                    merged.append(
+                        {"name": "thread_sort_index", "ph": "M", "pid": rank.rank, "tid": pid,
+                         "args": {"sort_index": pid}}
+                    )  # fmt: skip
+                continue
+            out = {**event, "pid": rank.rank, "tid": pid}
+            if "ts" in out:
+                out["ts"] = round(rank.time(float(out["ts"])) - start, 3)
+            if isinstance(name, str) and name.startswith("NEGOTIATE_"):
+                if out.get("ph") == "B":
+                    open_negotiations[pid].append(out["ts"])
+                elif out.get("ph") == "E" and open_negotiations[pid]:
+                    began = open_negotiations[pid].pop()
+                    round_id = out.get("args", {}).get("round")
+                    key = (rank.rows.get(pid, str(pid)), str(round_id))
+                    if round_id and key in lasts:
+                        out["args"] = {
+                            **out.get("args", {}),
+                            "last_rank": lasts[key],
+                            "waited_ms": round((out["ts"] - began) / 1000.0, 3),
+                        }
+            merged.append(out)
+    return merged, notes
+
+
+def _last_submitters(ranks: Sequence[_Rank]) -> dict[Key, int]:
+    """For every op occurrence that several ranks recorded: the rank that submitted it last
+    (on the aligned clocks)."""
+    begins: dict[Key, list[tuple[float, int]]] = defaultdict(list)
+    for rank in ranks:
+        for key, began in rank.begins.items():
+            begins[key].append((rank.time(began), rank.rank))
+    return {key: max(found)[1] for key, found in begins.items() if len(found) > 1}
+
+
+def merge_files(output: str, inputs: Iterable[str]) -> list[str]:
+    """Merges the timeline files ``inputs`` into ``output``; returns notes for the user.
+    Raises :class:`TimelineError` naming a file that cannot be read."""
+    paths = list(inputs)
+    if not paths:
+        raise TimelineError("no timeline files to merge")
+    ranks = [_load(path, index) for index, path in enumerate(paths)]
+    seen: dict[int, str] = {}
+    for rank in ranks:
+        if rank.rank in seen:
+            raise TimelineError(f"{seen[rank.rank]} and {rank.path} are both rank {rank.rank}'s")
+        seen[rank.rank] = rank.path
+    events, notes = merge(ranks)
+    directory = os.path.dirname(os.path.abspath(output))
+    os.makedirs(directory, exist_ok=True)
+    with open(output, "w", encoding="utf-8") as out:
+        out.write("[\n")
+        out.write(",\n".join(json.dumps(event, separators=(",", ":")) for event in events))
+        out.write("\n]\n")
+    return notes

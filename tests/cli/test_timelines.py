@@ -1,0 +1,166 @@
+"""Every rank's timeline: file names, the merge (clocks aligned, who submitted last) and the
+report flags on the command line."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from collectives.engine.timeline import Timeline, open_for_rank
+from hvdrun.cli import run_cli
+from hvdrun.report_flags import merge_after_job
+from hvdrun.timelines import TimelineError, merge_files, merged_path, rank_files
+from rendezvous.worker_env import timeline_file
+from tests.cli.conftest import assert_usage_error
+
+
+def test_each_rank_has_its_own_file_with_all_ranks_or_a_rank_pattern(tmp_path: Path) -> None:
+    assert timeline_file("t.json", 0) == "t.json" and timeline_file("t.json", 1) is None
+    assert timeline_file("t.json", 3, all_ranks=True) == "t.3.json"
+    assert timeline_file("dir/trace", 2, all_ranks=True) == "dir/trace.2"
+    assert timeline_file("t-{rank}.json", 4) == "t-4.json"
+    assert rank_files("t.json", 2) == ["t.0.json", "t.1.json"]
+    assert merged_path("t.json") == "t.json" and merged_path("t-{rank}.json") == "t-all.json"
+    assert open_for_rank(str(tmp_path / "x.json"), False, 1) is None
+    timeline = open_for_rank(str(tmp_path / "x.json"), False, 1, all_ranks=True, host="h")
+    assert timeline is not None and timeline.path == str(tmp_path / "x.1.json")
+    timeline.close()
+    meta = json.loads((tmp_path / "x.1.json").read_text())[0]
+    assert meta["name"] == "hvdrun_rank" and meta["args"]["rank"] == 1
+    assert meta["args"]["host"] == "h"
+
+
+@pytest.fixture
+def base() -> float:
+    """The time 0 of the ops in a test's timelines, on the clock they share (ahead of the
+    timelines' start: a timeline records nothing from before)."""
+    return time.monotonic() + 1.0
+
+
+def _write(path: Path, base: float, rank: int, host: str, submits: list[float],
+           ends: list[float], skew: float = 0.0) -> None:  # fmt: skip
+    """A rank's timeline of one op per round: submitted at ``submits``, ready at ``ends``
+    (seconds after ``base``), recorded on a clock ``skew`` seconds ahead."""
+    timeline = Timeline(str(path), rank=rank, host=host)
+    base += skew
+    for k, (submit, end) in enumerate(zip(submits, ends, strict=True)):
+        timeline.begin("allreduce.grad", "NEGOTIATE_ALLREDUCE", base + submit)
+        timeline.negotiated("allreduce.grad", "ALLREDUCE", {}, base + end, f"0:{k + 1}")
+        timeline.end("allreduce.grad", "QUEUE", base + end + 0.001)
+        timeline.end("allreduce.grad", "ALLREDUCE", base + end + 0.002)
+    timeline.close()
+
+
+def _negotiations(events: list[dict[str, Any]], rank: int) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("pid") == rank and e["name"] == "NEGOTIATE_ALLREDUCE"]
+
+
+def test_merging_aligns_the_clocks_of_other_hosts_and_names_the_last_submitter(
+    tmp_path: Path,
+    base: float,
+) -> None:
+    ends = [0.1 * k + 0.05 for k in range(20)]
+    # Rank 1, on another host whose clock is 7 s ahead, submits every op 40 ms late.
+    _write(tmp_path / "t.0.json", base, 0, "a", [0.1 * k for k in range(20)], ends)
+    _write(tmp_path / "t.1.json", base, 1, "b", [e - 0.01 for e in ends], ends, skew=7.0)
+    output = tmp_path / "merged.json"
+    assert merge_files(str(output), [str(tmp_path / "t.1.json"), str(tmp_path / "t.0.json")]) == []
+    events = json.loads(output.read_text())
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "rank 0 (a)", 1: "rank 1 (b)"}
+    threads = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert "allreduce.grad" in threads
+    rows = {rank: _negotiations(events, rank) for rank in (0, 1)}
+    for rank in (0, 1):  # every op in order, on aligned clocks
+        assert [e["ph"] for e in rows[rank]] == ["B", "E"] * 20
+        stamps = [e["ts"] for e in rows[rank]]
+        assert stamps == sorted(stamps)
+    for mine, theirs in zip(rows[0], rows[1], strict=True):
+        if mine["ph"] == "E":  # the rounds ended together
+            assert abs(mine["ts"] - theirs["ts"]) < 5.0
+            assert mine["args"]["last_rank"] == 1 and theirs["args"]["last_rank"] == 1
+            assert mine["args"]["waited_ms"] == pytest.approx(50.0, abs=0.1)
+            assert theirs["args"]["waited_ms"] == pytest.approx(10.0, abs=0.1)
+
+
+def test_ranks_of_one_host_align_on_its_clock(tmp_path: Path, base: float) -> None:
+    _write(tmp_path / "a.json", base, 0, "h", [0.0, 0.2], [0.1, 0.3])
+    time.sleep(0.05)  # (the second file starts later: its times count from then)
+    _write(tmp_path / "b.json", base, 1, "h", [0.09, 0.25], [0.1, 0.3])
+    events, _ = _merged(tmp_path, ["a.json", "b.json"])
+    ends = [[e["ts"] for e in _negotiations(events, rank) if e["ph"] == "E"] for rank in (0, 1)]
+    assert ends[0] == pytest.approx(ends[1], abs=2.0)
+
+
+def _merged(tmp_path: Path, names: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    output = tmp_path / "out.json"
+    notes = merge_files(str(output), [str(tmp_path / name) for name in names])
+    return json.loads(output.read_text()), notes
+
+
+def test_a_rank_that_shares_no_round_is_left_as_it_is(tmp_path: Path, base: float) -> None:
+    _write(tmp_path / "a.json", base, 0, "h1", [0.0], [0.1])
+    (tmp_path / "b.json").write_text('[{"name":"x","ph":"i","ts":5,"pid":0,"tid":0,"s":"t"}]')
+    events, notes = _merged(tmp_path, ["a.json", "b.json"])
+    assert notes and "shares no round with rank 0" in notes[0]
+    assert any(e.get("pid") == 1 and e["name"] == "x" for e in events)
+
+
+def test_unreadable_or_clashing_timelines_are_named(tmp_path: Path, base: float) -> None:
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(TimelineError, match=r"bad\.json is not a timeline"):
+        merge_files(str(tmp_path / "o.json"), [str(tmp_path / "bad.json")])
+    with pytest.raises(TimelineError, match="cannot read"):
+        merge_files(str(tmp_path / "o.json"), [str(tmp_path / "missing.json")])
+    _write(tmp_path / "x.json", base, 0, "h", [0.0], [0.1])
+    _write(tmp_path / "y.json", base, 0, "h", [0.0], [0.1])
+    with pytest.raises(TimelineError, match="both rank 0's"):
+        merge_files(str(tmp_path / "o.json"), [str(tmp_path / "x.json"), str(tmp_path / "y.json")])
+
+
+def test_merge_timelines_on_the_command_line(
+    tmp_path: Path, base: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write(tmp_path / "t.0.json", base, 0, "h", [0.0], [0.1])
+    _write(tmp_path / "t.1.json", base, 1, "h", [0.05], [0.1])
+    out = tmp_path / "all.json"
+    assert run_cli(["--merge-timelines", str(out), str(tmp_path / "t.0.json"),
+                    str(tmp_path / "t.1.json")]) == 0  # fmt: skip
+    assert f"merged 2 timelines into {out}" in capsys.readouterr().err
+    assert {e["pid"] for e in json.loads(out.read_text())} == {0, 1}
+    assert_usage_error(["--merge-timelines", str(out)], "needs the timelines to merge", capsys)
+    assert run_cli(["--merge-timelines", str(out), str(tmp_path / "none.json")]) == 1
+    assert "hvdrun: error: cannot read" in capsys.readouterr().err
+
+
+def test_after_a_job_hvdrun_merges_the_timelines_it_can_see(tmp_path: Path, base: float) -> None:
+    path = str(tmp_path / "trace.json")
+    _write(tmp_path / "trace.0.json", base, 0, "h", [0.0], [0.1])
+    said: list[str] = []
+    env = {"HVDRUN_TIMELINE": path, "HVDRUN_TIMELINE_ALL_RANKS": "1"}
+    merge_after_job(env, 2, said.append)
+    assert "merged the timelines of 1 rank(s)" in said[0] and "trace.1.json" in said[1]
+    assert json.loads(Path(path).read_text())
+    said.clear()
+    merge_after_job({"HVDRUN_TIMELINE": path}, 2, said.append)  # rank 0's file only
+    assert said == []
+
+
+def test_report_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["--help"]) == 0
+    out = capsys.readouterr().out
+    output_section = out[out.index("Output:") :]
+    for flag in ("--report-file", "--no-report", "--timeline-all-ranks", "--merge-timelines"):
+        assert flag in out
+    assert output_section.index("--report-file") < output_section.index("Logging:")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert_usage_error(
+        ["--report-file", str(blocker / "r.json"), "-np", "1", "true"],
+        "invalid '--report-file': cannot create",
+        capsys,
+    )
