@@ -40,6 +40,7 @@ import torch
 from collectives import runtime
 from collectives.adasum import adasum_tree
 from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.engine import streams
 from collectives.engine.execute import Group, split_rows
 from collectives.engine.handles import Handle
 from collectives.engine.reduction import Reduction
@@ -208,7 +209,9 @@ def submit(
     engine, group = resolve_process_set(process_set, label)
     set_id = group.process_set_id
     full = "" if name is None else f"{label}.{_check_name(name)}"
-    request = _request(engine, kind, full, -1, set_id, inputs, outputs, common, var, finish)
+    request = _request(
+        engine, kind, full, -1, set_id, inputs, outputs, common, var, finish, blocking
+    )
     if name is None:
         # Drawn last, once nothing on this rank can refuse the op any more: an op refused
         # here on one rank must not move its counter on (see engine/names.py).
@@ -229,8 +232,10 @@ def _request(
     common: tuple[Any, ...],
     var: str,
     finish: Callable[[Request], Any] | None,
+    blocking: bool = False,
 ) -> Request:
-    """A submission's request (``full`` None: the unnamed op of ``counter``)."""
+    """A submission's request (``full`` None: the unnamed op of ``counter``; ``blocking``:
+    its caller waits on it at once)."""
     if full is None:
         full = noname(kind, counter)
     if len(inputs) > 1:
@@ -257,9 +262,9 @@ def _request(
         refusal = runtime.cuda_refusal()
         if refusal is not None:
             raise SharedGpuError(refusal)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(inputs[0].device))
-        request.ready_events = [event]
+        request.stream, event = streams.ready(inputs[0], blocking)
+        if event is not None:
+            request.ready_events = [event]
     request.submitted = time.monotonic()
     return request
 
@@ -319,6 +324,7 @@ def allreduce_in_place(
                 common,
                 "",
                 first_output,
+                blocking=True,
             ),
         )
         if handle is not None:

@@ -11,8 +11,10 @@ contributes the op's neutral element (0 for Sum/Average, 1 for Product, the dtyp
 for Min/Max, zero rows for allgather/alltoall) and discards the result.
 
 CUDA tensors run on a stream of the engine's own (per device) that first waits for the event
-recorded on the submitting stream, so communication overlaps the user's later kernels; the
-handle is completed with an event recorded after the last kernel that writes the output.
+recorded on the submitting stream, so communication overlaps the user's later kernels; a
+blocking op run by its caller's thread runs on the caller's stream itself (see
+``Executor._on_device``). The handle is completed with an event recorded after the last
+kernel that writes the output.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from collectives.common import ReduceOp
+from collectives.engine import streams
 from collectives.engine.fusion import Bucket, Slot
 from collectives.engine.reduction import PLAIN_SUM, Reduction, neutral_value
 from collectives.engine.requests import Kind, Request, TensorSpec, parse_ragged
@@ -342,6 +345,10 @@ class Executor:
             size = max(nbytes, int(current.numel() * 1.5) if current is not None else 0)
             current = torch.empty(size, dtype=torch.uint8, device=device)
             self._buffers[device] = current
+        if device.type == "cuda":
+            # Used on whichever stream runs the bucket (see _on_device): a buffer replaced
+            # by a larger one is not reused before that stream's kernels on it finished.
+            current.record_stream(streams.current(current.get_device()))
         return current[:nbytes].view(dtype)
 
     def release(self) -> Any:
@@ -361,21 +368,45 @@ class Executor:
 
     @contextlib.contextmanager
     def _on_device(self, bucket: Bucket, device: torch.device) -> Iterator[list[Any]]:
-        """Runs the bucket on the engine's stream (CUDA); yields a list for its done event."""
+        """Runs the bucket on a CUDA stream; yields a list for its done event.
+
+        Blocking ops submitted from this thread's current stream (a synchronous
+        ``hvd.allreduce`` run by its caller's own thread) run on that stream: it is ordered
+        after their inputs already, and nothing was queued behind them. Any other bucket
+        runs on the engine's own stream of the device, which first waits for each op's
+        position on its submitting stream, so that communication overlaps the user's later
+        kernels."""
         done: list[Any] = []
         if device.type != "cuda":
             yield done
+            return
+        requests = bucket.requests()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        here = streams.current(index)
+        if all(r.ready_events is None and r.stream is here for r in requests):
+            yield done
+            event = torch.cuda.Event()
+            event.record(here)
+            done.append(event)
             return
         stream = self._streams.get(device)
         if stream is None:
             stream = torch.cuda.Stream(device)
             self._streams[device] = stream
-        requests = bucket.requests()
-        with torch.cuda.stream(stream):
+        before = streams.switch(stream)
+        try:
             for request in requests:
-                for event in request.ready_events or ():
-                    stream.wait_event(event)
-                request.ready_events = None
+                events = request.ready_events
+                if events is None:
+                    # A blocking op from another thread: its caller waits and queues
+                    # nothing, so its stream's position now is its position at submission.
+                    if request.stream is not None:
+                        stream.wait_stream(request.stream)
+                else:
+                    for event in events:
+                        stream.wait_event(event)
+                # Later buckets of the op run on this stream too, with nothing to wait for.
+                request.stream, request.ready_events = stream, []
             yield done
             for request in requests:
                 for tensor in (*request.inputs, *request.outputs):
@@ -384,6 +415,8 @@ class Executor:
             event = torch.cuda.Event()
             event.record(stream)
             done.append(event)
+        finally:
+            streams.switch(before)
 
     def run(self, bucket: Bucket) -> Any:
         """Runs one bucket; returns the CUDA event after its last kernel (None on CPU)."""

@@ -3,6 +3,12 @@
 Every op submitted to the engine gets a :class:`Handle`: the engine completes it with a result
 or an exception, from its own thread. The public ``*_async`` functions return an ``int``, as
 Horovod's do; ``poll()``/``synchronize()`` look it up in a process-wide table.
+
+An op on CUDA tensors finishes, for its waiter, in stream order, as torch's own
+``Work.wait()`` does for NCCL: ``wait()`` returns once the engine is done with the op and
+the caller's current stream waits for its kernels (the host does not), so the GPU runs on
+through a training step. ``wait(host=True)`` blocks the host until the kernels finished, for
+a reader outside torch's streams (TensorFlow through DLPack).
 """
 
 from __future__ import annotations
@@ -11,6 +17,10 @@ import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import torch
+
+from collectives.engine import streams
 
 __all__ = ["Handle", "lookup", "register", "release"]
 
@@ -67,8 +77,10 @@ class Handle:
         event = self.cuda_event
         return event is None or bool(event.query())
 
-    def wait(self) -> Any:
-        """Blocks until the op finished; returns its result or raises its error."""
+    def wait(self, host: bool = False) -> Any:
+        """Blocks until the op finished; returns its result or raises its error. A CUDA
+        op's kernels are then ordered before the caller's current stream (``host``: finished
+        on the device too)."""
         if not self._finished:
             if self._flush is not None:
                 self._flush()  # the caller is blocked: negotiate now, not after the cycle time
@@ -76,8 +88,12 @@ class Handle:
                 pass
         if self.error is not None:
             raise self.error
-        if self.cuda_event is not None:
-            self.cuda_event.synchronize()
+        event = self.cuda_event
+        if event is not None:
+            if host:
+                event.synchronize()
+            else:
+                event.wait(streams.current(torch.cuda.current_device()))
         return self.result
 
 

@@ -346,6 +346,13 @@ class CacheRound:
         """The lone rider's slice of the staging vector (after :meth:`_lone`)."""
         return self._stage(self._layout).parts[0]
 
+    def _sum(self, group: Any, vector: torch.Tensor, timeout: float | None = None) -> None:
+        """Sums a round's vector over the members. A set of one rank has no one to agree
+        with: its vector is the sum, and the round costs no collective (on a GPU machine the
+        Gloo round of one rank cost more than the NCCL op it negotiated)."""
+        if self.size > 1:
+            self._sums.start(group, self.size, vector, timeout).wait()
+
     def _lone_round(self, group: Any, label: str | None, lane: bool = False) -> bool:
         """The allreduce of a lone rider's round; False when another rank's ops differed."""
         staging = self._staging
@@ -354,7 +361,7 @@ class CacheRound:
         if flag is not None:
             first[flag] = 1.0 if arrivals.want else 0.0
         started = time.perf_counter()
-        self._sums.start(group, self.size, staging.vector).wait()
+        self._sum(group, staging.vector)
         ended = time.perf_counter()
         arrivals.note(started, ended, label)
         if lane:
@@ -432,7 +439,7 @@ class CacheRound:
         if arrivals.want:
             vector[0] += FLAG_WEIGHT
         started = time.perf_counter()
-        self._sums.start(group, self.size, vector, timeout).wait()
+        self._sum(group, vector, timeout)
         arrivals.note(started, time.perf_counter(), new[0].name if new else IDLE)
         first = vector[0].item()
         flags = first // FLAG_WEIGHT
@@ -525,7 +532,7 @@ class CacheRound:
         else:
             staging.vector.fill_(math.nan)
         started = time.perf_counter()
-        self._sums.start(group, self.size, staging.vector, timeout).wait()
+        self._sum(group, staging.vector, timeout)
         arrivals.note(started, time.perf_counter(), new[0].name if new else IDLE)
         flag = staging.flag
         agreed = not math.isnan(staging.first[0])

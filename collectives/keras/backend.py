@@ -78,7 +78,7 @@ class KerasBackend:
                 ops.outputs_of,
                 blocking=True,
             )
-            return list(handle.wait())
+            return list(handle.wait(host=True))
         from collectives.tensorflow import mpi_ops
 
         kwargs: dict[str, Any] = {}
@@ -121,7 +121,7 @@ class KerasBackend:
             handle = ops.submit_broadcast(
                 inputs, None, root_rank, process_set, name, ops.outputs_of, blocking=True
             )
-            return list(handle.wait())
+            return list(handle.wait(host=True))
         from collectives.tensorflow import mpi_ops
 
         results = []
@@ -220,7 +220,7 @@ class KerasBackend:
 
         # (ascontiguousarray makes a 0-d array 1-d: shapes are restored after)
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        outputs = [out.numpy() for out in submit([tensor]).wait()]
+        outputs = [out.numpy() for out in submit([tensor]).wait(host=True)]
         return [out.reshape(array.shape) if out.size == array.size else out for out in outputs]
 
 

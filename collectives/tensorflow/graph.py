@@ -170,7 +170,7 @@ def run(
     """Runs one op: at once in eager mode, as hand-over, await and collect in a graph."""
     if not in_graph():
         try:
-            result = submit([to_torch(t) for t in inputs]).wait()
+            result = submit([to_torch(t) for t in inputs]).wait(host=True)
         except (*_FAILURES, ValueError, TypeError) as error:
             raise as_tensorflow_error(error) from None
         return [from_torch(out) for out in collect(result)]
@@ -258,7 +258,7 @@ def _run(number: tf.Tensor) -> tf.Tensor:
     views, flight.views = flight.views, None
     assert views is not None, "a graph op ran twice"
     try:
-        flight.result = flight.submit(views).wait()
+        flight.result = flight.submit(views).wait(host=True)
     except Exception as error:
         flight.error = error
     return number

@@ -138,14 +138,26 @@ def broadcast_optimizer_state(
         tensors: list[torch.Tensor] = []
         skeleton = _strip(optimizer.state_dict(), tensors)
         broadcast_object(skeleton, root_rank, name=skeleton_name, process_set=process_set)
-        ops.broadcast_(tensors, root_rank, process_set, "broadcast_optimizer_state")
+        _broadcast_by_device(tensors, [t.device.type for t in tensors], root_rank, process_set)
         return
     skeleton = broadcast_object(None, root_rank, name=skeleton_name, process_set=process_set)
     slots: list[_TensorSlot] = []
     _strip_slots(skeleton, slots)
-    received = [_empty_for(slot) for slot in sorted(slots, key=lambda s: s.index)]
-    ops.broadcast_(received, root_rank, process_set, "broadcast_optimizer_state")
+    ordered = sorted(slots, key=lambda s: s.index)
+    received = [_empty_for(slot) for slot in ordered]
+    _broadcast_by_device(received, [slot.device_type for slot in ordered], root_rank, process_set)
     optimizer.load_state_dict(_fill(skeleton, received))
+
+
+def _broadcast_by_device(
+    tensors: list[torch.Tensor], devices: list[str], root_rank: int, process_set: ProcessSet
+) -> None:
+    """Broadcasts the state's tensors, one op per device type: on a GPU an optimizer keeps
+    some state on the CPU beside its CUDA moments (Adam's ``step``), and one op holds
+    tensors of one device."""
+    for device in sorted(set(devices)):
+        group = [t for t, d in zip(tensors, devices, strict=True) if d == device]
+        ops.broadcast_(group, root_rank, process_set, f"broadcast_optimizer_state.{device}")
 
 
 def _dummy_step(optimizer: torch.optim.Optimizer, model: Any) -> None:
