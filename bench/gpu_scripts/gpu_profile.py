@@ -11,13 +11,18 @@ import cProfile
 import io
 import pstats
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import collectives.torch as hvd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_worker import bursts
 
 
 def per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:
@@ -120,20 +125,7 @@ def main() -> None:
     for what, fn in timed.items():
         print(f"  {what:<40}{per_call_us(fn, 500):>9.2f}")
 
-    small = [torch.zeros(1024, device=device) for _ in range(100)]
-    names = [f"gpu.profile.{i}" for i in range(100)]
-
-    def burst() -> None:
-        pairs = zip(small, names, strict=True)
-        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=n) for t, n in pairs]
-        for handle in handles:
-            hvd.synchronize(handle)
-        sync()
-
-    def dist_burst() -> None:
-        for tensor in small:
-            dist.all_reduce(tensor)
-        sync()
+    burst, dist_burst = bursts(device, sync)
 
     print(f"  {'hvd burst 100 x 4 KB':<40}{per_call_us(burst, 20):>9.2f}")
     print(f"  {'dist burst 100 x 4 KB':<40}{per_call_us(dist_burst, 20):>9.2f}")

@@ -69,21 +69,7 @@ def main() -> None:
 
         return run
 
-    small = [torch.zeros(SMALL_NUMEL, device=device) for _ in range(SMALL_COUNT)]
-    names = [f"gpu.burst.{i}" for i in range(SMALL_COUNT)]
-
-    def hvd_burst() -> None:
-        pairs = zip(small, names, strict=True)
-        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=n) for t, n in pairs]
-        for handle in handles:
-            hvd.synchronize(handle)
-        sync()
-
-    def dist_burst() -> None:
-        for tensor in small:
-            dist.all_reduce(tensor)
-        sync()
-
+    hvd_burst, dist_burst = bursts(device, sync)
     variants: dict[str, Callable[[], None]] = {
         "latency.hvd": latency(lambda: hvd.allreduce_(scalar, op=hvd.Sum)),
         "latency.dist": latency(lambda: dist.all_reduce(scalar)),
@@ -128,6 +114,29 @@ def main() -> None:
         facts = {"device": torch.cuda.get_device_name() if cuda else "cpu", "size": hvd.size()}
         print("RESULT " + json.dumps({"facts": facts, "samples": samples}), flush=True)
     hvd.shutdown()
+
+
+def bursts(
+    device: torch.device, sync: Callable[[], None]
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """A burst of 100 x 4 KB: hvd's ``allreduce_async_`` of each then ``synchronize`` of
+    each, and torch's per-tensor loop of ``dist.all_reduce``; each ends with ``sync``."""
+    small = [torch.zeros(SMALL_NUMEL, device=device) for _ in range(SMALL_COUNT)]
+    names = [f"gpu.burst.{i}" for i in range(SMALL_COUNT)]
+
+    def hvd_burst() -> None:
+        pairs = zip(small, names, strict=True)
+        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=n) for t, n in pairs]
+        for handle in handles:
+            hvd.synchronize(handle)
+        sync()
+
+    def dist_burst() -> None:
+        for tensor in small:
+            dist.all_reduce(tensor)
+        sync()
+
+    return hvd_burst, dist_burst
 
 
 def training_variants(
