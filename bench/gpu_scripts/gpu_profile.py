@@ -22,7 +22,7 @@ import torch.distributed as dist
 import collectives.torch as hvd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_worker import bursts
+from gpu_worker import bursts, joined
 
 
 def per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:
@@ -69,15 +69,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--top", type=int, default=35)
     args = parser.parse_args()
-    hvd.init()
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-    device = torch.device(args.device, torch.cuda.current_device()) if cuda else torch.device("cpu")
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
+    device, sync = joined(args.device)
+    cuda = device.type == "cuda"
 
     scalar = torch.zeros(1, device=device)
     if cuda:

@@ -44,16 +44,9 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=10)
     parser.add_argument("--max-bytes", type=int, default=1 << 28)
     args = parser.parse_args()
-    hvd.init()
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-    device = torch.device(args.device, torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device, sync = joined(args.device)
+    cuda = device.type == "cuda"
     timing = dist.new_group(backend="gloo")  # barriers and the slowest-rank reduction
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
 
     calls: list[float] = []
     scalar = torch.zeros(1, device=device)
@@ -114,6 +107,16 @@ def main() -> None:
         facts = {"device": torch.cuda.get_device_name() if cuda else "cpu", "size": hvd.size()}
         print("RESULT " + json.dumps({"facts": facts, "samples": samples}), flush=True)
     hvd.shutdown()
+
+
+def joined(kind: str) -> tuple[torch.device, Callable[[], None]]:
+    """``hvd.init()``, then this rank's device (``kind``: "cuda", the GPU of its local rank
+    in turn, or "cpu") and the synchronize every timed call ends with."""
+    hvd.init()
+    if kind == "cpu":
+        return torch.device("cpu"), lambda: None
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device()), torch.cuda.synchronize
 
 
 def bursts(
