@@ -1,4 +1,5 @@
-"""Reading the rest of a process's output after reading some of it line by line.
+"""Reading the rest of a process's output after reading some of it line by line, and a job
+stopped for a while in the middle.
 
 ``Popen.communicate(timeout=...)`` reads the pipes' file descriptors directly, so lines that
 ``readline()`` (or iterating over ``proc.stdout``) had already read ahead into the file
@@ -8,8 +9,12 @@ whatever came with that line's read, now and then. Read the rest through the fil
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 
 def rest_of_output(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
@@ -35,3 +40,34 @@ def rest_of_output(proc: subprocess.Popen[str], timeout: float) -> tuple[str, st
     for reader in readers:
         reader.join(10)
     return found.get("out", ""), found.get("err", "")
+
+
+def run_stopped_for_a_while(
+    command: Sequence[str], cwd: Path, env: Mapping[str, str], after: str, seconds: float
+) -> tuple[int, str]:
+    """Runs ``command``, stops it (SIGSTOP) for ``seconds`` once it printed a line holding
+    ``after``, lets it go on; returns its exit code and whole output (stdout and stderr)."""
+    job = subprocess.Popen(
+        list(command),
+        cwd=cwd,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        assert job.stdout is not None
+        for line in job.stdout:
+            lines.append(line)
+            if after in line:
+                break
+        job.send_signal(signal.SIGSTOP)
+        time.sleep(seconds)
+        job.send_signal(signal.SIGCONT)
+        output = "".join(lines) + rest_of_output(job, timeout=120)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    return job.returncode, output

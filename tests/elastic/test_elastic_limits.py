@@ -6,14 +6,11 @@ one and go on with the other.
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.collectives.conftest import REPO, clean_env, run_hvdrun
-from tests.processes import rest_of_output
+from tests.processes import run_stopped_for_a_while
 
 WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
 TWO_HOSTS = "printf 'localhost\\n127.0.0.1\\n'"  # a discovery script
@@ -170,42 +167,13 @@ def test_two_hosts_that_come_up_a_moment_apart_start_as_one_generation() -> None
 def test_a_stopped_hvdrun_does_not_kill_its_workers() -> None:
     # hvdrun is stopped (SIGSTOP) for longer than the old 5 s limit of workers and agents:
     # nothing it watches may count that as a lost job; the job trains on when it goes on.
-    job = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hvdrun",
-            "-np",
-            "2",
-            "--min-np",
-            "1",
-            "--host-discovery-script",
-            TWO_HOSTS,
-            sys.executable,
-            str(WORKER),
-        ],
-        cwd=REPO,
-        env={**clean_env(), "STEPS": "60", "STEP_INTERVAL": "0.05"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    try:
-        assert job.stdout is not None
-        for line in job.stdout:
-            lines.append(line)
-            if "committed step=10 " in line:
-                break
-        job.send_signal(signal.SIGSTOP)
-        time.sleep(8)
-        job.send_signal(signal.SIGCONT)
-        output = "".join(lines) + rest_of_output(job, timeout=120)[0]
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode == 0, output
+    command = [
+        *(sys.executable, "-m", "hvdrun", "-np", "2", "--min-np", "1"),
+        *("--host-discovery-script", TWO_HOSTS, sys.executable, str(WORKER)),
+    ]
+    env = {**clean_env(), "STEPS": "60", "STEP_INTERVAL": "0.05"}
+    code, output = run_stopped_for_a_while(command, REPO, env, "committed step=10 ", 8)
+    assert code == 0, output
     assert " failed (" not in output and "lost" not in output, output
     for rank in range(2):
         assert f"final rank={rank} size=2 step=60 weight=-60" in output, output

@@ -5,17 +5,15 @@ hvdrun is stopped. Skipped without a GPU (see conftest.py)."""
 from __future__ import annotations
 
 import importlib.util
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.collectives.conftest import REPO, assert_all_ok, clean_env, run_hvdrun
 from tests.gpu.conftest import DEVICE, needs_gpu, needs_nccl
-from tests.processes import rest_of_output
+from tests.processes import run_stopped_for_a_while
 
 WORKERS = Path(__file__).parent / "workers"
 ELASTIC_WORKER = REPO / "tests" / "elastic" / "workers" / "elastic_steps.py"
@@ -126,29 +124,10 @@ WORKER_COMMAND = [sys.executable, str(ELASTIC_WORKER)]
 def test_nccl_workers_end_cleanly_while_hvdrun_is_stopped() -> None:
     # The job of issue 33: workers finished while hvdrun was stopped died by SIGABRT (NCCL's
     # monitor thread called the rendezvous store from C++ as the interpreter shut down).
-    job = subprocess.Popen(
-        [*HVDRUN, "-np", "1", "--min-np", "1", "-H", "localhost:1", *WORKER_COMMAND],
-        cwd=REPO,
-        env={**clean_env(), "DEVICE": "cuda", "STEPS": "40", "STEP_INTERVAL": "0.05"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    try:
-        assert job.stdout is not None
-        for line in job.stdout:
-            lines.append(line)
-            if "committed step=5 " in line:
-                break
-        job.send_signal(signal.SIGSTOP)
-        time.sleep(6)  # the worker finishes its 40 steps meanwhile
-        job.send_signal(signal.SIGCONT)
-        output = "".join(lines) + rest_of_output(job, timeout=120)[0]
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode == 0, output
+    command = [*HVDRUN, "-np", "1", "--min-np", "1", "-H", "localhost:1", *WORKER_COMMAND]
+    env = {**clean_env(), "DEVICE": "cuda", "STEPS": "40", "STEP_INTERVAL": "0.05"}
+    # (the worker finishes its 40 steps while hvdrun is stopped)
+    code, output = run_stopped_for_a_while(command, REPO, env, "committed step=5 ", 6)
+    assert code == 0, output
     assert "terminate called" not in output and "SIGABRT" not in output, output
     assert "final rank=0 size=1 step=40 weight=-40" in output, output
