@@ -88,10 +88,9 @@ from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
 from launcher.transport.hostinfo import installed_versions
 from launcher.transport.protocol import Done, Exit, Output
 from launcher.transport.startup import (
-    agent_address,
+    dial_host,
     make_agent,
     plan_rendezvous,
-    split_explicit,
     stop_agents,
     version_problems,
 )
@@ -197,7 +196,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         self._done = threading.Event()
         self._versions = installed_versions() if spec.launch.check_versions else None
         self._discovery_error: str | None = None
-        self.insight = InsightWatch(lambda prefix: self.server.values_under(prefix), sink)
+        self.insight = InsightWatch(server.values_under, sink)
 
     # ---- the loop -------------------------------------------------------------------
 
@@ -558,23 +557,9 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         agent.launch(spec, self.events)
 
     def _rendezvous_addr(self, agent: AgentConnection) -> str:
-        port = self.server.port
-        explicit = self.spec.launch.rendezvous_addr
-        if explicit:
-            return join_addr(split_explicit(explicit)[0], port)
-        if agent.kind == "local":
-            # Local workers face the remote hosts, if any (see launcher.transport.startup).
-            remote = next(
-                (
-                    h.agent
-                    for h in self.members.all_hosts()
-                    if h.agent is not None and h.agent.kind != "local"
-                ),
-                None,
-            )
-            address = agent_address(remote) if remote is not None else None
-            return join_addr(address or "127.0.0.1", port)
-        return join_addr(agent_address(agent) or "127.0.0.1", port)
+        agents = [h.agent for h in self.members.all_hosts() if h.agent is not None]
+        host = dial_host(agent, agents, self.spec.launch.rendezvous_addr)
+        return join_addr(host, self.server.port)
 
 
 def _seconds(text: str | None, default: float) -> float:

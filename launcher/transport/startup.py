@@ -236,6 +236,22 @@ def agent_address(agent: AgentConnection) -> str | None:
     return address
 
 
+def dial_host(
+    agent: AgentConnection, agents: Sequence[AgentConnection], explicit: str | None
+) -> str:
+    """The address a host's workers dial the rendezvous at (an elastic job's host that
+    joins later): ``--rendezvous-addr`` if given; else the address of this machine its
+    agent reaches, where local workers face the remote hosts, if any (as in
+    :func:`plan_rendezvous`); loopback when none is known."""
+    if explicit:
+        return split_explicit(explicit)[0]
+    facing = (
+        agent if agent.kind != "local" else next((a for a in agents if a.kind != "local"), None)
+    )
+    address = agent_address(facing) if facing is not None else None
+    return address or "127.0.0.1"
+
+
 def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> RendezvousPlan:
     """Where the server listens, and the address each host's workers dial."""
     remote = [agent for agent in agents if agent.kind != "local"]

@@ -13,6 +13,7 @@ from launcher.transport.connection import AgentConnection, AgentStartError
 from launcher.transport.protocol import PROTOCOL_VERSION, Hello
 from launcher.transport.startup import (
     LaunchError,
+    dial_host,
     open_agents,
     plan_rendezvous,
     rendezvous_addr,
@@ -103,6 +104,14 @@ def test_each_remote_host_dials_its_own_connections_address() -> None:
     v6 = plan_rendezvous([FakeAgent("c", local_address="fd00::1")], None)
     assert v6.bind_host == "::"
     assert rendezvous_addr(v6, "c", 80) == "[fd00::1]:80"
+
+
+def test_a_host_that_joins_later_dials_as_the_plan_would() -> None:
+    local, remote = FakeAgent("me", kind="local"), FakeAgent("a", local_address="10.0.0.1")
+    assert dial_host(remote, [local, remote], None) == "10.0.0.1"
+    assert dial_host(local, [local, remote], None) == "10.0.0.1"  # local faces the remotes
+    assert dial_host(local, [local], None) == "127.0.0.1"
+    assert dial_host(local, [local, remote], "203.0.113.5:29500") == "203.0.113.5"
 
 
 def test_explicit_rendezvous_address_and_port() -> None:
