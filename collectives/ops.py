@@ -262,9 +262,7 @@ def _request(
         refusal = runtime.cuda_refusal()
         if refusal is not None:
             raise SharedGpuError(refusal)
-        request.stream, event = streams.ready(inputs[0], blocking)
-        if event is not None:
-            request.ready_events = [event]
+        request.stream, request.ready = streams.ready(inputs[0], blocking)
     request.submitted = time.monotonic()
     return request
 

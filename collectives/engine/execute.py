@@ -13,7 +13,7 @@ for Min/Max, zero rows for allgather/alltoall) and discards the result.
 CUDA tensors run on a stream of the engine's own (per device) that first waits for the event
 recorded on the submitting stream, so communication overlaps the user's later kernels; a
 blocking op run by its caller's thread runs on the caller's stream itself (see
-``Executor._on_device``). The handle is completed with an event recorded after the last
+:mod:`.streams`). The handle is completed with an event recorded after the last
 kernel that writes the output.
 """
 
@@ -24,7 +24,7 @@ import datetime
 import math
 import mmap
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,7 +328,7 @@ class Executor:
         self._group = group
         self._pg = pg  # the torch ProcessGroup carrying the set's data (None once released)
         self._buffers: dict[torch.device, torch.Tensor] = {}
-        self._streams: dict[torch.device, Any] = {}
+        self._streams = streams.EngineStreams()
         self._trace = tracer
         self.outputs = OutputPool()
         self._sums = Sums()
@@ -346,7 +346,7 @@ class Executor:
             current = torch.empty(size, dtype=torch.uint8, device=device)
             self._buffers[device] = current
         if device.type == "cuda":
-            # Used on whichever stream runs the bucket (see _on_device): a buffer replaced
+            # Used on whichever stream runs the bucket (streams.py): a buffer replaced
             # by a larger one is not reused before that stream's kernels on it finished.
             current.record_stream(streams.current(current.get_device()))
         return current[:nbytes].view(dtype)
@@ -366,58 +366,6 @@ class Executor:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(bucket.device_type)
 
-    @contextlib.contextmanager
-    def _on_device(self, bucket: Bucket, device: torch.device) -> Iterator[list[Any]]:
-        """Runs the bucket on a CUDA stream; yields a list for its done event.
-
-        Blocking ops submitted from this thread's current stream (a synchronous
-        ``hvd.allreduce`` run by its caller's own thread) run on that stream: it is ordered
-        after their inputs already, and nothing was queued behind them. Any other bucket
-        runs on the engine's own stream of the device, which first waits for each op's
-        position on its submitting stream, so that communication overlaps the user's later
-        kernels."""
-        done: list[Any] = []
-        if device.type != "cuda":
-            yield done
-            return
-        requests = bucket.requests()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        here = streams.current(index)
-        if all(r.ready_events is None and r.stream is here for r in requests):
-            yield done
-            event = torch.cuda.Event()
-            event.record(here)
-            done.append(event)
-            return
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = torch.cuda.Stream(device)
-            self._streams[device] = stream
-        before = streams.switch(stream)
-        try:
-            for request in requests:
-                events = request.ready_events
-                if events is None:
-                    # A blocking op from another thread: its caller waits and queues
-                    # nothing, so its stream's position now is its position at submission.
-                    if request.stream is not None:
-                        stream.wait_stream(request.stream)
-                else:
-                    for event in events:
-                        stream.wait_event(event)
-                # Later buckets of the op run on this stream too, with nothing to wait for.
-                request.stream, request.ready_events = stream, []
-            yield done
-            for request in requests:
-                for tensor in (*request.inputs, *request.outputs):
-                    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-                        tensor.record_stream(stream)
-            event = torch.cuda.Event()
-            event.record(stream)
-            done.append(event)
-        finally:
-            streams.switch(before)
-
     def run(self, bucket: Bucket) -> Any:
         """Runs one bucket; returns the CUDA event after its last kernel (None on CPU)."""
         device = self._device(bucket)
@@ -431,9 +379,12 @@ class Executor:
         for slot in bucket.slots:
             check_unchanged(slot.request, slot.index)
         # (Grad mode is off: buckets run inside the engine's cycles, see _guarded_cycle.)
-        with self._on_device(bucket, device) as done:
+        if device.type != "cuda":
             runner(bucket, self._group, device)
-        return done[0] if done else None
+            return None
+        with self._streams.running(bucket.requests(), device) as done:
+            runner(bucket, self._group, device)
+        return done[0]
 
     def _collective(self, bucket: Bucket, device: torch.device, call: Callable[[], Any]) -> None:
         start = time.monotonic()

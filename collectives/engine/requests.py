@@ -148,10 +148,10 @@ class Request:
     var: str = ""
     specs: Sequence[TensorSpec] = ()
     submitted: float = 0.0
-    # CUDA: the submitting stream, and the events the op waits for on it (none for a
+    # CUDA: the submitting stream, and the event of the op's position on it (None for a
     # blocking op, whose caller queues nothing behind it: see engine/streams.py)
     stream: Any = None
-    ready_events: list[Any] | None = None
+    ready: Any = None
     remaining: int = 0  # buckets still to run
     # Filled by the engine: each member's first dimension per tensor (allgather, alltoall).
     rank_dims: list[list[int]] | None = None

@@ -13,16 +13,27 @@ and switches streams around every bucket, so here:
 * :func:`ready` is what a submission records: the submitting stream, and for an op that
   runs later (asynchronous) an event at its position. A blocking op records no event: its
   caller waits on it at once and queues nothing behind it, so the stream's position when
-  the op runs is its position at submission (see ``Executor`` in :mod:`.execute`).
+  the op runs is its position at submission;
+* :class:`EngineStreams` decides where a bucket runs. Blocking ops submitted from the
+  current stream of the thread that runs the bucket (a synchronous ``hvd.allreduce`` run
+  by its caller's own thread) run on that stream: it is ordered after their inputs already.
+  Any other bucket runs on the engine's own stream of the device, which first waits for
+  each op's position on its submitting stream, so that communication overlaps the kernels
+  the user queues next.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["current", "ready", "switch"]
+if TYPE_CHECKING:
+    from collectives.engine.requests import Request
+
+__all__ = ["EngineStreams", "current", "ready", "switch"]
 
 #: (device index, raw stream) -> torch.cuda.Stream. Bounded: streams are pooled by torch,
 #: so a program uses few; external streams could come and go.
@@ -58,8 +69,51 @@ def ready(tensor: torch.Tensor, blocking: bool) -> tuple[Any, Any]:
     """(the submitting stream, the event recorded on it or None when ``blocking``) for an
     op on the CUDA tensor ``tensor``."""
     stream = current(tensor.get_device())
-    if blocking:
-        return stream, None
+    return stream, None if blocking else _recorded(stream)
+
+
+class EngineStreams:
+    """The engine's own CUDA stream per device (one process set's executor), and where each
+    bucket runs (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._own: dict[torch.device, Any] = {}
+
+    @contextlib.contextmanager
+    def running(self, requests: Sequence[Request], device: torch.device) -> Iterator[list[Any]]:
+        """Runs the body (one bucket of ``requests`` on CUDA ``device``) on its stream;
+        yields a list that then holds the event after the bucket's last kernel."""
+        done: list[Any] = []
+        here = current(device.index if device.index is not None else torch.cuda.current_device())
+        if all(r.ready is None and r.stream is here for r in requests):
+            yield done
+            done.append(_recorded(here))
+            return
+        stream = self._own.get(device)
+        if stream is None:
+            stream = self._own[device] = torch.cuda.Stream(device)
+        before = switch(stream)
+        try:
+            for request in requests:
+                if request.ready is not None:
+                    stream.wait_event(request.ready)
+                elif request.stream is not None and request.stream is not stream:
+                    # A blocking op from another thread: its caller waits and queues
+                    # nothing, so its stream's position now is its position at submission.
+                    stream.wait_stream(request.stream)
+                # Later buckets of the op run on this stream too, with nothing to wait for.
+                request.stream, request.ready = stream, None
+            yield done
+            for request in requests:
+                for tensor in (*request.inputs, *request.outputs):
+                    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                        tensor.record_stream(stream)
+            done.append(_recorded(stream))
+        finally:
+            switch(before)
+
+
+def _recorded(stream: Any) -> Any:
     event = torch.cuda.Event()
     event.record(stream)
-    return stream, event
+    return event
