@@ -148,6 +148,8 @@ class _Settings:
         self.aggregation: Any = None
         #: What reduces the gradients already ("": nothing; None: not known yet).
         self.elsewhere: str | None = None
+        #: The TensorFlow frontend's reducer (TensorFlow backends), made at the first step.
+        self._tf_reducer: Any = None
 
     def reduce(self, grads: list[Any], variables: Sequence[Any]) -> list[Any]:
         """The gradients reduced over the ranks, but local variables' (scaled only)."""
@@ -174,20 +176,22 @@ class _Settings:
     def _reduce(self, grads: list[Any], variables: Sequence[Any]) -> list[Any]:
         bridge = self.bridge
         if not bridge.is_torch:
-            from collectives.tensorflow.gradient_tape import GradientReducer
+            if self._tf_reducer is None:  # (the scaling is final once the optimizer is made)
+                from collectives.tensorflow.gradient_tape import GradientReducer
 
-            reducer = GradientReducer(
-                self.compression or _no_compression(),
-                self.sparse_as_dense,
-                self.op,
-                1.0 / self.prescale,
-                0,
-                self.groups,
-                self.process_set,
-            )
-            if self.postscale != 1.0 / self.prescale:  # (accumulated: the sum of k steps)
-                reducer.postscale = self.postscale
-            return reducer.reduce(grads, variables)
+                reducer = GradientReducer(
+                    self.compression or _no_compression(),
+                    self.sparse_as_dense,
+                    self.op,
+                    1.0 / self.prescale,
+                    0,
+                    self.groups,
+                    self.process_set,
+                )
+                if self.postscale != 1.0 / self.prescale:  # (accumulated: the sum of k steps)
+                    reducer.postscale = self.postscale
+                self._tf_reducer = reducer
+            return self._tf_reducer.reduce(grads, variables)
         present = [i for i, g in enumerate(grads) if g is not None]
         compression = self.compression
         packed = [
@@ -279,14 +283,16 @@ def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate:
 
 def _legacy_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
     pairs = list(grads_and_vars)
+    grads = [g for g, _ in pairs]
     variables = [v for _, v in pairs]
     aggregation = self._hvd_settings.aggregation
     if aggregation is None:
-        grads = _reduce_unless_elsewhere(self, [g for g, _ in pairs], variables)
-        merged = list(zip(grads, variables, strict=True))
-        return super(type(self), self).apply_gradients(merged, *args, **kwargs)
-    grads = aggregation.compute_gradients([g for g, _ in pairs], variables)
+        grads = _reduce_unless_elsewhere(self, grads, variables)
+    else:
+        grads = aggregation.compute_gradients(grads, variables)
     merged = list(zip(grads, variables, strict=True))
-    return aggregation.apply_gradients(
-        lambda: super(type(self), self).apply_gradients(merged, *args, **kwargs), self
-    )
+
+    def apply() -> Any:
+        return super(type(self), self).apply_gradients(merged, *args, **kwargs)
+
+    return apply() if aggregation is None else aggregation.apply_gradients(apply, self)
