@@ -47,7 +47,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy
@@ -62,6 +62,7 @@ __all__ = [
     "Arrivals",
     "Snapshot",
     "Summary",
+    "add_ops",
     "op_label",
     "summarize",
 ]
@@ -177,7 +178,9 @@ class Arrivals:
         shortest[0] = n
         mine = self._durations[:n]
         shortest[1 : n + 1] = mine
-        _allreduce(group, self._shortest_t, _MIN, timeout)
+        alone = self.size == 1  # (a set of one: its vectors are their own MIN and SUM)
+        if not alone:
+            _allreduce(group, self._shortest_t, _MIN, timeout)
         low = shortest[1 : n + 1]
         excess = numpy.maximum(mine - low, 0.0)
         labels = self._labels
@@ -190,7 +193,8 @@ class Arrivals:
         sums[:n] = excess
         sums[CAPACITY : CAPACITY + n] = last
         sums[2 * CAPACITY : 2 * CAPACITY + n] = last * float(self.index)
-        _allreduce(group, self._sums_t, _SUM, timeout)
+        if not alone:
+            _allreduce(group, self._sums_t, _SUM, timeout)
         if int(shortest[0]) != n:
             # Members counted different rounds: nothing to compare (never expected).
             if not self._warned:
@@ -298,13 +302,7 @@ def summarize(sets: Sequence[tuple[list[int], int, Snapshot]]) -> Summary:
         caused += snap.caused[index]
         peak = max(peak, snap.peak[index])
         last += snap.last[index]
-        for label, (seconds, per) in snap.ops.items():
-            total, whom = ops.get(label, (0.0, {}))
-            whom = dict(whom)
-            for member, value in per.items():
-                rank = members[member] if member >= 0 else -1
-                whom[rank] = whom.get(rank, 0.0) + value
-            ops[label] = (total + seconds, whom)
+        add_ops(ops, snap.ops, members)
     return Summary(
         first.flushes,
         rounds,
@@ -319,3 +317,20 @@ def summarize(sets: Sequence[tuple[list[int], int, Snapshot]]) -> Summary:
         dict(zip(ranks, first.caused, strict=True)),
         dict(zip(ranks, first.last, strict=True)),
     )
+
+
+def add_ops(
+    ops: dict[str, tuple[float, dict[int, float]]],
+    more: Mapping[str, tuple[float, Mapping[int, float]]],
+    ranks: Sequence[int] | None = None,
+) -> None:
+    """Adds ``more``'s figures per op (label: (waited, {whom: waited for})) to ``ops``,
+    ``whom`` a member index into ``ranks`` where given (-1, nobody, stays -1). The dicts in
+    ``ops`` are replaced, never changed: they may be a snapshot's."""
+    for label, (seconds, per) in more.items():
+        total, before = ops.get(label, (0.0, {}))
+        whom = dict(before)
+        for who, value in per.items():
+            rank = ranks[who] if ranks is not None and who >= 0 else who
+            whom[rank] = whom.get(rank, 0.0) + value
+        ops[label] = (total + seconds, whom)

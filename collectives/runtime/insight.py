@@ -30,11 +30,12 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 from collectives.engine.core import Engine
-from collectives.engine.insight import Summary
-from collectives.runtime.state import RuntimeState
+from collectives.engine.insight import Summary, add_ops
+from collectives.runtime.state import RuntimeState, require
 from rendezvous import worker_env
 from rendezvous.insight import JobReport, LiveWatch, RankFigures, analyse, top_ops
 
@@ -84,12 +85,7 @@ def _key(runtime_: RuntimeState) -> str:
 def _add(a: Summary, b: Summary) -> Summary:
     """Two engines' figures as one (an elastic worker's generations)."""
     ops = dict(a.ops)
-    for label, (seconds, whom) in b.ops.items():
-        total, before = ops.get(label, (0.0, {}))
-        merged = dict(before)
-        for rank, value in whom.items():
-            merged[rank] = merged.get(rank, 0.0) + value
-        ops[label] = (total + seconds, merged)
+    add_ops(ops, b.ops)
     return Summary(
         a.flushes + b.flushes,
         a.rounds + b.rounds,
@@ -118,7 +114,9 @@ class Publisher:
         self._key = _key(runtime_)
         self._lock = threading.Lock()
         self._carried = _EMPTY  # earlier engines' figures
-        self._folded: set[int] = set()  # (ids of) the engines carried in it
+        # The engines carried in it (weakly: an id could be a later engine's once the
+        # engine is gone).
+        self._folded: weakref.WeakSet[Engine] = weakref.WeakSet()
         self._published = (0, -1)  # (id of the engine, its flushes) last published
         self._stop = threading.Event()
         self._live = LiveWatch() if self._watches() else None
@@ -148,7 +146,7 @@ class Publisher:
         engine_ = engine_ if engine_ is not None else self._runtime.engine
         with self._lock:
             carried = self._carried
-            if engine_ is None or id(engine_) in self._folded:
+            if engine_ is None or engine_ in self._folded:
                 return carried
         return _add(carried, engine_.arrivals())
 
@@ -209,8 +207,8 @@ class Publisher:
         """An engine stopped (shutdown, or an elastic reset): its figures are carried."""
         last = engine_.arrivals()
         with self._lock:
-            if id(engine_) not in self._folded:
-                self._folded.add(id(engine_))
+            if engine_ not in self._folded:
+                self._folded.add(engine_)
                 self._carried = _add(self._carried, last)
             self._published = (0, -1)
 
@@ -230,17 +228,13 @@ class Publisher:
                 value = self._board.get(worker_env.INSIGHT_KEY_PREFIX + str(rank))
                 if value is None:
                     continue
-                figures = RankFigures.from_json(value)
+                figures = found[rank] = RankFigures.from_json(value)
                 if figures.final or (not final and figures.flushes >= mine.flushes):
-                    found[rank] = figures
                     pending.remove(rank)
             if not pending or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        for rank in pending:  # not up to date: what the rank published last, if anything
-            value = self._board.get(worker_env.INSIGHT_KEY_PREFIX + str(rank))
-            if value is not None:
-                found[rank] = RankFigures.from_json(value)
+        # (a rank still pending is not up to date: what it published last, if anything)
         return analyse(found.values(), size)
 
 
@@ -271,9 +265,7 @@ def finish(runtime_: RuntimeState, engine_: Engine | None) -> None:
 
 def report(file: str | None = None) -> JobReport:
     """The job's report as far as every rank's figures go: ``hvd.report()``."""
-    from collectives.runtime import state
-
-    runtime_ = state.require("hvd.report()")
+    runtime_ = require("hvd.report()")
     publisher = runtime_.insight
     if not isinstance(publisher, Publisher):
         raise RuntimeError("hvd.report(): this process publishes no figures")

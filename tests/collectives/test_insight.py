@@ -193,7 +193,7 @@ def test_a_worker_publishes_its_figures_and_carries_them_from_engine_to_engine(
     published = publisher.publish(only_new=True)
     assert RankFigures.from_json(store.get(INSIGHT_KEY_PREFIX + "1")) == published
     assert published.rank == 1 and published.host == "h1" and published.waited_s == 0.5
-    store.set(INSIGHT_KEY_PREFIX + "1", b"")
+    store.set(INSIGHT_KEY_PREFIX + "1", "")
     publisher.publish(only_new=True)  # (nothing new: not written again)
     assert store.get(INSIGHT_KEY_PREFIX + "1") == b""
     # An elastic reset: the next engine's figures add to the first one's, counted once.
@@ -205,7 +205,7 @@ def test_a_worker_publishes_its_figures_and_carries_them_from_engine_to_engine(
     assert figures.ops == {"allreduce.g": {"waited_s": 0.75, "for": {"0": 0.5, "2": 0.25}}}
     # The job's report: rank 0 published, rank 2 never did (its row is missing).
     rank0 = RankFigures(rank=0, host="h0", flushes=5, waited_s=0.1, wait_caused_s=0.5)
-    store.set(INSIGHT_KEY_PREFIX + "0", rank0.to_json())
+    store.set(INSIGHT_KEY_PREFIX + "0", rank0.to_json().decode())
     monkeypatch.setattr(insight_runtime, "COLLECT_SECONDS", 0.1)
     report = publisher.collect(figures, final=False)
     assert [f.rank for f in report.ranks] == [0, 1] and report.missing == [2]
