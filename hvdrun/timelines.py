@@ -208,7 +208,6 @@ def merge(ranks: list[_Rank]) -> tuple[list[dict[str, Any]], list[str]]:
                 "args": {"sort_index": rank.rank},
             }
         )
-        open_negotiations: dict[int, list[float]] = defaultdict(list)
         for event in rank.events:
             if not isinstance(event, dict):
                 continue
@@ -228,19 +227,16 @@ def merge(ranks: list[_Rank]) -> tuple[list[dict[str, Any]], list[str]]:
             out = {**event, "pid": rank.rank, "tid": pid}
             if "ts" in out:
                 out["ts"] = round(rank.time(float(out["ts"])) - start, 3)
-            if isinstance(name, str) and name.startswith("NEGOTIATE_"):
-                if out.get("ph") == "B":
-                    open_negotiations[pid].append(out["ts"])
-                elif out.get("ph") == "E" and open_negotiations[pid]:
-                    began = open_negotiations[pid].pop()
-                    round_id = out.get("args", {}).get("round")
-                    key = (rank.rows.get(pid, str(pid)), str(round_id))
-                    if round_id and key in lasts:
-                        out["args"] = {
-                            **out.get("args", {}),
-                            "last_rank": lasts[key],
-                            "waited_ms": round((out["ts"] - began) / 1000.0, 3),
-                        }
+            if out.get("ph") == "E" and isinstance(name, str) and name.startswith("NEGOTIATE_"):
+                round_id = out.get("args", {}).get("round")
+                key = (rank.rows.get(pid, str(pid)), str(round_id))
+                if round_id and key in lasts and key in rank.begins:  # (paired by _index)
+                    began = round(rank.time(rank.begins[key]) - start, 3)
+                    out["args"] = {
+                        **out.get("args", {}),
+                        "last_rank": lasts[key],
+                        "waited_ms": round((out["ts"] - began) / 1000.0, 3),
+                    }
             merged.append(out)
     return merged, notes
 
