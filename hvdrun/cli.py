@@ -30,7 +30,13 @@ from hvdrun.horovod_flags import (
     notices,
 )
 from hvdrun.logging_setup import LogSettings, configure_logging, logging_options
-from hvdrun.report_flags import ReportFlags, merge_after_job, merge_command, report_options
+from hvdrun.report_flags import (
+    ReportFlags,
+    creatable_directory,
+    merge_after_job,
+    merge_command,
+    report_options,
+)
 from hvdrun.tuning import tuning_env, tuning_options
 from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports
 from launcher.spec.hosts import (
@@ -332,7 +338,7 @@ def cli(
     if any(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
         check_command(command)
     if output_filename is not None and not dry_run:
-        check_output_dir(output_filename)
+        creatable_directory(output_filename, "--output-filename")
     if not dry_run:
         report.check()
     for notice in notices(compat, env, host_list, num_proc):
@@ -507,15 +513,6 @@ def check_rendezvous_addr(addr: str) -> None:
         )
     if not addr.strip("[]:"):
         raise click.BadParameter("the address is empty", param_hint="'--rendezvous-addr'")
-
-
-def check_output_dir(path: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise click.BadParameter(
-            f"cannot create {path}: {exc.strerror or exc}", param_hint="'--output-filename'"
-        ) from None
 
 
 def check_command(command: Sequence[str]) -> None:

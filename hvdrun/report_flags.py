@@ -78,19 +78,25 @@ class ReportFlags:
         """A report file's directory must exist or be creatable, before the job starts."""
         if self.report_file is None:
             return
-        directory = os.path.dirname(os.path.abspath(self.report_file))
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as exc:
-            raise click.BadParameter(
-                f"cannot create {directory}: {exc.strerror or exc}", param_hint="'--report-file'"
-            ) from None
+        creatable_directory(os.path.dirname(os.path.abspath(self.report_file)), "--report-file")
 
     def options(self) -> ReportOptions:
         from launcher.supervision.insight import ReportOptions
 
         path = os.path.abspath(self.report_file) if self.report_file else None
         return ReportOptions(table=not self.no_report, file=path)
+
+
+def creatable_directory(path: str, option: str) -> None:
+    """Creates the directory an option writes into (``--report-file``'s,
+    ``--output-filename``), before the job starts; a usage error naming the option when it
+    cannot be."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot create {path}: {exc.strerror or exc}", param_hint=f"'{option}'"
+        ) from None
 
 
 def _say(line: str) -> None:
