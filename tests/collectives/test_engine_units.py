@@ -4,6 +4,7 @@ itself on one-rank Gloo groups (lanes, process sets, failure, shutdown)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import threading
@@ -256,8 +257,9 @@ class Groups:
         return _gloo(self.store, f"c{number}/"), _gloo(self.store, f"d{number}/")
 
 
-@pytest.fixture
-def engine(store: Any) -> Iterator[tuple[Engine, Groups]]:
+@contextlib.contextmanager
+def one_rank_engine(store: Any) -> Iterator[tuple[Engine, Groups]]:
+    """A started engine of one rank on Gloo groups over ``store``, and its groups."""
     groups = Groups(store)
     control, data = groups.make([0])
     engine = Engine(
@@ -270,8 +272,16 @@ def engine(store: Any) -> Iterator[tuple[Engine, Groups]]:
         destroy_group=groups.destroyed.append,
     )
     engine.start()
-    yield engine, groups
-    engine.stop(timeout=10)
+    try:
+        yield engine, groups
+    finally:
+        engine.stop(timeout=10)
+
+
+@pytest.fixture
+def engine(store: Any) -> Iterator[tuple[Engine, Groups]]:
+    with one_rank_engine(store) as started:
+        yield started
 
 
 def _submit(engine: Engine, request: Request, blocking: bool = True) -> Any:

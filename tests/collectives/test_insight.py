@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from collectives.common import ReduceOp
-from collectives.engine.config import EngineConfig
 from collectives.engine.core import Engine
 from collectives.engine.insight import (
     CAPACITY,
@@ -43,7 +42,7 @@ from collectives.runtime.state import RuntimeState, Topology
 from rendezvous.insight import RankFigures
 from rendezvous.worker_env import INSIGHT_KEY_PREFIX
 from tests.collectives.conftest import REPO, WORKERS, clean_env, run_hvdrun
-from tests.collectives.test_engine_units import Groups, _request
+from tests.collectives.test_engine_units import _request, one_rank_engine
 
 WORKER = WORKERS / "insight_worker.py"
 
@@ -216,20 +215,8 @@ def test_a_worker_publishes_its_figures_and_carries_them_from_engine_to_engine(
 
 @pytest.fixture
 def engine() -> Iterator[Engine]:
-    groups = Groups(dist.HashStore())
-    control, data = groups.make([0])
-    engine = Engine(
-        rank=0,
-        size=1,
-        config=EngineConfig(),
-        control_group=control,
-        global_group=data,
-        make_groups=groups.make,
-        destroy_group=groups.destroyed.append,
-    )
-    engine.start()
-    yield engine
-    engine.stop(timeout=10)
+    with one_rank_engine(dist.HashStore()) as (started, _):
+        yield started
 
 
 def _blocking(engine: Engine, name: str, value: float) -> torch.Tensor:
