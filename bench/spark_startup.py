@@ -24,7 +24,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -63,25 +65,10 @@ def job(steps: int) -> dict[str, float]:
     return {"first": first, "steps_per_s": rate}
 
 
-def run_round(steps: int) -> dict[str, float]:
-    import collectives.spark as hvd_spark
-
+def timed(call: Callable[[], Any]) -> dict[str, float]:
+    """One round: ``call()`` returns rank 0's :func:`job` figures."""
     called = time.time()
-    results = hvd_spark.run(job, args=(steps,), num_proc=2, verbose=0)
-    done = time.time()
-    return {
-        "first": results[0]["first"] - called,
-        "whole": done - called,
-        "steps_per_s": results[0]["steps_per_s"],
-    }
-
-
-def distributor_round(steps: int) -> dict[str, float]:
-    from pyspark.ml.torch.distributor import TorchDistributor
-
-    called = time.time()
-    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
-    result = distributor.run(job, steps)
+    result = call()
     done = time.time()
     assert result is not None
     return {
@@ -89,6 +76,20 @@ def distributor_round(steps: int) -> dict[str, float]:
         "whole": done - called,
         "steps_per_s": result["steps_per_s"],
     }
+
+
+def run_round(steps: int) -> dict[str, float]:
+    import collectives.spark as hvd_spark
+
+    return timed(lambda: hvd_spark.run(job, args=(steps,), num_proc=2, verbose=0)[0])
+
+
+def distributor_round(steps: int) -> dict[str, float]:
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    return timed(
+        lambda: TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(job, steps)
+    )
 
 
 def summary(name: str, values: list[float]) -> str:

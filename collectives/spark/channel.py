@@ -44,6 +44,7 @@ import grpc
 import grpc.aio
 
 from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY
+from rendezvous.addresses import join_addr
 from rendezvous.server.guard import GuardInterceptor
 from rendezvous.server.loop import LoopThread
 from rendezvous.tls import TARGET_NAME, JobCertificate, channel_credentials
@@ -170,8 +171,7 @@ class TaskChannelServer:
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service.strip("/"), {method: handler}),)
         )
-        host = self._bind_host
-        address = f"[{host}]:0" if ":" in host else f"{host}:0"
+        address = join_addr(self._bind_host, 0)
         if self._tls is not None:
             port = server.add_secure_port(address, self._tls.server_credentials())
         else:

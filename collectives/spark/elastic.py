@@ -23,7 +23,6 @@ times, or the job was cancelled).
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
@@ -35,12 +34,14 @@ from collectives.spark.job import (
     SparkJobError,
     TaskState,
     active_context,
+    call_payload,
     horovod_options,
+    num_proc_of,
+    positive_integer,
     spark_reason,
 )
 from collectives.spark.membership import Member, Membership, Publish, Stop, Wait
-from collectives.spark.placement import elastic_host, resolve_start_timeout
-from collectives.spark.runner import num_proc_of
+from collectives.spark.placement import elastic_host, resolve_start_timeout, resolve_timeout
 from rendezvous import worker_env
 from rendezvous.server import RendezvousServer
 
@@ -84,21 +85,19 @@ def run_elastic(
     env = horovod_options(what, env, None, None, nics)
     context = active_context(what)
     size = num_proc_of(num_proc, context, what)
-    low = size if min_num_proc is None else min_num_proc
-    high = size if max_num_proc is None else max_num_proc
-    for name, value in (("min_num_proc", low), ("max_num_proc", high)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{what}: {name} must be a positive integer, got {value!r}")
+    low = positive_integer(what, "min_num_proc", size if min_num_proc is None else min_num_proc)
+    high = positive_integer(what, "max_num_proc", size if max_num_proc is None else max_num_proc)
     if not low <= size <= high:
         raise ValueError(
             f"{what}: need min_num_proc <= num_proc <= max_num_proc, got {low}, {size}, {high}"
         )
     if reset_limit is not None and (not isinstance(reset_limit, int) or reset_limit < 0):
         raise ValueError(f"{what}: reset_limit must be a non-negative integer, got {reset_limit!r}")
-    waited = _elastic_timeout(elastic_timeout, what)
-    from pyspark import cloudpickle
-
-    payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    waited = resolve_timeout(
+        "elastic_timeout", elastic_timeout, ELASTIC_TIMEOUT_VARIABLE, DEFAULT_ELASTIC_TIMEOUT
+    )
+    started = resolve_start_timeout(start_timeout)
+    payload = call_payload(fn, args, kwargs)
     driver = ElasticDriver(
         context,
         env=env,
@@ -113,23 +112,10 @@ def run_elastic(
         max_np=high,
         elastic_timeout=waited,
         reset_limit=reset_limit,
-        start_timeout=resolve_start_timeout(start_timeout),
+        start_timeout=started,
         started_at=time.monotonic(),
     )
     return driver.run(membership, payload, executable)
-
-
-def _elastic_timeout(value: float | None, what: str) -> float:
-    raw: Any = value if value is not None else os.environ.get(ELASTIC_TIMEOUT_VARIABLE)
-    if raw is None or raw == "":
-        return DEFAULT_ELASTIC_TIMEOUT
-    try:
-        seconds = float(raw)
-    except (TypeError, ValueError):
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{what}: elastic_timeout must be a positive number, got {raw!r}")
-    return seconds
 
 
 class ElasticDriver(Driver):
@@ -173,10 +159,7 @@ class ElasticDriver(Driver):
                 tls=self.tls,
             )
             self.serve_rendezvous(server)
-            task = self.task_function(payload, executable, barrier=False)
-            self.spark.start(
-                self.context.parallelize(range(tasks), tasks).mapPartitions(task).collect
-            )
+            self.submit(tasks, payload, executable, barrier=False)
             return self._loop()
         finally:
             self.close()

@@ -24,7 +24,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -58,8 +58,11 @@ __all__ = [
     "SparkJobError",
     "TaskState",
     "active_context",
+    "call_payload",
     "first_cause",
     "horovod_options",
+    "num_proc_of",
+    "positive_integer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -132,6 +135,30 @@ def horovod_options(
     return merged
 
 
+def positive_integer(what: str, name: str, value: Any) -> int:
+    """``value``; ValueError naming ``name`` unless it is a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what}: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def num_proc_of(num_proc: int | None, context: Any, what: str) -> int:
+    """``num_proc``, by default ``spark.default.parallelism``."""
+    if num_proc is None:
+        num_proc = int(context.defaultParallelism)
+    return positive_integer(what, "num_proc", num_proc)
+
+
+def call_payload(
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None
+) -> bytes:
+    """What each worker runs, as it unpickles it (:mod:`.worker`): ``(fn, args, kwargs)``
+    pickled by cloudpickle, as PySpark pickles what it runs."""
+    from pyspark import cloudpickle
+
+    return cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+
+
 def active_context(what: str) -> Any:
     """The active SparkContext; a clear error without one."""
     try:
@@ -165,7 +192,6 @@ class SparkJob:
         self.tag = tag
         self._description = description
         self._events = events
-        self._thread: threading.Thread | None = None
         self.finished = threading.Event()
 
     def start(self, submit: Callable[[], Any]) -> None:
@@ -185,9 +211,7 @@ class SparkJob:
                 self.finished.set()
                 self._events.put(SparkFinished(error))
 
-        thread = InheritableThread(target=body, name="hvdrun-spark-job", daemon=True)
-        self._thread = thread
-        thread.start()
+        InheritableThread(target=body, name="hvdrun-spark-job", daemon=True).start()
 
     def cancel(self) -> None:
         if not self.finished.is_set():
@@ -347,11 +371,9 @@ class Driver:
     def open(self) -> None:
         self.channel_addr = join_addr(self.plan.dial_host, self.channel.start())
 
-    def task_function(
-        self, payload: bytes, executable: str | None, *, barrier: bool
-    ) -> Callable[[Any], Any]:
-        """What every Spark task of this job runs (``mapPartitions``): it dials the
-        driver's channel and runs one worker."""
+    def submit(self, count: int, payload: bytes, executable: str | None, *, barrier: bool) -> None:
+        """Starts the Spark job: one stage of ``count`` tasks (in barrier execution mode with
+        ``barrier``), each of which dials the driver's channel and runs one worker."""
         args = TaskArgs(
             addr=self.channel_addr,
             job_id=self.job_id,
@@ -362,7 +384,14 @@ class Driver:
             executable=executable,
             barrier=barrier,
         )
-        return functools.partial(run_task, args)
+        task = functools.partial(run_task, args)
+        context = self.context
+
+        def collect() -> Any:
+            tasks = context.parallelize(range(count), count)
+            return (tasks.barrier() if barrier else tasks).mapPartitions(task).collect()
+
+        self.spark.start(collect)
 
     def serve_rendezvous(self, server: Any) -> None:
         self.server = server

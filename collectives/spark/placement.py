@@ -15,8 +15,9 @@ without a cluster:
   ``local[...]`` master (every task runs in the driver's process tree); otherwise on every
   interface (or ``spark.driver.bindAddress``) with the job's TLS certificate, dialled at
   ``spark.driver.host``, the address executors already use to reach the driver;
-* :func:`resolve_start_timeout` and :func:`elastic_host` -- Horovod's default start timeout, and the
-  host name each task attempt of an elastic job joins under (one host per attempt).
+* :func:`resolve_timeout` (:func:`resolve_start_timeout`) and :func:`elastic_host` -- a
+  timeout from its argument, else Horovod's variable, else its default; and the host name
+  each task attempt of an elastic job joins under (one host per attempt).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "executor_of",
     "plan_server",
     "resolve_start_timeout",
+    "resolve_timeout",
     "slot_table",
     "visible_devices",
 ]
@@ -132,21 +134,35 @@ def plan_server(master: str, driver_host: str, bind_address: str | None = None) 
     return ServerPlan(bind, driver_host)
 
 
-def resolve_start_timeout(value: float | None, env: Mapping[str, str] | None = None) -> float:
-    """``value``, else ``HOROVOD_SPARK_START_TIMEOUT``, else 600 s; ValueError when not
-    a positive number."""
+def resolve_timeout(
+    name: str,
+    value: float | None,
+    variable: str,
+    default: float,
+    env: Mapping[str, str] | None = None,
+) -> float:
+    """Seconds: ``value``, else the variable ``variable`` (unset or empty: ``default``);
+    ValueError naming ``name`` (or ``variable``) when not a positive number."""
     source = os.environ if env is None else env
     raw: object = value
     if value is None:
-        raw = source.get(START_TIMEOUT_VARIABLE) or DEFAULT_START_TIMEOUT
+        raw = source.get(variable) or default
     try:
         seconds = float(raw)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         seconds = -1.0
     if not seconds > 0:
-        where = "start_timeout" if value is not None else START_TIMEOUT_VARIABLE
+        where = name if value is not None else variable
         raise ValueError(f"{where} must be a positive number of seconds, got {raw!r}")
     return seconds
+
+
+def resolve_start_timeout(value: float | None, env: Mapping[str, str] | None = None) -> float:
+    """``value``, else ``HOROVOD_SPARK_START_TIMEOUT``, else 600 s; ValueError when not
+    a positive number."""
+    return resolve_timeout(
+        "start_timeout", value, START_TIMEOUT_VARIABLE, DEFAULT_START_TIMEOUT, env
+    )
 
 
 def elastic_host(report: TaskReport) -> str:

@@ -36,14 +36,16 @@ from collectives.spark.job import (
     SparkJobError,
     TaskState,
     active_context,
+    call_payload,
     horovod_options,
+    num_proc_of,
     spark_reason,
 )
 from collectives.spark.placement import resolve_start_timeout, slot_table, visible_devices
 from rendezvous import worker_env
 from rendezvous.server import RendezvousServer
 
-__all__ = ["START_ADVICE", "num_proc_of", "run"]
+__all__ = ["START_ADVICE", "run"]
 
 #: What to check when the tasks do not all start (Horovod gives the same advice).
 START_ADVICE = (
@@ -89,9 +91,7 @@ def run(
     context = active_context(what)
     size = num_proc_of(num_proc, context, what)
     timeout = resolve_start_timeout(start_timeout)
-    from pyspark import cloudpickle
-
-    payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    payload = call_payload(fn, args, kwargs)
     driver = FixedDriver(
         context,
         env=env,
@@ -103,28 +103,14 @@ def run(
     return driver.run(size, payload, executable, timeout)
 
 
-def num_proc_of(num_proc: int | None, context: Any, what: str) -> int:
-    if num_proc is None:
-        num_proc = int(context.defaultParallelism)
-    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
-        raise ValueError(f"{what}: num_proc must be a positive integer, got {num_proc!r}")
-    return num_proc
-
-
 class FixedDriver(Driver):
     """One :func:`run`: a fixed number of ranks in one barrier stage."""
 
     def run(self, size: int, payload: bytes, executable: str | None, timeout: float) -> list[Any]:
         self.open()
-        task = self.task_function(payload, executable, barrier=True)
-        context = self.context
         self.say("running %d processes in Spark tasks (Spark job tag %s)", size, self.spark.tag)
         try:
-            self.spark.start(
-                lambda: (
-                    context.parallelize(range(size), size).barrier().mapPartitions(task).collect()
-                )
-            )
+            self.submit(size, payload, executable, barrier=True)
             tasks = self._wait_for_tasks(size, timeout)
             self._start_workers(tasks)
             return self._supervise(tasks)

@@ -251,9 +251,7 @@ class _Supervisor:
         else:
             error = {"type": "WorkerExit", "message": _describe_exit(returncode)}
         stopped = self.stopped
-        if stopped is None:
-            self._exit(code, error, result)
-        else:
+        if stopped is not None:
             self.client.finish()
             if stopped.get("fail", True):
                 raise RuntimeError(
@@ -261,6 +259,7 @@ class _Supervisor:
                     f"{stopped.get('reason', '')}"
                 )
             return
+        self._exit(code, error, result)
         if code != 0:
             assert error is not None
             raise RuntimeError(
