@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -102,11 +103,9 @@ class SparkCluster:
 
     def _env(self, local_ip: str) -> dict[str, str]:
         env = dict(os.environ)
-        conf = self.root / "conf"
-        conf.mkdir(exist_ok=True)
         env.update(
             SPARK_HOME=str(spark_home()),
-            SPARK_CONF_DIR=str(conf),
+            SPARK_CONF_DIR=str(self.root / "conf"),
             SPARK_LOCAL_IP=local_ip,
             SPARK_LOCAL_HOSTNAME=local_ip,
             SPARK_DAEMON_MEMORY="256m",
@@ -298,6 +297,21 @@ def eventually(check: Callable[[], bool], what: str, within: float = 20.0) -> No
         time.sleep(0.1)
 
 
+def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Starts ``call()`` in a thread of its own; the list gets what it returned or raised."""
+    outcome: list[Any] = []
+
+    def body() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    return thread, outcome
+
+
 def alive(pid: int) -> bool:
     """Whether the process runs (a zombie does not)."""
     try:
@@ -332,7 +346,7 @@ def spark_cluster_for_tests(hosts: int) -> Iterator[SparkCluster]:
         pytest.skip(f"Spark cluster tests skipped: {reason}")
     for nodes in cluster_for_tests(hosts=hosts, sshd_hosts=0, tests="Spark cluster tests"):
         cluster = SparkCluster(nodes, nodes.root / "spark")
-        cluster.root.mkdir()
+        (cluster.root / "conf").mkdir(parents=True)
         try:
             cluster.start()
             yield cluster

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,13 @@ import pytest
 pytest.importorskip("pyspark", reason="PySpark is not installed (pip install 'hvdrun[spark]')")
 
 import collectives.spark as hvd_spark
-from tests.spark_cluster import SparkCluster, eventually, no_worker_left, worker_pids
+from tests.spark_cluster import (
+    SparkCluster,
+    eventually,
+    in_thread,
+    no_worker_left,
+    worker_pids,
+)
 
 MIN_STEPS = 30
 MAX_STEPS = 2000
@@ -59,27 +64,18 @@ def _progress(pid_dir: Path) -> int:
 def test_an_elastic_job_survives_a_lost_executor(
     spark: Any, spark_cluster: SparkCluster, tmp_path: Path
 ) -> None:
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(
-                hvd_spark.run_elastic(
-                    elastic_training,
-                    args=(str(tmp_path),),
-                    num_proc=2,
-                    min_num_proc=1,
-                    max_num_proc=2,
-                    elastic_timeout=120,
-                    stdout=io.StringIO(),
-                    stderr=io.StringIO(),
-                )
-            )
-        except BaseException as error:
-            outcome.append(error)
-
-    runner = threading.Thread(target=run)
-    runner.start()
+    runner, outcome = in_thread(
+        lambda: hvd_spark.run_elastic(
+            elastic_training,
+            args=(str(tmp_path),),
+            num_proc=2,
+            min_num_proc=1,
+            max_num_proc=2,
+            elastic_timeout=120,
+            stdout=io.StringIO(),
+            stderr=io.StringIO(),
+        )
+    )
     started = worker_pids(tmp_path, 2, within=120)
     eventually(lambda: _progress(tmp_path) >= 5, "the job does not train", within=60)
     victim_pid, victim_host = started[1][0], started[1][1].split("-task")[0]

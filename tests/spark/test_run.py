@@ -8,7 +8,6 @@ import io
 import os
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ pytest.importorskip("pyspark", reason="PySpark is not installed (pip install 'hv
 
 import collectives.spark as hvd_spark
 from rendezvous.addresses import split_addr
-from tests.spark_cluster import SparkCluster, no_worker_left, worker_pids
+from tests.spark_cluster import SparkCluster, in_thread, no_worker_left, worker_pids
 
 STEPS = 5
 LEARNING_RATE = 0.1
@@ -184,16 +183,9 @@ def test_a_failing_rank_is_named_and_every_worker_ends(spark: Any, tmp_path: Pat
 def test_a_lost_executor_fails_the_job_naming_it(
     spark: Any, spark_cluster: SparkCluster, tmp_path: Path
 ) -> None:
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            hvd_spark.run(train_until_stopped, args=(str(tmp_path),), stderr=io.StringIO())
-        except BaseException as error:
-            failure.append(error)
-
-    runner = threading.Thread(target=run)
-    runner.start()
+    runner, failure = in_thread(
+        lambda: hvd_spark.run(train_until_stopped, args=(str(tmp_path),), stderr=io.StringIO())
+    )
     started = worker_pids(tmp_path, 2)
     victim_host = started[1][1]
     executors = dict(spark_cluster.executors(spark.sparkContext.applicationId))
@@ -211,17 +203,12 @@ def test_a_lost_executor_fails_the_job_naming_it(
 
 def test_cancelling_the_job_group_ends_every_worker(spark: Any, tmp_path: Path) -> None:
     context = spark.sparkContext
-    failure: list[BaseException] = []
 
-    def run() -> None:
+    def run() -> Any:
         context.setJobGroup("my-training", "a user's job group", interruptOnCancel=True)
-        try:
-            hvd_spark.run(train_until_stopped, args=(str(tmp_path),), stderr=io.StringIO())
-        except BaseException as error:
-            failure.append(error)
+        return hvd_spark.run(train_until_stopped, args=(str(tmp_path),), stderr=io.StringIO())
 
-    runner = threading.Thread(target=run)
-    runner.start()
+    runner, failure = in_thread(run)
     started = worker_pids(tmp_path, 2)
     context.cancelJobGroup("my-training")
     runner.join(60)

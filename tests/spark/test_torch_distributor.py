@@ -38,6 +38,7 @@ def test_hvd_init_inside_torch_distributor_joins_one_job(spark: Any) -> None:
 
     distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
     ranks = distributor.run(train, 10.0)
+    assert ranks is not None
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["size"] == 2 and r["sum"] == 30.0 for r in ranks)
     assert all(r["rank"] == r["torch_rank"] for r in ranks)  # Spark's (torchrun's) ranks
