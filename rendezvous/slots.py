@@ -5,6 +5,8 @@ slots before the next host. Under another launcher (:func:`derive_slots`) that l
 placed the ranks already, and the table is derived from the hosts they register from. Either
 way a host's ``cross_rank`` is its index among the hosts that have a slot with the same
 ``local_rank``, so heterogeneous jobs (``a:1,b:2``) get consistent cross ranks and sizes.
+:func:`visible_devices` gives each slot its host's GPUs where a scheduler (Ray, Spark) gave
+them to the slots one by one.
 """
 
 from __future__ import annotations
@@ -113,3 +115,17 @@ def derive_slots(hosts: Sequence[str], local_ranks: Sequence[int | None]) -> lis
         )
         for rank, host in enumerate(hosts)
     ]
+
+
+def visible_devices(slots: Sequence[SlotInfo], gpus: Sequence[Sequence[str]]) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` for each slot, given the GPU ids a scheduler gave each slot:
+    all the GPUs of the slot's host, in local-rank order, so that local rank ``k`` uses CUDA
+    device ``k`` (one GPU per slot)."""
+    by_host: dict[str, list[tuple[int, Sequence[str]]]] = {}
+    for slot, ids in zip(slots, gpus, strict=True):
+        by_host.setdefault(slot.hostname, []).append((slot.local_rank, ids))
+    joined = {
+        host: ",".join(gpu for _, ids in sorted(pairs) for gpu in ids)
+        for host, pairs in by_host.items()
+    }
+    return [joined[slot.hostname] for slot in slots]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from rendezvous.addresses import is_ipv6
 from rendezvous.slots import SlotInfo, derive_slots
+from rendezvous.slots import visible_devices as host_devices
 
 __all__ = [
     "BundlePlan",
@@ -136,11 +137,4 @@ def plan_server(driver_ip: str, worker_ips: Sequence[str]) -> ServerPlan:
 def visible_devices(slots: Sequence[SlotInfo], nodes: Sequence[WorkerNode]) -> list[str]:
     """``CUDA_VISIBLE_DEVICES`` for each worker: the GPUs Ray gave its node's workers, in
     local-rank order (one GPU per worker: local rank ``k`` uses CUDA device ``k``)."""
-    by_host: dict[str, list[tuple[int, tuple[str, ...]]]] = {}
-    for slot, node in zip(slots, nodes, strict=True):
-        by_host.setdefault(slot.hostname, []).append((slot.local_rank, node.gpu_ids))
-    joined = {
-        host: ",".join(gpu for _, ids in sorted(pairs) for gpu in ids)
-        for host, pairs in by_host.items()
-    }
-    return [joined[slot.hostname] for slot in slots]
+    return host_devices(slots, [node.gpu_ids for node in nodes])

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from rendezvous.addresses import is_ipv6
 from rendezvous.slots import SlotInfo, assign_slots
+from rendezvous.slots import visible_devices as host_devices
 
 __all__ = [
     "DEFAULT_START_TIMEOUT",
@@ -113,14 +114,7 @@ def visible_devices(reports: Sequence[TaskReport], slots: Sequence[SlotInfo]) ->
     GPUs): the GPUs of the task's host, in local-rank order."""
     if not all(report.gpus for report in reports):
         return [None] * len(reports)
-    by_host: dict[str, list[tuple[int, tuple[str, ...]]]] = {}
-    for report, slot in zip(reports, slots, strict=True):
-        by_host.setdefault(slot.hostname, []).append((slot.local_rank, report.gpus))
-    joined = {
-        host: ",".join(gpu for _, gpus in sorted(pairs) for gpu in gpus)
-        for host, pairs in by_host.items()
-    }
-    return [joined[slot.hostname] for slot in slots]
+    return list(host_devices(slots, [report.gpus for report in reports]))
 
 
 def plan_server(master: str, driver_host: str, bind_address: str | None = None) -> ServerPlan:
