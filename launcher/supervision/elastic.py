@@ -196,7 +196,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         self._done = threading.Event()
         self._versions = installed_versions() if spec.launch.check_versions else None
         self._discovery_error: str | None = None
-        self.insight = InsightWatch(server.values_under, sink)
+        self.insight = InsightWatch(lambda prefix: self.server.values_under(prefix), sink)
 
     # ---- the loop -------------------------------------------------------------------
 
@@ -495,29 +495,9 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                 host.agent.terminate()
 
     def _start_host(self, host: HostRecord) -> None:
-        launch = self.spec.launch
-        deadline = time.monotonic() + launch.start_timeout
-        name, order = host.name, host.order
-
-        # Runs in a thread of its own and never touches ``host``: the main loop owns it.
-        def start() -> None:
-            agent: AgentConnection | None = None
-            try:
-                agent = make_agent(name, self.spec.cwd, self.spec.env, launch)
-                self.events.put(AgentCreated(name, order, agent))
-                if self._done.is_set():  # the loop has ended: nobody will claim the agent
-                    agent.abort()
-                    return
-                agent.start(deadline)
-            except Exception as exc:
-                reason = str(exc) or repr(exc)
-                self.events.put(AgentFailed(name, order, reason))
-                if agent is not None:
-                    agent.abort()
-            else:
-                self.events.put(AgentReady(name, order))
-
-        threading.Thread(target=start, daemon=True).start()
+        # In a thread of its own, which never touches ``host``: the main loop owns it.
+        args = (host.name, host.order, self.spec, self.events, self._done)
+        threading.Thread(target=_start_agent, args=args, daemon=True).start()
 
     def _publish(self, decision: Publish) -> None:
         generation = self.server.publish(decision.slots)
@@ -560,6 +540,33 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         agents = [h.agent for h in self.members.all_hosts() if h.agent is not None]
         host = dial_host(agent, agents, self.spec.launch.rendezvous_addr)
         return join_addr(host, self.server.port)
+
+
+def _start_agent(
+    name: str,
+    order: int,
+    spec: JobSpec,
+    events: queue.Queue[HostEvent | DriverEvent],
+    done: threading.Event,
+) -> None:
+    """Starts host ``name``'s agent, saying how it went on ``events`` (AgentCreated, then
+    AgentReady or AgentFailed); an agent nobody will claim any more (``done``) is aborted."""
+    launch = spec.launch
+    deadline = time.monotonic() + launch.start_timeout
+    agent: AgentConnection | None = None
+    try:
+        agent = make_agent(name, spec.cwd, spec.env, launch)
+        events.put(AgentCreated(name, order, agent))
+        if done.is_set():  # the loop has ended: nobody will claim the agent
+            agent.abort()
+            return
+        agent.start(deadline)
+    except Exception as exc:
+        events.put(AgentFailed(name, order, str(exc) or repr(exc)))
+        if agent is not None:
+            agent.abort()
+    else:
+        events.put(AgentReady(name, order))
 
 
 def _seconds(text: str | None, default: float) -> float:
