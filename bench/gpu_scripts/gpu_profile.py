@@ -2,7 +2,8 @@
 around a collective, then ``hvd.allreduce_`` of 4 bytes and a burst of 100 x 4 KB under
 cProfile (the calling thread, which runs a synchronous op's cycle itself), printed as the
 functions with the most time of their own. For the GPU machine (docs/gpu.md); ``--device
-cpu`` runs it on CPU tensors."""
+cpu`` runs it on CPU tensors (with ``--dtype int32`` the 4 B op takes the path of a CUDA op:
+its data does not ride the negotiation round)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import collectives.torch as hvd
+from collectives import runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_worker import bursts, joined
@@ -68,11 +70,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--top", type=int, default=35)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "int32"),
+        help="the 4 B op's dtype (int32 on CPU: the path of ops that do not ride a round, "
+        "which CUDA ops take)",
+    )
     args = parser.parse_args()
     device, sync = joined(args.device)
     cuda = device.type == "cuda"
 
-    scalar = torch.zeros(1, device=device)
+    scalar = torch.zeros(1, device=device, dtype=getattr(torch, args.dtype))
     if cuda:
         side = torch.cuda.Stream()
         current = torch.cuda.current_stream()
@@ -106,6 +115,16 @@ def main() -> None:
             lambda: nccl.allreduce([scalar], opts).wait(), torch.cuda.synchronize
         )
         costs["the same on a side stream"] = on_side
+        # The engine's data group is one group with a backend per device type: is a call
+        # through it dearer than through a group of NCCL alone?
+        mixed = dist.new_group(backend="cpu:gloo,cuda:nccl")
+        costs["the same, cpu:gloo,cuda:nccl group"] = then(
+            lambda: mixed.allreduce([scalar], opts).wait(), torch.cuda.synchronize
+        )
+        engine_pg = runtime.engine().controller(0).runner.dispatch.executor.process_group
+        costs["the same, the engine's data group"] = then(
+            lambda: engine_pg.allreduce([scalar], opts).wait(), torch.cuda.synchronize
+        )
         print("==== CUDA call costs (us per call, median of 5 x 2000)")
         for what, fn in costs.items():
             print(f"  {what:<40}{per_call_us(fn):>9.2f}")

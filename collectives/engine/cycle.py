@@ -50,7 +50,7 @@ from collectives.engine.cache import (
 )
 from collectives.engine.config import EngineConfig
 from collectives.engine.dispatch import Controls, Dispatch
-from collectives.engine.execute import Group
+from collectives.engine.execute import Group, reduces_directly
 from collectives.engine.insight import IDLE, Arrivals
 from collectives.engine.names import UnnamedCounters, unnamed_counter
 from collectives.engine.negotiation import (
@@ -86,16 +86,23 @@ class HotPrint(NamedTuple):
     reduction: Reduction
     dtype: torch.dtype
     shape: torch.Size
+    device: int  # the CUDA device's index; -1 on the CPU (as ``Tensor.get_device()``)
+    rode: bool  # its data rode the lane's round (else it runs on the tensor itself)
 
 
-def hot_print(request: Request) -> HotPrint | None:
-    """What an op that follows ``request`` in the hot lane must match (global set only)."""
-    if request.process_set_id != 0:
+def hot_print(request: Request, rode: bool) -> HotPrint | None:
+    """What an op that follows ``request`` in the hot lane must match (global set only):
+    an allreduce of one tensor whose data rode its lane's round (``rode``), or that runs on
+    the tensor itself (see :meth:`~collectives.engine.execute.Executor.reduce_in_place`)."""
+    if request.process_set_id != 0 or request.kind != Kind.ALLREDUCE or len(request.specs) != 1:
         return None
     spec = request.specs[0]
+    if not rode and not reduces_directly(spec.dtype, spec.device_type):
+        return None
     _, counter = request_key(request)
     name = None if counter else request.name
-    return HotPrint(name, request.reduction, spec.dtype, torch.Size(spec.shape))
+    device = request.inputs[0].get_device()
+    return HotPrint(name, request.reduction, spec.dtype, torch.Size(spec.shape), device, rode)
 
 
 class CycleRunner:

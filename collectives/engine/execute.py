@@ -38,7 +38,7 @@ from collectives.engine.fusion import Bucket, Slot
 from collectives.engine.reduction import PLAIN_SUM, Reduction, neutral_value
 from collectives.engine.requests import Kind, Request, TensorSpec, parse_ragged
 
-__all__ = ["Executor", "Group", "Sums", "check_unchanged"]
+__all__ = ["Executor", "Group", "Sums", "check_unchanged", "dense", "reduces_directly"]
 
 _TORCH_OPS: dict[int, Any] = {
     ReduceOp.AVERAGE: dist.ReduceOp.SUM,
@@ -55,6 +55,17 @@ _AVERAGE = int(ReduceOp.AVERAGE)
 _SUM_OPTIONS = dist.AllreduceOptions()
 _SUM_OPTIONS.reduceOp = _SUM
 
+
+def _ar(op: int) -> Any:
+    """New allreduce options for ``op`` (a :class:`ReduceOp` value)."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _TORCH_OPS[op]
+    return opts
+
+
+#: The allreduce options of each op, made once (never changed: torch copies what it reads).
+_OPTIONS = {op: _ar(op) for op in _TORCH_OPS}
+
 # Dtypes the backend cannot reduce natively are reduced in a wider type and cast back.
 _UPCAST = {
     "cpu": {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64},
@@ -67,6 +78,13 @@ _UPCAST = {
 }
 
 Tracer = Callable[[Bucket, str, float, float], None]
+
+
+def reduces_directly(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether an allreduce of one dense tensor runs on the tensor itself, with no buffer
+    (its dtype is one the backend reduces; see :meth:`Executor.reduce_in_place`)."""
+    upcast = _UPCAST.get(device_type)
+    return upcast is not None and dtype not in upcast
 
 
 @dataclass(frozen=True)
@@ -337,6 +355,11 @@ class Executor:
         self._cuda_nccl = "nccl" in _backend_name(pg)
         self._cuda_phase = "NCCL_" if self._cuda_nccl else "GLOO_"
 
+    @property
+    def process_group(self) -> Any:
+        """The set's data process group (None once released)."""
+        return self._pg
+
     def buffer(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A view of ``numel`` elements of the device's fusion buffer."""
         nbytes = numel * dtype.itemsize
@@ -400,8 +423,7 @@ class Executor:
         op = reduction.op
         dtype = slots[0].spec.dtype
         work_dtype = _UPCAST[device.type].get(dtype, dtype)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = _TORCH_OPS[op]
+        opts = _OPTIONS[op]
         pg, size = self._pg, group.size
         counts = [slot.spec.numel for slot in slots]
         sums = self._sums if device.type == "cpu" and opts.reduceOp == _SUM else None
@@ -414,27 +436,7 @@ class Executor:
                 out = request.outputs[index] = self.outputs.empty(inp.shape, inp.dtype)
             if dense(out):
                 copy = out.data_ptr() != inp.data_ptr() or out.shape != inp.shape
-                if out.numel() == 0:
-                    return
-                if reduction.prescale != 1.0:  # scaled on the way in: one pass over the data
-                    reduction.stage(out, inp if copy else None)
-                    copy = False
-                source = inp if copy else None
-                fill = PLAIN_SUM
-                if (
-                    copy
-                    and op == _AVERAGE
-                    and reduction.postscale == 1.0
-                    and out.is_floating_point()
-                    and size & (size - 1) == 0
-                ):
-                    # Dividing by a power of two is exact (but for subnormals): divide on
-                    # the way in; the sum is then the average, with no pass of its own.
-                    fill, reduction = Reduction(_SUM_OP, 1.0 / size), PLAIN_SUM
-                self._collective(
-                    bucket, device, lambda: _allreduce(pg, size, out, opts, source, fill, sums)
-                )
-                reduction.finish(out, size)
+                self._reduce_one(out, inp if copy else None, reduction, opts, bucket)
                 return
         total = sum(counts)
         if total == 0:
@@ -469,6 +471,48 @@ class Executor:
                     out = _output(slot)
                     out.copy_(view.view(out.shape))
         self._trace(bucket, "MEMCPY_OUT_FUSION_BUFFER", start, time.monotonic())
+
+    def reduce_in_place(self, tensor: torch.Tensor, reduction: Reduction) -> None:
+        """The hot lane's allreduce of one dense tensor that does not ride the cache's rounds
+        (see :mod:`.lanes`), on the calling thread (a CUDA tensor: on its current stream):
+        the collectives of that op's bucket of one, which other members may run in a cycle."""
+        self._reduce_one(tensor, None, reduction, _OPTIONS[reduction.op], None)
+
+    def _reduce_one(
+        self,
+        out: torch.Tensor,
+        source: torch.Tensor | None,
+        reduction: Reduction,
+        opts: Any,
+        bucket: Bucket | None,
+    ) -> None:
+        """The allreduce of one dense tensor into ``out`` (from ``source``; None: in place),
+        with no fusion buffer; ``bucket`` for the timeline (None: a lane's, untraced)."""
+        if out.numel() == 0:
+            return
+        if reduction.prescale != 1.0:  # scaled on the way in: one pass over the data
+            reduction.stage(out, source)
+            source = None
+        pg, size = self._pg, self._group.size
+        sums = self._sums if out.is_cpu and opts.reduceOp == _SUM else None
+        fill = PLAIN_SUM
+        if (
+            source is not None
+            and reduction.op == _AVERAGE
+            and reduction.postscale == 1.0
+            and out.is_floating_point()
+            and size & (size - 1) == 0
+        ):
+            # Dividing by a power of two is exact (but for subnormals): divide on the way
+            # in; the sum is then the average, with no pass of its own.
+            fill, reduction = Reduction(_SUM_OP, 1.0 / size), PLAIN_SUM
+        if bucket is None:
+            _allreduce(pg, size, out, opts, source, fill, sums).wait()
+        else:
+            self._collective(
+                bucket, out.device, lambda: _allreduce(pg, size, out, opts, source, fill, sums)
+            )
+        reduction.finish(out, size)
 
     def _reducescatter(self, bucket: Bucket, group: Group, device: torch.device) -> None:
         slots, size, me = bucket.slots, group.size, group.index
@@ -532,7 +576,7 @@ class Executor:
                     offset += count
         if reduce_whole:
             whole = buf[:total]
-            self._collective(bucket, device, lambda: self._pg.allreduce([whole], _ar(op)))
+            self._collective(bucket, device, lambda: self._pg.allreduce([whole], _OPTIONS[op]))
             mine.copy_(chunks[me])
         else:
             self._collective(
@@ -683,12 +727,6 @@ def _backend_name(pg: Any) -> str:
         return str(dist.get_backend(pg))
     except (RuntimeError, ValueError):  # destroyed already, or not a group torch knows
         return ""
-
-
-def _ar(op: int) -> Any:
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = _TORCH_OPS[op]
-    return opts
 
 
 def _row_bytes(spec: TensorSpec) -> int:

@@ -18,8 +18,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from collectives.engine import streams
 
 __all__ = ["Handle", "lookup", "register", "release"]
@@ -93,7 +91,7 @@ class Handle:
             if host:
                 event.synchronize()
             else:
-                event.wait(streams.current(torch.cuda.current_device()))
+                streams.wait(event)
         return self.result
 
 

@@ -1,16 +1,23 @@
 """The lanes: a blocking op runs its predicted round on the caller's thread, at once.
 
-A training loop that repeats one small allreduce (a loss, a metric, ``hvd.allreduce_`` of a
-scalar) would otherwise pay for a request, a queue, a cycle's bookkeeping and maybe a
-thread switch per call. When the set's response cache predicts exactly that op as the next
-round (see :mod:`.rounds`), the calling thread takes the set's cycle lock and runs that
-round itself:
+A training loop that repeats one blocking op (a loss, a metric, ``hvd.allreduce_`` of a
+scalar, a broadcast, an allgather of ids) would otherwise pay for a request, a queue, a
+cycle's bookkeeping and maybe a thread switch per call. When the set's response cache
+predicts exactly that op as the next round (see :mod:`.rounds`), the calling thread takes the
+set's cycle lock and runs that round itself:
 
-* :func:`run_now` (the request lane) for a blocking op that already has its request;
+* :func:`run_now` (the request lane) for a blocking op that already has its request: a
+  small allreduce rides the round; any other op, once the round agreed, runs its
+  collectives here as the cycle's dispatch would;
 * :func:`run_hot` (the hot lane) for ``allreduce_`` of the global set repeated in a loop:
   the op alike the one the lane just ran (its :class:`~collectives.engine.cycle.HotPrint`),
-  reduced in place with no request, handle or lock built at all; a few checks and two
-  copies around the collective (a 4-byte op spends as much time in Python as in Gloo).
+  reduced in place with no request, handle or lock built at all: a few checks and two
+  copies around the round for a small op that rides it (a 4-byte op spends as much time in
+  Python as in Gloo), or the round and then the allreduce of the tensor itself
+  (:meth:`~collectives.engine.execute.Executor.reduce_in_place`) for one that does not: a
+  large one, an integer one, a CUDA one (on the caller's current stream, which a blocking
+  op runs on anyway; see :mod:`.streams`). At size 1 the round costs no collective, and a
+  CUDA op costs its NCCL call and a few microseconds of Python.
 
 If another member's ops differ (every member sees NaN), every member falls back to the full
 negotiation of that same cycle, the op announced in it as if it had been queued. Both lanes
@@ -26,15 +33,18 @@ used as a hint and checked again under the lock.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from collectives.engine.cycle import hot_print
+from collectives.engine.execute import dense
 from collectives.engine.handles import Handle
 from collectives.engine.reduction import Reduction
 from collectives.engine.requests import Request
+from collectives.engine.rounds import AGREED, DIFFERED, RODE
 from collectives.errors import HorovodInternalError
 
 if TYPE_CHECKING:
@@ -90,18 +100,19 @@ def run_now(controller: Controller, request: Request) -> bool:
             # here or in a cycle, with the same vector.
             dispatch.current = [request]  # (failed with the cycle if anything below fails)
             outcome = rounds.run_one(runner.control_pg, request)
+            dispatch.current = []
             if outcome is None:
-                dispatch.current = []
                 return True  # not exactly the predicted op: nothing ran
             ran = True
-            runner.lane_ran(outcome)
-            if outcome:
+            runner.lane_ran(outcome != DIFFERED)
+            if outcome == DIFFERED:
+                return runner.lane_fallback(request)
+            if outcome == RODE:
                 dispatch.complete(request, None)
-                dispatch.current = []
-                runner.hot = hot_print(request)
-                return True
-            dispatch.current = []
-            return runner.lane_fallback(request)
+            else:  # agreed: its collectives run here, as the cycle's dispatch would run them
+                dispatch.cached([request], [], time.monotonic())
+            runner.hot = hot_print(request, outcome == RODE)
+            return True
 
         controller.guarded_cycle(lane)
         return ran
@@ -133,8 +144,9 @@ def run_hot(
         or tensor.shape != hot.shape
         # (no autograd history to keep out of the copies: grad mode may stay as it is)
         or tensor.requires_grad
-        or not tensor.is_cpu
+        or tensor.get_device() != hot.device
         or tensor.layout is not torch.strided
+        or (not hot.rode and not dense(tensor))
         or controller.timeline.current is not None  # (the lanes do not feed a timeline)
         or not controller.cycle_lock.acquire(blocking=False)
     ):
@@ -149,16 +161,18 @@ def run_hot(
         assert rounds is not None
         counter = -1 if name is not None else draw()
         try:
-            agreed = rounds.run_lone(runner.control_pg, counter + 1, tensor, reduction, name)
+            outcome = rounds.run_lone(runner.control_pg, counter + 1, tensor, reduction, name)
+            if outcome == AGREED:
+                runner.dispatch.executor.reduce_in_place(tensor, reduction)
         except BaseException as error:
             controller.cycle_failed(error)
             failed = Handle()
             failed.fail(HorovodInternalError(str(controller.queue.error)))
             return failed
-        request = None if agreed else build(counter)
-        if agreed is not None:
-            runner.lane_ran(agreed)
-            if agreed:
+        request = build(counter) if outcome is None or outcome == DIFFERED else None
+        if outcome is not None:
+            runner.lane_ran(outcome != DIFFERED)
+            if outcome != DIFFERED:
                 runner.stats["hot_rounds"] += 1
                 return DONE
             assert request is not None

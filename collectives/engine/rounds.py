@@ -52,7 +52,7 @@ from collectives.engine.insight import IDLE, Arrivals
 from collectives.engine.reduction import Reduction
 from collectives.engine.requests import Kind, Request
 
-__all__ = ["MAX_COUNTER", "CacheRound", "rides"]
+__all__ = ["AGREED", "DIFFERED", "MAX_COUNTER", "RODE", "CacheRound", "rides"]
 
 #: Riders' elements (as float64) one cache round may carry; also the most one rider holds.
 RIDER_ELEMENTS = 16 * 1024
@@ -62,6 +62,9 @@ RIDER_ELEMENTS = 16 * 1024
 PREDICTED_BYTES = 4 * 1024 * 1024
 #: Riders at which a round copies their data in and out with one torch call for all.
 _BULK = 4
+#: What :meth:`CacheRound.run_one` did with a lone op: its round found that another rank's
+#: ops differed; its data rode the round (done); every rank agreed to run it now.
+DIFFERED, RODE, AGREED = 0, 1, 2
 #: Unnamed ops with counters this large always negotiate in full: the sums of squares that
 #: tell the ranks' counters apart must stay exact in float64.
 MAX_COUNTER = 1 << 24
@@ -285,22 +288,29 @@ class CacheRound:
         prediction = self._prediction
         return prediction is not None and len(prediction) == 1 and not self._full_left
 
-    def run_one(self, group: Any, request: Request) -> bool | None:
-        """The predicted round for a lone blocking op (see ``Engine.run_now``), when it is
-        the one op predicted and it rides: None when it is not (nothing ran); True when the
-        round agreed (the request's result is in its output); False when another rank's
-        ops differed (NaN): every rank falls back to the full negotiation of this cycle."""
+    def run_one(self, group: Any, request: Request) -> int | None:
+        """The predicted round for a lone blocking op (see :mod:`.lanes`), when it is the one
+        op predicted: None when it is not (nothing ran); DIFFERED when another rank's ops
+        differed (NaN: every rank falls back to the full negotiation of this cycle); RODE
+        when its data rode the round (its result is in its output); AGREED when every rank
+        runs it now (the caller runs its collectives, as a cycle would)."""
         key, counter = request_key(request)
         index = self._lone(counter)
         if index is None or self.cache.lookup(key) != index:
             return None
-        part = self._staging_of_one()
+        staging = self._stage(self._layout)
+        if not self._layout:
+            if not self._lone_round(group, request.name):
+                return DIFFERED
+            self._lone_agreed(index, counter)
+            return AGREED
+        part = staging.parts[0]
         request.reduction.stage(part, request.inputs[0])
         if not self._lone_round(group, request.name):
-            return False
+            return DIFFERED
         _finish_rider(request, part, self.size)
         self._lone_agreed(index, counter)
-        return True
+        return RODE
 
     def run_lone(
         self,
@@ -309,24 +319,30 @@ class CacheRound:
         tensor: torch.Tensor,
         reduction: Reduction,
         name: str | None = None,
-    ) -> bool | None:
+    ) -> int | None:
         """:meth:`run_one` for the engine's hot lane, which vouches that no other round ran
-        since the last one of this lane (the prediction is this lone rider's, its layout and
+        since the last one of this lane (the prediction is this lone op's, its layout and
         staging stand): the op is ``tensor``, reduced in place with ``reduction``, with
-        counter ``want`` (0 for a named op, ``name``). Only the checks are its own; the
-        round is run_one's (the lane's time counts as busy: no cycle counts it)."""
+        counter ``want`` (0 for a named op, ``name``). Returns as run_one does (RODE: the
+        tensor holds the result). Only the checks are its own; the round is run_one's (the
+        lane's time counts as busy: no cycle counts it)."""
         ((index, predicted),) = self._prediction or ((-1, -1),)
         if predicted != want or want >= MAX_COUNTER:
             return None
         staging = self._staging
         assert staging is not None
+        if not staging.parts:
+            if not self._lone_round(group, name, lane=True):
+                return DIFFERED
+            self._lone_agreed(index, want)
+            return AGREED
         part = staging.parts[0]
         reduction.stage(part, tensor)
         if not self._lone_round(group, name, lane=True):
-            return False
+            return DIFFERED
         _finish_out(tensor, part, reduction, self.size)
         self._lone_agreed(index, want)
-        return True
+        return RODE
 
     def _lone(self, counter: int) -> int | None:
         """The cache index of the one riding op predicted next, if its counter is
@@ -338,13 +354,9 @@ class CacheRound:
         if predicted != counter or counter >= MAX_COUNTER:
             return None
         layout = self._valid_layout()
-        if len(layout) != 1 or layout[0].index != index:
+        if layout and (len(layout) != 1 or layout[0].index != index):
             return None
         return index
-
-    def _staging_of_one(self) -> torch.Tensor:
-        """The lone rider's slice of the staging vector (after :meth:`_lone`)."""
-        return self._stage(self._layout).parts[0]
 
     def _sum(self, group: Any, vector: torch.Tensor, timeout: float | None = None) -> None:
         """Sums a round's vector over the members. A set of one rank has no one to agree

@@ -10,6 +10,7 @@ and switches streams around every bucket, so here:
 * :func:`switch` makes a stream current and returns the one it replaced, for
   :func:`switch` back (no context object, no device check: the engine's streams are its
   own, on the device of the bucket);
+* :func:`wait` orders the current stream after an op's event, once per event and stream;
 * :func:`ready` is what a submission records: the submitting stream, and for an op that
   runs later (asynchronous) an event at its position. A blocking op records no event: its
   caller waits on it at once and queues nothing behind it, so the stream's position when
@@ -33,7 +34,7 @@ import torch
 if TYPE_CHECKING:
     from collectives.engine.requests import Request
 
-__all__ = ["EngineStreams", "current", "ready", "switch"]
+__all__ = ["EngineStreams", "current", "ready", "switch", "wait"]
 
 #: (device index, raw stream) -> torch.cuda.Stream. Bounded: streams are pooled by torch,
 #: so a program uses few; external streams could come and go.
@@ -41,6 +42,7 @@ _known: dict[tuple[int, int], Any] = {}
 _KNOWN_MAX = 256
 
 _raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_device = getattr(torch._C, "_cuda_getDevice", None)  # (current_device() without its checks)
 
 
 def current(device: int) -> Any:
@@ -63,6 +65,18 @@ def switch(stream: Any) -> Any:
     if before is not stream:
         torch.cuda.set_stream(stream)
     return before
+
+
+def wait(event: Any) -> None:
+    """Orders this thread's current stream (of the current device) after ``event``. A
+    stream that already waits for it costs no call: the handles of one bucket share its
+    event, and a burst's waiter waits on each handle in turn."""
+    device = _device() if _device is not None else torch.cuda.current_device()
+    stream = current(device)
+    if getattr(event, "waiter", None) is stream:
+        return
+    event.wait(stream)
+    event.waiter = stream  # (an engine's event is recorded once: its waiters stay waiting)
 
 
 def ready(tensor: torch.Tensor, blocking: bool) -> tuple[Any, Any]:

@@ -75,9 +75,11 @@ def test_cache_on_off_and_evicting_give_the_same_results(capacity: str) -> None:
     checks += ["parameter.0", "parameter.7", "parameter.no_grad", "lane.fallback.out"]
     checks += ["hot.average.9", "hot.refused", "hot.skipped.0", "hot.skipped.5", "hot.other.5"]
     checks += ["hot.unnamed.9", "burst.unnamed.5", "burst.unnamed.11", "burst.unnamed.extra.11"]
+    checks += ["direct.ints.7", "direct.wide.7", "direct.parts.7", "direct.broadcast.5"]
+    checks += ["direct.allgather.5", "direct.mixed.5", "direct.fallback"]
     checks.append({"1024": "cache.used", "0": "cache.off", "1": "cache.evicts"}[capacity])
     if capacity == "1024":
-        checks += ["burst.predicted", "hot.used", "burst.unnamed.predicted"]
+        checks += ["burst.predicted", "hot.used", "burst.unnamed.predicted", "direct.used"]
     assert_all_ok(code, output, 2, checks)
     assert f"[0]<stdout>:CAPACITY {capacity}\n" in output
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from collectives.common import ReduceOp
+from collectives.engine import streams
 from collectives.engine.cache import ResponseCache, is_unnamed, key_of, keys_of, ordinal
 from collectives.engine.config import EngineConfig
 from collectives.engine.core import Engine
@@ -63,6 +64,43 @@ def test_waiting_for_another_rank_paces_only_quiet_rounds() -> None:
 def test_idle_sets_keep_alive_from_the_end_of_the_last_round() -> None:
     pace = Pace(last_cycle=1.0, last_round=2.0, cycle_time=CYCLE)
     assert seconds_until_cycle(Due(), pace, now=2.5) == pytest.approx(KEEPALIVE_SECONDS - 0.5)
+
+
+# ---- a CUDA op's completion, with stand-ins for the GPU --------------------------------
+
+
+class _Stream:
+    def __init__(self, raw: int) -> None:
+        self.raw = raw
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.waited_by: list[int] = []
+
+    def wait(self, stream: _Stream) -> None:
+        self.waited_by.append(stream.raw)
+
+
+def test_a_cuda_result_orders_each_stream_that_waits_for_it_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A burst's handles share their bucket's event: the waiter's current stream waits for
+    # it once, and a stream made current later waits too (CUDA stands in: no GPU here).
+    current_raw = [7]
+    monkeypatch.setattr(streams, "_device", lambda: 0)
+    monkeypatch.setattr(streams, "_raw", lambda device: current_raw[0])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: _Stream(current_raw[0]))
+    monkeypatch.setattr(streams, "_known", {})
+    event = _Event()
+    handles = [Handle() for _ in range(3)]
+    for number, handle in enumerate(handles):
+        handle.complete(number, event)
+    assert [handle.wait() for handle in handles] == [0, 1, 2]
+    assert event.waited_by == [7]
+    current_raw[0] = 9  # another stream is current now (torch.cuda.stream(side))
+    assert handles[0].wait() == 0 and handles[1].wait() == 1
+    assert event.waited_by == [7, 9]
 
 
 # ---- the queue, under two threads ----------------------------------------------------
@@ -313,6 +351,33 @@ def test_ops_complete_with_their_scaling_and_the_lanes_take_a_repeated_op(
     done = hvd.run_hot("allreduce.loop", tensor, Reduction(int(ReduceOp.SUM)), _no_request)
     assert done is not None and done.done() and torch.equal(tensor, torch.full((4,), 7.0))
     assert hvd.stats["hot_rounds"] == 1
+
+
+def test_the_lanes_run_ops_that_do_not_ride_on_the_tensor_itself(
+    engine: tuple[Engine, Groups],
+) -> None:
+    # An integer allreduce (its data never rides a round), scaled: once predicted, the
+    # request lane runs its collective on the calling thread; then the hot lane on the
+    # tensor itself, with the integer scaling truncating as the cycle's path does.
+    hvd, _ = engine
+    scaled = Reduction(int(ReduceOp.SUM), 2.5)
+    lanes = 0
+    for i in range(8):
+        request = _request("ints", torch.full((4,), i, dtype=torch.int64), scaled)
+        request.handle = hvd.new_handle()
+        lanes += hvd.run_now(request)
+        if not request.handle.done():
+            hvd.submit(request, True)
+        want = torch.full((4,), int(2.5 * i), dtype=torch.int64)
+        assert torch.equal(request.handle.wait(), want)
+    assert lanes >= 3, hvd.stats
+    tensor = torch.full((4,), 3, dtype=torch.int64)
+    done = hvd.run_hot("allreduce.ints", tensor, scaled, _no_request)
+    assert done is not None and done.done() and tensor.tolist() == [7] * 4
+    assert hvd.stats["hot_rounds"] == 1
+    # A strided view is not reduced in place by the lane (it goes the usual way).
+    strided = torch.zeros(4, 2, dtype=torch.int64)[:, 0]
+    assert hvd.run_hot("allreduce.ints", strided, scaled, _no_request) is None
 
 
 def _submit_async(engine: Engine, request: Request) -> Handle:

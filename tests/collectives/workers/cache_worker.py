@@ -206,6 +206,73 @@ def main() -> None:
 
     checks.run("hot", hot_lane)
 
+    def direct_lanes() -> None:
+        # Blocking ops whose data cannot ride a round, repeated: once predicted, the lanes
+        # run their collectives on the caller's thread (the hot lane on the tensor itself):
+        # integers with an Average that truncates and a prescale, a tensor larger than a
+        # round carries, one large enough to be reduced in parts, Min; then a sync
+        # broadcast and allgather. Exact results on every step, and the hot lane was used.
+        engine = runtime.engine()
+        before = engine.stats["hot_rounds"]
+        ints = torch.zeros(5, dtype=torch.int64)
+        wide = torch.zeros(20_000)  # more elements than a round carries
+        parts = torch.zeros(9 * 1024 * 1024 // 4, dtype=torch.int32)  # reduced in two parts
+        for i in range(8):  # (one op repeated is predicted; ops taking turns are not)
+            ints.fill_(rank * 7 + i)
+            hvd.allreduce_(ints, op=hvd.Average, prescale_factor=3.0, name="direct.ints")
+            want = sum(3 * (r * 7 + i) for r in range(size)) // size
+            checks.expect(f"direct.ints.{i}", bool((ints == want).all()), ints)
+        for i in range(8):
+            wide.fill_(float(rank + i))
+            hvd.allreduce_(wide, op=hvd.Sum)  # unnamed
+            checks.expect(f"direct.wide.{i}", bool((wide == float(ranks.sum()) + size * i).all()))
+        for i in range(8):
+            parts.fill_(rank - i)
+            hvd.allreduce_(parts, op=hvd.Min, name="direct.parts")
+            checks.expect(f"direct.parts.{i}", bool((parts == -i).all()), parts[:3])
+        for i in range(6):
+            seed = hvd.broadcast(torch.tensor([rank * 10 + i]), root_rank=1, name="direct.seed")
+            checks.expect(f"direct.broadcast.{i}", int(seed) == 10 + i, seed)
+        for i in range(6):
+            ids = hvd.allgather(torch.full((2, 2), rank + i, dtype=torch.int16))
+            want_ids = torch.tensor([[r + i] * 2 for r in range(size) for _ in range(2)])
+            checks.expect(f"direct.allgather.{i}", torch.equal(ids, want_ids.short()), ids)
+        hot = engine.stats["hot_rounds"] - before
+        # (a cache of one op may still be backing off after the sections before)
+        if engine.response_cache is not None and capacity > 1 and not engine.config.autotune:
+            # (each loop's op is predicted from its fourth or fifth call on)
+            checks.expect("direct.used", hot >= 3 * 3, engine.stats)
+        # The same op in place on one rank (the hot lane) and out of place on the other
+        # (the request lane, a copy on the way in): the same collectives, the same result.
+        for i in range(6):
+            mine = torch.full((7,), rank + i, dtype=torch.int32)
+            if rank == 0:
+                hvd.allreduce_(mine, op=hvd.Sum, name="direct.mixed")
+                result = mine
+            else:
+                result = hvd.allreduce(mine, op=hvd.Sum, name="direct.mixed")
+            want_sum = sum(r + i for r in range(size))
+            checks.expect(f"direct.mixed.{i}", bool((result == want_sum).all()), result)
+        # Predicted, but rank 1's cycle holds one more op: every rank falls back to the
+        # full negotiation, the integers' collectives run once, results exact.
+        other = torch.full((3,), rank + 1, dtype=torch.int64)
+        ints.fill_(rank)
+        if rank == 0:
+            hvd.allreduce_(ints, op=hvd.Average, prescale_factor=3.0, name="direct.ints")
+            hvd.allreduce_(other, op=hvd.Sum, name="direct.other")
+        else:
+            handle = hvd.allreduce_async_(other, op=hvd.Sum, name="direct.other")
+            hvd.allreduce_(ints, op=hvd.Average, prescale_factor=3.0, name="direct.ints")
+            hvd.synchronize(handle)
+        checks.expect(
+            "direct.fallback",
+            bool((ints == sum(3 * r for r in range(size)) // size).all())
+            and bool((other == sum(r + 1 for r in range(size))).all()),
+            (ints, other),
+        )
+
+    checks.run("direct", direct_lanes)
+
     def two_threads() -> None:
         # Blocking ops on two threads at once: one thread's wait runs the cycle while the
         # other's must hand its op to the cycle in flight or the engine thread.
