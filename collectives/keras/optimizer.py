@@ -164,9 +164,10 @@ class _Settings:
             scale = self.local_scale
             if self.scale_local_gradients:
                 scale /= self.process_set.size()
-            for i in local:
-                if result[i] is not None and scale != 1.0:
-                    result[i] = result[i] * scale
+            if scale != 1.0:
+                rescale = _scaled_tf if not self.bridge.is_torch else _scaled_torch
+                for i in local:
+                    result[i] = rescale(result[i], scale)
             return result
         return self._reduce(grads, variables)
 
@@ -216,6 +217,17 @@ def _register_local_var(self: Any, var: Any) -> None:
     """A variable whose gradient each rank keeps for itself: never reduced, divided by the
     process set's size with ``scale_local_gradients`` (Horovod's ``register_local_var``)."""
     self._hvd_settings.local.add(variable_key(var))
+
+
+def _scaled_torch(grad: Any, factor: float) -> Any:
+    return None if grad is None else grad * factor
+
+
+def _scaled_tf(grad: Any, factor: float) -> Any:
+    """A TensorFlow gradient scaled, sparse ones (``tf.IndexedSlices``) included."""
+    from collectives.tensorflow.gradient_tape import scaled
+
+    return scaled(grad, factor)
 
 
 def _reduced_elsewhere(bridge: Any, variables: list[Any]) -> str | None:

@@ -19,7 +19,12 @@ from collectives.common import (
 from collectives.tensorflow import mpi_ops
 from collectives.tensorflow.compression import Compression, Compressor
 
-__all__ = ["DistributedGradientTape", "GradientReducer", "PartialDistributedGradientTape"]
+__all__ = [
+    "DistributedGradientTape",
+    "GradientReducer",
+    "PartialDistributedGradientTape",
+    "scaled",
+]
 
 
 class GradientReducer:
@@ -152,11 +157,21 @@ def _divided(grad: Any, size: float) -> Any:
     """A local gradient divided by the set's size (Horovod's ``scale_local_gradients``)."""
     if grad is None or size == 1.0:
         return grad
+    return _on_values(grad, lambda values: values / tf.cast(size, values.dtype))
+
+
+def scaled(grad: Any, factor: float) -> Any:
+    """A gradient (None, dense or ``tf.IndexedSlices``) times ``factor``."""
+    if grad is None or factor == 1.0:
+        return grad
+    return _on_values(grad, lambda values: values * factor)
+
+
+def _on_values(grad: Any, fn: Any) -> Any:
+    """``fn`` of a dense gradient, or of a ``tf.IndexedSlices``' values (same rows)."""
     if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            grad.values / tf.cast(size, grad.values.dtype), grad.indices, grad.dense_shape
-        )
-    return grad / tf.cast(size, grad.dtype)
+        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
 
 
 class DistributedGradientTape:

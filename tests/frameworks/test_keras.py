@@ -39,6 +39,7 @@ def test_keras_fit_callbacks_and_optimizer(env: dict[str, str], checks: list[str
             "accumulate.average.local",
             "accumulate.inf",
             "accumulate.sparse_as_dense",
+            "sparse.local_scaled",
             "sync_batch_norm.output_and_grad",
             "sync_batch_norm.moving_statistics",
             "sync_batch_norm.name",

@@ -239,6 +239,20 @@ def accumulation(c: Checks, r: int, n: int) -> None:
         table = table - LR * sums.mean(0) / 2
     got_table = np.asarray(embedding.get_weights()[0]).ravel()
     c.expect("accumulate.sparse_as_dense", np.allclose(got_table, table), (got_table, table))
+    # a local embedding: its sparse gradients (tf.IndexedSlices on TensorFlow) stay on the
+    # rank, divided by the size (scale_local_gradients, Horovod's default)
+    embedding = keras.layers.Embedding(4, 1, embeddings_initializer="zeros")
+    model = keras.Sequential([keras.Input((1,), dtype="int32"), embedding, keras.layers.Flatten()])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(LR))
+    opt.register_local_var(embedding.embeddings)
+    model.compile(opt, "mse")
+    model.fit(rows, targets, batch_size=1, shuffle=False, verbose=0)
+    table = np.zeros(4, np.float32)
+    for p in range(PASSES):
+        row = (r + p) % 4
+        table[row] -= LR * 2 * (table[row] - (r + p + 1)) / n
+    got_table = np.asarray(embedding.get_weights()[0]).ravel()
+    c.expect("sparse.local_scaled", np.allclose(got_table, table), (got_table, table))
 
 
 def sync_batch_norm(c: Checks, r: int, n: int) -> None:
