@@ -156,6 +156,8 @@ def test_optimizer_on_two_ranks() -> None:
             "optimizer_state.empty_root_dummy_step",
             "distributed_optimizer.sgd",
             "distributed_optimizer.adam",
+            "distributed_optimizer.wide",
+            "distributed_optimizer.wide.in_place",
             "distributed_optimizer.fp16",
             "distributed_optimizer.skip_synchronize",
             "distributed_optimizer.missing_grad",

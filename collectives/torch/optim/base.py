@@ -36,7 +36,11 @@ from collectives.torch.optim.gradient_buckets import (
     plan_buckets,
 )
 
-__all__ = ["STEP_AFTER_SYNCHRONIZE", "DistributedOptimizerBase", "wrap"]
+__all__ = ["EARLY_MOVE_BYTES", "STEP_AFTER_SYNCHRONIZE", "DistributedOptimizerBase", "wrap"]
+
+#: CPU gradients at least this large move into their bucket's flat tensor as each becomes
+#: ready (see ``_hvd_on_gradient``); smaller ones and CUDA ones move together at its start.
+EARLY_MOVE_BYTES = 256 * 1024
 
 #: Starts as Horovod's warning does, so that filters written for Horovod's match it.
 STEP_AFTER_SYNCHRONIZE = (
@@ -154,9 +158,10 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         if bucket.waiting < 0:  # the bucket's first gradient of this step
             bucket.waiting = sum(1 for p in bucket.params if p.requires_grad)
             bucket.early = self._hvd_flat_ok(bucket)
-        if bucket.early:
-            # Into the flat tensor at once, while the gradient is still in the cache (and
-            # its memory free for the next layer's gradient).
+        if bucket.early and not param.is_cuda and param.nbytes >= EARLY_MOVE_BYTES:
+            # A large CPU gradient moves into the flat tensor at once, while it is still in
+            # the cache (and its memory free for the next layer's gradient). Small ones,
+            # and CUDA ones (a kernel launch each), move together when the bucket starts.
             self._hvd_move(bucket, param)
         bucket.waiting -= 1
         if bucket.waiting == 0:
@@ -207,9 +212,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
             return False
         flat = bucket.flat
         assert flat is not None
-        for param in bucket.params:
-            if param not in bucket.moved:
-                self._hvd_move(bucket, param)
+        self._hvd_move_rest(bucket)
         bucket.handle = ops.submit_allreduce(
             [flat],
             [flat],
@@ -265,6 +268,30 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         else:
             view.copy_(grad)
         param.grad = view
+
+    def _hvd_move_rest(self, bucket: Bucket) -> None:
+        """:meth:`_hvd_move` for every gradient of the bucket not moved yet: the dense ones
+        with one torch call for all (one multi-tensor kernel on a GPU, where a copy each
+        would launch a kernel each), and one more to scale them for Average."""
+        views: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        moved, position, all_views = bucket.moved, bucket.position, bucket.views
+        for param in bucket.params:
+            if param in moved:
+                continue
+            grad = param.grad
+            view = all_views[position[param]]
+            if grad is None or grad is view or grad.is_sparse or grad.shape != view.shape:
+                self._hvd_move(bucket, param)  # (zeros, in place, sparse: one at a time)
+                continue
+            views.append(view)
+            grads.append(grad)
+            moved.add(param)
+            param.grad = view
+        if views:
+            torch._foreach_copy_(views, grads)
+            if bucket.factor != 1.0:
+                torch._foreach_mul_(views, bucket.factor)
 
     def _hvd_densify(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """``sparse_as_dense``: the gradient travels dense and becomes sparse again after

@@ -29,6 +29,19 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
+def make_wide_model() -> torch.nn.Module:
+    """One weight of 300 KB (its gradient moves into the bucket as soon as it is ready) among
+    small ones (they move together when the bucket starts)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 300),
+        torch.nn.Tanh(),
+        torch.nn.Linear(300, 256),
+        torch.nn.Tanh(),
+        torch.nn.Linear(256, 3),
+    )
+
+
 def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(8, 6, generator=generator)
@@ -113,10 +126,12 @@ def main() -> None:
         factory: Callable[[list], torch.optim.Optimizer],
         wrap: Callable[[torch.optim.Optimizer, torch.nn.Module], torch.optim.Optimizer],
         atol: float = 1e-6,
+        build: Callable[[], torch.nn.Module] = make_model,
+        set_to_none: bool = True,
     ) -> None:
-        reference = make_model()
+        reference = build()
         ref_opt = factory(list(reference.parameters()))
-        model = make_model()
+        model = build()
         opt = wrap(factory(list(model.parameters())), model)
         worst = 0.0
         for step in range(STEPS):
@@ -125,7 +140,7 @@ def main() -> None:
             F.cross_entropy(reference(x), y).backward()
             ref_opt.step()
             half = slice(r * 4, (r + 1) * 4)
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             F.cross_entropy(model(x[half]), y[half]).backward()
             opt.step()
             for a, b in zip(model.parameters(), reference.parameters(), strict=True):
@@ -145,6 +160,8 @@ def main() -> None:
         compare_training("sgd", sgd, plain)
         compare_training("adam", adam, plain)
         compare_training("unnamed", sgd, lambda o, m: hvd.DistributedOptimizer(o))
+        compare_training("wide", sgd, plain, build=make_wide_model)
+        compare_training("wide.in_place", sgd, plain, build=make_wide_model, set_to_none=False)
         compare_training(
             "predivide",
             sgd,
