@@ -163,7 +163,9 @@ def run_hot(
         try:
             outcome = rounds.run_lone(runner.control_pg, counter + 1, tensor, reduction, name)
             if outcome == AGREED:
+                started = time.perf_counter()
                 runner.dispatch.executor.reduce_in_place(tensor, reduction)
+                runner.arrivals.busy += time.perf_counter() - started
         except BaseException as error:
             controller.cycle_failed(error)
             failed = Handle()
