@@ -99,6 +99,9 @@ class Exchange:
         return self._slot - _HEADER.size
 
     def _allgather(self, out: torch.Tensor, inp: torch.Tensor, timeout: float | None) -> None:
+        if self._size == 1:  # (a rank alone gathers its own: no collective, as for _sum)
+            out.copy_(inp)
+            return
         if timeout is None:
             self._group._allgather_base(out, inp).wait()
             return
