@@ -13,10 +13,11 @@ whose executor is lost is gone for good (Spark may retry it: the retry is a new 
   and they wait for it) and when a task arrives while the job runs (the running workers
   switch at their next ``state.commit()``), never beyond ``max_num_proc`` (the job's Spark
   stage has that many tasks).
-* With fewer than ``min_num_proc`` members the job waits ``elastic_timeout`` for tasks to
-  come back, then fails; it fails at once when no member holds the training state any more
-  (the state would be lost) and when more than ``reset_limit`` generations replaced ones
-  that trained.
+* It fails at once, checked in Horovod's order, when no worker runs any more, when more
+  than ``reset_limit`` generations would have replaced ones that trained, and when no member
+  holds the training state any more (the state would be lost); with fewer than
+  ``min_num_proc`` members the job waits ``elastic_timeout`` for tasks to come back, then
+  fails.
 * Rank 0, from which every rank syncs the state, goes to the oldest member that holds it.
 
 Threads: nothing here locks; a :class:`Membership` belongs to the driver's thread.
@@ -146,17 +147,20 @@ class Membership:
             )
         if not self.need_publish:
             return None
+        # Horovod's order: every worker gone, the reset limit, the training state.
         if not any(m.state == "running" for m in members):
             return Stop(EVERY_WORKER_FAILED)
+        # (only a generation that replaces one that trained counts as a reset)
+        trained_in_last = any(synced >= self.generation for synced in self.holders.values())
+        resets = self.resets + trained_in_last
+        if self.reset_limit is not None and resets > self.reset_limit:
+            return Stop(RESET_LIMIT_EXCEEDED.format(resets=resets, limit=self.reset_limit))
         if self.trained and not any(self.holds(m) for m in members):
             return Stop(STATE_LOST.format(hosts=", ".join(m.host for m in members)))
         if total < self.min_np:
             return self._wait(now, total)
         self._short_since = None
-        if any(synced >= self.generation for synced in self.holders.values()):
-            self.resets += 1
-            if self.reset_limit is not None and self.resets > self.reset_limit:
-                return Stop(RESET_LIMIT_EXCEEDED.format(resets=self.resets, limit=self.reset_limit))
+        self.resets = resets
         if self.trained and not self.holds(members[0]):
             first = next(m for m in members if self.holds(m))
             members = [first, *(m for m in members if m is not first)]

@@ -166,6 +166,21 @@ def test_elastic_jobs_stop_as_hvdrun_does() -> None:
     members.lose(two)
     stop = members.decide(2.0)
     assert isinstance(stop, Stop) and "more than reset_limit 0" in stop.message
+    # Horovod's order: the reset limit before the state, and before waiting for min_num_proc.
+    members = _membership(num_proc=3, min_np=3, reset_limit=0)
+    one = members.join(0, "a")
+    members.join(1, "b"), members.join(2, "c")
+    _start(members, members.decide(1.0), 1)
+    members.note_holders({0: 1})
+    members.lose(one)
+    stop = members.decide(2.0)
+    assert isinstance(stop, Stop) and "more than reset_limit 0" in stop.message, stop
+    # A generation that never trained does not count as a reset.
+    members = _membership(num_proc=2, min_np=1, reset_limit=0)
+    one, two = members.join(0, "a"), members.join(1, "b")
+    _start(members, members.decide(1.0), 1)
+    members.lose(two)
+    assert isinstance(members.decide(2.0), Publish) and members.resets == 0
 
 
 def _state(partition: int, rank: int) -> TaskState:
