@@ -340,7 +340,7 @@ def cli(
     if output_filename is not None and not dry_run:
         creatable_directory(output_filename, "--output-filename")
     if not dry_run:
-        report.check()
+        report.check(env, all(h.hostname in LOCAL_NAMES for h in host_list))
     for notice in notices(compat, env, host_list, num_proc):
         click.echo(f"hvdrun: {notice}", err=True)
 

@@ -74,11 +74,18 @@ class ReportFlags:
             params.pop("merge_timelines", None),
         )
 
-    def check(self) -> None:
-        """A report file's directory must exist or be creatable, before the job starts."""
-        if self.report_file is None:
-            return
-        creatable_directory(os.path.dirname(os.path.abspath(self.report_file)), "--report-file")
+    def check(self, env: Mapping[str, str], local: bool) -> None:
+        """A report file's directory must exist or be creatable, before the job starts; so
+        must the timeline's where every rank runs on this machine (``local``: elsewhere the
+        ranks' hosts write it, and a rank that cannot says so and writes none)."""
+        if self.report_file is not None:
+            directory = os.path.dirname(os.path.abspath(self.report_file))
+            creatable_directory(directory, "--report-file")
+        timeline = worker_env.setting(worker_env.TIMELINE, env)
+        if local and timeline:
+            directory = os.path.dirname(os.path.abspath(timeline))
+            if "{rank}" not in directory:
+                creatable_directory(directory, "--timeline-filename")
 
     def options(self) -> ReportOptions:
         from launcher.supervision.insight import ReportOptions
@@ -89,8 +96,8 @@ class ReportFlags:
 
 def creatable_directory(path: str, option: str) -> None:
     """Creates the directory an option writes into (``--report-file``'s,
-    ``--output-filename``), before the job starts; a usage error naming the option when it
-    cannot be."""
+    ``--output-filename``, ``--timeline-filename``'s), before the job starts; a usage error
+    naming the option when it cannot be."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:

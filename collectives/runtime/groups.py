@@ -16,11 +16,13 @@ runtime: shutdown then destroys the engine's groups only.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import logging
 import os
 import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -224,9 +226,22 @@ def start_engine(runtime_: RuntimeState) -> Engine:
         cuda_device=torch.cuda.current_device() if uses_cuda(runtime_.backend) else None,
     )
     if cfg.timeline:
-        engine.timeline = timeline.open_for_rank(
-            cfg.timeline, cfg.timeline_mark_cycles, topo.rank, cfg.timeline_all_ranks, runtime_.host
-        )
+        try:
+            engine.timeline = timeline.open_for_rank(
+                cfg.timeline,
+                cfg.timeline_mark_cycles,
+                topo.rank,
+                cfg.timeline_all_ranks,
+                runtime_.host,
+            )
+        except OSError as error:
+            # As Horovod: the job runs on without a timeline (the path is a setting of the
+            # whole job, and this rank's host may lack its directory).
+            with contextlib.suppress(Exception):  # (stderr may be closed)
+                sys.stderr.write(
+                    f"hvdrun: rank {topo.rank} writes no timeline: {error.strerror or error}: "
+                    f"{error.filename or cfg.timeline}\n"
+                )
     engine.start()
     return engine
 

@@ -164,3 +164,15 @@ def test_report_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         "invalid '--report-file': cannot create",
         capsys,
     )
+
+
+def test_a_timeline_that_cannot_be_written_is_a_usage_error_for_a_local_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert_usage_error(
+        ["--timeline-filename", str(blocker / "t.json"), "-np", "1", "true"],
+        "invalid '--timeline-filename': cannot create",
+        capsys,
+    )

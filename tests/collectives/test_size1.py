@@ -7,6 +7,9 @@ Every op must be the identity (or its scaled form) on one rank, and the lifecycl
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -417,6 +420,22 @@ def test_timeline_at_runtime(hvd: ModuleType, tmp_path: Path) -> None:
     hvd.stop_timeline()  # stopping twice is harmless
     hvd.allreduce(torch.ones(1), name="after")
     assert "allreduce.after" not in path.read_text()
+
+
+def test_a_timeline_that_cannot_be_written_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    # As Horovod: the job runs on without a timeline, and the rank says why (the path is a
+    # setting of the whole job; a host may lack its directory).
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    env = {**os.environ, "HOROVOD_TIMELINE": str(blocker / "t.json")}
+    code = "import torch, collectives.torch as hvd; hvd.init(); print(hvd.allreduce(torch.ones(2)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "tensor([1., 1.])" in done.stdout
+    assert "rank 0 writes no timeline" in done.stderr and str(blocker) in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_config_reads_both_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
