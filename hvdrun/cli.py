@@ -25,6 +25,7 @@ from hvdrun.help_sections import SectionedCommand
 from hvdrun.horovod_flags import (
     HorovodFlags,
     check_hosts_flag,
+    check_local_interfaces,
     horovod_options,
     interfaces,
     notices,
@@ -294,7 +295,8 @@ def cli(
         agent_timeout = ELASTIC_FAILURE_TIMEOUT
     if rendezvous_addr is not None:
         check_rendezvous_addr(rendezvous_addr)
-    env = worker_env(exports, interfaces(network_interface, compat.network_interfaces), tuning)
+    ifnames = interfaces(network_interface, compat.network_interfaces)
+    env = worker_env(exports, ifnames, tuning)
     env.update(compat.env())
     env.update(log_settings.env())
     if explicit("heartbeat_timeout"):
@@ -337,6 +339,8 @@ def cli(
     launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic))
     if any(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
         check_command(command)
+    if all(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
+        check_local_interfaces(ifnames)
     if output_filename is not None and not dry_run:
         creatable_directory(output_filename, "--output-filename")
     if not dry_run:

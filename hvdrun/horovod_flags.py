@@ -17,6 +17,7 @@ A command line copied from Horovod's documentation must work unchanged. Three ki
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -251,6 +252,24 @@ def interfaces(*values: Sequence[str]) -> str | None:
         if name.strip()
     ]
     return ",".join(dict.fromkeys(names)) or None
+
+
+def check_local_interfaces(names: str | None) -> None:
+    """``--network-interface`` for a job that runs only on this machine: an interface it
+    lacks is a usage error naming those it has (Gloo would fail in every worker's
+    ``hvd.init()``)."""
+    if not names:
+        return
+    try:
+        have = [name for _, name in socket.if_nameindex()]
+    except OSError:  # (no way to list them: leave it to Gloo)
+        return
+    missing = [name for name in names.split(",") if name not in have]
+    if missing:
+        raise click.BadParameter(
+            f"this machine has no network interface {', '.join(missing)}; it has {', '.join(have)}",
+            param_hint="'--network-interface'",
+        )
 
 
 def check_hosts_flag(hosts: str) -> None:

@@ -43,6 +43,11 @@ from tests.cli.conftest import assert_usage_error
         (["-i", "/nonexistent/key", "true"], "'/nonexistent/key' does not exist"),
         (["--start-timeout", "0", "-np", "1", "true"], "0 is not in the range x>0"),
         (["-p", "70000", "true"], "70000 is not in the range 1<=x<=65535"),
+        (
+            ["--network-interface", "lo,nosuchif9", "-np", "1", "true"],
+            "invalid '--network-interface': this machine has no network interface nosuchif9; "
+            "it has lo",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2(
