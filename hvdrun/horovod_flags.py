@@ -17,7 +17,6 @@ A command line copied from Horovod's documentation must work unchanged. Three ki
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -25,6 +24,7 @@ from typing import Any, TypeVar
 import click
 
 from rendezvous import worker_env
+from rendezvous.addresses import missing_interfaces
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -258,13 +258,7 @@ def check_local_interfaces(names: str | None) -> None:
     """``--network-interface`` for a job that runs only on this machine: an interface it
     lacks is a usage error naming those it has (Gloo would fail in every worker's
     ``hvd.init()``)."""
-    if not names:
-        return
-    try:
-        have = [name for _, name in socket.if_nameindex()]
-    except OSError:  # (no way to list them: leave it to Gloo)
-        return
-    missing = [name for name in names.split(",") if name not in have]
+    missing, have = missing_interfaces(names or "")
     if missing:
         raise click.BadParameter(
             f"this machine has no network interface {', '.join(missing)}; it has {', '.join(have)}",

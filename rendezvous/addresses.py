@@ -24,6 +24,7 @@ __all__ = [
     "is_loopback",
     "join_addr",
     "local_networks",
+    "missing_interfaces",
     "source_address",
     "split_addr",
 ]
@@ -116,3 +117,14 @@ def local_networks() -> list[ipaddress.IPv4Interface]:
                 if not interface.ip.is_loopback:
                     found.append(interface)
     return found
+
+
+def missing_interfaces(names: str) -> tuple[list[str], list[str]]:
+    """Of the comma-separated interface ``names`` (``GLOO_SOCKET_IFNAME``'s), those this host
+    lacks, and the names it has (both empty where it cannot tell)."""
+    try:
+        have = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return [], []
+    missing = [name for name in names.split(",") if name and name not in have]
+    return missing, have

@@ -41,6 +41,7 @@ from collectives.engine.cycle import FINAL_CYCLE_SECONDS
 from collectives.runtime import insight, logs, state
 from collectives.runtime.adopted import init_adopted
 from collectives.runtime.groups import (
+    check_interfaces,
     choose_backend,
     keep_nccl_off_the_store,
     select_cuda_device,
@@ -112,6 +113,7 @@ def init(comm: Any = None) -> bool:
         placement = None if addr or adopting else detect_placement()
         if not adopting:  # (a framework's default group has a store of its own)
             keep_nccl_off_the_store(backend)
+            check_interfaces()
         if adopting:
             runtime_ = init_adopted(backend)
         elif addr:

@@ -36,9 +36,11 @@ from collectives.engine.core import Engine
 from collectives.errors import SharedGpuError
 from collectives.runtime.state import RuntimeState
 from rendezvous import worker_env
+from rendezvous.addresses import missing_interfaces
 
 __all__ = [
     "GpuPlace",
+    "check_interfaces",
     "choose_backend",
     "cuda_backend_setting",
     "destroy_groups",
@@ -115,6 +117,19 @@ def select_cuda_device(backend: str, local_rank_: int) -> None:
             "local rank %d has no GPU of its own (%d visible); leaving the CUDA device as is",
             local_rank_,
             count,
+        )
+
+
+def check_interfaces() -> None:
+    """The interfaces ``GLOO_SOCKET_IFNAME`` names must exist on this host; said plainly
+    (Gloo's own error names neither the variable nor the interfaces the host has)."""
+    names = os.environ.get("GLOO_SOCKET_IFNAME")
+    missing, have = missing_interfaces(names or "")
+    if missing:
+        raise RuntimeError(
+            f"hvd.init(): GLOO_SOCKET_IFNAME={names} names {', '.join(missing)}, which this "
+            f"host ({socket.gethostname()}) does not have; its interfaces: {', '.join(have)} "
+            "(hvdrun --network-interface sets the variable for every host of a job)"
         )
 
 

@@ -438,6 +438,18 @@ def test_a_timeline_that_cannot_be_written_is_skipped_with_a_warning(tmp_path: P
     assert "Traceback" not in done.stderr
 
 
+def test_an_interface_the_host_lacks_is_named_at_init() -> None:
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo,nosuchif9"}
+    code = "import collectives.torch as hvd; hvd.init()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert "GLOO_SOCKET_IFNAME=lo,nosuchif9 names nosuchif9, which this host" in last, last
+    assert "its interfaces: lo" in last
+
+
 def test_config_reads_both_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in (
         "FUSION_THRESHOLD",
