@@ -158,6 +158,7 @@ def test_optimizer_on_two_ranks() -> None:
             "distributed_optimizer.adam",
             "distributed_optimizer.wide",
             "distributed_optimizer.wide.in_place",
+            "distributed_optimizer.wide.set_grads",
             "distributed_optimizer.fp16",
             "distributed_optimizer.skip_synchronize",
             "distributed_optimizer.missing_grad",

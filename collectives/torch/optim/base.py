@@ -36,11 +36,7 @@ from collectives.torch.optim.gradient_buckets import (
     plan_buckets,
 )
 
-__all__ = ["EARLY_MOVE_BYTES", "STEP_AFTER_SYNCHRONIZE", "DistributedOptimizerBase", "wrap"]
-
-#: CPU gradients at least this large move into their bucket's flat tensor as each becomes
-#: ready (see ``_hvd_on_gradient``); smaller ones and CUDA ones move together at its start.
-EARLY_MOVE_BYTES = 256 * 1024
+__all__ = ["STEP_AFTER_SYNCHRONIZE", "DistributedOptimizerBase", "wrap"]
 
 #: Starts as Horovod's warning does, so that filters written for Horovod's match it.
 STEP_AFTER_SYNCHRONIZE = (
@@ -158,10 +154,11 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         if bucket.waiting < 0:  # the bucket's first gradient of this step
             bucket.waiting = sum(1 for p in bucket.params if p.requires_grad)
             bucket.early = self._hvd_flat_ok(bucket)
-        if bucket.early and not param.is_cuda and param.nbytes >= EARLY_MOVE_BYTES:
-            # A large CPU gradient moves into the flat tensor at once, while it is still in
-            # the cache (and its memory free for the next layer's gradient). Small ones,
-            # and CUDA ones (a kernel launch each), move together when the bucket starts.
+        if bucket.early and not param.is_cuda:
+            # A CPU gradient moves into the flat tensor at once, while it is still in the
+            # cache, and its memory is free for the next layer's gradient (held back, even
+            # small ones left malloc's heap fragmented: +11 MB peak RSS in bench/training.py).
+            # CUDA ones (a kernel launch each) move together when the bucket starts.
             self._hvd_move(bucket, param)
         bucket.waiting -= 1
         if bucket.waiting == 0:
@@ -270,8 +267,9 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         param.grad = view
 
     def _hvd_move_rest(self, bucket: Bucket) -> None:
-        """:meth:`_hvd_move` for every gradient of the bucket not moved yet: the dense ones
-        with one torch call for all (one multi-tensor kernel on a GPU, where a copy each
+        """:meth:`_hvd_move` for every gradient of the bucket not moved yet (CUDA ones, and
+        gradients that no backward pass produced: set by the script, or missing): the dense
+        ones with one torch call for all (one multi-tensor kernel on a GPU, where a copy each
         would launch a kernel each), and one more to scale them for Average."""
         views: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
