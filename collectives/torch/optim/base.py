@@ -28,6 +28,7 @@ import torch
 
 from collectives import ops, runtime
 from collectives.common import ProcessSet, ReduceOp
+from collectives.engine import streams
 from collectives.torch.compression import Compression, Compressor
 from collectives.torch.optim.gradient_buckets import (
     NOTHING,
@@ -154,12 +155,17 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         if bucket.waiting < 0:  # the bucket's first gradient of this step
             bucket.waiting = sum(1 for p in bucket.params if p.requires_grad)
             bucket.early = self._hvd_flat_ok(bucket)
-        if bucket.early and not param.is_cuda:
-            # A CPU gradient moves into the flat tensor at once, while it is still in the
-            # cache, and its memory is free for the next layer's gradient (held back, even
-            # small ones left malloc's heap fragmented: +11 MB peak RSS in bench/training.py).
-            # CUDA ones (a kernel launch each) move together when the bucket starts.
-            self._hvd_move(bucket, param)
+        if bucket.early:
+            if not param.is_cuda:
+                # A CPU gradient moves into the flat tensor at once, while it is still in
+                # the cache, and its memory is free for the next layer's gradient (held
+                # back, even small ones left malloc's heap fragmented: +11 MB peak RSS in
+                # bench/training.py).
+                self._hvd_move(bucket, param)
+            else:
+                # CUDA ones (a kernel launch each) move together when the bucket starts, on
+                # the stream current then: ordered after the one this one was produced on.
+                bucket.producers.add(streams.current(param.get_device()))
         bucket.waiting -= 1
         if bucket.waiting == 0:
             self._hvd_start(bucket)
@@ -287,6 +293,12 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
             moved.add(param)
             param.grad = view
         if views:
+            if bucket.producers:
+                here = streams.current(views[0].get_device())
+                for producer in bucket.producers:
+                    if producer is not here:
+                        here.wait_stream(producer)
+                bucket.producers.clear()
             torch._foreach_copy_(views, grads)
             if bucket.factor != 1.0:
                 torch._foreach_mul_(views, bucket.factor)

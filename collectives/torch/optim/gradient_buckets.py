@@ -49,6 +49,7 @@ class Bucket:
         "name",
         "params",
         "position",
+        "producers",
         "sent",
         "views",
         "waiting",
@@ -64,6 +65,8 @@ class Bucket:
         self.early: bool | None = None
         self.factor = 1.0  # what a gradient is scaled by on its way in (1/size: Average)
         self.moved: set[torch.Tensor] = set()
+        # The CUDA streams this step's gradients not moved yet were produced on.
+        self.producers: set[Any] = set()
         self.handle: Handle | None = None
         # (parameter, tensor that travels, compression context) of the running allreduce.
         self.sent: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
@@ -76,6 +79,7 @@ class Bucket:
         self.waiting = -1
         self.early = None
         self.moved = set()
+        self.producers = set()
         self.handle = None
         self.sent = []
 
