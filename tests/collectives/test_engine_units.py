@@ -70,16 +70,35 @@ def test_idle_sets_keep_alive_from_the_end_of_the_last_round() -> None:
 
 
 class _Stream:
+    device_index = 0
+
     def __init__(self, raw: int) -> None:
         self.raw = raw
+        self.waited_for: list[tuple[_Event, int]] = []  # (event, its records then)
+
+    def wait_event(self, event: _Event) -> None:
+        self.waited_for.append((event, len(event.recorded_on)))
 
 
 class _Event:
     def __init__(self) -> None:
         self.waited_by: list[int] = []
+        self.recorded_on: list[int] = []
 
     def wait(self, stream: _Stream) -> None:
         self.waited_by.append(stream.raw)
+
+    def record(self, stream: _Stream) -> None:
+        self.recorded_on.append(stream.raw)
+
+
+class _OnDevice:
+    """A stand-in CUDA tensor: its device and nothing else."""
+
+    is_cuda = False  # (so that the engine's stream records no use of it)
+
+    def get_device(self) -> int:
+        return 0
 
 
 def test_a_cuda_result_orders_each_stream_that_waits_for_it_once(
@@ -101,6 +120,44 @@ def test_a_cuda_result_orders_each_stream_that_waits_for_it_once(
     current_raw[0] = 9  # another stream is current now (torch.cuda.stream(side))
     assert handles[0].wait() == 0 and handles[1].wait() == 1
     assert event.waited_by == [7, 9]
+
+
+def test_a_submissions_event_is_recorded_again_only_once_a_stream_waited_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An asynchronous CUDA op marks its position on its stream with an event; once the
+    # engine's stream waits for it, the event serves the next submission (CUDA stands in).
+    current_raw = [7]
+    made: list[_Stream] = []
+
+    def new_stream(device: Any) -> _Stream:
+        made.append(_Stream(99))
+        return made[-1]
+
+    def set_stream(stream: _Stream) -> None:
+        current_raw[0] = stream.raw
+
+    monkeypatch.setattr(streams, "_raw", lambda device: current_raw[0])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: _Stream(current_raw[0]))
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    monkeypatch.setattr(streams, "_known", {})
+    monkeypatch.setattr(streams, "_spare", {})
+    tensor: Any = _OnDevice()
+    first, second, third, fourth = (_request(name) for name in ("a", "b", "c", "d"))
+    first.stream, first.ready = streams.ready(tensor, blocking=False)
+    second.stream, second.ready = streams.ready(tensor, blocking=False)
+    event, other = first.ready, second.ready
+    assert event is not other  # (both in flight: two events)
+    with streams.EngineStreams().running([first], torch.device("cuda", 0)):
+        pass
+    (own,) = made
+    assert own.waited_for == [(event, 1)] and current_raw[0] == 7  # (switched back)
+    third.stream, third.ready = streams.ready(tensor, blocking=False)
+    assert third.ready is event and event.recorded_on == [7, 7]  # recorded again
+    fourth.stream, fourth.ready = streams.ready(tensor, blocking=False)
+    assert fourth.ready is not event and fourth.ready is not other  # (none spare)
 
 
 # ---- the queue, under two threads ----------------------------------------------------
