@@ -143,7 +143,10 @@ class EngineStreams:
                 request.stream, request.ready = stream, None
             yield done
             for request in requests:
-                for tensor in (*request.inputs, *request.outputs):
+                inputs, outputs = request.inputs, request.outputs
+                # (in place, the outputs are the inputs' list: one use each)
+                tensors = inputs if outputs is inputs else (*inputs, *outputs)
+                for tensor in tensors:
                     if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
                         tensor.record_stream(stream)
             done.append(_recorded(stream))
