@@ -208,21 +208,22 @@ def submit(
     label = kind.label
     engine, group = resolve_process_set(process_set, label)
     set_id = group.process_set_id
+    controller = engine.controller(set_id)
     full = "" if name is None else f"{label}.{_check_name(name)}"
     request = _request(
-        engine, kind, full, -1, set_id, inputs, outputs, common, var, finish, blocking
+        controller, kind, full, -1, set_id, inputs, outputs, common, var, finish, blocking
     )
     if name is None:
         # Drawn last, once nothing on this rank can refuse the op any more: an op refused
         # here on one rank must not move its counter on (see engine/names.py).
         request.name = noname(kind, engine.next_counter(kind, set_id))
-    if blocking and engine.run_now(request):
+    if blocking and controller.run_now(request):
         return request.handle
-    return engine.submit(request, blocking)
+    return controller.submit(request, blocking)
 
 
 def _request(
-    engine: Any,
+    controller: Any,
     kind: Kind,
     full: str | None,
     counter: int,
@@ -234,14 +235,14 @@ def _request(
     finish: Callable[[Request], Any] | None,
     blocking: bool = False,
 ) -> Request:
-    """A submission's request (``full`` None: the unnamed op of ``counter``; ``blocking``:
-    its caller waits on it at once)."""
+    """A submission's request to ``controller`` (its process set's; ``full`` None: the
+    unnamed op of ``counter``; ``blocking``: its caller waits on it at once)."""
     if full is None:
         full = noname(kind, counter)
     if len(inputs) > 1:
         check_devices(inputs, kind.label)
     sig, specs = _describe(kind, common, inputs)
-    handle = engine.new_handle(set_id)
+    handle = controller.new_handle()
     request = Request(
         kind,
         full,
@@ -312,7 +313,7 @@ def allreduce_in_place(
             tensor,
             common,
             lambda counter: _request(
-                engine,
+                engine.controller(0),
                 Kind.ALLREDUCE,
                 full,
                 counter,
@@ -352,7 +353,8 @@ def submit_allreduce(
             inputs, outputs, prescale, postscale, process_set, name, finish
         )
     check_reduction(inputs, op, prescale, postscale, "allreduce")
-    common = reduction_of(op, prescale, postscale)
+    key = (int(op), float(prescale), float(postscale))
+    common = _reductions.get(key) or reduction_of(op, prescale, postscale)  # (no call)
     if outputs is None:
         if inputs and inputs[0].is_cpu:
             # Allocated by the engine once the result is ready (see execute._copy_out). CUDA
