@@ -96,6 +96,7 @@ class ResponseCache:
         self.keys: list[Key] = []  # by index
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.evictions = 0
+        self.changes = 0  # keys added or replaced (what a layout derived from keys follows)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -118,6 +119,7 @@ class ResponseCache:
             del self._index[self.keys[index]]
             self.keys[index] = key
             self.evictions += 1
+        self.changes += 1
         self._index[key] = index
         self._lru[index] = None
         return index

@@ -226,6 +226,10 @@ class CacheRound:
         self._carried = True
         self._layout_evictions = 0  # the cache's evictions when the layout was last checked
         self._sums = Sums()
+        # The counted round's slots (see _slots) for the cache as of its ``changes``.
+        self._starts: list[int] = [1]
+        self._index_at: dict[int, int] = {}
+        self._slots_of = 0
 
     def forget(self) -> None:
         """A full negotiation ran, or a predicted round failed: predict nothing until the
@@ -234,13 +238,20 @@ class CacheRound:
         self._prediction = None
 
     def _slots(self) -> list[int]:
-        """Each cache entry's first slot in the vector (after slot 0, the dirty count)."""
-        starts, at = [], 1
-        for key in self.cache.keys:
+        """Each cache entry's first slot in the vector (after slot 0, the dirty count), and
+        where the vector ends; kept until the cache's keys change (a walk over a full
+        cache's keys cost more than the round itself)."""
+        cache = self.cache
+        if self._slots_of != cache.changes:
+            starts, at = [], 1
+            for key in cache.keys:
+                starts.append(at)
+                at += 3 if is_unnamed(key) else 1
             starts.append(at)
-            at += 3 if is_unnamed(key) else 1
-        starts.append(at)
-        return starts
+            self._starts = starts
+            self._index_at = {start: index for index, start in enumerate(starts[:-1])}
+            self._slots_of = cache.changes
+        return self._starts
 
     def run(
         self, group: Any, new: Sequence[Request], dirty: bool, timeout: float | None
@@ -458,19 +469,22 @@ class CacheRound:
         arrivals.after(group, flags > 0, timeout)
         if first - flags * FLAG_WEIGHT != 0.0:  # (dirty members)
             return None
-        counts = vector[:data_at].tolist()
+        # Only the slots some member set (a few of a full cache's), in cache order.
+        submitted = torch.nonzero(vector[1:data_at]).flatten() + 1
+        counts = dict(zip(submitted.tolist(), vector[submitted].tolist(), strict=True))
         agreed: list[int] = []
         size = self.size
-        for index in range(len(cache.keys)):
-            at = starts[index]
-            count = counts[at]
-            if count == 0.0:
-                continue
+        index_at = self._index_at
+        for at, count in counts.items():
+            index = index_at.get(at)
+            if index is None:
+                continue  # (an unnamed op's counter slot)
             if count != size:
                 return None
             if starts[index + 1] - at == 3:
                 counter = mine[index][1]
-                if counts[at + 1] != size * counter or counts[at + 2] != size * counter**2:
+                sums = counts.get(at + 1, 0.0), counts.get(at + 2, 0.0)
+                if sums != (size * counter, size * counter**2):
                     return None
             agreed.append(index)
         # Agreed on every rank alike: run in cache order; the riders complete here.
