@@ -427,7 +427,10 @@ class CacheRound:
         starts = self._slots()
         data_at = starts[-1]
         length = data_at + sum(r.numel for r in layout)
-        vector = torch.zeros(length, dtype=torch.float64)
+        # Over a bytearray: the counts are written by Python, without a torch call each.
+        raw = bytearray(length * 8)
+        vector = torch.frombuffer(raw, dtype=torch.float64)
+        slots = memoryview(raw).cast("d")
         mine: dict[int, tuple[Request, int]] = {}
         for request, (key, counter) in zip(new, keys_of(new), strict=True):
             index = cache.lookup(key)
@@ -441,14 +444,14 @@ class CacheRound:
                 break
             mine[index] = (request, counter)
         if dirty:
-            vector[0] = 1.0
+            slots[0] = 1.0
         else:
             for index, (_request, counter) in mine.items():
                 at = starts[index]
-                vector[at] = 1.0
+                slots[at] = 1.0
                 if starts[index + 1] - at == 3:
-                    vector[at + 1] = counter
-                    vector[at + 2] = counter * counter
+                    slots[at + 1] = counter
+                    slots[at + 2] = counter * counter
             offset = data_at
             for rider in layout:
                 held = mine.get(rider.index)
@@ -460,11 +463,11 @@ class CacheRound:
                 offset += rider.numel
         arrivals = self.arrivals
         if arrivals.want:
-            vector[0] += FLAG_WEIGHT
+            slots[0] += FLAG_WEIGHT
         started = time.perf_counter()
         self._sum(group, vector, timeout)
         arrivals.note(started, time.perf_counter(), new[0].name if new else IDLE)
-        first = vector[0].item()
+        first = slots[0]
         flags = first // FLAG_WEIGHT
         arrivals.after(group, flags > 0, timeout)
         if first - flags * FLAG_WEIGHT != 0.0:  # (dirty members)
