@@ -26,6 +26,7 @@ the tests did. Without root, ``ip``, ``unshare`` or ``sshd`` the tests skip and 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import re
@@ -48,6 +49,24 @@ SSH_PORTS = (22, 2222)
 SUBNET_BASE = "10.213"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 _CLUSTER_NUMBERS = itertools.count()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """A ``preexec_fn`` for daemons a test starts: SIGKILL when the test process goes away,
+    in a session of its own."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setsid()
+
+
+def free_port(address: str) -> int:
+    """A TCP port free on ``address`` now."""
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return int(sock.getsockname()[1])
 
 
 def unavailable_reason() -> str | None:

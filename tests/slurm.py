@@ -23,12 +23,10 @@ with ``SLURM_CONF`` set and DNS pointed at loopback like hvdrun in the SSH tests
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,11 +36,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster, ClusterHost, cluster_for_tests
+from tests.cluster import Cluster, ClusterHost, cluster_for_tests, die_with_parent, free_port
 
 _FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "salloc", "sbatch", "scancel", "scontrol", "munged")
-_PR_SET_PDEATHSIG = 1
 
 
 def slurm_unavailable_reason() -> str | None:
@@ -51,20 +48,6 @@ def slurm_unavailable_reason() -> str | None:
         if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}"):
             return f"'{tool}' is missing (apt-get install slurmctld slurmd slurm-client munge)"
     return None
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the test process goes away."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    os.setsid()
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -189,7 +172,7 @@ class SlurmCluster:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=self.env(),
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.daemons.append(proc)
 
@@ -285,7 +268,7 @@ def start_slurm(hosts: Cluster, nodes: Sequence[ClusterHost], cpus: int = 4) -> 
         key.chmod(0o400)
         (root / "plugstack.conf").write_text("")
         (root / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
-        port = _free_port(hosts.gateway)
+        port = free_port(hosts.gateway)
         controller = f"hvdctl{os.getpid()}"
         slurm.conf.write_text(_slurm_conf(slurm, controller, port, cpus))
         munge = root / "munge"

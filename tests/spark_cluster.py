@@ -20,11 +20,9 @@ master, the workers and every executor they started, and checks by pid that none
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,10 +35,9 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.cluster import Cluster, ClusterHost, cluster_for_tests
+from tests.cluster import Cluster, ClusterHost, cluster_for_tests, die_with_parent, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-_PR_SET_PDEATHSIG = 1
 #: Small and quick JVMs: two cores start six of them.
 JAVA_OPTIONS = "-XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Xss1m"
 EXECUTOR_MEMORY = "512m"
@@ -61,19 +58,6 @@ def spark_home() -> Path:
     import pyspark
 
     return Path(pyspark.__file__).parent
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the test process goes away."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    os.setsid()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_for_log(path: Path, text: str, proc: subprocess.Popen[bytes], within: float) -> None:
@@ -123,7 +107,7 @@ class SparkCluster:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.daemons.append(proc)
         return proc
@@ -131,7 +115,7 @@ class SparkCluster:
     def start(self) -> None:
         spark_class = str(spark_home() / "bin" / "spark-class")
         host = self.driver_host
-        port = _free_port(host)
+        port = free_port(host)
         log = self.root / "master.log"
         master = self._spawn(
             [
@@ -142,7 +126,7 @@ class SparkCluster:
                 "--port",
                 str(port),
                 "--webui-port",
-                str(_free_port(host)),
+                str(free_port(host)),
             ],
             self._env(host),
             log,
