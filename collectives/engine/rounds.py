@@ -197,6 +197,70 @@ def rides(request: Request) -> bool:
     )
 
 
+class _CountSlots:
+    """Where a counted round's vector holds each cache entry's count (after slot 0, the dirty
+    count), and an unnamed op's two counter sums after its count: derived from the cache's
+    keys, kept until they change (a walk over a full cache's keys cost more than the round
+    itself)."""
+
+    def __init__(self, cache: ResponseCache) -> None:
+        self._cache = cache
+        self._of = -1  # the cache's ``changes`` the slots were derived at
+        self.starts: list[int] = [1]  # each entry's first slot, then where the counts end
+        self._index_at: dict[int, int] = {}  # entry index by first slot
+
+    def current(self) -> _CountSlots:
+        cache = self._cache
+        if self._of != cache.changes:
+            starts, at = [], 1
+            for key in cache.keys:
+                starts.append(at)
+                at += 3 if is_unnamed(key) else 1
+            starts.append(at)
+            self.starts = starts
+            self._index_at = {start: index for index, start in enumerate(starts[:-1])}
+            self._of = cache.changes
+        return self
+
+    @property
+    def end(self) -> int:
+        return self.starts[-1]
+
+    def write(self, slots: memoryview[float], mine: dict[int, tuple[Request, int]]) -> None:
+        """This member's ops (by cache index: request, counter) into the vector's slots."""
+        starts = self.starts
+        for index, (_request, counter) in mine.items():
+            at = starts[index]
+            slots[at] = 1.0
+            if starts[index + 1] - at == 3:
+                slots[at + 1] = counter
+                slots[at + 2] = counter * counter
+
+    def agreed(
+        self, vector: torch.Tensor, mine: dict[int, tuple[Request, int]], size: int
+    ) -> list[int] | None:
+        """The cache indices every member submitted (with the same counters), in cache
+        order, from the summed vector; None when any op was not submitted by all. Only the
+        slots some member set are read (a few of a full cache's)."""
+        submitted = torch.nonzero(vector[1 : self.end]).flatten() + 1
+        counts = dict(zip(submitted.tolist(), vector[submitted].tolist(), strict=True))
+        starts, index_at = self.starts, self._index_at
+        agreed: list[int] = []
+        for at, count in counts.items():
+            index = index_at.get(at)
+            if index is None:
+                continue  # (an unnamed op's counter slot)
+            if count != size:
+                return None
+            if starts[index + 1] - at == 3:
+                counter = mine[index][1]
+                sums = counts.get(at + 1, 0.0), counts.get(at + 2, 0.0)
+                if sums != (size * counter, size * counter**2):
+                    return None
+            agreed.append(index)
+        return agreed
+
+
 class CacheRound:
     """Builds and reads the cache round's vector; holds the riders' layout between rounds
     (derived only from what every rank saw alike)."""
@@ -226,32 +290,13 @@ class CacheRound:
         self._carried = True
         self._layout_evictions = 0  # the cache's evictions when the layout was last checked
         self._sums = Sums()
-        # The counted round's slots (see _slots) for the cache as of its ``changes``.
-        self._starts: list[int] = [1]
-        self._index_at: dict[int, int] = {}
-        self._slots_of = 0
+        self._count_slots = _CountSlots(cache)
 
     def forget(self) -> None:
         """A full negotiation ran, or a predicted round failed: predict nothing until the
         pattern repeats again."""
         self._last = []
         self._prediction = None
-
-    def _slots(self) -> list[int]:
-        """Each cache entry's first slot in the vector (after slot 0, the dirty count), and
-        where the vector ends; kept until the cache's keys change (a walk over a full
-        cache's keys cost more than the round itself)."""
-        cache = self.cache
-        if self._slots_of != cache.changes:
-            starts, at = [], 1
-            for key in cache.keys:
-                starts.append(at)
-                at += 3 if is_unnamed(key) else 1
-            starts.append(at)
-            self._starts = starts
-            self._index_at = {start: index for index, start in enumerate(starts[:-1])}
-            self._slots_of = cache.changes
-        return self._starts
 
     def run(
         self, group: Any, new: Sequence[Request], dirty: bool, timeout: float | None
@@ -424,8 +469,8 @@ class CacheRound:
     ) -> tuple[list[Request], list[Request]] | None:
         """The round with a count per cached op (see the module's docstring)."""
         cache = self.cache
-        starts = self._slots()
-        data_at = starts[-1]
+        count_slots = self._count_slots.current()
+        data_at = count_slots.end
         length = data_at + sum(r.numel for r in layout)
         # Over a bytearray: the counts are written by Python, without a torch call each.
         raw = bytearray(length * 8)
@@ -446,12 +491,7 @@ class CacheRound:
         if dirty:
             slots[0] = 1.0
         else:
-            for index, (_request, counter) in mine.items():
-                at = starts[index]
-                slots[at] = 1.0
-                if starts[index + 1] - at == 3:
-                    slots[at + 1] = counter
-                    slots[at + 2] = counter * counter
+            count_slots.write(slots, mine)
             offset = data_at
             for rider in layout:
                 held = mine.get(rider.index)
@@ -472,24 +512,10 @@ class CacheRound:
         arrivals.after(group, flags > 0, timeout)
         if first - flags * FLAG_WEIGHT != 0.0:  # (dirty members)
             return None
-        # Only the slots some member set (a few of a full cache's), in cache order.
-        submitted = torch.nonzero(vector[1:data_at]).flatten() + 1
-        counts = dict(zip(submitted.tolist(), vector[submitted].tolist(), strict=True))
-        agreed: list[int] = []
         size = self.size
-        index_at = self._index_at
-        for at, count in counts.items():
-            index = index_at.get(at)
-            if index is None:
-                continue  # (an unnamed op's counter slot)
-            if count != size:
-                return None
-            if starts[index + 1] - at == 3:
-                counter = mine[index][1]
-                sums = counts.get(at + 1, 0.0), counts.get(at + 2, 0.0)
-                if sums != (size * counter, size * counter**2):
-                    return None
-            agreed.append(index)
+        agreed = count_slots.agreed(vector, mine, size)
+        if agreed is None:
+            return None
         # Agreed on every rank alike: run in cache order; the riders complete here.
         riders: list[Request] = []
         offset = data_at
