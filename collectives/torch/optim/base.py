@@ -28,7 +28,6 @@ import torch
 
 from collectives import ops, runtime
 from collectives.common import ProcessSet, ReduceOp
-from collectives.engine import streams
 from collectives.torch.compression import Compression, Compressor
 from collectives.torch.optim.gradient_buckets import (
     NOTHING,
@@ -163,9 +162,8 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
                 # bench/training.py).
                 self._hvd_move(bucket, param)
             else:
-                # CUDA ones (a kernel launch each) move together when the bucket starts, on
-                # the stream current then: ordered after the one this one was produced on.
-                bucket.producers.add(streams.current(param.get_device()))
+                # CUDA ones (a kernel launch each) move together when the bucket starts.
+                bucket.produced(param)
         bucket.waiting -= 1
         if bucket.waiting == 0:
             self._hvd_start(bucket)
@@ -274,34 +272,20 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
 
     def _hvd_move_rest(self, bucket: Bucket) -> None:
         """:meth:`_hvd_move` for every gradient of the bucket not moved yet (CUDA ones, and
-        gradients that no backward pass produced: set by the script, or missing): the dense
-        ones with one torch call for all (one multi-tensor kernel on a GPU, where a copy each
-        would launch a kernel each), and one more to scale them for Average."""
-        views: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        moved, position, all_views = bucket.moved, bucket.position, bucket.views
+        gradients that no backward pass produced: set by the script, or missing), after the
+        streams that produced them: the dense ones together (``Bucket.move_together``)."""
+        bucket.follow_producers()
+        together: list[tuple[torch.Tensor, torch.Tensor]] = []
         for param in bucket.params:
-            if param in moved:
+            if param in bucket.moved:
                 continue
             grad = param.grad
-            view = all_views[position[param]]
+            view = bucket.views[bucket.position[param]]
             if grad is None or grad is view or grad.is_sparse or grad.shape != view.shape:
                 self._hvd_move(bucket, param)  # (zeros, in place, sparse: one at a time)
-                continue
-            views.append(view)
-            grads.append(grad)
-            moved.add(param)
-            param.grad = view
-        if views:
-            if bucket.producers:
-                here = streams.current(views[0].get_device())
-                for producer in bucket.producers:
-                    if producer is not here:
-                        here.wait_stream(producer)
-                bucket.producers.clear()
-            torch._foreach_copy_(views, grads)
-            if bucket.factor != 1.0:
-                torch._foreach_mul_(views, bucket.factor)
+            else:
+                together.append((param, grad))
+        bucket.move_together(together)
 
     def _hvd_densify(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """``sparse_as_dense``: the gradient travels dense and becomes sparse again after

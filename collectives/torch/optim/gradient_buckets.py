@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from collectives.engine import streams
 from collectives.engine.handles import Handle
 
 __all__ = [
@@ -82,6 +83,37 @@ class Bucket:
         self.producers = set()
         self.handle = None
         self.sent = []
+
+    def produced(self, param: torch.Tensor) -> None:
+        """A CUDA gradient that moves at the bucket's start: it was produced on the current
+        stream, which the move must follow."""
+        self.producers.add(streams.current(param.get_device()))
+
+    def follow_producers(self) -> None:
+        """Orders the current stream after every stream this step's CUDA gradients were
+        produced on (before they move)."""
+        if not self.producers:
+            return
+        here = streams.current(next(iter(self.producers)).device_index)
+        for producer in self.producers:
+            if producer is not here:
+                here.wait_stream(producer)
+        self.producers.clear()
+
+    def move_together(self, moving: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Dense gradients (parameter, gradient not moved yet, shaped as the parameter) into
+        their views of the flat tensor with one torch call for all (one multi-tensor kernel
+        on a GPU, where a copy each would launch a kernel each), and one more to scale them
+        by ``factor``; the views become the gradients."""
+        if not moving:
+            return
+        views = [self.views[self.position[param]] for param, _ in moving]
+        torch._foreach_copy_(views, [grad for _, grad in moving])
+        if self.factor != 1.0:
+            torch._foreach_mul_(views, self.factor)
+        for (param, _), view in zip(moving, views, strict=True):
+            self.moved.add(param)
+            param.grad = view
 
     def flat_views(self) -> list[torch.Tensor] | None:
         """One view per parameter into a flat tensor the bucket keeps, shaped like the
