@@ -6,7 +6,8 @@ rank's time. Variants alternate round-robin, every other round in reverse order,
 sample follows WARMUP_RUNS untimed runs of the same variant: a sample measures the steady
 state of a loop that repeats the variant (as a training loop does), not the switch from
 another variant. A latency sample is the median of its 200 calls' times (the steady state of a loop
-of small ops, without the first call after the barrier). Rank 0 prints one ``RESULT <json>``
+of small ops, without the first call after the barrier); the metrics sample likewise, of
+its 100 pairs' times halved. Rank 0 prints one ``RESULT <json>``
 line with every variant's samples in milliseconds.
 """
 
@@ -107,6 +108,28 @@ def main() -> None:
             hvd.allreduce_(scalar, op=hvd.Sum)
             calls.append((time.perf_counter() - start) * 1e3)
 
+    loss, accuracy = torch.ones(1), torch.ones(1)
+
+    def dist_metrics() -> None:
+        calls.clear()
+        for _ in range(LATENCY_REPEATS // 2):
+            start = time.perf_counter()
+            dist.all_reduce(loss)
+            dist.all_reduce(accuracy)
+            calls.append((time.perf_counter() - start) * 1e3 / 2)
+        loss.fill_(1.0)
+        accuracy.fill_(1.0)
+
+    def hvd_metrics() -> None:
+        # Two metrics averaged in turn (as a loop logging its loss and accuracy does): the
+        # ops take turns, A, B, A, B.
+        calls.clear()
+        for _ in range(LATENCY_REPEATS // 2):
+            start = time.perf_counter()
+            hvd.allreduce(loss, name="bench.loss")
+            hvd.allreduce(accuracy, name="bench.accuracy")
+            calls.append((time.perf_counter() - start) * 1e3 / 2)
+
     variants: dict[str, tuple[Callable[[], None], int]] = {
         "small.dist": (dist_small, 1),
         "small.dist_fused": (dist_small_fused, 1),
@@ -118,6 +141,8 @@ def main() -> None:
         "large.hvd_average": (hvd_large_average, LARGE_REPEATS),
         "scalar.dist": (dist_scalar, LATENCY_REPEATS),
         "scalar.hvd": (hvd_scalar, LATENCY_REPEATS),
+        "metrics.dist": (dist_metrics, LATENCY_REPEATS),
+        "metrics.hvd": (hvd_metrics, LATENCY_REPEATS),
     }
     if args.only:
         wanted = tuple(args.only.split(","))
@@ -141,7 +166,7 @@ def main() -> None:
             start = time.perf_counter()
             fn()
             elapsed = torch.tensor([(time.perf_counter() - start) * 1e3 / repeats])
-            if name.startswith("scalar."):  # latency: the median call, not the mean
+            if name.startswith(("scalar.", "metrics.")):  # latency: the median call, not the mean
                 elapsed[0] = statistics.median(calls)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=timing)
             samples[name].append(float(elapsed.item()))

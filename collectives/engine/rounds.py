@@ -19,12 +19,15 @@ The first slot also counts, in multiples of FLAG_WEIGHT, the members that ask fo
 arrival accounting's flush (see :mod:`.insight`): one more element could take Gloo one more
 step.
 
-Once two clean rounds in a row held the same ops (unnamed ones with counters that moved on),
-the next round is *predicted* (the same ops, unnamed ones' counters moved on as much again):
-one allreduce of just the riders' data (see ``CacheRound._predicted``), with the
-accounting's flag where it costs nothing. A burst of riders too large for a cache round (up to
-PREDICTED_BYTES in float32 or float64) rides predicted rounds only. A member whose ops are
-not the predicted ones sends NaN, and every member falls back.
+Once the clean rounds repeat a pattern (the last ``p`` rounds held the same ops as the ``p``
+before them, unnamed ones with counters that moved on; ``p`` up to MAX_PERIOD: one op in a
+loop, or a loss and an accuracy averaged in turn), the next round is *predicted* (the ops of
+the round ``p`` back, unnamed ones' counters moved on as much again): one allreduce of just
+the riders' data (see ``CacheRound._predicted``), with the accounting's flag where it costs
+nothing. Each round of the pattern keeps the riders' layout planned from its own ops. A
+burst of riders too large for a cache round (up to PREDICTED_BYTES in float32 or float64)
+rides predicted rounds only. A member whose ops are not the predicted ones sends NaN, and
+every member falls back.
 
 Every round notes how long this member spent in its collective, and flushes the accounting
 when a member raised its flag (see :mod:`.insight`).
@@ -56,6 +59,8 @@ __all__ = ["AGREED", "DIFFERED", "MAX_COUNTER", "RODE", "CacheRound", "rides"]
 
 #: Riders' elements (as float64) one cache round may carry; also the most one rider holds.
 RIDER_ELEMENTS = 16 * 1024
+#: The most rounds a predicted pattern spans (ops that take turns: A, B, A, B is two).
+MAX_PERIOD = 8
 #: Riders' bytes one predicted round may carry when they share float32 or float64 (a burst
 #: of small gradients: one allreduce of their data in their own dtype, as a fused allreduce
 #: would run it, but without a negotiation).
@@ -184,6 +189,97 @@ class _Staging:
         return True
 
 
+class _Round:
+    """A clean round, as the pattern's history keeps it: its ops as (cache index, counter) in
+    cache order; how far each counter moved from the same round one period before (``steps``,
+    once a pattern holds it); the riders' layout planned from its ops, whether counted rounds
+    carry it, and the cache's evictions when it was planned."""
+
+    __slots__ = ("carried", "evictions", "layout", "ops", "steps")
+
+    def __init__(
+        self, ops: list[tuple[int, int]], layout: list[_Rider], carried: bool, evictions: int
+    ) -> None:
+        self.ops = ops
+        self.steps: list[int] = []
+        self.layout = layout
+        self.carried = carried
+        self.evictions = evictions
+
+
+class _Patterns:
+    """The clean rounds since the last full negotiation (at most 2 * MAX_PERIOD) and, once
+    they repeat a pattern, its rounds (``pattern``, in the order they run), which of them
+    runs next (``at``) and the ops predicted for it (``prediction``: that round's ops again,
+    unnamed ones' counters moved on by its steps). Fed only what every member agreed on."""
+
+    def __init__(self) -> None:
+        self.history: list[_Round] = []
+        self.pattern: list[_Round] = []
+        self.at = 0
+        self.prediction: list[tuple[int, int]] | None = None
+
+    def forget(self) -> None:
+        self.history = []
+        self.pattern = []
+        self.prediction = None
+
+    def earlier(self, ops: list[tuple[int, int]]) -> _Round | None:
+        """The latest clean round that held the same ops (its riders are these ops' too)."""
+        for round_ in reversed(self.history):
+            if len(round_.ops) == len(ops) and all(
+                index == i for (index, _), (i, _) in zip(ops, round_.ops, strict=True)
+            ):
+                return round_
+        return None
+
+    def add(self, added: _Round) -> _Round:
+        """After a clean round: the shortest pattern the history repeats (its last ``p``
+        rounds held the ops of the ``p`` before them), predicted from here on. Returns the
+        round whose riders the next round carries: the one predicted, else ``added``."""
+        history = self.history
+        history.append(added)
+        if len(history) > 2 * MAX_PERIOD:
+            del history[0]
+        n = len(history)
+        for period in range(1, min(MAX_PERIOD, n // 2) + 1):
+            found: list[list[int]] = []
+            for j in range(n - period, n):
+                steps = _steps(history[j - period].ops, history[j].ops)
+                if steps is None:
+                    break
+                found.append(steps)
+            else:
+                pattern = history[n - period :]
+                for round_, steps in zip(pattern, found, strict=True):
+                    round_.steps = steps
+                self.pattern = pattern
+                self.at = 0
+                first = pattern[0]
+                self.prediction = _moved(first.ops, first.steps)
+                return first
+        self.prediction = None
+        return added
+
+    def advance(self, ops: list[tuple[int, int]]) -> _Round | None:
+        """The predicted round ran, holding ``ops``; the pattern's next round is predicted.
+        Returns that round when the pattern spans several (None: the same one again)."""
+        pattern = self.pattern
+        round_ = pattern[self.at]
+        round_.ops = ops
+        following = None
+        if len(pattern) > 1:
+            self.at = (self.at + 1) % len(pattern)
+            round_ = following = pattern[self.at]
+        steps = round_.steps
+        if len(steps) == 1:
+            ((index, counter),) = round_.ops
+            self.prediction = [(index, counter + steps[0])]
+        else:
+            self.prediction = _moved(round_.ops, steps)
+        return following
+
+
 def rides(request: Request) -> bool:
     """Whether a request's data can ride a cache round."""
     if request.kind != Kind.ALLREDUCE or len(request.specs) != 1:
@@ -269,14 +365,8 @@ class CacheRound:
         self.cache = cache
         self.size = size
         self.arrivals = arrivals if arrivals is not None else Arrivals(0, size)
-        self._layout: list[_Rider] = []
-        # The last clean round's ops as (cache index, counter), and the ops predicted for
-        # the next round (the same ops again, unnamed ones' counters moved on by as much as
-        # from the round before, ``_steps``): set once two clean rounds in a row agreed on
-        # the same ops.
-        self._last: list[tuple[int, int]] = []
-        self._steps: list[int] = []
-        self._prediction: list[tuple[int, int]] | None = None
+        self._layout: list[_Rider] = []  # the next round's riders
+        self._patterns = _Patterns()
         self.predicted_rounds = 0  # rounds the prediction agreed
         # Set (alike everywhere) when a clean round held more small allreduce data than a
         # cache round carries: the next BURST_ROUNDS rounds negotiate in full, where such
@@ -284,7 +374,8 @@ class CacheRound:
         # cache round and a fused allreduce.
         self._full_left = 0
         self._misses = 0  # cache rounds that failed in a row
-        self._staging: _Staging | None = None
+        self._staging: _Staging | None = None  # the last one staged
+        self._stagings: dict[int, _Staging] = {}  # by id of their layout (one per round)
         # Whether counted rounds carry the riders' data too (only predicted rounds carry a
         # burst larger than RIDER_ELEMENTS: in a counted round it runs as agreed ops).
         self._carried = True
@@ -295,8 +386,7 @@ class CacheRound:
     def forget(self) -> None:
         """A full negotiation ran, or a predicted round failed: predict nothing until the
         pattern repeats again."""
-        self._last = []
-        self._prediction = None
+        self._patterns.forget()
 
     def run(
         self, group: Any, new: Sequence[Request], dirty: bool, timeout: float | None
@@ -308,7 +398,7 @@ class CacheRound:
             self._full_left -= 1
             return None
         layout = self._valid_layout()
-        if self._prediction is not None:
+        if self._patterns.prediction is not None:
             # A pattern that stopped repeating goes straight to the full negotiation: at
             # most one small extra collective.
             outcome = self._predicted(group, new, dirty, timeout, layout)
@@ -329,19 +419,34 @@ class CacheRound:
         """The riders' layout, without riders whose cache entry was evicted since."""
         cache = self.cache
         if self._layout_evictions != cache.evictions:  # (indices stay valid but for these)
-            self._layout = [r for r in self._layout if cache.keys[r.index] == r.key]
+            kept = [r for r in self._layout if cache.keys[r.index] == r.key]
+            if len(kept) != len(self._layout):
+                self._layout = kept
             self._layout_evictions = cache.evictions
         return self._layout
+
+    def _use(self, round_: _Round) -> None:
+        """The next round's riders are the ones planned from ``round_``'s ops."""
+        if self._layout is not round_.layout:
+            self._layout = round_.layout
+            self._carried = round_.carried
+            self._layout_evictions = round_.evictions
 
     def _stage(self, layout: list[_Rider]) -> _Staging:
         staging = self._staging
         if staging is None or staging.layout is not layout:
-            staging = self._staging = _Staging(layout)
+            stagings = self._stagings
+            staging = stagings.get(id(layout))
+            if staging is None or staging.layout is not layout:
+                if len(stagings) >= 2 * MAX_PERIOD:
+                    stagings.clear()
+                staging = stagings[id(layout)] = _Staging(layout)
+            self._staging = staging
         return staging
 
     def predicts_one(self) -> bool:
         """Whether the next round is a predicted round of exactly one op (every rank alike)."""
-        prediction = self._prediction
+        prediction = self._patterns.prediction
         return prediction is not None and len(prediction) == 1 and not self._full_left
 
     def run_one(self, group: Any, request: Request) -> int | None:
@@ -382,9 +487,10 @@ class CacheRound:
         counter ``want`` (0 for a named op, ``name``). Returns as run_one does (RODE: the
         tensor holds the result). Only the checks are its own; the round is run_one's (the
         lane's time counts as busy: no cycle counts it)."""
-        ((index, predicted),) = self._prediction or ((-1, -1),)
-        if predicted != want or want >= MAX_COUNTER:
-            return None
+        patterns = self._patterns
+        ((index, predicted),) = patterns.prediction or ((-1, -1),)
+        if predicted != want or want >= MAX_COUNTER or len(patterns.pattern) != 1:
+            return None  # (in a longer pattern, the op predicted is another than the lane's)
         staging = self._staging
         assert staging is not None
         if not staging.parts:
@@ -405,8 +511,8 @@ class CacheRound:
         ``counter`` (0 for a named op); else None."""
         if not self.predicts_one():
             return None
-        assert self._prediction is not None
-        ((index, predicted),) = self._prediction
+        assert self._patterns.prediction is not None
+        ((index, predicted),) = self._patterns.prediction
         if predicted != counter or counter >= MAX_COUNTER:
             return None
         layout = self._valid_layout()
@@ -441,23 +547,24 @@ class CacheRound:
         return agreed
 
     def _lone_agreed(self, index: int, counter: int) -> None:
-        """:meth:`_repeated` for a lone op's predicted round that agreed (its counter moves
-        on by its one step), written out: it runs once per call of a loop."""
+        """:meth:`_repeated` for a lone op's predicted round that agreed: it runs once per
+        call of a loop."""
         cache = self.cache
         cache.use(cache.keys[index])
-        self._last = [(index, counter)]
-        self._prediction = [(index, counter + self._steps[0])]
+        following = self._patterns.advance([(index, counter)])
+        if following is not None:
+            self._use(following)
         self.predicted_rounds += 1
 
     def _repeated(self, ops: list[tuple[int, int]]) -> None:
         """Bookkeeping of a predicted round that agreed (alike on every rank): ``ops`` as
-        (cache index, counter) in cache order, the same pattern again; the next round
-        predicts it once more, unnamed ops' counters moved on by their steps."""
+        (cache index, counter) in cache order, the pattern's round as predicted."""
         cache = self.cache
         for index, _ in ops:
             cache.use(cache.keys[index])
-        self._last = ops
-        self._prediction = _moved(ops, self._steps)
+        following = self._patterns.advance(ops)
+        if following is not None:
+            self._use(following)
 
     def _counted(
         self,
@@ -539,13 +646,13 @@ class CacheRound:
         requests = [request for _, request, _ in ops]
         if ops:
             current = [(index, counter) for index, _, counter in ops]
-            steps = _steps(self._last, current)
-            if steps is not None:
-                self._steps = steps
-            self._prediction = None if steps is None else _moved(current, steps)
-            self._last = current
-            if steps is None:  # (a repetition keeps its riders)
-                self._plan_riders([(index, request) for index, request, _ in ops])
+            earlier = self._patterns.earlier(current)
+            if earlier is not None:  # (the same ops again keep their riders)
+                round_ = _Round(current, earlier.layout, earlier.carried, earlier.evictions)
+            else:
+                layout, carried = self._plan_riders([(index, request) for index, request, _ in ops])
+                round_ = _Round(current, layout, carried, cache.evictions)
+            self._use(self._patterns.add(round_))
         return requests, riders
 
     def _predicted(
@@ -560,7 +667,7 @@ class CacheRound:
         element when there are none). A rank whose ops are not exactly the predicted ones
         sends NaN: the sum is NaN on every rank, and all fall back to the cache round.
         (A NaN in the data itself only costs that fallback.)"""
-        prediction = self._prediction
+        prediction = self._patterns.prediction
         assert prediction is not None
         cache = self.cache
         ops: list[tuple[int, Request, int]] = []
@@ -601,12 +708,13 @@ class CacheRound:
         self._repeated([(index, counter) for index, _, counter in ops])
         return [request for _, request, _ in ops], riders
 
-    def _plan_riders(self, ops: Sequence[tuple[int, Request]]) -> None:
-        """The next round's riders: this round's small Sum/Average allreduces (the same
-        list on every rank: the same agreed ops, in cache order). Up to RIDER_ELEMENTS in
-        all they ride every cache round; a larger burst in float32 or float64 alone, up to
-        PREDICTED_BYTES, rides predicted rounds only; a burst larger still negotiates in full
-        for BURST_ROUNDS rounds (where it rides the allgather, see :mod:`eager`)."""
+    def _plan_riders(self, ops: Sequence[tuple[int, Request]]) -> tuple[list[_Rider], bool]:
+        """The riders planned from a round's ops, and whether counted rounds carry them:
+        its small Sum/Average allreduces (the same list on every rank: the same agreed ops,
+        in cache order). Up to RIDER_ELEMENTS in all they ride every cache round; a larger
+        burst in float32 or float64 alone, up to PREDICTED_BYTES, rides predicted rounds
+        only; a burst larger still negotiates in full for BURST_ROUNDS rounds (where it
+        rides the allgather, see :mod:`eager`)."""
         layout: list[_Rider] = []
         keys = self.cache.keys
         for index, request in ops:
@@ -614,8 +722,8 @@ class CacheRound:
                 spec = request.specs[0]
                 layout.append(_Rider(index, keys[index], spec.numel, spec.shape, spec.dtype))
         total = sum(rider.numel for rider in layout)
-        self._carried = total <= RIDER_ELEMENTS
-        if not self._carried:
+        carried = total <= RIDER_ELEMENTS
+        if not carried:
             dtypes = {rider.dtype for rider in layout}
             dtype = dtypes.pop() if len(dtypes) == 1 else None
             if (
@@ -625,9 +733,8 @@ class CacheRound:
             ):
                 self._full_left = BURST_ROUNDS
                 layout = []
-                self._carried = True
-        self._layout = layout
-        self._layout_evictions = self.cache.evictions
+                carried = True
+        return layout, carried
 
 
 _FIRST = operator.itemgetter(0)  # (a C call per op, where a def would be a Python one)

@@ -335,6 +335,31 @@ def test_repeated_rounds_are_predicted_and_a_different_op_falls_back(store: Any)
     assert rounds.run(group, step, True, None) is None  # dirty (a control op, a new op)
 
 
+def test_ops_that_take_turns_are_predicted_round_by_round(store: Any) -> None:
+    # A loss and an accuracy averaged in turn, then an unnamed op whose counter moves on:
+    # a pattern of three rounds, predicted once it repeated; each round carries its own
+    # op's data. The hot lane, whose op is the last one run, never runs another's round.
+    group = _gloo(store, "turns/")
+    rounds = CacheRound(ResponseCache(16), size=1)
+    loss, accuracy = _request("loss", torch.ones(3)), _request("acc", torch.full((2,), 2.0))
+    for request in (loss, accuracy, _request("noname.0", torch.zeros(4))):
+        rounds.cache.use(keys_of([request])[0][0])
+    for turn in range(5):
+        unnamed = _request(f"noname.{turn}", torch.full((4,), float(turn)))
+        for request in (loss, accuracy, unnamed):
+            request.outputs = [torch.zeros_like(request.inputs[0])]
+            outcome = rounds.run(group, [request], False, None)
+            assert outcome is not None and outcome[0] == [request], (turn, request.name)
+            if turn >= 2:  # predicted: its data rode the round
+                assert outcome[1] == [request], (turn, request.name)
+                assert torch.equal(request.outputs[0], request.inputs[0])
+    assert rounds.predicted_rounds == 9  # from the third turn on
+    assert rounds.predicts_one()  # (the loss's round is next)
+    assert rounds.run_lone(group, 0, torch.ones(3), PLAIN_SUM, "allreduce.loss") is None
+    assert rounds.run(group, [accuracy], False, None) is None  # out of turn: full negotiation
+    assert rounds.predicted_rounds == 9 and not rounds.predicts_one()
+
+
 # ---- the engine on one-rank groups ---------------------------------------------------
 
 

@@ -407,6 +407,49 @@ def main() -> None:
 
     checks.run("unnamed bursts", unnamed_bursts)
 
+    def taking_turns() -> None:
+        # Ops that take turns, as a loop logging its metrics runs them: a loss (Average) and
+        # an accuracy (float64 Sum) in turn, an allgather of ids and an unnamed in-place
+        # op: a pattern of four rounds, predicted once it repeated (the lanes take each op
+        # in its turn). Exact results every step; then one rank runs two of them in another
+        # order (every rank falls back to the full negotiation) and both go on.
+        engine = runtime.engine()
+        before = engine.stats["predicted_rounds"]
+        for i in range(10):
+            loss = hvd.allreduce(torch.tensor([float(rank + i)]), name="turns.loss")
+            accuracy = hvd.allreduce(
+                torch.tensor([float(rank * i)], dtype=torch.float64), op=hvd.Sum, name="turns.acc"
+            )
+            ids = hvd.allgather(torch.tensor([rank, i]), name="turns.ids")
+            counter = torch.full((2,), float(rank + i))
+            hvd.allreduce_(counter, op=hvd.Sum)
+            checks.expect(f"turns.loss.{i}", loss.tolist() == [float(ranks.mean()) + i], loss)
+            want = torch.tensor([float(ranks.sum()) * i], dtype=torch.float64)
+            checks.expect(f"turns.acc.{i}", torch.equal(accuracy, want), accuracy)
+            want_ids = [v for r in range(size) for v in (r, i)]
+            checks.expect(f"turns.ids.{i}", ids.tolist() == want_ids, ids)
+            total = float(ranks.sum()) + size * i
+            checks.expect(f"turns.unnamed.{i}", counter.tolist() == [total] * 2, counter)
+        predicted = engine.stats["predicted_rounds"] - before
+        if capacity > 1 and not engine.config.autotune:  # (one cached op cannot take turns)
+            checks.expect("turns.predicted", predicted >= 20, engine.stats)
+        mine = torch.tensor([float(rank + 1)])
+        if rank == 0:
+            accuracy = hvd.allreduce(mine, op=hvd.Sum, name="turns.acc.out.of.turn")
+            loss = hvd.allreduce(mine, name="turns.loss")
+        else:
+            handle = hvd.allreduce_async(mine, op=hvd.Sum, name="turns.acc.out.of.turn")
+            loss = hvd.allreduce(mine, name="turns.loss")
+            accuracy = hvd.synchronize(handle)
+        total = float(ranks.sum()) + size
+        checks.expect(
+            "turns.fallback",
+            accuracy.tolist() == [total] and loss.tolist() == [total / size],
+            (accuracy, loss),
+        )
+
+    checks.run("turns", taking_turns)
+
     stats = runtime.engine().stats
     engine_cache = runtime.engine().response_cache
     if runtime.engine().config.autotune:
