@@ -10,7 +10,9 @@ set's cycle lock and runs that round itself:
   small allreduce rides the round; any other op, once the round agreed, runs its
   collectives here as the cycle's dispatch would;
 * :func:`run_hot` (the hot lane) for ``allreduce_`` of the global set repeated in a loop:
-  the op alike the one the lane just ran (its :class:`~collectives.engine.cycle.HotPrint`),
+  the op alike the one that ran in a lane in the round the cache predicts next (its
+  :class:`~collectives.engine.cycle.HotPrint`: the op just run, when one op repeats; in a
+  pattern of ops that take turns, the one whose turn it is),
   reduced in place with no request, handle or lock built at all: a few checks and two
   copies around the round for a small op that rides it (a 4-byte op spends as much time in
   Python as in Gloo), or the round and then the allreduce of the tensor itself
@@ -111,7 +113,7 @@ def run_now(controller: Controller, request: Request) -> bool:
                 dispatch.complete(request, None)
             else:  # agreed: its collectives run here, as the cycle's dispatch would run them
                 dispatch.cached([request], [], time.monotonic())
-            runner.hot = hot_print(request, outcome == RODE)
+            runner.hot = rounds.lane_ran(hot_print(request, outcome == RODE))
             return True
 
         controller.guarded_cycle(lane)
@@ -129,7 +131,8 @@ def run_hot(
     build: Callable[[int], Request],
 ) -> Handle | None:
     """The hot lane: ``tensor`` reduced in place with ``reduction``, the op ``name`` (None
-    for an unnamed op, whose counter ``draw`` draws) alike the op that just ran in a lane.
+    for an unnamed op, whose counter ``draw`` draws) alike the op predicted next, as it ran in
+    a lane before.
     Returns None when the lane is closed (nothing ran, no counter drawn); else the op's
     handle: finished, or as the op goes on as usual (``build`` makes its request from its
     counter) when it was not the one predicted, or when another member's ops differed."""
@@ -152,9 +155,9 @@ def run_hot(
     ):
         return None
     try:
-        # No cycle ran since the lane's last round (a cycle clears ``hot``), and the set is
-        # idle: the table is empty and the cache's prediction, layout and staging are the
-        # lane's own.
+        # No cycle ran since the lanes' last round (a cycle clears ``hot``), and the set is
+        # idle: the table is empty and the cache's prediction and layout are the ones the
+        # lanes left, for the op ``hot`` prints.
         if runner.hot is not hot or not controller.queue.idle():
             return None
         rounds = runner.rounds
@@ -176,6 +179,7 @@ def run_hot(
             runner.lane_ran(outcome != DIFFERED)
             if outcome != DIFFERED:
                 runner.stats["hot_rounds"] += 1
+                runner.hot = rounds.lane_ran(hot)
                 return DONE
             assert request is not None
             fallback = request

@@ -193,9 +193,10 @@ class _Round:
     """A clean round, as the pattern's history keeps it: its ops as (cache index, counter) in
     cache order; how far each counter moved from the same round one period before (``steps``,
     once a pattern holds it); the riders' layout planned from its ops, whether counted rounds
-    carry it, and the cache's evictions when it was planned."""
+    carry it, and the cache's evictions when it was planned; the hot lane's print of its lone
+    op once that ran in a lane (``hot``, see :mod:`.lanes`)."""
 
-    __slots__ = ("carried", "evictions", "layout", "ops", "steps")
+    __slots__ = ("carried", "evictions", "hot", "layout", "ops", "steps")
 
     def __init__(
         self, ops: list[tuple[int, int]], layout: list[_Rider], carried: bool, evictions: int
@@ -205,6 +206,7 @@ class _Round:
         self.layout = layout
         self.carried = carried
         self.evictions = evictions
+        self.hot: Any = None
 
 
 class _Patterns:
@@ -487,12 +489,10 @@ class CacheRound:
         counter ``want`` (0 for a named op, ``name``). Returns as run_one does (RODE: the
         tensor holds the result). Only the checks are its own; the round is run_one's (the
         lane's time counts as busy: no cycle counts it)."""
-        patterns = self._patterns
-        ((index, predicted),) = patterns.prediction or ((-1, -1),)
-        if predicted != want or want >= MAX_COUNTER or len(patterns.pattern) != 1:
-            return None  # (in a longer pattern, the op predicted is another than the lane's)
-        staging = self._staging
-        assert staging is not None
+        ((index, predicted),) = self._patterns.prediction or ((-1, -1),)
+        if predicted != want or want >= MAX_COUNTER:
+            return None
+        staging = self._stage(self._layout)  # (the predicted round's, in a longer pattern)
         if not staging.parts:
             if not self._lone_round(group, name, lane=True):
                 return DIFFERED
@@ -505,6 +505,17 @@ class CacheRound:
         _finish_out(tensor, part, reduction, self.size)
         self._lone_agreed(index, want)
         return RODE
+
+    def lane_ran(self, hot: Any) -> Any:
+        """The lone op that just ran in a lane, as the hot lane prints it (``hot``, None
+        when it cannot take the hot lane), noted for its round of the pattern. Returns the
+        print of the op predicted next (the same one in a pattern of one round), or None
+        when its round has not run in a lane yet: what the hot lane must match next."""
+        pattern, at = self._patterns.pattern, self._patterns.at
+        if not pattern:
+            return None
+        pattern[at - 1].hot = hot  # (the round before ``at``: the one that just ran)
+        return pattern[at].hot
 
     def _lone(self, counter: int) -> int | None:
         """The cache index of the one riding op predicted next, if its counter is

@@ -77,7 +77,8 @@ def test_cache_on_off_and_evicting_give_the_same_results(capacity: str) -> None:
     checks += ["hot.unnamed.9", "burst.unnamed.5", "burst.unnamed.11", "burst.unnamed.extra.11"]
     checks += ["direct.ints.7", "direct.wide.7", "direct.parts.7", "direct.broadcast.5"]
     checks += ["direct.allgather.5", "direct.mixed.5", "direct.fallback"]
-    checks += ["turns.loss.9", "turns.acc.9", "turns.ids.9", "turns.unnamed.9", "turns.fallback"]
+    checks += ["turns.loss.9", "turns.acc.9", "turns.ids.9", "turns.unnamed.9", "turns.count.9"]
+    checks.append("turns.fallback")
     checks.append({"1024": "cache.used", "0": "cache.off", "1": "cache.evicts"}[capacity])
     if capacity == "1024":
         checks += ["burst.predicted", "hot.used", "burst.unnamed.predicted", "direct.used"]

@@ -26,7 +26,7 @@ from collectives.engine.handles import Handle
 from collectives.engine.queue import Submissions
 from collectives.engine.reduction import PLAIN_SUM, Reduction
 from collectives.engine.requests import Kind, Request, TensorSpec, noname, signature
-from collectives.engine.rounds import CacheRound
+from collectives.engine.rounds import RODE, CacheRound
 from collectives.engine.scheduler import KEEPALIVE_SECONDS, Due, Pace, seconds_until_cycle
 from collectives.errors import HorovodInternalError
 
@@ -338,7 +338,7 @@ def test_repeated_rounds_are_predicted_and_a_different_op_falls_back(store: Any)
 def test_ops_that_take_turns_are_predicted_round_by_round(store: Any) -> None:
     # A loss and an accuracy averaged in turn, then an unnamed op whose counter moves on:
     # a pattern of three rounds, predicted once it repeated; each round carries its own
-    # op's data. The hot lane, whose op is the last one run, never runs another's round.
+    # op's data.
     group = _gloo(store, "turns/")
     rounds = CacheRound(ResponseCache(16), size=1)
     loss, accuracy = _request("loss", torch.ones(3)), _request("acc", torch.full((2,), 2.0))
@@ -354,10 +354,10 @@ def test_ops_that_take_turns_are_predicted_round_by_round(store: Any) -> None:
                 assert outcome[1] == [request], (turn, request.name)
                 assert torch.equal(request.outputs[0], request.inputs[0])
     assert rounds.predicted_rounds == 9  # from the third turn on
-    assert rounds.predicts_one()  # (the loss's round is next)
-    assert rounds.run_lone(group, 0, torch.ones(3), PLAIN_SUM, "allreduce.loss") is None
-    assert rounds.run(group, [accuracy], False, None) is None  # out of turn: full negotiation
-    assert rounds.predicted_rounds == 9 and not rounds.predicts_one()
+    assert rounds.predicts_one()  # (the loss's round is next: the hot lane may run it)
+    assert rounds.run_lone(group, 0, torch.full((3,), 5.0), PLAIN_SUM, "allreduce.loss") == RODE
+    assert rounds.run(group, [loss], False, None) is None  # out of turn: full negotiation
+    assert rounds.predicted_rounds == 10 and not rounds.predicts_one()
 
 
 # ---- the engine on one-rank groups ---------------------------------------------------
@@ -433,6 +433,34 @@ def test_ops_complete_with_their_scaling_and_the_lanes_take_a_repeated_op(
     done = hvd.run_hot("allreduce.loop", tensor, Reduction(int(ReduceOp.SUM)), _no_request)
     assert done is not None and done.done() and torch.equal(tensor, torch.full((4,), 7.0))
     assert hvd.stats["hot_rounds"] == 1
+
+
+def test_the_hot_lane_takes_ops_that_take_turns_each_in_its_turn(
+    engine: tuple[Engine, Groups],
+) -> None:
+    # A loss (riding) and an integer count (reduced on the tensor itself) in turn: once each
+    # ran in a lane, both take the hot lane in their turn; out of turn, neither does.
+    hvd, _ = engine
+    loss, count = torch.zeros(2), torch.zeros(3, dtype=torch.int64)
+    plain = Reduction(int(ReduceOp.SUM))
+    for i in range(6):
+        for name, tensor in (("turn.loss", loss), ("turn.count", count)):
+            tensor.fill_(i)
+            request = _request(name, tensor, plain)
+            request.handle = hvd.new_handle()
+            if not hvd.run_now(request):
+                hvd.submit(request, True)
+            assert request.handle.wait().tolist() == [i] * tensor.numel()
+    assert hvd.stats["hot_rounds"] == 0
+    assert hvd.run_hot("allreduce.turn.count", count, plain, _no_request) is None  # not its turn
+    for i in range(3):
+        loss.fill_(10.0 + i)
+        done = hvd.run_hot("allreduce.turn.loss", loss, plain, _no_request)
+        assert done is not None and done.done() and loss.tolist() == [10.0 + i] * 2
+        count.fill_(20 + i)
+        done = hvd.run_hot("allreduce.turn.count", count, plain, _no_request)
+        assert done is not None and done.done() and count.tolist() == [20 + i] * 3
+    assert hvd.stats["hot_rounds"] == 6
 
 
 def test_the_lanes_run_ops_that_do_not_ride_on_the_tensor_itself(

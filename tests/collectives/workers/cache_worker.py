@@ -409,12 +409,15 @@ def main() -> None:
 
     def taking_turns() -> None:
         # Ops that take turns, as a loop logging its metrics runs them: a loss (Average) and
-        # an accuracy (float64 Sum) in turn, an allgather of ids and an unnamed in-place
-        # op: a pattern of four rounds, predicted once it repeated (the lanes take each op
-        # in its turn). Exact results every step; then one rank runs two of them in another
-        # order (every rank falls back to the full negotiation) and both go on.
+        # an accuracy (float64 Sum) in turn, an allgather of ids, an unnamed in-place op and
+        # a named in-place integer count: a pattern of five rounds, predicted once it
+        # repeated (the lanes take each op in its turn, the in-place ones the hot lane).
+        # Exact results every step; then one rank runs two of them in another order (every
+        # rank falls back to the full negotiation) and both go on.
         engine = runtime.engine()
         before = engine.stats["predicted_rounds"]
+        hot_before = engine.stats["hot_rounds"]
+        count = torch.zeros(3, dtype=torch.int64)
         for i in range(10):
             loss = hvd.allreduce(torch.tensor([float(rank + i)]), name="turns.loss")
             accuracy = hvd.allreduce(
@@ -423,6 +426,8 @@ def main() -> None:
             ids = hvd.allgather(torch.tensor([rank, i]), name="turns.ids")
             counter = torch.full((2,), float(rank + i))
             hvd.allreduce_(counter, op=hvd.Sum)
+            count.fill_(rank * 10 + i)
+            hvd.allreduce_(count, op=hvd.Sum, name="turns.count")
             checks.expect(f"turns.loss.{i}", loss.tolist() == [float(ranks.mean()) + i], loss)
             want = torch.tensor([float(ranks.sum()) * i], dtype=torch.float64)
             checks.expect(f"turns.acc.{i}", torch.equal(accuracy, want), accuracy)
@@ -430,9 +435,12 @@ def main() -> None:
             checks.expect(f"turns.ids.{i}", ids.tolist() == want_ids, ids)
             total = float(ranks.sum()) + size * i
             checks.expect(f"turns.unnamed.{i}", counter.tolist() == [total] * 2, counter)
+            want_count = sum(r * 10 + i for r in range(size))
+            checks.expect(f"turns.count.{i}", count.tolist() == [want_count] * 3, count)
         predicted = engine.stats["predicted_rounds"] - before
+        hot = engine.stats["hot_rounds"] - hot_before
         if capacity > 1 and not engine.config.autotune:  # (one cached op cannot take turns)
-            checks.expect("turns.predicted", predicted >= 20, engine.stats)
+            checks.expect("turns.predicted", predicted >= 25 and hot >= 10, engine.stats)
         mine = torch.tensor([float(rank + 1)])
         if rank == 0:
             accuracy = hvd.allreduce(mine, op=hvd.Sum, name="turns.acc.out.of.turn")
