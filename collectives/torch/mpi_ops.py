@@ -38,6 +38,11 @@ from collectives.engine import handles
 from collectives.torch import autograd
 from collectives.torch.compression import Compression, Compressor
 
+#: An out-of-place allreduce of at most this many bytes that records no autograd runs as an
+#: in-place one on a copy of its input (see :func:`allreduce`); a larger one keeps the
+#: engine's out-of-place path, which folds an Average into the copy.
+_COPIED_BYTES = 64 * 1024
+
 __all__ = [
     "Adasum",
     "Average",
@@ -138,9 +143,25 @@ def allreduce(
     unchanged. Differentiable for Average and Sum."""
     resolved = handle_average_backwards_compatibility(op, average)
     compressed, ctx = compression.compress(tensor)
-    reduced = autograd.Allreduce.apply(
-        compressed, name, resolved, prescale_factor, postscale_factor, process_set
-    )
+    if (
+        isinstance(compressed, torch.Tensor)
+        and compressed.nbytes <= _COPIED_BYTES
+        and compressed.layout is torch.strided
+        and not (compressed.requires_grad and torch.is_grad_enabled())
+        and process_set is global_process_set
+        and resolved is not ReduceOp.ADASUM
+    ):
+        # A small result with no autograd to record (a metric, a loss to log): reduced in
+        # place on a copy, which takes the engine's hot lane once the op repeats (the same
+        # op for every member: in place or not is no part of an op's description).
+        reduced = compressed.clone(memory_format=torch.contiguous_format)
+        ops.allreduce_in_place(
+            reduced, resolved, prescale_factor, postscale_factor, process_set, name
+        ).wait()
+    else:
+        reduced = autograd.Allreduce.apply(
+            compressed, name, resolved, prescale_factor, postscale_factor, process_set
+        )
     return compression.decompress(reduced, ctx)
 
 

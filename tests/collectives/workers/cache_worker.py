@@ -188,6 +188,31 @@ def main() -> None:
         hot = engine.stats["hot_rounds"] - before
         if engine.response_cache is not None and not engine.config.autotune:
             checks.expect("hot.used", hot >= 10, engine.stats)
+        # Out of place, a small op with no autograd to record (a metric, as Horovod's
+        # examples average theirs) takes the hot lane too: a new result every call, the
+        # input kept; one that requires grad still records its backward.
+        before = engine.stats["hot_rounds"]
+        for i in range(8):
+            metric = torch.tensor([float(rank + i), 1.0])
+            mean = hvd.allreduce(metric, name="hot.metric")
+            checks.expect(
+                f"hot.out.{i}",
+                mean.tolist() == [float(ranks.mean()) + i, 1.0]
+                and metric.tolist() == [float(rank + i), 1.0]
+                and mean.data_ptr() != metric.data_ptr()
+                and mean.grad_fn is None,
+                (metric, mean),
+            )
+        if engine.response_cache is not None and not engine.config.autotune:
+            checks.expect("hot.out.used", engine.stats["hot_rounds"] - before >= 4, engine.stats)
+        weight = torch.ones(2, requires_grad=True)
+        hvd.allreduce(weight * (rank + 1), op=hvd.Sum, name="hot.grad").sum().backward()
+        checks.expect(
+            "hot.out.grad",
+            weight.grad is not None
+            and weight.grad.tolist() == [float(size * (rank + 1))] * 2,  # (Sum's backward)
+            weight.grad,
+        )
         # A refused unnamed op still takes its counter: the next one in the lane is not the
         # op predicted, and goes on as usual; then the lane takes over again.
         try:
