@@ -339,12 +339,13 @@ def cli(
     launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic))
     if any(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
         check_command(command)
-    if all(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
+    local_only = all(h.hostname in LOCAL_NAMES for h in host_list)
+    if local_only and not dry_run:
         check_local_interfaces(ifnames)
     if output_filename is not None and not dry_run:
         creatable_directory(output_filename, "--output-filename")
     if not dry_run:
-        report.check(env, all(h.hostname in LOCAL_NAMES for h in host_list))
+        report.check(env, local_only)
     for notice in notices(compat, env, host_list, num_proc):
         click.echo(f"hvdrun: {notice}", err=True)
 

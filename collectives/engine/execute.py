@@ -52,9 +52,6 @@ _SUM: Any = dist.ReduceOp.SUM
 _SUM_OP = int(ReduceOp.SUM)
 _AVERAGE = int(ReduceOp.AVERAGE)
 
-_SUM_OPTIONS = dist.AllreduceOptions()
-_SUM_OPTIONS.reduceOp = _SUM
-
 
 def _ar(op: int) -> Any:
     """New allreduce options for ``op`` (a :class:`ReduceOp` value)."""
@@ -65,6 +62,7 @@ def _ar(op: int) -> Any:
 
 #: The allreduce options of each op, made once (never changed: torch copies what it reads).
 _OPTIONS = {op: _ar(op) for op in _TORCH_OPS}
+_SUM_OPTIONS = _OPTIONS[_SUM_OP]
 
 # Dtypes the backend cannot reduce natively are reduced in a wider type and cast back.
 _UPCAST = {

@@ -113,7 +113,7 @@ def run_now(controller: Controller, request: Request) -> bool:
                 dispatch.complete(request, None)
             else:  # agreed: its collectives run here, as the cycle's dispatch would run them
                 dispatch.cached([request], [], time.monotonic())
-            runner.hot = rounds.lane_ran(hot_print(request, outcome == RODE))
+            runner.hot = rounds.next_hot(hot_print(request, outcome == RODE))
             return True
 
         controller.guarded_cycle(lane)
@@ -179,7 +179,7 @@ def run_hot(
             runner.lane_ran(outcome != DIFFERED)
             if outcome != DIFFERED:
                 runner.stats["hot_rounds"] += 1
-                runner.hot = rounds.lane_ran(hot)
+                runner.hot = rounds.next_hot(hot)
                 return DONE
             assert request is not None
             fallback = request

@@ -243,23 +243,16 @@ class _Patterns:
         history.append(added)
         if len(history) > 2 * MAX_PERIOD:
             del history[0]
-        n = len(history)
-        for period in range(1, min(MAX_PERIOD, n // 2) + 1):
-            found: list[list[int]] = []
-            for j in range(n - period, n):
-                steps = _steps(history[j - period].ops, history[j].ops)
-                if steps is None:
-                    break
-                found.append(steps)
-            else:
-                pattern = history[n - period :]
-                for round_, steps in zip(pattern, found, strict=True):
-                    round_.steps = steps
-                self.pattern = pattern
-                self.at = 0
-                first = pattern[0]
-                self.prediction = _moved(first.ops, first.steps)
-                return first
+        for period in range(1, min(MAX_PERIOD, len(history) // 2) + 1):
+            found = _repeated_steps(history, period)
+            if found is None:
+                continue
+            pattern = history[-period:]
+            for round_, steps in zip(pattern, found, strict=True):
+                round_.steps = steps
+            self.pattern, self.at = pattern, 0
+            self.prediction = _moved(pattern[0].ops, pattern[0].steps)
+            return pattern[0]
         self.prediction = None
         return added
 
@@ -461,19 +454,12 @@ class CacheRound:
         index = self._lone(counter)
         if index is None or self.cache.lookup(key) != index:
             return None
-        staging = self._stage(self._layout)
-        if not self._layout:
-            if not self._lone_round(group, request.name):
-                return DIFFERED
-            self._lone_agreed(index, counter)
-            return AGREED
-        part = staging.parts[0]
-        request.reduction.stage(part, request.inputs[0])
-        if not self._lone_round(group, request.name):
-            return DIFFERED
-        _finish_rider(request, part, self.size)
-        self._lone_agreed(index, counter)
-        return RODE
+        outcome, part = self._lone_op(
+            group, index, counter, request.inputs[0], request.reduction, request.name
+        )
+        if part is not None:
+            _finish_rider(request, part, self.size)
+        return outcome
 
     def run_lone(
         self,
@@ -492,21 +478,12 @@ class CacheRound:
         ((index, predicted),) = self._patterns.prediction or ((-1, -1),)
         if predicted != want or want >= MAX_COUNTER:
             return None
-        staging = self._stage(self._layout)  # (the predicted round's, in a longer pattern)
-        if not staging.parts:
-            if not self._lone_round(group, name, lane=True):
-                return DIFFERED
-            self._lone_agreed(index, want)
-            return AGREED
-        part = staging.parts[0]
-        reduction.stage(part, tensor)
-        if not self._lone_round(group, name, lane=True):
-            return DIFFERED
-        _finish_out(tensor, part, reduction, self.size)
-        self._lone_agreed(index, want)
-        return RODE
+        outcome, part = self._lone_op(group, index, want, tensor, reduction, name, lane=True)
+        if part is not None:
+            _finish_out(tensor, part, reduction, self.size)
+        return outcome
 
-    def lane_ran(self, hot: Any) -> Any:
+    def next_hot(self, hot: Any) -> Any:
         """The lone op that just ran in a lane, as the hot lane prints it (``hot``, None
         when it cannot take the hot lane), noted for its round of the pattern. Returns the
         print of the op predicted next (the same one in a pattern of one round), or None
@@ -538,8 +515,31 @@ class CacheRound:
         if self.size > 1:
             self._sums.start(group, self.size, vector, timeout).wait()
 
-    def _lone_round(self, group: Any, label: str | None, lane: bool = False) -> bool:
-        """The allreduce of a lone rider's round; False when another rank's ops differed."""
+    def _lone_op(
+        self,
+        group: Any,
+        index: int,
+        counter: int,
+        source: torch.Tensor,
+        reduction: Reduction,
+        label: str | None,
+        lane: bool = False,
+    ) -> tuple[int, torch.Tensor | None]:
+        """The predicted round of the lone op ``index`` (with ``counter``), its data
+        (``source``, staged with ``reduction``) riding it when the round's layout holds it:
+        DIFFERED, AGREED (nothing rode), or RODE with the vector's part holding its sum."""
+        staging = self._stage(self._layout)  # (the predicted round's, in a longer pattern)
+        part = staging.parts[0] if staging.parts else None
+        if part is not None:
+            reduction.stage(part, source)
+        if not self._lone_round(group, label, lane):
+            return DIFFERED, None
+        self._repeated([(index, counter)])
+        self.predicted_rounds += 1
+        return (AGREED, None) if part is None else (RODE, part)
+
+    def _lone_round(self, group: Any, label: str | None, lane: bool) -> bool:
+        """The allreduce of a lone op's round; False when another rank's ops differed."""
         staging = self._staging
         assert staging is not None
         first, flag, arrivals = staging.first, staging.flag, self.arrivals
@@ -556,16 +556,6 @@ class CacheRound:
         if not agreed:
             self.forget()
         return agreed
-
-    def _lone_agreed(self, index: int, counter: int) -> None:
-        """:meth:`_repeated` for a lone op's predicted round that agreed: it runs once per
-        call of a loop."""
-        cache = self.cache
-        cache.use(cache.keys[index])
-        following = self._patterns.advance([(index, counter)])
-        if following is not None:
-            self._use(following)
-        self.predicted_rounds += 1
 
     def _repeated(self, ops: list[tuple[int, int]]) -> None:
         """Bookkeeping of a predicted round that agreed (alike on every rank): ``ops`` as
@@ -763,6 +753,18 @@ def _steps(last: list[tuple[int, int]], current: list[tuple[int, int]]) -> list[
             return None
         steps.append(step)
     return steps
+
+
+def _repeated_steps(history: list[_Round], period: int) -> list[list[int]] | None:
+    """How far each of the last ``period`` rounds' counters moved from the round ``period``
+    before it; None unless each held that round's ops (see :func:`_steps`)."""
+    found = []
+    for earlier, round_ in zip(history[-2 * period : -period], history[-period:], strict=True):
+        steps = _steps(earlier.ops, round_.ops)
+        if steps is None:
+            return None
+        found.append(steps)
+    return found
 
 
 def _moved(ops: list[tuple[int, int]], steps: list[int]) -> list[tuple[int, int]]:

@@ -409,6 +409,16 @@ def _submit(engine: Engine, request: Request, blocking: bool = True) -> Any:
     return engine.submit(request, blocking).wait()
 
 
+def _blocking(engine: Engine, request: Request) -> tuple[Any, bool]:
+    """A blocking op as ``ops.submit`` runs it (the request lane, else the queue): its
+    result, and whether the lane took it."""
+    request.handle = engine.new_handle(request.process_set_id)
+    lane = engine.run_now(request)
+    if not lane:
+        engine.submit(request, True)
+    return request.handle.wait(), lane
+
+
 def test_ops_complete_with_their_scaling_and_the_lanes_take_a_repeated_op(
     engine: tuple[Engine, Groups],
 ) -> None:
@@ -422,11 +432,9 @@ def test_ops_complete_with_their_scaling_and_the_lanes_take_a_repeated_op(
     for i in range(8):  # the same blocking op in a loop: predicted, then run on this thread
         request = _request("loop", torch.full((4,), float(i)))
         request.outputs = [None]
-        request.handle = hvd.new_handle()
-        lanes += hvd.run_now(request)
-        if not request.handle.done():
-            hvd.submit(request, True)
-        assert torch.equal(request.handle.wait(), torch.full((4,), float(i)))
+        result, lane = _blocking(hvd, request)
+        lanes += lane
+        assert torch.equal(result, torch.full((4,), float(i)))
     assert lanes >= 3 and hvd.stats["predicted_rounds"] >= 3, hvd.stats
     # The hot lane: allreduce_ of the op that just ran in a lane, no request at all.
     tensor = torch.full((4,), 7.0)
@@ -446,11 +454,8 @@ def test_the_hot_lane_takes_ops_that_take_turns_each_in_its_turn(
     for i in range(6):
         for name, tensor in (("turn.loss", loss), ("turn.count", count)):
             tensor.fill_(i)
-            request = _request(name, tensor, plain)
-            request.handle = hvd.new_handle()
-            if not hvd.run_now(request):
-                hvd.submit(request, True)
-            assert request.handle.wait().tolist() == [i] * tensor.numel()
+            result, _ = _blocking(hvd, _request(name, tensor, plain))
+            assert result.tolist() == [i] * tensor.numel()
     assert hvd.stats["hot_rounds"] == 0
     assert hvd.run_hot("allreduce.turn.count", count, plain, _no_request) is None  # not its turn
     for i in range(3):
@@ -473,13 +478,12 @@ def test_the_lanes_run_ops_that_do_not_ride_on_the_tensor_itself(
     scaled = Reduction(int(ReduceOp.SUM), 2.5)
     lanes = 0
     for i in range(8):
-        request = _request("ints", torch.full((4,), i, dtype=torch.int64), scaled)
-        request.handle = hvd.new_handle()
-        lanes += hvd.run_now(request)
-        if not request.handle.done():
-            hvd.submit(request, True)
+        result, lane = _blocking(
+            hvd, _request("ints", torch.full((4,), i, dtype=torch.int64), scaled)
+        )
+        lanes += lane
         want = torch.full((4,), int(2.5 * i), dtype=torch.int64)
-        assert torch.equal(request.handle.wait(), want)
+        assert torch.equal(result, want)
     assert lanes >= 3, hvd.stats
     tensor = torch.full((4,), 3, dtype=torch.int64)
     done = hvd.run_hot("allreduce.ints", tensor, scaled, _no_request)
