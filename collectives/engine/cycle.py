@@ -5,7 +5,9 @@ among the set's members, on a Gloo group of the set's own:
 
 * while no op is pending, the response cache's round first (see :mod:`.rounds`): one small
   allreduce agrees on ops every member ran before and carries the data of repeated small
-  allreduces; anything else falls back to the full round in the same cycle;
+  allreduces; cached ops that only some members submitted wait in the queue for a later
+  cycle (:meth:`~collectives.engine.queue.Submissions.hold`); anything else falls back to
+  the full round in the same cycle;
 * the full round (see :mod:`.negotiation`): the allgather of every member's announcements
   into the table of pending ops, identical on every member, which all read alike. When every
   member announced exactly the same ops (the usual SPMD case), the round needs no per-op
@@ -65,7 +67,7 @@ from collectives.engine.negotiation import (
 from collectives.engine.queue import Submissions
 from collectives.engine.reduction import Reduction
 from collectives.engine.requests import RECORD, Kind, Request
-from collectives.engine.rounds import CacheRound
+from collectives.engine.rounds import HOLD_SECONDS, CacheRound
 from collectives.engine.scheduler import KEEPALIVE_SECONDS, Pace
 from collectives.engine.stall import StallInspector
 from collectives.engine.timeline import TimelineSlot
@@ -170,7 +172,7 @@ class CycleRunner:
         """One cycle; False when the set stops (a member left, or the stall inspector gave up)."""
         self.hot = None
         start = time.monotonic()
-        new, flags = self.queue.take()
+        held, new, flags = self.queue.take()
         self.cycle_no += 1
         tl = self.dispatch.tl = self._timeline.current
         if tl is not None:
@@ -178,20 +180,28 @@ class CycleRunner:
             tl.cycle(start)
             for request in new:
                 tl.begin(request.name, "NEGOTIATE_" + request.kind.label.upper(), request.submitted)
+        if held:
+            new = held + new
         timeout = FINAL_CYCLE_SECONDS if flags & FLAG_LEAVING else None
         rounds = self.rounds
         if rounds is not None and not self.table.entries and not self.table.joined:
-            outcome = rounds.run(self.control_pg, new, bool(flags), timeout)
+            # Ops held back too long go to the full negotiation (every member follows).
+            dirty = bool(flags) or any(start - r.submitted > HOLD_SECONDS for r in held)
+            outcome = rounds.run(self.control_pg, new, dirty, timeout)
             if outcome is not None:
                 self.stats["cache_rounds"] += 1
                 self.stats["predicted_rounds"] = rounds.predicted_rounds
                 now = time.monotonic()
                 agreed, riders = outcome
+                waiting = len(agreed) != len(new)
+                if waiting:  # (not every member submitted these yet)
+                    ran = {id(request) for request in agreed}
+                    self.queue.hold([request for request in new if id(request) not in ran])
                 self.count(agreed)
                 self.dispatch.cached(agreed, riders, now)
                 if tl is not None:
                     tl.flush()
-                self.pace = Pace(False, not agreed, start, now, self.config.cycle_time)
+                self.pace = Pace(waiting, not agreed, start, now, self.config.cycle_time)
                 return True
         return self.full_round(new, flags, timeout, start)
 

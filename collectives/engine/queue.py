@@ -8,6 +8,8 @@ queue's condition until the scheduler says a cycle is due.
 Ownership: every field is read and written only with ``cond``'s lock held, by any thread:
 
 * ``_new``: ops submitted since the last cycle took them (announced in the next round);
+* ``_held``: ops a cache round held back because not every member had submitted them yet
+  (see :mod:`.rounds`): the next cycle takes them again, before ``_new``;
 * ``_local``: every op of this rank in flight, by (process set, name): submitted and not
   finished (ops in flight at the same time need different names);
 * ``_first_new``, ``_last_submit``: when the oldest and the newest of ``_new`` came;
@@ -45,6 +47,7 @@ class Submissions:
         self._lock = threading.Lock()
         self.cond = threading.Condition(self._lock)
         self._new: list[Request] = []
+        self._held: list[Request] = []
         self._local: dict[tuple[int, str], Request] = {}
         self._first_new = 0.0
         self._last_submit = 0.0
@@ -109,14 +112,24 @@ class Submissions:
 
     # ---- the cycle runner ------------------------------------------------------------
 
-    def take(self) -> tuple[list[Request], int]:
-        """What was submitted since the last cycle, and this cycle's flags."""
+    def take(self) -> tuple[list[Request], list[Request], int]:
+        """The ops held back by the last cycle, what was submitted since, and this cycle's
+        flags."""
         with self._lock:
+            held, self._held = self._held, []
             new, self._new = self._new, []
             self._flush = False
             self._woken = False
             flags = (FLAG_LEAVING if self._leaving else 0) | (FLAG_ABORT if self._abort else 0)
-        return new, flags
+        return held, new, flags
+
+    def hold(self, requests: list[Request]) -> None:
+        """Ops the cycle took but did not run (not every member had them yet): the next
+        cycle takes them again. They stay in flight; the scheduler's pace for ops that wait
+        on another member decides when that cycle comes (see :class:`Pace`)."""
+        with self._lock:
+            local = self._local  # (not those failed meanwhile)
+            self._held = [r for r in requests if local.get((r.process_set_id, r.name)) is r]
 
     def idle(self) -> bool:
         """Nothing submitted, nothing in flight, running as usual (a lane may run)."""
@@ -188,6 +201,7 @@ class Submissions:
             pending = [*self._local.values(), *self._new]
             self._local.clear()
             self._new = []
+            self._held = []
             self.cond.notify_all()
         for request in (*pending, *also):
             error = HorovodInternalError(message) if error_for is None else error_for(request)
@@ -200,6 +214,7 @@ class Submissions:
             pending = [*self._local.values(), *self._new]
             self._local.clear()
             self._new = []
+            self._held = []
         for request in pending:
             request.handle.fail(error_for(request))
 

@@ -4,10 +4,13 @@ While the table of pending ops is empty (the steady state of a training loop), a
 starts with a *cache round* instead of the allgather of full descriptions: one allreduce
 (Sum, float64) of a small vector holding
 
-* per cached op (see :mod:`.cache`), how many members submitted it (every member or none:
-  agreed; the AND of Horovod's bit vector) -- and, for unnamed ops, whose auto-generated
-  names differ only in their counter, the counter's sum and sum of squares, so that ranks
-  whose counters differ never match;
+* per cached op (see :mod:`.cache`), how many members submitted it: every member, and it
+  runs (the AND of Horovod's bit vector); only some, and a named op waits on those members
+  for a later round (ops of a burst that the ranks' cycles split differently), until it
+  waited HOLD_SECONDS and goes to the full negotiation, where the stall inspector sees it --
+  and, for unnamed ops, whose auto-generated names differ only in their counter, the
+  counter's sum and sum of squares, so that ranks whose counters differ never match (an
+  unnamed op that only some members submitted falls back at once);
 * how many members have something the cache cannot say (a new op, an op whose description
   changed, a control op, a shutdown): any, and the cycle falls back to the full
   negotiation (the allgather of :mod:`.negotiation`) right away, as if there were no cache;
@@ -55,7 +58,7 @@ from collectives.engine.insight import IDLE, Arrivals
 from collectives.engine.reduction import Reduction
 from collectives.engine.requests import Kind, Request
 
-__all__ = ["AGREED", "DIFFERED", "MAX_COUNTER", "RODE", "CacheRound", "rides"]
+__all__ = ["AGREED", "DIFFERED", "HOLD_SECONDS", "MAX_COUNTER", "RODE", "CacheRound", "rides"]
 
 #: Riders' elements (as float64) one cache round may carry; also the most one rider holds.
 RIDER_ELEMENTS = 16 * 1024
@@ -73,6 +76,10 @@ DIFFERED, RODE, AGREED = 0, 1, 2
 #: Unnamed ops with counters this large always negotiate in full: the sums of squares that
 #: tell the ranks' counters apart must stay exact in float64.
 MAX_COUNTER = 1 << 24
+#: How long an op that only some members submitted waits for the others in cache rounds
+#: before it goes to the full negotiation (where the stall inspector sees it, and a mismatch
+#: is named): a burst split differently over the ranks' cycles meets again within cycles.
+HOLD_SECONDS = 1.0
 #: At most this many rounds of full negotiation after cache rounds failed in a row.
 MAX_BACKOFF = 16
 #: Rounds of full negotiation after a burst of small allreduces too large to ride.
@@ -329,27 +336,35 @@ class _CountSlots:
 
     def agreed(
         self, vector: torch.Tensor, mine: dict[int, tuple[Request, int]], size: int
-    ) -> list[int] | None:
-        """The cache indices every member submitted (with the same counters), in cache
-        order, from the summed vector; None when any op was not submitted by all. Only the
-        slots some member set are read (a few of a full cache's)."""
+    ) -> tuple[list[int], bool] | None:
+        """From the summed vector: the cache indices every member submitted (with the same
+        counters), in cache order, and whether some named op was submitted by some members
+        only (held back until the others submit it too); None when the members' unnamed
+        ops differ. Only the slots some member set are read (a few of a full cache's)."""
         submitted = torch.nonzero(vector[1 : self.end]).flatten() + 1
         counts = dict(zip(submitted.tolist(), vector[submitted].tolist(), strict=True))
         starts, index_at = self.starts, self._index_at
         agreed: list[int] = []
+        partial = False
         for at, count in counts.items():
             index = index_at.get(at)
             if index is None:
                 continue  # (an unnamed op's counter slot)
+            unnamed = starts[index + 1] - at == 3
             if count != size:
-                return None
-            if starts[index + 1] - at == 3:
+                # (an unnamed op's place in its round is part of its key: ranks that
+                # split a burst differently would not meet again)
+                if unnamed:
+                    return None
+                partial = True
+                continue
+            if unnamed:
                 counter = mine[index][1]
                 sums = counts.get(at + 1, 0.0), counts.get(at + 2, 0.0)
                 if sums != (size * counter, size * counter**2):
                     return None
             agreed.append(index)
-        return agreed
+        return agreed, partial
 
 
 class CacheRound:
@@ -379,8 +394,8 @@ class CacheRound:
         self._count_slots = _CountSlots(cache)
 
     def forget(self) -> None:
-        """A full negotiation ran, or a predicted round failed: predict nothing until the
-        pattern repeats again."""
+        """A full negotiation ran, a predicted round failed, or a round held ops back:
+        predict nothing until the pattern repeats again."""
         self._patterns.forget()
 
     def run(
@@ -388,7 +403,8 @@ class CacheRound:
     ) -> tuple[list[Request], list[Request]] | None:
         """One cache round. Returns (ops agreed, in cache order; riders among them, already
         complete but for their handles), or None when the cycle must fall back to the full
-        negotiation (every rank decides alike)."""
+        negotiation (every rank decides alike). Ops of ``new`` not agreed wait for a later
+        round: some member has not submitted them yet."""
         if self._full_left:
             self._full_left -= 1
             return None
@@ -621,31 +637,41 @@ class CacheRound:
         if first - flags * FLAG_WEIGHT != 0.0:  # (dirty members)
             return None
         size = self.size
-        agreed = count_slots.agreed(vector, mine, size)
-        if agreed is None:
+        outcome = count_slots.agreed(vector, mine, size)
+        if outcome is None:
             return None
-        # Agreed on every rank alike: run in cache order; the riders complete here.
+        agreed, partial = outcome
+        # Agreed on every rank alike: run in cache order; the riders complete here. Ops
+        # that only some members submitted wait for the next round (the caller holds them
+        # back), as Horovod's bit vector keeps them; a round that had any is no part of a
+        # pattern.
+        if partial:
+            self.forget()
+        every = set(agreed) if partial else mine
         riders: list[Request] = []
         offset = data_at
         for rider in layout:
             held = mine.get(rider.index)
-            if held is not None:
+            if held is not None and rider.index in every:
                 request = held[0]
                 _finish_rider(request, vector[offset : offset + rider.numel], size)
                 riders.append(request)
             offset += rider.numel
-        return self._agreed([(index, mine[index][0], mine[index][1]) for index in agreed], riders)
+        return self._agreed(
+            [(index, mine[index][0], mine[index][1]) for index in agreed], riders, not partial
+        )
 
     def _agreed(
-        self, ops: list[tuple[int, Request, int]], riders: list[Request]
+        self, ops: list[tuple[int, Request, int]], riders: list[Request], clean: bool
     ) -> tuple[list[Request], list[Request]]:
-        """Bookkeeping of a clean round (alike on every rank): ``ops`` as (index, request,
-        counter) in cache order."""
+        """Bookkeeping of a round (alike on every rank): ``ops`` as (index, request,
+        counter) in cache order; ``clean``: every op submitted was agreed (a round that
+        may start or go on with a pattern)."""
         cache = self.cache
         for index, _, _ in ops:
             cache.use(cache.keys[index])
         requests = [request for _, request, _ in ops]
-        if ops:
+        if ops and clean:
             current = [(index, counter) for index, _, counter in ops]
             earlier = self._patterns.earlier(current)
             if earlier is not None:  # (the same ops again keep their riders)

@@ -78,11 +78,12 @@ def test_cache_on_off_and_evicting_give_the_same_results(capacity: str) -> None:
     checks += ["direct.ints.7", "direct.wide.7", "direct.parts.7", "direct.broadcast.5"]
     checks += ["direct.allgather.5", "direct.mixed.5", "direct.fallback"]
     checks += ["turns.loss.9", "turns.acc.9", "turns.ids.9", "turns.unnamed.9", "turns.count.9"]
-    checks += ["turns.fallback", "hot.out.0", "hot.out.7", "hot.out.grad"]
+    checks += ["turns.fallback", "hot.out.0", "hot.out.7", "hot.out.grad", "split.7"]
+    checks += ["mismatch.held"]
     checks.append({"1024": "cache.used", "0": "cache.off", "1": "cache.evicts"}[capacity])
     if capacity == "1024":
         checks += ["burst.predicted", "hot.used", "burst.unnamed.predicted", "direct.used"]
-        checks += ["turns.predicted", "hot.out.used"]
+        checks += ["turns.predicted", "hot.out.used", "split.held"]
     assert_all_ok(code, output, 2, checks)
     assert f"[0]<stdout>:CAPACITY {capacity}\n" in output
 

@@ -203,12 +203,12 @@ def test_two_threads_submit_and_one_cycle_takes_everything_in_order() -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    taken, flags = queue.take()
-    assert flags == 0 and len(taken) == 600
+    held, taken, flags = queue.take()
+    assert held == [] and flags == 0 and len(taken) == 600
     for prefix in "ab":
         mine = [r.name for r in taken if r.name.startswith(f"allreduce.{prefix}")]
         assert mine == [f"allreduce.{prefix}{i}" for i in range(300)]
-    assert queue.take() == ([], 0)
+    assert queue.take() == ([], [], 0)
     with pytest.raises(ValueError, match="'a7' is already in flight"):
         queue.add(_request("a7"), blocking=False)  # taken, not finished: still in flight
     queue.finished(taken)
@@ -358,6 +358,62 @@ def test_ops_that_take_turns_are_predicted_round_by_round(store: Any) -> None:
     assert rounds.run_lone(group, 0, torch.full((3,), 5.0), PLAIN_SUM, "allreduce.loss") == RODE
     assert rounds.run(group, [loss], False, None) is None  # out of turn: full negotiation
     assert rounds.predicted_rounds == 10 and not rounds.predicts_one()
+
+
+def test_an_op_that_only_some_members_submitted_waits_for_the_others(store: Any) -> None:
+    # Two members, one thread each: a burst split differently over their cycles. What both
+    # submitted runs; the rest waits on the member that has it until the other submits it
+    # too; a round that held an op back starts no pattern. An unnamed op that only one
+    # member submitted falls back to the full negotiation on both.
+    def member(rank: int) -> list[Any]:
+        group = ProcessGroupGloo(
+            dist.PrefixStore("pair/", store), rank, 2, datetime.timedelta(seconds=20)
+        )
+        rounds = CacheRound(ResponseCache(16), size=2)
+        x = _request("x", torch.full((3,), rank + 1.0))  # small: rides once planned
+        y = _request("y", torch.full((2,), rank + 1, dtype=torch.int32))  # never rides
+        for request in (x, y, _request("noname.0")):
+            rounds.cache.use(keys_of([request])[0][0])
+        script = [[x, y], [y], [x, y], [x, y], [x], [_request("noname.0")]]
+        if rank == 1:  # (y late, then x late; no unnamed op)
+            script = [[x], [y], [x, y], [y], [x], []]
+        seen: list[Any] = []
+        for ops in script:
+            for request in ops:
+                request.outputs = [torch.zeros_like(request.inputs[0])]
+            outcome = rounds.run(group, ops, False, None)
+            if outcome is None:
+                seen.append(None)
+            else:
+                agreed, riders = outcome
+                seen.append(([r.name for r in agreed], [r.name for r in riders]))
+            seen.append(rounds.predicted_rounds)
+            if ops == [x] and outcome is not None and outcome[1] == [x]:
+                seen.append(x.outputs[0].tolist())  # (the data of both members)
+        return seen
+
+    results: list[list[Any]] = [[], []]
+    threads = [threading.Thread(target=lambda r=r: results[r].extend(member(r))) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    x, y = "allreduce.x", "allreduce.y"
+    both = [
+        ([x], []),
+        0,  # y waits on member 0
+        ([y], []),
+        0,  # and runs once member 1 has it
+        ([x, y], []),
+        0,  # (the next round has a slot for x's data)
+        ([y], []),
+        0,  # x waits on member 0: its data in this round is not used
+        ([x], [x]),
+        0,
+        [3.0, 3.0, 3.0],  # and rides the next one (layout kept)
+    ]
+    assert results[0] == [*both, None, 0]
+    assert results[1] == [*both, None, 0]
 
 
 # ---- the engine on one-rank groups ---------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -483,6 +484,36 @@ def main() -> None:
 
     checks.run("turns", taking_turns)
 
+    def split_bursts() -> None:
+        # A burst that the ranks' cycles split differently: rank 1 submits its second half
+        # 50 ms after its first (its engine ran a cycle in between), rank 0 all at once.
+        # With the cache, the ops both submitted run, and rank 0's others wait in later
+        # cache rounds until rank 1 has them too, as Horovod's bit vector keeps them: once
+        # the burst is cached, no full negotiation. Results exact either way.
+        engine = runtime.engine()
+        tensors = [torch.zeros(16) for _ in range(12)]
+        fulls = []
+        for i in range(8):
+            before = engine.stats["full_rounds"]
+            for k, t in enumerate(tensors):
+                t.fill_(float(rank + i + k))
+            handles = []
+            for k, t in enumerate(tensors):
+                if rank == 1 and k == len(tensors) // 2:
+                    time.sleep(0.05)
+                handles.append(hvd.allreduce_async_(t, op=hvd.Sum, name=f"split.{k}"))
+            for handle in handles:
+                hvd.synchronize(handle)
+            want = [float(ranks.sum()) + size * (i + k) for k in range(len(tensors))]
+            got = [float(t[0]) for t in tensors]
+            exact = all(bool((t == w).all()) for t, w in zip(tensors, want, strict=True))
+            checks.expect(f"split.{i}", exact, (got, want))
+            fulls.append(engine.stats["full_rounds"] - before)
+        if capacity > 1 and not engine.config.autotune:
+            checks.expect("split.held", sum(fulls[4:]) == 0, fulls)
+
+    checks.run("split", split_bursts)
+
     stats = runtime.engine().stats
     engine_cache = runtime.engine().response_cache
     if runtime.engine().config.autotune:
@@ -509,6 +540,22 @@ def main() -> None:
             "mismatch.raises",
             "ranks disagree on the shape" in str(error) and "shape.changes" in str(error),
             repr(error),
+        )
+    # Both shapes cached, each rank submits the other: a cache round holds them back on
+    # both ranks, until they waited a second and go to the full negotiation, which names
+    # the mismatch as before.
+    for shape in (4, 5):
+        hvd.allreduce(torch.ones(shape), name="shape.held")
+    hvd.allreduce(torch.ones(1), name="shape.new")  # (a new op: no pattern predicted next)
+    started = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(4 + rank), name="shape.held")
+        checks.expect("mismatch.held", False, "no error")
+    except Exception as error:
+        checks.expect(
+            "mismatch.held",
+            "ranks disagree on the shape" in str(error) and "shape.held" in str(error),
+            f"{error!r} after {time.monotonic() - started:.1f} s",
         )
     # ... and the job goes on.
     step(100)
