@@ -14,9 +14,10 @@ starts with a *cache round* instead of the allgather of full descriptions: one a
 * how many members have something the cache cannot say (a new op, an op whose description
   changed, a control op, a shutdown): any, and the cycle falls back to the full
   negotiation (the allgather of :mod:`.negotiation`) right away, as if there were no cache;
-* the data of the small Sum/Average allreduces that rode the previous cache round
-  (*riders*): members lay them out alike from the shared cache, so the op costs one
-  collective. A rider runs from this data only when every member contributed it.
+* the data of the small Sum/Average allreduces that counted rounds agreed on in their last
+  RECENT_ROUNDS (*riders*, see :class:`_RecentRiders`): members lay them out alike from
+  what all agreed on, so the op costs one collective. A rider runs from this data only
+  when every member contributed it.
 
 The first slot also counts, in multiples of FLAG_WEIGHT, the members that ask for the
 arrival accounting's flush (see :mod:`.insight`): one more element could take Gloo one more
@@ -62,6 +63,8 @@ __all__ = ["AGREED", "DIFFERED", "HOLD_SECONDS", "MAX_COUNTER", "RODE", "CacheRo
 
 #: Riders' elements (as float64) one cache round may carry; also the most one rider holds.
 RIDER_ELEMENTS = 16 * 1024
+#: Counted rounds after which a rider no round agreed on since loses its slot in them.
+RECENT_ROUNDS = 8
 #: The most rounds a predicted pattern spans (ops that take turns: A, B, A, B is two).
 MAX_PERIOD = 8
 #: Riders' bytes one predicted round may carry when they share float32 or float64 (a burst
@@ -200,18 +203,15 @@ class _Round:
     """A clean round, as the pattern's history keeps it: its ops as (cache index, counter) in
     cache order; how far each counter moved from the same round one period before (``steps``,
     once a pattern holds it); the riders' layout planned from its ops, whether counted rounds
-    carry it, and the cache's evictions when it was planned; the hot lane's print of its lone
+    the cache's evictions when it was planned; the hot lane's print of its lone
     op once that ran in a lane (``hot``, see :mod:`.lanes`)."""
 
-    __slots__ = ("carried", "evictions", "hot", "layout", "ops", "steps")
+    __slots__ = ("evictions", "hot", "layout", "ops", "steps")
 
-    def __init__(
-        self, ops: list[tuple[int, int]], layout: list[_Rider], carried: bool, evictions: int
-    ) -> None:
+    def __init__(self, ops: list[tuple[int, int]], layout: list[_Rider], evictions: int) -> None:
         self.ops = ops
         self.steps: list[int] = []
         self.layout = layout
-        self.carried = carried
         self.evictions = evictions
         self.hot: Any = None
 
@@ -367,6 +367,66 @@ class _CountSlots:
         return agreed, partial
 
 
+def _rider(index: int, key: Key, request: Request) -> _Rider:
+    spec = request.specs[0]
+    return _Rider(index, key, spec.numel, spec.shape, spec.dtype)
+
+
+class _RecentRiders:
+    """The riders of counted rounds: the small Sum/Average allreduces that counted rounds
+    agreed on in their last RECENT_ROUNDS (up to RIDER_ELEMENTS in all, the latest first),
+    in cache order. Derived from agreed ops only, so alike on every member. Ranks whose
+    cycles split a burst differently agree on a different part of it each round; with a
+    slot for each part, every part rides whichever round agrees on it."""
+
+    def __init__(self, cache: ResponseCache) -> None:
+        self._cache = cache
+        self._rounds = 0
+        self._last: dict[int, tuple[_Rider, int]] = {}  # by index: rider, round last agreed
+        self._layout: list[_Rider] = []
+        self._evictions = cache.evictions
+
+    def note(self, ops: list[tuple[int, Request, int]]) -> None:
+        """A counted round agreed on ``ops`` (index, request, counter)."""
+        self._rounds = at = self._rounds + 1
+        last, keys = self._last, self._cache.keys
+        changed = False
+        for index, request, _ in ops:
+            held = last.get(index)
+            if held is not None:
+                last[index] = (held[0], at)
+            elif rides(request):
+                last[index] = (_rider(index, keys[index], request), at)
+                changed = True
+        if last and at % RECENT_ROUNDS == 0:  # (aged in steps, not every round)
+            stale = [index for index, (_, seen) in last.items() if seen <= at - RECENT_ROUNDS]
+            for index in stale:
+                del last[index]
+            changed = changed or bool(stale)
+        if changed:
+            self._derive()
+
+    def current(self) -> list[_Rider]:
+        cache = self._cache
+        if self._evictions != cache.evictions:  # (indices stay valid but for these)
+            last = self._last
+            for index in [i for i, (rider, _) in last.items() if cache.keys[i] != rider.key]:
+                del last[index]
+            self._evictions = cache.evictions
+            self._derive()
+        return self._layout
+
+    def _derive(self) -> None:
+        latest = sorted(self._last.values(), key=lambda held: -held[1])
+        layout, total = [], 0
+        for rider, _ in latest:
+            if total + rider.numel <= RIDER_ELEMENTS:
+                layout.append(rider)
+                total += rider.numel
+        layout.sort(key=lambda rider: rider.index)
+        self._layout = layout
+
+
 class CacheRound:
     """Builds and reads the cache round's vector; holds the riders' layout between rounds
     (derived only from what every rank saw alike)."""
@@ -386,9 +446,7 @@ class CacheRound:
         self._misses = 0  # cache rounds that failed in a row
         self._staging: _Staging | None = None  # the last one staged
         self._stagings: dict[int, _Staging] = {}  # by id of their layout (one per round)
-        # Whether counted rounds carry the riders' data too (only predicted rounds carry a
-        # burst larger than RIDER_ELEMENTS: in a counted round it runs as agreed ops).
-        self._carried = True
+        self._recent = _RecentRiders(cache)  # what counted rounds carry
         self._layout_evictions = 0  # the cache's evictions when the layout was last checked
         self._sums = Sums()
         self._count_slots = _CountSlots(cache)
@@ -416,7 +474,7 @@ class CacheRound:
             if outcome is not None:
                 self.predicted_rounds += 1
             return outcome
-        outcome = self._counted(group, new, dirty, timeout, layout if self._carried else [])
+        outcome = self._counted(group, new, dirty, timeout, self._recent.current())
         if outcome is None:
             # Back off while cache rounds keep failing (ops that arrive split differently
             # over the ranks' cycles): each failure costs a collective.
@@ -440,7 +498,6 @@ class CacheRound:
         """The next round's riders are the ones planned from ``round_``'s ops."""
         if self._layout is not round_.layout:
             self._layout = round_.layout
-            self._carried = round_.carried
             self._layout_evictions = round_.evictions
 
     def _stage(self, layout: list[_Rider]) -> _Staging:
@@ -657,9 +714,9 @@ class CacheRound:
                 _finish_rider(request, vector[offset : offset + rider.numel], size)
                 riders.append(request)
             offset += rider.numel
-        return self._agreed(
-            [(index, mine[index][0], mine[index][1]) for index in agreed], riders, not partial
-        )
+        ops = [(index, mine[index][0], mine[index][1]) for index in agreed]
+        self._recent.note(ops)
+        return self._agreed(ops, riders, not partial)
 
     def _agreed(
         self, ops: list[tuple[int, Request, int]], riders: list[Request], clean: bool
@@ -675,10 +732,10 @@ class CacheRound:
             current = [(index, counter) for index, _, counter in ops]
             earlier = self._patterns.earlier(current)
             if earlier is not None:  # (the same ops again keep their riders)
-                round_ = _Round(current, earlier.layout, earlier.carried, earlier.evictions)
+                round_ = _Round(current, earlier.layout, earlier.evictions)
             else:
-                layout, carried = self._plan_riders([(index, request) for index, request, _ in ops])
-                round_ = _Round(current, layout, carried, cache.evictions)
+                layout = self._plan_riders([(index, request) for index, request, _ in ops])
+                round_ = _Round(current, layout, cache.evictions)
             self._use(self._patterns.add(round_))
         return requests, riders
 
@@ -735,22 +792,16 @@ class CacheRound:
         self._repeated([(index, counter) for index, _, counter in ops])
         return [request for _, request, _ in ops], riders
 
-    def _plan_riders(self, ops: Sequence[tuple[int, Request]]) -> tuple[list[_Rider], bool]:
-        """The riders planned from a round's ops, and whether counted rounds carry them:
-        its small Sum/Average allreduces (the same list on every rank: the same agreed ops,
-        in cache order). Up to RIDER_ELEMENTS in all they ride every cache round; a larger
-        burst in float32 or float64 alone, up to PREDICTED_BYTES, rides predicted rounds
-        only; a burst larger still negotiates in full for BURST_ROUNDS rounds (where it
-        rides the allgather, see :mod:`eager`)."""
-        layout: list[_Rider] = []
+    def _plan_riders(self, ops: Sequence[tuple[int, Request]]) -> list[_Rider]:
+        """The riders a predicted round of a round's ops carries: its small Sum/Average
+        allreduces (the same list on every rank: the same agreed ops, in cache order). Up
+        to RIDER_ELEMENTS in all, or a larger burst in float32 or float64 alone up to
+        PREDICTED_BYTES; a burst larger still negotiates in full for BURST_ROUNDS rounds
+        (where it rides the allgather, see :mod:`eager`)."""
         keys = self.cache.keys
-        for index, request in ops:
-            if rides(request):
-                spec = request.specs[0]
-                layout.append(_Rider(index, keys[index], spec.numel, spec.shape, spec.dtype))
+        layout = [_rider(index, keys[index], request) for index, request in ops if rides(request)]
         total = sum(rider.numel for rider in layout)
-        carried = total <= RIDER_ELEMENTS
-        if not carried:
+        if total > RIDER_ELEMENTS:
             dtypes = {rider.dtype for rider in layout}
             dtype = dtypes.pop() if len(dtypes) == 1 else None
             if (
@@ -760,8 +811,7 @@ class CacheRound:
             ):
                 self._full_left = BURST_ROUNDS
                 layout = []
-                carried = True
-        return layout, carried
+        return layout
 
 
 _FIRST = operator.itemgetter(0)  # (a C call per op, where a def would be a Python one)
