@@ -7,7 +7,8 @@ sample follows WARMUP_RUNS untimed runs of the same variant: a sample measures t
 state of a loop that repeats the variant (as a training loop does), not the switch from
 another variant. A latency sample is the median of its 200 calls' times (the steady state of a loop
 of small ops, without the first call after the barrier); the metrics sample likewise, of
-its 100 pairs' times halved. Rank 0 prints one ``RESULT <json>``
+its 100 pairs' times halved; a gradient-groups sample is a whole step (three groups of async
+allreduces, a sleep before each that differs by rank). Rank 0 prints one ``RESULT <json>``
 line with every variant's samples in milliseconds.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ LARGE_REPEATS = 2  # a 64 MiB allreduce varies by +-15% run to run here: average
 #: Untimed runs of a variant before its sample: a loop's steady state, which the response
 #: cache reaches once a pattern repeated (predicted from the third repetition on).
 WARMUP_RUNS = 3
+GROUPS, GROUP_SIZE, GROUP_NUMEL = 3, 10, 256  # a step's gradients, in groups
 
 
 def main() -> None:
@@ -130,6 +133,36 @@ def main() -> None:
             hvd.allreduce(accuracy, name="bench.accuracy")
             calls.append((time.perf_counter() - start) * 1e3 / 2)
 
+    # Gradients as a backward pass hands them over: three groups of ten 1 KB tensors, 0.5 to
+    # 1.5 ms of "compute" before each (a sleep, as a GPU's or torch's own kernels leave the
+    # GIL free; the same on both ranks, about the cycle time), plus up to 0.2 ms that
+    # differs by rank: the ranks' cycles split the step differently. A sample is the step.
+    grads = [[torch.zeros(GROUP_NUMEL) for _ in range(GROUP_SIZE)] for _ in range(GROUPS)]
+    grad_names = [[f"bench.group.{g}.{k}" for k in range(GROUP_SIZE)] for g in range(GROUPS)]
+    shared, jitter = random.Random(0), random.Random(hvd.rank())
+
+    def compute() -> None:
+        time.sleep(shared.uniform(0.0005, 0.0015) + jitter.uniform(0.0, 0.0002))
+
+    def dist_groups() -> None:
+        works = []
+        for group in grads:
+            compute()
+            works += [dist.all_reduce(tensor, async_op=True) for tensor in group]
+        for work in works:
+            work.wait()
+
+    def hvd_groups() -> None:
+        handles = []
+        for group, group_names in zip(grads, grad_names, strict=True):
+            compute()
+            handles += [
+                hvd.allreduce_async_(tensor, op=hvd.Sum, name=name)
+                for tensor, name in zip(group, group_names, strict=True)
+            ]
+        for handle in handles:
+            hvd.synchronize(handle)
+
     variants: dict[str, tuple[Callable[[], None], int]] = {
         "small.dist": (dist_small, 1),
         "small.dist_fused": (dist_small_fused, 1),
@@ -143,6 +176,8 @@ def main() -> None:
         "scalar.hvd": (hvd_scalar, LATENCY_REPEATS),
         "metrics.dist": (dist_metrics, LATENCY_REPEATS),
         "metrics.hvd": (hvd_metrics, LATENCY_REPEATS),
+        "groups.dist": (dist_groups, 1),
+        "groups.hvd": (hvd_groups, 1),
     }
     if args.only:
         wanted = tuple(args.only.split(","))
