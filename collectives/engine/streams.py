@@ -12,7 +12,8 @@ and switches streams around every bucket, so here:
   own, on the device of the bucket);
 * :func:`wait` orders the current stream after an op's event, once per event and stream;
 * :func:`ready` is what a submission records: the submitting stream, and for an op that
-  runs later (asynchronous) an event at its position. A blocking op records no event: its
+  runs later (asynchronous) an event at its position (a bucket waits only for the last
+  such event of each submitting stream). A blocking op records no event: its
   caller waits on it at once and queues nothing behind it, so the stream's position when
   the op runs is its position at submission;
 * :class:`EngineStreams` decides where a bucket runs. Blocking ops submitted from the
@@ -26,6 +27,8 @@ and switches streams around every bucket, so here:
 from __future__ import annotations
 
 import contextlib
+import itertools
+import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +90,12 @@ _spare: dict[int, list[Any]] = {}
 _SPARE_MAX = 1024
 
 
+#: Numbers the submissions' events in the order they were recorded (``event.order``), under
+#: ``_recording``: threads that share a stream (the default one) record in that order too.
+_orders = itertools.count()
+_recording = threading.Lock()
+
+
 def ready(tensor: torch.Tensor, blocking: bool) -> tuple[Any, Any]:
     """(the submitting stream, the event recorded on it or None when ``blocking``) for an
     op on the CUDA tensor ``tensor``."""
@@ -95,19 +104,33 @@ def ready(tensor: torch.Tensor, blocking: bool) -> tuple[Any, Any]:
     if blocking:
         return stream, None
     spare = _spare.get(device)
-    event = spare.pop() if spare else torch.cuda.Event()
-    event.record(stream)
+    event: Any = spare.pop() if spare else torch.cuda.Event()
+    with _recording:
+        event.record(stream)
+        event.order = next(_orders)
     return stream, event
 
 
-def _waited(request: Request, stream: Any) -> None:
-    """``stream`` waits for the request's position on its submitting stream; the event is
-    spare from then on."""
-    event = request.ready
-    stream.wait_event(event)
-    spare = _spare.setdefault(request.stream.device_index, [])
-    if len(spare) < _SPARE_MAX:
-        spare.append(event)
+def _wait_for_positions(requests: Sequence[Request], stream: Any) -> None:
+    """``stream`` waits for the requests' positions on their submitting streams: for the
+    last one recorded on each (a stream runs in order, so the earlier ones are passed by
+    then: one wait for a burst, not one per op). Their events are spare from then on."""
+    latest: dict[int, Any] = {}  # by id of the submitting stream
+    for request in requests:
+        event = request.ready
+        if event is not None:
+            key = id(request.stream)
+            held = latest.get(key)
+            if held is None or event.order > held.order:
+                latest[key] = event
+    for event in latest.values():
+        stream.wait_event(event)
+    for request in requests:
+        event = request.ready
+        if event is not None:
+            spare = _spare.setdefault(request.stream.device_index, [])
+            if len(spare) < _SPARE_MAX:
+                spare.append(event)
 
 
 class EngineStreams:
@@ -132,13 +155,13 @@ class EngineStreams:
             stream = self._own[device] = torch.cuda.Stream(device)
         before = switch(stream)
         try:
+            _wait_for_positions(requests, stream)
             for request in requests:
-                if request.ready is not None:
-                    _waited(request, stream)
-                elif request.stream is not None and request.stream is not stream:
+                submitted = request.stream
+                if request.ready is None and submitted is not None and submitted is not stream:
                     # A blocking op from another thread: its caller waits and queues
                     # nothing, so its stream's position now is its position at submission.
-                    stream.wait_stream(request.stream)
+                    stream.wait_stream(submitted)
                 # Later buckets of the op run on this stream too, with nothing to wait for.
                 request.stream, request.ready = stream, None
             yield done

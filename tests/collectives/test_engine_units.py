@@ -122,28 +122,35 @@ def test_a_cuda_result_orders_each_stream_that_waits_for_it_once(
     assert event.waited_by == [7, 9]
 
 
+class _FakeCuda:
+    """CUDA's streams and events stood in for (no GPU here): ``current`` is the raw id of
+    the current stream; ``made`` the streams the engine made."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.current = 7
+        self.made: list[_Stream] = []
+        monkeypatch.setattr(streams, "_raw", lambda device: self.current)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device: _Stream(self.current))
+        monkeypatch.setattr(torch.cuda, "Stream", self._new_stream)
+        monkeypatch.setattr(torch.cuda, "Event", _Event)
+        monkeypatch.setattr(torch.cuda, "set_stream", self._set_stream)
+        monkeypatch.setattr(streams, "_known", {})
+        monkeypatch.setattr(streams, "_spare", {})
+
+    def _new_stream(self, device: Any) -> _Stream:
+        self.made.append(_Stream(99))
+        return self.made[-1]
+
+    def _set_stream(self, stream: _Stream) -> None:
+        self.current = stream.raw
+
+
 def test_a_submissions_event_is_recorded_again_only_once_a_stream_waited_for_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # An asynchronous CUDA op marks its position on its stream with an event; once the
     # engine's stream waits for it, the event serves the next submission (CUDA stands in).
-    current_raw = [7]
-    made: list[_Stream] = []
-
-    def new_stream(device: Any) -> _Stream:
-        made.append(_Stream(99))
-        return made[-1]
-
-    def set_stream(stream: _Stream) -> None:
-        current_raw[0] = stream.raw
-
-    monkeypatch.setattr(streams, "_raw", lambda device: current_raw[0])
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: _Stream(current_raw[0]))
-    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
-    monkeypatch.setattr(streams, "_known", {})
-    monkeypatch.setattr(streams, "_spare", {})
+    cuda = _FakeCuda(monkeypatch)
     tensor: Any = _OnDevice()
     first, second, third, fourth = (_request(name) for name in ("a", "b", "c", "d"))
     first.stream, first.ready = streams.ready(tensor, blocking=False)
@@ -152,12 +159,38 @@ def test_a_submissions_event_is_recorded_again_only_once_a_stream_waited_for_it(
     assert event is not other  # (both in flight: two events)
     with streams.EngineStreams().running([first], torch.device("cuda", 0)):
         pass
-    (own,) = made
-    assert own.waited_for == [(event, 1)] and current_raw[0] == 7  # (switched back)
+    (own,) = cuda.made
+    assert own.waited_for == [(event, 1)] and cuda.current == 7  # (switched back)
     third.stream, third.ready = streams.ready(tensor, blocking=False)
     assert third.ready is event and event.recorded_on == [7, 7]  # recorded again
     fourth.stream, fourth.ready = streams.ready(tensor, blocking=False)
     assert fourth.ready is not event and fourth.ready is not other  # (none spare)
+
+
+def test_a_bucket_waits_once_per_submitting_stream_for_its_last_position(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A burst of asynchronous CUDA ops from one stream and one op from another, fused in
+    # another order than they were submitted: the engine's stream waits for the position
+    # of the last op submitted on each stream (a stream runs in order), and every event is
+    # spare afterwards (CUDA stands in).
+    cuda = _FakeCuda(monkeypatch)
+    tensor: Any = _OnDevice()
+    burst = [_request(name) for name in ("a", "b", "c")]
+    for request in burst:
+        request.stream, request.ready = streams.ready(tensor, blocking=False)
+    cuda.current = 8  # (a side stream)
+    side = _request("d")
+    side.stream, side.ready = streams.ready(tensor, blocking=False)
+    events = [request.ready for request in (*burst, side)]
+    cuda.current = 7
+    bucket = [burst[2], burst[0], side, burst[1]]
+    with streams.EngineStreams().running(bucket, torch.device("cuda", 0)):
+        pass
+    (own,) = cuda.made
+    assert own.waited_for == [(events[2], 1), (events[3], 1)]
+    again = [streams.ready(tensor, blocking=False)[1] for _ in range(4)]
+    assert sorted(map(id, again)) == sorted(map(id, events))  # (no new event)
 
 
 # ---- the queue, under two threads ----------------------------------------------------
