@@ -280,6 +280,26 @@ def test_cancelled_ops_fail_and_the_set_keeps_running() -> None:
     assert queue.running and queue.idle()
 
 
+def test_held_ops_come_first_in_the_next_cycle_unless_they_failed_meanwhile() -> None:
+    queue = Submissions(rank=0)
+    first, second = _request("a"), _request("b")
+    queue.add(first, blocking=False)
+    queue.add(second, blocking=False)
+    assert queue.take() == ([], [first, second], 0)
+    queue.hold([second])  # (a cache round ran the first; the second waits for a peer)
+    later = _request("c")
+    queue.add(later, blocking=False)
+    assert queue.take() == ([second], [later], 0)
+    queue.finished([first, later])
+    assert not queue.idle()  # (the held op is still in flight)
+    queue.hold([second])
+    queue.fail_pending(lambda r: ValueError(f"{r.label}: cancelled"))
+    queue.hold([second])  # (a cycle that ran meanwhile: the op failed, it stays failed)
+    assert queue.take() == ([], [], 0)
+    with pytest.raises(ValueError, match="'b': cancelled"):
+        second.handle.wait()
+
+
 # ---- the reduction's steps, per dtype ---------------------------------------------
 
 
