@@ -529,34 +529,31 @@ def main() -> None:
             checks.expect("cache.evicts", engine_cache.evictions > 0)
         print(f"STATS {stats} evictions={engine_cache.evictions}", flush=True)
 
+    def shape_mismatch(check: str, name: str) -> None:
+        # Rank r submits ``name`` as 4 + r floats: the error names the op and the shapes.
+        started = time.monotonic()
+        try:
+            hvd.allreduce(torch.ones(4 + rank), name=name)
+            checks.expect(check, False, "no error")
+        except Exception as error:
+            text = str(error)
+            checks.expect(
+                check,
+                "ranks disagree on the shape" in text and name in text,
+                f"{error!r} after {time.monotonic() - started:.1f} s",
+            )
+
     # A mismatch after the op was cached: the full negotiation reports it as before.
     for _ in range(3):
         hvd.allreduce(torch.ones(4), name="shape.changes")
-    try:
-        hvd.allreduce(torch.ones(4 + rank), name="shape.changes")
-        checks.expect("mismatch.raises", False, "no error")
-    except Exception as error:
-        checks.expect(
-            "mismatch.raises",
-            "ranks disagree on the shape" in str(error) and "shape.changes" in str(error),
-            repr(error),
-        )
+    shape_mismatch("mismatch.raises", "shape.changes")
     # Both shapes cached, each rank submits the other: a cache round holds them back on
     # both ranks, until they waited a second and go to the full negotiation, which names
     # the mismatch as before.
     for shape in (4, 5):
         hvd.allreduce(torch.ones(shape), name="shape.held")
     hvd.allreduce(torch.ones(1), name="shape.new")  # (a new op: no pattern predicted next)
-    started = time.monotonic()
-    try:
-        hvd.allreduce(torch.ones(4 + rank), name="shape.held")
-        checks.expect("mismatch.held", False, "no error")
-    except Exception as error:
-        checks.expect(
-            "mismatch.held",
-            "ranks disagree on the shape" in str(error) and "shape.held" in str(error),
-            f"{error!r} after {time.monotonic() - started:.1f} s",
-        )
+    shape_mismatch("mismatch.held", "shape.held")
     # ... and the job goes on.
     step(100)
     engine = runtime.engine()
