@@ -104,6 +104,10 @@ class _Rider:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
+    def kept_in(self, cache: ResponseCache) -> bool:
+        """Whether its cache entry still holds its op (not evicted and reused since)."""
+        return cache.keys[self.index] == self.key
+
 
 class _Staging:
     """The predicted round's vector, kept from round to round for one layout of riders:
@@ -410,7 +414,7 @@ class _RecentRiders:
         cache = self._cache
         if self._evictions != cache.evictions:  # (indices stay valid but for these)
             last = self._last
-            for index in [i for i, (rider, _) in last.items() if cache.keys[i] != rider.key]:
+            for index in [i for i, (rider, _) in last.items() if not rider.kept_in(cache)]:
                 del last[index]
             self._evictions = cache.evictions
             self._derive()
@@ -488,7 +492,7 @@ class CacheRound:
         """The riders' layout, without riders whose cache entry was evicted since."""
         cache = self.cache
         if self._layout_evictions != cache.evictions:  # (indices stay valid but for these)
-            kept = [r for r in self._layout if cache.keys[r.index] == r.key]
+            kept = [r for r in self._layout if r.kept_in(cache)]
             if len(kept) != len(self._layout):
                 self._layout = kept
             self._layout_evictions = cache.evictions

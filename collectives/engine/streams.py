@@ -125,12 +125,10 @@ def _wait_for_positions(requests: Sequence[Request], stream: Any) -> None:
                 latest[key] = event
     for event in latest.values():
         stream.wait_event(event)
-    for request in requests:
-        event = request.ready
-        if event is not None:
-            spare = _spare.setdefault(request.stream.device_index, [])
-            if len(spare) < _SPARE_MAX:
-                spare.append(event)
+    if latest:  # (one bucket's submissions are on its device)
+        spare = _spare.setdefault(stream.device_index, [])
+        spare.extend(r.ready for r in requests if r.ready is not None)
+        del spare[_SPARE_MAX:]
 
 
 class EngineStreams:
