@@ -706,15 +706,13 @@ class CacheRound:
         # that only some members submitted wait for the next round (the caller holds them
         # back), as Horovod's bit vector keeps them; a round that had any is no part of a
         # pattern.
-        if partial:
-            self.forget()
         every = set(agreed) if partial else mine
         riders: list[Request] = []
         offset = data_at
         for rider in layout:
-            held = mine.get(rider.index)
-            if held is not None and rider.index in every:
-                request = held[0]
+            submitted = mine.get(rider.index)
+            if submitted is not None and rider.index in every:
+                request = submitted[0]
                 _finish_rider(request, vector[offset : offset + rider.numel], size)
                 riders.append(request)
             offset += rider.numel
@@ -727,12 +725,14 @@ class CacheRound:
     ) -> tuple[list[Request], list[Request]]:
         """Bookkeeping of a round (alike on every rank): ``ops`` as (index, request,
         counter) in cache order; ``clean``: every op submitted was agreed (a round that
-        may start or go on with a pattern)."""
+        may start or go on with a pattern; one that held ops back ends any)."""
         cache = self.cache
         for index, _, _ in ops:
             cache.use(cache.keys[index])
         requests = [request for _, request, _ in ops]
-        if ops and clean:
+        if not clean:
+            self.forget()
+        elif ops:
             current = [(index, counter) for index, _, counter in ops]
             earlier = self._patterns.earlier(current)
             if earlier is not None:  # (the same ops again keep their riders)

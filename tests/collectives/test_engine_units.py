@@ -106,18 +106,15 @@ def test_a_cuda_result_orders_each_stream_that_waits_for_it_once(
 ) -> None:
     # A burst's handles share their bucket's event: the waiter's current stream waits for
     # it once, and a stream made current later waits too (CUDA stands in: no GPU here).
-    current_raw = [7]
+    cuda = _FakeCuda(monkeypatch)
     monkeypatch.setattr(streams, "_device", lambda: 0)
-    monkeypatch.setattr(streams, "_raw", lambda device: current_raw[0])
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: _Stream(current_raw[0]))
-    monkeypatch.setattr(streams, "_known", {})
     event = _Event()
     handles = [Handle() for _ in range(3)]
     for number, handle in enumerate(handles):
         handle.complete(number, event)
     assert [handle.wait() for handle in handles] == [0, 1, 2]
     assert event.waited_by == [7]
-    current_raw[0] = 9  # another stream is current now (torch.cuda.stream(side))
+    cuda.current = 9  # another stream is current now (torch.cuda.stream(side))
     assert handles[0].wait() == 0 and handles[1].wait() == 1
     assert event.waited_by == [7, 9]
 
