@@ -216,7 +216,11 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         if not self.finishing:
             return False
         if all(h.all_exited() or h.agent_finished for h in hosts if h.state == "running"):
-            for host in hosts:  # removed or failed hosts still shutting down
+            for host in self.members.removed_to_stop(None, self.clock()):
+                host.agent.terminate()
+            if self.members.still_leaving():
+                return False
+            for host in hosts:  # failed hosts still shutting down
                 if host.agent_alive:
                     host.agent.terminate()
             return True
@@ -463,7 +467,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                 self.sink.message(decision.message)
         elif isinstance(decision, Publish):
             self._publish(decision)
-        for host in members.removed_to_stop(self.server.registered_count()):
+        for host in members.removed_to_stop(self.server.registered_count(), now):
             host.agent.terminate()
 
     def _stop_stranded(self) -> None:

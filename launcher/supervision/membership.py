@@ -78,6 +78,10 @@ SYNC_WAITING = (
     "the workers on {hosts} are still receiving the training state from {leaving}, which "
     "discovery removed: the removal waits for them to hold it (up to {wait:g} s)"
 )
+#: How long the workers of a host that discovery removed get to leave by themselves (their
+#: engine's last cycle, then a registration that tells them to exit 0) once a generation
+#: without them is complete or the job has finished, before their agent stops them.
+LEAVE_GRACE = 10.0
 STATE_NOT_HANDED_ON = (
     "No hosts from previous set remaining, unable to broadcast state.\n"
     "only the workers on {leaving}, which discovery removed, hold the training state, and the "
@@ -98,6 +102,7 @@ class HostRecord:
     agent_finished: bool = False
     terminated: bool = False
     removed_in: int | None = None  # the last generation it was a member of, once removed
+    leave_by: float | None = None  # removed: when its agent is stopped if workers still run
 
     @property
     def agent_alive(self) -> bool:
@@ -378,18 +383,42 @@ class Membership:
             )
         return Wait(None)
 
-    def removed_to_stop(self, registered: int) -> list[HostRecord]:
-        """Removed hosts whose agents can be stopped: a generation without them is published
-        and complete, so their workers have passed the commit that switched generations.
-        (Until it is published they still train, and may still hand the state on.)"""
-        if registered < sum(h.slots for h in self.running()):
-            return []
+    def removed_to_stop(self, registered: int | None, now: float) -> list[HostRecord]:
+        """Removed hosts whose agents are to be stopped now. Once a generation without them
+        is published and complete (``registered`` workers of it have registered; None: the
+        job has finished), their workers have passed the commit that switched generations
+        and leave by themselves (exit 0 at their next registration): each such host gets
+        :data:`LEAVE_GRACE` seconds for that, and its agent is stopped when its workers
+        have all exited or the grace is over. (Until that generation is published they still
+        train, and may still hand the state on.)"""
+        if registered is None or registered >= sum(h.slots for h in self.running()):
+            for host in self.retired:
+                if (
+                    host.state == "removed"
+                    and host.leave_by is None
+                    and (
+                        registered is None
+                        or host.removed_in is None
+                        or host.removed_in < self.generation
+                    )
+                ):
+                    host.leave_by = now + LEAVE_GRACE
+        return self._stop_leaving(now)
+
+    def still_leaving(self) -> bool:
+        """Whether a removed host's workers are still leaving within their grace."""
+        return any(
+            h.state == "removed" and not h.terminated and h.agent_alive for h in self.retired
+        )
+
+    def _stop_leaving(self, now: float) -> list[HostRecord]:
         stop = [
             h
             for h in self.retired
             if h.state == "removed"
             and not h.terminated
-            and (h.removed_in is None or h.removed_in < self.generation)
+            and h.leave_by is not None
+            and (now >= h.leave_by or h.all_exited() or not h.workers)
         ]
         for host in stop:
             host.terminated = True

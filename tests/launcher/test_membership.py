@@ -8,6 +8,7 @@ from launcher.spec.hosts import HostSpec
 from launcher.spec.options import ElasticOptions
 from launcher.supervision.discovery import FixedHosts
 from launcher.supervision.membership import (
+    LEAVE_GRACE,
     START_WINDOW,
     SYNC_WAIT,
     HostRecord,
@@ -251,13 +252,46 @@ def test_a_removal_while_the_new_host_syncs_waits_for_that_sync() -> None:
         "the workers on b are still receiving the training state from a, which discovery "
         f"removed: the removal waits for them to hold it (up to {SYNC_WAIT:g} s)"
     )
-    assert members.removed_to_stop(registered=4) == []  # a's workers still hand it on
+    assert members.removed_to_stop(4, now=2.0) == []  # a's workers still hand it on
     assert members.decide(2.0 + SYNC_WAIT - 1) == Wait(None)
     sync(members, a, b)
     decision = members.decide(2.0 + SYNC_WAIT - 0.5)
     assert isinstance(decision, Publish) and [h.name for h in decision.members] == ["b"]
     members.published(members.generation + 1)
-    assert members.removed_to_stop(registered=2) == [a]  # the generation without a is complete
+    # The generation without a is complete: a's workers leave by themselves, or are
+    # stopped after the grace.
+    assert members.removed_to_stop(2, now=3.0) == []
+    assert members.still_leaving()
+    assert members.removed_to_stop(2, now=3.0 + LEAVE_GRACE) == [a]
+    assert not members.still_leaving()
+    assert members.removed_to_stop(2, now=3.0 + LEAVE_GRACE + 1) == []  # once
+
+
+def test_a_removed_host_is_stopped_as_soon_as_its_workers_left() -> None:
+    members = added_then_original_removed()
+    a, b = members.retired[0], members.hosts["b"]
+    sync(members, a, b)
+    assert isinstance(members.decide(2.0), Publish)
+    members.published(members.generation + 1)
+    assert members.removed_to_stop(1, now=3.0) == []  # b's generation is not complete yet
+    assert members.removed_to_stop(2, now=3.0) == []
+    a.workers = {0: 0, 1: 1}
+    a.exits[0] = 0
+    assert members.removed_to_stop(2, now=4.0) == []
+    a.exits[1] = 0  # both left (exit 0 after 'leaving the elastic job')
+    assert members.removed_to_stop(2, now=4.0) == [a]
+
+
+def test_a_finished_job_waits_for_removed_workers_within_the_grace() -> None:
+    members = added_then_original_removed()
+    a = members.retired[0]
+    a.workers = {0: 0, 1: 1}
+    # The job finished before a generation without a was complete: its grace starts now.
+    assert members.removed_to_stop(None, now=5.0) == []
+    assert members.still_leaving()
+    assert members.removed_to_stop(None, now=5.0 + LEAVE_GRACE - 0.1) == []
+    assert members.removed_to_stop(None, now=5.0 + LEAVE_GRACE) == [a]
+    assert not members.still_leaving()
 
 
 def test_a_removal_whose_sync_never_completes_stops_the_job_after_the_wait() -> None:
