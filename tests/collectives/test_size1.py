@@ -334,6 +334,39 @@ def test_distributed_optimizer_matches_plain_training(hvd: ModuleType) -> None:
         hvd.DistributedOptimizer(wrapped)
 
 
+def test_distributed_optimizer_alone_steps_as_the_wrapped_optimizer(hvd: ModuleType) -> None:
+    # As in Horovod: alone there is nothing to reduce, so the gradients stay exactly as
+    # backward left them (fp16 compression rounds nothing), passes accumulate without the
+    # backward_passes_per_step check, and zero_grad() may come anywhere. Adasum steps in
+    # its hooks, so it keeps them (and its compression).
+    for op in (hvd.Average, hvd.Adasum):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2).double()
+        ref = torch.nn.Linear(4, 2).double()
+        ref.load_state_dict(model.state_dict())
+        wrapped = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16,
+            op=op,
+        )
+        plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+        x = torch.randn(5, 4, dtype=torch.float64) / 3
+        for module, optimizer in ((model, wrapped), (ref, plain)):
+            optimizer.zero_grad()
+            module(x).pow(2).mean().backward()
+            if op == hvd.Average:  # a second pass, and a zero_grad() before step()
+                module(x).sum().backward()
+                optimizer.zero_grad()
+                module(x).pow(2).mean().backward()
+            optimizer.step()
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+            if op == hvd.Average:
+                assert torch.equal(a, b)
+            else:  # (the change of the parameter travels in fp16)
+                assert torch.allclose(a, b, atol=1e-3) and not torch.equal(a, b)
+
+
 def test_build_queries(alone: None) -> None:
     assert hvd_module.gloo_built() and hvd_module.gloo_enabled()
     assert not hvd_module.mpi_built() and not hvd_module.mpi_enabled()

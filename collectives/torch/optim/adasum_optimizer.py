@@ -28,6 +28,7 @@ class DistributedAdasumOptimizer(DistributedOptimizerBase):
 
     _hvd_starts: dict[torch.Tensor, torch.Tensor]
     _hvd_group_of: dict[torch.Tensor, int]
+    _hvd_skip_alone = False  # (its hooks step the parameters)
 
     def _hvd_plan(self, groups: Any) -> list[Bucket]:
         self._hvd_starts = {}

@@ -69,6 +69,9 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
     _hvd_backward: bool  # a gradient arrived since the last synchronize()
     _hvd_should_synchronize: bool
     _hvd_synchronized: bool
+    _hvd_reduces: bool  # hooked: this rank reduces gradients with others
+    #: Whether a rank alone skips the hooks (the Adasum optimizer steps in its hooks).
+    _hvd_skip_alone = True
 
     def _hvd_setup(
         self,
@@ -112,7 +115,11 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         self.set_backward_passes_per_step(backward_passes_per_step)
         self._hvd_should_synchronize = True
         self._hvd_synchronized = False
-        if process_set.included():
+        # Alone (a set of one rank, in a job that cannot grow) there is nothing to reduce:
+        # as in Horovod, no hooks, and step() is the wrapped optimizer's own.
+        alone = process_set.size() == 1 and not runtime.is_elastic()
+        self._hvd_reduces = process_set.included() and not (alone and self._hvd_skip_alone)
+        if self._hvd_reduces:
             self._hvd_attach_hooks()
 
     def _hvd_plan(self, groups: Any) -> list[Bucket]:
@@ -334,7 +341,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Waits for the gradients' reductions (starting those not started yet): afterwards
         every rank holds the averaged (or op-reduced) gradients."""
-        if not self._hvd_process_set.included():
+        if not self._hvd_reduces:
             self._hvd_synchronized = True
             return
         runtime.require("DistributedOptimizer.synchronize()")
