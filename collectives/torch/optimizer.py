@@ -13,9 +13,9 @@ consecutive parameters in reverse order (about the order backward produces them)
 25 MB each (on accelerators the first only up to 1 MB, so that communication starts early).
 A bucket's asynchronous in-place grouped allreduce starts as soon as its last gradient is
 ready, so it overlaps the rest of the backward pass. ``step()`` (or ``synchronize()``) starts
-the buckets still waiting and waits for all. A rank alone in the optimizer's process set, in
-a job that cannot grow (not elastic), has nothing to reduce: as in Horovod, it attaches no
-hooks, and ``step()`` is the wrapped optimizer's own.
+the buckets still waiting and waits for all. A job of one rank that cannot grow (not
+elastic) has nothing to reduce: as in Horovod, the optimizer attaches no hooks there, and
+``step()`` is the wrapped optimizer's own.
 
 With ``op=hvd.Adasum`` the hook instead runs the wrapped optimizer's step for that
 parameter alone on the local gradient and reduces the resulting *change* of the parameter

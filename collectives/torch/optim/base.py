@@ -115,9 +115,9 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         self.set_backward_passes_per_step(backward_passes_per_step)
         self._hvd_should_synchronize = True
         self._hvd_synchronized = False
-        # Alone (a set of one rank, in a job that cannot grow) there is nothing to reduce:
-        # as in Horovod, no hooks, and step() is the wrapped optimizer's own.
-        alone = process_set.size() == 1 and not runtime.is_elastic()
+        # Alone (a job of one rank that cannot grow) there is nothing to reduce: as in
+        # Horovod, no hooks, and step() is the wrapped optimizer's own.
+        alone = runtime.size() == 1 and not runtime.is_elastic()
         self._hvd_reduces = process_set.included() and not (alone and self._hvd_skip_alone)
         if self._hvd_reduces:
             self._hvd_attach_hooks()
