@@ -141,6 +141,17 @@ def expect_line(output: str, text: str, what: str, near: str) -> None:
     raise Failed(f"{what}: expected {text!r}, got: {seen}")
 
 
+def expect_left(output: str, host: ClusterHost, workers: int) -> None:
+    """The workers of ``host``, which discovery dropped, left by themselves (each says so,
+    then exits 0) rather than being stopped with their agent."""
+    said = output.count(f"hvdrun: leaving the elastic job: host {host.alias!r}")
+    expect(
+        said == workers,
+        f"{workers - said} of the {workers} worker(s) on {host.alias}, which discovery "
+        "dropped, were stopped before they left by themselves",
+    )
+
+
 def check(what: str, helper: Callable[..., object], *args: Any, **kwargs: Any) -> None:
     """Runs one of the tests' assertion helpers; an AssertionError becomes a one-line
     reason: ``what``, and the assertion's message if short, else the failing ``assert``
@@ -507,6 +518,7 @@ def hosts_added_removed(run: Run) -> Outcome:
     expect(code == 0, f"hvdrun exited {code}: {last_line(output)}")
     expect(" failed (" not in output, "a host failed: " + failed_line(output))
     expect_line(output, f"host {node2.alias} is no longer discovered", "removal", "discovered")
+    expect_left(output, node2, 1)
     check("exactly-once steps", check_finished_exactly, output, None, size=2)
     check("hosts clean", assert_hosts_clean, run.cluster, run.hosts, within=10)
     return ok()
@@ -550,6 +562,7 @@ def added_then_original_removed(offset: float) -> Scenario:
             "generation 3",
             near="generation 3:",
         )
+        expect_left(output, node1, 2)
         check("no step lost or repeated", check_steps_never_go_back, output)
         check("exactly-once steps", check_finished_exactly, output, None, size=2)
         check("hosts clean", assert_hosts_clean, run.cluster, run.hosts, within=10)
