@@ -64,13 +64,17 @@ __all__ = ["AGREED", "DIFFERED", "HOLD_SECONDS", "MAX_COUNTER", "RODE", "CacheRo
 #: Riders' elements (as float64) one cache round may carry; also the most one rider holds.
 RIDER_ELEMENTS = 16 * 1024
 #: Counted rounds after which a rider no round agreed on since loses its slot in them.
-RECENT_ROUNDS = 8
-#: The most rounds a predicted pattern spans (ops that take turns: A, B, A, B is two).
-MAX_PERIOD = 8
+RECENT_ROUNDS = 32
+#: The most rounds a predicted pattern spans (ops that take turns: A, B, A, B is two; a loop
+#: that logs 20 metrics one by one, 20).
+MAX_PERIOD = 32
 #: Riders' bytes one predicted round may carry when they share float32 or float64 (a burst
 #: of small gradients: one allreduce of their data in their own dtype, as a fused allreduce
 #: would run it, but without a negotiation).
 PREDICTED_BYTES = 4 * 1024 * 1024
+#: Predicted rounds' staging buffers are kept (one per round of a pattern, each up to
+#: PREDICTED_BYTES) up to this many bytes in all; the least recently used goes first.
+_STAGING_BYTES = 16 * PREDICTED_BYTES
 #: Riders at which a round copies their data in and out with one torch call for all.
 _BULK = 4
 #: What :meth:`CacheRound.run_one` did with a lone op: its round found that another rank's
@@ -131,6 +135,7 @@ class _Staging:
         # Over a bytearray: Python reads the first element (the NaN test) and the flag
         # without a torch call.
         raw = bytearray(numel * dtype.itemsize)
+        self.nbytes = len(raw)
         self.vector = torch.frombuffer(raw, dtype=dtype)
         self.data = self.vector[:riders]  # the riders' part
         self.first = memoryview(raw).cast("f" if dtype == torch.float32 else "d")
@@ -228,33 +233,40 @@ class _Patterns:
 
     def __init__(self) -> None:
         self.history: list[_Round] = []
+        #: The latest round of the history by its ops' cache indices.
+        self._latest: dict[tuple[int, ...], _Round] = {}
         self.pattern: list[_Round] = []
         self.at = 0
         self.prediction: list[tuple[int, int]] | None = None
 
     def forget(self) -> None:
         self.history = []
+        self._latest = {}
         self.pattern = []
         self.prediction = None
 
     def earlier(self, ops: list[tuple[int, int]]) -> _Round | None:
         """The latest clean round that held the same ops (its riders are these ops' too)."""
-        for round_ in reversed(self.history):
-            if len(round_.ops) == len(ops) and all(
-                index == i for (index, _), (i, _) in zip(ops, round_.ops, strict=True)
-            ):
-                return round_
-        return None
+        return self._latest.get(tuple(map(_FIRST, ops)))
 
     def add(self, added: _Round) -> _Round:
         """After a clean round: the shortest pattern the history repeats (its last ``p``
         rounds held the ops of the ``p`` before them), predicted from here on. Returns the
         round whose riders the next round carries: the one predicted, else ``added``."""
-        history = self.history
+        history, latest = self.history, self._latest
         history.append(added)
+        latest[tuple(map(_FIRST, added.ops))] = added
         if len(history) > 2 * MAX_PERIOD:
-            del history[0]
+            gone = history.pop(0)
+            key = tuple(map(_FIRST, gone.ops))
+            if latest.get(key) is gone:
+                del latest[key]
+        last = added.ops
         for period in range(1, min(MAX_PERIOD, len(history) // 2) + 1):
+            # (most periods fail at once: the last round's ops differ from those p before)
+            before = history[-1 - period].ops
+            if len(before) != len(last) or (last and before[0][0] != last[0][0]):
+                continue
             found = _repeated_steps(history, period)
             if found is None:
                 continue
@@ -508,11 +520,13 @@ class CacheRound:
         staging = self._staging
         if staging is None or staging.layout is not layout:
             stagings = self._stagings
-            staging = stagings.get(id(layout))
+            staging = stagings.pop(id(layout), None)  # (put back as the most recent)
             if staging is None or staging.layout is not layout:
-                if len(stagings) >= 2 * MAX_PERIOD:
-                    stagings.clear()
-                staging = stagings[id(layout)] = _Staging(layout)
+                staging = _Staging(layout)
+                kept = staging.nbytes + sum(s.nbytes for s in stagings.values())
+                while stagings and (kept > _STAGING_BYTES or len(stagings) >= 2 * MAX_PERIOD):
+                    kept -= stagings.pop(next(iter(stagings))).nbytes
+            stagings[id(layout)] = staging
             self._staging = staging
         return staging
 

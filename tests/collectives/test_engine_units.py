@@ -565,6 +565,29 @@ def test_the_hot_lane_takes_ops_that_take_turns_each_in_its_turn(
     assert hvd.stats["hot_rounds"] == 6
 
 
+def test_a_loop_of_twenty_metrics_in_turn_takes_the_lanes(engine: tuple[Engine, Groups]) -> None:
+    # A loop that averages 20 metrics one by one is a pattern of 20 rounds: once it
+    # repeated, every metric takes the request lane, then the hot lane, in its turn.
+    hvd, _ = engine
+    metrics = [torch.zeros(i + 1) for i in range(20)]
+    plain = Reduction(int(ReduceOp.SUM))
+    lanes = []
+    for step in range(5):
+        for i, tensor in enumerate(metrics):
+            tensor.fill_(step + i)
+            result, lane = _blocking(hvd, _request(f"metric.{i}", tensor, plain))
+            assert result.tolist() == [step + i] * tensor.numel()
+            lanes.append(lane)
+    assert all(lanes[-20:]), lanes  # (predicted once the cached rounds repeated)
+    for step in range(2):
+        for i, tensor in enumerate(metrics):
+            tensor.fill_(100 + step + i)
+            done = hvd.run_hot(f"allreduce.metric.{i}", tensor, plain, _no_request)
+            assert done is not None and done.done()
+            assert tensor.tolist() == [100 + step + i] * tensor.numel()
+    assert hvd.stats["hot_rounds"] == 40
+
+
 def test_the_lanes_run_ops_that_do_not_ride_on_the_tensor_itself(
     engine: tuple[Engine, Groups],
 ) -> None:
