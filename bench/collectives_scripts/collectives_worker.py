@@ -6,8 +6,9 @@ rank's time. Variants alternate round-robin, every other round in reverse order,
 sample follows WARMUP_RUNS untimed runs of the same variant: a sample measures the steady
 state of a loop that repeats the variant (as a training loop does), not the switch from
 another variant. A latency sample is the median of its 200 calls' times (the steady state of a loop
-of small ops, without the first call after the barrier); the metrics sample likewise, of
-its 100 pairs' times halved; a gradient-groups sample is a whole step (three groups of async
+of small ops, without the first call after the barrier); a metrics sample likewise, of its
+turns' times divided by the metrics in a turn (100 turns of 2, 10 of 20); a gradient-groups
+sample is a whole step (three groups of async
 allreduces, a sleep before each that differs by rank). Rank 0 prints one ``RESULT <json>``
 line with every variant's samples in milliseconds.
 """
@@ -111,27 +112,35 @@ def main() -> None:
             hvd.allreduce_(scalar, op=hvd.Sum)
             calls.append((time.perf_counter() - start) * 1e3)
 
-    loss, accuracy = torch.ones(1), torch.ones(1)
+    def metrics_in_turn(count: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        """``count`` metrics averaged one by one, in turn (as a loop logging its loss and
+        accuracy does: the ops take turns, A, B, A, B): dist's loop and hvd's, each
+        sample the median call."""
+        tensors = [torch.ones(1) for _ in range(count)]
+        names = [f"bench.metric.{count}.{i}" for i in range(count)]
 
-    def dist_metrics() -> None:
-        calls.clear()
-        for _ in range(LATENCY_REPEATS // 2):
-            start = time.perf_counter()
-            dist.all_reduce(loss)
-            dist.all_reduce(accuracy)
-            calls.append((time.perf_counter() - start) * 1e3 / 2)
-        loss.fill_(1.0)
-        accuracy.fill_(1.0)
+        def dist_loop() -> None:
+            calls.clear()
+            for _ in range(LATENCY_REPEATS // count):
+                start = time.perf_counter()
+                for tensor in tensors:
+                    dist.all_reduce(tensor)
+                calls.append((time.perf_counter() - start) * 1e3 / count)
+            for tensor in tensors:
+                tensor.fill_(1.0)
 
-    def hvd_metrics() -> None:
-        # Two metrics averaged in turn (as a loop logging its loss and accuracy does): the
-        # ops take turns, A, B, A, B.
-        calls.clear()
-        for _ in range(LATENCY_REPEATS // 2):
-            start = time.perf_counter()
-            hvd.allreduce(loss, name="bench.loss")
-            hvd.allreduce(accuracy, name="bench.accuracy")
-            calls.append((time.perf_counter() - start) * 1e3 / 2)
+        def hvd_loop() -> None:
+            calls.clear()
+            for _ in range(LATENCY_REPEATS // count):
+                start = time.perf_counter()
+                for tensor, name in zip(tensors, names, strict=True):
+                    hvd.allreduce(tensor, name=name)
+                calls.append((time.perf_counter() - start) * 1e3 / count)
+
+        return dist_loop, hvd_loop
+
+    dist_metrics, hvd_metrics = metrics_in_turn(2)
+    dist_metrics20, hvd_metrics20 = metrics_in_turn(20)
 
     # Gradients as a backward pass hands them over: three groups of ten 1 KB tensors, 0.5 to
     # 1.5 ms of "compute" before each (a sleep, as a GPU's or torch's own kernels leave the
@@ -176,6 +185,8 @@ def main() -> None:
         "scalar.hvd": (hvd_scalar, LATENCY_REPEATS),
         "metrics.dist": (dist_metrics, LATENCY_REPEATS),
         "metrics.hvd": (hvd_metrics, LATENCY_REPEATS),
+        "metrics20.dist": (dist_metrics20, LATENCY_REPEATS),
+        "metrics20.hvd": (hvd_metrics20, LATENCY_REPEATS),
         "groups.dist": (dist_groups, 1),
         "groups.hvd": (hvd_groups, 1),
     }
@@ -201,7 +212,7 @@ def main() -> None:
             start = time.perf_counter()
             fn()
             elapsed = torch.tensor([(time.perf_counter() - start) * 1e3 / repeats])
-            if name.startswith(("scalar.", "metrics.")):  # latency: the median call, not the mean
+            if name.startswith(("scalar.", "metrics")):  # latency: the median call, not the mean
                 elapsed[0] = statistics.median(calls)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=timing)
             samples[name].append(float(elapsed.item()))
