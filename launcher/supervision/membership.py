@@ -391,35 +391,25 @@ class Membership:
         :data:`LEAVE_GRACE` seconds for that, and its agent is stopped when its workers
         have all exited or the grace is over. (Until that generation is published they still
         train, and may still hand the state on.)"""
-        if registered is None or registered >= sum(h.slots for h in self.running()):
-            for host in self.retired:
-                if (
-                    host.state == "removed"
-                    and host.leave_by is None
-                    and (
-                        registered is None
-                        or host.removed_in is None
-                        or host.removed_in < self.generation
-                    )
-                ):
+        complete = registered is None or registered >= sum(h.slots for h in self.running())
+        stop = []
+        for host in self.retired:
+            if host.state != "removed" or host.terminated:
+                continue
+            if host.leave_by is None and complete:
+                passed = host.removed_in is None or host.removed_in < self.generation
+                if registered is None or passed:
                     host.leave_by = now + LEAVE_GRACE
-        return self._stop_leaving(now)
+            if host.leave_by is not None and (
+                now >= host.leave_by or host.all_exited() or not host.workers
+            ):
+                host.terminated = True
+                if host.agent is not None:
+                    stop.append(host)
+        return stop
 
     def still_leaving(self) -> bool:
         """Whether a removed host's workers are still leaving within their grace."""
         return any(
             h.state == "removed" and not h.terminated and h.agent_alive for h in self.retired
         )
-
-    def _stop_leaving(self, now: float) -> list[HostRecord]:
-        stop = [
-            h
-            for h in self.retired
-            if h.state == "removed"
-            and not h.terminated
-            and h.leave_by is not None
-            and (now >= h.leave_by or h.all_exited() or not h.workers)
-        ]
-        for host in stop:
-            host.terminated = True
-        return [h for h in stop if h.agent is not None]
