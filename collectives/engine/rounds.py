@@ -247,7 +247,7 @@ class _Patterns:
 
     def earlier(self, ops: list[tuple[int, int]]) -> _Round | None:
         """The latest clean round that held the same ops (its riders are these ops' too)."""
-        return self._latest.get(tuple(map(_FIRST, ops)))
+        return self._latest.get(_indices(ops))
 
     def add(self, added: _Round) -> _Round:
         """After a clean round: the shortest pattern the history repeats (its last ``p``
@@ -255,10 +255,10 @@ class _Patterns:
         round whose riders the next round carries: the one predicted, else ``added``."""
         history, latest = self.history, self._latest
         history.append(added)
-        latest[tuple(map(_FIRST, added.ops))] = added
+        latest[_indices(added.ops)] = added
         if len(history) > 2 * MAX_PERIOD:
             gone = history.pop(0)
-            key = tuple(map(_FIRST, gone.ops))
+            key = _indices(gone.ops)
             if latest.get(key) is gone:
                 del latest[key]
         last = added.ops
@@ -833,6 +833,11 @@ class CacheRound:
 
 
 _FIRST = operator.itemgetter(0)  # (a C call per op, where a def would be a Python one)
+
+
+def _indices(ops: list[tuple[int, int]]) -> tuple[int, ...]:
+    """A round's ops as their cache indices (counters left out): what its riders follow."""
+    return tuple(map(_FIRST, ops))
 
 
 def _steps(last: list[tuple[int, int]], current: list[tuple[int, int]]) -> list[int] | None:
