@@ -37,7 +37,7 @@ import time
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed import BroadcastOptions
+from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
 
 from collectives.engine import eager
 from collectives.engine.autotune import Autotuner, Setting
@@ -154,6 +154,7 @@ class CycleRunner:
         self.cycle_no = 0
         self.busy = False  # the current cycle ran ops (alike on every member)
         self.round_bytes = 0
+        self.round_took = 0.0  # seconds this member spent inside the latest full round
 
     def current_pace(self) -> Pace:
         return self.pace
@@ -226,7 +227,9 @@ class CycleRunner:
             data=riders.tensors() if riders.inline else (),
             want=riders.want,
         )
-        arrivals.note(started, time.perf_counter(), self._label(new))
+        ended = time.perf_counter()
+        self.round_took = ended - started
+        arrivals.note(started, ended, self._label(new))
         now = time.monotonic()
         results = []
         datas: list[Any] = []
@@ -405,10 +408,27 @@ class CycleRunner:
         """A ready control op: ``hvd.join()`` returns the rank that joined last; process
         sets are the engine's (``controls``)."""
         if entry.kind == Kind.JOIN:
-            last = self.table.last_joined()
+            last = self._last_joined()
             self.table.joined.clear()
             return last
         return self._controls(entry)
+
+    def _last_joined(self) -> int:
+        """The rank that joined last, alike on every member. Joins that reached the same
+        round are told apart as arrival accounting tells who arrived last (see
+        :mod:`.insight`): a member whose engine was idle until it joined kept the others
+        waiting inside that round, so the last to join spent the least time in it. Ties
+        (none in practice) go to the highest rank."""
+        joiners = self.table.last_joiners()
+        if len(joiners) == 1:
+            return joiners[0]
+        took = torch.zeros(self.size, dtype=torch.float64)
+        took[self.group.index] = self.round_took
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        self.control_pg.allreduce([took], opts).wait()
+        where = self.members.index
+        return min(joiners, key=lambda rank: (float(took[where(rank)]), -rank))
 
     # ---- the lanes' bookkeeping (see :mod:`.lanes`) ----------------------------------
 

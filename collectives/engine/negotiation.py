@@ -260,9 +260,10 @@ class Table:
         joined = self.joined
         return [r for r in members if r not in entry.sigs and r not in joined]
 
-    def last_joined(self) -> int:
-        """The rank that joined last (the highest rank among the last cycle's joiners)."""
-        return max(self.joined.items(), key=lambda item: (item[1], item[0]))[0]
+    def last_joiners(self) -> list[int]:
+        """The ranks whose joins reached the latest cycle that carried one (usually one)."""
+        latest = max(self.joined.values())
+        return [rank for rank, cycle in self.joined.items() if cycle == latest]
 
     def pop(self, entry: Entry) -> None:
         self.entries.pop(entry.key, None)

@@ -26,6 +26,7 @@ EVERY_RANK = [
     "error.elastic_no_retry",
     "join.returns_last",
     "join.after_all_joined",
+    "join.late_low_rank",
     *(
         f"root.global.{what}"
         for what in (

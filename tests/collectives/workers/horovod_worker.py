@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -168,6 +169,14 @@ def main() -> None:
         c.expect("join.returns_last", lasts == [lasts[0]] * n and lasts[0] != 0, lasts)
         out = hvd.allgather(torch.tensor([r]), name="j.after")
         c.equal("join.after_all_joined", out, torch.tensor(everyone))
+
+    def join_late() -> None:
+        # Rank 0 joins last, well after the others, though its engine was idle meanwhile
+        # (so every join reaches the same negotiation round): join() still names rank 0.
+        if r == 0:
+            time.sleep(0.3)
+        lasts = hvd.allgather_object(hvd.join())
+        c.expect("join.late_low_rank", lasts == [0] * n, lasts)
 
     def roots() -> None:
         # root_rank is a global rank inside a process set, as in Horovod.
@@ -386,6 +395,7 @@ def main() -> None:
         ("mismatches", mismatches),
         ("elastic_does_not_retry", elastic_does_not_retry),
         ("join", join),
+        ("join_late", join_late),
         ("roots", roots),
         ("gradients", gradients),
         ("sparse", sparse),
