@@ -37,7 +37,7 @@ import time
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
+from torch.distributed import AllreduceOptions, BroadcastOptions
 
 from collectives.engine import eager
 from collectives.engine.autotune import Autotuner, Setting
@@ -424,9 +424,7 @@ class CycleRunner:
             return joiners[0]
         took = torch.zeros(self.size, dtype=torch.float64)
         took[self.group.index] = self.round_took
-        opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.SUM
-        self.control_pg.allreduce([took], opts).wait()
+        self.control_pg.allreduce([took], AllreduceOptions()).wait()  # (a sum)
         where = self.members.index
         return min(joiners, key=lambda rank: (float(took[where(rank)]), -rank))
 
