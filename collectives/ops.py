@@ -109,7 +109,10 @@ def check_tensor(tensor: Any, what: str, min_dims: int = 0) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} expects tensors, got {type(tensor).__name__}")
     if tensor.layout is not torch.strided:
-        raise TypeError(f"{what} of sparse tensors is not supported; use a dense tensor")
+        raise TypeError(
+            f"{what} of sparse tensors is not supported; use a dense tensor (in torch, "
+            "hvd.sparse_allreduce_async reduces a sparse one)"
+        )
     if min_dims and tensor.dim() < min_dims:
         raise ValueError(f"{what} needs a tensor with at least one dimension")
     # Not detached (that costs a torch call per op): the engine runs under no_grad.

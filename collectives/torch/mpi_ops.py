@@ -145,8 +145,8 @@ def allreduce(
     compressed, ctx = compression.compress(tensor)
     if (
         isinstance(compressed, torch.Tensor)
-        and compressed.nbytes <= _COPIED_BYTES
         and compressed.layout is torch.strided
+        and compressed.nbytes <= _COPIED_BYTES
         and not (compressed.requires_grad and torch.is_grad_enabled())
         and process_set is global_process_set
         and resolved is not ReduceOp.ADASUM

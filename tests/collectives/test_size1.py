@@ -611,6 +611,10 @@ def test_sparse_allreduce_async_alone(hvd: ModuleType) -> None:
         hvd.sparse_allreduce_async(dense, "dense", hvd.Sum)
     with pytest.raises(NotImplementedError, match="Average or Sum"):
         hvd.sparse_allreduce_async(dense.to_sparse(), "min", hvd.Min)
+    # The dense ops refuse a sparse tensor by name, pointing to the sparse op.
+    for call in (hvd.allreduce, hvd.allreduce_, hvd.allreduce_async):
+        with pytest.raises(TypeError, match=r"sparse tensors.*sparse_allreduce_async"):
+            call(dense.to_sparse())
 
 
 def test_sparse_as_dense_gives_sparse_adam_sparse_gradients(hvd: ModuleType) -> None:

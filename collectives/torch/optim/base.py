@@ -148,7 +148,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         self._hvd_backward = True
         delay = self._hvd_delay.get(param, self._hvd_passes) - 1
         if delay < 0:
-            raise RuntimeError(
+            raise AssertionError(  # (Horovod's class for it)
                 f"the gradient of {self._hvd_names[param]!r} was computed more than "
                 f"backward_passes_per_step={self._hvd_passes} times before optimizer.step() "
                 "or optimizer.synchronize(); raise backward_passes_per_step to accumulate "
