@@ -34,6 +34,7 @@ __all__ = [
     "CUDA_BACKEND",
     "ELASTIC",
     "ELASTIC_TIMEOUT",
+    "ENDED_BY_KEY_PREFIX",
     "GENERATION",
     "GLOO_TIMEOUT_SECONDS",
     "HOSTNAME",
@@ -116,6 +117,11 @@ STATE_KEY_PREFIX = "hvdrun/state/"
 #: rendezvous store under this prefix and its number (its rank in fixed jobs), every few
 #: seconds and at shutdown; the launcher reads them for its report.
 INSIGHT_KEY_PREFIX = "hvdrun/insight/"
+#: A worker whose collectives ended because another rank left (shut down, or ended its
+#: script) writes that rank under this prefix and its own rank at shutdown, before it exits:
+#: when both then fail, hvdrun names the one that left as the first failure, whichever exit
+#: it heard of first.
+ENDED_BY_KEY_PREFIX = "hvdrun/ended-by/"
 
 # ---- settings: read as HVDRUN_<name> or HOROVOD_<name> ---------------------------------
 FUSION_THRESHOLD = "FUSION_THRESHOLD"

@@ -237,6 +237,11 @@ class Engine:
                 if controller is not origin:
                     controller.leave(message)
 
+    def ended_by(self) -> int | None:
+        """The rank whose leaving (its shutdown, or the end of its script) ended this
+        rank's collectives, when another rank's did."""
+        return self._global.runner.ended_by
+
     def stop(self, timeout: float | None = None) -> None:
         """Announces this rank's departure in every set's last cycle and stops them."""
         controllers = list(self._controllers.values())

@@ -155,6 +155,7 @@ class CycleRunner:
         self.busy = False  # the current cycle ran ops (alike on every member)
         self.round_bytes = 0
         self.round_took = 0.0  # seconds this member spent inside the latest full round
+        self.ended_by: int | None = None  # the member whose leaving ended the set's rounds
 
     def current_pace(self) -> Pace:
         return self.pace
@@ -275,6 +276,8 @@ class CycleRunner:
             self.queue.fail(message, self.dispatch.current)
             return False
         if leavers:
+            if self.rank not in leavers:
+                self.ended_by = leavers[0]
             who = "this rank" if leavers == [self.rank] else f"rank {leavers[0]}"
             self.queue.fail(
                 self.queue.leave_message

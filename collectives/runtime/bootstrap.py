@@ -155,11 +155,26 @@ def _teardown(runtime_: RuntimeState) -> None:
     runtime_.closed.set()
     engine_ = runtime_.engine
     stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 2.0)
+    _say_who_ended(runtime_, engine_)
     insight.finish(runtime_, engine_)  # (its last figures, before the store goes)
     if runtime_.leave is not None:
         runtime_.leave()
     elif runtime_.client is not None:
         runtime_.client.close()
+
+
+def _say_who_ended(runtime_: RuntimeState, engine_: Any) -> None:
+    """Tells hvdrun which rank's leaving ended this rank's collectives, if another's did
+    (see ``worker_env.ENDED_BY_KEY_PREFIX``): this rank may now fail because of it, and
+    may be heard of first. Fixed jobs of hvdrun only (elastic jobs recover instead)."""
+    ended_by = engine_.ended_by() if engine_ is not None else None
+    if ended_by is None or runtime_.client is None or runtime_.elastic:
+        return
+    key = worker_env.ENDED_BY_KEY_PREFIX + str(runtime_.topology.rank)
+    try:
+        runtime_.client.set(key, str(ended_by).encode())
+    except Exception as error:  # the rendezvous may be gone with a failed job
+        logger.debug("could not say which rank ended the collectives: %s", error)
 
 
 def reset() -> None:

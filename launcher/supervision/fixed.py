@@ -56,6 +56,11 @@ from rendezvous.tls import certificate_for
 
 log = logging.getLogger(__name__)
 
+#: How long a failed worker whose collectives another rank's leaving ended waits for that
+#: rank's exit, which names the job's first failure when it fails too (see
+#: ``worker_env.ENDED_BY_KEY_PREFIX``).
+ENDED_BY_WAIT = 5.0
+
 
 class Supervisor(Supervision[HostEvent]):
     """Consumes agent events until every host has reported, stopping the job on failure."""
@@ -78,6 +83,9 @@ class Supervisor(Supervision[HostEvent]):
         self.result.hosts = dict(self.host_of)
         self._pending_hosts = set(self.agents)  # hosts that have not reported every rank yet
         self._registered = -1
+        # Failures held back: rank -> (its failure, the rank whose leaving ended its
+        # collectives and has not exited yet, when to stop waiting for it).
+        self._held: dict[int, tuple[WorkerFailure, int, float]] = {}
         if server is not None:
             self.insight = InsightWatch(server.values_under, sink)
 
@@ -97,6 +105,11 @@ class Supervisor(Supervision[HostEvent]):
         return True
 
     def after_events(self, now: float) -> None:
+        for failure, _, deadline in list(self._held.values()):
+            if now >= deadline:
+                self._held.clear()
+                self.fail(failure)
+                break
         self._show_status()
 
     def on_event(self, item: HostEvent) -> None:
@@ -109,7 +122,9 @@ class Supervisor(Supervision[HostEvent]):
                 if error:
                     self.sink.message(f"rank {rank} on {host}: {error}")
                 if code != 0:
-                    self.fail(WorkerFailure(rank, host, code, error))
+                    self._failed(WorkerFailure(rank, host, code, error))
+                else:
+                    self._left(rank)
             case Network(ifname):
                 log.info("workers on %s use interface %s", host, ifname)
             case StepCancelled(message):
@@ -117,6 +132,33 @@ class Supervisor(Supervision[HostEvent]):
             case Done() | AgentExit():
                 if host in self._pending_hosts:
                     self._lose_host(host, agent_loss_reason(event))
+
+    def _failed(self, failure: WorkerFailure) -> None:
+        """A worker failed. When another rank's leaving ended its collectives and that rank
+        is still exiting, that rank is waited for: if it fails too, it failed first."""
+        rank = failure.rank
+        # Failures that waited for this rank: this one (or what it waits for) comes first.
+        self._held = {r: held for r, held in self._held.items() if held[1] != rank}
+        culprit = self._ended_by(rank)
+        if culprit is not None and culprit not in self.result.exits and not self.stopping:
+            self._held[rank] = (failure, culprit, self.clock() + ENDED_BY_WAIT)
+            return
+        self.fail(failure)
+
+    def _left(self, rank: int) -> None:
+        """A worker exited 0: failures that waited for it stand (it left cleanly)."""
+        for failure, culprit, _ in list(self._held.values()):
+            if culprit == rank:
+                self._held.clear()
+                self.fail(failure)
+                return
+
+    def _ended_by(self, rank: int) -> int | None:
+        if self.server is None:
+            return None
+        key = worker_env.ENDED_BY_KEY_PREFIX + str(rank)
+        value = self.server.values_under(key).get(key)
+        return int(value) if value is not None and value.isdigit() else None
 
     def _show_status(self) -> None:
         if self.server is None or self._registered >= len(self.host_of):

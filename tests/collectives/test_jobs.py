@@ -297,3 +297,33 @@ def test_digits_example_runs_without_hvdrun() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "trained on 1 process(es)" in result.stdout
     assert re.search(r"^final test accuracy: 0\.\d{4}$", result.stdout, re.MULTILINE)
+
+
+ENDING_RANK = """
+import atexit, os, sys, time
+if os.environ["HVDRUN_RANK"] == "0":
+    atexit.register(time.sleep, 1.5)  # (runs after hvd's shutdown: rank 1 exits first)
+import torch
+import collectives.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(1), name="first")
+if hvd.rank() == 0:
+    if sys.argv[1] == "raise":
+        raise RuntimeError("rank 0 breaks")
+    sys.exit(0)  # ends its script early, cleanly
+hvd.allreduce(torch.ones(1), name="never")
+"""
+
+
+@pytest.mark.parametrize(("how", "first"), [("raise", 0), ("end", 1)])
+def test_the_rank_whose_end_ended_the_others_is_named_first(
+    tmp_path: Path, how: str, first: int
+) -> None:
+    """Rank 0 leaves the job (its script raises, or ends) and exits 1.5 s later; rank 1's
+    collectives end with it and rank 1 fails at once. hvdrun names rank 0 when it failed
+    too, though it heard of rank 1's exit first, and rank 1 when rank 0 exited 0."""
+    script = tmp_path / "ending.py"
+    script.write_text(ENDING_RANK)
+    code, output = run_hvdrun(2, script, how)
+    assert code == 1, output
+    assert f"hvdrun: rank {first} on host localhost failed first: exit code 1" in output, output

@@ -8,6 +8,7 @@ import os
 import queue
 import signal
 import time
+from typing import Any, cast
 
 import pytest
 
@@ -20,9 +21,10 @@ from launcher.supervision.core import (
     Supervision,
     WorkerFailure,
 )
-from launcher.supervision.fixed import Supervisor
+from launcher.supervision.fixed import ENDED_BY_WAIT, Supervisor
 from launcher.transport.connection import AgentExit, HostEvent
 from launcher.transport.protocol import Done, Exit, Output
+from rendezvous import worker_env
 from rendezvous.slots import assign_slots
 
 GRACE = 5.0
@@ -245,13 +247,36 @@ def test_signals_are_recorded_while_installed_then_handlers_restored() -> None:
 # ---- the fixed-job Supervisor ----------------------------------------------------------
 
 
+class FakeServer:
+    """What the fixed supervisor reads of its rendezvous server: the store's values."""
+
+    def __init__(self, values: dict[str, bytes]) -> None:
+        self.values = values
+
+    def values_under(self, prefix: str) -> dict[str, bytes]:
+        return {key: value for key, value in self.values.items() if key.startswith(prefix)}
+
+    def registered_count(self) -> int:
+        return 4
+
+
 def fixed(
-    *agents: FakeAgent, slots_per_host: int = 2, clock: Clock | None = None
+    *agents: FakeAgent,
+    slots_per_host: int = 2,
+    clock: Clock | None = None,
+    server: FakeServer | None = None,
 ) -> tuple[Supervisor, io.BytesIO, io.BytesIO]:
     slots = assign_slots([(a.hostname, slots_per_host) for a in agents], 2 * len(agents))
     output, out, err = sink()
     supervisor = Supervisor(
-        list(agents), slots, output, queue.Queue(), GRACE, Signals(), clock=clock or Clock()
+        list(agents),
+        slots,
+        output,
+        queue.Queue(),
+        GRACE,
+        Signals(),
+        server=cast(Any, server),
+        clock=clock or Clock(),
     )
     supervisor.poll_interval = 0.0
     return supervisor, out, err
@@ -286,6 +311,33 @@ def test_fixed_job_first_failure_stops_every_host() -> None:
     assert result.exit_code == 3
     assert result.failure == WorkerFailure(2, "b", 3, None)
     assert result.stopped == {0, 1, 3}
+
+
+@pytest.mark.parametrize(
+    ("then", "first"),
+    [
+        (Exit(0, 1), 0),  # the rank that left failed too: it failed first
+        (Exit(0, 0), 1),  # it left cleanly: the failure stands
+        (None, 1),  # it is not heard of in time: the failure stands
+    ],
+)
+def test_fixed_job_names_the_rank_whose_leaving_ended_a_failed_ones_collectives(
+    then: Exit | None, first: int
+) -> None:
+    a, b = FakeAgent("a"), FakeAgent("b")
+    clock = Clock()
+    server = FakeServer({worker_env.ENDED_BY_KEY_PREFIX + "1": b"0"})
+    supervisor, _, _ = fixed(a, b, clock=clock, server=server)
+    put(supervisor, "a", Exit(1, 1))  # rank 1 failed because rank 0 left
+    supervisor.step()
+    assert supervisor.result.failure is None and a.calls == b.calls == []
+    if then is None:
+        clock.now += ENDED_BY_WAIT
+    else:
+        put(supervisor, "a", then)
+    supervisor.step()
+    assert supervisor.result.failure == WorkerFailure(first, "a", 1, None)
+    assert a.calls == b.calls == ["terminate"]
 
 
 def test_fixed_job_names_the_ranks_of_a_lost_agent() -> None:
