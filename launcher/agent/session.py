@@ -354,5 +354,8 @@ def main(shared_stdin: bool = False) -> int:
                 return 0
             case RunRequest(spec):
                 return run(spec, stdin, emit)
+            case TerminateRequest() | KillRequest():
+                emit(Done())  # (stopped before it ran anything: an elastic host held back)
+                return 0
         note(f"unexpected request {request.op!r}")
         return 2

@@ -217,12 +217,11 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             return False
         if all(h.all_exited() or h.agent_finished for h in hosts if h.state == "running"):
             for host in self.members.removed_to_stop(None, self.clock()):
-                host.agent.terminate()
+                host.stop_agent()
             if self.members.still_leaving():
                 return False
             for host in hosts:  # failed hosts still shutting down
-                if host.agent_alive:
-                    host.agent.terminate()
+                host.stop_agent()
             return True
         return False
 
@@ -272,7 +271,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             agent.abort()
             host.agent_finished = True
         else:
-            agent.terminate()
+            host.stop_agent()
 
     def abandon(self, agent: Supervised) -> None:
         self._record_of(agent).agent_finished = True
@@ -421,8 +420,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         cooldown = self.members.fail(host, self.clock())
         until = "for the rest of the job" if cooldown is None else f"for {cooldown:g} s"
         self.sink.message(f"host {host.name} failed ({why}); blacklisted {until}")
-        if host.agent_alive:
-            host.agent.terminate()
+        host.stop_agent()
 
     def _give_up(self, message: str) -> None:
         """The job cannot go on (too few hosts, too many resets, the state lost): stop it,
@@ -468,7 +466,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         elif isinstance(decision, Publish):
             self._publish(decision)
         for host in members.removed_to_stop(self.server.registered_count(), now):
-            host.agent.terminate()
+            host.stop_agent()
 
     def _stop_stranded(self) -> None:
         """After a worker finished (exit 0) the job's outcome is decided and no generation
@@ -495,8 +493,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                 "finished the job"
             )
             host.state = "done"
-            if host.agent_alive:
-                host.agent.terminate()
+            host.stop_agent()
 
     def _start_host(self, host: HostRecord) -> None:
         # In a thread of its own, which never touches ``host``: the main loop owns it.

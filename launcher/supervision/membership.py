@@ -109,6 +109,18 @@ class HostRecord:
         """Its agent was started and has not finished (or been given up on)."""
         return self.agent is not None and not self.agent_finished
 
+    def stop_agent(self) -> None:
+        """Asks its agent to stop its workers. An agent that was never launched has none,
+        and what it says would reach no one (a connection hands on events once launched):
+        it is closed (it exits at the end of its input) and counted finished at once."""
+        if not self.agent_alive:
+            return
+        if self.workers:
+            self.agent.terminate()
+        else:
+            self.agent.close()
+            self.agent_finished = True
+
     def all_exited(self) -> bool:
         return bool(self.workers) and len(self.exits) == len(self.workers)
 

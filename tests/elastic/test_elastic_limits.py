@@ -7,6 +7,7 @@ one and go on with the other.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from tests.collectives.conftest import REPO, clean_env, run_hvdrun
@@ -197,3 +198,22 @@ def test_workers_still_joining_when_the_job_finishes_are_stopped_at_once() -> No
         "hvdrun: stopping the workers on 127.0.0.1: they are still joining a generation "
         "that will not train, but another worker has finished the job" in output
     ), output
+
+
+def test_a_job_that_never_reached_min_np_stops_at_the_elastic_timeout() -> None:
+    """The host's agent is ready but never launched (2 slots, --min-np 3): at the elastic
+    timeout hvdrun stops it at once, not after the agents' report deadline (15 s more)."""
+    started = time.monotonic()
+    code, output = run_hvdrun(
+        4,
+        WORKER,
+        options=[
+            "--min-np", "3", "--elastic-timeout", "2",
+            "--host-discovery-script", "echo localhost:2",
+        ],
+        timeout=60,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert code == 1, output
+    assert "only 2 slot(s) were available for longer than the elastic timeout (2 s)" in output
+    assert elapsed < 12, f"took {elapsed:.1f} s\n{output}"

@@ -14,6 +14,7 @@ from launcher.transport.protocol import (
     KillRequest,
     PrepareRequest,
     RunRequest,
+    TerminateRequest,
     WorkerLaunch,
     encode,
     encode_request,
@@ -149,6 +150,16 @@ def test_kill_skips_the_grace_period() -> None:
     assert time.monotonic() - start < 5
     assert {"ev": "exit", "rank": 0, "code": 137} in events
     agent.close()
+
+
+def test_a_stop_before_the_job_is_answered_with_done() -> None:
+    # (an elastic host that was ready when the job stopped)
+    agent = Agent()
+    agent.event()
+    agent.send(encode_request(TerminateRequest()))
+    assert agent.event()["ev"] == "done"
+    code, stderr = agent.close()
+    assert (code, stderr) == (0, "")
 
 
 def test_unknown_request_is_refused() -> None:

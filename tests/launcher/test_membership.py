@@ -343,3 +343,30 @@ def test_a_job_over_its_reset_limit_ends_with_horovods_sentence_first() -> None:
     sync(members, members.retired[0], members.hosts["b"])
     stop = members.decide(3.0)
     assert isinstance(stop, Stop) and "need reset 2, more than --reset-limit 1" in stop.message
+
+
+class Agent:
+    """What a host record asks of its agent."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def terminate(self) -> None:
+        self.calls.append("terminate")
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_stopping_an_agent_that_was_never_launched_closes_it_and_counts_it_finished() -> None:
+    # A ready host (hello heard, no job sent): its agent has no workers, and would report to
+    # no one, so the driver must not wait for its report (a Ctrl-C while the job waits for
+    # --min-np took 15 s).
+    ready = HostRecord("a", 2, 0, state="ready", agent=Agent())
+    ready.stop_agent()
+    assert (ready.agent.calls, ready.agent_alive) == (["close"], False)
+    ready.stop_agent()
+    assert ready.agent.calls == ["close"]
+    running = HostRecord("b", 2, 1, state="running", agent=Agent(), workers={0: 0, 1: 1})
+    running.stop_agent()
+    assert (running.agent.calls, running.agent_alive) == (["terminate"], True)
