@@ -309,7 +309,7 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
     relay = start_relay(spec, env)
     try:
         agent = HostAgent(spec, env, emit)
-        agent.start()
+        agent.start(stop=control.stop)
         while not control.stop.is_set() and not emit.broken.is_set():
             if agent.wait(timeout=0.1):
                 break

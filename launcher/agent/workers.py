@@ -89,13 +89,6 @@ class Worker:
         self._emit(Exit(self.rank, code))
         self.exited.set()
 
-    def process_tree(self) -> list[psutil.Process]:
-        try:
-            root = psutil.Process(self.proc.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return []
-
 
 class HostAgent:
     """Starts one host's workers and stops them all on request."""
@@ -108,10 +101,12 @@ class HostAgent:
         self._lock = threading.Lock()
         self._terminating = False
 
-    def start(self) -> None:
+    def start(self, stop: threading.Event | None = None) -> None:
+        """Starts the workers in turn; once ``stop`` is set (hvdrun asked, or a signal came)
+        the ones not started yet are reported stopped (143) instead."""
         for launch in self.spec.workers:
             with self._lock:
-                if self._terminating:
+                if self._terminating or (stop is not None and stop.is_set()):
                     self._emit(Exit(launch.rank, 143))
                     continue
                 try:
@@ -138,7 +133,7 @@ class HostAgent:
         with self._lock:
             self._terminating = True
             workers = list(self.workers)
-        trees = [worker.process_tree() for worker in workers]
+        trees = _process_trees([worker.proc.pid for worker in workers])
         for worker, tree in zip(workers, trees, strict=False):
             _signal_tree(worker.proc.pid, tree, signal.SIGTERM)
         procs = [proc for tree in trees for proc in tree]
@@ -146,6 +141,26 @@ class HostAgent:
         for worker, tree in zip(workers, trees, strict=False):
             _signal_tree(worker.proc.pid, [p for p in tree if p in alive], signal.SIGKILL)
         self.wait(timeout=5.0)
+
+
+def _process_trees(roots: list[int]) -> list[list[psutil.Process]]:
+    """Each root's process and its descendants, from one pass over the process table
+    (``children(recursive=True)`` reads the whole table once per root: with a thousand
+    workers, stopping them took longer than hvdrun waits for the agent's report)."""
+    children: dict[int, list[psutil.Process]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        children.setdefault(proc.info["ppid"], []).append(proc)
+    trees = []
+    for pid in roots:
+        try:
+            tree = [psutil.Process(pid)]
+        except psutil.Error:
+            trees.append([])
+            continue
+        for proc in tree:  # (grows while it is walked: breadth first)
+            tree.extend(children.get(proc.pid, ()))
+        trees.append(tree)
+    return trees
 
 
 def _running(proc: psutil.Process) -> bool:

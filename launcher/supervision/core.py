@@ -54,6 +54,23 @@ EVENT_BATCH = 1000
 LOOP_STALL_SECONDS = 2.0
 
 
+def rank_list(ranks: Sequence[int]) -> str:
+    """Ranks for a message, runs of three or more as ranges (``0, 1``; ``0-1258, 1300``)."""
+    ordered = sorted(ranks)
+    parts: list[str] = []
+    start = 0
+    while start < len(ordered):
+        end = start
+        while end + 1 < len(ordered) and ordered[end + 1] == ordered[end] + 1:
+            end += 1
+        if end - start >= 2:
+            parts.append(f"{ordered[start]}-{ordered[end]}")
+        else:
+            parts.extend(str(rank) for rank in ordered[start : end + 1])
+        start = end + 1
+    return ", ".join(parts)
+
+
 @dataclass
 class WorkerFailure:
     rank: int
@@ -255,9 +272,14 @@ class Supervision(ABC, Generic[E]):
         self.act_on_signals()
         now = self.clock()
         if self.stop_deadline is not None and now > self.stop_deadline:
-            log.warning("agents did not report in time; killing them")
+            late = self.live_agents()
+            hosts = ", ".join(agent.hostname for agent in late)
+            self.sink.message(
+                f"the agents on {hosts or 'no host'} did not report within "
+                f"{self.term_grace + AGENT_REPORT_SLACK:g} s of the stop; killing them"
+            )
             self.stop_deadline = None
-            for agent in self.live_agents():
+            for agent in late:
                 agent.kill()
                 self.abandon(agent)
         self.check_heartbeats(now)

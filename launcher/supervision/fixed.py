@@ -30,6 +30,7 @@ from launcher.supervision.core import (
     WorkerFailure,
     agent_loss_reason,
     agent_spec,
+    rank_list,
 )
 from launcher.supervision.insight import InsightWatch
 from launcher.supervision.report import report_failure
@@ -180,9 +181,7 @@ class Supervisor(Supervision[HostEvent]):
         missing = [r for r, h in self.host_of.items() if h == host and r not in self.result.exits]
         if not missing:
             return
-        self.sink.message(
-            f"host {host}: {why}; rank(s) {', '.join(map(str, missing))} not reported"
-        )
+        self.sink.message(f"host {host}: {why}; rank(s) {rank_list(missing)} not reported")
         for rank in missing:
             self.result.lost[rank] = why
         self.fail(WorkerFailure(missing[0], host, AGENT_FAILURE_EXIT, why))

@@ -11,7 +11,7 @@ import contextlib
 import signal
 
 from launcher.output import OutputSink
-from launcher.supervision.core import JobResult
+from launcher.supervision.core import JobResult, rank_list
 
 #: What a worker that hvdrun stopped exits with: SIGTERM, or SIGKILL after the grace period.
 STOP_CODES = (128 + signal.SIGTERM, 128 + signal.SIGKILL)
@@ -90,7 +90,7 @@ def report_failure(result: JobResult, sink: OutputSink) -> None:
     sink.message(f"rank {failure.rank} on host {failure.hostname} failed first: {what}")
     others = sorted(r for r, c in result.exits.items() if c != 0 and r != failure.rank)
     if others:
-        sink.message(f"stopped or failed afterwards: rank(s) {', '.join(map(str, others))}")
+        sink.message(f"stopped or failed afterwards: rank(s) {rank_list(others)}")
     if result.hosts:
         sink.message("summary:")
         for line in summary_table(result, sink, result.hosts):

@@ -152,6 +152,25 @@ def test_kill_skips_the_grace_period() -> None:
     agent.close()
 
 
+def test_a_stop_while_workers_start_skips_the_ones_not_started_yet() -> None:
+    agent = Agent()
+    agent.event()
+    many = spec("", ranks=400)
+    many.command = ["sleep", "60"]
+    agent.send(encode_request(RunRequest(many)))
+    assert agent.event()["ev"] == "network"
+    assert agent.event()["ev"] == "started"
+    agent.send(encode_request(TerminateRequest()))
+    events = agent.events_until_done()
+    started = [e for e in events if e["ev"] == "started"]
+    exits = [e for e in events if e["ev"] == "exit"]
+    # Every rank is reported stopped; the ones not started by then never start.
+    assert sorted(e["rank"] for e in exits) == list(range(400))
+    assert {e["code"] for e in exits} == {143}
+    assert len(started) < 399, len(started)
+    agent.close()
+
+
 def test_a_stop_before_the_job_is_answered_with_done() -> None:
     # (an elastic host that was ready when the job stopped)
     agent = Agent()

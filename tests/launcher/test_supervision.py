@@ -20,6 +20,7 @@ from launcher.supervision.core import (
     Supervised,
     Supervision,
     WorkerFailure,
+    rank_list,
 )
 from launcher.supervision.fixed import ENDED_BY_WAIT, Supervisor
 from launcher.transport.connection import AgentExit, HostEvent
@@ -169,9 +170,17 @@ def test_stop_deadline_escalates_to_kill_for_agents_that_have_not_reported() -> 
     assert a.calls == ["terminate"]
     assert b.calls == ["terminate", "kill"]
     assert job.stop_deadline is None
+    late = f"hvdrun: the agents on b did not report within {GRACE + AGENT_REPORT_SLACK:g} s"
+    assert any(line.startswith(late) for line in job.messages()), job.messages()
     clock.now += 100
     job.step()
     assert b.calls == ["terminate", "kill"]  # killed once
+
+
+def test_rank_lists_in_messages_give_runs_as_ranges() -> None:
+    assert rank_list([1]) == "1"
+    assert rank_list([3, 2]) == "2, 3"
+    assert rank_list([*range(1259), 1300, 1302, 1303]) == "0-1258, 1300, 1302, 1303"
 
 
 def test_a_silent_agent_is_lost_and_its_connection_dropped() -> None:
