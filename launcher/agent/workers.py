@@ -150,7 +150,7 @@ def _process_trees(roots: list[int]) -> list[list[psutil.Process]]:
     children: dict[int, list[psutil.Process]] = {}
     for proc in psutil.process_iter(["ppid"]):
         children.setdefault(proc.info["ppid"], []).append(proc)
-    trees = []
+    trees: list[list[psutil.Process]] = []
     for pid in roots:
         try:
             tree = [psutil.Process(pid)]
