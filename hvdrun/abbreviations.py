@@ -8,12 +8,18 @@ options means that option here too, even where hvdrun has an option of its own t
 the same way (``--check`` is ``--check-build``, as in horovodrun, although hvdrun also has
 ``--check-hosts``). Any other prefix that fits several options is an error that lists them.
 
+Single-letter options that take a value also take it after ``=``, as argparse does:
+``-H=host1:2`` is ``-H host1:2`` (click alone would read the host ``=host1``). A single-dash
+word that is no option (``-host``, ``-verbose``) is named whole in its error, with the
+options it resembles, rather than as the first of its letters that is no short option.
+
 Only options are looked at: click stops reading options at the command, so the training
 script's own arguments reach it untouched.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -117,11 +123,63 @@ def expand(opt: str, options: Mapping[str, Any]) -> str:
     raise click.BadOptionUsage(opt, f"ambiguous option {opt}: it could be {', '.join(matches)}")
 
 
+def suggestions(word: str, options: Mapping[str, Any]) -> list[str]:
+    """The spellings to suggest for the unknown option ``word``, given the parser's options
+    (spelling -> option): those of the option one of whose names ``word`` is, else of the
+    options whose names are closest to it, closest first. A name spelt with one dash and
+    with two is offered once, with as many dashes as ``word`` has."""
+    wanted = _name(word)
+    names = list(dict.fromkeys(_name(spelling) for spelling in options))
+    close = [wanted] if wanted in names else difflib.get_close_matches(wanted, names, n=3)
+    dashes = len(word) - len(wanted)
+    offered: list[str] = []
+    for match in close:
+        option = next(options[spelling] for spelling in options if _name(spelling) == match)
+        spellings = sorted((s for s in options if options[s] is option), key=len)
+        for spelling in spellings:
+            same = [s for s in spellings if _name(s) == _name(spelling)]
+            best = min(same, key=lambda s: abs(len(s) - len(_name(s)) - dashes))
+            if spelling == best and spelling not in offered:
+                offered.append(spelling)
+    return offered
+
+
+def _name(spelling: str) -> str:
+    return spelling.lstrip("-")
+
+
+def _one_of(spellings: list[str]) -> str:
+    return (
+        spellings[0] if len(spellings) == 1 else f"{', '.join(spellings[:-1])} or {spellings[-1]}"
+    )
+
+
 class _AbbreviatingParser(_ClickParser):
-    """click's parser, reading long options through :func:`expand`."""
+    """click's parser, reading long options through :func:`expand`, ``-X=value`` as
+    ``-X value``, and naming a whole single-dash word that is no option in its error."""
 
     def _match_long_opt(self, opt: str, explicit_value: str | None, state: Any) -> None:
         super()._match_long_opt(expand(opt, self._long_opt), explicit_value, state)
+
+    def _match_short_opt(self, arg: str, state: Any) -> None:
+        option = self._short_opt.get(arg[:2])
+        if arg[2:3] == "=" and option is not None:  # -H=host1:2, as argparse reads it
+            if not option.takes_value:
+                raise click.BadOptionUsage(arg[:2], f"Option '{arg[:2]}' does not take a value.")
+            state.rargs.insert(0, arg[3:])
+            super()._match_short_opt(arg[:2], state)
+            return
+        try:
+            super()._match_short_opt(arg, state)
+        except click.NoSuchOption:
+            if len(arg) <= 2:
+                raise
+            word = arg.split("=", 1)[0]
+            offered = suggestions(word, {**self._short_opt, **self._long_opt})
+            hint = f" (did you mean {_one_of(offered)}?)" if offered else ""
+            raise click.NoSuchOption(
+                word, message=f"no such option: {word}{hint}", ctx=self.ctx
+            ) from None
 
 
 class AbbreviatingCommand(click.Command):

@@ -8,7 +8,6 @@ never a traceback. This process never imports torch (only ``--check-build`` does
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -18,9 +17,16 @@ import click
 
 from hvdrun import __version__
 from hvdrun.abbreviations import AbbreviatingCommand
+from hvdrun.command_check import check_command
 from hvdrun.config_file import config_env, config_file_option
 from hvdrun.dry_run import dry_run_option
-from hvdrun.elastic_flags import ElasticFlags, check_num_proc, elastic_options, explicit
+from hvdrun.elastic_flags import (
+    PROCESSES,
+    ElasticFlags,
+    check_num_proc,
+    elastic_options,
+    explicit,
+)
 from hvdrun.help_sections import SectionedCommand
 from hvdrun.horovod_flags import (
     HorovodFlags,
@@ -42,6 +48,7 @@ from hvdrun.tuning import tuning_env, tuning_options
 from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports
 from launcher.spec.hosts import (
     LOCAL_NAMES,
+    MAX_PROCESSES,
     HostSpec,
     HostSpecError,
     is_local_host,
@@ -71,7 +78,7 @@ class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
     "-np",
     "--num-proc",
     "num_proc",
-    type=int,
+    type=PROCESSES,
     metavar="N",
     help="Number of worker processes (default: every slot in -H or the batch allocation).",
 )
@@ -331,10 +338,11 @@ def cli(
     if not command:
         raise click.UsageError("no command given: hvdrun -np N COMMAND [ARGS...]")
     elastic_options = None
+    unused_notes: list[str] = []
     if elastic:
         host_list, num_proc, elastic_options = elastic_flags.resolve(host_list, num_proc)
     else:
-        elastic_flags.check_unused()
+        unused_notes = elastic_flags.unused_notes()
         host_list, num_proc = resolve_hosts(host_list, hosts, num_proc, allocation)
     launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic))
     if any(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
@@ -346,7 +354,7 @@ def cli(
         creatable_directory(output_filename, "--output-filename")
     if not dry_run:
         report.check(env, local_only)
-    for notice in notices(compat, env, host_list, num_proc):
+    for notice in [*unused_notes, *notices(compat, env, host_list, num_proc)]:
         click.echo(f"hvdrun: {notice}", err=True)
 
     # Imported here so that --version, --help and input errors stay instant.
@@ -439,6 +447,11 @@ def resolve_hosts(
         return [HostSpec("localhost", num_proc)], num_proc
     total = sum(h.slots for h in host_list)
     if num_proc is None:
+        if total > MAX_PROCESSES:
+            raise click.UsageError(
+                f"the hosts have {total} slots, above the limit of {MAX_PROCESSES} processes "
+                "of one job: give the number of processes with -np N"
+            )
         num_proc = total
     if num_proc > total:
         where = f"-H {hosts}" if hosts is not None else "the hostfile"
@@ -518,25 +531,6 @@ def check_rendezvous_addr(addr: str) -> None:
         )
     if not addr.strip("[]:"):
         raise click.BadParameter("the address is empty", param_hint="'--rendezvous-addr'")
-
-
-def check_command(command: Sequence[str]) -> None:
-    """Catch a missing program or script before any process starts."""
-    program = command[0]
-    if shutil.which(program) is None:
-        raise CommandNotFound(f"command not found: {program}")
-    if os.path.basename(program).startswith("python") and len(command) > 1:
-        script = command[1]
-        if not script.startswith("-") and script.endswith(".py") and not os.path.exists(script):
-            raise ScriptNotFound(f"script not found: {script} (in {os.getcwd()})")
-
-
-class CommandNotFound(click.ClickException):
-    exit_code = 127
-
-
-class ScriptNotFound(click.ClickException):
-    exit_code = 2  # what python itself exits with for a missing script
 
 
 class LaunchFailed(click.ClickException):

@@ -1,9 +1,11 @@
 """hvdrun's elastic flags (``--min-np``, ``--max-np``, ``--host-discovery-script``, ...).
 
 Any of ``--min-np``, ``--max-np`` or ``--host-discovery-script`` makes a job elastic (see
-:mod:`launcher.supervision.elastic`); the other elastic flags are refused without them. Every
-mistake is a ``click.UsageError``: one line and exit code 2. The discovery script's first run
-happens here, so a script that does not work stops hvdrun before anything starts.
+:mod:`launcher.supervision.elastic`). The other elastic flags have no effect without them:
+horovodrun ignores them in a fixed-size job, so hvdrun runs the job and prints a note for
+each. Every mistake is a ``click.UsageError``: one line and exit code 2. The discovery
+script's first run happens here, so a script that does not work stops hvdrun before anything
+starts.
 """
 
 from __future__ import annotations
@@ -15,16 +17,37 @@ from typing import Any, TypeVar
 
 import click
 
-from launcher.spec.hosts import HostSpec
+from launcher.spec.hosts import MAX_PROCESSES, MAX_SLOTS_PER_HOST, HostSpec
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Count(click.ParamType):
+    """An integer no larger than ``cap``: ``-np 99999999999999999999`` is a typo, refused
+    while the command line is read (a job that size would build slot lists forever)."""
+
+    name = "integer"
+
+    def __init__(self, cap: int, unit: str) -> None:
+        self.cap = cap
+        self.unit = unit
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        number: int = click.INT.convert(value, param, ctx)
+        if number > self.cap:
+            self.fail(f"{number} is above the limit of {self.cap} {self.unit}", param, ctx)
+        return number
+
+
+#: ``-np``, ``--min-np``, ``--max-np``: at most :data:`MAX_PROCESSES`.
+PROCESSES = Count(MAX_PROCESSES, "processes")
 
 _OPTIONS = [
     click.option(
         "--min-np",
         "--min-num-proc",
         "min_np",
-        type=int,
+        type=PROCESSES,
         metavar="N",
         help="Elastic job: the fewest workers it may run on (default: -np).",
     ),
@@ -32,7 +55,7 @@ _OPTIONS = [
         "--max-np",
         "--max-num-proc",
         "max_np",
-        type=int,
+        type=PROCESSES,
         metavar="N",
         help="Elastic job: the most workers it may grow to (default: every discovered slot).",
     ),
@@ -44,7 +67,7 @@ _OPTIONS = [
     ),
     click.option(
         "--slots-per-host",
-        type=int,
+        type=Count(MAX_SLOTS_PER_HOST, "slots per host"),
         default=1,
         show_default=True,
         metavar="N",
@@ -116,7 +139,10 @@ class ElasticFlags:
     def given(self) -> bool:
         return self.min_np is not None or self.max_np is not None or self.script is not None
 
-    def check_unused(self) -> None:
+    def unused_notes(self) -> list[str]:
+        """The notes for a fixed-size job given elastic-only flags: horovodrun ignores them
+        there, so hvdrun runs the job and says, one line per flag, that they do nothing."""
+        notes = []
         for name in (
             "slots_per_host",
             "elastic_timeout",
@@ -125,9 +151,11 @@ class ElasticFlags:
         ):
             if on_command_line(name):
                 flag = "--" + name.replace("_", "-")
-                raise click.UsageError(
-                    f"{flag} is for elastic jobs: add --min-np/--max-np or --host-discovery-script"
+                notes.append(
+                    f"note: {flag} has no effect: the job is not elastic (--min-np, --max-np "
+                    "or --host-discovery-script makes it elastic)"
                 )
+        return notes
 
     def resolve(
         self, host_list: list[HostSpec] | None, num_proc: int | None

@@ -4,7 +4,8 @@ A bare ``host`` means one slot. A hostfile holds one host per line, as ``host sl
 (mpirun/Horovod) or ``host:N``; ``#`` starts a comment and blank lines are ignored.
 A host listed on several lines of a hostfile gets the sum of their slots (as with mpirun),
 at the place of its first line; in a ``-H`` list a repeated host is a mistake.
-Malformed entries, zero or negative slot counts and repeated ``-H`` hosts are user errors:
+Malformed entries, zero or negative slot counts, counts above :data:`MAX_SLOTS_PER_HOST`
+and repeated ``-H`` hosts are user errors:
 :class:`HostSpecError` carries a message that names the offending entry (and line), and the
 CLI turns it into one line with exit code 2.
 
@@ -20,6 +21,13 @@ from dataclasses import dataclass
 
 from launcher.errors import LauncherError
 from rendezvous.addresses import is_ipv6, is_loopback
+
+#: The most slots one host may have: no machine runs more workers than this, and a count
+#: beyond it is a typo (hvdrun would otherwise build slot lists of that size, and hang).
+MAX_SLOTS_PER_HOST = 65536
+
+#: The most worker processes of one job (``-np``, ``--min-np``, ``--max-np``, all slots).
+MAX_PROCESSES = 1048576
 
 
 class HostSpecError(LauncherError, ValueError):
@@ -54,7 +62,17 @@ def _parse_slots(slots_text: str, entry: str) -> int:
         raise HostSpecError(f"slot count '{slots_text}' in '{entry}' is not a number") from None
     if slots < 1:
         raise HostSpecError(f"slot count in '{entry}' must be at least 1")
+    check_slot_cap(slots, f"'{entry}'")
     return slots
+
+
+def check_slot_cap(slots: int, where: str) -> None:
+    """Refuses a slot count above :data:`MAX_SLOTS_PER_HOST` (``where`` names its entry)."""
+    if slots > MAX_SLOTS_PER_HOST:
+        raise HostSpecError(
+            f"slot count {slots} in {where} is above the limit of {MAX_SLOTS_PER_HOST} "
+            "slots per host"
+        )
 
 
 def _check_hostname(hostname: str, entry: str) -> str:
@@ -97,7 +115,12 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> list[HostSpec]:
             raise HostSpecError(f"{where}: {exc}") from None
         index = seen.get(host.hostname)
         if index is not None:  # mpirun's rule: the slots add up
-            hosts[index] = HostSpec(host.hostname, hosts[index].slots + host.slots)
+            slots = hosts[index].slots + host.slots
+            try:
+                check_slot_cap(slots, f"the lines of host '{host.hostname}' together")
+            except HostSpecError as exc:
+                raise HostSpecError(f"{where}: {exc}") from None
+            hosts[index] = HostSpec(host.hostname, slots)
             continue
         seen[host.hostname] = len(hosts)
         hosts.append(host)

@@ -154,3 +154,59 @@ def test_check_prefix_is_check_build_as_in_horovodrun(capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert code == 0
     assert "Available Frameworks:" in out
+
+
+def test_single_letter_options_take_a_value_after_equals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # argparse (horovodrun) reads -H=a:2 as -H a:2; the script's own -H=x stays its own.
+    key = tmp_path / "key"
+    key.write_text("")
+    ssh_config = tmp_path / "ssh_config"
+    ssh_config.write_text("")
+    argv = ["--ssh-config-file", str(ssh_config), "-H=gpu1.invalid:2", "-p=2222", f"-i={key}"]
+    out = plan([*argv, "-x=FOO=bar", "python", "t.py", "-H=x", "-p=1"], capsys)
+    assert "command: python t.py -H=x -p=1" in out
+    assert f"gpu1.invalid  2 worker(s)  ssh root@gpu1.invalid:2222, key {key}," in out
+    assert "  FOO=bar\n" in out
+
+
+def test_a_flag_given_a_value_after_equals_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_usage_error(["-v=1", "true"], "Option '-v' does not take a value.", capsys)
+
+
+@pytest.mark.parametrize(
+    ("word", "message"),
+    [
+        ("-host", "no such option: -host (did you mean -H, --hosts or -hostfile?)"),
+        ("-hosts", "no such option: -hosts (did you mean -H or --hosts?)"),
+        ("-verbose", "no such option: -verbose (did you mean --verbose?)"),
+        ("-num-proc", "no such option: -num-proc (did you mean -np or --num-proc?)"),
+        ("-ssh-port", "no such option: -ssh-port (did you mean -p or --ssh-port?)"),
+        ("-host=a:1", "no such option: -host (did you mean -H, --hosts or -hostfile?)"),
+        ("-zzzz", "no such option: -zzzz\n"),
+    ],
+)
+def test_a_mistyped_single_dash_word_is_named_whole(
+    word: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_usage_error([word, "2", "python", "w.py"], message, capsys)
+
+
+def test_single_dash_spellings_work_and_a_near_miss_names_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Every single-dash spelling that worked still does, combined forms included ...
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    out = plan(["-np", "2", "-hostfile", str(hostfile), "-prefix-timestamp", "true"], capsys)
+    assert "2 worker(s) on 1 host(s)" in out
+    out = plan(["-np=3", "-Hlocalhost:3", "-xFOO=1", "-x", "BAR=2", "-p2222", "true"], capsys)
+    assert "3 worker(s) on 1 host(s)" in out
+    assert "  FOO=1\n" in out and "  BAR=2\n" in out
+    # ... and one letter off, the error names the word and those spellings.
+    assert_usage_error(
+        ["-hostfil", str(hostfile), "true"],
+        "no such option: -hostfil (did you mean -hostfile, -H or --hosts?)",
+        capsys,
+    )

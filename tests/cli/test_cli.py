@@ -31,6 +31,38 @@ from tests.cli.conftest import assert_usage_error
         (["-np", "2"], "no command given"),
         (["true"], "give the number of processes with -np N"),
         (["-np", "two", "true"], "'two' is not a valid integer"),
+        # Absurd counts are refused while the command line is read (they used to hang).
+        (
+            ["-np", "99999999999999999999", "true"],
+            "Invalid value for '-np' / '--num-proc': 99999999999999999999 is above the limit "
+            "of 1048576 processes",
+        ),
+        (["-np", "1048577", "true"], "1048577 is above the limit of 1048576 processes"),
+        (
+            ["-H", "localhost:99999999999999999999", "true"],
+            "invalid '-H': slot count 99999999999999999999 in 'localhost:99999999999999999999' "
+            "is above the limit of 65536 slots per host",
+        ),
+        (
+            ["-H", ",".join(f"h{i}:65536" for i in range(17)), "true"],
+            "the hosts have 1114112 slots, above the limit of 1048576 processes of one job: "
+            "give the number of processes with -np N",
+        ),
+        (
+            ["--min-np", "99999999999999999999", "-np", "1", "true"],
+            "Invalid value for '--min-np' / '--min-num-proc': 99999999999999999999 is above "
+            "the limit of 1048576 processes",
+        ),
+        (
+            ["--max-np", "2000000", "-np", "1", "true"],
+            "Invalid value for '--max-np' / '--max-num-proc': 2000000 is above the limit of "
+            "1048576 processes",
+        ),
+        (
+            ["--slots-per-host", "70000", "-np", "1", "true"],
+            "Invalid value for '--slots-per-host': 70000 is above the limit of 65536 slots per "
+            "host",
+        ),
         (["--no-such-flag", "true"], "No such option '--no-such-flag'"),
         (["-H", "a:1", "--hostfile", "f", "true"], "give the hosts with -H or with --hostfile"),
         (["--hostfile", "/nonexistent/hosts", "true"], "cannot read hostfile /nonexistent/hosts"),
@@ -61,6 +93,91 @@ def test_missing_command_and_script(capsys: pytest.CaptureFixture[str]) -> None:
     assert "hvdrun: error: command not found: no-such-program-xyz" in capsys.readouterr().err
     assert run_cli(["-np", "2", sys.executable, "missing_script.py"]) == 2
     assert "hvdrun: error: script not found: missing_script.py" in capsys.readouterr().err
+
+
+def test_absurd_slot_count_in_a_hostfile_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=99999999999999999999\n")
+    assert_usage_error(
+        ["--hostfile", str(hostfile), "true"],
+        f"invalid '--hostfile': {hostfile} line 1: slot count 99999999999999999999",
+        capsys,
+    )
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o600])
+def test_a_script_without_execute_bit_is_permission_denied(
+    mode: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.py").write_text("print('ran')\n")
+    (tmp_path / "w.py").chmod(mode)
+    assert run_cli(["-np", "2", "./w.py"]) == 126  # as a shell exits
+    out, err = capsys.readouterr()
+    assert err == (
+        "hvdrun: error: permission denied: ./w.py is not executable "
+        "(run it with python ./w.py, or chmod +x)\n"
+    )
+    assert out == ""
+
+
+def test_a_file_or_directory_that_cannot_run_is_permission_denied(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data.txt"
+    data.write_text("not a program\n")
+    assert run_cli(["-np", "2", str(data)]) == 126
+    assert capsys.readouterr().err == (
+        f"hvdrun: error: permission denied: {data} is not executable "
+        f"(chmod +x {data}, or run it with its interpreter)\n"
+    )
+    assert run_cli(["-np", "2", str(tmp_path)]) == 126
+    assert capsys.readouterr().err == (
+        f"hvdrun: error: permission denied: {tmp_path} is a directory\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("python_args", "exit_code", "message"),
+    [
+        # The script after python's own options: a missing one starts nothing (exit 2).
+        (["-u", "nonexist.py"], 2, "script not found: nonexist.py"),
+        (["-O", "nonexist.py"], 2, "script not found: nonexist.py"),
+        (["-OO", "nonexist.py"], 2, "script not found: nonexist.py"),
+        (["-B", "-E", "-s", "-S", "nonexist.py"], 2, "script not found: nonexist.py"),
+        (["-I", "-q", "-b", "-d", "-v", "-x", "nonexist.py"], 2, "script not found: nonexist.py"),
+        (["-uB", "nonexist.py"], 2, "script not found: nonexist.py"),
+        (["-W", "ignore", "nonexist.py"], 2, "script not found: nonexist.py"),
+        (["-Werror", "nonexist.py"], 2, "script not found: nonexist.py"),
+        (["-u", "-X", "dev", "nonexist.py"], 2, "script not found: nonexist.py"),
+        (["-Xutf8", "nonexist.py"], 2, "script not found: nonexist.py"),
+        (["-u", "--", "nonexist.py"], 2, "script not found: nonexist.py"),
+        # No script runs: code, a module, stdin (closed, so empty); nothing is checked.
+        (["-c", "print('code ran')", "nonexist.py"], 0, "[0]<stdout>:code ran"),
+        (["-uc", "print('code ran')", "nonexist.py"], 0, "[0]<stdout>:code ran"),
+        (["-m", "no_such_module_xyz", "nonexist.py"], 1, "No module named no_such_module_xyz"),
+        (["-", "nonexist.py"], 0, ""),
+    ],
+)
+def test_script_check_reads_python_options_as_python_does(
+    python_args: list[str],
+    exit_code: int,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["-np", "1", sys.executable, *python_args]) == exit_code
+    out, err = capsys.readouterr()
+    assert message in out + err
+    if exit_code == 2:  # refused before anything started
+        assert err == f"hvdrun: error: script not found: nonexist.py (in {tmp_path})\n"
+        assert out == ""
+    else:
+        assert "script not found" not in err
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,8 +30,6 @@ from tests.cli.conftest import assert_usage_error
             "invalid '--slots-per-host': must be at least 1, got 0",
         ),
         (["--min-np", "1", "-np", "2", "--elastic-timeout", "0", "true"], "0 is not in the range"),
-        (["-np", "2", "--reset-limit", "3", "true"], "--reset-limit is for elastic jobs"),
-        (["-np", "2", "--elastic-timeout", "3", "true"], "--elastic-timeout is for elastic jobs"),
         (
             ["--host-discovery-script", "true", "-H", "a:1", "-np", "1", "true"],
             "give the hosts with --host-discovery-script or with -H/--hostfile, not both",
@@ -55,6 +53,35 @@ def test_bad_elastic_input_is_one_line_exit_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert_usage_error(argv, message, capsys)
+
+
+@pytest.mark.parametrize(
+    ("flags", "names"),
+    [
+        (["--reset-limit", "2"], ["--reset-limit"]),
+        (["--elastic-timeout", "5"], ["--elastic-timeout"]),
+        (["--slots-per-host", "2"], ["--slots-per-host"]),
+        (["--blacklist-cooldown-range", "1", "10"], ["--blacklist-cooldown-range"]),
+        (
+            ["--slots=2", "--elastic-t", "5", "--reset-limit", "0"],
+            ["--slots-per-host", "--elastic-timeout", "--reset-limit"],
+        ),
+    ],
+)
+@pytest.mark.parametrize("program", ["true", "false"])
+def test_elastic_only_flags_on_a_fixed_job_are_noted_and_the_job_runs(
+    flags: list[str], names: list[str], program: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # horovodrun ignores them in a job that is not elastic: the command line must work.
+    code = run_cli(["-np", "2", *flags, program])
+    err = capsys.readouterr().err
+    assert code == (0 if program == "true" else 1)  # the job's own exit code
+    notes = [line for line in err.splitlines() if "has no effect" in line]
+    assert notes == [
+        f"hvdrun: note: {name} has no effect: the job is not elastic (--min-np, --max-np or "
+        "--host-discovery-script makes it elastic)"
+        for name in names
+    ]
 
 
 def test_discovery_script_failing_with_a_message(

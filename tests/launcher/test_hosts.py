@@ -23,6 +23,7 @@ from rendezvous.slots import SlotInfo, assign_slots
         ("a", [HostSpec("a", 1)]),
         (" a:2 , b ", [HostSpec("a", 2), HostSpec("b", 1)]),
         ("10.0.0.1:8,node-2.cluster:8", [HostSpec("10.0.0.1", 8), HostSpec("node-2.cluster", 8)]),
+        ("a:65536", [HostSpec("a", 65536)]),  # the most slots a host may have
     ],
 )
 def test_parse_hosts(text: str, expected: list[HostSpec]) -> None:
@@ -40,6 +41,12 @@ def test_parse_hosts(text: str, expected: list[HostSpec]) -> None:
         ("host:-2", "must be at least 1"),
         ("a:1,,b:1", "empty host entry"),
         ("a:1,a:2", "'a' is listed more than once"),
+        (
+            "a:1,b:99999999999999999999",
+            "slot count 99999999999999999999 in 'b:99999999999999999999' is above the limit "
+            "of 65536 slots per host",
+        ),
+        ("a:65537", "above the limit of 65536 slots per host"),
     ],
 )
 def test_parse_hosts_rejects(text: str, message: str) -> None:
@@ -128,6 +135,7 @@ def test_assign_slots_rejects_too_many() -> None:
             [HostSpec("10.0.0.1", 2), HostSpec("user@10.0.0.2", 3)],
         ),
         ("fe80::1 slots=2\n", [HostSpec("fe80::1", 2)]),
+        ("a:65535\na slots=1\n", [HostSpec("a", 65536)]),  # the most slots a host may have
         # a repeated host adds its slots, at the place of its first line (mpirun's rule)
         ("a slots=2\nb:1\na:3\na\n", [HostSpec("a", 6), HostSpec("b", 1)]),
     ],
@@ -147,6 +155,16 @@ def test_parse_hostfile(text: str, expected: list[HostSpec]) -> None:
         ("a max_slots=2\n", "hosts line 1: no slots= in 'a max_slots=2'"),
         ("a:2 slots=2\n", "gives slots twice"),
         ("b:1\na:\n", "hosts line 2: slot count missing in 'a:'"),
+        (
+            "a slots=99999999999999999999\n",
+            "hosts line 1: slot count 99999999999999999999 in 'a slots=99999999999999999999' "
+            "is above the limit of 65536 slots per host",
+        ),
+        (
+            "a:40000\nb:1\na:40000\n",
+            "hosts line 3: slot count 80000 in the lines of host 'a' together is above the "
+            "limit of 65536 slots per host",
+        ),
     ],
 )
 def test_parse_hostfile_rejects(text: str, message: str) -> None:

@@ -1,0 +1,95 @@
+"""The job's command, checked on this machine before any process starts.
+
+A program that does not exist ends hvdrun as a shell ends (``command not found``, exit 127);
+one that exists but cannot be run (a file without the execute bit, a directory) as a shell
+does too (``permission denied``, exit 126). For ``python [OPTIONS] script.py`` a missing
+script is refused (exit 2, what python exits with), wherever python's own options put it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+
+import click
+
+#: python's options that take no value and still run a script (``python -h`` lists them);
+#: they may be combined (``-uB``). Any other letter (``-c``, ``-m``, ``-h``, ``-V``) runs no
+#: script or is not python's: the check is then skipped.
+_PYTHON_FLAGS = frozenset("bBdEiIOPqRsSuvx")
+#: python's options that take a value, attached (``-Werror``) or as the next argument.
+_PYTHON_VALUE_OPTIONS = frozenset("WX")
+
+
+class CommandNotFound(click.ClickException):
+    exit_code = 127
+
+
+class CommandNotExecutable(click.ClickException):
+    exit_code = 126  # what a shell exits with for a command it finds but cannot run
+
+
+class ScriptNotFound(click.ClickException):
+    exit_code = 2  # what python itself exits with for a missing script
+
+
+def check_command(command: Sequence[str]) -> None:
+    """Catch a missing or unrunnable program, or a missing script, before any process starts."""
+    program = command[0]
+    if shutil.which(program) is None:
+        _not_runnable(program)
+    if os.path.basename(program).startswith("python"):
+        script = python_script(command[1:])
+        if script is not None and script.endswith(".py") and not os.path.exists(script):
+            raise ScriptNotFound(f"script not found: {script} (in {os.getcwd()})")
+
+
+def _not_runnable(program: str) -> None:
+    """Raises the error a shell gives for ``program``, which ``shutil.which`` did not find."""
+    # A bare name is looked up on PATH, where a file without the execute bit counts as found.
+    path = program if os.sep in program else shutil.which(program, mode=os.F_OK) or ""
+    if path and os.path.isdir(path):
+        raise CommandNotExecutable(f"permission denied: {program} is a directory")
+    if path and os.path.exists(path):
+        how = (
+            f"run it with python {program}, or chmod +x"
+            if program.endswith(".py")
+            else f"chmod +x {program}, or run it with its interpreter"
+        )
+        raise CommandNotExecutable(f"permission denied: {program} is not executable ({how})")
+    raise CommandNotFound(f"command not found: {program}")
+
+
+def python_script(args: Sequence[str]) -> str | None:
+    """The script ``python ARGS`` runs, past python's own options; None when it runs none
+    (``-c``, ``-m``, ``-`` for stdin, ``--help``) or an option is not one python has."""
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if arg == "--":
+            return args[index + 1] if index + 1 < len(args) else None
+        if arg == "--check-hash-based-pycs":  # python's one long option that takes a value
+            index += 2
+            continue
+        if arg.startswith("--"):
+            return None  # --help, --version and the like run no script; others: not python's
+        if arg == "-" or not arg.startswith("-"):
+            return None if arg == "-" else arg
+        takes_next = _short_options(arg[1:])
+        if takes_next is None:
+            return None
+        index += 2 if takes_next else 1
+    return None
+
+
+def _short_options(letters: str) -> bool | None:
+    """Reads one argument of python's short options (``-uB``, ``-Werror``, ``-W``): True when
+    the next argument is an option's value, None when no script follows or an option is
+    unknown."""
+    for position, letter in enumerate(letters):
+        if letter in _PYTHON_VALUE_OPTIONS:
+            return position == len(letters) - 1
+        if letter not in _PYTHON_FLAGS:
+            return None
+    return False
