@@ -277,7 +277,10 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         self._record_of(agent).agent_finished = True
 
     def after_events(self, now: float) -> None:
-        self._reconcile(now)
+        try:
+            self._reconcile(now)
+        except TimeoutError as error:  # (the server's loop starved: the next step decides)
+            log.warning("%s; deciding at the next step", error)
 
     def _abort_unclaimed_agents(self) -> None:
         """Aborts agents whose AgentCreated the loop never handled (it ended first): nobody

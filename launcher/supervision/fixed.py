@@ -158,13 +158,19 @@ class Supervisor(Supervision[HostEvent]):
         if self.server is None:
             return None
         key = worker_env.ENDED_BY_KEY_PREFIX + str(rank)
-        value = self.server.values_under(key).get(key)
+        try:
+            value = self.server.values_under(key).get(key)
+        except TimeoutError:
+            return None
         return int(value) if value is not None and value.isdigit() else None
 
     def _show_status(self) -> None:
         if self.server is None or self._registered >= len(self.host_of):
             return
-        registered = self.server.registered_count()
+        try:
+            registered = self.server.registered_count()
+        except TimeoutError:  # (a status line: the next step asks again)
+            return
         if registered != self._registered:
             self._registered = registered
             total = len(self.host_of)

@@ -28,6 +28,7 @@ servicer itself is used on the loop only.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -48,6 +49,10 @@ from rendezvous.tls import JobCertificate
 logger = logging.getLogger(LOGGER_NAME)
 
 _T = TypeVar("_T")
+
+#: How long a question to the server's loop (the supervisor's, about the job's state) waits
+#: for its answer; then it raises TimeoutError, which the supervisors ride out.
+ASK_SECONDS = 30.0
 
 
 def _check_slots(slots: Sequence[SlotInfo]) -> None:
@@ -246,7 +251,8 @@ class RendezvousServer:
         """``question()`` answered on the server's loop, which owns the job's state: callers
         on any other thread see it as the loop left it between two steps, with no lock. (Not
         from the loop's own thread.) A server never started has served nothing, so
-        ``unstarted`` is its answer."""
+        ``unstarted`` is its answer. Raises TimeoutError when the loop does not answer
+        within :data:`ASK_SECONDS` (a machine too loaded to run it)."""
         with self._state_lock:
             loop_thread = self._loop_thread
         if loop_thread is None:
@@ -255,7 +261,12 @@ class RendezvousServer:
         async def ask() -> _T:
             return question()
 
-        return loop_thread.run(ask(), timeout=30)
+        try:
+            return loop_thread.run(ask(), timeout=ASK_SECONDS)
+        except concurrent.futures.TimeoutError:  # (not TimeoutError itself before 3.11)
+            raise TimeoutError(
+                f"the rendezvous server did not answer within {ASK_SECONDS:g} s"
+            ) from None
 
     def __enter__(self) -> RendezvousServer:
         self.start()

@@ -262,10 +262,16 @@ class FakeServer:
     def __init__(self, values: dict[str, bytes]) -> None:
         self.values = values
 
+        self.busy = False  # its loop does not answer (a starved machine)
+
     def values_under(self, prefix: str) -> dict[str, bytes]:
+        if self.busy:
+            raise TimeoutError("the rendezvous server did not answer")
         return {key: value for key, value in self.values.items() if key.startswith(prefix)}
 
     def registered_count(self) -> int:
+        if self.busy:
+            raise TimeoutError("the rendezvous server did not answer")
         return 4
 
 
@@ -347,6 +353,18 @@ def test_fixed_job_names_the_rank_whose_leaving_ended_a_failed_ones_collectives(
     supervisor.step()
     assert supervisor.result.failure == WorkerFailure(first, "a", 1, None)
     assert a.calls == b.calls == ["terminate"]
+
+
+def test_fixed_job_rides_out_a_server_too_busy_to_answer() -> None:
+    # Its status line waits for the next step; a failure is decided without the hint.
+    a, b = FakeAgent("a"), FakeAgent("b")
+    server = FakeServer({worker_env.ENDED_BY_KEY_PREFIX + "1": b"0"})
+    server.busy = True
+    supervisor, _, _ = fixed(a, b, server=server)
+    supervisor.step()
+    put(supervisor, "a", Exit(1, 1))
+    supervisor.step()
+    assert supervisor.result.failure == WorkerFailure(1, "a", 1, None)
 
 
 def test_fixed_job_names_the_ranks_of_a_lost_agent() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from rendezvous.client import (
     RendezvousTimeout,
     RendezvousUnavailable,
 )
-from rendezvous.server import RendezvousServer
+from rendezvous.server import RendezvousServer, serving
+from rendezvous.server.loop import LoopThread
 from rendezvous.slots import assign_slots
 
 Metadata = tuple[tuple[str, str], ...]
@@ -363,3 +365,26 @@ def test_server_and_client_do_not_import_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert float(result.stdout) < 0.5  # start() binds and returns at once (~10 ms)
+
+
+def test_a_question_to_a_starved_server_loop_times_out(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The supervisors ask the server's loop about the job every step; a loop that cannot
+    answer (a machine too loaded to run it) gives them a TimeoutError to ride out, not a
+    wait without end or another exception type."""
+    monkeypatch.setattr(serving, "ASK_SECONDS", 0.2)
+    release = threading.Event()
+
+    async def block() -> None:
+        release.wait(5)  # (holds the loop, as a starved one is held)
+
+    loop = LoopThread.get()
+    future = asyncio.run_coroutine_threadsafe(block(), loop.loop)
+    try:
+        with pytest.raises(TimeoutError, match=r"did not answer within 0\.2 s"):
+            server.registered_count()
+    finally:
+        release.set()
+        future.result(5)
+    assert server.registered_count() == 0
