@@ -98,8 +98,15 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
+        """After the worker joined a new generation, before the state is synced: ``reset``,
+        then the reset callbacks."""
+        self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def reset(self) -> None:
+        """Horovod's hook for a subclass: rebuilds what depends on the job's ranks and size
+        (data shards, per-rank objects) after a reset, before the state is synced."""
 
     def commit(self) -> None:
         """Saves the state (the point a failure rolls back to), then checks for host updates."""

@@ -181,9 +181,15 @@ def load_model(
     custom_optimizers: Any = None,
     custom_objects: Any = None,
     compression: Any = None,
+    legacy_opts: bool = False,
 ) -> Any:
-    """``keras.models.load_model``, its optimizer wrapped in a DistributedOptimizer."""
-    model = _bridge.keras.models.load_model(filepath, custom_objects=custom_objects)
+    """``keras.models.load_model``, its optimizer wrapped in a DistributedOptimizer.
+    ``custom_optimizers``: optimizer classes of one's own that the saved model may use (as
+    ``custom_objects`` by their names; ``custom_objects`` wins). ``legacy_opts`` is accepted
+    for Horovod's scripts: the optimizer is wrapped whatever its kind."""
+    objects = {cls.__name__: cls for cls in custom_optimizers or ()}
+    objects.update(custom_objects or {})
+    model = _bridge.keras.models.load_model(filepath, custom_objects=objects or None)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not getattr(optimizer, "_hvd_distributed", False):
         DistributedOptimizer(optimizer, compression=compression)

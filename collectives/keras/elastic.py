@@ -14,6 +14,7 @@ from collectives.keras.callbacks import KerasCallback, optimizer_variables
 __all__ = [
     "CommitStateCallback",
     "KerasState",
+    "TensorFlowKerasState",
     "UpdateBatchStateCallback",
     "UpdateEpochStateCallback",
     "run",
@@ -60,6 +61,11 @@ class KerasState(VariablesState):
 
     def _broadcast_variables(self, variables: list[Any]) -> None:
         keras_backend.current().broadcast_variables(variables, root_rank=0)
+
+
+#: Horovod's Keras frontends export it too (their ``KerasState`` is a subclass of it); here
+#: one class serves every Keras backend.
+TensorFlowKerasState = KerasState
 
 
 class CommitStateCallback(KerasCallback):

@@ -45,6 +45,7 @@ def test_keras_fit_callbacks_and_optimizer(env: dict[str, str], checks: list[str
             "sync_batch_norm.name",
             "sync_batch_norm.fused_refused",
             "load_model.distributed",
+            "load_model.custom_optimizer",
             *checks,
         ],
     )

@@ -39,9 +39,16 @@ model.compile(
 )
 x = np.ones((STEPS * 2, 1), np.float32)
 y = np.zeros((STEPS * 2, 1), np.float32)
-state = hvd.elastic.KerasState(model, epoch=0, batch=0)
-resets: list[int] = []
-state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+resets: list[str] = []
+
+
+class State(hvd.elastic.TensorFlowKerasState):  # (Horovod's name for it, and its hook)
+    def reset(self) -> None:
+        resets.append(f"reset:{hvd.size()}")
+
+
+state = State(model, epoch=0, batch=0)
+state.register_reset_callbacks([lambda: resets.append(f"callback:{hvd.size()}")])
 
 
 class Report(keras.callbacks.Callback):  # type: ignore[misc]
@@ -84,6 +91,6 @@ train(state)
 weight = float(np.asarray(model.get_weights()[0]).ravel()[0])
 print(
     f"final rank={hvd.rank()} size={hvd.size()} epoch={state.epoch} weight={weight:g} "
-    f"resets={resets}",
+    f"resets={','.join(resets) or '-'}",
     flush=True,
 )

@@ -106,6 +106,17 @@ def main() -> None:
         model.save(path)
         loaded = hvd.load_model(path)
         c.expect("load_model.distributed", getattr(loaded.optimizer, "_hvd_distributed", False))
+        # An optimizer class of one's own, named in custom_optimizers (Horovod's keywords).
+        mine = type("OwnSGD", (keras.optimizers.SGD,), {})
+        model.compile(optimizer=mine(0.1), loss="mse")
+        model.save(path)
+        loaded = hvd.load_model(path, custom_optimizers=[mine], legacy_opts=False)
+        c.expect(
+            "load_model.custom_optimizer",
+            isinstance(loaded.optimizer, mine)
+            and getattr(loaded.optimizer, "_hvd_distributed", False),
+            type(loaded.optimizer),
+        )
     hvd.shutdown()
     c.finish(r)
 
