@@ -127,8 +127,11 @@ class HostAgent:
         """True once every started worker has exited and been reported."""
         return all(worker.exited.wait(timeout) for worker in list(self.workers))
 
-    def terminate(self, grace: float | None = None) -> None:
-        """SIGTERM every worker's process tree, SIGKILL what is left after ``grace`` seconds."""
+    def terminate(
+        self, grace: float | None = None, hurry: Callable[[], bool] | None = None
+    ) -> None:
+        """SIGTERM every worker's process tree, SIGKILL what is left after ``grace`` seconds,
+        or as soon as ``hurry()`` says so (hvdrun asked to kill meanwhile)."""
         grace = self.spec.term_grace if grace is None else grace
         with self._lock:
             self._terminating = True
@@ -137,7 +140,7 @@ class HostAgent:
         for worker, tree in zip(workers, trees, strict=False):
             _signal_tree(worker.proc.pid, tree, signal.SIGTERM)
         procs = [proc for tree in trees for proc in tree]
-        alive = _wait_gone(procs, grace)
+        alive = _wait_gone(procs, grace, hurry)
         for worker, tree in zip(workers, trees, strict=False):
             _signal_tree(worker.proc.pid, [p for p in tree if p in alive], signal.SIGKILL)
         self.wait(timeout=5.0)
@@ -170,12 +173,15 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
-def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """The processes still running after up to ``timeout`` s. Unlike psutil.wait_procs this
-    never reaps: a worker's exit status belongs to its Worker._wait thread."""
+def _wait_gone(
+    procs: list[psutil.Process], timeout: float, hurry: Callable[[], bool] | None = None
+) -> list[psutil.Process]:
+    """The processes still running after up to ``timeout`` s (less once ``hurry()`` is
+    true). Unlike psutil.wait_procs this never reaps: a worker's exit status belongs to its
+    Worker._wait thread."""
     deadline = time.monotonic() + timeout
     alive = [proc for proc in procs if _running(proc)]
-    while alive and time.monotonic() < deadline:
+    while alive and time.monotonic() < deadline and not (hurry is not None and hurry()):
         time.sleep(0.02)
         alive = [proc for proc in alive if _running(proc)]
     return alive

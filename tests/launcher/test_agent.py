@@ -152,6 +152,27 @@ def test_kill_skips_the_grace_period() -> None:
     agent.close()
 
 
+def test_a_kill_during_the_grace_period_ends_it() -> None:
+    # hvdrun's second Ctrl-C, while the workers ignore the first one's SIGTERM
+    agent = Agent()
+    agent.event()
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready'); time.sleep(60)"
+    )
+    agent.send(encode_request(RunRequest(spec(stubborn, term_grace=60))))
+    while agent.event().get("data") != "ready":
+        pass
+    agent.send(encode_request(TerminateRequest()))
+    time.sleep(0.3)
+    start = time.monotonic()
+    agent.send(encode_request(KillRequest()))
+    events = agent.events_until_done()
+    assert time.monotonic() - start < 5
+    assert {"ev": "exit", "rank": 0, "code": 137} in events
+    agent.close()
+
+
 def test_a_stop_while_workers_start_skips_the_ones_not_started_yet() -> None:
     agent = Agent()
     agent.event()
