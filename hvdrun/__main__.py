@@ -1,3 +1,3 @@
-from hvdrun.cli import main
+from hvdrun import main
 
 main()

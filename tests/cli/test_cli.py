@@ -330,3 +330,23 @@ def test_check_hosts_on_this_machine() -> None:
     assert lines[1].split()[:3] == ["localhost", "ok", ".".join(map(str, sys.version_info[:3]))]
     assert lines[1].split()[-2:] == ["lo", "127.0.0.1"]
     assert lines[-1] == "1 of 1 host(s) usable"
+
+
+def test_a_ctrl_c_while_the_cli_is_imported_exits_130_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.abc
+
+    import hvdrun
+
+    class Interrupted(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, *args: object) -> None:
+            if name == "hvdrun.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "hvdrun.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    with pytest.raises(SystemExit) as exited:
+        hvdrun.main()
+    assert exited.value.code == 130
