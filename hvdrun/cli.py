@@ -49,6 +49,7 @@ from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports
 from launcher.spec.hosts import (
     LOCAL_NAMES,
     MAX_PROCESSES,
+    MAX_SLOTS_PER_HOST,
     HostSpec,
     HostSpecError,
     is_local_host,
@@ -444,6 +445,12 @@ def resolve_hosts(
     if host_list is None:
         if num_proc is None:
             raise click.UsageError("give the number of processes with -np N (or hosts with -H)")
+        if num_proc > MAX_SLOTS_PER_HOST:  # (all on this machine: one host's slots)
+            raise click.BadParameter(
+                f"{num_proc} processes on this machine (no -H) is above the limit of "
+                f"{MAX_SLOTS_PER_HOST} slots per host",
+                param_hint="'-np'",
+            )
         return [HostSpec("localhost", num_proc)], num_proc
     total = sum(h.slots for h in host_list)
     if num_proc is None:

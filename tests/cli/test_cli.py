@@ -39,6 +39,11 @@ from tests.cli.conftest import assert_usage_error
         ),
         (["-np", "1048577", "true"], "1048577 is above the limit of 1048576 processes"),
         (
+            ["-np", "65537", "true"],
+            "invalid '-np': 65537 processes on this machine (no -H) is above the limit of "
+            "65536 slots per host",
+        ),
+        (
             ["-H", "localhost:99999999999999999999", "true"],
             "invalid '-H': slot count 99999999999999999999 in 'localhost:99999999999999999999' "
             "is above the limit of 65536 slots per host",
