@@ -179,6 +179,11 @@ class Placement:
     job_key: str = ""
     #: torchrun's agent serves a TCPStore on MASTER_ADDR:MASTER_PORT.
     agent_store: bool = False
+    #: torchrun: the agent that started this process (``GROUP_RANK``). Its ``LOCAL_RANK``\ s
+    #: number that agent's processes only, and one host may run several agents (Spark's
+    #: TorchDistributor with two tasks on an executor): they are local peers of each other
+    #: only, as torchrun sees them.
+    agent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -330,6 +335,7 @@ def _torchrun(env: Mapping[str, str], elastic_agent: bool) -> Placement | None:
         master_port=port,
         job_key=f"torchrun/{run_id}/{restarts}" if elastic_agent else f"env/{addr}/{port}",
         agent_store=elastic_agent and env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        agent=(env.get("GROUP_RANK", "").strip() or None) if elastic_agent else None,
     )
 
 

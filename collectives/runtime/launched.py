@@ -372,12 +372,13 @@ def join(placement: Placement, host: str) -> Joined:
             dial = join_addr(loopback, servers[0].port)
         client = RendezvousClient(dial, meeting.secret, meeting.job_id)
         local_rank = placement.local_rank if placement.local_rank is not None else -1
+        peers = placement.host or host  # (what this rank's local peers have in common)
+        if placement.agent is not None:
+            peers = f"{peers}#agent{placement.agent}"
         while True:
             remaining = deadline - time.monotonic()
             try:
-                info = client.register(
-                    placement.host or host, local_rank, timeout=max(remaining, 0.1), rank=rank
-                )
+                info = client.register(peers, local_rank, timeout=max(remaining, 0.1), rank=rank)
                 break
             except RendezvousUnavailable as error:
                 if time.monotonic() + RETRY_SECONDS >= deadline:

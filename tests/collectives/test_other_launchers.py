@@ -270,6 +270,34 @@ def test_torchrun() -> None:
         assert f"ALL OK rank {rank}:" in output, output
 
 
+def test_two_torchrun_agents_on_one_host() -> None:
+    """Two torchrun nodes on one machine (Spark's TorchDistributor with two tasks on one
+    executor): each agent's process has LOCAL_RANK 0, and each agent is a node of its own,
+    as torchrun sees it."""
+    port = str(free_port())
+    agents = [
+        subprocess.Popen(
+            [
+                *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"),
+                *("--nproc-per-node", "1", "--node-rank", str(node)),
+                *("--master-addr", "127.0.0.1", "--master-port", port, WORKER),
+            ],
+            env=clean_env(),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    codes, output = finish(agents, timeout=180)
+    assert codes == [0, 0], output
+    host = socket.gethostname()
+    assert identities(output) == {0: (2, 0, 1, 0, 2, host), 1: (2, 0, 1, 1, 2, host)}, output
+    for rank in range(2):
+        assert f"ALL OK rank {rank}:" in output, output
+
+
 def start_pods(size: int, *args: str, port: int, **extra: str) -> list[subprocess.Popen[str]]:
     """One process per rank with what a Kubernetes PyTorchJob gives its pods."""
     procs = []
