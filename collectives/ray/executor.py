@@ -323,6 +323,7 @@ class RayExecutor:
     ) -> list[Any]:
         """``fn(*args, **kwargs)`` on every worker; the results in rank order."""
         _no_callbacks(callbacks)
+        self._started("run()")
         return self._gather(self.run_remote(fn, args, kwargs), "run()")
 
     def run_remote(

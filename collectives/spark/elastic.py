@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
@@ -72,16 +73,24 @@ def run_elastic(
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
     verbose: int = 1,
-    prefix_output_with_timestamp: bool = False,
-    executable: str | None = None,
-    *,
     nics: Any = None,
+    prefix_output_with_timestamp: bool = False,
+    min_np: int | None = None,
+    max_np: int | None = None,
+    *,
+    executable: str | None = None,
 ) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` as an elastic job of ``num_proc`` workers (at least
     ``min_num_proc``, at most ``max_num_proc``; both default to ``num_proc``, which defaults
     to ``spark.default.parallelism``), one per Spark task; ``fn`` uses ``hvd.elastic.run``.
     Returns the results of the last generation's workers in rank order."""
     what = ElasticDriver.WHAT
+    if min_np is not None:  # (Horovod's older names, deprecated there too)
+        warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning, 2)
+        min_num_proc = min_np if min_num_proc is None else min_num_proc
+    if max_np is not None:
+        warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, 2)
+        max_num_proc = max_np if max_num_proc is None else max_num_proc
     env = horovod_options(what, env, None, None, nics)
     context = active_context(what)
     size = num_proc_of(num_proc, context, what)

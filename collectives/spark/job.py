@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import logging
 import queue
 import sys
@@ -337,6 +338,13 @@ class Driver:
                 "each worker"
             )
         self.verbose = verbose
+        for name, stream in (("stdout", stdout), ("stderr", stderr)):
+            if isinstance(stream, io.RawIOBase | io.BufferedIOBase):
+                raise TypeError(
+                    f"{self.WHAT}: {name} must be a text stream (such as sys.stdout or "
+                    f"io.StringIO()), got a binary one ({type(stream).__name__}): the workers' "
+                    "lines are text"
+                )
         self.output = _Output(stdout, stderr, prefix_output_with_timestamp)
         self.events: queue.Queue[Any] = queue.Queue()
         self.secret = worker_env.new_secret()

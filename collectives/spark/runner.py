@@ -62,17 +62,16 @@ def run(
     kwargs: Mapping[str, Any] | None = None,
     num_proc: int | None = None,
     start_timeout: float | None = None,
+    use_mpi: bool | None = None,
+    use_gloo: bool | None = None,
+    extra_mpi_args: str | None = None,
     env: Mapping[str, Any] | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
     verbose: int = 1,
+    nics: Any = None,
     prefix_output_with_timestamp: bool = False,
     executable: str | None = None,
-    *,
-    use_mpi: bool | None = None,
-    use_gloo: bool | None = None,
-    extra_mpi_args: str | None = None,
-    nics: Any = None,
 ) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` in ``num_proc`` processes, one per Spark task, as one
     hvdrun job; returns their results in rank order.

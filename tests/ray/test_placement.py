@@ -89,3 +89,5 @@ def test_extra_env_vars_cannot_override_the_job_placement() -> None:
         executor.start(extra_env_vars={"RANK": 3, "HVDRUN_SECRET": "x", "OK": 1})
     with pytest.raises(RuntimeError, match=r"execute\(\): the executor is not started"):
         executor.execute(lambda worker: None)
+    with pytest.raises(RuntimeError, match=r"RayExecutor\.run\(\): the executor is not started"):
+        executor.run(print)

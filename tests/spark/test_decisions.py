@@ -236,3 +236,47 @@ def test_horovods_network_arguments_map_onto_the_workers_environment() -> None:
     assert horovod_options("run()", None, False, None, None) == {}
     with pytest.raises(ValueError, match="use_mpi and extra_mpi_args are not supported"):
         horovod_options("run()", None, True, None, None)
+
+
+def test_run_and_run_elastic_take_horovods_arguments_in_horovods_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A positional call written for horovod.spark means the same here."""
+    import inspect
+
+    from collectives import spark as hvd_spark
+    from collectives.spark import elastic as spark_elastic
+
+    def positional(fn: Any) -> list[str]:
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds]
+
+    assert positional(hvd_spark.run) == [
+        "fn", "args", "kwargs", "num_proc", "start_timeout", "use_mpi", "use_gloo",
+        "extra_mpi_args", "env", "stdout", "stderr", "verbose", "nics",
+        "prefix_output_with_timestamp", "executable",
+    ]  # fmt: skip
+    assert positional(hvd_spark.run_elastic) == [
+        "fn", "args", "kwargs", "num_proc", "min_num_proc", "max_num_proc", "start_timeout",
+        "elastic_timeout", "reset_limit", "env", "stdout", "stderr", "verbose", "nics",
+        "prefix_output_with_timestamp", "min_np", "max_np",
+    ]  # fmt: skip
+    # Horovod's deprecated names still work, with its warning, and mean the new ones.
+    monkeypatch.setattr(spark_elastic, "active_context", lambda what: None)
+    monkeypatch.setattr(spark_elastic, "num_proc_of", lambda *args: 2)
+    with (
+        pytest.warns(DeprecationWarning, match="min_np is deprecated, use min_num_proc"),
+        pytest.raises(ValueError, match="need min_num_proc <= num_proc <= max_num_proc, got 3"),
+    ):
+        hvd_spark.run_elastic(print, num_proc=2, min_np=3)
+
+
+def test_a_binary_output_stream_is_refused_before_the_job_starts() -> None:
+    import io
+
+    from collectives.spark.job import Driver
+
+    for name in ("stdout", "stderr"):
+        streams: dict[str, Any] = {"stdout": None, "stderr": None, name: io.BytesIO()}
+        with pytest.raises(TypeError, match=f"{name} must be a text stream"):
+            Driver(None, env=None, prefix_output_with_timestamp=False, verbose=1, **streams)
