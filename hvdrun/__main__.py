@@ -1,3 +1,3 @@
-from hvdrun import main
+from hvdrun.command import main
 
 main()

@@ -342,7 +342,7 @@ def test_a_ctrl_c_while_the_cli_is_imported_exits_130_without_a_traceback(
 ) -> None:
     import importlib.abc
 
-    import hvdrun
+    from hvdrun import command
 
     class Interrupted(importlib.abc.MetaPathFinder):
         def find_spec(self, name: str, *args: object) -> None:
@@ -353,5 +353,5 @@ def test_a_ctrl_c_while_the_cli_is_imported_exits_130_without_a_traceback(
     monkeypatch.delitem(sys.modules, "hvdrun.cli")
     monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
     with pytest.raises(SystemExit) as exited:
-        hvdrun.main()
+        command.main()
     assert exited.value.code == 130

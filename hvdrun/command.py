@@ -1,0 +1,17 @@
+"""The ``hvdrun`` command's entry point, apart from the CLI it imports.
+
+A Ctrl-C while the CLI is still being imported ends the command as a Ctrl-C later does
+(exit 130), with no traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    try:
+        from hvdrun.cli import run_cli
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(run_cli())
