@@ -65,8 +65,10 @@ __all__ = [
     "expand_tasks_per_node",
     "in_slurm_step",
     "is_foreign",
+    "local_peers",
     "node_address",
     "slurm_allocation",
+    "torchrun_agent",
 ]
 
 #: The values ``HVDRUN_LAUNCHER`` accepts.
@@ -179,11 +181,21 @@ class Placement:
     job_key: str = ""
     #: torchrun's agent serves a TCPStore on MASTER_ADDR:MASTER_PORT.
     agent_store: bool = False
-    #: torchrun: the agent that started this process (``GROUP_RANK``). Its ``LOCAL_RANK``\ s
-    #: number that agent's processes only, and one host may run several agents (Spark's
-    #: TorchDistributor with two tasks on an executor): they are local peers of each other
-    #: only, as torchrun sees them.
+    #: torchrun: the agent that started this process (:func:`torchrun_agent`; see
+    #: :func:`local_peers`).
     agent: str | None = None
+
+
+def torchrun_agent(env: Mapping[str, str]) -> str | None:
+    """The torchrun agent that started this process (``GROUP_RANK``), if one did."""
+    return env.get("GROUP_RANK", "").strip() or None
+
+
+def local_peers(host: str, agent: str | None) -> str:
+    """What a rank's local peers have in common: its host, and under torchrun its agent,
+    whose ``LOCAL_RANK``\\ s number only that agent's processes (one host may run several
+    agents: Spark's TorchDistributor with two tasks on an executor)."""
+    return f"{host}#agent{agent}" if agent else host
 
 
 @dataclass(frozen=True)
@@ -335,7 +347,7 @@ def _torchrun(env: Mapping[str, str], elastic_agent: bool) -> Placement | None:
         master_port=port,
         job_key=f"torchrun/{run_id}/{restarts}" if elastic_agent else f"env/{addr}/{port}",
         agent_store=elastic_agent and env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-        agent=(env.get("GROUP_RANK", "").strip() or None) if elastic_agent else None,
+        agent=torchrun_agent(env) if elastic_agent else None,
     )
 
 

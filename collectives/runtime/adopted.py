@@ -108,11 +108,9 @@ def check_environment(rank: int, size: int, env: Mapping[str, str]) -> str:
 
 
 def _identity(env: Mapping[str, str]) -> str:
-    """What this process's local peers have in common: its host, and under torchrun its
-    agent (``GROUP_RANK``), whose ``LOCAL_RANK``\\ s number only that agent's processes."""
+    """What this process's local peers have in common (see ``launchers.local_peers``)."""
     host = env.get(worker_env.HOSTNAME) or socket.gethostname()
-    agent = env.get("GROUP_RANK", "").strip()
-    return f"{host}#agent{agent}" if agent else host
+    return launchers.local_peers(host, launchers.torchrun_agent(env))
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:

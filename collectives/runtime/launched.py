@@ -372,9 +372,7 @@ def join(placement: Placement, host: str) -> Joined:
             dial = join_addr(loopback, servers[0].port)
         client = RendezvousClient(dial, meeting.secret, meeting.job_id)
         local_rank = placement.local_rank if placement.local_rank is not None else -1
-        peers = placement.host or host  # (what this rank's local peers have in common)
-        if placement.agent is not None:
-            peers = f"{peers}#agent{placement.agent}"
+        peers = launchers.local_peers(placement.host or host, placement.agent)
         while True:
             remaining = deadline - time.monotonic()
             try:

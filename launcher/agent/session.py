@@ -316,7 +316,7 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
         if control.stop.is_set() or emit.broken.is_set():
             reason = control.reason or "hvdrun stopped reading"
             note(f"stopping workers: {reason}")
-            agent.terminate(grace=0.0 if control.kill else None, hurry=lambda: control.kill)
+            agent.terminate(hurry=lambda: control.kill)  # (no grace once asked to kill)
     finally:
         if relay is not None:
             relay.stop()
