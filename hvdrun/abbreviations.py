@@ -169,17 +169,28 @@ class _AbbreviatingParser(_ClickParser):
             state.rargs.insert(0, arg[3:])
             super()._match_short_opt(arg[:2], state)
             return
+        if option is not None and option.takes_value and len(arg) > 2:
+            self._check_attached_value(option, arg)
         try:
             super()._match_short_opt(arg, state)
         except click.NoSuchOption:
             if len(arg) <= 2:
                 raise
-            word = arg.split("=", 1)[0]
-            offered = suggestions(word, {**self._short_opt, **self._long_opt})
-            hint = f" (did you mean {_one_of(offered)}?)" if offered else ""
-            raise click.NoSuchOption(
-                word, message=f"no such option: {word}{hint}", ctx=self.ctx
-            ) from None
+            self._no_such_word(arg.split("=", 1)[0])
+
+    def _check_attached_value(self, option: Any, arg: str) -> None:
+        """``-port 22`` is ``-p ort`` to argparse and click alike; where ``ort`` is no value
+        of ``-p`` and the whole word resembles an option, the word is what was mistyped."""
+        try:
+            option.obj.type.convert(arg[2:], None, self.ctx)
+        except click.BadParameter:
+            if suggestions(arg, {**self._short_opt, **self._long_opt}):
+                self._no_such_word(arg)
+
+    def _no_such_word(self, word: str) -> None:
+        offered = suggestions(word, {**self._short_opt, **self._long_opt})
+        hint = f" (did you mean {_one_of(offered)}?)" if offered else ""
+        raise click.NoSuchOption(word, message=f"no such option: {word}{hint}", ctx=self.ctx)
 
 
 class AbbreviatingCommand(click.Command):

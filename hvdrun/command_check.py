@@ -58,6 +58,10 @@ def _not_runnable(program: str) -> None:
             else f"chmod +x {program}, or run it with its interpreter"
         )
         raise CommandNotExecutable(f"permission denied: {program} is not executable ({how})")
+    if os.sep not in program and os.path.isfile(program):
+        # A shell does not look in the working directory for a bare name either; say so.
+        how = f"python {program}" if program.endswith(".py") else f"./{program}"
+        raise CommandNotFound(f"command not found: {program} (a file here: run it as {how})")
     raise CommandNotFound(f"command not found: {program}")
 
 

@@ -184,6 +184,8 @@ def test_a_flag_given_a_value_after_equals_says_so(capsys: pytest.CaptureFixture
         ("-num-proc", "no such option: -num-proc (did you mean -np or --num-proc?)"),
         ("-ssh-port", "no such option: -ssh-port (did you mean -p or --ssh-port?)"),
         ("-host=a:1", "no such option: -host (did you mean -H, --hosts or -hostfile?)"),
+        # -p takes a port: "ort" is none, so the word was mistyped, not -p's value.
+        ("-port", "no such option: -port (did you mean -p, --ssh-port or --no-report?)"),
         ("-zzzz", "no such option: -zzzz\n"),
     ],
 )

@@ -100,6 +100,23 @@ def test_missing_command_and_script(capsys: pytest.CaptureFixture[str]) -> None:
     assert "hvdrun: error: script not found: missing_script.py" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("name", "how"), [("train.py", "python train.py"), ("train", "./train")])
+def test_a_bare_name_of_a_file_here_is_not_found_with_the_way_to_run_it(
+    name: str,
+    how: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text("print('ran')\n")
+    (tmp_path / name).chmod(0o755)
+    assert run_cli(["-np", "2", name]) == 127  # as a shell exits: PATH has no "."
+    assert capsys.readouterr().err == (
+        f"hvdrun: error: command not found: {name} (a file here: run it as {how})\n"
+    )
+
+
 def test_absurd_slot_count_in_a_hostfile_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
