@@ -176,7 +176,10 @@ class CycleRunner:
         start = time.monotonic()
         held, new, flags = self.queue.take()
         self.cycle_no += 1
-        tl = self.dispatch.tl = self._timeline.current
+        whole = self._timeline.current
+        tl = self.dispatch.tl = (
+            whole.rows_of(self.group.process_set_id) if whole is not None else None
+        )
         if tl is not None:
             self.dispatch.round_id = f"{self.group.process_set_id}:{self.cycle_no}"
             tl.cycle(start)

@@ -25,7 +25,7 @@ from collectives.engine.fusion import Bucket, Work, plan
 from collectives.engine.negotiation import Entry
 from collectives.engine.queue import Submissions
 from collectives.engine.requests import Kind, Request, check_alltoall, label
-from collectives.engine.timeline import Timeline
+from collectives.engine.timeline import SetRows, Timeline
 from collectives.errors import InvalidArgumentsError
 
 __all__ = ["Controls", "Dispatch"]
@@ -57,7 +57,7 @@ class Dispatch:
         self.executor = Executor(self.trace_phase, group, data_pg)
         #: The engine's timeline as the runner read it at the start of the cycle, and the
         #: cycle's round ("set:cycle", alike on every member) for its NEGOTIATE phases.
-        self.tl: Timeline | None = None
+        self.tl: Timeline | SetRows | None = None
         self.round_id = ""
         self.controls = controls
         self.fusion_threshold = fusion_threshold
@@ -113,8 +113,11 @@ class Dispatch:
         """Runs the ops a cache round agreed on; the riders' results are already in."""
         if riders:
             self.queue.finished(riders)
-            if self.tl is not None:
-                self._negotiated(self.tl, riders, now)
+            tl = self.tl
+            if tl is not None:
+                self._negotiated(tl, riders, now)
+                for request in riders:  # (reduced with the round: no queue to wait in)
+                    tl.end(request.name, "QUEUE", now)
             for request in riders:
                 self.complete(request, None)
             if len(riders) == len(agreed):  # (riders are among the agreed ops)
@@ -170,7 +173,7 @@ class Dispatch:
             self.complete(control, None, result)
         self.current = []
 
-    def _negotiated(self, tl: Timeline, requests: list[Request], now: float) -> None:
+    def _negotiated(self, tl: Timeline | SetRows, requests: list[Request], now: float) -> None:
         """Every member announced ``requests`` together (the timeline's ticks)."""
         seen = dict.fromkeys(self.group.ranks, now)
         for request in requests:

@@ -308,6 +308,29 @@ def test_timeline_is_valid_json_after_every_flush(tmp_path: Path) -> None:
     assert json.loads(path.read_text()) == events
 
 
+def test_one_op_name_in_two_process_sets_is_two_timeline_rows(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    timeline = Timeline(str(path))
+    assert timeline.rows_of(0) is timeline
+    one, two = timeline.rows_of(1), timeline.rows_of(2)
+    one.begin("allreduce.x", "NEGOTIATE_ALLREDUCE", 1.0)
+    two.begin("allreduce.x", "NEGOTIATE_ALLREDUCE", 1.1)
+    one.negotiated("allreduce.x", "ALLREDUCE", {0: 1.0, 1: 1.2}, 1.2, "1:1")
+    two.end("allreduce.x", "QUEUE", 1.3)  # set 2's op is not queued yet: nothing to end
+    one.end("allreduce.x", "QUEUE", 1.3)
+    one.end("allreduce.x", "ALLREDUCE", 1.4)
+    timeline.close()
+    events = json.loads(path.read_text())
+    rows = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    assert set(rows) == {
+        "negotiation cycles", "allreduce.x (process set 1)", "allreduce.x (process set 2)",
+    }  # fmt: skip
+    ended = [
+        e for e in events if e.get("pid") == rows["allreduce.x (process set 1)"] and e["ph"] == "E"
+    ]
+    assert [e["name"] for e in ended] == ["NEGOTIATE_ALLREDUCE", "QUEUE", "ALLREDUCE"]
+
+
 def test_entry_key_matches_table_key() -> None:
     entry = Entry(Kind.BARRIER, "barrier.noname.0", 2, (2, "barrier.noname.0"), 0, 0.0)
     assert entry.key == (entry.process_set_id, entry.name)

@@ -189,6 +189,8 @@ def _check_trace(events: list[dict[str, Any]]) -> dict[str, list[str]]:
         assert event["ts"] >= last.get(pid, 0.0), (names[pid], event)
         last[pid] = event["ts"]
         if event["ph"] == "B":
+            if event["name"].startswith("NEGOTIATE_"):  # an op's uses of a name are one by one
+                assert not stacks.get(pid), (names[pid], stacks[pid], event)
             stacks.setdefault(pid, []).append(event["name"])
             phases.setdefault(names[pid], []).append(event["name"])
         elif event["ph"] == "E":
@@ -255,6 +257,8 @@ def test_tuning_flags_and_timeline(tmp_path: Path) -> None:
     tiny = [phases[f"allreduce.first.tiny.{i}"] for i in range(5)]
     assert any("REDUCE_FROM_NEGOTIATION" in row for row in tiny), tiny
     assert all("NEGOTIATE_ALLREDUCE" in row and "ALLREDUCE" in row for row in tiny), tiny
+    # An op repeated under one name runs from the response cache: each use ends its phases.
+    assert phases["allreduce.first.repeat"].count("NEGOTIATE_ALLREDUCE") == 6
     assert "MEMCPY_IN_FUSION_BUFFER" not in phases["allreduce.first.large"]
     assert "GLOO_ALLREDUCE" in phases["allreduce.first.large"]
     for row, phase in [

@@ -31,6 +31,8 @@ def run_ops(prefix: str, r: int, n: int) -> None:
         hvd.synchronize(handle)
     for i in range(5):  # tiny: their data rides with the negotiation
         hvd.allreduce(torch.ones(3), name=f"{prefix}.tiny.{i}")
+    for _ in range(6):  # one name again and again: the response cache's rounds
+        hvd.allreduce(torch.ones(3), name=f"{prefix}.repeat")
     hvd.allreduce(torch.ones(400_000), name=f"{prefix}.large")  # 1.6 MB: over 1 MB, in place
     hvd.grouped_allreduce([torch.ones(3), torch.ones(4)], name=f"{prefix}.grouped")
     hvd.allgather(torch.ones(r + 1, 2), name=f"{prefix}.gather")
