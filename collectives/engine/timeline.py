@@ -186,7 +186,7 @@ class SetRows:
     """A process set's rows of a :class:`Timeline`: an op ``name`` of set 2 is recorded on
     the row ``name (process set 2)``."""
 
-    __slots__ = ("timeline", "_suffix")
+    __slots__ = ("_suffix", "timeline")
 
     def __init__(self, timeline: Timeline, process_set_id: int) -> None:
         self.timeline = timeline
