@@ -76,16 +76,21 @@ class ReportFlags:
 
     def check(self, env: Mapping[str, str], local: bool) -> None:
         """A report file's directory must exist or be creatable, before the job starts; so
-        must the timeline's where every rank runs on this machine (``local``: elsewhere the
-        ranks' hosts write it, and a rank that cannot says so and writes none)."""
+        must the timeline's and the autotune log's where every rank runs on this machine
+        (``local``: elsewhere the ranks' hosts write them, and a rank that cannot says so and
+        writes none)."""
         if self.report_file is not None:
             directory = os.path.dirname(os.path.abspath(self.report_file))
             creatable_directory(directory, "--report-file")
-        timeline = worker_env.setting(worker_env.TIMELINE, env)
-        if local and timeline:
-            directory = os.path.dirname(os.path.abspath(timeline))
-            if "{rank}" not in directory:
-                creatable_directory(directory, "--timeline-filename")
+        for name, option in (
+            (worker_env.TIMELINE, "--timeline-filename"),
+            (worker_env.AUTOTUNE_LOG, "--autotune-log-file"),
+        ):
+            path = worker_env.setting(name, env)
+            if local and path:
+                directory = os.path.dirname(os.path.abspath(path))
+                if "{rank}" not in directory:
+                    creatable_directory(directory, option)
 
     def options(self) -> ReportOptions:
         from launcher.supervision.insight import ReportOptions
@@ -96,8 +101,8 @@ class ReportFlags:
 
 def creatable_directory(path: str, option: str) -> None:
     """Creates the directory an option writes into (``--report-file``'s,
-    ``--output-filename``, ``--timeline-filename``'s), before the job starts; a usage error
-    naming the option when it cannot be."""
+    ``--output-filename``, ``--timeline-filename``'s, ``--autotune-log-file``'s), before the
+    job starts; a usage error naming the option when it cannot be."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:

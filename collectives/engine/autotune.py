@@ -26,8 +26,11 @@ the same values. Rank 0 writes one CSV row per sample (``--autotune-log-file``).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -172,20 +175,34 @@ class Autotuner:
         self._log: Any = None
         self._writer: Any = None
         if rank == 0 and log_file:
+            self._open_log(log_file)
+
+    def _open_log(self, log_file: str) -> None:
+        """Opens the log, creating its directory; a rank that cannot says so and tunes on
+        without it (as with the timeline: the path is a setting of the whole job)."""
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
             self._log = open(log_file, "w", newline="")  # noqa: SIM115 -- lives with the job
-            self._writer = csv.writer(self._log)
-            self._writer.writerow(
-                [
-                    "sample",
-                    "phase",
-                    "fusion_threshold_mb",
-                    "cycle_time_ms",
-                    "cache_enabled",
-                    "mb_per_s",
-                    "score",
-                ]
-            )
-            self._log.flush()
+        except OSError as error:
+            with contextlib.suppress(Exception):  # (stderr may be closed)
+                sys.stderr.write(
+                    f"hvdrun: rank 0 writes no autotune log: {error.strerror or error}: "
+                    f"{error.filename or log_file}\n"
+                )
+            return
+        self._writer = csv.writer(self._log)
+        self._writer.writerow(
+            [
+                "sample",
+                "phase",
+                "fusion_threshold_mb",
+                "cycle_time_ms",
+                "cache_enabled",
+                "mb_per_s",
+                "score",
+            ]
+        )
+        self._log.flush()
 
     def step(self, nbytes: int) -> bool:
         """One cycle that ran ops (``nbytes`` of data on this rank); True at a sample's end,

@@ -159,15 +159,18 @@ def test_report_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert output_section.index("--report-file") < output_section.index("Logging:")
 
 
-@pytest.mark.parametrize("option", ["--report-file", "--timeline-filename"])
+@pytest.mark.parametrize(
+    "option", ["--report-file", "--timeline-filename", "--autotune-log-file"]
+)
 def test_an_output_file_whose_directory_cannot_be_made_is_a_usage_error(
     option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # (the timeline's only for a job that runs on this machine: elsewhere its hosts write it)
+    # (the timeline's and the autotune log's only for a job that runs on this machine:
+    # elsewhere its hosts write them)
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert_usage_error(
-        [option, str(blocker / "out.json"), "-np", "1", "true"],
+        [option, str(blocker / "out.json"), "--autotune", "-np", "1", "true"],
         f"invalid '{option}': cannot create",
         capsys,
     )

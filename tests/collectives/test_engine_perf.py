@@ -175,6 +175,25 @@ def test_autotuner_skips_warmup_and_settles_on_the_best(tmp_path: Path) -> None:
     assert chosen[0] == start and chosen[2] == start and chosen[1] != start
 
 
+def test_the_autotune_log_makes_its_directory_or_tuning_goes_on_without_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start = Setting(1024 * 1024, 20.0, True)
+    knobs = {"warmup_samples": 0, "steps_per_sample": 2, "max_samples": 3, "noise": 0.5}
+    nested = tmp_path / "new" / "dir" / "tune.csv"
+    Autotuner(0, start, **knobs, log_file=str(nested)).close()
+    assert nested.read_text().startswith("sample,phase,")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    tuner = Autotuner(0, start, **knobs, log_file=str(blocker / "tune.csv"))
+    assert not tuner.step(100) and tuner.step(100)
+    tuner.apply(tuner.decide(), tuner.finishing)  # tunes on, with nothing to write
+    tuner.close()
+    assert capsys.readouterr().err == (
+        f"hvdrun: rank 0 writes no autotune log: File exists: {blocker}\n"
+    )
+
+
 def test_response_cache_evicts_least_recently_used_into_the_same_index() -> None:
     cache = ResponseCache(2)
     a, b, c = [key_of(Kind.ALLREDUCE, 0, f"allreduce.{n}", "sig", "")[0] for n in "abc"]
