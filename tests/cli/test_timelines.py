@@ -159,9 +159,7 @@ def test_report_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert output_section.index("--report-file") < output_section.index("Logging:")
 
 
-@pytest.mark.parametrize(
-    "option", ["--report-file", "--timeline-filename", "--autotune-log-file"]
-)
+@pytest.mark.parametrize("option", ["--report-file", "--timeline-filename", "--autotune-log-file"])
 def test_an_output_file_whose_directory_cannot_be_made_is_a_usage_error(
     option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
