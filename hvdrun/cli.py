@@ -65,7 +65,13 @@ from launcher.spec.options import (
 )
 from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
 from rendezvous.launchers import DetectionError, slurm_allocation
-from rendezvous.worker_env import RENDEZVOUS_LOST_AFTER_SECONDS, variable
+from rendezvous.worker_env import (
+    PREFIX,
+    RENDEZVOUS_LOST_AFTER_SECONDS,
+    check_settings,
+    setting_names,
+    variable,
+)
 
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
@@ -311,6 +317,10 @@ def cli(
         env[variable(RENDEZVOUS_LOST_AFTER_SECONDS)] = f"{heartbeat_timeout:g}"
     for name, value in config_env(click.get_current_context()).items():
         env.setdefault(name, value)
+    try:
+        check_settings(env)  # as every worker will read them, before any starts
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     launch = LaunchOptions(
         ssh=SSHOptions(ssh_port, identity_files, ssh_config_file, ssh_host_key_policy),
         start_timeout=start_timeout,
@@ -522,7 +532,17 @@ def worker_env(
     except EnvSpecError as exc:
         raise click.BadParameter(str(exc), param_hint="'-x'") from None
     env = forwarded_env(os.environ, exported)
-    env.update(tuning_env(**tuning))
+    # A flag given on the command line wins over -x; -x wins over the config file's value.
+    ctx = click.get_current_context()
+    from_file = {
+        name: value
+        for name, value in tuning.items()
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT_MAP
+    }
+    env.update(tuning_env(**{k: v for k, v in tuning.items() if k not in from_file}))
+    for name, value in tuning_env(**from_file).items():
+        if not any(spelling in exported for spelling in setting_names(name[len(PREFIX) :])):
+            env[name] = value
     if network_interface:
         env["GLOO_SOCKET_IFNAME"] = network_interface
         env["NCCL_SOCKET_IFNAME"] = network_interface

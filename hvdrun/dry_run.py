@@ -74,24 +74,65 @@ def describe_reach(hostname: str, launch: LaunchOptions) -> str:
     return ", ".join(part for part in parts if part)
 
 
+def _default(name: str) -> str:
+    value = we.NUMBERS[name].default
+    return str(int(value)) if value == int(value) else f"{value:g}"
+
+
 #: (setting, label, default, unit): what the workers' runtime reads.
 TUNING: tuple[tuple[str, str, str, str], ...] = (
-    (we.FUSION_THRESHOLD, "fusion threshold", str(128 * 1024 * 1024), "bytes"),
-    (we.CYCLE_TIME, "cycle time", "1", "ms"),
+    (we.FUSION_THRESHOLD, "fusion threshold", _default(we.FUSION_THRESHOLD), "bytes"),
+    (we.CYCLE_TIME, "cycle time", _default(we.CYCLE_TIME), "ms"),
+    (we.CACHE_CAPACITY, "response cache", _default(we.CACHE_CAPACITY), "ops"),
     (we.CUDA_BACKEND, "CUDA tensors through", "nccl where there are GPUs", ""),
     (we.TIMELINE, "timeline", "off", ""),
     (we.TIMELINE_MARK_CYCLES, "timeline marks cycles", "0", ""),
     (we.TIMELINE_ALL_RANKS, "timeline of every rank", "0", ""),
     (we.STALL_CHECK_DISABLE, "stall check disabled", "0", ""),
-    (we.STALL_CHECK_TIME_SECONDS, "stall warning after", "60", "s"),
+    (
+        we.STALL_CHECK_TIME_SECONDS,
+        "stall warning after",
+        _default(we.STALL_CHECK_TIME_SECONDS),
+        "s",
+    ),
     (we.STALL_SHUTDOWN_TIME_SECONDS, "stall shutdown after", "0", "s"),
-    (we.GLOO_TIMEOUT_SECONDS, "collective timeout", "30", "s"),
+    (we.GLOO_TIMEOUT_SECONDS, "collective timeout", _default(we.GLOO_TIMEOUT_SECONDS), "s"),
+    (we.AUTOTUNE, "autotune", "0", ""),
+)
+#: The autotuner's settings, shown when it is on.
+AUTOTUNE: tuple[tuple[str, str, str, str], ...] = (
+    (we.AUTOTUNE_LOG, "autotune log", "none", ""),
+    (
+        we.AUTOTUNE_WARMUP_SAMPLES,
+        "autotune warm-up",
+        _default(we.AUTOTUNE_WARMUP_SAMPLES),
+        "samples",
+    ),
+    (
+        we.AUTOTUNE_STEPS_PER_SAMPLE,
+        "autotune sample",
+        _default(we.AUTOTUNE_STEPS_PER_SAMPLE),
+        "steps",
+    ),
+    (
+        we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES,
+        "autotune samples",
+        _default(we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES),
+        "",
+    ),
+    (
+        we.AUTOTUNE_GAUSSIAN_PROCESS_NOISE,
+        "autotune noise",
+        _default(we.AUTOTUNE_GAUSSIAN_PROCESS_NOISE),
+        "",
+    ),
 )
 
 
 def tuning_lines(env: Mapping[str, str], elastic: bool) -> list[str]:
     lines = []
-    for name, label, default, unit in TUNING:
+    rows = TUNING + AUTOTUNE if we.flag(we.AUTOTUNE, env) else TUNING
+    for name, label, default, unit in rows:
         value = we.setting(name, env)
         source = ""
         if value is not None:
@@ -105,6 +146,8 @@ def tuning_lines(env: Mapping[str, str], elastic: bool) -> list[str]:
             shown += f" ({int(value) / 2**20:g} MiB)"
         if name == we.STALL_SHUTDOWN_TIME_SECONDS and value in ("0", "0.0"):
             shown += " (never)"
+        if name == we.CACHE_CAPACITY and value in ("0", "0.0"):
+            shown += " (no cache)"
         lines.append(f"  {label:<24}{shown}  ({source})")
     return lines
 

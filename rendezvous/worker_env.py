@@ -18,15 +18,18 @@ Two kinds of variables:
 * **Settings**, named without a prefix here (``FUSION_THRESHOLD``): a worker reads each as
   ``HVDRUN_<name>`` or, Horovod's spelling, ``HOROVOD_<name>``; the ``HVDRUN_`` spelling wins
   and an empty value counts as unset. :func:`setting`, :func:`number` and :func:`flag` parse
-  them, with errors that name the variable.
+  them, with errors that name the variable that was set; :data:`NUMBERS` holds the numeric
+  ones' defaults and bounds, which :func:`check_settings` applies before a job starts.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from rendezvous.slots import SlotInfo
 
@@ -35,12 +38,14 @@ __all__ = [
     "ELASTIC",
     "ELASTIC_TIMEOUT",
     "ENDED_BY_KEY_PREFIX",
+    "FLAGS",
     "GENERATION",
     "GLOO_TIMEOUT_SECONDS",
     "HOSTNAME",
     "INSIGHT_KEY_PREFIX",
     "JOB_ID",
     "LOCAL_RANK",
+    "NUMBERS",
     "RANK",
     "RENDEZVOUS_ADDR",
     "RENDEZVOUS_CERT",
@@ -49,6 +54,8 @@ __all__ = [
     "SECRET",
     "STATE_KEY_PREFIX",
     "WORKER",
+    "Number",
+    "check_settings",
     "choice",
     "connection_env",
     "flag",
@@ -60,6 +67,7 @@ __all__ = [
     "setting",
     "setting_names",
     "slot_env",
+    "spelled",
     "timeline_file",
     "variable",
 ]
@@ -177,60 +185,115 @@ def setting_names(name: str) -> tuple[str, str]:
 
 def setting(name: str, env: Mapping[str, str] | None = None) -> str | None:
     """A setting's value (``HVDRUN_<name>``, else ``HOROVOD_<name>``); None when unset."""
+    spelling = spelled(name, env)
+    return None if spelling is None else (os.environ if env is None else env)[spelling]
+
+
+def spelled(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The variable that sets ``name`` (the spelling that wins); None when unset."""
     source = os.environ if env is None else env
-    for variable in setting_names(name):
-        value = source.get(variable)
-        if value:
-            return value
-    return None
+    return next((variable for variable in setting_names(name) if source.get(variable)), None)
+
+
+@dataclass(frozen=True)
+class Number:
+    """A numeric setting's default, and the least value it takes (``strict``: it must be
+    greater)."""
+
+    default: float
+    minimum: float = 0.0
+    strict: bool = False
+
+
+#: The numeric settings of the engine and the runtime, read by the workers with these
+#: defaults and bounds, and checked by hvdrun before any process starts. Defaults are
+#: Horovod's.
+NUMBERS: dict[str, Number] = {
+    FUSION_THRESHOLD: Number(128 * 1024 * 1024),
+    CYCLE_TIME: Number(1.0),
+    STALL_CHECK_TIME_SECONDS: Number(60.0),
+    STALL_SHUTDOWN_TIME_SECONDS: Number(0.0),
+    GLOO_TIMEOUT_SECONDS: Number(30.0, strict=True),
+    CACHE_CAPACITY: Number(1024),
+    AUTOTUNE_WARMUP_SAMPLES: Number(3),
+    AUTOTUNE_STEPS_PER_SAMPLE: Number(10, minimum=1),
+    AUTOTUNE_BAYES_OPT_MAX_SAMPLES: Number(20, minimum=1),
+    AUTOTUNE_GAUSSIAN_PROCESS_NOISE: Number(0.8),
+    RENDEZVOUS_LOST_AFTER_SECONDS: Number(DEFAULT_LOST_AFTER_SECONDS, strict=True),
+    ELASTIC_TIMEOUT: Number(600.0, strict=True),
+}
+#: The 0/1 settings hvdrun checks alike.
+FLAGS = (TIMELINE_MARK_CYCLES, TIMELINE_ALL_RANKS, STALL_CHECK_DISABLE, AUTOTUNE)
 
 
 def number(
     name: str,
-    default: float,
+    default: float | None = None,
     *,
-    minimum: float = 0.0,
-    strict: bool = False,
+    minimum: float | None = None,
+    strict: bool | None = None,
     env: Mapping[str, str] | None = None,
 ) -> float:
-    """A numeric setting; ValueError naming ``HVDRUN_<name>`` when malformed or below
-    ``minimum`` (``strict``: it must be greater)."""
-    raw = setting(name, env)
-    if raw is None:
+    """A numeric setting (default and bounds: :data:`NUMBERS`', unless given); ValueError
+    naming the variable that set it when malformed or out of bounds."""
+    known = NUMBERS.get(name)
+    if known is not None:
+        default = known.default if default is None else default
+        minimum = known.minimum if minimum is None else minimum
+        strict = known.strict if strict is None else strict
+    spelling = spelled(name, env)
+    if spelling is None:
+        assert default is not None, name
         return default
+    raw = (os.environ if env is None else env)[spelling]
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{PREFIX}{name} must be a number, got {raw!r}") from None
-    if value < minimum or (strict and value <= minimum):
-        bound = f"greater than {minimum:g}" if strict else f"at least {minimum:g}"
-        raise ValueError(f"{PREFIX}{name} must be {bound}, got {raw!r}")
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"{spelling} must be a number, got {raw!r}")
+    low = 0.0 if minimum is None else minimum
+    if value < low or (strict and value <= low):
+        bound = f"greater than {low:g}" if strict else f"at least {low:g}"
+        raise ValueError(f"{spelling} must be {bound}, got {raw!r}")
     return value
 
 
 def flag(name: str, env: Mapping[str, str] | None = None) -> bool:
     """A 0/1 setting (also true/false, yes/no, on/off); ValueError naming it when neither."""
-    raw = setting(name, env)
-    if raw is None:
+    spelling = spelled(name, env)
+    if spelling is None:
         return False
+    raw = (os.environ if env is None else env)[spelling]
     lowered = raw.strip().lower()
     if lowered in _TRUE:
         return True
     if lowered in _FALSE:
         return False
-    raise ValueError(f"{PREFIX}{name} must be 0 or 1, got {raw!r}")
+    raise ValueError(f"{spelling} must be 0 or 1, got {raw!r}")
 
 
 def choice(name: str, choices: tuple[str, ...], env: Mapping[str, str] | None = None) -> str | None:
     """A setting that must be one of ``choices`` (case-insensitive); None when unset;
-    ValueError naming ``HVDRUN_<name>`` and the choices otherwise."""
-    raw = setting(name, env)
-    if raw is None:
+    ValueError naming the variable that set it and the choices otherwise."""
+    spelling = spelled(name, env)
+    if spelling is None:
         return None
+    raw = (os.environ if env is None else env)[spelling]
     value = raw.strip().lower()
     if value not in choices:
-        raise ValueError(f"{PREFIX}{name} must be one of {', '.join(choices)}; got {raw!r}")
+        raise ValueError(f"{spelling} must be one of {', '.join(choices)}; got {raw!r}")
     return value
+
+
+def check_settings(env: Mapping[str, str]) -> None:
+    """Parses every setting of :data:`NUMBERS`, :data:`FLAGS` and the CUDA backend in
+    ``env`` as the workers will: ValueError naming the first variable they would refuse."""
+    for name in NUMBERS:
+        number(name, env=env)
+    for name in FLAGS:
+        flag(name, env)
+    choice(CUDA_BACKEND, CUDA_BACKENDS, env)
 
 
 def integer(variable: str, default: int, env: Mapping[str, str] | None = None) -> int:

@@ -4,7 +4,8 @@
 ``HVDRUN_*`` variables in every worker; each is also read under its Horovod spelling
 (``HOROVOD_FUSION_THRESHOLD``, ...) so existing Horovod job scripts keep their settings.
 The ``HVDRUN_`` spelling wins when both are set (the names and their parsing are
-:mod:`rendezvous.worker_env`'s). Defaults are Horovod's.
+:mod:`rendezvous.worker_env`'s, with the defaults and bounds of its ``NUMBERS``). Defaults
+are Horovod's.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from rendezvous import worker_env
 
 __all__ = ["EngineConfig", "from_environment"]
 
-DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024
-DEFAULT_CYCLE_TIME_MS = 1.0
-DEFAULT_STALL_CHECK_SECONDS = 60.0
-DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 30.0
-DEFAULT_CACHE_CAPACITY = 1024
-DEFAULT_AUTOTUNE_WARMUP_SAMPLES = 3
-DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE = 10
-DEFAULT_AUTOTUNE_MAX_SAMPLES = 20
-DEFAULT_AUTOTUNE_NOISE = 0.8
+_NUMBERS = worker_env.NUMBERS
+DEFAULT_FUSION_THRESHOLD = int(_NUMBERS[worker_env.FUSION_THRESHOLD].default)
+DEFAULT_CYCLE_TIME_MS = _NUMBERS[worker_env.CYCLE_TIME].default
+DEFAULT_STALL_CHECK_SECONDS = _NUMBERS[worker_env.STALL_CHECK_TIME_SECONDS].default
+DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = _NUMBERS[worker_env.GLOO_TIMEOUT_SECONDS].default
+DEFAULT_CACHE_CAPACITY = int(_NUMBERS[worker_env.CACHE_CAPACITY].default)
+DEFAULT_AUTOTUNE_WARMUP_SAMPLES = int(_NUMBERS[worker_env.AUTOTUNE_WARMUP_SAMPLES].default)
+DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE = int(_NUMBERS[worker_env.AUTOTUNE_STEPS_PER_SAMPLE].default)
+DEFAULT_AUTOTUNE_MAX_SAMPLES = int(_NUMBERS[worker_env.AUTOTUNE_BAYES_OPT_MAX_SAMPLES].default)
+DEFAULT_AUTOTUNE_NOISE = _NUMBERS[worker_env.AUTOTUNE_GAUSSIAN_PROCESS_NOISE].default
 
 
 @dataclass(frozen=True)
@@ -68,30 +70,20 @@ def from_environment() -> EngineConfig:
     """Reads the configuration; a malformed value raises ValueError naming the variable."""
     we = worker_env
     return EngineConfig(
-        fusion_threshold=int(we.number(we.FUSION_THRESHOLD, DEFAULT_FUSION_THRESHOLD)),
-        cycle_time_ms=we.number(we.CYCLE_TIME, DEFAULT_CYCLE_TIME_MS),
+        fusion_threshold=int(we.number(we.FUSION_THRESHOLD)),
+        cycle_time_ms=we.number(we.CYCLE_TIME),
         timeline=we.setting(we.TIMELINE),
         timeline_mark_cycles=we.flag(we.TIMELINE_MARK_CYCLES),
         timeline_all_ranks=we.flag(we.TIMELINE_ALL_RANKS),
         stall_check=not we.flag(we.STALL_CHECK_DISABLE),
-        stall_warning_seconds=we.number(we.STALL_CHECK_TIME_SECONDS, DEFAULT_STALL_CHECK_SECONDS),
-        stall_shutdown_seconds=we.number(we.STALL_SHUTDOWN_TIME_SECONDS, 0.0),
-        collective_timeout_seconds=we.number(
-            we.GLOO_TIMEOUT_SECONDS, DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, strict=True
-        ),
-        cache_capacity=int(we.number(we.CACHE_CAPACITY, DEFAULT_CACHE_CAPACITY)),
+        stall_warning_seconds=we.number(we.STALL_CHECK_TIME_SECONDS),
+        stall_shutdown_seconds=we.number(we.STALL_SHUTDOWN_TIME_SECONDS),
+        collective_timeout_seconds=we.number(we.GLOO_TIMEOUT_SECONDS),
+        cache_capacity=int(we.number(we.CACHE_CAPACITY)),
         autotune=we.flag(we.AUTOTUNE),
         autotune_log=we.setting(we.AUTOTUNE_LOG),
-        autotune_warmup_samples=int(
-            we.number(we.AUTOTUNE_WARMUP_SAMPLES, DEFAULT_AUTOTUNE_WARMUP_SAMPLES)
-        ),
-        autotune_steps_per_sample=int(
-            we.number(we.AUTOTUNE_STEPS_PER_SAMPLE, DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE, minimum=1)
-        ),
-        autotune_bayes_opt_max_samples=int(
-            we.number(we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES, DEFAULT_AUTOTUNE_MAX_SAMPLES, minimum=1)
-        ),
-        autotune_gaussian_process_noise=we.number(
-            we.AUTOTUNE_GAUSSIAN_PROCESS_NOISE, DEFAULT_AUTOTUNE_NOISE
-        ),
+        autotune_warmup_samples=int(we.number(we.AUTOTUNE_WARMUP_SAMPLES)),
+        autotune_steps_per_sample=int(we.number(we.AUTOTUNE_STEPS_PER_SAMPLE)),
+        autotune_bayes_opt_max_samples=int(we.number(we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES)),
+        autotune_gaussian_process_noise=we.number(we.AUTOTUNE_GAUSSIAN_PROCESS_NOISE),
     )

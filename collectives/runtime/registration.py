@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 #: the job counts as lost (see ``worker_env.RENDEZVOUS_LOST_AFTER_SECONDS``).
 DEFAULT_LOST_AFTER_SECONDS = worker_env.DEFAULT_LOST_AFTER_SECONDS
 #: Elastic jobs: how long a worker waits for the launcher's next membership generation.
-DEFAULT_ELASTIC_TIMEOUT_SECONDS = 600.0
+DEFAULT_ELASTIC_TIMEOUT_SECONDS = worker_env.NUMBERS[worker_env.ELASTIC_TIMEOUT].default
 #: How long a worker keeps dialling a rendezvous that does not answer its first call. The
 #: launcher's server is up when a worker starts (its agent reached it), so a failed connection
 #: is an overloaded host or network; a server that is gone fails the call after this long.
@@ -121,9 +121,7 @@ def _make_on_lost(runtime: RuntimeState) -> Any:
 
 
 def _elastic_timeout() -> float:
-    return worker_env.number(
-        worker_env.ELASTIC_TIMEOUT, DEFAULT_ELASTIC_TIMEOUT_SECONDS, minimum=0.0, strict=True
-    )
+    return worker_env.number(worker_env.ELASTIC_TIMEOUT)
 
 
 def _register_retrying(
@@ -306,9 +304,7 @@ def watch_and_join(runtime_: RuntimeState, counter: int) -> None:
     assert client is not None
     # Watch before bootstrapping: a launcher that dies while peers are still missing must
     # not leave this worker blocked in the store until the timeout.
-    lost_after = worker_env.number(
-        worker_env.RENDEZVOUS_LOST_AFTER_SECONDS, DEFAULT_LOST_AFTER_SECONDS, strict=True
-    )
+    lost_after = worker_env.number(worker_env.RENDEZVOUS_LOST_AFTER_SECONDS)
     client.watch(
         runtime_.topology.rank,
         _make_on_lost(runtime_),

@@ -80,12 +80,7 @@ def start_relay(spec: AgentSpec, env: dict[str, str]) -> HostRelay | None:
             return None
         if is_loopback(split_addr(addr)[0]):
             return None
-        lost_after = worker_env.number(
-            worker_env.RENDEZVOUS_LOST_AFTER_SECONDS,
-            worker_env.DEFAULT_LOST_AFTER_SECONDS,
-            strict=True,
-            env=env,
-        )
+        lost_after = worker_env.number(worker_env.RENDEZVOUS_LOST_AFTER_SECONDS, env=env)
     except ValueError:
         return None  # the workers report the bad setting themselves
     from rendezvous.relay import HostRelay  # gRPC: loaded only by agents of multi-host jobs

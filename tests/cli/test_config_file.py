@@ -118,6 +118,49 @@ def test_command_line_wins_over_the_file(
     assert env["HVDRUN_GLOO_TIMEOUT_SECONDS"] == "60"  # not on the command line: the file's
 
 
+def test_a_setting_exported_with_x_wins_over_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write(tmp_path, HOROVOD_CONFIG)
+    argv = ["--config-file", config, "-x", "HOROVOD_FUSION_THRESHOLD=1024"]
+    argv += ["-x", "HVDRUN_CYCLE_TIME=3", "-np", "1", "true"]
+    env = environment(argv, capsys)
+    assert env["HOROVOD_FUSION_THRESHOLD"] == "1024"
+    assert "HVDRUN_FUSION_THRESHOLD" not in env  # (it would win over the -x spelling)
+    assert env["HVDRUN_CYCLE_TIME"] == "3"
+    assert env["HVDRUN_STALL_CHECK_TIME_SECONDS"] == "120"  # not exported: the file's
+    # A flag on the command line still wins over -x.
+    env = environment([*argv[:4], "--fusion-threshold-mb", "1", *argv[4:]], capsys)
+    assert env["HVDRUN_FUSION_THRESHOLD"] == str(1024 * 1024)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        (
+            {"HOROVOD_FUSION_THRESHOLD": "abc"},
+            "HOROVOD_FUSION_THRESHOLD must be a number, got 'abc'",
+        ),
+        (["-x", "HVDRUN_CYCLE_TIME=-3"], "HVDRUN_CYCLE_TIME must be at least 0, got '-3'"),
+        ({"HOROVOD_STALL_CHECK_DISABLE": "maybe"}, "HOROVOD_STALL_CHECK_DISABLE must be 0 or 1"),
+    ],
+)
+def test_a_bad_engine_setting_stops_hvdrun_before_any_worker_starts(
+    how: dict[str, str] | list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["-np", "1", "true"]
+    if isinstance(how, dict):  # from this shell
+        for name, value in how.items():
+            monkeypatch.setenv(name, value)
+    else:  # -x
+        argv = [*how, *argv]
+    assert_usage_error(argv, message, capsys)
+    assert_usage_error(["--dry-run", *argv], message, capsys)
+
+
 def test_disabled_stall_check_and_timestamps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -61,6 +61,24 @@ def test_local_job(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert "fusion threshold        134217728 bytes (128 MiB)  (default)" in tuning
 
 
+def test_the_tuning_shows_the_cache_and_under_autotune_the_autotuner(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    tuning = section(
+        dry_run(["-np", "1", "--cache-capacity", "0", "true"], capsys),
+        "tuning the workers run with",
+    )
+    assert "response cache          0 ops (no cache)  (from HVDRUN_CACHE_CAPACITY)" in tuning
+    assert "autotune                0  (default)" in tuning
+    assert not any(line.startswith("autotune sample") for line in tuning)
+    argv = ["-np", "1", "--autotune", "--autotune-steps-per-sample", "4", "true"]
+    tuning = section(dry_run(argv, capsys), "tuning the workers run with")
+    assert "response cache          1024 ops  (default)" in tuning
+    assert "autotune                1  (from HVDRUN_AUTOTUNE)" in tuning
+    assert "autotune sample         4 steps  (from HVDRUN_AUTOTUNE_STEPS_PER_SAMPLE)" in tuning
+    assert "autotune warm-up        3 samples  (default)" in tuning
+
+
 def test_cuda_backend_flag_reaches_the_workers(capsys: pytest.CaptureFixture[str]) -> None:
     tuning = section(dry_run(["-np", "2", "true"], capsys), "tuning the workers run with")
     assert "CUDA tensors through    nccl where there are GPUs  (default)" in tuning

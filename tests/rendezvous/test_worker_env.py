@@ -33,6 +33,38 @@ def test_number_errors_name_the_variable() -> None:
 
 
 @pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"HOROVOD_FUSION_THRESHOLD": "abc"},
+            "HOROVOD_FUSION_THRESHOLD must be a number, got 'abc'",
+        ),
+        ({"HOROVOD_CYCLE_TIME": "-3"}, "HOROVOD_CYCLE_TIME must be at least 0, got '-3'"),
+        ({"HVDRUN_CACHE_CAPACITY": "nan"}, "HVDRUN_CACHE_CAPACITY must be a number, got 'nan'"),
+        ({"HOROVOD_GLOO_TIMEOUT_SECONDS": "inf"}, "HOROVOD_GLOO_TIMEOUT_SECONDS must be a number"),
+        ({"HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "0"}, "must be at least 1, got '0'"),
+        ({"HOROVOD_ELASTIC_TIMEOUT": "0"}, "HOROVOD_ELASTIC_TIMEOUT must be greater than 0"),
+        ({"HOROVOD_AUTOTUNE": "sure"}, "HOROVOD_AUTOTUNE must be 0 or 1, got 'sure'"),
+        ({"HOROVOD_CUDA_BACKEND": "mpi"}, "HOROVOD_CUDA_BACKEND must be one of nccl, gloo"),
+    ],
+)
+def test_check_settings_names_the_variable_the_user_set(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        worker_env.check_settings(env)
+
+
+def test_check_settings_takes_good_values_and_the_defaults() -> None:
+    worker_env.check_settings({})
+    worker_env.check_settings(
+        {"HOROVOD_FUSION_THRESHOLD": "0", "HVDRUN_CYCLE_TIME": "0.5", "HOROVOD_AUTOTUNE": "1"}
+    )
+    # The winning spelling is the one checked: a bad HOROVOD_ value under a good HVDRUN_ one
+    # never reaches a worker.
+    worker_env.check_settings({"HVDRUN_CYCLE_TIME": "2", "HOROVOD_CYCLE_TIME": "x"})
+    assert worker_env.number(worker_env.FUSION_THRESHOLD, env={}) == 128 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
     ("raw", "value"), [("1", True), ("yes", True), ("off", False), ("0", False)]
 )
 def test_flag(raw: str, value: bool) -> None:
