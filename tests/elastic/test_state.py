@@ -38,6 +38,49 @@ def test_torch_state_commit_restore_and_sync() -> None:
         _ = state.missing
 
 
+@pytest.mark.usefixtures("hvd")
+def test_torch_state_restores_every_model_optimizer_and_scheduler_in_place() -> None:
+    model, head = torch.nn.Linear(2, 1), torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    state = elastic.TorchState(
+        model=model, optimizer=optimizer, head=head, scheduler=scheduler, epoch=0
+    )
+    optimizer.step()  # (no gradients: changes nothing, but comes before the scheduler's)
+    scheduler.step()
+    state.commit()  # lr 0.5
+    committed = head.weight.detach().clone()
+    with torch.no_grad():
+        head.weight.add_(1.0)
+    scheduler.step()
+    scheduler.step()  # lr 0.125
+    state.restore()
+    # The script's own objects, rolled back: nothing was swapped for a copy.
+    assert state.head is head and state.scheduler is scheduler and state.optimizer is optimizer
+    assert torch.equal(head.weight, committed)
+    assert optimizer.param_groups[0]["lr"] == 0.5 and scheduler.last_epoch == 1
+    state.scheduler.step()  # still drives the optimizer the script steps
+    assert optimizer.param_groups[0]["lr"] == 0.25
+    state.sync()
+    assert state.scheduler is scheduler and scheduler.optimizer is optimizer
+
+
+@pytest.mark.usefixtures("hvd")
+def test_a_reassigned_sampler_is_the_one_a_restore_rolls_back() -> None:
+    first = elastic.ElasticSampler(list(range(10)), shuffle=False)
+    state = elastic.TorchState(sampler=first)
+    second = elastic.ElasticSampler(list(range(10)), shuffle=False)
+    state.sampler = second  # saved as it is now: nothing processed
+    second.record_batch(0, 3)
+    state.commit()
+    second.record_batch(1, 3)
+    state.restore()
+    assert state.sampler is second
+    assert second.state_dict()["processed_indices"] == [0, 1, 2]
+    with pytest.raises(TypeError, match="sampler holds an object of type ElasticSampler"):
+        state.sampler = 3
+
+
 def test_run_retries_after_a_host_update_and_restores_after_a_failure(hvd: ModuleType) -> None:
     state = elastic.ObjectState(tries=0, value=0)
     calls: list[tuple[int, int]] = []

@@ -1,5 +1,15 @@
-"""The PyTorch frontend's elastic state: a model, an optimizer and samplers besides any
-picklable attributes (see :mod:`collectives.elastic` for the base classes and ``run``)."""
+"""The PyTorch frontend's elastic state: models, optimizers, learning-rate schedulers and
+samplers besides any picklable attributes (see :mod:`collectives.elastic` for the base
+classes and ``run``).
+
+Each attribute of a torch kind gets a handler that keeps the very object the script holds:
+``commit()`` copies its ``state_dict()``, ``restore()`` loads the copy back into it and
+``sync()`` loads rank 0's into it, so a scheduler stays bound to its optimizer and a model
+to the parameters its optimizer steps. Assigning a new object of a handled attribute
+(``state.sampler = ElasticSampler(...)``) hands the new object to the handler, which saves
+it at once. Every other attribute is an :class:`~collectives.elastic.ObjectState` value
+(deep-copied, broadcast pickled).
+"""
 
 from __future__ import annotations
 
@@ -13,10 +23,68 @@ from collectives.torch.functions import broadcast_optimizer_state, broadcast_par
 
 __all__ = ["TorchState"]
 
+class _Handler:
+    """One attribute of a torch kind: its object, and the copy of its state last saved."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.saved: Any = None
+        self.save()
+
+    def save(self) -> None:
+        # state_dict() is a fresh dict, but it holds the object's own tensors and lists.
+        self.saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self.saved))
+
+    def sync(self, state: TorchState, name: str) -> None:
+        self.value.load_state_dict(state.broadcast_value(self.value.state_dict(), name))
+
+
+class _ModelHandler(_Handler):
+    def save(self) -> None:
+        self.saved = {k: t.detach().clone() for k, t in self.value.state_dict().items()}
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self.saved)  # copies into the model's own tensors
+
+    def sync(self, state: TorchState, name: str) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class _OptimizerHandler(_Handler):
+    def sync(self, state: TorchState, name: str) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0)
+
+
+class _SamplerHandler(_Handler):
+    def save(self) -> None:
+        self.saved = self.value.state_dict()  # fresh sets and numbers: nothing shared
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self.saved)
+
+
+def _handler_for(value: Any) -> _Handler | None:
+    from collectives.torch.elastic.sampler import ElasticSampler
+
+    if isinstance(value, torch.nn.Module):
+        return _ModelHandler(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return _OptimizerHandler(value)
+    if isinstance(value, torch.optim.lr_scheduler.LRScheduler):
+        return _Handler(value)
+    if isinstance(value, ElasticSampler):
+        return _SamplerHandler(value)
+    return None
+
 
 class TorchState(ObjectState):
-    """A model, an optimizer and any other attributes (numbers, lists, an
-    :class:`~collectives.torch.elastic.ElasticSampler`), as in Horovod."""
+    """Models, optimizers, learning-rate schedulers, :class:`~collectives.torch.elastic.
+    ElasticSampler` objects and any other picklable attributes, as in Horovod:
+    ``TorchState(model=model, optimizer=optimizer, scheduler=scheduler, epoch=0)``; any
+    number of each kind, under any names."""
 
     def __init__(
         self,
@@ -24,49 +92,45 @@ class TorchState(ObjectState):
         optimizer: torch.optim.Optimizer | None = None,
         **kwargs: Any,
     ) -> None:
-        from collectives.torch.elastic.sampler import ElasticSampler
-
-        self.model = model
-        self.optimizer = optimizer
-        self._samplers = {k: v for k, v in kwargs.items() if isinstance(v, ElasticSampler)}
-        plain = {k: v for k, v in kwargs.items() if k not in self._samplers}
+        values = {"model": model, "optimizer": optimizer, **kwargs}
+        handlers = {}
+        for name, value in values.items():
+            handler = _handler_for(value)
+            if handler is not None:
+                handlers[name] = handler
+        object.__setattr__(self, "_handlers", handlers)
+        plain = {k: v for k, v in values.items() if k not in handlers}
         super().__init__(**plain)
-        for name, sampler in self._samplers.items():
-            setattr(self, name, sampler)
-        self._saved_model: dict[str, torch.Tensor] | None = None
-        self._saved_optimizer: dict[str, Any] | None = None
-        self._saved_samplers: dict[str, dict[str, Any]] = {}
-        self._save_torch()
+        for name, handler in handlers.items():
+            object.__setattr__(self, name, handler.value)
 
-    def _save_torch(self) -> None:
-        if self.model is not None:
-            self._saved_model = {
-                name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()
-            }
-        if self.optimizer is not None:
-            self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
-        # state_dict() is a fresh dict and load_state_dict() builds its own set: no copies.
-        self._saved_samplers = {name: s.state_dict() for name, s in self._samplers.items()}
+    def __setattr__(self, name: str, value: Any) -> None:
+        handler = self.__dict__.get("_handlers", {}).get(name)
+        if handler is not None:  # a new object of a handled kind: saved as it is now
+            replacement = _handler_for(value)
+            if replacement is None or type(replacement) is not type(handler):
+                raise TypeError(
+                    f"TorchState.{name} holds an object of type {type(handler.value).__name__}"
+                    f", restored in place: one of type {type(value).__name__} cannot replace it"
+                )
+            self._handlers[name] = replacement
+        super().__setattr__(name, value)
+
+    def broadcast_value(self, value: Any, name: str) -> Any:
+        """Rank 0's ``value`` of the attribute ``name`` (a pickled broadcast)."""
+        return self._broadcast(value, f"elastic.state.{name}")
 
     def save(self) -> None:
-        self._save_torch()
+        for handler in self._handlers.values():
+            handler.save()
         super().save()
 
     def restore(self) -> None:
-        if self.model is not None and self._saved_model is not None:
-            self.model.load_state_dict(self._saved_model)
-        if self.optimizer is not None and self._saved_optimizer is not None:
-            self.optimizer.load_state_dict(copy.deepcopy(self._saved_optimizer))
-        for name, sampler in self._samplers.items():
-            sampler.load_state_dict(self._saved_samplers[name])
+        for handler in self._handlers.values():
+            handler.restore()
         super().restore()
 
     def sync(self) -> None:
-        if self.model is not None:
-            broadcast_parameters(self.model.state_dict(), root_rank=0)
-        if self.optimizer is not None:
-            broadcast_optimizer_state(self.optimizer, root_rank=0)
-        for name, sampler in self._samplers.items():
-            state = self._broadcast(sampler.state_dict(), f"elastic.sampler.{name}")
-            sampler.load_state_dict(state)
-        super().sync()  # ends with self.save(), which saves the model and optimizer too
+        for name, handler in self._handlers.items():
+            handler.sync(self, name)
+        super().sync()  # ends with self.save(), which saves every handled object too

@@ -52,7 +52,10 @@ model = torch.nn.Linear(1, 1, bias=False).to(DEVICE)
 with torch.no_grad():
     model.weight.zero_()
 optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-state = elastic.TorchState(model=model, optimizer=optimizer, step=0)
+# A scheduler that keeps lr at 1 and counts the steps (last_epoch): it must stay bound to
+# this optimizer and agree with the step count through every restore and sync.
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+state = elastic.TorchState(model=model, optimizer=optimizer, scheduler=scheduler, step=0)
 resets: list[int] = []
 state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 
@@ -63,6 +66,7 @@ def train(state: elastic.TorchState) -> None:
         optimizer.zero_grad()
         model.weight.grad = hvd.allreduce(torch.ones_like(model.weight), name="grad")
         optimizer.step()
+        state.scheduler.step()
         state.step += 1
         time.sleep(INTERVAL)
         if FINISH_AT_GENERATION and runtime.newest_generation() >= FINISH_AT_GENERATION:
@@ -92,7 +96,8 @@ def train(state: elastic.TorchState) -> None:
 train(state)
 print(
     f"final rank={hvd.rank()} size={hvd.size()} step={state.step} "
-    f"weight={model.weight.item():g} resets={resets} "
+    f"weight={model.weight.item():g} resets={resets} scheduled={state.scheduler.last_epoch} "
+    f"bound={state.scheduler is scheduler and scheduler.optimizer is optimizer} "
     # Horovod's placement variables follow the worker's current place, as in Horovod.
     f"HOROVOD_RANK={os.environ.get('HOROVOD_RANK')} HOROVOD_SIZE={os.environ.get('HOROVOD_SIZE')}",
     flush=True,
