@@ -23,6 +23,7 @@ from collectives.torch.functions import broadcast_optimizer_state, broadcast_par
 
 __all__ = ["TorchState"]
 
+
 class _Handler:
     """One attribute of a torch kind: its object, and the copy of its state last saved."""
 
