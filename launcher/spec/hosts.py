@@ -81,6 +81,10 @@ def _check_hostname(hostname: str, entry: str) -> str:
     if hostname.startswith("-"):
         # Would read as an option to ssh and friends.
         raise HostSpecError(f"host name '{hostname}' in '{entry}' starts with '-'")
+    if ":" in hostname and not is_ipv6(hostname):
+        raise HostSpecError(
+            f"host name '{hostname}' in '{entry}' contains ':' (expected host:slots)"
+        )
     return hostname
 
 

@@ -188,6 +188,14 @@ def test_host_name_starting_with_dash_is_rejected() -> None:
         parse_hosts("-oProxyCommand=x:1")
 
 
+def test_an_entry_with_two_colons_is_refused_unless_the_host_is_ipv6() -> None:
+    with pytest.raises(HostSpecError, match=r"host name 'localhost:2' in 'localhost:2:3' contains"):
+        parse_hosts("localhost:2:3")
+    with pytest.raises(HostSpecError, match="contains ':'"):
+        parse_hostfile_text("node1:2:3\n")
+    assert parse_hosts("fe80::1:2") == [HostSpec("fe80::1", 2)]
+
+
 @pytest.mark.parametrize(
     ("name", "local"),
     [
