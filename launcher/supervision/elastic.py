@@ -442,10 +442,15 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             return
         members = self.members
         members.retire_finished()
-        for host in members.drop_undiscovered():
+        unlisted_since = members.unlisted_since
+        dropped = members.drop_undiscovered(now)
+        for host in dropped:
             self.sink.message(f"host {host.name} is no longer discovered; removing it")
             if not host.workers and host.agent is not None:
                 host.agent.close()
+        notice = members.unlisted_notice(unlisted_since, dropped)
+        if notice is not None:
+            self.sink.message(notice)
         for host in members.hosts_to_start(now):
             self._start_host(host)
         for host in members.rejoin_failures(now, self.server.waiting_slots()):

@@ -59,6 +59,10 @@ EVERY_WORKER_FAILED = (
     "every worker of the elastic job has failed or left, and its training state with them; "
     "stopping the job"
 )
+EVERY_HOST_REMOVED = (
+    "discovery has listed none of the elastic job's hosts for longer than --elastic-timeout "
+    "({timeout:g} s): its workers are gone, and its training state with them; stopping the job"
+)
 RESET_LIMIT_EXCEEDED = (
     "Horovod was shutdown because number of resets during elastic job exceeded limit: "
     "{limit}\n"
@@ -179,6 +183,10 @@ class Membership:
         self._short_since: float | None = None
         self._rejoin_since: float | None = None
         self._sync_since: float | None = None  # a removal waits for the sync under way
+        #: Since when discovery has listed none of the job's hosts while they hold the state.
+        self.unlisted_since: float | None = None
+        self._said_short = False  # the wait for --min-np slots was announced
+        self._lost_to_removal = False  # the last running host went by discovery, not failure
         self._orders = itertools.count()
 
     def all_hosts(self) -> list[HostRecord]:
@@ -230,21 +238,52 @@ class Membership:
         for good."""
         if host.state in ("ready", "running"):
             self.need_publish = True
+            self._lost_to_removal = False
         host.state = "failed"
         return self.blacklist.add(host.name, now)
 
-    def drop_undiscovered(self) -> list[HostRecord]:
+    def drop_undiscovered(self, now: float) -> list[HostRecord]:
         """Hosts discovery no longer lists: removed (gracefully, for running ones)."""
         listed = {spec.hostname for spec in self.discovered}
-        dropped = []
-        for host in self.hosts.values():
-            if host.state in ACTIVE and host.name not in listed:
-                if host.state == "running":
-                    self.need_publish = True
-                    host.removed_in = self.generation
-                host.state = "removed"
-                dropped.append(host)
-        return dropped
+        unlisted = [h for h in self.hosts.values() if h.state in ACTIVE and h.name not in listed]
+        if self._keeps(unlisted, now):
+            return []
+        for host in unlisted:
+            if host.state == "running":
+                self.need_publish = True
+                self._lost_to_removal = True
+                host.removed_in = self.generation
+            host.state = "removed"
+        return unlisted
+
+    def unlisted_notice(self, before: float | None, dropped: list[HostRecord]) -> str | None:
+        """What to say of the last :meth:`drop_undiscovered` (``before``: ``unlisted_since``
+        before it): that the job's hosts stay although discovery lists none, or that it lists
+        them again."""
+        if before is None and self.unlisted_since is not None:
+            return (
+                "discovery lists none of the job's hosts: they keep running, with the training "
+                "state, until it lists hosts again (for up to --elastic-timeout "
+                f"{self.options.elastic_timeout:g} s)"
+            )
+        if before is not None and self.unlisted_since is None and not dropped:
+            return "discovery lists hosts again; the job goes on"
+        return None
+
+    def _keeps(self, unlisted: list[HostRecord], now: float) -> bool:
+        """Whether the unlisted hosts stay for now: where discovery lists none of the job's
+        hosts, and none that could take their place, removing them would end the job and
+        its training state, so its running hosts stay until discovery lists a host again
+        (a discovery script that failed for a moment) or --elastic-timeout has passed."""
+        active = [h for h in self.hosts.values() if h.state in ACTIVE]
+        startable = any(not self.blacklist.blocked(s.hostname, now) for s in self.discovered)
+        running = any(h.state == "running" for h in unlisted)
+        if not running or len(unlisted) < len(active) or startable:
+            self.unlisted_since = None
+            return False
+        if self.unlisted_since is None:
+            self.unlisted_since = now
+        return now - self.unlisted_since <= self.options.elastic_timeout
 
     def retire_finished(self) -> None:
         for name, host in list(self.hosts.items()):
@@ -340,6 +379,8 @@ class Membership:
         left = [h for h in self.hosts.values() if h.state in ACTIVE]  # starting ones too
         leaving = self.leaving_holders() if self.trained and left else []
         if not running and not leaving:
+            if self._lost_to_removal:
+                return Stop(EVERY_HOST_REMOVED.format(timeout=self.options.elastic_timeout))
             return Stop(EVERY_WORKER_FAILED)
         limit = self.options.reset_limit
         resets = self._resets_with_next()
@@ -382,18 +423,20 @@ class Membership:
         timeout = self.options.elastic_timeout
         if self._short_since is None:
             self._short_since = now
-            if starting:
-                return Wait(None)
-            return Wait(
-                f"{total} slot(s) available, --min-np is {self.options.min_np}: waiting up "
-                f"to {timeout:g} s for more hosts"
-            )
-        if now - self._short_since > timeout:
+            self._said_short = False
+        waited = now - self._short_since
+        if waited > timeout:
             return Stop(
                 f"only {total} slot(s) were available for longer than the elastic timeout "
                 f"({timeout:g} s), fewer than --min-np {self.options.min_np}; stopping the job"
             )
-        return Wait(None)
+        if starting or self._said_short:  # (hosts still starting may bring the slots)
+            return Wait(None)
+        self._said_short = True
+        return Wait(
+            f"{total} slot(s) available, --min-np is {self.options.min_np}: waiting up "
+            f"to {timeout - waited:.3g} s for more hosts"
+        )
 
     def removed_to_stop(self, registered: int | None, now: float) -> list[HostRecord]:
         """Removed hosts whose agents are to be stopped now. Once a generation without them

@@ -110,6 +110,53 @@ def test_too_few_slots_wait_then_stop_after_the_elastic_timeout() -> None:
     assert "for longer than the elastic timeout (5 s), fewer than --min-np 2" in stop.message
 
 
+def test_the_wait_for_min_np_at_start_is_announced_once_nothing_else_is_starting() -> None:
+    members = membership([("a", 1), ("b", 1)], num_proc=2, min_np=2, max_np=None)
+    a, b = members.hosts_to_start(0.0)
+    members.ready(a)
+    assert members.decide(0.0) == Wait(None)  # b may still bring the slot
+    members.fail(b, now=2.0)
+    waited = members.decide(2.0)
+    assert waited == Wait(
+        "1 slot(s) available, --min-np is 2: waiting up to 598 s for more hosts"
+    )  # (from when the wait began)
+    assert members.decide(3.0) == Wait(None)  # said once
+
+
+def test_discovery_listing_no_host_keeps_the_running_ones_for_the_elastic_timeout() -> None:
+    members = membership(
+        [("a", 1), ("b", 1)], num_proc=2, min_np=1, max_np=None, elastic_timeout=5.0
+    )
+    start_all(members)
+    publish(members)
+    members.discovered = []  # a discovery script that failed for a moment
+    assert members.drop_undiscovered(1.0) == [] and members.unlisted_since == 1.0
+    notice = members.unlisted_notice(None, [])
+    assert notice is not None and "they keep running, with the training state" in notice
+    assert members.decide(1.0) is None  # nothing changed: the job trains on
+    members.discovered = [HostSpec("a", 1), HostSpec("b", 1)]
+    assert members.drop_undiscovered(2.0) == [] and members.unlisted_since is None
+    assert members.unlisted_notice(1.0, []) == "discovery lists hosts again; the job goes on"
+    # Listed nowhere for longer than the elastic timeout: removed, and the job stops saying so.
+    members.discovered = []
+    assert members.drop_undiscovered(3.0) == []
+    assert {h.name for h in members.drop_undiscovered(8.5)} == {"a", "b"}
+    for host in members.all_hosts():
+        host.agent_finished = True  # (their workers left)
+    members.retire_finished()
+    stop = members.decide(8.5)
+    assert isinstance(stop, Stop) and stop.message == (
+        "discovery has listed none of the elastic job's hosts for longer than --elastic-timeout "
+        "(5 s): its workers are gone, and its training state with them; stopping the job"
+    )
+    # A host listed in their place takes over as before (the removal waits for its sync).
+    members = membership([("a", 1)], num_proc=1, min_np=1, max_np=None)
+    start_all(members)
+    publish(members)
+    members.discovered = [HostSpec("c", 1)]
+    assert [h.name for h in members.drop_undiscovered(1.0)] == ["a"]
+
+
 def test_reset_limit_and_every_worker_gone() -> None:
     members = membership([("a", 1), ("b", 1)], num_proc=2, min_np=1, max_np=None, reset_limit=0)
     start_all(members)
@@ -154,7 +201,7 @@ def test_a_host_discovery_drops_is_removed_and_a_failed_one_comes_back_after_coo
     start_all(members)
     publish(members)
     members.discovered = [HostSpec("a", 1)]
-    (dropped,) = members.drop_undiscovered()
+    (dropped,) = members.drop_undiscovered(0.0)
     assert dropped.name == "b" and dropped.state == "removed" and members.need_publish
     members.fail(members.hosts["a"], now=0.0)
     members.retire_finished()
@@ -229,7 +276,7 @@ def added_then_original_removed(**options: object) -> Membership:
     start_all(members, now=1.0)
     publish(members, now=1.0, synced=False)
     members.discovered = [HostSpec("b", 2)]
-    (removed,) = members.drop_undiscovered()
+    (removed,) = members.drop_undiscovered(0.0)
     assert removed.name == "a" and members.need_publish
     members.retire_finished()
     return members
@@ -311,7 +358,7 @@ def test_a_removal_before_the_new_host_runs_cannot_hand_the_state_on() -> None:
     start_all(members)
     publish(members).members[0].agent = object()
     members.discovered = [HostSpec("b", 1)]  # a replaced at once: b is still starting
-    members.drop_undiscovered()
+    members.drop_undiscovered(0.0)
     members.retire_finished()
     members.hosts_to_start(1.0)
     stop = members.decide(1.0)
