@@ -333,7 +333,8 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                 host = self.members.find(name, order)
                 if host is not None:
                     host.agent_finished = True
-                    if host.state == "starting":
+                    # (an agent hvdrun stopped itself, the job ending, has not failed)
+                    if host.state == "starting" and not (self.stopping or self.finishing):
                         self._fail_host(host, f"could not start its agent: {reason}")
             case HostEvent(_, Output(rank, stream, data)):
                 self.sink.line(rank, stream, data)

@@ -185,6 +185,7 @@ class Membership:
         self._sync_since: float | None = None  # a removal waits for the sync under way
         #: Since when discovery has listed none of the job's hosts while they hold the state.
         self.unlisted_since: float | None = None
+        self._replace_since: float | None = None  # unlisted holders wait for replacements
         self._said_short = False  # the wait for --min-np slots was announced
         self._lost_to_removal = False  # the last running host went by discovery, not failure
         self._orders = itertools.count()
@@ -256,6 +257,23 @@ class Membership:
             host.state = "removed"
         return unlisted
 
+    def _replacing(self, staying: list[HostRecord], active: list[HostRecord], now: float) -> bool:
+        """Whether hosts that can take over from the unlisted ones are on their way (started
+        and not running yet, or listed and free to start under --max-np), for up to
+        :data:`SYNC_WAIT` seconds."""
+        limit = self.options.max_np
+        room = limit is None or sum(h.slots for h in active) < limit
+        listed = any(
+            spec.hostname not in self.hosts and not self.blacklist.blocked(spec.hostname, now)
+            for spec in self.discovered
+        )
+        if not (any(h.state in ("starting", "ready") for h in staying) or (room and listed)):
+            self._replace_since = None
+            return False
+        if self._replace_since is None:
+            self._replace_since = now
+        return now - self._replace_since < SYNC_WAIT
+
     def unlisted_notice(self, before: float | None, dropped: list[HostRecord]) -> str | None:
         """What to say of the last :meth:`drop_undiscovered` (``before``: ``unlisted_since``
         before it): that the job's hosts stay although discovery lists none, or that it lists
@@ -271,14 +289,25 @@ class Membership:
         return None
 
     def _keeps(self, unlisted: list[HostRecord], now: float) -> bool:
-        """Whether the unlisted hosts stay for now: where discovery lists none of the job's
+        """Whether the unlisted hosts stay for now. Where discovery lists none of the job's
         hosts, and none that could take their place, removing them would end the job and
         its training state, so its running hosts stay until discovery lists a host again
-        (a discovery script that failed for a moment) or --elastic-timeout has passed."""
+        (a discovery script that failed for a moment) or --elastic-timeout has passed. Where
+        the hosts that replace them are still starting, they stay until those run."""
         active = [h for h in self.hosts.values() if h.state in ACTIVE]
-        startable = any(not self.blacklist.blocked(s.hostname, now) for s in self.discovered)
         running = any(h.state == "running" for h in unlisted)
-        if not running or len(unlisted) < len(active) or startable:
+        staying = [h for h in active if h not in unlisted]
+        if running and not any(self.holds(h) for h in staying):
+            # The unlisted hosts hold the state and nobody else does: where hosts to replace
+            # them are on their way (a node swapped for another in one go), they stay until
+            # those run, so that the state can reach them.
+            if self._replacing(staying, active, now):
+                self.unlisted_since = None
+                return True
+        else:
+            self._replace_since = None
+        startable = any(not self.blacklist.blocked(s.hostname, now) for s in self.discovered)
+        if not running or staying or startable:
             self.unlisted_since = None
             return False
         if self.unlisted_since is None:

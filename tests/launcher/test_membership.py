@@ -149,12 +149,6 @@ def test_discovery_listing_no_host_keeps_the_running_ones_for_the_elastic_timeou
         "discovery has listed none of the elastic job's hosts for longer than --elastic-timeout "
         "(5 s): its workers are gone, and its training state with them; stopping the job"
     )
-    # A host listed in their place takes over as before (the removal waits for its sync).
-    members = membership([("a", 1)], num_proc=1, min_np=1, max_np=None)
-    start_all(members)
-    publish(members)
-    members.discovered = [HostSpec("c", 1)]
-    assert [h.name for h in members.drop_undiscovered(1.0)] == ["a"]
 
 
 def test_reset_limit_and_every_worker_gone() -> None:
@@ -353,15 +347,36 @@ def test_a_removal_whose_sync_never_completes_stops_the_job_after_the_wait() -> 
     ]
 
 
-def test_a_removal_before_the_new_host_runs_cannot_hand_the_state_on() -> None:
+def test_a_host_replaced_in_one_go_stays_until_its_replacement_holds_the_state() -> None:
     members = membership([("a", 1)], num_proc=1, min_np=1, max_np=None)
     start_all(members)
     publish(members).members[0].agent = object()
-    members.discovered = [HostSpec("b", 1)]  # a replaced at once: b is still starting
-    members.drop_undiscovered(0.0)
+    members.discovered = [HostSpec("b", 1)]  # a replaced at once: b is not even started
+    assert members.drop_undiscovered(0.0) == []  # a holds the state: it stays for now
+    (b,) = members.hosts_to_start(0.0)
+    assert members.drop_undiscovered(1.0) == []  # b is starting
+    members.ready(b)
+    both = publish(members, now=2.0, synced=False)  # b joins a's generation ...
+    assert [h.name for h in both.members] == ["a", "b"]
+    (a,) = members.drop_undiscovered(3.0)  # ... and a leaves once b runs,
+    waiting = members.decide(3.0)  # handing the state on first (as for a later removal)
+    assert isinstance(waiting, Wait) and waiting.message is not None
+    assert "the workers on b are still receiving the training state from a" in waiting.message
+    sync(members, b)
+    assert a.name == "a" and [h.name for h in publish(members, now=4.0).members] == ["b"]
+
+
+def test_a_replacement_that_never_runs_cannot_hand_the_state_on() -> None:
+    members = membership([("a", 1)], num_proc=1, min_np=1, max_np=None)
+    start_all(members)
+    publish(members).members[0].agent = object()
+    members.discovered = [HostSpec("b", 1)]
+    assert members.drop_undiscovered(0.0) == []
+    members.hosts_to_start(0.0)  # b starts and never gets ready
+    assert members.drop_undiscovered(SYNC_WAIT - 1) == []
+    (a,) = members.drop_undiscovered(SYNC_WAIT + 1)  # the wait is over
     members.retire_finished()
-    members.hosts_to_start(1.0)
-    stop = members.decide(1.0)
+    stop = members.decide(SYNC_WAIT + 1)
     assert isinstance(stop, Stop) and "(b) had no worker running yet to receive it" in stop.message
     assert "every worker" not in stop.message and "is lost" not in stop.message
 
