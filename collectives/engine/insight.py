@@ -14,13 +14,20 @@ with another host's) and the members compare those durations afterwards:
   *caused* it;
 * a round *held* the set back when its wait reached :data:`HELD_SECONDS`: only those count
   when members are said to have been last (in a balanced job every member is last by a
-  hair in turn, which says nothing).
+  hair in turn, which says nothing);
+* one *late arrival* may take several rounds: while the last member has no op of its own
+  (it runs keepalive rounds, sleeping or loading data), the others' ops stay pending and
+  they wait on in the next round. A held round whose last member had no op, followed by a
+  round with the same last member, is one late arrival: it counts once among the
+  collectives that held the set back and the times that member was last, and its waits add
+  up to one (the largest of which a member's figures keep: one late start is not a
+  straggler, however many rounds it took).
 
 Comparing costs nothing per round: a member keeps its durations (and what each round
 waited on, its *label*) in a buffer and the members compare them in a *flush* of up to
 :data:`CAPACITY` rounds at a time, two small collectives on the set's Gloo group (the
-shortest duration per round, then per round the waits' sum and who was last). Every member
-flushes right after the same round, so after:
+shortest duration per round, then per round the waits' sum, who was last and whether it
+had an op of its own). Every member flushes right after the same round, so after:
 
 * a round in which the buffer became full (every member counts the same rounds);
 * a round in which a member raised its flag, because its oldest unflushed round is
@@ -33,7 +40,10 @@ flushes right after the same round, so after:
   complete.
 
 Besides, each member adds up the time it spends in the set's cycles and lanes (*busy*):
-time in collectives, as against time between them.
+time in collectives, as against time between them. A flush runs inside a cycle, whose time
+is added after it: a snapshot's busy time is at least the rounds' durations so far, so that
+it covers the waits of the round just compared (the last flush, in the round in which a
+member leaves the set, has no later one to catch up).
 
 Ownership: an :class:`Arrivals` belongs to its set's cycle runner, so to whoever holds the
 set's cycle lock. Two fields are read or written from other threads, each a single
@@ -93,13 +103,13 @@ class Snapshot(NamedTuple):
 
     flushes: int  # flushes so far (alike on every member)
     rounds: int  # rounds compared
-    held: int  # rounds that held the set back (alike on every member)
+    held: int  # late arrivals that held the set back (alike on every member)
     waited: float  # seconds this member waited for the last member of a round, in all
     busy: float  # seconds this member spent in the set's cycles and lanes
     elapsed: float  # seconds since the accounting started
     caused: tuple[float, ...]  # by member index: the rounds' waits it caused as their last
-    peak: tuple[float, ...]  # by member index: the largest of those waits
-    last: tuple[int, ...]  # by member index: rounds that held the set back with it last
+    peak: tuple[float, ...]  # by member index: the largest of those waits (one late arrival)
+    last: tuple[int, ...]  # by member index: late arrivals of it that held the set back
     ops: dict[str, tuple[float, dict[int, float]]]  # label: (waited at it, {member: waited for})
 
 
@@ -124,7 +134,7 @@ class Arrivals:
         raw = bytearray((CAPACITY + 1) * 8)
         self._shortest_t = torch.frombuffer(raw, dtype=torch.float64)
         self._shortest = numpy.frombuffer(raw, dtype=numpy.float64)
-        raw = bytearray(3 * CAPACITY * 8)
+        raw = bytearray(4 * CAPACITY * 8)
         self._sums_t = torch.frombuffer(raw, dtype=torch.float64)
         self._sums = numpy.frombuffer(raw, dtype=numpy.float64)
         self._labels: list[str | None] = [None] * CAPACITY
@@ -132,6 +142,11 @@ class Arrivals:
         self._rounds = 0
         self._held = 0
         self._waited = 0.0
+        self._inside = 0.0  # the rounds' durations, in all
+        # A late arrival that goes on into the next round: the member (-1: none) and the
+        # others' wait for it so far.
+        self._open = -1
+        self._open_wait = 0.0
         self._caused = numpy.zeros(size)
         self._peak = numpy.zeros(size)
         self._last = numpy.zeros(size, dtype=numpy.int64)
@@ -193,6 +208,8 @@ class Arrivals:
         sums[:n] = excess
         sums[CAPACITY : CAPACITY + n] = last
         sums[2 * CAPACITY : 2 * CAPACITY + n] = last * float(self.index)
+        if idle:
+            sums[3 * CAPACITY + numpy.asarray(idle)] = last[idle]
         if not alone:
             _allreduce(group, self._sums_t, _SUM, timeout)
         if int(shortest[0]) != n:
@@ -201,9 +218,12 @@ class Arrivals:
                 self._warned = True
                 logger.warning("arrival accounting: members counted different rounds; skipped")
             return
+        self._inside += float(mine.sum())
         self._add(n, excess, sums)
 
     def _add(self, n: int, excess: numpy.ndarray, sums: numpy.ndarray) -> None:
+        if n == 0:
+            return
         size = self.size
         waits = sums[:n]
         lasts = sums[CAPACITY : CAPACITY + n]
@@ -213,10 +233,32 @@ class Arrivals:
         held = waits >= HELD_SECONDS
         known = who >= 0
         self._caused += numpy.bincount(who[known], weights=waits[known], minlength=size)
-        numpy.maximum.at(self._peak, who[known], waits[known])
-        self._last += numpy.bincount(who[known & held], minlength=size)
+        # Late arrivals (see the module docstring): a held round whose last member had no op
+        # of its own leaves its arrival open; the next round goes on with it if that member
+        # is last again. Segment 0 is the arrival left open by the previous flush (if any).
+        opens = known & held & (sums[3 * CAPACITY : 3 * CAPACITY + n] > 0.5)
+        before = numpy.empty(n, dtype=numpy.int64)
+        before[0] = self._open
+        before[1:] = numpy.where(opens[:-1], who[:-1], -1)
+        goes_on = known & (who == before)
+        segment = numpy.cumsum(~goes_on)
+        count = int(segment[-1]) + 1
+        wait = numpy.bincount(segment, weights=numpy.where(known, waits, 0.0), minlength=count)
+        owner = numpy.full(count, -1, dtype=numpy.int64)
+        owner[segment[~goes_on]] = who[~goes_on]
+        if self._open >= 0:
+            owner[0] = self._open
+            wait[0] += self._open_wait
+        # (an open arrival counted when it began; it does not count again)
+        counted = numpy.bincount(segment, weights=held, minlength=count) > 0
+        counted[0] = False
+        someone = owner >= 0
+        numpy.maximum.at(self._peak, owner[someone], wait[someone])
+        self._last += numpy.bincount(owner[counted & someone], minlength=size)
+        self._held += int(counted.sum())
+        self._open = int(who[-1]) if opens[-1] else -1
+        self._open_wait = float(wait[-1]) if opens[-1] else 0.0
         self._rounds += n
-        self._held += int(held.sum())
         self._waited += float(excess.sum())
         rows = numpy.flatnonzero(held & (excess > 0)).tolist()
         if rows:
@@ -240,7 +282,7 @@ class Arrivals:
             self._rounds,
             self._held,
             self._waited,
-            self.busy,
+            max(self.busy, self._inside),
             time.perf_counter() - self._started,
             tuple(self._caused.tolist()),
             tuple(self._peak.tolist()),
@@ -275,13 +317,13 @@ class Summary(NamedTuple):
 
     flushes: int  # of the global set
     rounds: int
-    held: int  # rounds that held a set back
+    held: int  # late arrivals that held a set back
     waited: float
     busy: float
     elapsed: float
     caused: float  # the waits this rank caused as the last member of a round
-    peak: float  # the largest of them
-    last: int  # rounds that held a set back with this rank last
+    peak: float  # the largest of them (one late arrival, however many rounds it took)
+    last: int  # its late arrivals that held a set back
     ops: dict[str, tuple[float, dict[int, float]]]  # label: (waited, {global rank: waited for})
     caused_by: dict[int, float]  # the global set's figures of every rank, by global rank
     last_by: dict[int, int]

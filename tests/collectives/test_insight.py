@@ -76,6 +76,8 @@ class Peers:
             vector[:n] += excess
             vector[CAPACITY : CAPACITY + n] += last
             vector[2 * CAPACITY : 2 * CAPACITY + n] += last * index
+            for k in self.idle.get(index, ()):
+                vector[3 * CAPACITY + k] += last[k]
         return self
 
     def wait(self) -> None:
