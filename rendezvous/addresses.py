@@ -18,6 +18,7 @@ import socket
 import psutil
 
 __all__ = [
+    "DIRECT",
     "interface_facing",
     "interface_of",
     "is_ipv6",
@@ -28,6 +29,12 @@ __all__ = [
     "source_address",
     "split_addr",
 ]
+
+#: The gRPC channel option that makes a channel dial its address itself. gRPC otherwise
+#: sends it through the proxy of ``http_proxy``/``https_proxy``/``grpc_proxy`` (set on many
+#: clusters for pip), which cannot reach a job's own ports, not even on loopback; the job's
+#: channels are between its own processes, as torch's TCPStore and Gloo are.
+DIRECT = ("grpc.enable_http_proxy", 0)
 
 
 def split_addr(addr: str) -> tuple[str, int]:

@@ -41,6 +41,7 @@ from rendezvous import (
     rendezvous_pb2_grpc,
     worker_env,
 )
+from rendezvous.addresses import DIRECT
 from rendezvous.tls import TARGET_NAME, channel_credentials
 
 __all__ = [
@@ -317,6 +318,7 @@ class RendezvousClient:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            DIRECT,
         ]
         if cert_pem:
             # The certificate names TARGET_NAME, whatever address the worker dials.

@@ -38,6 +38,7 @@ import grpc
 import grpc.aio
 
 from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY, rendezvous_pb2
+from rendezvous.addresses import DIRECT
 from rendezvous.tls import TARGET_NAME, channel_credentials
 
 __all__ = ["HostRelay"]
@@ -139,6 +140,7 @@ class HostRelay:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            DIRECT,
         ]
         if self._cert_pem:
             options.append(("grpc.ssl_target_name_override", TARGET_NAME))

@@ -44,7 +44,7 @@ import grpc
 import grpc.aio
 
 from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY
-from rendezvous.addresses import join_addr
+from rendezvous.addresses import DIRECT, join_addr
 from rendezvous.server.guard import GuardInterceptor
 from rendezvous.server.loop import LoopThread
 from rendezvous.tls import TARGET_NAME, JobCertificate, channel_credentials
@@ -86,6 +86,7 @@ _OPTIONS = [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    DIRECT,
 ]
 _SERVER_OPTIONS = [
     *_OPTIONS,

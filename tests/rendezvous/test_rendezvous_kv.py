@@ -45,6 +45,17 @@ def test_set_get_bytes(client: RendezvousClient) -> None:
     assert client.get("kv/ascii", timeout=0) == b"overwritten"
 
 
+def test_a_proxy_in_the_environment_is_not_used(
+    server: RendezvousServer, make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Clusters set these for pip; the job's own ports are never behind them.
+    for name in ("http_proxy", "https_proxy", "grpc_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    client = make_client(server, rpc_timeout=5.0)
+    client.set("kv/proxy", b"direct")
+    assert client.get("kv/proxy", timeout=5.0) == b"direct"
+
+
 def test_get_blocks_until_another_thread_sets(client: RendezvousClient) -> None:
     def later() -> None:
         time.sleep(0.3)
