@@ -351,8 +351,25 @@ def _torchrun(env: Mapping[str, str], elastic_agent: bool) -> Placement | None:
     )
 
 
+def _half_set(rank: int | None, size: int | None, rank_name: str, size_name: str) -> None:
+    """A launcher sets its rank and size variables together: one without the other (a
+    copied environment, a wrapper that dropped one) is an error, never a job of size 1;
+    only ``rank 0`` or ``size 1`` alone still runs alone, as it says."""
+    if rank is not None and size is None and rank != 0:
+        raise DetectionError(
+            f"{rank_name}={rank} is set but {size_name} is not, so the size of the job is "
+            f"unknown: a launcher sets both; {LAUNCHER_VARIABLE}=none runs it alone"
+        )
+    if size is not None and rank is None and size != 1:
+        raise DetectionError(
+            f"{size_name}={size} says this process is one of {size}, but {rank_name} (which "
+            f"one) is not set: a launcher sets both; {LAUNCHER_VARIABLE}=none runs it alone"
+        )
+
+
 def _open_mpi(env: Mapping[str, str]) -> Placement | None:
     rank, size = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+    _half_set(rank, size, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
     if rank is None or size is None:
         return None
     addr, port = _master(env)
@@ -373,6 +390,8 @@ def _open_mpi(env: Mapping[str, str]) -> Placement | None:
 def _pmi(env: Mapping[str, str]) -> Placement | None:
     rank = _first(env, "PMI_RANK", "ALPS_APP_PE", "PALS_RANKID")
     size = _first(env, "PMI_SIZE")
+    # (Cray's ALPS_APP_PE and PALS_RANKID may come without PMI_SIZE: only PMI_RANK needs it)
+    _half_set(_int(env, "PMI_RANK") if size is None else rank, size, "PMI_RANK", "PMI_SIZE")
     if rank is None or size is None:
         return None
     addr, port = _master(env)
@@ -468,8 +487,23 @@ def _auto(env: Mapping[str, str]) -> Placement | None:
     for read in (_open_mpi, _pmi, _jsrun, _slurm_step):
         found = read(env)
         if found is not None:
-            return found
+            return _srun_over_pmi(found, env) if read is _pmi else found
     return _environment(env)
+
+
+def _srun_over_pmi(found: Placement, env: Mapping[str, str]) -> Placement:
+    """srun's own PMI plugin (``srun --mpi=pmi2``, or a cluster's ``MpiDefault``) sets
+    ``PMI_RANK``/``PMI_SIZE`` too: where they are the Slurm step's own task numbers, srun
+    started this process and is the launcher. (An MPI launcher inside a step, such as
+    Hydra's proxies started by srun, runs one task per node, whose numbers are not the
+    ranks'; and with one rank per node either reading gives the same place.)"""
+    try:
+        step = _slurm_step(env)
+    except DetectionError:
+        return found
+    if step is not None and (step.rank, step.size) == (found.rank, found.size):
+        return step
+    return found
 
 
 def _environment(env: Mapping[str, str]) -> Placement | None:

@@ -160,6 +160,19 @@ def test_pmi_mpich_and_cray() -> None:
     assert cray is not None and (cray.rank, cray.size, cray.local_rank) == (5, 8, None)
 
 
+def test_srun_with_its_pmi2_plugin_is_slurm_not_mpi() -> None:
+    # srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE alongside the step's own numbers.
+    pmi2 = {**SLURM_TASK, "PMI_RANK": SLURM_TASK["SLURM_PROCID"], "PMI_FD": "5"}
+    pmi2["PMI_SIZE"] = pmi2.get("SLURM_STEP_NUM_TASKS") or pmi2["SLURM_NTASKS"]
+    found = detect(pmi2)
+    assert found is not None and (found.launcher, found.name) == ("slurm", "Slurm (srun)")
+    # Hydra's proxies started by srun: one task per node, MPI ranks of their own.
+    hydra = {**SLURM_TASK, "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}
+    hydra.update({"PMI_RANK": "3", "PMI_SIZE": "4"})
+    found = detect(hydra)
+    assert found is not None and (found.launcher, found.rank, found.size) == ("mpi", 3, 4)
+
+
 def test_jsrun() -> None:
     env = {
         "JSM_NAMESPACE_RANK": "0",
@@ -288,6 +301,10 @@ def test_unknown_override() -> None:
         ({"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "4"}, "rank 4 of a job of 4"),
         ({"PMI_RANK": "0", "PMI_SIZE": "0"}, "has 0 processes"),
         ({**OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_RANK": "2"}, "local rank 2 of 2"),
+        # Half of a launcher's pair never makes a job of size 1 in silence.
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE=2 says this process is one of 2"),
+        ({"OMPI_COMM_WORLD_RANK": "1"}, "OMPI_COMM_WORLD_RANK=1 is set but OMPI_COMM_WORLD_SIZE"),
+        ({"PMI_RANK": "1"}, "PMI_RANK=1 is set but PMI_SIZE is not"),
     ],
 )
 def test_inconsistent_variables(env: dict[str, str], message: str) -> None:
