@@ -38,6 +38,7 @@ import hashlib
 import ipaddress
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -132,8 +133,20 @@ def _token(placement: Placement) -> str:
     return "job-token-" + hashlib.sha256(placement.job_key.encode()).hexdigest()[:32]
 
 
-def _job_id(placement: Placement) -> str:
-    return hashlib.sha256(("job-id/" + placement.job_key).encode()).hexdigest()[:16]
+def _job_id(placement: Placement, round_: int) -> str:
+    """The job's id in its ``round_``-th ``hvd.init()`` (every rank counts its calls alike):
+    a rank that calls ``init()`` again at once must not join the rendezvous of the round
+    before, which rank 0 still serves until every other rank has left it."""
+    base = hashlib.sha256(("job-id/" + placement.job_key).encode()).hexdigest()[:16]
+    return f"{base}.{round_}"
+
+
+def _earlier_round(error: Exception, job_id: str) -> bool:
+    """Whether a rejected registration reached this job's rendezvous of an earlier round
+    (rank 0 still serves it until the other ranks have left it: worth trying again)."""
+    base, _, own = job_id.rpartition(".")
+    found = re.search(r"reached job '([0-9a-f]+)\.(\d+)'", str(error))
+    return found is not None and found.group(1) == base and found.group(2) != own
 
 
 def _port_of(placement: Placement) -> tuple[int, str]:
@@ -169,8 +182,9 @@ def _wildcard(host: str) -> str:
     return "::" if ":" in host else "0.0.0.0"
 
 
-def plan_meeting(placement: Placement) -> Meeting:
-    """Where this job's ranks meet, from what every rank knows alike (no communication).
+def plan_meeting(placement: Placement, round_: int = 1) -> Meeting:
+    """Where this job's ranks meet in its ``round_``-th ``hvd.init()``, from what every
+    rank knows alike (no communication).
 
     The MPI case without ``MASTER_ADDR`` and torchrun's agent store are settled in
     :func:`join` (they communicate); here they get a placeholder address."""
@@ -179,7 +193,7 @@ def plan_meeting(placement: Placement) -> Meeting:
     unauthenticated = not secret
     if unauthenticated:
         secret, secret_from = _token(placement), "a token derived from the job id"
-    job_id = _job_id(placement)
+    job_id = _job_id(placement, round_)
     name = placement.name
     if placement.agent_store:
         addr = join_addr(placement.master_addr or "127.0.0.1", placement.master_port or 0)
@@ -303,6 +317,13 @@ def _point_gloo_at(addr: str) -> None:
             os.environ[name] = ifname
 
 
+def _refused(placement: Placement, meeting: Meeting, error: Exception) -> JoinError:
+    return JoinError(
+        f"hvd.init(): rank {placement.rank} ({placement.name}) could not join the job at "
+        f"{meeting.addr}: {error}"
+    )
+
+
 def _say_unauthenticated(meeting: Meeting) -> None:
     with contextlib.suppress(Exception):  # stderr may be closed
         sys.stderr.write(
@@ -314,8 +335,9 @@ def _say_unauthenticated(meeting: Meeting) -> None:
         sys.stderr.flush()
 
 
-def join(placement: Placement, host: str) -> Joined:
-    """Meets the job's other ranks (rank 0 serves) and registers; raises :class:`JoinError`."""
+def join(placement: Placement, host: str, round_: int = 1) -> Joined:
+    """Meets the job's other ranks (rank 0 serves) in the process's ``round_``-th
+    ``hvd.init()`` and registers; raises :class:`JoinError`."""
     from rendezvous.client import (
         RendezvousAuthError,
         RendezvousClient,
@@ -328,8 +350,9 @@ def join(placement: Placement, host: str) -> Joined:
     timeout = start_timeout()
     deadline = time.monotonic() + timeout
     rank = placement.rank
-    meeting = plan_meeting(placement)
+    meeting = plan_meeting(placement, round_)
     servers: list[RendezvousServer] = []
+    published = f"hvdrun/{placement.job_key}/rendezvous/{round_}"  # (torchrun's store)
 
     def serve(bind_host: str, port: int, secret: str) -> int:
         server = RendezvousServer(
@@ -357,13 +380,11 @@ def join(placement: Placement, host: str) -> Joined:
                 if not is_loopback(host_part) and host_part != "localhost":
                     host_part = source_address(host_part) or host_part
                 meeting.addr = join_addr(host_part, port)
-                _torchrun_store(placement, timeout).set(
-                    f"hvdrun/{placement.job_key}/rendezvous", meeting.addr.encode()
-                )
+                _torchrun_store(placement, timeout).set(published, meeting.addr.encode())
         elif placement.agent_store:
             store = _torchrun_store(placement, timeout)
-            meeting.addr = store.get(f"hvdrun/{placement.job_key}/rendezvous").decode()
-        if rank == 0 and meeting.unauthenticated:
+            meeting.addr = store.get(published).decode()
+        if rank == 0 and meeting.unauthenticated and round_ == 1:  # (said once a process)
             _say_unauthenticated(meeting)
         _point_gloo_at(meeting.addr)
         dial = meeting.addr
@@ -378,7 +399,12 @@ def join(placement: Placement, host: str) -> Joined:
             try:
                 info = client.register(peers, local_rank, timeout=max(remaining, 0.1), rank=rank)
                 break
-            except RendezvousUnavailable as error:
+            except (RendezvousUnavailable, RendezvousAuthError) as error:
+                if isinstance(error, RendezvousAuthError) and not _earlier_round(
+                    error, meeting.job_id
+                ):
+                    client.close()
+                    raise _refused(placement, meeting, error) from None
                 if time.monotonic() + RETRY_SECONDS >= deadline:
                     client.close()
                     raise JoinError(
@@ -388,6 +414,11 @@ def join(placement: Placement, host: str) -> Joined:
                         "there? (HVDRUN_START_TIMEOUT sets how long to wait)"
                     ) from None
                 time.sleep(RETRY_SECONDS)
+                if isinstance(error, RendezvousAuthError):
+                    # (a connection of its own to the next server: the earlier one's
+                    # shutdown is none of this client's business)
+                    client.close()
+                    client = RendezvousClient(dial, meeting.secret, meeting.job_id)
             except RendezvousTimeout as error:
                 client.close()
                 raise JoinError(
@@ -395,12 +426,9 @@ def join(placement: Placement, host: str) -> Joined:
                     f"not all of them joined within {timeout:g} s (HVDRUN_START_TIMEOUT): "
                     f"{error}"
                 ) from None
-            except (RendezvousAuthError, RendezvousError) as error:
+            except RendezvousError as error:
                 client.close()
-                raise JoinError(
-                    f"hvd.init(): rank {rank} ({placement.name}) could not join the job at "
-                    f"{meeting.addr}: {error}"
-                ) from None
+                raise _refused(placement, meeting, error) from None
     except BaseException:
         for server in servers:
             server.stop()
@@ -440,7 +468,7 @@ def init_launched(
     placement: Placement, backend: str, timeout: datetime.timedelta, counter: int
 ) -> RuntimeState:
     """Joins the job ``placement`` describes and creates the default process group."""
-    joined = join(placement, socket.gethostname())
+    joined = join(placement, socket.gethostname(), counter)
     info = joined.info
     runtime_ = RuntimeState(
         topology=Topology(

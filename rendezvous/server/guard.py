@@ -85,8 +85,13 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             return handler  # unknown method: gRPC answers UNIMPLEMENTED
         if reason is not None:
             code, message = reason
-            # Never logs the token itself.
-            logger.warning("rejected %s: %s", handler_call_details.method, message)
+            # Never logs the token itself. A later round of this job (``ID.N``: a rank that
+            # called hvd.init() again while this round's server still waits for the others
+            # to leave it) is expected, and tries again: not worth a warning.
+            later = self._job_id.rpartition(".")[0] + "."
+            expected = later != "." and message.startswith(f"request for job '{later}")
+            level = logging.DEBUG if expected else logging.WARNING
+            logger.log(level, "rejected %s: %s", handler_call_details.method, message)
             return _denying_handler(handler, code, message)
         lenient = self._lenient.get(handler_call_details.method)
         if lenient is None:

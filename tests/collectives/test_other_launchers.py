@@ -334,6 +334,30 @@ def test_kubernetes_style_environment() -> None:
     assert identities(output) == {0: (2, 0, 2, 0, 1, host), 1: (2, 1, 2, 0, 1, host)}, output
 
 
+@pytest.mark.parametrize("launcher", ["torchrun", "kubernetes"])
+def test_init_again_after_shutdown(launcher: str) -> None:
+    # Each round meets anew: a rank that calls init() again at once does not join the round
+    # before, whose rendezvous rank 0 serves until the others have left it.
+    if launcher == "torchrun":
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(free_port()), WORKER, "reinit",
+        ]  # fmt: skip
+        env = {**clean_env(), "HVDRUN_START_TIMEOUT": "30"}
+        pipe, joined = subprocess.PIPE, subprocess.STDOUT
+        procs = [
+            subprocess.Popen(command, env=env, cwd=REPO, stdout=pipe, stderr=joined, text=True)
+        ]
+    else:
+        procs = start_pods(2, "reinit", port=free_port(), HVDRUN_START_TIMEOUT="30")
+    codes, output = finish(procs, timeout=120)
+    assert set(codes) == {0}, output
+    for round_ in range(3):
+        for rank in range(2):
+            assert f"ROUND {round_} rank {rank} sum {1 + 2 * round_}" in output, output
+    assert "rejected" not in output, output
+
+
 def test_kubernetes_style_killed_rank_ends_the_job() -> None:
     started = time.monotonic()
     codes, output = finish(start_pods(3, "die", port=free_port(), HVDRUN_GLOO_TIMEOUT_SECONDS="5"))

@@ -6,6 +6,9 @@ leaves identical parameters on every rank (each rank trains on its own data).
 
 ``die``: rank 1 SIGKILLs itself after init; the others' next allreduce must fail with
 HorovodInternalError (printed as ``PEER LOST: ...``), and they exit 3.
+
+``reinit``: three rounds of ``init()``, an allreduce and ``shutdown()``, back to back (rank 0
+serves each round's rendezvous until the others left it); prints ``ROUND i rank r sum s``.
 """
 
 from __future__ import annotations
@@ -62,6 +65,13 @@ def train_step(checks: Checks) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     mode = sys.argv[1] if len(sys.argv) > 1 else "check"
+    if mode == "reinit":
+        for round_ in range(3):
+            hvd.init()
+            total = hvd.allreduce(torch.tensor([float(hvd.rank() + round_)]), op=hvd.Sum)
+            say(f"ROUND {round_} rank {hvd.rank()} sum {total.item():g}")
+            hvd.shutdown()
+        return
     started = time.monotonic()
     hvd.init()
     say(f"{identity()} init_seconds={time.monotonic() - started:.3f}")
