@@ -243,11 +243,11 @@ class Controller:
 
     # ---- lifetime --------------------------------------------------------------------
 
-    def leave(self, message: str = "") -> None:
+    def leave(self, message: str = "", script_failed: bool = False) -> None:
         """This rank leaves the set: its next cycle (the last) says so to the members
         (``message``: what the set's ops say, when the set ends for another reason than
-        this rank's shutdown)."""
-        self.queue.leave(message)
+        this rank's shutdown; ``script_failed``: its script raised)."""
+        self.queue.leave(message, script_failed)
 
     def cancel(self, error_for: Callable[[Request], BaseException]) -> None:
         """The set goes away: every op in flight fails at once, then this rank leaves."""

@@ -242,11 +242,12 @@ class Engine:
         rank's collectives, when another rank's did."""
         return self._global.runner.ended_by
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Announces this rank's departure in every set's last cycle and stops them."""
+    def stop(self, timeout: float | None = None, script_failed: bool = False) -> None:
+        """Announces this rank's departure in every set's last cycle and stops them
+        (``script_failed``: the others are told its script ended by an exception)."""
         controllers = list(self._controllers.values())
         for controller in controllers:
-            controller.leave()
+            controller.leave(script_failed=script_failed)
         for controller in controllers:
             controller.join(timeout)
         tl, self._slot.current = self._slot.current, None

@@ -57,6 +57,7 @@ from collectives.engine.insight import IDLE, Arrivals
 from collectives.engine.names import UnnamedCounters, unnamed_counter
 from collectives.engine.negotiation import (
     FLAG_ABORT,
+    FLAG_FAILED,
     FLAG_FLUSH,
     FLAG_LEAVING,
     Entry,
@@ -105,6 +106,22 @@ def hot_print(request: Request, rode: bool) -> HotPrint | None:
     name = None if counter else request.name
     device = request.inputs[0].get_device()
     return HotPrint(name, request.reduction, spec.dtype, torch.Size(spec.shape), device, rode)
+
+
+def left_message(rank: int, leavers: list[int], failed: list[int]) -> str:
+    """Why no more collectives can run on ``rank``: ``leavers`` left, ``failed`` of them
+    because their scripts raised (the others called hvd.shutdown() or their scripts ended)."""
+    others = [peer for peer in failed if peer != rank]
+    if others:
+        cause = f"rank {others[0]}'s script failed (an uncaught exception), which ended"
+    else:
+        who = "this rank" if leavers == [rank] else f"rank {leavers[0]}"
+        cause = f"{who} shut down"
+    detail = "" if others else " (hvd.shutdown() or the end of its script)"
+    return (
+        f"rank {rank}: {cause} hvdrun's collectives{detail}, so no more collectives can run "
+        "in this job"
+    )
 
 
 class CycleRunner:
@@ -249,7 +266,7 @@ class CycleRunner:
         arrivals.after(
             self.control_pg, flush or any(peer_flags for peer_flags, _ in results), timeout
         )
-        leavers, abort = [], False
+        leavers, failed, abort = [], [], False
         if self._agreed(new, records, results):
             delivery = eager.delivery(riders, datas, exchange.wants)
             if delivery == eager.FOLLOW:
@@ -267,6 +284,8 @@ class CycleRunner:
                 peer = self.members[position]
                 if peer_flags & FLAG_LEAVING:
                     leavers.append(peer)
+                    if peer_flags & FLAG_FAILED:
+                        failed.append(peer)
                 abort = abort or bool(peer_flags & FLAG_ABORT)
                 entries, joined = self.table.add(peer, data, self.cycle_no, now)
                 touched.extend(entries)
@@ -281,11 +300,8 @@ class CycleRunner:
         if leavers:
             if self.rank not in leavers:
                 self.ended_by = leavers[0]
-            who = "this rank" if leavers == [self.rank] else f"rank {leavers[0]}"
             self.queue.fail(
-                self.queue.leave_message
-                or f"rank {self.rank}: {who} shut down hvdrun's collectives (hvd.shutdown() "
-                "or the end of its script), so no more collectives can run in this job",
+                self.queue.leave_message or left_message(self.rank, leavers, failed),
                 self.dispatch.current,
             )
             return False

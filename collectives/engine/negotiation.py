@@ -56,6 +56,7 @@ __all__ = ["Entry", "Exchange", "Table"]
 FLAG_LEAVING = 1  # this rank's engine stops after this cycle (hvd.shutdown())
 FLAG_ABORT = 2  # the stall inspector gave up: every rank fails its pending ops
 FLAG_FLUSH = 4  # flush the arrival accounting after this round (see :mod:`.insight`)
+FLAG_FAILED = 8  # with FLAG_LEAVING: this rank's script ended by an uncaught exception
 
 _HEADER = struct.Struct("<IIB")  # payload length, payload length wanted, flags
 _MIN_SLOT = 512

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from collectives.engine.handles import Handle
-from collectives.engine.negotiation import FLAG_ABORT, FLAG_LEAVING
+from collectives.engine.negotiation import FLAG_ABORT, FLAG_FAILED, FLAG_LEAVING
 from collectives.engine.requests import Request
 from collectives.engine.scheduler import Due, Pace, seconds_until_cycle
 from collectives.errors import HorovodInternalError
@@ -55,6 +55,7 @@ class Submissions:
         self._woken = False
         self._leaving = False
         self._leave_message = ""
+        self._script_failed = False
         self._abort = False
         self._error: HorovodInternalError | None = None
         self._running = True
@@ -121,6 +122,8 @@ class Submissions:
             self._flush = False
             self._woken = False
             flags = (FLAG_LEAVING if self._leaving else 0) | (FLAG_ABORT if self._abort else 0)
+            if self._leaving and self._script_failed:
+                flags |= FLAG_FAILED
         return held, new, flags
 
     def hold(self, requests: list[Request]) -> None:
@@ -172,11 +175,13 @@ class Submissions:
         with self._lock:
             return self._error
 
-    def leave(self, message: str = "") -> None:
+    def leave(self, message: str = "", script_failed: bool = False) -> None:
         """This rank's last cycle of the set announces that it leaves (``message``: why,
-        for the set's ops, when it is not this rank's shutdown)."""
+        for the set's ops, when it is not this rank's shutdown; ``script_failed``: its
+        script ended by an uncaught exception, which the others are told)."""
         with self._lock:
             self._leaving = True
+            self._script_failed = self._script_failed or script_failed
             self._leave_message = self._leave_message or message
             self.cond.notify_all()
 

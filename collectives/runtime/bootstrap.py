@@ -31,6 +31,7 @@ import atexit
 import datetime
 import logging
 import os
+import sys
 import threading
 from typing import Any
 
@@ -135,7 +136,7 @@ def init(comm: Any = None) -> bool:
         state.set_current(runtime_)
         insight.start(runtime_)
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
             _atexit_registered = True
         topo = runtime_.topology
         logger.debug(
@@ -151,10 +152,10 @@ def init(comm: Any = None) -> bool:
     return True
 
 
-def _teardown(runtime_: RuntimeState) -> None:
+def _teardown(runtime_: RuntimeState, script_failed: bool = False) -> None:
     runtime_.closed.set()
     engine_ = runtime_.engine
-    stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 2.0)
+    stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 2.0, script_failed)
     _say_who_ended(runtime_, engine_)
     insight.finish(runtime_, engine_)  # (its last figures, before the store goes)
     if runtime_.leave is not None:
@@ -219,9 +220,23 @@ def shutdown() -> None:
     """Stops the collectives (on every rank: a job's collectives end when one rank leaves),
     destroys the process groups it made (a framework's default group stays) and leaves the
     rendezvous; ``init()`` may be called again."""
+    _shutdown(script_failed=False)
+
+
+def _shutdown(script_failed: bool) -> None:
+    """:func:`shutdown`; ``script_failed``: the other ranks are told this rank's script
+    ended by an exception."""
     with _lock:
         runtime_ = state.current()
         if runtime_ is None:
             return
         state.set_current(None)
-        _teardown(runtime_)
+        _teardown(runtime_, script_failed)
+
+
+def _shutdown_at_exit() -> None:
+    """The interpreter exits without hvd.shutdown(): after an uncaught exception (Python
+    has printed it and kept it as ``sys.last_value``; a SystemExit leaves none), the other
+    ranks learn that this rank's script failed rather than ended."""
+    error = getattr(sys, "last_value", None)
+    _shutdown(script_failed=error is not None and not isinstance(error, KeyboardInterrupt))

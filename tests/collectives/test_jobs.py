@@ -331,3 +331,11 @@ def test_the_rank_whose_end_ended_the_others_is_named_first(
     code, output = run_hvdrun(2, script, how)
     assert code == 1, output
     assert f"hvdrun: rank {first} on host localhost failed first: exit code 1" in output, output
+    # Rank 1's error says how rank 0 left: its script raised, or ended.
+    said = {
+        "raise": "rank 1: rank 0's script failed (an uncaught exception), which ended hvdrun's "
+        "collectives, so no more",
+        "end": "rank 1: rank 0 shut down hvdrun's collectives (hvd.shutdown() or the end of its "
+        "script), so no more",
+    }
+    assert said[how] in output, output
