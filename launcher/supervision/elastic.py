@@ -449,8 +449,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             self.sink.message(f"host {host.name} is no longer discovered; removing it")
             if not host.workers and host.agent is not None:
                 host.agent.close()
-        notice = members.unlisted_notice(unlisted_since, dropped)
-        if notice is not None:
+        for notice in members.notices(unlisted_since, dropped):
             self.sink.message(notice)
         for host in members.hosts_to_start(now):
             self._start_host(host)

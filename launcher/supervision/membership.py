@@ -186,6 +186,7 @@ class Membership:
         #: Since when discovery has listed none of the job's hosts while they hold the state.
         self.unlisted_since: float | None = None
         self._replace_since: float | None = None  # unlisted holders wait for replacements
+        self._slots_said: dict[str, int] = {}  # host -> the changed slot count noted
         self._said_short = False  # the wait for --min-np slots was announced
         self._lost_to_removal = False  # the last running host went by discovery, not failure
         self._orders = itertools.count()
@@ -274,19 +275,31 @@ class Membership:
             self._replace_since = now
         return now - self._replace_since < SYNC_WAIT
 
-    def unlisted_notice(self, before: float | None, dropped: list[HostRecord]) -> str | None:
-        """What to say of the last :meth:`drop_undiscovered` (``before``: ``unlisted_since``
+    def notices(self, before: float | None, dropped: list[HostRecord]) -> list[str]:
+        """What to say after :meth:`drop_undiscovered` (``before``: ``unlisted_since``
         before it): that the job's hosts stay although discovery lists none, or that it lists
-        them again."""
+        them again; and, once per count, that a running host is listed with other slots."""
+        said = []
         if before is None and self.unlisted_since is not None:
-            return (
+            said.append(
                 "discovery lists none of the job's hosts: they keep running, with the training "
                 "state, until it lists hosts again (for up to --elastic-timeout "
                 f"{self.options.elastic_timeout:g} s)"
             )
-        if before is not None and self.unlisted_since is None and not dropped:
-            return "discovery lists hosts again; the job goes on"
-        return None
+        elif before is not None and self.unlisted_since is None and not dropped:
+            said.append("discovery lists hosts again; the job goes on")
+        for spec in self.discovered:
+            host = self.hosts.get(spec.hostname)
+            if host is None or host.state not in ACTIVE or spec.slots == host.slots:
+                self._slots_said.pop(spec.hostname, None)
+            elif self._slots_said.get(spec.hostname) != spec.slots:
+                self._slots_said[spec.hostname] = spec.slots
+                said.append(
+                    f"discovery lists host {spec.hostname} with {spec.slots} slot(s); it keeps "
+                    f"the {host.slots} it started with while its workers run (a changed count "
+                    "applies when the host joins again)"
+                )
+        return said
 
     def _keeps(self, unlisted: list[HostRecord], now: float) -> bool:
         """Whether the unlisted hosts stay for now. Where discovery lists none of the job's

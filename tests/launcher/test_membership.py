@@ -131,12 +131,12 @@ def test_discovery_listing_no_host_keeps_the_running_ones_for_the_elastic_timeou
     publish(members)
     members.discovered = []  # a discovery script that failed for a moment
     assert members.drop_undiscovered(1.0) == [] and members.unlisted_since == 1.0
-    notice = members.unlisted_notice(None, [])
-    assert notice is not None and "they keep running, with the training state" in notice
+    (notice,) = members.notices(None, [])
+    assert "they keep running, with the training state" in notice
     assert members.decide(1.0) is None  # nothing changed: the job trains on
     members.discovered = [HostSpec("a", 1), HostSpec("b", 1)]
     assert members.drop_undiscovered(2.0) == [] and members.unlisted_since is None
-    assert members.unlisted_notice(1.0, []) == "discovery lists hosts again; the job goes on"
+    assert members.notices(1.0, []) == ["discovery lists hosts again; the job goes on"]
     # Listed nowhere for longer than the elastic timeout: removed, and the job stops saying so.
     members.discovered = []
     assert members.drop_undiscovered(3.0) == []
@@ -149,6 +149,23 @@ def test_discovery_listing_no_host_keeps_the_running_ones_for_the_elastic_timeou
         "discovery has listed none of the elastic job's hosts for longer than --elastic-timeout "
         "(5 s): its workers are gone, and its training state with them; stopping the job"
     )
+
+
+def test_a_changed_slot_count_of_a_running_host_is_noted_once() -> None:
+    members = membership([("a", 2)], num_proc=2, min_np=1, max_np=None)
+    start_all(members)
+    publish(members)
+    members.discovered = [HostSpec("a", 3)]
+    assert members.drop_undiscovered(1.0) == []
+    assert members.notices(None, []) == [
+        "discovery lists host a with 3 slot(s); it keeps the 2 it started with while its "
+        "workers run (a changed count applies when the host joins again)"
+    ]
+    assert members.notices(None, []) == []  # said once
+    members.discovered = [HostSpec("a", 2)]
+    assert members.notices(None, []) == []
+    members.discovered = [HostSpec("a", 3)]
+    assert len(members.notices(None, [])) == 1  # changed again: said again
 
 
 def test_reset_limit_and_every_worker_gone() -> None:
