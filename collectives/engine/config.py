@@ -72,7 +72,7 @@ def from_environment() -> EngineConfig:
     return EngineConfig(
         fusion_threshold=int(we.number(we.FUSION_THRESHOLD)),
         cycle_time_ms=we.number(we.CYCLE_TIME),
-        timeline=we.setting(we.TIMELINE),
+        timeline=_timeline_file(),
         timeline_mark_cycles=we.flag(we.TIMELINE_MARK_CYCLES),
         timeline_all_ranks=we.flag(we.TIMELINE_ALL_RANKS),
         stall_check=not we.flag(we.STALL_CHECK_DISABLE),
@@ -87,3 +87,10 @@ def from_environment() -> EngineConfig:
         autotune_bayes_opt_max_samples=int(we.number(we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES)),
         autotune_gaussian_process_noise=we.number(we.AUTOTUNE_GAUSSIAN_PROCESS_NOISE),
     )
+
+
+def _timeline_file() -> str | None:
+    """The timeline written from ``hvd.init()`` on: ``HOROVOD_TIMELINE=DYNAMIC`` is Horovod's
+    way to write none until ``hvd.start_timeline()``."""
+    value = worker_env.setting(worker_env.TIMELINE)
+    return None if value == "DYNAMIC" else value

@@ -516,6 +516,8 @@ def test_config_reads_both_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     assert config.timeline_mark_cycles and not config.stall_check
     assert (config.stall_warning_seconds, config.stall_shutdown_seconds) == (5.0, 9.0)
+    monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")  # Horovod's: none until start_timeline()
+    assert from_environment().timeline is None
     monkeypatch.setenv("HVDRUN_FUSION_THRESHOLD", "2000")  # HVDRUN_ wins
     assert from_environment().fusion_threshold == 2000
     monkeypatch.setenv("HVDRUN_CYCLE_TIME", "soon")
