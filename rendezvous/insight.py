@@ -20,6 +20,7 @@ Every figure is a duration on one rank's own clock; none compares clocks across 
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import statistics
 from collections.abc import Iterable, Mapping
@@ -47,8 +48,9 @@ STANDOUT_RATIO = 3.0
 #: ... and the others waited for it, on average, at least this long and this share of
 #: their time (end of job; a loaded machine makes balanced ranks wait for each other for a
 #: few percent of their time, one of them more by chance). All three leave out each rank's
-#: longest single wait caused: one late start (loading data, a first compilation) does not
-#: make a straggler.
+#: longest late arrival (one wait, however many rounds it took): one late start (loading
+#: data, a first compilation) does not make a straggler. The live watch leaves out the
+#: longest late arrival in its window alike.
 STANDOUT_SECONDS = 0.1
 STANDOUT_FRACTION = 0.1
 #: Live: the window looked at, and how long the others must have waited for one rank in it
@@ -60,7 +62,7 @@ LIVE_MIN_SPAN = 2.0
 #: Live: the same rank is warned about again after this long at the earliest.
 LIVE_REPEAT_SECONDS = 300.0
 #: Live: the rank was last in at least this many of the window's collectives that waited,
-#: and at least half of them (one late start is not a straggler).
+#: and at least half of them (one late start is not a straggler: it counts once).
 LIVE_MIN_LAST = 3
 
 
@@ -76,9 +78,9 @@ class RankFigures:
     in_collectives_s: float = 0.0  # in the engine's rounds and collectives
     waited_s: float = 0.0  # waiting for the rank that arrived last
     wait_caused_s: float = 0.0  # what the others waited while it was the last
-    largest_wait_caused_s: float = 0.0  # the most in one round
-    times_last: int = 0  # rounds that held the job back with it last
-    held_rounds: int = 0  # rounds that held the job back (alike on every rank)
+    largest_wait_caused_s: float = 0.0  # the most in one late arrival (however many rounds)
+    times_last: int = 0  # its late arrivals that held the job back
+    held_rounds: int = 0  # late arrivals that held the job back (alike on every rank)
     rounds: int = 0
     flushes: int = 0  # comparisons so far (alike on every rank of a generation)
     final: bool = False  # published at shutdown
@@ -358,9 +360,12 @@ class LiveNews:
 class LiveWatch:
     """Watches the figures as they come (every second or so) for a rank that makes the
     others wait: within the last ``window`` seconds, the others waited for it
-    ``wait_seconds`` or more on average and it :func:`stands_out`. Says so in a status line
-    while it lasts, and in a warning at most once per ``repeat`` seconds for the same rank.
-    The times are the watcher's own clock (when it read the figures)."""
+    ``wait_seconds`` or more on average and it :func:`stands_out`, both without its longest
+    late arrival in the window (as at the end of the job: one late start is no straggler).
+    Says so in a status line while it lasts, and in a warning at most once per ``repeat``
+    seconds for the same rank. The times are the watcher's own clock (when it read the
+    figures). Only the workers of the newest generation (elastic jobs) are judged, each
+    against its own figures of that generation: a rank number is a generation's."""
 
     def __init__(
         self,
@@ -371,43 +376,90 @@ class LiveWatch:
         self.window = window
         self.wait_seconds = wait_seconds
         self.repeat = repeat
-        self._samples: collections.deque[tuple[float, dict[str, RankFigures]]] = collections.deque()
+        # (when, the figures then, the workers whose figures then were below earlier ones)
+        self._samples: collections.deque[tuple[float, dict[str, RankFigures], set[str]]] = (
+            collections.deque()
+        )
         self._warned: dict[int, float] = {}
+        self._high: dict[str, RankFigures] = {}  # each worker's highest figures so far
+
+    def _history(self, key: str, now: RankFigures) -> list[tuple[float, RankFigures]]:
+        """A worker's figures in the window, oldest first: those of its current generation
+        and rank, but for figures lower than earlier ones (a worker's figures only grow; an
+        elastic worker's dip while its stopped engine's are carried over to the next)."""
+        found: list[tuple[float, RankFigures]] = []
+        for when, sample, dipped in self._samples:
+            f = sample.get(key)
+            if f is None or key in dipped:
+                continue
+            if f.generation != now.generation or f.rank != now.rank:
+                found = []
+            else:
+                found.append((when, f))
+        return found
+
+    def _dipped(self, figures: Mapping[str, RankFigures]) -> set[str]:
+        """The workers whose figures are below their highest so far (same generation and
+        rank); the others' are their highest now."""
+        dipped = set()
+        for key, f in figures.items():
+            high = self._high.get(key)
+            if (
+                high is not None
+                and (high.generation, high.rank) == (f.generation, f.rank)
+                and (f.wait_caused_s < high.wait_caused_s or f.times_last < high.times_last)
+            ):
+                dipped.add(key)
+            else:
+                self._high[key] = f
+        return dipped
 
     def update(self, now: float, figures: Mapping[str, RankFigures]) -> LiveNews:
         samples = self._samples
-        samples.append((now, dict(figures)))
+        dipped = self._dipped(figures)
+        samples.append((now, dict(figures), dipped))
         while len(samples) > 2 and now - samples[1][0] >= self.window:
             samples.popleft()
-        # Each worker's figures against its oldest in the window (workers publish at their
-        # own pace: a worker first seen now has nothing to compare yet).
-        oldest: dict[str, tuple[float, RankFigures]] = {}
-        for when, sample in samples:
-            for key, before in sample.items():
-                oldest.setdefault(key, (when, before))
+        newest = max((f.generation for f in figures.values()), default=0)
         caused: dict[int, float] = collections.defaultdict(float)
+        repeated: dict[int, float] = collections.defaultdict(float)  # less the longest
         last: dict[int, int] = collections.defaultdict(int)
         held: dict[int, int] = collections.defaultdict(int)  # over the rank's own stretch
         since: dict[int, float] = {}
+        covered: dict[int, float] = {}  # the stretch on the worker's own clock
         hosts: dict[int, str] = {}
         for key, f in figures.items():
-            when, before = oldest[key]
+            if f.generation != newest:
+                continue  # (a worker gone with its generation, or not in the new one yet)
+            # Each worker's figures against its oldest in the window (workers publish at
+            # their own pace: a worker first seen now has nothing to compare yet).
+            if key in dipped:
+                continue
+            history = self._history(key, f)
+            when, before = history[0]
             if when == now:
                 continue
-            caused[f.rank] += max(0.0, f.wait_caused_s - before.wait_caused_s)
+            mine = max(0.0, f.wait_caused_s - before.wait_caused_s)
+            caused[f.rank] += mine
+            repeated[f.rank] += max(0.0, mine - _longest_arrival(history))
             last[f.rank] += max(0, f.times_last - before.times_last)
             held[f.rank] = max(held[f.rank], f.held_rounds - before.held_rounds)
             since[f.rank] = min(since.get(f.rank, now), when)
+            covered[f.rank] = max(covered.get(f.rank, 0.0), f.elapsed_s - before.elapsed_s)
             hosts[f.rank] = f.host
-        rank = stands_out(caused)
+        rank = stands_out(repeated)
         if rank is None or len(caused) < 2:
             return LiveNews()
         span, rounds = now - since[rank], held[rank]
         if span < LIVE_MIN_SPAN or last[rank] < max(LIVE_MIN_LAST, rounds / 2):
             return LiveNews()
-        per_other = caused[rank] / (len(caused) - 1)
-        if per_other < self.wait_seconds * min(1.0, span / self.window):
+        others = len(caused) - 1
+        if repeated[rank] / others < self.wait_seconds * min(1.0, span / self.window):
             return LiveNews()
+        # The figures cover the workers' stretch between two comparisons, which may be
+        # longer than the watcher's; each other rank waited no longer than that.
+        span = max(1.0, round(max(span, covered[rank])))
+        per_other = min(caused[rank] / others, span)
         where = f"rank {rank}" + (f" on {hosts[rank]}" if hosts.get(rank) else "")
         share = f", last at {_percent(last[rank], rounds)} of them" if rounds else ""
         status = (
@@ -423,3 +475,25 @@ class LiveWatch:
                 "(the end-of-job table has the details)"
             )
         return LiveNews(status, warning)
+
+
+def _longest_arrival(history: list[tuple[float, RankFigures]]) -> float:
+    """At most how much of a worker's waiting caused in the window (``history``, its
+    figures in it, oldest first) one late arrival of it made: no more than its longest one
+    so far (figures without it: nothing is left out, as at the end of the job), and, as a
+    late arrival counts among its times last when it begins, no more than the waiting from
+    one reading in which a late arrival began to the next such reading (or from the
+    window's start)."""
+    peak = history[-1][1].largest_wait_caused_s
+    if peak <= 0:
+        return 0.0
+    longest = 0.0
+    stretch = 0.0
+    for (_, before), (_, after) in itertools.pairwise(history):
+        caused = max(0.0, after.wait_caused_s - before.wait_caused_s)
+        if after.times_last > before.times_last:
+            longest = max(longest, stretch + caused)  # (the one that ends here, at most)
+            stretch = 0.0
+        stretch += caused
+    longest = max(longest, stretch)
+    return min(longest, peak)

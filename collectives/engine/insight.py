@@ -17,10 +17,11 @@ with another host's) and the members compare those durations afterwards:
   hair in turn, which says nothing);
 * one *late arrival* may take several rounds: while the last member has no op of its own
   (it runs keepalive rounds, sleeping or loading data), the others' ops stay pending and
-  they wait on in the next round. A held round whose last member had no op, followed by a
-  round with the same last member, is one late arrival: it counts once among the
-  collectives that held the set back and the times that member was last, and its waits add
-  up to one (the largest of which a member's figures keep: one late start is not a
+  they wait on in the next round. A round in which others waited for a last member that
+  had no op, followed by a round with the same last member (rounds in which nobody waited
+  aside), is one late arrival: it counts once among the collectives that held the set back
+  (if any of its rounds did) and the times that member was last, and its waits add up to
+  one wait (the largest of which a member's figures keep: one late start is not a
   straggler, however many rounds it took).
 
 Comparing costs nothing per round: a member keeps its durations (and what each round
@@ -233,14 +234,19 @@ class Arrivals:
         held = waits >= HELD_SECONDS
         known = who >= 0
         self._caused += numpy.bincount(who[known], weights=waits[known], minlength=size)
-        # Late arrivals (see the module docstring): a held round whose last member had no op
-        # of its own leaves its arrival open; the next round goes on with it if that member
-        # is last again. Segment 0 is the arrival left open by the previous flush (if any).
-        opens = known & held & (sums[3 * CAPACITY : 3 * CAPACITY + n] > 0.5)
+        # Late arrivals (see the module docstring): a round in which others waited for a
+        # last member that had no op of its own leaves its arrival open; the next round in
+        # which anyone waited goes on with it if that member is last again (a round in which
+        # nobody waited changes nothing). Segment 0 is the arrival the previous flush left
+        # open (if any).
+        waited = waits > 0.0
+        opens = known & waited & (sums[3 * CAPACITY : 3 * CAPACITY + n] > 0.5)
+        after = numpy.where(opens, who, -1)  # the arrival each round leaves open
+        latest = numpy.maximum.accumulate(numpy.where(waited, numpy.arange(n), -1))
         before = numpy.empty(n, dtype=numpy.int64)
         before[0] = self._open
-        before[1:] = numpy.where(opens[:-1], who[:-1], -1)
-        goes_on = known & (who == before)
+        before[1:] = numpy.where(latest[:-1] >= 0, after[latest[:-1]], self._open)
+        goes_on = ~waited | (known & (who == before))
         segment = numpy.cumsum(~goes_on)
         count = int(segment[-1]) + 1
         wait = numpy.bincount(segment, weights=numpy.where(known, waits, 0.0), minlength=count)
@@ -256,8 +262,9 @@ class Arrivals:
         numpy.maximum.at(self._peak, owner[someone], wait[someone])
         self._last += numpy.bincount(owner[counted & someone], minlength=size)
         self._held += int(counted.sum())
-        self._open = int(who[-1]) if opens[-1] else -1
-        self._open_wait = float(wait[-1]) if opens[-1] else 0.0
+        if latest[-1] >= 0:
+            self._open = int(after[latest[-1]])
+        self._open_wait = float(wait[-1]) if self._open >= 0 else 0.0
         self._rounds += n
         self._waited += float(excess.sum())
         rows = numpy.flatnonzero(held & (excess > 0)).tolist()

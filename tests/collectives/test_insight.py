@@ -39,7 +39,7 @@ from collectives.engine.reduction import Reduction
 from collectives.runtime import insight as insight_runtime
 from collectives.runtime.insight import Publisher
 from collectives.runtime.state import RuntimeState, Topology
-from rendezvous.insight import RankFigures
+from rendezvous.insight import LiveWatch, RankFigures, analyse
 from rendezvous.worker_env import INSIGHT_KEY_PREFIX
 from tests.collectives.conftest import REPO, WORKERS, clean_env, run_hvdrun
 from tests.collectives.test_engine_units import _request, one_rank_engine
@@ -76,8 +76,9 @@ class Peers:
             vector[:n] += excess
             vector[CAPACITY : CAPACITY + n] += last
             vector[2 * CAPACITY : 2 * CAPACITY + n] += last * index
-            for k in self.idle.get(index, ()):
-                vector[3 * CAPACITY + k] += last[k]
+            for k in self.idle.get(index, ()):  # (the last member had no op of its own)
+                if len(vector) > 3 * CAPACITY:
+                    vector[3 * CAPACITY + k] += last[k]
         return self
 
     def wait(self) -> None:
@@ -158,6 +159,152 @@ def test_a_rank_sums_up_its_sets_by_global_rank() -> None:
     assert summary.ops["allreduce.b"] == (pytest.approx(0.0099), {3: pytest.approx(0.0099)})
     assert summary.caused_by == {0: pytest.approx(0.0035), 1: pytest.approx(0.002)}
     assert HELD_SECONDS <= 0.002
+
+
+def _two_ranks(snap: Any, elapsed: float) -> list[RankFigures]:
+    """Both ranks' figures of a two-member set whose snapshot (alike on every member but
+    for ``waited``, here member 0's) is ``snap``."""
+    return [
+        RankFigures(rank=rank, host="h", size=2, elapsed_s=elapsed, in_collectives_s=snap.busy,
+                    waited_s=snap.waited if rank == 0 else 0.0,
+                    wait_caused_s=snap.caused[rank], largest_wait_caused_s=snap.peak[rank],
+                    times_last=snap.last[rank], held_rounds=snap.held)
+        for rank in (0, 1)
+    ]  # fmt: skip
+
+
+def test_one_late_arrival_split_into_rounds_counts_once() -> None:
+    # Member 1 sleeps after hvd.init(): its engine runs keepalive rounds (no op of its own)
+    # about once a second, in each of which member 0 waited for it, over two flushes; in
+    # one round in between nobody waited (member 0 came last by a hair). Then it brings the
+    # op, and the job runs balanced.
+    arrivals = Arrivals(index=0, size=2)
+    _rounds(arrivals, [1.0, 0.001, 1.0], ["allreduce.grad"] * 3)
+    arrivals.flush(Peers({1: [0.001, 0.0015, 0.002]}, idle={1: {0, 1, 2}}))
+    _rounds(arrivals, [1.0, 0.5], ["allreduce.grad"] * 2)
+    arrivals.flush(Peers({1: [0.001, 0.0001]}, idle={1: {0}}))
+    balanced = [0.0004, 0.0001] * 20
+    _rounds(arrivals, balanced, ["allreduce.grad"] * 40)
+    arrivals.flush(Peers({1: balanced[1:] + balanced[:1]}))
+    snap = arrivals.snapshot
+    late = 0.999 + 0.998 + 0.999 + 0.4999
+    assert snap.caused[1] == pytest.approx(late + 20 * 0.0003)
+    assert snap.peak[1] == pytest.approx(late)  # one wait, though five rounds
+    assert snap.last == (0, 1) and snap.held == 1
+    report = analyse(_two_ranks(snap, elapsed=5.0))
+    assert report.straggler is None, report.summary
+
+
+def test_a_rank_late_at_every_step_is_late_every_time() -> None:
+    # Member 1 is late at every step: a keepalive round of its own while member 0 waits,
+    # then the round in which it brings the op. Each step is a late arrival of its own.
+    arrivals = Arrivals(index=0, size=2)
+    _rounds(arrivals, [0.05, 0.01] * 8, ["allreduce.grad"] * 16)
+    arrivals.flush(Peers({1: [0.0001, 0.0001] * 8}, idle={1: set(range(0, 16, 2))}))
+    snap = arrivals.snapshot
+    assert snap.last == (0, 8) and snap.held == 8
+    assert snap.peak[1] == pytest.approx(0.0499 + 0.0099)
+    report = analyse(_two_ranks(snap, elapsed=1.0))
+    assert report.straggler is not None and report.straggler.rank == 1, report.summary
+
+
+def test_time_in_collectives_covers_the_waits_of_the_last_round() -> None:
+    # The round in which a member leaves flushes inside its cycle, before the cycle's time
+    # is added to busy: the wait in it must still be time in collectives.
+    arrivals = Arrivals(index=0, size=2)
+    arrivals.busy = 2.0  # (the cycles before)
+    _rounds(arrivals, [1.0, 1.0, 3.0], ["allreduce.never"] * 3)
+    arrivals.flush(Peers({1: [0.001] * 3}, idle={1: {0, 1, 2}}))
+    snap = arrivals.snapshot
+    assert snap.waited == pytest.approx(4.997)
+    assert snap.busy >= snap.waited
+
+
+def _live(rank: int, caused: float, last: int, held: int, **more: Any) -> RankFigures:
+    return RankFigures(rank=rank, host=f"h{rank}", wait_caused_s=caused, times_last=last,
+                       held_rounds=held, **more)  # fmt: skip
+
+
+def test_the_live_watch_leaves_out_one_late_start() -> None:
+    # Rank 1 starts 4 s late (one late arrival, the others wait for it in keepalive rounds);
+    # then the job is balanced, with rank 1 last a little more often than rank 0 by chance.
+    watch = LiveWatch()
+    news = []
+    for now in range(12):
+        late = min(float(now), 4.0)
+        steps = max(0, now - 4) * 10
+        figures = {
+            "0": _live(0, 0.0005 * steps, steps // 2 - 1 if steps else 0, 1 + steps,
+                       largest_wait_caused_s=0.001 if steps else 0.0),
+            "1": _live(1, late + 0.0005 * steps, 1 + steps // 2 + (1 if steps else 0),
+                       1 + steps, largest_wait_caused_s=late),
+        }  # fmt: skip
+        news.append(watch.update(float(now), figures))
+    assert all(n.warning is None and n.status is None for n in news), news
+    # A rank late at every step still shows, its longest late arrival left out.
+    watch = LiveWatch()
+    for now in range(6):
+        figures = {
+            "0": _live(0, 0.0, 0, 20 * now),
+            "1": _live(1, 0.9 * now, 20 * now, 20 * now, largest_wait_caused_s=0.06),
+        }
+        news.append(watch.update(float(now), figures))
+    assert news[-1].status is not None and "rank 1 on h1" in news[-1].status
+
+
+def test_the_live_watch_claims_no_more_waiting_than_its_window() -> None:
+    # The figures of a comparison come late and at once: in 2 s of the watcher's own, rank 1
+    # published 3 s of the others' waiting (rounds that began before its previous figures).
+    watch = LiveWatch()
+    watch.update(0.0, {"0": _live(0, 0.0, 0, 0, elapsed_s=10.0),
+                       "1": _live(1, 0.0, 0, 0, elapsed_s=10.0)})  # fmt: skip
+    news = watch.update(2.0, {"0": _live(0, 0.0, 0, 30, elapsed_s=11.9),
+                              "1": _live(1, 2.98, 30, 30, elapsed_s=11.9,
+                                         largest_wait_caused_s=0.1)})  # fmt: skip
+    assert news.warning is not None and news.status is not None
+    for text in (news.warning, news.status):
+        found = re.search(r"in the last (\d+) s", text)
+        waited = re.search(r"waited ([\d.]+) (m?s)", text)
+        assert found and waited, text
+        claimed = float(waited[1]) / (1000.0 if waited[2] == "ms" else 1.0)
+        assert claimed <= float(found[1]), text
+
+
+def test_the_live_watch_judges_the_newest_generation_only() -> None:
+    # An elastic job: worker 1 (rank 1 of generation 1) holds the others back, then dies;
+    # in generation 2 worker 2 is rank 1 and the job is balanced. Worker 1's last figures
+    # stay in the store, and worker 2's carry its earlier generation's.
+    watch = LiveWatch()
+    news = []
+    for now in range(3):
+        figures = {
+            "w0": _live(0, 0.0, 0, 20 * now, generation=1),
+            "w1": _live(1, 0.8 * now, 20 * now, 20 * now, generation=1),
+            "w2": _live(2, 0.0, 0, 20 * now, generation=1),
+        }
+        news.append(watch.update(float(now), figures))
+    dead = figures["w1"]
+    for now in range(3, 9):
+        steps = 10 * (now - 3)
+        figures = {
+            "w0": _live(0, 0.001 * steps, steps // 2, 40 + steps, generation=2),
+            "w1": dead,
+            "w2": _live(1, 0.001 * steps, steps // 2, 40 + steps, generation=2),
+        }
+        news.append(watch.update(float(now), figures))
+    assert all(n.warning is None for n in news[3:]), news
+    assert all(n.status is None for n in news[3:]), news
+    # While an elastic worker resets, its figures dip (its stopped engine's are not carried
+    # over yet) and come back: the dip is no starting point.
+    watch = LiveWatch()
+    for now in range(26):
+        dip = now == 11
+        figures = {
+            "w0": _live(0, 0.0, 0, 10 if dip else 60),
+            "w1": _live(1, 0.5 if dip else 3.0, 10 if dip else 60, 10 if dip else 60),
+        }
+        news = [watch.update(float(now), figures)]
+        assert news[0].status is None, (now, news)
 
 
 def test_op_labels_put_an_unnamed_ops_calls_together() -> None:
@@ -356,6 +503,34 @@ def test_a_balanced_job_that_fails_at_the_end_names_no_rank(tmp_path: Path) -> N
     document = _report(report)
     assert document["straggler"] is None, document
     assert {f["rank"] for f in document["ranks"]} == {0, 1}
+
+
+LATE_START = """
+import time, torch
+import collectives.torch as hvd
+hvd.init()
+if hvd.rank() == 1:
+    time.sleep(3.0)  # (loading data, say: its engine runs keepalive rounds meanwhile)
+grad = torch.ones(100)
+for step in range(100):
+    hvd.allreduce_(grad, name="grad")
+print(f"DONE rank {hvd.rank()}")
+"""
+
+
+def test_one_late_start_split_into_rounds_names_no_rank(tmp_path: Path) -> None:
+    script = tmp_path / "late_start.py"
+    script.write_text(LATE_START)
+    report = tmp_path / "report.json"
+    code, output = run_hvdrun(2, script, options=["--report-file", str(report)])
+    assert code == 0, output
+    assert "holding the job back" not in output, output
+    assert "hvdrun: no rank stood out" in output, output
+    ranks = {f["rank"]: f for f in _report(report)["ranks"]}
+    late = ranks[1]
+    assert late["wait_caused_s"] > 1.5, ranks  # (keepalive rounds about once a second)
+    assert late["largest_wait_caused_s"] > 0.9 * late["wait_caused_s"], ranks  # (one wait)
+    assert all(f["in_collectives_s"] >= f["waited_s"] for f in ranks.values()), ranks
 
 
 def _free_port() -> int:
