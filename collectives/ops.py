@@ -119,6 +119,19 @@ def check_tensor(tensor: Any, what: str, min_dims: int = 0) -> torch.Tensor:
     return tensor
 
 
+def check_writable(outputs: Sequence[torch.Tensor], what: str) -> None:
+    """A tensor written in place may not have elements that share memory (an expanded view):
+    torch refuses the write, which inside the engine would stop every collective of the
+    job on this rank; refused here, at the call, the job stays usable."""
+    for tensor in outputs:
+        if torch._debug_has_internal_overlap(tensor) == 1:  # (1: overlap for certain)
+            raise ValueError(
+                f"{what}: the tensor to write in place has elements that share memory (an "
+                "expanded or broadcast view, stride 0); write into a tensor of its own "
+                "(.clone()), or use the out-of-place op"
+            )
+
+
 def check_devices(tensors: Sequence[torch.Tensor], what: str) -> None:
     """The tensors of one op must share a device (checked before an unnamed op's counter is
     drawn: see ``submit``)."""
@@ -367,6 +380,7 @@ def submit_allreduce(
             outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
         return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking)
     outs = inputs if _same(outputs, tensors) else list(outputs)
+    check_writable(outs, "allreduce")
     return submit(
         Kind.ALLREDUCE,
         name,
@@ -534,6 +548,7 @@ def submit_broadcast(
         outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
     else:
         outs = inputs if _same(outputs, tensors) else list(outputs)
+        check_writable(outs, "broadcast")
     # The engine broadcasts from the root's position in the set (every member computes it
     # alike from the same global rank).
     return submit(

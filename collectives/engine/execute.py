@@ -437,7 +437,10 @@ class Executor:
                 self._reduce_one(out, inp if copy else None, reduction, opts, bucket)
                 return
         total = sum(counts)
-        if total == 0:
+        if total == 0:  # empty tensors only: nothing to reduce, but results to hand out
+            for slot in slots:
+                if slot.request is not None:
+                    _output(slot)
             return
         buf = self.buffer(device, work_dtype, total)
         start = time.monotonic()

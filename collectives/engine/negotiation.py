@@ -290,11 +290,17 @@ def check(entry: Entry, members: list[int], joined: dict[int, int]) -> Collectiv
     if joined and entry.kind in _JOIN_UNSUPPORTED:
         gone = [r for r in members if r in joined]
         if gone:
+            kind = entry.kind.label
+            article = "an" if kind[0] in "aeiou" else "a"
+            hint = (  # (sparse gradients are reduced by allgathers)
+                "; with sparse gradients pass sparse_as_dense=True to DistributedOptimizer"
+                if entry.kind == Kind.ALLGATHER
+                else ""
+            )
             return NotSupportedWithJoinError(
                 f"{label(entry.kind, entry.name)}: rank(s) {gone} called hvd.join(), and as "
-                f"in Horovod a {entry.kind.label} cannot run while a rank has joined (only "
-                "allreduce can); with sparse gradients pass sparse_as_dense=True to "
-                "DistributedOptimizer"
+                f"in Horovod {article} {kind} cannot run while a rank has joined (only "
+                f"allreduce can){hint}"
             )
     if entry.kind == Kind.ALLTOALL:
         error = check_alltoall(entry.name, members, entry.vars)

@@ -184,6 +184,32 @@ def main() -> None:
                 f"grouped_.{label}.max", tensors[1], expected_reduce(hvd.Max, ranks, torch.int64)
             )
         c.expect("grouped.empty", hvd.grouped_allreduce([]) == [])
+        # Empty tensors come back as empty tensors: alone in a dtype reduced wider (int16),
+        # and all of a fused bucket.
+        empty = torch.zeros(0, 3, dtype=torch.int16)
+        alone = hvd.synchronize(hvd.allreduce_async(empty, op=hvd.Sum, name="empty.int16"))
+        c.equal("empty.int16", alone, empty)
+        outs = hvd.grouped_allreduce([torch.zeros(0, 3), torch.zeros(0)], name="empty.grouped")
+        c.expect(
+            "empty.grouped",
+            [(o.shape, o.dtype) for o in outs] == [((0, 3), torch.float32), ((0,), torch.float32)],
+            outs,
+        )
+        # An in-place target whose elements share memory is refused at the call, on every
+        # rank (the root of a broadcast too), and the job's collectives go on.
+        expanded = torch.tensor([float(r)]).expand(5)
+        for label_, call in (
+            ("allreduce_", lambda: hvd.allreduce_(expanded, op=hvd.Sum)),
+            ("broadcast_", lambda: hvd.broadcast_(expanded, root_rank=0)),
+        ):
+            try:
+                call()
+                c.expect(f"overlap.{label_}", False, "no error")
+            except ValueError as error:
+                c.expect(f"overlap.{label_}", "share memory" in str(error), error)
+        c.equal(
+            "overlap.after", hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n))
+        )
 
     def allgather() -> None:
         for label, ps, ranks in sets:
@@ -372,7 +398,10 @@ def main() -> None:
                     call()
                     c.expect(f"join.{what}_refused.step{step}", False, "no error")
                 except hvd.NotSupportedWithJoinError as error:
-                    c.expect(f"join.{what}_refused.step{step}", "join" in str(error), error)
+                    # (the sparse-gradient hint only where it helps: an allgather)
+                    said = str(error)
+                    hinted = ("sparse_as_dense" in said) == (what == "allgather")
+                    c.expect(f"join.{what}_refused.step{step}", "join" in said and hinted, said)
         last = hvd.join()
         c.expect("join.last_rank", last == n - 1, last)
         out = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum)
