@@ -39,7 +39,6 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 logging.getLogger("paramiko").propagate = False
 log = logging.getLogger(__name__)
 
-GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
 KEEPALIVE_SECONDS = 10
 MAX_JUMPS = 8  # a ProxyJump chain longer than this is a loop in the ssh config
 
@@ -59,6 +58,41 @@ def fingerprint(key: paramiko.PKey) -> str:
 _known_hosts_lock = threading.Lock()
 
 
+def load_known_hosts(host_keys: paramiko.HostKeys, path: str) -> set[bytes]:
+    """Adds a known_hosts file's keys to ``host_keys`` line by line, as OpenSSH reads it: a
+    line paramiko cannot parse is skipped (paramiko's own loader stops the whole file at
+    it), ``@cert-authority`` lines are skipped (no certificates here), and the keys of
+    ``@revoked`` lines are returned, to be refused."""
+    revoked: set[bytes] = set()
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return revoked
+    for line in lines:
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        marker = ""
+        if text.startswith("@"):
+            marker, _, text = text.partition(" ")
+            if marker != "@revoked":
+                continue  # @cert-authority
+        try:
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(text)
+        except Exception:  # (paramiko raises plain exceptions for bad base64)
+            entry = None
+        if entry is None:
+            log.debug("%s: skipping a known_hosts line paramiko cannot read", path)
+            continue
+        if marker:
+            revoked.add(entry.key.asbytes())
+            continue
+        for name in entry.hostnames:
+            host_keys.add(name, entry.key.get_name(), entry.key)
+    return revoked
+
+
 class _RecordNewKey(paramiko.MissingHostKeyPolicy):
     """accept-new: trust an unseen host once and append its key to known_hosts."""
 
@@ -71,12 +105,20 @@ class _RecordNewKey(paramiko.MissingHostKeyPolicy):
             return
         line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
         directory = os.path.dirname(self.path)
-        with _known_hosts_lock:
-            if directory and not os.path.isdir(directory):
-                os.makedirs(directory, mode=0o700, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as handle:
-                fcntl.flock(handle, fcntl.LOCK_EX)  # other hvdrun processes may append too
-                handle.write(line)
+        try:
+            with _known_hosts_lock:
+                if directory and not os.path.isdir(directory):
+                    os.makedirs(directory, mode=0o700, exist_ok=True)
+                with open(self.path, "a", encoding="utf-8") as handle:
+                    fcntl.flock(handle, fcntl.LOCK_EX)  # other hvdrun processes may append
+                    handle.write(line)
+        except OSError as error:  # (a read-only home: trusted for this job, as ssh does)
+            log.warning(
+                "could not add the host key of %s to %s (%s); trusting it for this job",
+                hostname,
+                self.path,
+                error.strerror or error,
+            )
 
 
 class _RejectUnknown(paramiko.MissingHostKeyPolicy):
@@ -113,6 +155,7 @@ class SSHConnector:
         )
         self._depth = depth
         self._jump: SSHConnector | None = None  # the ProxyJump host's connection
+        self._revoked: set[bytes] = set()  # host keys known_hosts marks @revoked
 
     def abort(self) -> None:
         self._aborted = True
@@ -203,6 +246,13 @@ class SSHConnector:
             raise SSHConnectError(self._handshake_message(exc)) from None
         transport = client.get_transport()
         if transport is not None:
+            key = transport.get_remote_server_key()
+            if key.asbytes() in self._revoked:
+                self.abort()
+                raise SSHConnectError(
+                    f"the host key of {target.key_name} ({fingerprint(key)}) is marked "
+                    "@revoked in known_hosts"
+                )
             transport.set_keepalive(KEEPALIVE_SECONDS)
         log.debug("%s: logged in as %s", target.alias, target.user)
         return SSHSession(client, local_address)
@@ -281,10 +331,10 @@ class SSHConnector:
         if target.host_key_policy == "off":
             client.set_missing_host_key_policy(_AcceptAny())
             return
-        for path in (GLOBAL_KNOWN_HOSTS, *target.known_hosts_files):
+        self._revoked.clear()
+        for path in (*target.global_known_hosts_files, *target.known_hosts_files):
             if os.path.isfile(path):
-                with contextlib.suppress(OSError, paramiko.SSHException):
-                    client.get_host_keys().load(path)
+                self._revoked |= load_known_hosts(client.get_host_keys(), path)
         if target.host_key_policy == "strict":
             client.set_missing_host_key_policy(_RejectUnknown())
         else:
@@ -293,7 +343,7 @@ class SSHConnector:
 
     def _changed_key_message(self, exc: paramiko.BadHostKeyException) -> str:
         target = self.target
-        files = ", ".join(target.known_hosts_files) or GLOBAL_KNOWN_HOSTS
+        files = ", ".join(target.known_hosts_files or target.global_known_hosts_files)
         name = target.host_key_alias or target.hostname
         remove = f"ssh-keygen -R '{target.key_name}'"
         if target.known_hosts_files:

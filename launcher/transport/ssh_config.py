@@ -33,6 +33,7 @@ SYSTEM_CONFIG = "/etc/ssh/ssh_config"
 MAX_INCLUDE_DEPTH = 16  # OpenSSH's limit
 log = logging.getLogger(__name__)
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+DEFAULT_GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
 
 _STRICT_FROM_CONFIG = {
     "yes": "strict",
@@ -63,6 +64,8 @@ class SSHTarget:
     host_key_policy: str
     proxy_jump: str | None = None  # ProxyJump: [user@]host[:port][,...], hops in order
     config_file: str | None = None  # --ssh-config-file, for the ProxyJump hosts' settings
+    #: GlobalKnownHostsFile: read, never written (OpenSSH's default first)
+    global_known_hosts_files: tuple[str, ...] = (DEFAULT_GLOBAL_KNOWN_HOSTS,)
 
     @property
     def key_name(self) -> str:
@@ -177,6 +180,10 @@ def resolve_target(alias: str, options: SSHOptions) -> SSHTarget:
         os.path.expanduser(path)
         for path in str(entry.get("userknownhostsfile", DEFAULT_KNOWN_HOSTS)).split()
     ]
+    global_known = [
+        os.path.expanduser(path)
+        for path in str(entry.get("globalknownhostsfile", DEFAULT_GLOBAL_KNOWN_HOSTS)).split()
+    ]
     policy = options.host_key_policy
     if policy is None:
         policy = _STRICT_FROM_CONFIG.get(
@@ -197,6 +204,7 @@ def resolve_target(alias: str, options: SSHOptions) -> SSHTarget:
         host_key_policy=policy,
         proxy_jump=None if jump in (None, "none") else str(jump),
         config_file=options.config_file,
+        global_known_hosts_files=tuple(path for path in global_known if path != "none"),
     )
 
 

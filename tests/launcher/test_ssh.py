@@ -329,6 +329,47 @@ def test_unknown_host_is_refused_under_strict(cluster: Cluster, tmp_path: Path) 
     assert (home / ".ssh" / "known_hosts").read_text() == ""
 
 
+def test_known_hosts_files_are_read_as_openssh_reads_them(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """GlobalKnownHostsFile is read; marker lines and lines paramiko cannot parse are
+    skipped, not fatal to every host; a key marked @revoked is refused; a known_hosts file
+    that cannot be written does not stop accept-new (the key is trusted for the job)."""
+    node1 = cluster.hosts[0]
+    key = " ".join(Path(f"{node1.host_key}.pub").read_text().split()[:2])
+    known = tmp_path / "global_known_hosts"
+    known.write_text(
+        "@cert-authority *.example.com ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAI\n"
+        "not a known_hosts line at all !!\n"
+        f"{node1.address} {key}\n"
+    )
+    config = tmp_path / "ssh_config"
+
+    def run(user_known: str, global_known: str, strict: str) -> subprocess.CompletedProcess[str]:
+        config.write_text(
+            f"Host n1\n    HostName {node1.address}\n    User root\n"
+            f"    IdentityFile {cluster.client_key}\n    UserKnownHostsFile {user_known}\n"
+            f"    GlobalKnownHostsFile {global_known}\n    StrictHostKeyChecking {strict}\n"
+        )
+        return cluster.hvdrun("--ssh-config-file", str(config), "-H", "n1:1", "true")
+
+    empty = tmp_path / "user_known_hosts"
+    empty.write_text("")
+    strict = run(str(empty), str(known), "yes")
+    assert strict.returncode == 0, strict.stderr
+    with known.open("a") as handle:
+        handle.write(f"@revoked * {key}\n")
+    revoked = run(str(empty), str(known), "yes")
+    assert revoked.returncode == 255
+    assert f"the host key of {node1.address} (SHA256:" in revoked.stderr
+    assert "is marked @revoked in known_hosts" in revoked.stderr
+    unwritable = run("/dev/null/known_hosts", "none", "accept-new")
+    assert unwritable.returncode == 0, unwritable.stderr
+    assert f"could not add the host key of {node1.address} to /dev/null/known_hosts" in (
+        unwritable.stderr
+    )
+
+
 def test_ssh_config_port_and_proxy_command(cluster: Cluster, tmp_path: Path) -> None:
     if shutil.which("ssh") is None:
         pytest.skip("the ssh client (openssh-client) is needed as ProxyCommand")
