@@ -329,9 +329,7 @@ def test_unknown_host_is_refused_under_strict(cluster: Cluster, tmp_path: Path) 
     assert (home / ".ssh" / "known_hosts").read_text() == ""
 
 
-def test_known_hosts_files_are_read_as_openssh_reads_them(
-    cluster: Cluster, tmp_path: Path
-) -> None:
+def test_known_hosts_files_are_read_as_openssh_reads_them(cluster: Cluster, tmp_path: Path) -> None:
     """GlobalKnownHostsFile is read; marker lines and lines paramiko cannot parse are
     skipped, not fatal to every host; a key marked @revoked is refused; a known_hosts file
     that cannot be written does not stop accept-new (the key is trusted for the job)."""
