@@ -23,6 +23,7 @@ from launcher.errors import LauncherError
 from launcher.transport.protocol import (
     AgentEvent,
     AgentSpec,
+    Exit,
     Hello,
     KillRequest,
     PingRequest,
@@ -99,6 +100,7 @@ class AgentConnection:
         self.rendezvous_host: str | None = None  # where this host can reach hvdrun
         self.exit_code: int | None = None
         self.worker_pids: list[int] = []
+        self._running: dict[int, int] = {}  # rank -> pid of the workers not reported exited
         self.last_heard = time.monotonic()  # when the agent last wrote anything
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self._events: EventQueue | None = None
@@ -272,11 +274,19 @@ class AgentConnection:
             else:
                 if isinstance(event, Started):
                     self.worker_pids.append(event.pid)
+                    self._running[event.rank] = event.pid
+                elif isinstance(event, Exit):
+                    self._running.pop(event.rank, None)
                 self._deliver(event)
         try:
             self.exit_code = self._exit_code()
         except Exception:
             self.exit_code = None
+        if self.exit_code != 0 and self._running:
+            # The agent died (killed, out of memory) with workers it never reported: they
+            # are orphans now, which nothing on their host will stop.
+            with contextlib.suppress(Exception):
+                self._stop_orphans(sorted(self._running.values()))
         self._finished.set()
         self._answered.set()
         self._deliver(AgentExit(self.exit_code, self.exit_reason()))
@@ -292,6 +302,11 @@ class AgentConnection:
             text = text_of(line.rstrip(b"\r\n"))
             self.stderr_tail.append(text)
             log.info("agent on %s: %s", self.hostname, text)
+
+    def _stop_orphans(self, pids: list[int]) -> None:
+        """Kills the process groups (and sessions) of workers whose agent died. Local
+        workers are reached by :meth:`_abort`; a transport that can reach a remote host
+        without its agent overrides this."""
 
     def exit_reason(self) -> str:
         """The agent's last words on stderr, for messages about a lost agent."""

@@ -13,6 +13,7 @@ closes nothing, and neither sshd nor TCP notices it for hours by default.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shlex
 import time
 from typing import Any
@@ -23,6 +24,8 @@ from launcher.transport.connection import NO_CWD_EXIT, AgentConnection, AgentSta
 from launcher.transport.local import AGENT_MODULE, agent_pythonpath
 from launcher.transport.ssh import SSHConnector
 from launcher.transport.ssh_config import SSHConnectError, SSHTarget
+
+log = logging.getLogger(__name__)
 
 
 def agent_command(python: str, cwd: str, pythonpath: str | None) -> str:
@@ -93,6 +96,24 @@ class RemoteAgent(AgentConnection):
         assert self._channel is not None
         code = self._channel.recv_exit_status()
         return None if code < 0 else code
+
+    def _stop_orphans(self, pids: list[int]) -> None:
+        """The SSH connection outlives a killed agent: through it, the workers' process
+        groups and sessions (each worker leads its own) are killed on the host."""
+        transport = self._client.get_transport() if self._client is not None else None
+        if transport is None or not transport.is_active():
+            return
+        groups = " ".join(str(pid) for pid in pids)
+        command = (
+            f"for p in {groups}; do kill -KILL -- -$p 2>/dev/null; "
+            "pkill -KILL -s $p 2>/dev/null; done; true"
+        )
+        channel = transport.open_session(timeout=5.0)
+        channel.settimeout(5.0)
+        channel.exec_command(command)
+        channel.recv_exit_status()
+        channel.close()
+        log.info("%s: killed the workers (pids %s) its lost agent left", self.hostname, groups)
 
     def _abort(self) -> None:
         self._connector.abort()

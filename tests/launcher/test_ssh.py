@@ -178,6 +178,28 @@ def test_kill_9_of_hvdrun_leaves_nothing_on_any_host(cluster: Cluster) -> None:
     assert_hosts_clean(cluster, [node1, node2], within=10)
 
 
+def test_a_killed_remote_agent_leaves_no_worker_behind(cluster: Cluster) -> None:
+    """The agent on host 2 dies (SIGKILL, the OOM killer): its workers, which no agent
+    will stop now, are killed through the SSH connection, children included."""
+    node1, node2 = cluster.hosts[:2]
+    proc = start_job(
+        cluster, "-H", f"{node1.alias}:1,{node2.alias}:1", PY, str(SCRIPTS / "fail_rank.py")
+    )
+    try:
+        pids = wait_for_pids(proc, 2)
+        (agent,) = [
+            p for p in cluster.processes_on(node2) if "launcher.agent" in " ".join(p.cmdline())
+        ]
+        agent.kill()
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 255, stderr
+    assert_gone(pids, within=10)
+    assert_hosts_clean(cluster, [node1, node2], within=10)
+
+
 def test_worker_failing_on_host_2_stops_every_host(cluster: Cluster) -> None:
     node1, node2 = cluster.hosts[:2]
     proc = start_job(
