@@ -218,9 +218,10 @@ class Control:
 
     def heartbeat(self, timeout: float, lost_after: float, emit: Emitter) -> None:
         """Pings hvdrun every ``timeout`` / 4 s; stops the workers once hvdrun has been silent
-        for ``lost_after`` s (at least ``timeout``)."""
+        for ``lost_after`` s (``timeout`` where none is given; hvdrun pings often enough for
+        the shorter of the two)."""
         interval = max(timeout / 4, 0.05)
-        limit = max(timeout, lost_after)
+        limit = lost_after if lost_after > 0 else timeout
         while not self.stop.wait(interval):
             emit(Ping())
             if time.monotonic() - self.last_heard > limit:

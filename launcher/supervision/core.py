@@ -315,7 +315,11 @@ class Supervision(ABC, Generic[E]):
         if last is not None and now - last > LOOP_STALL_SECONDS:
             # This loop did not run (hvdrun was stopped or starved of CPU): the agents'
             # silence was hvdrun's own, and their lines wait in the pipes to be read.
-            log.warning("hvdrun's loop stalled for %.1f s; heartbeats wait", now - last)
+            self.sink.message(
+                f"hvdrun itself was stopped or starved of CPU for {now - last:.1f} s (Ctrl-Z "
+                "stops hvdrun, not the job): its agents stop their workers once it has been "
+                "silent for --heartbeat-timeout"
+            )
             self._grace_until = now + LOOP_STALL_SECONDS
         if now < self._grace_until:
             return

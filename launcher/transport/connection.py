@@ -155,7 +155,10 @@ class AgentConnection:
         self._send(RunRequest(spec))
         self.last_heard = time.monotonic()
         if self.heartbeat_timeout > 0:
-            threading.Thread(target=self._ping, daemon=True).start()
+            # Often enough for the shorter of hvdrun's check of the agent and the agent's
+            # of hvdrun (--heartbeat-timeout may be the shorter one).
+            every = min(t for t in (self.heartbeat_timeout, spec.lost_after) if t > 0) / 4
+            threading.Thread(target=self._ping, args=(every,), daemon=True).start()
 
     def request_probe(self, connect_back: str | None, timeout: float) -> dict[str, Any]:
         """``--check-hosts``: the agent's description of its host."""
@@ -229,8 +232,8 @@ class AgentConnection:
             except Exception as exc:  # the agent is gone; its reader reports that
                 log.debug("cannot write to the agent on %s: %s", self.hostname, exc)
 
-    def _ping(self) -> None:
-        interval = max(self.heartbeat_timeout / 4, 0.05)
+    def _ping(self, every: float) -> None:
+        interval = max(every, 0.05)
         while not self._finished.wait(interval):
             self._send(PingRequest())
 

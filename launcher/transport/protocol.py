@@ -70,9 +70,10 @@ class AgentSpec:
     # > 0: the agent pings every heartbeat_timeout/4 s and stops its workers when it has
     # heard nothing from hvdrun for heartbeat_timeout s (a cut network closes nothing).
     heartbeat_timeout: float = 0.0
-    # > heartbeat_timeout: the agent stops its workers only after hearing nothing from hvdrun
-    # this long (an overloaded or stopped hvdrun is not a lost one; a closed connection
-    # still counts at once); hvdrun's own check of the agent keeps heartbeat_timeout.
+    # > 0: the agent stops its workers after hearing nothing from hvdrun this long
+    # (--heartbeat-timeout; an overloaded or stopped hvdrun is not a lost one; a closed
+    # connection still counts at once); hvdrun's own check of the agent keeps
+    # heartbeat_timeout, and hvdrun pings often enough for the shorter of the two.
     lost_after: float = 0.0
     # A logging level name ("DEBUG", ...): the agent logs to its stderr at that level,
     # which hvdrun shows with --verbose/--log-level. Empty: the agent stays quiet.

@@ -119,21 +119,24 @@ def test_interface_set_by_the_user_is_kept() -> None:
     agent.close()
 
 
-def test_silence_from_hvdrun_stops_the_workers() -> None:
+@pytest.mark.parametrize(("timeout", "lost_after", "said"), [(0.6, 0.0, 0.6), (30.0, 0.6, 0.6)])
+def test_silence_from_hvdrun_stops_the_workers(
+    timeout: float, lost_after: float, said: float
+) -> None:
+    # (--heartbeat-timeout shorter than --agent-timeout: the shorter one counts)
     agent = Agent()
     agent.event()
-    agent.send(
-        encode_request(
-            RunRequest(spec("import time; time.sleep(60)", ranks=2, heartbeat_timeout=0.6))
-        )
-    )
+    job = spec("import time; time.sleep(60)", ranks=2, heartbeat_timeout=timeout)
+    job.lost_after = lost_after
+    agent.send(encode_request(RunRequest(job)))
     start = time.monotonic()
     events = agent.events_until_done()
     assert time.monotonic() - start < 10
     assert {e["code"] for e in events if e["ev"] == "exit"} == {143}
-    assert {"ev": "ping"} in events  # it told hvdrun it was alive meanwhile
+    if timeout < 1:
+        assert {"ev": "ping"} in events  # it told hvdrun it was alive meanwhile
     _, stderr = agent.close()
-    assert "stopping workers: heard nothing from hvdrun for over 0.6 s" in stderr
+    assert f"stopping workers: heard nothing from hvdrun for over {said:g} s" in stderr
 
 
 @pytest.mark.parametrize("terminated_first", [False, True])

@@ -501,6 +501,29 @@ def test_cut_network_stops_the_cut_off_host_and_the_job(cluster: Cluster) -> Non
     assert_hosts_clean(cluster, [node2], within=10)
 
 
+def test_a_heartbeat_timeout_shorter_than_the_agent_timeout_counts(cluster: Cluster) -> None:
+    """--heartbeat-timeout 2 with the default --agent-timeout 30: hvdrun pings often enough
+    for a healthy job to run on (8 s), and an agent cut off from hvdrun stops its workers
+    after 2 s of silence, not 30."""
+    node1, node2 = cluster.hosts[:2]
+    hosts = f"{node1.alias}:1,{node2.alias}:1"
+    healthy = cluster.hvdrun("--heartbeat-timeout", "2", "-H", hosts, "sleep", "8")
+    assert healthy.returncode == 0, healthy.stderr
+    proc = start_job(
+        cluster, "--heartbeat-timeout", "2", "-H", hosts, PY, str(SCRIPTS / "fail_rank.py")
+    )
+    try:
+        pids = wait_for_pids(proc, 2)
+        node2_pids = [p for p in pids if p in {q.pid for q in cluster.processes_on(node2)}]
+        cluster.set_link(node2, up=False)
+        assert_gone(node2_pids, within=8)  # node2's agent, on its own
+    finally:
+        proc.kill()
+        proc.wait()
+        cluster.set_link(node2, up=True)
+    assert_hosts_clean(cluster, [node1, node2], within=10)
+
+
 def _venv(path: Path, with_hvdrun: bool) -> Path:
     """A venv of this interpreter's base Python; hvdrun importable through a .pth file."""
     base = getattr(sys, "_base_executable", sys.executable)

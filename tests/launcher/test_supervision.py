@@ -212,6 +212,8 @@ def test_after_hvdrun_itself_stalled_its_agents_get_time_to_be_heard() -> None:
     clock.now = 9.0  # the loop stalled for 8 s; the agent was last heard at 0
     job.step()
     assert job.silent == []
+    said = job.err.getvalue().decode()
+    assert "hvdrun: hvdrun itself was stopped or starved of CPU for 8.0 s (Ctrl-Z" in said
     agent.last_heard = 9.5  # its lines, read once hvdrun runs again
     clock.now = 10.5
     job.step()
