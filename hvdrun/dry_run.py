@@ -95,7 +95,12 @@ TUNING: tuple[tuple[str, str, str, str], ...] = (
         _default(we.STALL_CHECK_TIME_SECONDS),
         "s",
     ),
-    (we.STALL_SHUTDOWN_TIME_SECONDS, "stall shutdown after", "0", "s"),
+    (
+        we.STALL_SHUTDOWN_TIME_SECONDS,
+        "stall shutdown after",
+        _default(we.STALL_SHUTDOWN_TIME_SECONDS),
+        "s",
+    ),
     (we.GLOO_TIMEOUT_SECONDS, "collective timeout", _default(we.GLOO_TIMEOUT_SECONDS), "s"),
     (we.AUTOTUNE, "autotune", "0", ""),
 )
@@ -133,10 +138,9 @@ def tuning_lines(env: Mapping[str, str], elastic: bool) -> list[str]:
     lines = []
     rows = TUNING + AUTOTUNE if we.flag(we.AUTOTUNE, env) else TUNING
     for name, label, default, unit in rows:
-        value = we.setting(name, env)
-        source = ""
-        if value is not None:
-            spelling = next(v for v in we.setting_names(name) if env.get(v))
+        found = we.spelled(name, env)
+        if found is not None:
+            spelling, value = found
             source = f"from {spelling}"
         else:
             value = "5" if elastic and name == we.GLOO_TIMEOUT_SECONDS else default

@@ -162,7 +162,6 @@ CUDA_BACKENDS = ("nccl", "gloo")
 #: the job counts as lost (``hvdrun --heartbeat-timeout``): well above the scheduling
 #: hiccups of a loaded machine; a closed connection counts at once.
 RENDEZVOUS_LOST_AFTER_SECONDS = "RENDEZVOUS_LOST_AFTER_SECONDS"
-DEFAULT_LOST_AFTER_SECONDS = 30.0
 #: Elastic jobs: "1" marks one; how long a worker waits for the next generation.
 ELASTIC = "ELASTIC"
 #: 0 turns the per-host rendezvous relay off (workers then dial the server themselves).
@@ -185,14 +184,19 @@ def setting_names(name: str) -> tuple[str, str]:
 
 def setting(name: str, env: Mapping[str, str] | None = None) -> str | None:
     """A setting's value (``HVDRUN_<name>``, else ``HOROVOD_<name>``); None when unset."""
-    spelling = spelled(name, env)
-    return None if spelling is None else (os.environ if env is None else env)[spelling]
+    found = spelled(name, env)
+    return None if found is None else found[1]
 
 
-def spelled(name: str, env: Mapping[str, str] | None = None) -> str | None:
-    """The variable that sets ``name`` (the spelling that wins); None when unset."""
+def spelled(name: str, env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """The variable that sets ``name`` (the spelling that wins) and its value; None when
+    unset."""
     source = os.environ if env is None else env
-    return next((variable for variable in setting_names(name) if source.get(variable)), None)
+    for variable in setting_names(name):
+        value = source.get(variable)
+        if value:
+            return variable, value
+    return None
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,7 @@ NUMBERS: dict[str, Number] = {
     AUTOTUNE_STEPS_PER_SAMPLE: Number(10, minimum=1),
     AUTOTUNE_BAYES_OPT_MAX_SAMPLES: Number(20, minimum=1),
     AUTOTUNE_GAUSSIAN_PROCESS_NOISE: Number(0.8),
-    RENDEZVOUS_LOST_AFTER_SECONDS: Number(DEFAULT_LOST_AFTER_SECONDS, strict=True),
+    RENDEZVOUS_LOST_AFTER_SECONDS: Number(30.0, strict=True),
     ELASTIC_TIMEOUT: Number(600.0, strict=True),
 }
 #: The 0/1 settings hvdrun checks alike.
@@ -241,11 +245,11 @@ def number(
         default = known.default if default is None else default
         minimum = known.minimum if minimum is None else minimum
         strict = known.strict if strict is None else strict
-    spelling = spelled(name, env)
-    if spelling is None:
+    found = spelled(name, env)
+    if found is None:
         assert default is not None, name
         return default
-    raw = (os.environ if env is None else env)[spelling]
+    spelling, raw = found
     try:
         value = float(raw)
     except ValueError:
@@ -261,10 +265,10 @@ def number(
 
 def flag(name: str, env: Mapping[str, str] | None = None) -> bool:
     """A 0/1 setting (also true/false, yes/no, on/off); ValueError naming it when neither."""
-    spelling = spelled(name, env)
-    if spelling is None:
+    found = spelled(name, env)
+    if found is None:
         return False
-    raw = (os.environ if env is None else env)[spelling]
+    spelling, raw = found
     lowered = raw.strip().lower()
     if lowered in _TRUE:
         return True
@@ -276,10 +280,10 @@ def flag(name: str, env: Mapping[str, str] | None = None) -> bool:
 def choice(name: str, choices: tuple[str, ...], env: Mapping[str, str] | None = None) -> str | None:
     """A setting that must be one of ``choices`` (case-insensitive); None when unset;
     ValueError naming the variable that set it and the choices otherwise."""
-    spelling = spelled(name, env)
-    if spelling is None:
+    found = spelled(name, env)
+    if found is None:
         return None
-    raw = (os.environ if env is None else env)[spelling]
+    spelling, raw = found
     value = raw.strip().lower()
     if value not in choices:
         raise ValueError(f"{spelling} must be one of {', '.join(choices)}; got {raw!r}")

@@ -41,8 +41,6 @@ from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import worker_env
 
 __all__ = [
-    "DEFAULT_ELASTIC_TIMEOUT_SECONDS",
-    "DEFAULT_LOST_AFTER_SECONDS",
     "HostRemoved",
     "init_from_rendezvous",
     "join_elastic",
@@ -53,11 +51,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: How long the rendezvous heartbeat may stay silent (and the server not answer) before
-#: the job counts as lost (see ``worker_env.RENDEZVOUS_LOST_AFTER_SECONDS``).
-DEFAULT_LOST_AFTER_SECONDS = worker_env.DEFAULT_LOST_AFTER_SECONDS
-#: Elastic jobs: how long a worker waits for the launcher's next membership generation.
-DEFAULT_ELASTIC_TIMEOUT_SECONDS = worker_env.NUMBERS[worker_env.ELASTIC_TIMEOUT].default
 #: How long a worker keeps dialling a rendezvous that does not answer its first call. The
 #: launcher's server is up when a worker starts (its agent reached it), so a failed connection
 #: is an overloaded host or network; a server that is gone fails the call after this long.
