@@ -193,15 +193,12 @@ class CycleRunner:
         start = time.monotonic()
         held, new, flags = self.queue.take()
         self.cycle_no += 1
-        whole = self._timeline.current
-        tl = self.dispatch.tl = (
-            whole.rows_of(self.group.process_set_id) if whole is not None else None
-        )
+        tl = self.dispatch.tl = self._timeline.current
         if tl is not None:
             self.dispatch.round_id = f"{self.group.process_set_id}:{self.cycle_no}"
             tl.cycle(start)
             for request in new:
-                tl.begin(request.name, "NEGOTIATE_" + request.kind.label.upper(), request.submitted)
+                tl.begin(request.row, "NEGOTIATE_" + request.kind.label.upper(), request.submitted)
         if held:
             new = held + new
         timeout = FINAL_CYCLE_SECONDS if flags & FLAG_LEAVING else None
@@ -392,7 +389,7 @@ class CycleRunner:
                 if tl is not None:
                     seen = {r: max(t, request.submitted) for r, t in entry.seen_at.items()}
                     op = request.kind.label.upper()
-                    tl.negotiated(request.name, op, seen, now, self.dispatch.round_id)
+                    tl.negotiated(request.row, op, seen, now, self.dispatch.round_id)
             else:
                 self._catch_up(entry)
             error = check(entry, self.members, self.table.joined)

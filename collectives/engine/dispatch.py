@@ -25,7 +25,7 @@ from collectives.engine.fusion import Bucket, Work, plan
 from collectives.engine.negotiation import Entry
 from collectives.engine.queue import Submissions
 from collectives.engine.requests import Kind, Request, check_alltoall, label
-from collectives.engine.timeline import SetRows, Timeline
+from collectives.engine.timeline import Timeline
 from collectives.errors import InvalidArgumentsError
 
 __all__ = ["Controls", "Dispatch"]
@@ -57,7 +57,7 @@ class Dispatch:
         self.executor = Executor(self.trace_phase, group, data_pg)
         #: The engine's timeline as the runner read it at the start of the cycle, and the
         #: cycle's round ("set:cycle", alike on every member) for its NEGOTIATE phases.
-        self.tl: Timeline | SetRows | None = None
+        self.tl: Timeline | None = None
         self.round_id = ""
         self.controls = controls
         self.fusion_threshold = fusion_threshold
@@ -80,13 +80,13 @@ class Dispatch:
         if riders is not None:
             if tl is not None:
                 for request in riders.requests:
-                    tl.end(request.name, "QUEUE", now)
-                    tl.begin(request.name, "REDUCE_FROM_NEGOTIATION", now)
+                    tl.end(request.row, "QUEUE", now)
+                    tl.begin(request.row, "REDUCE_FROM_NEGOTIATION", now)
             eager.reduce_locally(riders, datas)
             done = time.monotonic()
             for request in riders.requests:
                 if tl is not None:
-                    tl.end(request.name, "REDUCE_FROM_NEGOTIATION", done)
+                    tl.end(request.row, "REDUCE_FROM_NEGOTIATION", done)
                 self.complete(request, None)
             rode = {id(request) for request in riders.requests}
             new = [request for request in new if id(request) not in rode]
@@ -117,7 +117,7 @@ class Dispatch:
             if tl is not None:
                 self._negotiated(tl, riders, now)
                 for request in riders:  # (reduced with the round: no queue to wait in)
-                    tl.end(request.name, "QUEUE", now)
+                    tl.end(request.row, "QUEUE", now)
             for request in riders:
                 self.complete(request, None)
             if len(riders) == len(agreed):  # (riders are among the agreed ops)
@@ -161,7 +161,7 @@ class Dispatch:
             if tl is not None:
                 started = time.monotonic()
                 for queued in bucket.requests():
-                    tl.end(queued.name, "QUEUE", started)
+                    tl.end(queued.row, "QUEUE", started)
             event = self.executor.run(bucket)
             for slot in bucket.slots:
                 work = slot.work
@@ -173,19 +173,19 @@ class Dispatch:
             self.complete(control, None, result)
         self.current = []
 
-    def _negotiated(self, tl: Timeline | SetRows, requests: list[Request], now: float) -> None:
+    def _negotiated(self, tl: Timeline, requests: list[Request], now: float) -> None:
         """Every member announced ``requests`` together (the timeline's ticks)."""
         seen = dict.fromkeys(self.group.ranks, now)
         for request in requests:
-            tl.negotiated(request.name, request.kind.label.upper(), seen, now, self.round_id)
+            tl.negotiated(request.row, request.kind.label.upper(), seen, now, self.round_id)
 
     def trace_phase(self, bucket: Bucket, phase: str, start: float, end: float) -> None:
         """The executor's tracer: a phase of every request in the bucket."""
         tl = self.tl
         if tl is not None:
             for request in bucket.requests():
-                tl.begin(request.name, phase, start)
-                tl.end(request.name, phase, end)
+                tl.begin(request.row, phase, start)
+                tl.end(request.row, phase, end)
 
     def _supported(self, work: Work) -> bool:
         """Only CPU (Gloo) and CUDA (NCCL) tensors can move; every rank decides alike."""
@@ -207,7 +207,7 @@ class Dispatch:
             return
         tl = self.tl
         if tl is not None:
-            tl.end(request.name, request.kind.label.upper(), time.monotonic())
+            tl.end(request.row, request.kind.label.upper(), time.monotonic())
         if request.kind <= Kind.REDUCESCATTER:  # moves data
             result = request.extra if request.finish is None else request.finish(request)
         request.handle.complete(result, event)

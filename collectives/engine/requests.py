@@ -161,6 +161,14 @@ class Request:
         """How error messages name the op: ``allreduce 'grad.w'``."""
         return label(self.kind, self.name)
 
+    @property
+    def row(self) -> str:
+        """Its row of the timeline: its name, with its process set's id where that is not
+        the global set (one name in two sets is two ops, so two rows)."""
+        if self.process_set_id == 0:
+            return self.name
+        return f"{self.name} (process set {self.process_set_id})"
+
     def record(self) -> str:
         return FIELD.join(
             (str(int(self.kind)), str(self.process_set_id), self.name, self.sig, self.var)

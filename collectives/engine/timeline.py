@@ -34,7 +34,7 @@ from typing import Any
 
 from rendezvous.worker_env import timeline_file
 
-__all__ = ["SetRows", "Timeline", "TimelineSlot", "open_for_rank"]
+__all__ = ["Timeline", "TimelineSlot", "open_for_rank"]
 
 _CLOSE = b"\n]\n"
 _DATA_OPS = {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER"}
@@ -68,7 +68,6 @@ class Timeline:
         self._last: dict[int, float] = {}  # per row: events never go back in time
         self._pending: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self._views: dict[int, SetRows] = {}
         if rank is not None:
             origin = round(self._start * 1e6, 3)
             args = {"rank": rank, "host": host, "monotonic_us": origin}
@@ -135,16 +134,6 @@ class Timeline:
         if op in _DATA_OPS:
             self.begin(name, "QUEUE", now)
 
-    def rows_of(self, process_set_id: int) -> Timeline | SetRows:
-        """Where a process set's runner records: this timeline for the global set, else a
-        view whose rows carry the set's id, so an op name used in two sets is two rows."""
-        if process_set_id == 0:
-            return self
-        view = self._views.get(process_set_id)
-        if view is None:
-            view = self._views[process_set_id] = SetRows(self, process_set_id)
-        return view
-
     def cycle(self, when: float) -> None:
         if self.mark_cycles:
             with self._lock:
@@ -180,34 +169,6 @@ class Timeline:
             self._flush_locked()
             self._closed = True
             self._file.close()
-
-
-class SetRows:
-    """A process set's rows of a :class:`Timeline`: an op ``name`` of set 2 is recorded on
-    the row ``name (process set 2)``."""
-
-    __slots__ = ("_suffix", "timeline")
-
-    def __init__(self, timeline: Timeline, process_set_id: int) -> None:
-        self.timeline = timeline
-        self._suffix = f" (process set {process_set_id})"
-
-    def begin(self, name: str, phase: str, when: float) -> None:
-        self.timeline.begin(name + self._suffix, phase, when)
-
-    def end(self, name: str, phase: str, when: float, **extra: Any) -> None:
-        self.timeline.end(name + self._suffix, phase, when, **extra)
-
-    def negotiated(
-        self, name: str, op: str, seen: dict[int, float], now: float, round_id: str = ""
-    ) -> None:
-        self.timeline.negotiated(name + self._suffix, op, seen, now, round_id)
-
-    def cycle(self, when: float) -> None:
-        self.timeline.cycle(when)
-
-    def flush(self) -> None:
-        self.timeline.flush()
 
 
 class TimelineSlot:

@@ -311,14 +311,15 @@ def test_timeline_is_valid_json_after_every_flush(tmp_path: Path) -> None:
 def test_one_op_name_in_two_process_sets_is_two_timeline_rows(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     timeline = Timeline(str(path))
-    assert timeline.rows_of(0) is timeline
-    one, two = timeline.rows_of(1), timeline.rows_of(2)
-    one.begin("allreduce.x", "NEGOTIATE_ALLREDUCE", 1.0)
-    two.begin("allreduce.x", "NEGOTIATE_ALLREDUCE", 1.1)
-    one.negotiated("allreduce.x", "ALLREDUCE", {0: 1.0, 1: 1.2}, 1.2, "1:1")
-    two.end("allreduce.x", "QUEUE", 1.3)  # set 2's op is not queued yet: nothing to end
-    one.end("allreduce.x", "QUEUE", 1.3)
-    one.end("allreduce.x", "ALLREDUCE", 1.4)
+    glob, one, two = (_request(torch.ones(2)) for _ in range(3))
+    one.process_set_id, two.process_set_id = 1, 2
+    assert glob.row == "allreduce.x"
+    timeline.begin(one.row, "NEGOTIATE_ALLREDUCE", 1.0)
+    timeline.begin(two.row, "NEGOTIATE_ALLREDUCE", 1.1)
+    timeline.negotiated(one.row, "ALLREDUCE", {0: 1.0, 1: 1.2}, 1.2, "1:1")
+    timeline.end(two.row, "QUEUE", 1.3)  # set 2's op is not queued yet: nothing to end
+    timeline.end(one.row, "QUEUE", 1.3)
+    timeline.end(one.row, "ALLREDUCE", 1.4)
     timeline.close()
     events = json.loads(path.read_text())
     rows = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
