@@ -114,14 +114,11 @@ def left_message(rank: int, leavers: list[int], failed: list[int]) -> str:
     others = [peer for peer in failed if peer != rank]
     if others:
         cause = f"rank {others[0]}'s script failed (an uncaught exception), which ended"
+        cause += " hvdrun's collectives"
     else:
         who = "this rank" if leavers == [rank] else f"rank {leavers[0]}"
-        cause = f"{who} shut down"
-    detail = "" if others else " (hvd.shutdown() or the end of its script)"
-    return (
-        f"rank {rank}: {cause} hvdrun's collectives{detail}, so no more collectives can run "
-        "in this job"
-    )
+        cause = f"{who} shut down hvdrun's collectives (hvd.shutdown() or the end of its script)"
+    return f"rank {rank}: {cause}, so no more collectives can run in this job"
 
 
 class CycleRunner:
