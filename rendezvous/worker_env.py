@@ -64,6 +64,8 @@ __all__ = [
     "new_job_id",
     "new_secret",
     "number",
+    "other_round",
+    "round_job_id",
     "setting",
     "setting_names",
     "slot_env",
@@ -398,3 +400,16 @@ def new_secret() -> str:
 def new_job_id() -> str:
     """A fresh job id (not secret: it names the job in the rendezvous's metadata)."""
     return uuid.uuid4().hex[:16]
+
+
+def round_job_id(job_id: str, round_: int) -> str:
+    """The id of a job's ``round_``-th ``hvd.init()`` under another launcher: each round
+    meets at a rendezvous of its own (rank 0 serves a round's until the others left it)."""
+    return f"{job_id}.{round_}"
+
+
+def other_round(asked: str, serving: str) -> bool:
+    """Whether job ids ``asked`` and ``serving`` are two rounds of one job
+    (:func:`round_job_id`): a rank calling on the server of the round before, which will go."""
+    job, dot, _ = asked.rpartition(".")
+    return bool(dot) and serving.rpartition(".")[0] == job and serving != asked

@@ -38,7 +38,6 @@ import hashlib
 import ipaddress
 import logging
 import os
-import re
 import socket
 import sys
 import time
@@ -136,17 +135,10 @@ def _token(placement: Placement) -> str:
 def _job_id(placement: Placement, round_: int) -> str:
     """The job's id in its ``round_``-th ``hvd.init()`` (every rank counts its calls alike):
     a rank that calls ``init()`` again at once must not join the rendezvous of the round
-    before, which rank 0 still serves until every other rank has left it."""
+    before, which rank 0 still serves until every other rank has left it (its server
+    answers such a call as unavailable: the rank tries again)."""
     base = hashlib.sha256(("job-id/" + placement.job_key).encode()).hexdigest()[:16]
-    return f"{base}.{round_}"
-
-
-def _earlier_round(error: Exception, job_id: str) -> bool:
-    """Whether a rejected registration reached this job's rendezvous of an earlier round
-    (rank 0 still serves it until the other ranks have left it: worth trying again)."""
-    base, _, own = job_id.rpartition(".")
-    found = re.search(r"reached job '([0-9a-f]+)\.(\d+)'", str(error))
-    return found is not None and found.group(1) == base and found.group(2) != own
+    return worker_env.round_job_id(base, round_)
 
 
 def _port_of(placement: Placement) -> tuple[int, str]:
@@ -317,13 +309,6 @@ def _point_gloo_at(addr: str) -> None:
             os.environ[name] = ifname
 
 
-def _refused(placement: Placement, meeting: Meeting, error: Exception) -> JoinError:
-    return JoinError(
-        f"hvd.init(): rank {placement.rank} ({placement.name}) could not join the job at "
-        f"{meeting.addr}: {error}"
-    )
-
-
 def _say_unauthenticated(meeting: Meeting) -> None:
     with contextlib.suppress(Exception):  # stderr may be closed
         sys.stderr.write(
@@ -399,12 +384,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
             try:
                 info = client.register(peers, local_rank, timeout=max(remaining, 0.1), rank=rank)
                 break
-            except (RendezvousUnavailable, RendezvousAuthError) as error:
-                if isinstance(error, RendezvousAuthError) and not _earlier_round(
-                    error, meeting.job_id
-                ):
-                    client.close()
-                    raise _refused(placement, meeting, error) from None
+            except RendezvousUnavailable as error:
                 if time.monotonic() + RETRY_SECONDS >= deadline:
                     client.close()
                     raise JoinError(
@@ -414,11 +394,10 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                         "there? (HVDRUN_START_TIMEOUT sets how long to wait)"
                     ) from None
                 time.sleep(RETRY_SECONDS)
-                if isinstance(error, RendezvousAuthError):
-                    # (a connection of its own to the next server: the earlier one's
-                    # shutdown is none of this client's business)
-                    client.close()
-                    client = RendezvousClient(dial, meeting.secret, meeting.job_id)
+                # A fresh connection: the server there may be the round before's, whose
+                # shutdown is none of this client's business.
+                client.close()
+                client = RendezvousClient(dial, meeting.secret, meeting.job_id)
             except RendezvousTimeout as error:
                 client.close()
                 raise JoinError(
@@ -426,9 +405,12 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                     f"not all of them joined within {timeout:g} s (HVDRUN_START_TIMEOUT): "
                     f"{error}"
                 ) from None
-            except RendezvousError as error:
+            except (RendezvousAuthError, RendezvousError) as error:
                 client.close()
-                raise _refused(placement, meeting, error) from None
+                raise JoinError(
+                    f"hvd.init(): rank {rank} ({placement.name}) could not join the job at "
+                    f"{meeting.addr}: {error}"
+                ) from None
     except BaseException:
         for server in servers:
             server.stop()

@@ -26,6 +26,7 @@ import grpc.aio
 
 from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY
 from rendezvous.server.common import LOGGER_NAME, quote
+from rendezvous.worker_env import other_round
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -55,6 +56,12 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         # A wrong job id is checked first: it is the more useful diagnosis (a worker of an old
         # job reaching a new server on the same port) and reveals nothing secret.
         if job is not None and job != self._job_id:
+            if other_round(job, self._job_id):  # (its rank called hvd.init() again: soon)
+                return (
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"request for job {quote(job)} reached job {self._job_id!r}, the "
+                    "hvd.init() round before, which goes once every rank has left it",
+                )
             return (
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"request for job {quote(job)} reached job {self._job_id!r}",
@@ -85,12 +92,9 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             return handler  # unknown method: gRPC answers UNIMPLEMENTED
         if reason is not None:
             code, message = reason
-            # Never logs the token itself. A later round of this job (``ID.N``: a rank that
-            # called hvd.init() again while this round's server still waits for the others
-            # to leave it) is expected, and tries again: not worth a warning.
-            later = self._job_id.rpartition(".")[0] + "."
-            expected = later != "." and message.startswith(f"request for job '{later}")
-            level = logging.DEBUG if expected else logging.WARNING
+            # Never logs the token itself. A caller of another round is expected (it tries
+            # again): not worth a warning.
+            level = logging.DEBUG if code == grpc.StatusCode.UNAVAILABLE else logging.WARNING
             logger.log(level, "rejected %s: %s", handler_call_details.method, message)
             return _denying_handler(handler, code, message)
         lenient = self._lenient.get(handler_call_details.method)

@@ -112,3 +112,11 @@ def test_slot_env_has_horovods_names_too() -> None:
         "HOROVOD_CROSS_SIZE": "2",
         "HOROVOD_HOSTNAME": "b",
     }
+
+
+def test_rounds_of_one_job_are_told_from_other_jobs() -> None:
+    first, second = (worker_env.round_job_id("abc123", n) for n in (1, 2))
+    assert worker_env.other_round(second, first) and worker_env.other_round(first, second)
+    assert not worker_env.other_round(first, first)
+    assert not worker_env.other_round(worker_env.round_job_id("zzz", 2), first)
+    assert not worker_env.other_round("plainid", "plainid2")  # (hvdrun's ids have no round)
