@@ -258,17 +258,12 @@ class Membership:
             host.state = "removed"
         return unlisted
 
-    def _replacing(self, staying: list[HostRecord], active: list[HostRecord], now: float) -> bool:
+    def _replacing(self, staying: list[HostRecord], now: float) -> bool:
         """Whether hosts that can take over from the unlisted ones are on their way (started
         and not running yet, or listed and free to start under --max-np), for up to
         :data:`SYNC_WAIT` seconds."""
-        limit = self.options.max_np
-        room = limit is None or sum(h.slots for h in active) < limit
-        listed = any(
-            spec.hostname not in self.hosts and not self.blacklist.blocked(spec.hostname, now)
-            for spec in self.discovered
-        )
-        if not (any(h.state in ("starting", "ready") for h in staying) or (room and listed)):
+        coming = any(h.state in ("starting", "ready") for h in staying)
+        if not (coming or (self._capacity() > 0 and self._startable(now))):
             self._replace_since = None
             return False
         if self._replace_since is None:
@@ -314,13 +309,12 @@ class Membership:
             # The unlisted hosts hold the state and nobody else does: where hosts to replace
             # them are on their way (a node swapped for another in one go), they stay until
             # those run, so that the state can reach them.
-            if self._replacing(staying, active, now):
+            if self._replacing(staying, now):
                 self.unlisted_since = None
                 return True
         else:
             self._replace_since = None
-        startable = any(not self.blacklist.blocked(s.hostname, now) for s in self.discovered)
-        if not running or staying or startable:
+        if not running or staying or self._startable(now):
             self.unlisted_since = None
             return False
         if self.unlisted_since is None:
@@ -334,18 +328,28 @@ class Membership:
                 self.retired.append(host)
         self.retired = [h for h in self.retired if h.agent_alive]
 
-    def hosts_to_start(self, now: float) -> list[HostRecord]:
-        """New records for discovered hosts that fit under --max-np (in discovery's order)."""
+    def _startable(self, now: float) -> list[HostSpec]:
+        """Discovered hosts that are not in the job and not blacklisted (in discovery's order)."""
+        return [
+            spec
+            for spec in self.discovered
+            if spec.hostname not in self.hosts and not self.blacklist.blocked(spec.hostname, now)
+        ]
+
+    def _capacity(self) -> int:
+        """The slots --max-np leaves for more hosts."""
         limit = self.options.max_np
         used = sum(h.slots for h in self.hosts.values() if h.state in ACTIVE)
-        capacity = (limit if limit is not None else 1 << 30) - used
+        return (limit if limit is not None else 1 << 30) - used
+
+    def hosts_to_start(self, now: float) -> list[HostRecord]:
+        """New records for discovered hosts that fit under --max-np (in discovery's order)."""
+        capacity = self._capacity()
         started = []
-        for spec in self.discovered:
+        for spec in self._startable(now):
             if capacity <= 0:
                 break
             name = spec.hostname
-            if name in self.hosts or self.blacklist.blocked(name, now):
-                continue
             if any(h.name == name for h in self.retired):
                 continue  # its previous agent is still shutting down
             host = HostRecord(name=name, slots=min(spec.slots, capacity), order=next(self._orders))
