@@ -51,6 +51,37 @@ _STREAMING = {method.name for method in _SERVICE.methods if method.server_stream
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+#: The relay's directory: ``<tmp>/hvdrun-relay-<pid of the agent>-<random>``.
+_DIR_PREFIX = "hvdrun-relay-"
+
+
+def remove_stale_dirs(parent: str) -> list[str]:
+    """Removes the relay directories in ``parent`` whose agent has died without cleaning up
+    (killed, out of memory): nothing else on the host would. Returns those removed."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid_text = name[len(_DIR_PREFIX) :].split("-", 1)[0]
+        if not name.startswith(_DIR_PREFIX) or not pid_text.isdigit():
+            continue
+        path = os.path.join(parent, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+            continue  # its agent still runs
+        except ProcessLookupError:
+            pass
+        except OSError:  # gone already, or a live process of another user
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 #: How long the relay holds a worker's Register for the host's other workers to join it.
 _REGISTER_WINDOW = 0.02
 #: (host, min_generation, timeout_ms, metadata) of Registers that can go as one RegisterHost
@@ -125,7 +156,12 @@ class HostRelay:
 
     def start(self) -> str:
         """Binds the local socket, opens the server's heartbeat stream; returns the address."""
-        self._dir = tempfile.mkdtemp(prefix="hvdrun-relay-")  # 0700: only this user
+        parent = tempfile.gettempdir()
+        stale = remove_stale_dirs(parent)
+        if stale:
+            logger.info("removed relay directories of agents that died: %s", stale)
+        # 0700: only this user
+        self._dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=parent)
         self._thread.start()
         self.addr = self._on_loop(self._start())
         logger.info("rendezvous relay for ranks %s at %s", self._ranks, self.addr)

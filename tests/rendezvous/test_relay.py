@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -212,3 +216,29 @@ def test_agent_starts_a_relay_only_for_a_fixed_job_that_leaves_this_machine(
             assert client.register("host-a", 1).rank == 1
     finally:
         relay.stop()
+
+
+def test_a_relay_removes_the_directories_of_agents_that_died(
+    served: RendezvousServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed agent cannot remove its relay's socket directory; the next relay on the
+    host removes it, and leaves those of live agents and anything else alone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"hvdrun-relay-{dead.pid}-x1"
+    alive = tmp_path / f"hvdrun-relay-{os.getppid()}-x2"
+    other = tmp_path / "hvdrun-relay-notes"
+    for path in (stale, alive, other):
+        path.mkdir()
+    (stale / "rendezvous.sock").write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    relay = HostRelay(f"127.0.0.1:{served.port}", SECRET, JOB_ID, [0], heartbeat_interval=0.2)
+    relay.start()
+    try:
+        left = sorted(path.name for path in tmp_path.iterdir())
+        own = [name for name in left if name.startswith(f"hvdrun-relay-{os.getpid()}-")]
+        assert not stale.exists() and alive.exists() and other.exists()
+        assert len(own) == 1 and relay.addr.endswith(f"{own[0]}/rendezvous.sock")
+    finally:
+        relay.stop()
+    assert not (tmp_path / own[0]).exists()
