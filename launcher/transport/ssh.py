@@ -23,7 +23,9 @@ import fcntl
 import hashlib
 import logging
 import os
+import select
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -191,7 +193,7 @@ class SSHConnector:
         elif target.proxy_command:
             self.stage = "starting its ProxyCommand"
             try:
-                self._sock = paramiko.ProxyCommand(target.proxy_command)
+                self._sock = _ProxyCommand(target.proxy_command)
             except Exception as exc:
                 raise SSHConnectError(f"ProxyCommand failed: {exc}") from None
         else:
@@ -234,7 +236,10 @@ class SSHConnector:
             message = self._auth_message(exc, keys, allow_agent, look_for_keys)
             raise SSHConnectError(message) from None
         except Exception as exc:
+            proxy_failure = self._proxy_failure()
             self.abort()
+            if proxy_failure:
+                raise SSHConnectError(proxy_failure) from None
             if str(exc).startswith("No authentication methods available"):  # no key at all
                 message = self._auth_message(exc, keys, allow_agent, look_for_keys)
                 raise SSHConnectError(message) from None
@@ -381,6 +386,27 @@ class SSHConnector:
             message += f"; missing key file(s): {', '.join(missing)}"
         return message + " (hvdrun logs in with keys only, never with passwords)"
 
+    def _proxy_failure(self) -> str | None:
+        """Where the handshake failed because the ProxyCommand exited: its exit code and
+        last words (ssh shows a ProxyCommand's stderr; paramiko keeps it in a pipe)."""
+        if not isinstance(self._sock, paramiko.ProxyCommand):
+            return None
+        process = self._sock.process
+        try:
+            code = process.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            return None  # still running: the failure lies beyond it
+        said = b""
+        if process.stderr is not None:
+            with contextlib.suppress(OSError):
+                os.set_blocking(process.stderr.fileno(), False)
+                said = process.stderr.read(65536) or b""
+        lines = [line.strip() for line in said.decode(errors="replace").splitlines()]
+        last = [line for line in lines if line][-3:]
+        return f"its ProxyCommand exited with code {code}" + (
+            f": {' / '.join(last)}" if last else " and said nothing on stderr"
+        )
+
     def _handshake_message(self, exc: Exception) -> str:
         text = str(exc) or type(exc).__name__
         if "banner" in text.lower():
@@ -393,6 +419,22 @@ class SSHConnector:
         if isinstance(exc, TimeoutError):
             return f"timed out {self.stage}"
         return f"SSH failed {self.stage}: {text}"
+
+
+class _ProxyCommand(paramiko.ProxyCommand):
+    """paramiko's ProxyCommand, but a command that exited reads as a closed socket: paramiko's
+    own ``recv`` loops on the end of its output until the handshake's timeout."""
+
+    def recv(self, size: int) -> bytes:
+        stdout = self.process.stdout
+        assert stdout is not None
+        ready, _, _ = select.select([stdout], [], [], self.timeout)
+        if not ready:
+            raise TimeoutError()
+        try:
+            return os.read(stdout.fileno(), size)  # b"" at its end: paramiko's EOFError
+        except OSError as exc:
+            raise paramiko.ProxyCommandFailure(" ".join(self.cmd), str(exc)) from None
 
 
 DEFAULT_KEYS = ("~/.ssh/id_rsa", "~/.ssh/id_ecdsa", "~/.ssh/id_ed25519", "~/.ssh/id_dsa")

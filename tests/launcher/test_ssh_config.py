@@ -311,3 +311,20 @@ def test_a_system_config_paramiko_cannot_read_is_skipped(
     monkeypatch.setattr(ssh_config, "SYSTEM_CONFIG", str(tmp_path / "none"))
     with pytest.raises(SSHConnectError, match="cannot read ssh config"):
         resolve_target("n1", SSHOptions())
+
+
+def test_a_failing_proxy_command_shows_what_it_said(home: Path) -> None:
+    """As ssh shows a ProxyCommand's stderr, the error carries its last words."""
+    config = home / ".ssh" / "config"
+    config.write_text(
+        "Host inner\n    ProxyCommand sh -c "
+        "'echo \"ssh: Could not resolve hostname bastion.corp\" >&2; exit 255'\n"
+    )
+    target = resolve_target("inner", SSHOptions(config_file=str(config)))
+    started = time.monotonic()
+    with pytest.raises(SSHConnectError) as info:
+        SSHConnector(target).connect(time.monotonic() + 5)
+    assert time.monotonic() - started < 3
+    assert str(info.value) == (
+        "its ProxyCommand exited with code 255: ssh: Could not resolve hostname bastion.corp"
+    )
