@@ -2,11 +2,11 @@
 rendezvous server and its agents, and ``HOROVOD_LOG_LEVEL`` for the workers.
 
 hvdrun, the launcher and the rendezvous server log with ``logging.getLogger(__name__)`` and
-nothing shows unless asked: ``--verbose`` shows hvdrun's own debug messages, ``--log-level``
-(or ``HOROVOD_LOG_LEVEL``) sets the level for hvdrun, for every host's agent (the agents run
-in other processes: the level travels in their job request) and for the workers, which get
-``HOROVOD_LOG_LEVEL``. Horovod's levels are accepted: TRACE (debug here), DEBUG, INFO,
-WARNING, ERROR, FATAL.
+only warnings and errors show unless asked (as ``hvdrun: warning: ...``): ``--verbose``
+shows hvdrun's own debug messages, ``--log-level`` (or ``HOROVOD_LOG_LEVEL``) sets the
+level for hvdrun, for every host's agent (the agents run in other processes: the level
+travels in their job request) and for the workers, which get ``HOROVOD_LOG_LEVEL``.
+Horovod's levels are accepted: TRACE (debug here), DEBUG, INFO, WARNING, ERROR, FATAL.
 """
 
 from __future__ import annotations
@@ -124,17 +124,32 @@ def log_format(hide_timestamp: bool, who: str) -> logging.Formatter:
     return logging.Formatter(fmt)
 
 
+class _Plain(logging.Formatter):
+    """Warnings and errors when no logging was asked for: worded like hvdrun's other
+    messages (``hvdrun: warning: ...``), where Python's fallback printed them bare."""
+
+    def __init__(self, who: str) -> None:
+        super().__init__()
+        self.who = who
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{self.who}: {record.levelname.lower()}: {record.getMessage()}"
+
+
 def configure_logging(settings: LogSettings, who: str = "hvdrun") -> None:
-    """Sends log records at the requested level to stderr; nothing unless asked for."""
+    """Sends log records at the requested level to stderr; unless asked for, only warnings
+    and errors, worded as hvdrun's own messages."""
     global _handler
-    if not settings.requested:
-        return
     root = logging.getLogger()
     if _handler is not None:
         root.removeHandler(_handler)
     _handler = logging.StreamHandler(sys.stderr)
-    _handler.setFormatter(log_format(bool(settings.hide_timestamp), who))
     root.addHandler(_handler)
+    if not settings.requested:
+        _handler.setLevel(logging.WARNING)
+        _handler.setFormatter(_Plain(who))
+        return
+    _handler.setFormatter(log_format(bool(settings.hide_timestamp), who))
     for name in PACKAGES:
         logging.getLogger(name).setLevel(settings.python_level())
 

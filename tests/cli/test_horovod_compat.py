@@ -255,3 +255,16 @@ def test_output_directories_are_zero_padded_from_ten_ranks(
     out_dir = tmp_path / "out"
     assert run_cli(["-np", "11", "--output-filename", str(out_dir), "true"]) == 0
     assert sorted(os.listdir(out_dir)) == [f"rank.{rank:02d}" for rank in range(11)]
+
+
+def test_warnings_without_log_flags_read_as_hvdrun_messages(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With no logging flag, a warning of the launcher still shows, worded as hvdrun's own
+    messages (Python's fallback printed it bare); info stays quiet."""
+    from hvdrun.logging_setup import LogSettings, configure_logging
+
+    configure_logging(LogSettings())
+    logging.getLogger("launcher.transport.ssh").warning("could not add the host key of %s", "n1")
+    logging.getLogger("launcher.transport.ssh").info("connected")
+    assert capsys.readouterr().err == "hvdrun: warning: could not add the host key of n1\n"
