@@ -373,7 +373,12 @@ def _open_mpi(env: Mapping[str, str]) -> Placement | None:
     if rank is None or size is None:
         return None
     addr, port = _master(env)
-    job = env.get("OMPI_MCA_ess_base_jobid") or env.get("OMPI_MCA_orte_ess_jobid") or ""
+    job = (
+        env.get("OMPI_MCA_ess_base_jobid")
+        or env.get("OMPI_MCA_orte_ess_jobid")
+        or env.get("PMIX_NAMESPACE")  # Open MPI 5 (prterun)
+        or ""
+    )
     return Placement(
         launcher="mpi",
         name="Open MPI (mpirun)",
@@ -404,7 +409,8 @@ def _pmi(env: Mapping[str, str]) -> Placement | None:
         local_size=_first(env, "MPI_LOCALNRANKS", "PALS_LOCAL_SIZE"),
         master_addr=addr,
         master_port=port,
-        job_key=f"pmi/{env.get('PMI_JOBID') or env.get('PMI_ID') or ''}",
+        # (never PMI_ID: it numbers the process, not the job)
+        job_key=f"pmi/{env.get('PMI_JOBID') or env.get('PMIX_NAMESPACE') or ''}",
     )
 
 

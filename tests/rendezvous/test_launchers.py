@@ -358,3 +358,22 @@ def test_foreign_variables(name: str) -> None:
 )
 def test_not_foreign(name: str) -> None:
     assert not is_foreign(name)
+
+
+def test_every_rank_of_an_mpi_job_derives_the_same_job_key() -> None:
+    """The job key names the port and token the ranks derive: it must be the job's, alike
+    on every rank (PMI_ID numbers the process), and differ between jobs where the launcher
+    says which job (Open MPI 5's PMIx namespace)."""
+
+    def keys(*envs: dict[str, str]) -> set[str]:
+        found = [detect(env) for env in envs]
+        return {placement.job_key for placement in found if placement is not None}
+
+    hydra = [{"PMI_RANK": str(rank), "PMI_SIZE": "2", "PMI_ID": str(rank)} for rank in (0, 1)]
+    assert len(keys(*hydra)) == 1
+    ompi5 = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}
+    assert keys({**ompi5, "PMIX_NAMESPACE": "prterun-a-1@1"}) != keys(
+        {**ompi5, "PMIX_NAMESPACE": "prterun-a-2@1"}
+    )
+    pmix = [{"PMI_RANK": str(rank), "PMI_SIZE": "2", "PMIX_NAMESPACE": "ns7"} for rank in (0, 1)]
+    assert keys(*pmix) == {"pmi/ns7"}
