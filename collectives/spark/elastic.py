@@ -49,8 +49,8 @@ from rendezvous.server import RendezvousServer
 __all__ = ["run_elastic"]
 
 #: Horovod's variable and default for how long an elastic job waits for enough workers.
-ELASTIC_TIMEOUT_VARIABLE = "HOROVOD_ELASTIC_TIMEOUT"
-DEFAULT_ELASTIC_TIMEOUT = 600.0
+ELASTIC_TIMEOUT_VARIABLE = worker_env.HOROVOD_PREFIX + worker_env.ELASTIC_TIMEOUT
+DEFAULT_ELASTIC_TIMEOUT = worker_env.NUMBERS[worker_env.ELASTIC_TIMEOUT].default
 #: Workers wait this much longer than the driver for the next generation, so that the
 #: driver's clear message, not a worker's timeout, ends a job that runs out of tasks.
 WORKER_TIMEOUT_SLACK = 30.0
