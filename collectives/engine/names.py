@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 
-from collectives.engine.requests import NONAME_PREFIXES, Kind
+from collectives.engine.requests import NONAME_PREFIXES, Kind, adasum_name
 
 __all__ = ["UnnamedCounters", "unnamed_counter"]
 
@@ -35,17 +35,15 @@ def unnamed_counter(kind: Kind, name: str) -> tuple[Kind, int] | None:
     -> (ALLGATHER, 7)); None for a named op. An unnamed Adasum allreduce travels as the
     allgather ``adasum.allreduce.noname.N`` (see ``collectives.ops``): it drew the
     allreduce counter N."""
-    if kind == Kind.ALLGATHER and name.startswith(_ADASUM):
-        kind, name = Kind.ALLREDUCE, name[len(_ADASUM) :]
+    adasum = adasum_name(kind, name)
+    if adasum is not None:
+        kind, name = Kind.ALLREDUCE, adasum
     prefix = NONAME_PREFIXES[kind]
     if name.startswith(prefix):
         digits = name[len(prefix) :]
         if digits.isdigit():
             return kind, int(digits)
     return None
-
-
-_ADASUM = f"{Kind.ALLGATHER.label}.adasum."
 
 
 class UnnamedCounters:

@@ -35,6 +35,7 @@ __all__ = [
     "Request",
     "Signature",
     "TensorSpec",
+    "adasum_name",
     "describe_mismatch",
     "noname",
     "parse_signature",
@@ -122,7 +123,11 @@ class TensorSpec:
             return _dtype_name(self.dtype)
         if part == "device":
             return self.device_type
-        return "[" + ", ".join("*" if d < 0 else str(d) for d in self.shape) + "]"
+        return _dims(self.shape)
+
+
+def _dims(shape: Sequence[int]) -> str:
+    return "[" + ", ".join("*" if d < 0 else str(d) for d in shape) + "]"
 
 
 @dataclass(eq=False, slots=True)
@@ -175,7 +180,23 @@ class Request:
         )
 
 
+#: An allreduce with op=Adasum travels as this allgather (``collectives.ops``); messages name
+#: it as the allreduce its caller submitted.
+_ADASUM_PREFIX = f"{Kind.ALLGATHER.label}.adasum."
+
+
+def adasum_name(kind: Kind, name: str) -> str | None:
+    """The allreduce name of an Adasum op's allgather (``allgather.adasum.x`` -> ``x``,
+    ``allgather.adasum.allreduce.noname.3`` -> ``allreduce.noname.3``); None for other ops."""
+    if kind == Kind.ALLGATHER and name.startswith(_ADASUM_PREFIX):
+        return name[len(_ADASUM_PREFIX) :]
+    return None
+
+
 def label(kind: Kind, name: str) -> str:
+    adasum = adasum_name(kind, name)
+    if adasum is not None:
+        return label(Kind.ALLREDUCE, adasum) + " (op=Adasum)"
     prefix = kind.label + "."
     short = name[len(prefix) :] if name.startswith(prefix) else name
     return f"{kind.label} {short!r}"
@@ -258,7 +279,23 @@ def _differences(values: dict[int, str]) -> str:
 
 
 def describe_mismatch(kind: Kind, name: str, sigs: dict[int, str]) -> str:
-    """Says which field differs between ranks' signatures, naming the ranks and values."""
+    """Says which field differs between ranks' signatures, naming the ranks and values; for
+    an unnamed op, also how such ops are matched (the usual cause is ranks submitting
+    unnamed ops in different orders, which pairs different tensors)."""
+    message = _describe_mismatch(kind, name, sigs)
+    adasum = adasum_name(kind, name)
+    kind, name = (Kind.ALLREDUCE, adasum) if adasum is not None else (kind, name)
+    if name.startswith(NONAME_PREFIXES[kind]):
+        message += (
+            f". The op has no name: it is each rank's unnamed {kind.label} number "
+            f"{name.rsplit('.', 1)[1]} (counted from 0 per kind and process set), so ranks "
+            "that submit unnamed ops in different orders pair different tensors; give the "
+            "ops names (name=...)"
+        )
+    return message
+
+
+def _describe_mismatch(kind: Kind, name: str, sigs: dict[int, str]) -> str:
     what = label(kind, name)
     parsed = {rank_: parse_signature(kind, sig) for rank_, sig in sigs.items()}
     fields = _COMMON_FIELDS.get(kind, ())
@@ -272,13 +309,16 @@ def describe_mismatch(kind: Kind, name: str, sigs: dict[int, str]) -> str:
     if len(set(counts.values())) > 1:
         shown = {r: str(c) for r, c in counts.items()}
         return f"{what}: ranks disagree on the number of tensors: {_differences(shown)}"
+    adasum = adasum_name(kind, name) is not None
     for index in range(next(iter(counts.values()))):
         which = f" of tensor {index}" if next(iter(counts.values())) > 1 else ""
         for part in ("dtype", "shape", "device"):
             values = {r: s.tensors[index].text(part) for r, s in parsed.items()}
             if len(set(values.values())) > 1:
                 noun = {"device": "device type"}.get(part, part)
-                if part == "shape" and kind.ragged:
+                if part == "shape" and adasum:  # (gathered as a row: [*, its shape...])
+                    values = {r: _dims(s.tensors[index].shape[1:]) for r, s in parsed.items()}
+                elif part == "shape" and kind.ragged:
                     noun = "shape (all dimensions but the first)"
                 return f"{what}: ranks disagree on the {noun}{which}: {_differences(values)}"
     return f"{what}: ranks submitted different requests: {_differences(sigs)}"

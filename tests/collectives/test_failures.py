@@ -1,7 +1,9 @@
-"""A worker's behaviour when its job breaks: a dead peer, a lost rendezvous, a bad secret.
+"""A worker's behaviour when its job breaks: a dead peer, a lost rendezvous, a bad secret;
+and what the errors of ranks that disagree say.
 
-These use a small rendezvous harness instead of hvdrun, because hvdrun stops the other
-workers as soon as one fails and would hide the survivor's own exit code and stderr.
+The multi-process tests use a small rendezvous harness instead of hvdrun, because hvdrun
+stops the other workers as soon as one fails and would hide the survivor's own exit code
+and stderr.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
+from collectives.common import ReduceOp
+from collectives.engine.config import EngineConfig
+from collectives.engine.negotiation import Table
+from collectives.engine.requests import FIELD, Kind, describe_mismatch, signature
+from collectives.engine.stall import StallInspector
 from tests.collectives.conftest import Harness
 
 
@@ -125,6 +133,55 @@ def test_stall_inspector_warns_then_shuts_down(make_harness: Callable[[int], Har
     warning = outputs[0][1]
     assert "stall inspector" in warning and "allreduce 'stuck'" in warning, warning
     assert "submitted by ranks [0], missing ranks [1]" in warning, warning
+
+
+def _sum(*tensors: torch.Tensor) -> str:
+    return signature(Kind.ALLREDUCE, (int(ReduceOp.SUM), 1.0, 1.0), list(tensors))
+
+
+def test_mismatch_errors_say_what_the_script_submitted() -> None:
+    """An op=Adasum allreduce travels as an allgather of one row per rank
+    (``collectives.ops``): errors and the stall inspector name the allreduce the script
+    submitted, and its shape. An unnamed op's error says how unnamed ops pair up (ranks that
+    submit them in different orders pair different tensors)."""
+    rows = {r: signature(Kind.ALLGATHER, (), [torch.ones(1, 3 + r)]) for r in range(2)}
+    size = describe_mismatch(Kind.ALLGATHER, "allgather.adasum.x", rows)
+    assert size == (
+        "allreduce 'x' (op=Adasum): ranks disagree on the shape: rank 0: [3]; rank 1: [4]"
+    )
+    same_size = {r: signature(Kind.ALLGATHER, (), [torch.ones(1, 2 + r, 3 - r)]) for r in (0, 1)}
+    assert describe_mismatch(Kind.ALLGATHER, "allgather.adasum.z", same_size).endswith(
+        "ranks disagree on the shape: rank 0: [2, 3]; rank 1: [3, 2]"
+    )
+    unnamed = describe_mismatch(Kind.ALLGATHER, "allgather.adasum.allreduce.noname.2", rows)
+    assert unnamed.startswith("allreduce 'noname.2' (op=Adasum): ranks disagree on the shape")
+    assert "each rank's unnamed allreduce number 2 (counted from 0" in unnamed, unnamed
+    order = describe_mismatch(
+        Kind.ALLREDUCE, "allreduce.noname.0", {0: _sum(torch.ones(3)), 1: _sum(torch.ones(5))}
+    )
+    assert order == (
+        "allreduce 'noname.0': ranks disagree on the shape: rank 0: [3]; rank 1: [5]. The op "
+        "has no name: it is each rank's unnamed allreduce number 0 (counted from 0 per kind and "
+        "process set), so ranks that submit unnamed ops in different orders pair different "
+        "tensors; give the ops names (name=...)"
+    )
+    named = describe_mismatch(
+        Kind.ALLREDUCE, "allreduce.x", {0: _sum(torch.ones(3)), 1: _sum(torch.ones(5))}
+    )
+    assert "no name" not in named, named
+    # Adasum on rank 0, Sum on rank 1 under one name: a stall, reported as two allreduces.
+    table = Table(size=2)
+    adasum = FIELD.join(["1", "0", "allgather.adasum.y", rows[0], ""])
+    table.add(0, adasum.encode(), cycle=1, now=100.0)
+    plain = FIELD.join(["0", "0", "allreduce.y", _sum(torch.ones(3)), ""])
+    table.add(1, plain.encode(), cycle=1, now=100.0)
+    config = EngineConfig(stall_warning_seconds=1.0, stall_shutdown_seconds=2.0)
+    report = StallInspector(config, rank=0, inspects=True).report(
+        table, lambda entry: [0, 1], 102.5, aborting=True
+    )
+    assert "  allreduce 'y' (op=Adasum) (process set 0, waiting 2 s): submitted by ranks [0], " \
+        "missing ranks [1]\n  allreduce 'y' (process set 0, waiting 2 s): submitted by ranks " \
+        "[1], missing ranks [0]" in report, report  # fmt: skip
 
 
 def test_rank_that_shuts_down_ends_the_collectives(
