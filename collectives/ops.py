@@ -402,7 +402,7 @@ def submit_adasum_allreduce(
     name: str | None,
     finish: Callable[[Request], Any],
 ) -> Handle:
-    """An allreduce with op=Adasum: one allgather of the flattened tensors, then Adasum's
+    """An allreduce with op=Adasum: one allgather of the tensors, then Adasum's
     tree (:func:`collectives.adasum.adasum_tree`) on every rank; ``outputs`` None
     means new output tensors, as for other ops."""
     inputs = [check_tensor(t, "allreduce") for t in tensors]
@@ -425,7 +425,8 @@ def submit_adasum_allreduce(
         results: list[torch.Tensor] = []
         with torch.no_grad():
             for index, gathered in enumerate(request.outputs):
-                combined = adasum_tree(list(gathered.unbind(0)), scale).reshape(shapes[index])
+                parts = [part.reshape(-1) for part in gathered.unbind(0)]
+                combined = adasum_tree(parts, scale).reshape(shapes[index])
                 if targets is not None:
                     targets[index].copy_(combined)
                     combined = targets[index]
@@ -433,7 +434,8 @@ def submit_adasum_allreduce(
         request.outputs = results
         return finish(request)
 
-    rows = [t.detach().reshape(1, t.numel()) for t in inputs]
+    # One row per rank, in the tensor's own shape: the allgather checks the ranks' shapes.
+    rows = [t.detach().reshape(1, *t.shape) for t in inputs]
     return submit_allgather(rows, process_set, f"adasum.{name}", combine)
 
 

@@ -98,6 +98,12 @@ def main() -> None:
             ),
             ("gather", lambda: hvd.allgather(torch.ones(2, r + 1), name="e.gather")),
             ("reducescatter", lambda: hvd.reducescatter(torch.ones(n * (r + 1)), name="e.rs")),
+            (  # as many elements, another shape
+                "adasum_shape",
+                lambda: hvd.allreduce(
+                    torch.ones((3, 2) if r else (2, 3)), op=hvd.Adasum, name="e.adasum"
+                ),
+            ),
         ]
         for what, call in cases:
             error = raises(f"error.mismatch.{what}", call, RuntimeError, [])
