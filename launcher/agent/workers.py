@@ -138,11 +138,11 @@ class HostAgent:
             workers = list(self.workers)
         trees = _process_trees([worker.proc.pid for worker in workers])
         for worker, tree in zip(workers, trees, strict=False):
-            _signal_tree(worker.proc.pid, tree, signal.SIGTERM)
+            signal_tree(worker.proc.pid, tree, signal.SIGTERM)
         procs = [proc for tree in trees for proc in tree]
         alive = _wait_gone(procs, grace, hurry)
         for worker, tree in zip(workers, trees, strict=False):
-            _signal_tree(worker.proc.pid, [p for p in tree if p in alive], signal.SIGKILL)
+            signal_tree(worker.proc.pid, [p for p in tree if p in alive], signal.SIGKILL)
         self.wait(timeout=5.0)
 
 
@@ -187,9 +187,13 @@ def _wait_gone(
     return alive
 
 
-def _signal_tree(pgid: int, tree: list[psutil.Process], signum: int) -> None:
+def signal_tree(pgid: int, tree: list[psutil.Process], signum: int) -> None:
+    """Sends ``signum`` once to each process of a worker's ``tree``: to its process group,
+    then to those that left the group (setsid, double fork). A worker's handler must run
+    once: a second SIGTERM would interrupt its cleanup (a checkpoint being saved)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signum)
-    for proc in tree:  # children may have left the group (setsid, double fork)
-        with contextlib.suppress(psutil.Error):
-            proc.send_signal(signum)
+    for proc in tree:
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(proc.pid) != pgid:
+                proc.send_signal(signum)

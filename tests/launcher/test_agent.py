@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -224,3 +225,48 @@ def test_omp_num_threads_default_shares_the_hosts_cores(monkeypatch: Any) -> Non
     env = {"OMP_NUM_THREADS": "5"}
     session.omp_default(env, 2)  # the job's own setting stays
     assert env["OMP_NUM_THREADS"] == "5"
+
+
+def test_each_process_of_a_worker_tree_gets_a_signal_once() -> None:
+    """The worker's group gets the signal, then only the processes that left it: a worker's
+    SIGTERM handler must not run twice (the second call cut the first's cleanup short).
+    Counted with a real-time signal, which the kernel queues where SIGTERMs would merge."""
+    import psutil
+
+    from launcher.agent.workers import signal_tree
+
+    rt = signal.SIGRTMIN
+    counter = (
+        "import signal, sys, time\n"
+        f"signal.pthread_sigmask(signal.SIG_BLOCK, [{int(rt)}])\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "n = 0\n"
+        f"while signal.sigtimedwait([{int(rt)}], 0.2) is not None: n += 1\n"
+        "print(n, flush=True)\n"
+    )
+    leader = subprocess.Popen(
+        [sys.executable, "-c", counter],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    left = subprocess.Popen(  # a process of the tree in a session of its own
+        [sys.executable, "-c", counter],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    procs = [leader, left]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        signal_tree(leader.pid, [psutil.Process(p.pid) for p in procs], rt)
+        counts = [proc.communicate("\n", timeout=10)[0].strip() for proc in procs]
+        assert counts == ["1", "1"]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
