@@ -87,6 +87,9 @@ class Supervisor(Supervision[HostEvent]):
         # Failures held back: rank -> (its failure, the rank whose leaving ended its
         # collectives and has not exited yet, when to stop waiting for it).
         self._held: dict[int, tuple[WorkerFailure, int, float]] = {}
+        # Slurm cancelled the agents' step: every agent is then killed with its workers
+        # (``scancel JOB.STEP`` sends SIGKILL), and the cancel message has said why.
+        self._step_cancelled = False
         if server is not None:
             self.insight = InsightWatch(server.values_under, sink)
 
@@ -129,6 +132,7 @@ class Supervisor(Supervision[HostEvent]):
             case Network(ifname):
                 log.info("workers on %s use interface %s", host, ifname)
             case StepCancelled(message):
+                self._step_cancelled = True
                 self.cancel(message)
             case Done() | AgentExit():
                 if host in self._pending_hosts:
@@ -187,7 +191,8 @@ class Supervisor(Supervision[HostEvent]):
         missing = [r for r, h in self.host_of.items() if h == host and r not in self.result.exits]
         if not missing:
             return
-        self.sink.message(f"host {host}: {why}; rank(s) {rank_list(missing)} not reported")
+        if not self._step_cancelled:
+            self.sink.message(f"host {host}: {why}; rank(s) {rank_list(missing)} not reported")
         for rank in missing:
             self.result.lost[rank] = why
         self.fail(WorkerFailure(missing[0], host, AGENT_FAILURE_EXIT, why))
