@@ -211,7 +211,12 @@ class SlurmStep:
                 return
             srun = shutil.which("srun")
             if srun is None:
-                raise AgentStartError("srun is not on PATH here (--launcher slurm needs it)")
+                # (a container inside the allocation often lacks it: SSH may still work)
+                raise AgentStartError(
+                    "srun is not on PATH here, and inside a Slurm allocation hvdrun starts its "
+                    "agents with srun; put srun on PATH, or give --launcher ssh to start them "
+                    "over SSH"
+                )
             env = agent_env(os.environ, self._cwd)
             try:
                 self._proc = subprocess.Popen(

@@ -177,3 +177,17 @@ def test_interrupt_while_starting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(startup, "make_agent", lambda name, *args: FakeAgent(name, start_delay=5))
     with pytest.raises(startup.LaunchInterrupted):
         startup.start_agents(["a"], "/", {}, LaunchOptions(), interrupted=lambda: 2)
+
+
+def test_srun_missing_inside_an_allocation_names_the_ssh_way(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A container inside an allocation often has no srun: the error says how to go on."""
+    from launcher.transport.srun import SlurmStep
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # (an empty directory: no srun)
+    step = SlurmStep(["node1", "node2"], "/venv/bin/python", "/", heartbeat_timeout=30)
+    with pytest.raises(AgentStartError) as caught:
+        step.start()
+    assert "srun is not on PATH here" in str(caught.value)
+    assert "--launcher ssh" in str(caught.value)
