@@ -90,6 +90,9 @@ class Supervisor(Supervision[HostEvent]):
         # Slurm cancelled the agents' step: every agent is then killed with its workers
         # (``scancel JOB.STEP`` sends SIGKILL), and the cancel message has said why.
         self._step_cancelled = False
+        # Ranks that exited 0 before every rank had registered: they never joined the job
+        # (no hvd.init()), and ranks that did wait for them in hvd.init(). rank -> host
+        self._unjoined: dict[int, str] = {}
         if server is not None:
             self.insight = InsightWatch(server.values_under, sink)
 
@@ -114,7 +117,28 @@ class Supervisor(Supervision[HostEvent]):
                 self._held.clear()
                 self.fail(failure)
                 break
+        self._fail_unjoined()
         self._show_status()
+
+    def _registered_count(self) -> int | None:
+        if self.server is None:
+            return None
+        try:
+            return self.server.registered_count()
+        except TimeoutError:  # (asked again after the next events)
+            return None
+
+    def _fail_unjoined(self) -> None:
+        """A rank that never joined the job exited, and others joined: they would wait for
+        it in hvd.init() until the bootstrap's timeout (300 s). The job stops at once."""
+        if not self._unjoined or self.stopping or not self._registered_count():
+            return
+        rank, host = min(self._unjoined.items())
+        why = (
+            "it exited (code 0) without joining the job (no hvd.init()) while other ranks "
+            "wait for it in hvd.init(): every rank must call hvd.init()"
+        )
+        self.fail(WorkerFailure(rank, host, 1, why))
 
     def on_event(self, item: HostEvent) -> None:
         host, event = item.host, item.event
@@ -128,6 +152,10 @@ class Supervisor(Supervision[HostEvent]):
                 if code != 0:
                     self._failed(WorkerFailure(rank, host, code, error))
                 else:
+                    registered = self._registered_count()
+                    if registered is not None and registered < len(self.host_of):
+                        self._unjoined[rank] = host
+                        self._fail_unjoined()
                     self._left(rank)
             case Network(ifname):
                 log.info("workers on %s use interface %s", host, ifname)

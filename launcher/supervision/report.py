@@ -83,6 +83,8 @@ def report_failure(result: JobResult, sink: OutputSink) -> None:
     if failure is None:
         return
     what = describe_exit(failure.code)
+    if failure.error and result.exits.get(failure.rank) == 0:  # (it failed by exiting 0)
+        what = failure.error
     if failure.rank in result.lost:
         what = f"{result.lost[failure.rank]} (exit code {failure.code})"
     # Horovod's sentence first: scripts and CI logs match on it.

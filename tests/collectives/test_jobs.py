@@ -339,3 +339,27 @@ def test_the_rank_whose_end_ended_the_others_is_named_first(
         "script), so no more",
     }
     assert said[how] in output, output
+
+
+NO_INIT_ON_RANK_1 = """
+import os
+if os.environ["HVDRUN_RANK"] != "1":
+    import collectives.torch as hvd
+    hvd.init()
+    print("joined", flush=True)
+"""
+
+
+def test_a_rank_that_never_calls_init_stops_the_job_at_once(tmp_path: Path) -> None:
+    """Rank 1 ends its script without hvd.init(): rank 0, waiting for it in hvd.init(), is
+    not left there until the bootstrap's timeout (300 s); hvdrun names rank 1 and why."""
+    script = tmp_path / "no_init.py"
+    script.write_text(NO_INIT_ON_RANK_1)
+    code, output = run_hvdrun(2, script, timeout=60)
+    assert code == 1, output
+    assert "joined" not in output
+    assert (
+        "hvdrun: rank 1 on host localhost failed first: it exited (code 0) without joining the "
+        "job (no hvd.init()) while other ranks wait for it in hvd.init(): every rank must "
+        "call hvd.init()"
+    ) in output, output
