@@ -369,7 +369,7 @@ def cli(
         click.echo(f"hvdrun: {notice}", err=True)
 
     # Imported here so that --version, --help and input errors stay instant.
-    from launcher.output import OutputOptions, OutputSink, use_colour
+    from launcher.output import OutputOptions, OutputSink, is_terminal, use_colour
     from launcher.run import run_job
     from launcher.spec.job import JobSpec
     from launcher.transport.startup import LaunchError, LaunchInterrupted
@@ -389,13 +389,15 @@ def cli(
 
         print_plan(spec, click.echo)
         return 0
-    stdout, stderr = sys.stdout.buffer, sys.stderr.buffer
+    # (None where hvdrun started with the descriptor closed: the sink drops that stream)
+    stdout = getattr(sys.stdout, "buffer", None)
+    stderr = getattr(sys.stderr, "buffer", None)
     options = OutputOptions(
         prefix_timestamp=prefix_timestamp,
         colour_stdout=use_colour(stdout, os.environ),
         colour_stderr=use_colour(stderr, os.environ),
         output_dir=output_filename,
-        status_line=stderr.isatty(),
+        status_line=is_terminal(stderr),
         num_ranks=max(num_proc, (elastic_options.max_np or 0) if elastic_options else 0),
     )
     try:

@@ -16,10 +16,11 @@ bottom of a terminal.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -93,34 +94,61 @@ def rank_dir_name(rank: int, num_ranks: int) -> str:
     return f"rank.{rank:0{width}d}"
 
 
-def use_colour(stream: BinaryIO, env: dict[str, str] | os._Environ[str]) -> bool:
+def use_colour(stream: BinaryIO | None, env: dict[str, str] | os._Environ[str]) -> bool:
     """Colour only on a terminal, and never when NO_COLOR is set (no-color.org)."""
-    return not env.get("NO_COLOR") and _isatty(stream)
+    return not env.get("NO_COLOR") and is_terminal(stream)
 
 
-def _isatty(stream: BinaryIO) -> bool:
+def is_terminal(stream: BinaryIO | None) -> bool:
     try:
-        return stream.isatty()
+        return stream is not None and stream.isatty()
     except (AttributeError, ValueError):
         return False
 
 
+class _Guarded:
+    """One of hvdrun's output streams (or an ``--output-filename`` file) that a failed write
+    closes for good instead of raising into the job: a full disk, a reader gone (``| head``),
+    a descriptor closed before hvdrun started. The job runs on; ``on_fail`` says so once."""
+
+    def __init__(self, stream: BinaryIO | None, what: str, on_fail: Callable[[str], None]):
+        self.stream = stream
+        self._what = what
+        self._on_fail = on_fail
+
+    def write(self, data: bytes) -> None:
+        if self.stream is None:
+            return
+        try:
+            self.stream.write(data)
+            self.stream.flush()
+        except (OSError, ValueError) as exc:
+            self.stream = None
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self._on_fail(f"cannot write {self._what} ({reason}): it is dropped from now on")
+
+
 class OutputSink:
-    """Writes prefixed worker lines to hvdrun's stdout/stderr; remembers each rank's stderr tail."""
+    """Writes prefixed worker lines to hvdrun's stdout/stderr; remembers each rank's stderr tail.
+    A stream that cannot be written (see :class:`_Guarded`) is dropped, said once on
+    stderr; the job runs on."""
 
     def __init__(
         self,
-        stdout: BinaryIO,
-        stderr: BinaryIO,
+        stdout: BinaryIO | None,
+        stderr: BinaryIO | None,
         tail_lines: int = 10,
         options: OutputOptions | None = None,
     ) -> None:
-        self._streams = {"stdout": stdout, "stderr": stderr}
+        self._streams = {
+            "stdout": _Guarded(stdout, "the job's output to stdout", self._dropped),
+            "stderr": _Guarded(stderr, "to stderr", lambda _: None),
+        }
         self._options = options or OutputOptions()
         self._lock = threading.Lock()
         self._tails: dict[int, collections.deque[str]] = {}
         self._tail_lines = tail_lines
-        self._files: dict[tuple[int, str], BinaryIO] = {}
+        self._files: dict[tuple[int, str], _Guarded] = {}
         self._status = b""
 
     def open_files(self, ranks: Iterable[int]) -> None:
@@ -133,14 +161,18 @@ class OutputSink:
             rank_dir = os.path.join(directory, name)
             os.makedirs(rank_dir, exist_ok=True)
             for stream in ("stdout", "stderr"):
-                self._files[(rank, stream)] = open(os.path.join(rank_dir, stream), "wb")  # noqa: SIM115
+                path = os.path.join(rank_dir, stream)
+                handle = open(path, "wb")  # noqa: SIM115
+                self._files[(rank, stream)] = _Guarded(handle, path, self._dropped)
 
     def close(self) -> None:
         with self._lock:
             self._clear_status()
             self._status = b""
             for handle in self._files.values():
-                handle.close()
+                if handle.stream is not None:
+                    with contextlib.suppress(OSError):
+                        handle.stream.close()
             self._files.clear()
 
     def line(self, rank: int, stream: str, text: bytes) -> None:
@@ -159,11 +191,9 @@ class OutputSink:
         with self._lock:
             self._clear_status()
             out.write(prefix + text + b"\n")
-            out.flush()
             handle = self._files.get((rank, stream))
             if handle is not None:
                 handle.write(text + b"\n")
-                handle.flush()
             self._draw_status()
 
     def message(self, text: str) -> None:
@@ -171,7 +201,6 @@ class OutputSink:
         with self._lock:
             self._clear_status()
             self._streams["stderr"].write(f"hvdrun: {text}\n".encode())
-            self._streams["stderr"].flush()
             self._draw_status()
 
     def status(self, text: str | None) -> None:
@@ -189,12 +218,14 @@ class OutputSink:
     def _clear_status(self) -> None:
         if self._status:
             self._streams["stderr"].write(CLEAR_LINE)
-            self._streams["stderr"].flush()
 
     def _draw_status(self) -> None:
         if self._status:
             self._streams["stderr"].write(self._status)
-            self._streams["stderr"].flush()
+
+    def _dropped(self, why: str) -> None:
+        """A stream failed (under the lock): said once on stderr."""
+        self._streams["stderr"].write(f"hvdrun: {why}\n".encode())
 
     def stderr_tail(self, rank: int) -> list[str]:
         return list(self._tails.get(rank, ()))

@@ -150,6 +150,20 @@ def test_signal_to_hvdrun_stops_all_workers(signum: int) -> None:
     assert_all_gone(pids)
 
 
+@pytest.mark.parametrize("stdout", [">&-", ">/dev/full"])
+def test_hvdrun_whose_stdout_cannot_be_written_runs_the_job(stdout: str) -> None:
+    """stdout closed before hvdrun starts, or a full disk: the job runs and succeeds, as a
+    plain ``python`` would; on a full disk hvdrun says once that the output is lost."""
+    command = " ".join([*HVDRUN, "-np", "2", sys.executable, "-c", "'print(1)'"])
+    result = subprocess.run(
+        ["sh", "-c", f"exec {stdout}; exec {command}"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    if stdout == ">/dev/full":
+        assert result.stderr.count("cannot write the job's output to stdout") == 1
+
+
 def test_kill_9_of_hvdrun_leaves_no_worker() -> None:
     proc, pids = start_and_wait_ready(2)
     agents = [c.pid for c in psutil.Process(proc.pid).children()]

@@ -1,3 +1,4 @@
+import errno
 import io
 import os
 import re
@@ -136,3 +137,29 @@ def test_no_status_line_when_not_a_terminal() -> None:
     sink = OutputSink(io.BytesIO(), err)
     sink.status("connected 1/2 hosts")
     assert err.getvalue() == b""
+
+
+class _FullDisk(io.BytesIO):
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_stream_that_cannot_be_written_is_dropped_once_said(tmp_path: Path) -> None:
+    """A full disk under ``> train.log`` (or a reader gone) loses the job's stdout, not the
+    job: hvdrun says so once on stderr and writes the rest where it still can."""
+    err = io.BytesIO()
+    sink = OutputSink(_FullDisk(), err, options=OutputOptions(output_dir=str(tmp_path)))
+    sink.open_files([0])
+    sink.line(0, "stdout", b"one")
+    sink.line(0, "stdout", b"two")
+    sink.line(0, "stderr", b"warn")
+    sink.message("done")
+    sink.close()
+    assert err.getvalue() == (
+        b"hvdrun: cannot write the job's output to stdout (No space left on device): it is "
+        b"dropped from now on\n[0]<stderr>:warn\nhvdrun: done\n"
+    )
+    assert (tmp_path / "rank.0" / "stdout").read_bytes() == b"one\ntwo\n"
+    closed = OutputSink(None, None)  # hvdrun started with both descriptors closed
+    closed.line(0, "stdout", b"lost")
+    closed.message("lost too")
