@@ -176,7 +176,7 @@ class _Watch:
         self._finished.set()
         if call is not None:
             call.cancel()
-        logger.warning("lost the rendezvous server (rank(s) %s): %s", self._ranks, reason)
+        logger.info("lost the rendezvous server (rank(s) %s): %s", self._ranks, reason)
         try:
             self._on_lost(reason)
         except Exception:
