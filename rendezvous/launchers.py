@@ -147,6 +147,10 @@ _SPECIAL_STEPS = frozenset(
 )
 
 
+#: ``salloc``'s interactive step (``LaunchParameters=use_interactive_step``), 0xfffffffa.
+_INTERACTIVE_STEP = frozenset({"interactive", str(0xFFFFFFFA)})
+
+
 def in_slurm_step(env: Mapping[str, str]) -> bool:
     """True inside a task of a Slurm job step (srun), False in a batch script or an
     ``salloc`` shell (also one in Slurm's interactive step) and outside Slurm."""
@@ -598,7 +602,10 @@ def slurm_allocation(env: Mapping[str, str] | None = None) -> SlurmAllocation | 
             f"SLURM_TASKS_PER_NODE={tasks_text!r} does not match the {len(nodes)} node(s) of "
             f"SLURM_JOB_NODELIST={nodelist!r}"
         )
-    where = "batch script" if "SLURM_PROCID" in source else "salloc shell"
+    step = (source.get("SLURM_STEP_ID") or source.get("SLURM_STEPID") or "").strip().lower()
+    # (salloc's shell in Slurm's interactive step has a task id too, as a batch script has)
+    batch = "SLURM_PROCID" in source and step not in _INTERACTIVE_STEP
+    where = "batch script" if batch else "salloc shell"
     return SlurmAllocation(job_id=job, nodes=nodes, tasks_per_node=tasks, where=where)
 
 

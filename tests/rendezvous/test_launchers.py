@@ -124,6 +124,9 @@ def test_batch_script_is_not_a_task_but_an_allocation() -> None:
     salloc = {k: v for k, v in batch.items() if k != "SLURM_PROCID"}
     assert slurm_allocation(salloc) is not None and slurm_allocation(salloc).where == "salloc shell"  # type: ignore[union-attr]
     assert slurm_allocation(SLURM_TASK) is None  # inside a step
+    for step in ("4294967290", "interactive"):  # salloc's shell in Slurm's interactive step
+        shell = slurm_allocation({**batch, "SLURM_STEP_ID": step})
+        assert shell is not None and shell.where == "salloc shell"
 
 
 def test_open_mpi() -> None:
