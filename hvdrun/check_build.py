@@ -50,9 +50,15 @@ def framework_lines() -> Iterator[str]:
     tf_line = f"TensorFlow {tf_version}" if tf_version else "TensorFlow (not installed)"
     yield f"    {_mark(tf_version is not None)} {tf_line} (collectives.tensorflow)"
     if keras_version:
-        major = keras_version.split(".")[0]
-        where = f"backend {_keras_backend()}" if major == "3" else "on TensorFlow"
-        yield f"    [X] Keras {keras_version}, {where} (collectives.keras)"
+        backend = _keras_backend() if keras_version.split(".")[0] == "3" else "tensorflow"
+        where = f"backend {backend}" if keras_version.startswith("3.") else "on TensorFlow"
+        note = "collectives.keras"
+        if backend not in ("tensorflow", "torch"):
+            note = "collectives.keras needs its tensorflow or torch backend"
+        elif backend == "tensorflow" and tf_version is None:
+            note = "collectives.keras: this backend needs TensorFlow"
+        usable = note == "collectives.keras"
+        yield f"    {_mark(usable)} Keras {keras_version}, {where} ({note})"
     else:
         yield "    [ ] Keras (not installed)"
     if tf_keras:

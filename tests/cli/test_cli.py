@@ -372,3 +372,18 @@ def test_a_ctrl_c_while_the_cli_is_imported_exits_130_without_a_traceback(
     with pytest.raises(SystemExit) as exited:
         command.main()
     assert exited.value.code == 130
+
+
+def test_check_build_marks_a_keras_backend_collectives_keras_cannot_run_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hvdrun.check_build import framework_lines
+
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    lines = [line for line in framework_lines() if "Keras 3" in line]
+    if not lines:
+        pytest.skip("Keras 3 is not installed")
+    assert lines[0].startswith("    [ ] Keras 3"), lines
+    assert lines[0].endswith(
+        "backend jax (collectives.keras needs its tensorflow or torch backend)"
+    ), lines
