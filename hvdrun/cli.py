@@ -351,6 +351,11 @@ def cli(
     elastic_options = None
     unused_notes: list[str] = []
     if elastic:
+        if host_list is None and elastic_flags.script is None and _in_allocation():
+            unused_notes.append(
+                "note: an elastic job's hosts come from --host-discovery-script or -H, not "
+                "from the batch allocation: without either, this one runs on this machine only"
+            )
         host_list, num_proc, elastic_options = elastic_flags.resolve(host_list, num_proc)
     else:
         unused_notes = elastic_flags.unused_notes()
@@ -424,6 +429,13 @@ def read_hosts(hosts: str | None, hostfile: str | None) -> list[HostSpec] | None
         hint = "'--hostfile'" if hostfile is not None else "'-H'"
         raise click.BadParameter(str(exc), param_hint=hint) from None
     return None
+
+
+def _in_allocation() -> bool:
+    try:
+        return read_allocation(os.environ) is not None
+    except AllocationError:
+        return True
 
 
 def current_allocation() -> Allocation | None:

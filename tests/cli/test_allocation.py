@@ -179,3 +179,19 @@ def test_a_job_fills_the_allocation_when_no_np_is_given() -> None:
         assert re.search(
             rf"^\[{rank}\]<stdout>:MASTER_PORT=\d+ SLURM_JOB_ID=43$", result.stdout, re.M
         )
+
+
+def test_an_elastic_job_in_an_allocation_without_hosts_says_it_runs_here(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """horovodrun's elastic jobs take their hosts from a discovery script or -H, never from
+    the batch allocation: one without either would run on the batch node alone, silently."""
+    from hvdrun.cli import run_cli
+
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    assert run_cli(["--dry-run", "-np", "4", "--min-np", "2", "true"]) == 0
+    err = capsys.readouterr().err
+    assert "not from the batch allocation: without either, this one runs on this machine" in err
+    assert run_cli(["--dry-run", "-np", "2", "--min-np", "1", "-H", "node1:2", "true"]) == 0
+    assert "batch allocation" not in capsys.readouterr().err
