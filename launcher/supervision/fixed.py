@@ -81,6 +81,7 @@ class Supervisor(Supervision[HostEvent]):
         self.agents = {agent.hostname: agent for agent in agents}
         self.server = server
         self.host_of = {slot.rank: slot.hostname for slot in slots}
+        self._slot_of = {slot.rank: (slot.hostname, slot.local_rank) for slot in slots}
         self.result.hosts = dict(self.host_of)
         self._pending_hosts = set(self.agents)  # hosts that have not reported every rank yet
         self._registered = -1
@@ -90,8 +91,8 @@ class Supervisor(Supervision[HostEvent]):
         # Slurm cancelled the agents' step: every agent is then killed with its workers
         # (``scancel JOB.STEP`` sends SIGKILL), and the cancel message has said why.
         self._step_cancelled = False
-        # Ranks that exited 0 before every rank had registered: they never joined the job
-        # (no hvd.init()), and ranks that did wait for them in hvd.init(). rank -> host
+        # Ranks that exited 0 without registering: they never joined the job (no
+        # hvd.init()), and ranks that did may wait for them in hvd.init(). rank -> host
         self._unjoined: dict[int, str] = {}
         if server is not None:
             self.insight = InsightWatch(server.values_under, sink)
@@ -117,21 +118,30 @@ class Supervisor(Supervision[HostEvent]):
                 self._held.clear()
                 self.fail(failure)
                 break
-        self._fail_unjoined()
+        if self._unjoined and not self.stopping:
+            self._fail_unjoined(self._registered_slots())
         self._show_status()
 
-    def _registered_count(self) -> int | None:
+    def _registered_slots(self) -> frozenset[tuple[str, int]] | None:
         if self.server is None:
             return None
         try:
-            return self.server.registered_count()
+            return self.server.registered_slots()
         except TimeoutError:  # (asked again after the next events)
             return None
 
-    def _fail_unjoined(self) -> None:
-        """A rank that never joined the job exited, and others joined: they would wait for
-        it in hvd.init() until the bootstrap's timeout (300 s). The job stops at once."""
-        if not self._unjoined or self.stopping or not self._registered_count():
+    def _fail_unjoined(self, registered: frozenset[tuple[str, int]] | None) -> None:
+        """A rank that never joined the job exited while others that joined run on: they
+        would wait for it in hvd.init() until the bootstrap's timeout (300 s). The job
+        stops at once."""
+        if self.stopping or registered is None:
+            return
+        waiting = [
+            r
+            for r, slot in self._slot_of.items()
+            if slot in registered and r not in self.result.exits
+        ]
+        if not waiting:
             return
         rank, host = min(self._unjoined.items())
         why = (
@@ -152,10 +162,10 @@ class Supervisor(Supervision[HostEvent]):
                 if code != 0:
                     self._failed(WorkerFailure(rank, host, code, error))
                 else:
-                    registered = self._registered_count()
-                    if registered is not None and registered < len(self.host_of):
+                    registered = self._registered_slots()
+                    if registered is not None and self._slot_of[rank] not in registered:
                         self._unjoined[rank] = host
-                        self._fail_unjoined()
+                        self._fail_unjoined(registered)
                     self._left(rank)
             case Network(ifname):
                 log.info("workers on %s use interface %s", host, ifname)

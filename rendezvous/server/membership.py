@@ -124,6 +124,10 @@ class Membership:
         # Only elastic jobs publish generations: otherwise this is every slot that registered.
         return len(self._registered_generation)
 
+    def registered_slots(self) -> frozenset[Slot]:
+        """The (host, local rank) slots that registered (elastic: in the newest generation)."""
+        return frozenset(self._registered_generation)
+
     def waiting_slots(self) -> set[Slot]:
         """Slots whose Register waits for a generation newer than the newest."""
         newest = self._generation

@@ -72,6 +72,9 @@ class Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     def registered_count(self) -> int:
         return self._membership.registered_count()
 
+    def registered_slots(self) -> frozenset[tuple[str, int]]:
+        return self._membership.registered_slots()
+
     def waiting_slots(self) -> set[tuple[str, int]]:
         return self._membership.waiting_slots()
 

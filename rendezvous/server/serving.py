@@ -211,6 +211,11 @@ class RendezvousServer:
         """How many distinct slots have registered so far (elastic: in the newest generation)."""
         return self._ask(self._servicer.registered_count, 0)
 
+    def registered_slots(self) -> frozenset[tuple[str, int]]:
+        """The (host, local rank) slots that registered so far (elastic: in the newest
+        generation)."""
+        return self._ask(self._servicer.registered_slots, frozenset())
+
     def publish(self, slots: Sequence[SlotInfo]) -> int:
         """Elastic jobs: makes ``slots`` the newest membership generation; returns its number.
 

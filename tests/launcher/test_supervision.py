@@ -261,8 +261,11 @@ def test_signals_are_recorded_while_installed_then_handlers_restored() -> None:
 class FakeServer:
     """What the fixed supervisor reads of its rendezvous server: the store's values."""
 
-    def __init__(self, values: dict[str, bytes]) -> None:
+    def __init__(
+        self, values: dict[str, bytes], registered: frozenset[tuple[str, int]] | None = None
+    ) -> None:
         self.values = values
+        self.registered = registered  # the (host, local rank) slots; None: every slot
 
         self.busy = False  # its loop does not answer (a starved machine)
 
@@ -275,6 +278,16 @@ class FakeServer:
         if self.busy:
             raise TimeoutError("the rendezvous server did not answer")
         return 4
+
+    def registered_slots(self) -> Any:
+        if self.busy:
+            raise TimeoutError("the rendezvous server did not answer")
+        return _Every() if self.registered is None else self.registered
+
+
+class _Every:
+    def __contains__(self, slot: object) -> bool:
+        return True
 
 
 def fixed(
@@ -355,6 +368,26 @@ def test_fixed_job_names_the_rank_whose_leaving_ended_a_failed_ones_collectives(
     supervisor.step()
     assert supervisor.result.failure == WorkerFailure(first, "a", 1, None)
     assert a.calls == b.calls == ["terminate"]
+
+
+@pytest.mark.parametrize("waiting", [True, False])
+def test_a_rank_that_never_joined_stops_a_job_whose_other_ranks_wait(waiting: bool) -> None:
+    """Rank 1 exits 0 without registering (no hvd.init()): rank 0, registered and still
+    running, waits for it in hvd.init(), so the job stops at once naming rank 1. Where
+    the registered rank has exited too (a script that is done), nobody waits."""
+    a = FakeAgent("a")
+    server = FakeServer({}, registered=frozenset({("a", 0)}))
+    supervisor, _, _ = fixed(a, server=server)
+    if not waiting:
+        put(supervisor, "a", Exit(0, 0))
+    put(supervisor, "a", Exit(1, 0))
+    supervisor.step()
+    if waiting:
+        assert supervisor.result.failure is not None
+        assert (supervisor.result.failure.rank, supervisor.result.exit_code) == (1, 1)
+        assert a.calls == ["terminate"]
+    else:
+        assert supervisor.result.failure is None and a.calls == []
 
 
 def test_fixed_job_rides_out_a_server_too_busy_to_answer() -> None:
