@@ -1,4 +1,4 @@
-"""Data-parallel ``model.fit`` with Keras on scikit-learn's digits, on any Keras backend.
+"""Data-parallel ``model.fit`` with Keras on scikit-learn's digits (TensorFlow or torch backend).
 
 Run it alone (``python examples/keras_digits.py``) or on several processes
 (``hvdrun -np 2 python examples/keras_digits.py``); pick Keras 3's backend with

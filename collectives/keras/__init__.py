@@ -161,14 +161,11 @@ def broadcast_global_variables(root_rank: int) -> Any:
     """Horovod's TF1 helper: broadcasts every global variable from ``root_rank`` in the
     Keras session (tf_keras in graph mode). Keras 3 and eager Keras have no session: use
     ``hvd.callbacks.BroadcastGlobalVariablesCallback`` or broadcast the model's variables."""
-    if _bridge.legacy:
-        import tensorflow as tf
+    session = _bridge.session()
+    if session is not None:
+        from collectives.tensorflow import functions
 
-        if not tf.executing_eagerly():
-            from collectives.tensorflow import functions
-
-            session = _bridge.keras.backend.get_session()
-            return session.run(functions.broadcast_global_variables(root_rank))
+        return session.run(functions.broadcast_global_variables(root_rank))
     raise RuntimeError(
         "hvd.broadcast_global_variables() needs a TF1 Keras session; with eager Keras use "
         "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) in fit(), or "

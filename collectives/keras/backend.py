@@ -149,7 +149,25 @@ class KerasBackend:
             return
         from collectives.tensorflow import mpi_ops
 
-        mpi_ops.broadcast_([_tf_variable(v) for v in variables], root_rank, process_set=process_set)
+        assigned = mpi_ops.broadcast_(
+            [_tf_variable(v) for v in variables], root_rank, process_set=process_set
+        )
+        session = self.session()
+        if session is not None:  # a TF1 graph: the assignments only run in its session
+            session.run(assigned)
+
+    def session(self) -> Any:
+        """The Keras session of tf_keras in TF1 graph mode, else None (eager)."""
+        if not self.legacy:
+            return None
+        import tensorflow as tf
+
+        if tf.executing_eagerly():
+            return None
+        # tf_keras keeps get_session in its TF1 API only (tf.compat.v1.keras.backend)
+        from tf_keras.api._v1.keras import backend as tf1_backend
+
+        return tf1_backend.get_session()
 
     # ---- numpy and Python values (ops on values: metrics, learning rates) ----------------
 

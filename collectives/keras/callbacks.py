@@ -3,8 +3,11 @@ learning rate up and schedule it (``horovod.keras.callbacks``)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from collectives import runtime
 from collectives.common import ReduceOp, global_process_set, variable_key
@@ -19,6 +22,7 @@ __all__ = [
     "optimizer_variables",
 ]
 
+logger = logging.getLogger(__name__)
 _bridge = keras_backend.current()
 #: The Keras in use's callback base class.
 KerasCallback: Any = _bridge.keras.callbacks.Callback
@@ -86,17 +90,28 @@ class MetricAverageCallback(KerasCallback):
             return
         for metric in sorted(logs):
             value = logs[metric]
-            try:
-                number = float(value)
+            try:  # a number, or an array (a per-class metric such as F1Score(average=None))
+                array = np.asarray(value, dtype=np.float64)
             except (TypeError, ValueError):
-                continue
-            logs[metric] = _bridge.allreduce_value(
-                number, ReduceOp.AVERAGE, f"metric.{epoch}.{metric}", global_process_set
+                try:  # (a device tensor of one value)
+                    array = np.asarray(float(value))
+                except (TypeError, ValueError):
+                    continue
+            averaged = _bridge.allreduce_value(
+                array, ReduceOp.AVERAGE, f"metric.{epoch}.{metric}", global_process_set
             )
+            if array.ndim == 0:
+                logs[metric] = float(averaged)
+            elif isinstance(value, np.ndarray) and value.dtype.kind == "f":
+                logs[metric] = averaged.astype(value.dtype)
+            else:
+                logs[metric] = averaged
 
 
 def _get(optimizer: Any, attr: str) -> float:
     value = getattr(optimizer, attr)
+    if _bridge.legacy and hasattr(value, "assign"):  # (a TF1 session's variable, too)
+        return float(_bridge.keras.backend.get_value(value))
     if hasattr(value, "numpy"):
         return float(value.numpy())
     if hasattr(value, "item"):
@@ -106,10 +121,43 @@ def _get(optimizer: Any, attr: str) -> float:
 
 def _set(optimizer: Any, attr: str, value: float) -> None:
     current = getattr(optimizer, attr)
-    if hasattr(current, "assign"):
+    if _bridge.legacy and hasattr(current, "assign"):  # runs in a TF1 session, too
+        _bridge.keras.backend.set_value(current, value)
+    elif hasattr(current, "assign"):
         current.assign(value)
     else:
         setattr(optimizer, attr, value)
+
+
+def _scale_momentum_buffers(optimizer: Any, factor: float) -> None:
+    """Momentum correction where the optimizer holds the momentum as a Python number (Keras
+    3's optimizers, tf_keras's non-legacy ones): a compiled train step reads it once, when
+    it is traced, so a per-batch change of it would stay at its first value for the whole of
+    training. Scaling the momentum buffers (which carry the learning rate in them in SGD and
+    RMSprop) by ``new_lr / old_lr`` is the same step as scaling the momentum for that batch
+    (with Nesterov momentum, all but its look-ahead term). Other optimizers are left
+    uncorrected."""
+    keras = _bridge.keras
+    if isinstance(optimizer, keras.optimizers.SGD):
+        buffers = getattr(optimizer, "momentums", None) or []
+    elif isinstance(optimizer, keras.optimizers.RMSprop):
+        buffers = getattr(optimizer, "_momentums", None) or []
+    else:
+        global _warned_uncorrected
+        if not _warned_uncorrected:
+            _warned_uncorrected = True
+            logger.warning(
+                "momentum_correction: %s's momentum cannot be corrected (only SGD's and "
+                "RMSprop's, or a legacy optimizer's); its momentum is left as it is",
+                type(optimizer).__name__,
+            )
+        return
+    for buffer in buffers:
+        if buffer is not None:
+            buffer.assign(buffer * factor)
+
+
+_warned_uncorrected = False
 
 
 class LearningRateScheduleCallback(KerasCallback):
@@ -160,9 +208,13 @@ class LearningRateScheduleCallback(KerasCallback):
         old = _get(optimizer, "learning_rate")
         new = self.initial_lr * self.multiplier(epoch)
         _set(optimizer, "learning_rate", new)
-        if self.momentum_correction and hasattr(optimizer, "momentum") and old:
+        if not (self.momentum_correction and hasattr(optimizer, "momentum") and old):
+            return
+        if hasattr(optimizer.momentum, "assign"):  # a tf_keras legacy optimizer's variable
             self.restore_momentum = _get(optimizer, "momentum")
             _set(optimizer, "momentum", self.restore_momentum * new / old)
+        else:
+            _scale_momentum_buffers(optimizer, new / old)
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         if not self.staircase and not self.steps_per_epoch:

@@ -2,7 +2,8 @@
 averaged metrics in the logs, the warmup's learning rates, ops on values, accumulated
 gradients against Horovod's algorithm (local layers, inf, sparse as dense),
 SyncBatchNormalization against BatchNormalization on the whole batch, and load_model, on
-Keras 3's TensorFlow and torch backends and on tf_keras (workers/keras_worker.py)."""
+Keras 3's TensorFlow and torch backends and on tf_keras (workers/keras_worker.py); and
+tf_keras in a TF1 session (workers/keras_tf1_worker.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def test_keras_fit_callbacks_and_optimizer(env: dict[str, str], checks: list[str
             "fit.identical_weights",
             "fit.metrics_averaged",
             "fit.warmup_rates",
+            "fit.momentum_corrected",
+            "fit.vector_metric_averaged",
             "ops.allgather",
             "accumulate.sum.partial",
             "accumulate.average.local",
@@ -48,4 +51,18 @@ def test_keras_fit_callbacks_and_optimizer(env: dict[str, str], checks: list[str
             "load_model.custom_optimizer",
             *checks,
         ],
+    )
+
+
+def test_tf_keras_in_a_tf1_session() -> None:
+    """tf_keras with eager execution off (Horovod's older Keras scripts): the broadcast
+    callback, the warmup and broadcast_global_variables act in the Keras session."""
+    code, output = run_hvdrun(
+        2, WORKERS / "keras_tf1_worker.py", env={"TF_USE_LEGACY_KERAS": "1"}, timeout=300
+    )
+    assert_all_ok(
+        code,
+        output,
+        2,
+        ["tf1.broadcast_callback", "tf1.warmup_callback", "tf1.broadcast_global_variables"],
     )

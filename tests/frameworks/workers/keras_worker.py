@@ -74,6 +74,9 @@ def main() -> None:
     want[2] = lrs[1]  # after the warmup the rate stays where the warmup left it
     c.expect("fit.warmup_rates", np.allclose(lrs, want, rtol=1e-5), (lrs, want))
 
+    momentum_correction(c, r, n)
+    vector_metric(c, r, n)
+
     # ops on values: numbers, numpy arrays
     c.expect("ops.allreduce_number", np.isclose(hvd.allreduce(float(r), op=hvd.Sum), sum(range(n))))
     gathered = hvd.allgather(np.full((r + 1,), r, np.int32))
@@ -119,6 +122,61 @@ def main() -> None:
         )
     hvd.shutdown()
     c.finish(r)
+
+
+def momentum_correction(c: Checks, r: int, n: int) -> None:
+    """The warmup's momentum correction, batch by batch, against SGD with momentum in numpy:
+    at each batch the momentum is scaled by the rate's change (Keras 3's compiled step reads
+    a Python momentum once, when traced: the correction must reach it all the same)."""
+    rng = np.random.default_rng(1)
+    xs = rng.normal(size=(n, 8, 3)).astype("float32")
+    ys = rng.normal(size=(n, 8, 1)).astype("float32")
+    w0 = np.array([[0.5], [-0.3], [0.2]], "float32")
+    lr, momentum, steps, epochs, warmup = 0.1 * n, 0.9, 2, 3, 2
+    w, buffer, rate = w0.astype(np.float64), np.zeros((3, 1)), lr
+    for epoch in range(epochs):
+        for step in range(steps):
+            rows = slice(step * 4, step * 4 + 4)
+            x, y = xs[:, rows], ys[:, rows]
+            grad = sum(2 * x[q].T @ (x[q] @ w - y[q]) / 4 for q in range(n)) / n
+            factor = momentum
+            if epoch < warmup:
+                new = lr / n * ((epoch + (step + 1) / steps) * (n - 1) / warmup + 1)
+                factor, rate = momentum * new / rate, new
+            buffer = factor * buffer - rate * grad
+            w = w + buffer
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+    model.layers[0].set_weights([w0])
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=momentum))
+    model.compile(optimizer=optimizer, loss="mse")
+    warm = hvd.callbacks.LearningRateWarmupCallback(lr, warmup_epochs=warmup)
+    model.fit(xs[r], ys[r], batch_size=4, epochs=epochs, shuffle=False, verbose=0, callbacks=[warm])
+    got = np.asarray(model.get_weights()[0], np.float64)
+    c.expect("fit.momentum_corrected", np.allclose(got, w, rtol=1e-4, atol=1e-5), (got, w))
+
+
+def vector_metric(c: Checks, r: int, n: int) -> None:
+    """A metric whose value is an array (F1Score(average=None) logs one per class) is
+    averaged over the ranks too, element by element."""
+
+    class PerClass(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+            assert logs is not None
+            logs["per_class"] = np.array([r, 10 * r], "float32")
+
+    seen: list[object] = []
+
+    class Seen(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+            assert logs is not None
+            seen.append(logs["per_class"])
+
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
+    callbacks = [PerClass(), hvd.callbacks.MetricAverageCallback(), Seen()]
+    model.fit(np.ones((2, 1)), np.ones((2, 1)), verbose=0, callbacks=callbacks)
+    mean = (n - 1) / 2
+    c.expect("fit.vector_metric_averaged", np.allclose(seen[0], [mean, 10 * mean]), seen)
 
 
 LR = 0.25
