@@ -193,13 +193,20 @@ def adasum_name(kind: Kind, name: str) -> str | None:
     return None
 
 
-def label(kind: Kind, name: str) -> str:
+def script_name(kind: Kind, name: str) -> str:
+    """The name as the script gave it (``allreduce.grad`` -> ``grad``; an Adasum op's
+    allgather ``allgather.adasum.grad`` -> ``grad``)."""
     adasum = adasum_name(kind, name)
     if adasum is not None:
-        return label(Kind.ALLREDUCE, adasum) + " (op=Adasum)"
+        return script_name(Kind.ALLREDUCE, adasum)
     prefix = kind.label + "."
-    short = name[len(prefix) :] if name.startswith(prefix) else name
-    return f"{kind.label} {short!r}"
+    return name[len(prefix) :] if name.startswith(prefix) else name
+
+
+def label(kind: Kind, name: str) -> str:
+    adasum = " (op=Adasum)" if adasum_name(kind, name) is not None else ""
+    shown = Kind.ALLREDUCE.label if adasum else kind.label
+    return f"{shown} {script_name(kind, name)!r}{adasum}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

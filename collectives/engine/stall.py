@@ -25,7 +25,7 @@ from typing import NamedTuple
 from collectives.engine.config import EngineConfig
 from collectives.engine.names import unnamed_counter
 from collectives.engine.negotiation import Entry, Table
-from collectives.engine.requests import Kind, label
+from collectives.engine.requests import Kind, label, script_name
 
 __all__ = ["Divergence", "StallInspector", "diverged"]
 
@@ -115,16 +115,26 @@ class StallInspector:
             if divergences:
                 return self._divergence_report(divergences, now)
         lines = []
+        kinds: dict[tuple[int, str], list[str]] = {}  # ops of one script name, by set
         for entry in sorted(table.entries.values(), key=lambda e: e.order):
             waited = now - entry.first_seen
             if waited < cfg.stall_warning_seconds and not aborting:
                 continue
             missing = table.waiting_for(entry, members(entry))
+            what = label(entry.kind, entry.name)
             lines.append(
-                f"  {label(entry.kind, entry.name)} (process set {entry.process_set_id}, "
+                f"  {what} (process set {entry.process_set_id}, "
                 f"waiting {waited:.0f} s): submitted by ranks {sorted(entry.sigs)}, "
                 f"missing ranks {missing}"
             )
+            key = (entry.process_set_id, script_name(entry.kind, entry.name))
+            kinds.setdefault(key, []).append(f"{what} on ranks {sorted(entry.sigs)}")
+        for ops in kinds.values():
+            if len(ops) > 1:  # e.g. op=Adasum on some ranks, another op on the others
+                lines.append(
+                    f"  one name, different ops: {'; '.join(ops)}; these never meet (give "
+                    "different ops different names)"
+                )
         if aborting:
             head = (
                 f"rank {self._rank}: the stall inspector stopped the job's collectives after "

@@ -181,7 +181,9 @@ def test_mismatch_errors_say_what_the_script_submitted() -> None:
     )
     assert "  allreduce 'y' (op=Adasum) (process set 0, waiting 2 s): submitted by ranks [0], " \
         "missing ranks [1]\n  allreduce 'y' (process set 0, waiting 2 s): submitted by ranks " \
-        "[1], missing ranks [0]" in report, report  # fmt: skip
+        "[1], missing ranks [0]\n  one name, different ops: allreduce 'y' (op=Adasum) on ranks " \
+        "[0]; allreduce 'y' on ranks [1]; these never meet (give different ops different " \
+        "names)" in report, report  # fmt: skip
 
 
 def test_rank_that_shuts_down_ends_the_collectives(
