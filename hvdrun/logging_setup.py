@@ -124,6 +124,19 @@ def log_format(hide_timestamp: bool, who: str) -> logging.Formatter:
     return logging.Formatter(fmt)
 
 
+class _Stderr(logging.StreamHandler[Any]):
+    """Writes to whatever ``sys.stderr`` is when a record comes (as Python's own fallback
+    does), not the stream of the moment it was made: callers in one process (tests) swap it."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 class _Plain(logging.Formatter):
     """Warnings and errors when no logging was asked for: worded like hvdrun's other
     messages (``hvdrun: warning: ...``), where Python's fallback printed them bare."""
@@ -143,7 +156,7 @@ def configure_logging(settings: LogSettings, who: str = "hvdrun") -> None:
     root = logging.getLogger()
     if _handler is not None:
         root.removeHandler(_handler)
-    _handler = logging.StreamHandler(sys.stderr)
+    _handler = _Stderr()
     root.addHandler(_handler)
     if not settings.requested:
         _handler.setLevel(logging.WARNING)
