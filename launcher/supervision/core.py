@@ -140,14 +140,26 @@ def agent_loss_reason(event: Done | AgentExit) -> str:
     return why
 
 
-class Signals:
-    """Records SIGINT/SIGTERM/SIGHUP for the supervision loop instead of raising mid-cleanup."""
+#: A signal that comes again within this many seconds is one signal sent twice: ``timeout``
+#: (and a ``kill`` of the process group) sends hvdrun's SIGTERM to it and to its group.
+REPEAT_SECONDS = 0.25
 
-    def __init__(self) -> None:
+
+class Signals:
+    """Records SIGINT/SIGTERM/SIGHUP for the supervision loop instead of raising mid-cleanup.
+    A SIGHUP that hvdrun started ignoring (``nohup``) stays ignored."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.received: list[int] = []
         self._taken = 0
+        self._clock = clock
+        self._last: tuple[int, float] | None = None
 
     def record(self, signum: int, frame: object = None) -> None:
+        now = self._clock()
+        last, self._last = self._last, (signum, now)
+        if last is not None and last[0] == signum and now - last[1] < REPEAT_SECONDS:
+            return  # (the same delivery twice, not a user's second signal)
         self.received.append(signum)
 
     def first(self) -> int | None:
@@ -161,7 +173,9 @@ class Signals:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Signals]:
-        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        handled = [signal.SIGINT, signal.SIGTERM]
+        if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # (nohup hvdrun ...)
+            handled.append(signal.SIGHUP)
         previous = {s: signal.signal(s, self.record) for s in handled}
         try:
             yield self

@@ -130,6 +130,35 @@ def test_second_signal_kills_without_grace() -> None:
     assert job.messages()[-1] == "hvdrun: second signal: killing all workers now"
 
 
+def test_one_signal_delivered_twice_at_once_is_one_signal() -> None:
+    """``timeout`` sends SIGTERM to hvdrun and then to its process group: hvdrun stops the
+    job with the grace period, rather than killing it as for a user's second signal."""
+    now = [0.0]
+    signals = Signals(clock=lambda: now[0])
+    signals.record(signal.SIGTERM)
+    now[0] += 0.001
+    signals.record(signal.SIGTERM)
+    assert signals.take() == [(0, signal.SIGTERM)]
+    now[0] += 1.0
+    signals.record(signal.SIGTERM)  # a second one, later: the user means it
+    assert signals.take() == [(1, signal.SIGTERM)]
+
+
+def test_a_sighup_ignored_before_hvdrun_started_stays_ignored() -> None:
+    """``nohup hvdrun ...``: the job outlives the terminal, as nohup promises."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with Signals().installed():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signals = Signals()
+        with signals.installed():
+            assert signal.getsignal(signal.SIGHUP) == signals.record
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 def test_a_failure_before_the_signal_decides_the_exit_code() -> None:
     a, b = FakeAgent("a"), FakeAgent("b")
     job = Hosts(a, b, clock=Clock())
