@@ -289,6 +289,12 @@ def cli(
     compat = HorovodFlags.take(tuning)
     compat.adjust_tuning(tuning)
     dry_run = bool(tuning.pop("dry_run", False))
+    try:
+        os.getcwd()  # (the workers start in it, on every host)
+    except FileNotFoundError:
+        raise click.UsageError(
+            "the current directory no longer exists (it was deleted or moved): cd to one that does"
+        ) from None
     if hosts is not None:
         check_hosts_flag(hosts)
     host_list = read_hosts(hosts, hostfile)
@@ -402,7 +408,7 @@ def cli(
         colour_stdout=use_colour(stdout, os.environ),
         colour_stderr=use_colour(stderr, os.environ),
         output_dir=output_filename,
-        status_line=is_terminal(stderr),
+        status_line=is_terminal(stderr) and os.environ.get("TERM") != "dumb",
         num_ranks=max(num_proc, (elastic_options.max_np or 0) if elastic_options else 0),
     )
     try:

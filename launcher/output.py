@@ -95,8 +95,9 @@ def rank_dir_name(rank: int, num_ranks: int) -> str:
 
 
 def use_colour(stream: BinaryIO | None, env: dict[str, str] | os._Environ[str]) -> bool:
-    """Colour only on a terminal, and never when NO_COLOR is set (no-color.org)."""
-    return not env.get("NO_COLOR") and is_terminal(stream)
+    """Colour only on a terminal that can show it (not ``TERM=dumb``), and never when
+    NO_COLOR is set (no-color.org)."""
+    return not env.get("NO_COLOR") and env.get("TERM") != "dumb" and is_terminal(stream)
 
 
 def is_terminal(stream: BinaryIO | None) -> bool:

@@ -387,3 +387,20 @@ def test_check_build_marks_a_keras_backend_collectives_keras_cannot_run_on(
     assert lines[0].endswith(
         "backend jax (collectives.keras needs its tensorflow or torch backend)"
     ), lines
+
+
+def test_a_deleted_current_directory_is_one_line(tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    result = subprocess.run(
+        ["sh", "-c", f"cd {gone} && rmdir {gone} && exec {sys.executable} -m hvdrun -np 2 true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        "hvdrun: error: the current directory no longer exists (it was deleted or moved): cd "
+        "to one that does\n"
+    )

@@ -59,6 +59,7 @@ def test_colour_only_on_a_terminal_without_no_color() -> None:
     assert not use_colour(Terminal(), {"NO_COLOR": "1"})
     assert use_colour(Terminal(), {"NO_COLOR": ""})  # no-color.org: set *and* non-empty
     assert not use_colour(io.BytesIO(), {})
+    assert not use_colour(Terminal(), {"TERM": "dumb"})  # (Emacs' shell, some CI logs)
 
 
 def test_coloured_prefix_per_rank() -> None:
