@@ -34,14 +34,18 @@ dry_run_option = click.option(
 #: Variable names whose values are never printed.
 SECRET_NAME = re.compile(
     r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|(^|_)API_?KEY|ACCESS_KEY|(^|_)AUTH($|_)|"
-    r"(^|_)KEY$",
+    r"(^|_)KEY$|_PWD$|_PAT$|CONNECTION_?STRING|WEBHOOK",
     re.IGNORECASE,
 )
+#: The password of a URL's ``user:password@`` part (``DATABASE_URL=postgres://u:pw@h/db``).
+URL_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):[^/@\s]*@")
 MASK = "****"
 
 
 def masked(name: str, value: str) -> str:
-    return MASK if SECRET_NAME.search(name) else value
+    if SECRET_NAME.search(name):
+        return MASK
+    return URL_PASSWORD.sub(rf"\1:{MASK}@", value)
 
 
 def describe_reach(hostname: str, launch: LaunchOptions) -> str:

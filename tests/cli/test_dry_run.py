@@ -96,13 +96,20 @@ def test_secrets_are_masked(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-value")
     monkeypatch.setenv("HF_TOKEN", "hf-secret-value")
     monkeypatch.setenv("HVDRUN_TEST_PLAIN", "visible")
+    more = ("MYSQL_PWD", "GITHUB_PAT", "AZURE_STORAGE_CONNECTION_STRING", "SLACK_WEBHOOK_URL")
+    for name in more:
+        monkeypatch.setenv(name, "other-secret-value")
+    monkeypatch.setenv("DATABASE_URL", "postgres://trainer:url-secret-value@db:5432/runs")
+    monkeypatch.setenv("HVDRUN_TEST_PATH", "/data/PWD/keys")  # (a word in a value: shown)
     out = dry_run(["-np", "1", "-x", "DB_PASSWORD=pw-secret-value", "true"], capsys)
     assert "secret-value" not in out
     env = section(
         out, "every worker's environment (secrets masked; rank variables as in the table)"
     )
-    for name in ("WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "DB_PASSWORD"):
+    for name in ("WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "DB_PASSWORD", *more):
         assert f"{name}=****" in env
+    assert "DATABASE_URL=postgres://trainer:****@db:5432/runs" in env
+    assert "HVDRUN_TEST_PATH=/data/PWD/keys" in env
     assert "HVDRUN_TEST_PLAIN=visible" in env
     assert "HVDRUN_SECRET=**** (made at start)" in env
 
