@@ -385,11 +385,14 @@ def master_env(address: str, port: int) -> dict[str, str]:
 def connection_env(
     rendezvous_addr: str, job_id: str, secret: str, cert_pem: str = ""
 ) -> dict[str, str]:
-    """How every worker of a job reaches its rendezvous (``cert_pem``: its TLS certificate)."""
-    env = {RENDEZVOUS_ADDR: rendezvous_addr, JOB_ID: job_id, SECRET: secret}
-    if cert_pem:
-        env[RENDEZVOUS_CERT] = cert_pem
-    return env
+    """How every worker of a job reaches its rendezvous (``cert_pem``: its TLS certificate;
+    empty where it speaks no TLS, which overrides one inherited from an enclosing job)."""
+    return {
+        RENDEZVOUS_ADDR: rendezvous_addr,
+        JOB_ID: job_id,
+        SECRET: secret,
+        RENDEZVOUS_CERT: cert_pem,
+    }
 
 
 def new_secret() -> str:

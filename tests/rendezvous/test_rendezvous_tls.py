@@ -161,8 +161,11 @@ def test_certificate_travels_with_the_secret_in_the_start_message_env() -> None:
     assert agent.env[worker_env.RENDEZVOUS_CERT] == pem
     assert agent.env[worker_env.SECRET] == SECRET
     assert all(pem not in arg and "PRIVATE" not in arg for arg in agent.command)
-    plain = agent_spec(spec, "h", slots, "127.0.0.1:5", JOB_ID, SECRET, 5.0)
-    assert worker_env.RENDEZVOUS_CERT not in plain.env
+    # A job without TLS: no certificate, even one inherited (hvdrun run inside another
+    # job's worker), whose TLS handshake the plain server would refuse.
+    inherited = JobSpec(["true"], 1, [], {worker_env.RENDEZVOUS_CERT: pem}, "/")
+    plain = agent_spec(inherited, "h", slots, "127.0.0.1:5", JOB_ID, SECRET, 5.0)
+    assert not plain.env.get(worker_env.RENDEZVOUS_CERT)
 
 
 def _non_loopback_address() -> str | None:
