@@ -45,7 +45,7 @@ from hvdrun.report_flags import (
     report_options,
 )
 from hvdrun.tuning import tuning_env, tuning_options
-from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports
+from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports, unset_exports
 from launcher.spec.hosts import (
     LOCAL_NAMES,
     MAX_PROCESSES,
@@ -551,6 +551,12 @@ def worker_env(
         exported = parse_exports(exports, os.environ)
     except EnvSpecError as exc:
         raise click.BadParameter(str(exc), param_hint="'-x'") from None
+    for name in unset_exports(exports, os.environ):  # (mpirun warns alike, and runs)
+        click.echo(
+            f"hvdrun: note: -x {name}: {name} is not set here, so the workers do not get it "
+            f"(give a value with -x {name}=VALUE)",
+            err=True,
+        )
     env = forwarded_env(os.environ, exported)
     # A flag given on the command line wins over -x; -x wins over the config file's value.
     ctx = click.get_current_context()

@@ -79,7 +79,9 @@ def is_host_specific(name: str) -> bool:
 
 
 def parse_exports(exports: Iterable[str], caller_env: Mapping[str, str]) -> dict[str, str]:
-    """``-x VAR`` (the caller's value) and ``-x VAR=VALUE`` → the variables to set."""
+    """``-x VAR`` (the caller's value) and ``-x VAR=VALUE`` → the variables to set. A
+    ``-x VAR`` of a variable not set here sets nothing, as with mpirun (which warns: see
+    :func:`unset_exports`)."""
     result: dict[str, str] = {}
     for export in exports:
         name, sep, value = export.partition("=")
@@ -87,10 +89,15 @@ def parse_exports(exports: Iterable[str], caller_env: Mapping[str, str]) -> dict
             raise EnvSpecError(f"'{export}' is not VAR or VAR=VALUE")
         if not sep:
             if name not in caller_env:
-                raise EnvSpecError(f"{name} is not set here; give its value with -x {name}=VALUE")
+                continue
             value = caller_env[name]
         result[name] = value
     return result
+
+
+def unset_exports(exports: Iterable[str], caller_env: Mapping[str, str]) -> list[str]:
+    """The names of ``-x VAR`` exports whose variable is not set here."""
+    return [e for e in exports if "=" not in e and _NAME.match(e) and e not in caller_env]
 
 
 def forwarded_env(caller_env: Mapping[str, str], exports: Mapping[str, str]) -> dict[str, str]:

@@ -71,7 +71,6 @@ from tests.cli.conftest import assert_usage_error
         (["--no-such-flag", "true"], "No such option '--no-such-flag'"),
         (["-H", "a:1", "--hostfile", "f", "true"], "give the hosts with -H or with --hostfile"),
         (["--hostfile", "/nonexistent/hosts", "true"], "cannot read hostfile /nonexistent/hosts"),
-        (["-x", "NOT_SET_ANYWHERE_XYZ", "-np", "1", "true"], "NOT_SET_ANYWHERE_XYZ is not set"),
         (["-x", "1=2", "-np", "1", "true"], "invalid '-x': '1=2' is not VAR or VAR=VALUE"),
         (["--check-hosts"], "--check-hosts needs the hosts"),
         (["--check-hosts", "-H", "a", "true"], "--check-hosts runs no command"),
@@ -404,3 +403,19 @@ def test_a_deleted_current_directory_is_one_line(tmp_path: Path) -> None:
         "hvdrun: error: the current directory no longer exists (it was deleted or moved): cd "
         "to one that does\n"
     )
+
+
+def test_x_of_a_variable_not_set_here_is_a_note_as_with_mpirun(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``mpirun -x LD_LIBRARY_PATH`` lines carried over run where it is not set: mpirun
+    warns and runs, and so does hvdrun."""
+    from hvdrun.cli import run_cli
+
+    assert run_cli(["--dry-run", "-x", "NOT_SET_ANYWHERE_XYZ", "-np", "1", "true"]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        "hvdrun: note: -x NOT_SET_ANYWHERE_XYZ: NOT_SET_ANYWHERE_XYZ is not set here, so the "
+        "workers do not get it (give a value with -x NOT_SET_ANYWHERE_XYZ=VALUE)\n"
+    ) in err
+    assert "NOT_SET_ANYWHERE_XYZ=" not in out
