@@ -172,7 +172,16 @@ def resolve_target(alias: str, options: SSHOptions) -> SSHTarget:
     """Applies the ssh config and the flags to one ``[user@]host`` from the host list."""
     user, _, name = alias.rpartition("@")
     config = load_config(options.config_file)
-    entry: dict[str, Any] = dict(config.lookup(name)) if config is not None else {}
+    try:  # (paramiko asks for the local user name to expand %u and match Match blocks)
+        entry: dict[str, Any] = dict(config.lookup(name)) if config is not None else {}
+        user = user or str(entry.get("user") or getpass.getuser())
+    except (KeyError, OSError) as exc:  # getpass: a uid with no passwd entry, no USER
+        raise SSHConnectError(
+            f"cannot read the ssh config for {name}: this process's user id {os.getuid()} "
+            f"has no user name ({exc}) and USER is not set (a container's user, say): "
+            "export USER=<a name>, and give the remote user as user@host or User in the "
+            "ssh config where it differs"
+        ) from None
     port = options.port or int(entry.get("port", 22))
     identity_files = [os.path.expanduser(path) for path in options.identity_files]
     identity_files += [os.path.expanduser(path) for path in entry.get("identityfile", [])]
@@ -195,7 +204,7 @@ def resolve_target(alias: str, options: SSHOptions) -> SSHTarget:
         alias=alias,
         hostname=str(entry.get("hostname", name)),
         port=port,
-        user=user or str(entry.get("user") or getpass.getuser()),
+        user=user,
         identity_files=tuple(dict.fromkeys(identity_files)),
         identities_only=str(entry.get("identitiesonly", "no")).lower() == "yes",
         proxy_command=None if proxy in (None, "none") else str(proxy),

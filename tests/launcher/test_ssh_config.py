@@ -328,3 +328,24 @@ def test_a_failing_proxy_command_shows_what_it_said(home: Path) -> None:
     assert str(info.value) == (
         "its ProxyCommand exited with code 255: ssh: Could not resolve hostname bastion.corp"
     )
+
+
+def test_a_user_id_without_a_name_asks_for_the_ssh_user(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container's uid with no passwd entry and no USER: the SSH user must be given."""
+    import getpass
+
+    def nameless() -> str:
+        raise KeyError("getpwuid(): uid not found: 12345")
+
+    monkeypatch.setattr(getpass, "getuser", nameless)
+    for alias in ("n7", "trainer@n7"):  # (paramiko's config lookup asks for it too)
+        with pytest.raises(SSHConnectError) as info:
+            resolve_target(alias, SSHOptions())
+        assert str(info.value).startswith(
+            "cannot read the ssh config for n7: this process's user id "
+        ), info.value
+        assert "and USER is not set (a container's user, say): export USER=<a name>" in str(
+            info.value
+        )
