@@ -70,6 +70,72 @@ BOOTSTRAP_TIMEOUT_SECONDS = 300.0
 _lock = threading.RLock()
 _init_count = 0
 _atexit_registered = False
+#: Set in the environment of a process that joined a job of several, for its children to
+#: see: "PID RANK JOB". A child (forked, spawned or started by subprocess) inherits the
+#: launcher's variables too, and its ``init()`` would register for its parent's slot: under
+#: hvdrun it waited for peers that never came, without a word.
+JOINED_VARIABLE = "HVDRUN_JOINED_PROCESS"
+
+
+#: In a process forked from one whose runtime was live: that runtime. Its torch default
+#: group is the parent's too, so an ``init()`` here would adopt it and talk over the
+#: parent's sockets.
+_forked_from: RuntimeState | None = None
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, ...) keeps its parent's runtime for the rank
+    queries (``state.engine()`` refuses its collectives), and gets a fresh lock: a thread
+    of the parent that held it at the fork does not exist here to release it."""
+    global _lock, _forked_from
+    _lock = threading.RLock()
+    runtime_ = state.current()
+    if runtime_ is not None and runtime_.topology.size > 1:
+        _forked_from = runtime_
+
+
+def _refuse_in_a_forked_child() -> None:
+    parent = _forked_from
+    if parent is not None:
+        raise RuntimeError(
+            f"hvd.init() in process {os.getpid()}, forked from rank {parent.topology.rank}'s "
+            f"process (pid {parent.pid}) after its hvd.init(): a forked child cannot join the "
+            "job in its parent's place; run the collectives in the parent"
+        )
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _mark_joined(runtime_: RuntimeState, job: str) -> None:
+    os.environ[JOINED_VARIABLE] = f"{os.getpid()} {runtime_.topology.rank} {job}"
+
+
+def _unmark_joined() -> None:
+    if os.environ.get(JOINED_VARIABLE, "").split(" ", 1)[0] == str(os.getpid()):
+        del os.environ[JOINED_VARIABLE]
+
+
+def _refuse_a_ranks_child(job: str) -> None:
+    """Raises where a live ancestor of this process has joined ``job`` already (see
+    :data:`JOINED_VARIABLE`)."""
+    pid_text, _, rest = os.environ.get(JOINED_VARIABLE, "").partition(" ")
+    rank_text, _, joined_job = rest.partition(" ")
+    if joined_job != job or not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return  # (a mark left by a process that is gone)
+    except PermissionError:
+        pass
+    raise RuntimeError(
+        f"hvd.init() in process {os.getpid()}, a child of rank {rank_text}'s process "
+        f"(pid {pid_text}), which has joined this job already: a child process (a DataLoader "
+        "worker, multiprocessing, torch.multiprocessing.spawn, subprocess) cannot join the "
+        "job in its parent's place; run the collectives in the parent, or call "
+        "hvd.shutdown() in the parent before starting the child"
+    )
 
 
 def _init_single(backend: str, timeout: datetime.timedelta) -> RuntimeState:
@@ -100,6 +166,7 @@ def init(comm: Any = None) -> bool:
     with _lock:
         if state.current() is not None:
             return False
+        _refuse_in_a_forked_child()
         if not dist.is_available():
             raise RuntimeError("this torch build has no torch.distributed support")
         adopting = dist.is_initialized()
@@ -112,6 +179,11 @@ def init(comm: Any = None) -> bool:
         _init_count += 1
         addr = os.environ.get(worker_env.RENDEZVOUS_ADDR)
         placement = None if addr or adopting else detect_placement()
+        job = f"{addr} {os.environ.get(worker_env.JOB_ID, '')}" if addr else ""
+        if placement is not None and placement.size > 1:
+            job = placement.job_key
+        if job and not adopting:
+            _refuse_a_ranks_child(job)
         if not adopting:  # (a framework's default group has a store of its own)
             keep_nccl_off_the_store(backend)
             check_interfaces()
@@ -134,6 +206,8 @@ def init(comm: Any = None) -> bool:
             _teardown(runtime_)
             raise
         state.set_current(runtime_)
+        if job and not adopting:
+            _mark_joined(runtime_, job)
         insight.start(runtime_)
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
@@ -154,6 +228,7 @@ def init(comm: Any = None) -> bool:
 
 def _teardown(runtime_: RuntimeState, script_failed: bool = False) -> None:
     runtime_.closed.set()
+    _unmark_joined()
     engine_ = runtime_.engine
     stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 2.0, script_failed)
     _say_who_ended(runtime_, engine_)
@@ -231,6 +306,11 @@ def _shutdown(script_failed: bool) -> None:
         if runtime_ is None:
             return
         state.set_current(None)
+        if runtime_.pid != os.getpid():
+            # A forked child forgets its parent's runtime: the engine, its sockets and the
+            # rendezvous connection are the parent's, which goes on using them.
+            logger.debug("not shutting down the runtime of pid %d in a forked child", runtime_.pid)
+            return
         _teardown(runtime_, script_failed)
 
 

@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from collectives.runtime import logs
 from collectives.runtime.registration import watch_and_join
 from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import launchers, worker_env
@@ -323,6 +324,7 @@ def _say_unauthenticated(meeting: Meeting) -> None:
 def join(placement: Placement, host: str, round_: int = 1) -> Joined:
     """Meets the job's other ranks (rank 0 serves) in the process's ``round_``-th
     ``hvd.init()`` and registers; raises :class:`JoinError`."""
+    logs.load_grpc()
     from rendezvous.client import (
         RendezvousAuthError,
         RendezvousClient,

@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from collectives.errors import HorovodInternalError, SharedGpuError
+from collectives.runtime import logs
 from collectives.runtime.groups import destroy_groups, select_cuda_device, start_engine
 from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import worker_env
@@ -258,6 +259,7 @@ def init_from_rendezvous(
 ) -> RuntimeState:
     """Under hvdrun: registers with the rendezvous at ``addr``, then :func:`watch_and_join`."""
     # Imported here: the size-1 path must work without the rendezvous (and gRPC) loaded.
+    logs.load_grpc()
     from rendezvous.client import RendezvousClient
 
     # Multi-host jobs: the host's relay (a local Unix socket) carries the calls to the server.

@@ -15,6 +15,7 @@ when imported, so process sets answer ``size()``/``rank()`` without importing th
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,6 +107,10 @@ class RuntimeState:
     cuda_refusal: str | None = None
     #: What publishes this rank's arrival figures (``collectives.runtime.insight``).
     insight: Any = None
+    #: The process that joined the job. A child forked from it (a DataLoader worker, a
+    #: ``multiprocessing`` fork, ``os.fork()``) inherits this object but none of the engine's
+    #: threads, and shares its sockets: it may ask the rank queries, never run collectives.
+    pid: int = field(default_factory=os.getpid)
 
     def saw_generation(self, generation: int) -> None:
         if generation > self.newest_generation:
@@ -113,6 +118,17 @@ class RuntimeState:
 
 
 _current: RuntimeState | None = None
+#: Whether this process was forked from another (so that the check of every op for a
+#: runtime inherited from the parent costs no system call in the parent).
+_forked = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def current() -> RuntimeState | None:
@@ -228,11 +244,26 @@ def config() -> EngineConfig:
 
 
 def engine(what: str = "this function") -> Engine:
-    """The running engine, or :class:`NotInitializedError` naming ``what``."""
-    engine_ = require(what).engine
+    """The running engine, or :class:`NotInitializedError` naming ``what``; a RuntimeError
+    in a process forked from the one that joined the job."""
+    runtime = require(what)
+    if _forked and runtime.pid != os.getpid():
+        raise RuntimeError(_forked_child_message(what, runtime))
+    engine_ = runtime.engine
     if engine_ is None:
         raise NotInitializedError(what)
     return engine_
+
+
+def _forked_child_message(what: str, runtime: RuntimeState) -> str:
+    """Why ``what`` cannot run in a process forked from a rank of the job."""
+    return (
+        f"{what} was called in process {os.getpid()}, which was forked from rank "
+        f"{runtime.topology.rank} (pid {runtime.pid}) after hvd.init(): a forked child (a "
+        "DataLoader worker, a multiprocessing 'fork' process, os.fork()) is not part of the "
+        "job and cannot run its collectives (hvd.rank(), hvd.size() and the other queries "
+        "still answer for its parent); run them in the process that called hvd.init()"
+    )
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
