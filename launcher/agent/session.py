@@ -35,6 +35,7 @@ from launcher.agent.workers import Emit, HostAgent
 from launcher.spec.environment import worker_base_env
 from launcher.transport.hostinfo import installed_versions
 from launcher.transport.protocol import (
+    FORWARDED_SIGNALS,
     PROTOCOL_VERSION,
     AgentEvent,
     AgentSpec,
@@ -48,6 +49,7 @@ from launcher.transport.protocol import (
     Probe,
     ProbeRequest,
     RunRequest,
+    SignalRequest,
     TerminateRequest,
     decode_request,
     encode_event,
@@ -193,6 +195,9 @@ class Control:
         self.kill = False
         self.reason = ""
         self.last_heard = time.monotonic()
+        #: Signals to forward to the workers (SIGUSR1, SIGUSR2: from hvdrun, or sent to
+        #: this agent, as Slurm signals a step's tasks), taken by the run loop.
+        self.forward: list[int] = []
 
     def request_stop(self, reason: str, kill: bool = False) -> None:
         if not self.stop.is_set():
@@ -215,6 +220,8 @@ class Control:
                 self.request_stop("asked to terminate")
             elif isinstance(request, KillRequest):
                 self.request_stop("asked to kill", kill=True)
+            elif isinstance(request, SignalRequest) and request.signum in FORWARDED_SIGNALS:
+                self.forward.append(request.signum)
 
     def heartbeat(self, timeout: float, lost_after: float, emit: Emitter) -> None:
         """Pings hvdrun every ``timeout`` / 4 s; stops the workers once hvdrun has been silent
@@ -285,6 +292,8 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, on_signal)
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, lambda signum, frame: control.forward.append(signum))
     threading.Thread(target=control.watch_stdin, args=(stdin,), daemon=True).start()
     if spec.heartbeat_timeout > 0:
         threading.Thread(
@@ -307,6 +316,8 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
         agent = HostAgent(spec, env, emit)
         agent.start(stop=control.stop)
         while not control.stop.is_set() and not emit.broken.is_set():
+            while control.forward:
+                agent.signal(control.forward.pop(0))
             if agent.wait(timeout=0.1):
                 break
         if control.stop.is_set() or emit.broken.is_set():

@@ -123,6 +123,14 @@ class HostAgent:
                 self.workers.append(worker)
             self._emit(Started(launch.rank, worker.proc.pid))
 
+    def signal(self, signum: int) -> None:
+        """Sends ``signum`` to each running worker's process group (forwarded signals)."""
+        with self._lock:
+            workers = [worker for worker in self.workers if not worker.exited.is_set()]
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.proc.pid, signum)
+
     def wait(self, timeout: float | None = None) -> bool:
         """True once every started worker has exited and been reported."""
         return all(worker.exited.wait(timeout) for worker in list(self.workers))

@@ -38,7 +38,7 @@ from launcher.output import OutputSink
 from launcher.spec.job import JobSpec
 from launcher.supervision.insight import InsightWatch
 from launcher.transport.connection import AgentExit
-from launcher.transport.protocol import AgentSpec, Done, WorkerLaunch
+from launcher.transport.protocol import FORWARDED_SIGNALS, AgentSpec, Done, WorkerLaunch
 from rendezvous import worker_env
 from rendezvous.insight import RankFigures
 from rendezvous.slots import SlotInfo
@@ -154,6 +154,11 @@ class Signals:
         self._taken = 0
         self._clock = clock
         self._last: tuple[int, float] | None = None
+        #: SIGUSR1/SIGUSR2 to pass on to the workers (``FORWARDED_SIGNALS``), as mpirun does.
+        self.to_forward: list[int] = []
+
+    def record_forward(self, signum: int, frame: object = None) -> None:
+        self.to_forward.append(signum)
 
     def record(self, signum: int, frame: object = None) -> None:
         now = self._clock()
@@ -177,6 +182,7 @@ class Signals:
         if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # (nohup hvdrun ...)
             handled.append(signal.SIGHUP)
         previous = {s: signal.signal(s, self.record) for s in handled}
+        previous.update({s: signal.signal(s, self.record_forward) for s in FORWARDED_SIGNALS})
         try:
             yield self
         finally:
@@ -201,6 +207,8 @@ class Supervised(Protocol):
     def kill(self) -> None: ...
 
     def abort(self) -> None: ...
+
+    def signal(self, signum: int) -> None: ...
 
 
 E = TypeVar("E")
@@ -303,6 +311,13 @@ class Supervision(ABC, Generic[E]):
             self.insight.step(self.clock())
 
     def act_on_signals(self) -> None:
+        forward = self.signals.to_forward
+        while forward:
+            signum = forward.pop(0)
+            if not self.stopping:
+                self.sink.message(f"forwarding {signal.Signals(signum).name} to the workers")
+                for agent in self.live_agents():
+                    agent.signal(signum)
         for before, signum in self.signals.take():
             if before == 0:
                 self.sink.message(f"received {signal.Signals(signum).name}; stopping all workers")

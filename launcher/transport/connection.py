@@ -33,6 +33,7 @@ from launcher.transport.protocol import (
     ProbeRequest,
     Request,
     RunRequest,
+    SignalRequest,
     Started,
     TerminateRequest,
     decode_event,
@@ -192,6 +193,10 @@ class AgentConnection:
     def terminate(self) -> None:
         """Ask the agent to stop its workers (SIGTERM, then SIGKILL after the grace period)."""
         self._send(TerminateRequest())
+
+    def signal(self, signum: int) -> None:
+        """Pass a signal (SIGUSR1, SIGUSR2) on to the agent's workers."""
+        self._send(SignalRequest(signum))
 
     def kill(self) -> None:
         """Stop the workers without grace and drop the agent."""

@@ -15,6 +15,8 @@ writes one JSON line per request to the agent's stdin:
 * ``{"op": "ping"}`` - hvdrun is alive (remote hosts; see ``AgentSpec.heartbeat_timeout``)
 * ``{"op": "terminate"}`` - stop the workers: SIGTERM, SIGKILL after the grace period
 * ``{"op": "kill"}`` - SIGKILL the workers now
+* ``{"op": "signal", "signum": N}`` - send signal N (SIGUSR1, SIGUSR2) to every worker's
+  process group, as mpirun forwards them
 
 End of file on stdin means hvdrun or its connection is gone: the agent stops its workers.
 The agent answers with one JSON event per line on stdout:
@@ -39,11 +41,16 @@ of a kind this side does not know (a newer agent) decodes to None and is skipped
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 PROTOCOL_VERSION = 2
+
+#: The signals hvdrun (and an agent that gets one itself) passes on to the workers, as
+#: mpirun does: a job's own (Slurm's ``--signal=USR1@60`` before its time limit, say).
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 #: ``python -m launcher.agent --shared-stdin``: one task of an srun step, whose stdin every
 #: task reads; hvdrun addresses each line (see launcher.agent.session.AddressedStdin).
@@ -129,6 +136,14 @@ class KillRequest:
 
 
 @dataclass(frozen=True)
+class SignalRequest:
+    """Forward a signal (SIGUSR1, SIGUSR2) to the workers; an older agent skips it."""
+
+    signum: int
+    op: ClassVar[str] = "signal"
+
+
+@dataclass(frozen=True)
 class UnknownRequest:
     """A request this agent does not know; what it does with one depends on when it comes."""
 
@@ -142,6 +157,7 @@ Request = (
     | PingRequest
     | TerminateRequest
     | KillRequest
+    | SignalRequest
     | UnknownRequest
 )
 
@@ -158,6 +174,8 @@ def encode_request(request: Request) -> bytes:
             return encode({"op": request.op, "connect_back": connect_back})
         case PrepareRequest(rendezvous_addr=addr):
             return encode({"op": request.op, "rendezvous_addr": addr})
+        case SignalRequest(signum=signum):
+            return encode({"op": request.op, "signum": signum})
         case _:
             return encode({"op": request.op})
 
@@ -175,7 +193,9 @@ def decode_request(line: bytes) -> Request:
             return ProbeRequest(raw.get("connect_back"))
         if op == "prepare":
             return PrepareRequest(str(raw["rendezvous_addr"]))
-    except (KeyError, TypeError, AttributeError) as exc:
+        if op == "signal":
+            return SignalRequest(int(raw["signum"]))
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise ValueError(f"malformed {op} request: {exc}") from None
     return _BARE_REQUESTS.get(op, UnknownRequest(op))
 

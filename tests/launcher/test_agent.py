@@ -270,3 +270,26 @@ def test_each_process_of_a_worker_tree_gets_a_signal_once() -> None:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_a_usr1_sent_to_the_agent_reaches_its_workers() -> None:
+    """Slurm signals the tasks of a step (hvdrun's agents) with ``scancel --signal=USR1`` or
+    ``--signal=USR1@60``: the agent passes it on to its workers instead of dying of it."""
+    agent = Agent()
+    agent.event()
+    waiting = (
+        "import signal, time; got = []; "
+        "signal.signal(signal.SIGUSR1, lambda *_: got.append(1)); print('ready'); "
+        "deadline = time.monotonic() + 20\n"
+        "while not got and time.monotonic() < deadline: time.sleep(0.05)\n"
+        "print('got it' if got else 'nothing')"
+    )
+    agent.send(encode_request(RunRequest(spec(waiting, ranks=2))))
+    ready = 0
+    while ready < 2:
+        ready += agent.event().get("data") == "ready"
+    agent.proc.send_signal(signal.SIGUSR1)
+    events = agent.events_until_done()
+    said = sorted(e["data"] for e in events if e["ev"] == "out")
+    assert said == ["got it", "got it"], events
+    assert agent.close()[0] == 0

@@ -164,6 +164,34 @@ def test_hvdrun_whose_stdout_cannot_be_written_runs_the_job(stdout: str) -> None
         assert result.stderr.count("cannot write the job's output to stdout") == 1
 
 
+def test_sigusr1_to_hvdrun_reaches_every_worker_and_the_job_goes_on() -> None:
+    """mpirun forwards SIGUSR1/SIGUSR2 to the job (Slurm's ``--signal=USR1@60``: checkpoint
+    before the time limit); so does hvdrun, and the job is not stopped."""
+    script = (
+        "import os, signal, sys, time\n"
+        "got = []\n"
+        "signal.signal(signal.SIGUSR1, lambda *_: got.append(1))\n"
+        "print('ready', flush=True)\n"
+        "deadline = time.monotonic() + 20\n"
+        "while not got and time.monotonic() < deadline: time.sleep(0.05)\n"
+        "print('checkpoint' if got else 'no signal', flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [*HVDRUN, "-np", "2", sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    ready = [proc.stdout.readline(), proc.stdout.readline()]
+    assert sorted(ready) == ["[0]<stdout>:ready\n", "[1]<stdout>:ready\n"]
+    proc.send_signal(signal.SIGUSR1)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert sorted(stdout.splitlines()) == ["[0]<stdout>:checkpoint", "[1]<stdout>:checkpoint"]
+    assert "hvdrun: forwarding SIGUSR1 to the workers" in stderr
+
+
 def test_kill_9_of_hvdrun_leaves_no_worker() -> None:
     proc, pids = start_and_wait_ready(2)
     agents = [c.pid for c in psutil.Process(proc.pid).children()]

@@ -20,6 +20,7 @@ from launcher.transport.protocol import (
     Probe,
     ProbeRequest,
     RunRequest,
+    SignalRequest,
     Started,
     TerminateRequest,
     UnknownRequest,
@@ -96,6 +97,7 @@ def test_requests_travel_as_the_same_lines_and_come_back() -> None:
             PrepareRequest("10.0.0.1:5000"),
             b'{"op": "prepare", "rendezvous_addr": "10.0.0.1:5000"}\n',
         ),
+        (SignalRequest(10), b'{"op": "signal", "signum": 10}\n'),
         (UnknownRequest("dance"), b'{"op": "dance"}\n'),
     ):
         assert encode_request(request) == line

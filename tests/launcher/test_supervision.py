@@ -49,6 +49,9 @@ class FakeAgent:
     def abort(self) -> None:
         self.calls.append("abort")
 
+    def signal(self, signum: int) -> None:
+        self.calls.append(f"signal {signal.Signals(signum).name}")
+
 
 class Clock:
     def __init__(self) -> None:
@@ -128,6 +131,23 @@ def test_second_signal_kills_without_grace() -> None:
     assert a.calls == ["terminate", "kill"]
     assert job.result.exit_code == 128 + signal.SIGTERM  # the first signal is the outcome
     assert job.messages()[-1] == "hvdrun: second signal: killing all workers now"
+
+
+def test_sigusr1_is_forwarded_to_every_agent_and_the_job_runs_on() -> None:
+    """As mpirun does: Slurm's ``--signal=USR1@60`` reaches the workers (a checkpoint
+    before the time limit), and the job goes on; once stopping, nothing is forwarded."""
+    a, b = FakeAgent("a"), FakeAgent("b")
+    job = Hosts(a, b, clock=Clock())
+    job.signals.record_forward(signal.SIGUSR1)
+    job.step()
+    assert a.calls == b.calls == ["signal SIGUSR1"]
+    assert job.messages() == ["hvdrun: forwarding SIGUSR1 to the workers"]
+    assert not job.stopping and job.result.exit_code == 0
+    job.signals.record(signal.SIGTERM)
+    job.step()
+    job.signals.record_forward(signal.SIGUSR2)
+    job.step()
+    assert a.calls == ["signal SIGUSR1", "terminate"]
 
 
 def test_one_signal_delivered_twice_at_once_is_one_signal() -> None:
