@@ -1,8 +1,9 @@
 """The job's command, checked on this machine before any process starts.
 
 A program that does not exist ends hvdrun as a shell ends (``command not found``, exit 127);
-one that exists but cannot be run (a file without the execute bit, a directory) as a shell
-does too (``permission denied``, exit 126). For ``python [OPTIONS] script.py`` a missing
+one that exists but cannot be run (a file without the execute bit, a directory, a script
+whose ``#!`` interpreter does not exist) as a shell does too (``permission denied``, ``bad
+interpreter``, exit 126). For ``python [OPTIONS] script.py`` a missing
 script is refused (exit 2, what python exits with), wherever python's own options put it.
 """
 
@@ -37,8 +38,11 @@ class ScriptNotFound(click.ClickException):
 def check_command(command: Sequence[str]) -> None:
     """Catch a missing or unrunnable program, or a missing script, before any process starts."""
     program = command[0]
-    if shutil.which(program) is None:
+    found = shutil.which(program)
+    if found is None:
         _not_runnable(program)
+    else:
+        _check_interpreter(program, found)
     if os.path.basename(program).startswith("python"):
         script = python_script(command[1:])
         if script is not None and script.endswith(".py") and not os.path.exists(script):
@@ -63,6 +67,32 @@ def _not_runnable(program: str) -> None:
         how = f"python {program}" if program.endswith(".py") else f"./{program}"
         raise CommandNotFound(f"command not found: {program} (a file here: run it as {how})")
     raise CommandNotFound(f"command not found: {program}")
+
+
+def _check_interpreter(program: str, path: str) -> None:
+    """A script's ``#!`` line must name an interpreter that exists (as a shell says,
+    ``bad interpreter``): every worker would fail with "No such file or directory" for a file
+    that is there."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(512)
+    except OSError:
+        return
+    if not head.startswith(b"#!"):
+        return  # a program, or a format the kernel may know (binfmt_misc)
+    line = head[2:].split(b"\n", 1)[0]
+    if line.endswith(b"\r"):
+        raise CommandNotExecutable(
+            f"bad interpreter: {program}'s #! line ends in a carriage return (Windows line "
+            "endings): convert the file (dos2unix) or run it with its interpreter"
+        )
+    words = line.split()
+    interpreter = os.fsdecode(words[0]) if words else ""
+    if not interpreter or not os.path.exists(interpreter):
+        raise CommandNotExecutable(
+            f"bad interpreter: {program}'s #! line names {interpreter or 'nothing'}, which "
+            "does not exist here"
+        )
 
 
 def python_script(args: Sequence[str]) -> str | None:

@@ -161,6 +161,31 @@ def test_a_file_or_directory_that_cannot_run_is_permission_denied(
 
 
 @pytest.mark.parametrize(
+    ("first_line", "said"),
+    [
+        (
+            b"#!/bin/sh\r\n",
+            "line ends in a carriage return (Windows line endings): convert the file "
+            "(dos2unix) or run it with its interpreter",
+        ),
+        (b"#!/opt/nowhere/python3 -u\n", "line names /opt/nowhere/python3, which does not"),
+    ],
+)
+def test_a_script_whose_interpreter_is_missing_is_a_bad_interpreter(
+    first_line: bytes, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As a shell says: every worker would fail with "No such file or directory" for a
+    script that is there."""
+    script = tmp_path / "train.sh"
+    script.write_bytes(first_line + b"echo hi\n")
+    script.chmod(0o755)
+    assert run_cli(["-np", "2", str(script)]) == 126
+    err = capsys.readouterr().err
+    assert err.startswith(f"hvdrun: error: bad interpreter: {script}'s #! "), err
+    assert said in err, err
+
+
+@pytest.mark.parametrize(
     ("python_args", "exit_code", "message"),
     [
         # The script after python's own options: a missing one starts nothing (exit 2).
