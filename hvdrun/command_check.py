@@ -44,6 +44,12 @@ def check_command(command: Sequence[str]) -> None:
     else:
         _check_interpreter(program, found)
     if os.path.basename(program).startswith("python"):
+        if _reads_stdin(command[1:]):
+            raise ScriptNotFound(
+                f"{' '.join(command)} reads its program from stdin, and the workers' stdin is "
+                "/dev/null (hvdrun passes its own to no worker): give the script as a file "
+                "(python train.py)"
+            )
         script = python_script(command[1:])
         if script is not None and script.endswith(".py") and not os.path.exists(script):
             raise ScriptNotFound(f"script not found: {script} (in {os.getcwd()})")
@@ -115,6 +121,28 @@ def python_script(args: Sequence[str]) -> str | None:
             return None
         index += 2 if takes_next else 1
     return None
+
+
+def _reads_stdin(args: Sequence[str]) -> bool:
+    """Whether ``python ARGS`` reads its program from stdin: ``-``, or no script, ``-c`` or
+    ``-m`` after python's own options (its interactive prompt)."""
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if arg == "-":
+            return True
+        if arg == "--":
+            return index + 1 >= len(args) or args[index + 1] == "-"
+        if arg == "--check-hash-based-pycs":
+            index += 2
+            continue
+        if arg.startswith("--") or not arg.startswith("-"):
+            return False
+        takes_next = _short_options(arg[1:])
+        if takes_next is None:
+            return False  # -c, -m, -h and the like
+        index += 2 if takes_next else 1
+    return True
 
 
 def _short_options(letters: str) -> bool | None:

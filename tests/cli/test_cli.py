@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 
 from hvdrun import __version__
@@ -161,6 +162,40 @@ def test_a_file_or_directory_that_cannot_run_is_permission_denied(
 
 
 @pytest.mark.parametrize(
+    ("args", "reads_stdin"),
+    [
+        (["-"], True),
+        ([], True),
+        (["-u", "-W", "ignore"], True),
+        (["-u", "-", "x"], True),
+        (["--", "-"], True),
+        (["train.py"], False),
+        (["-c", "pass"], False),
+        (["-m", "pkg"], False),
+        (["-u", "train.py", "-"], False),  # (a script's own argument)
+    ],
+)
+def test_python_reading_its_program_from_stdin_is_refused(
+    args: list[str], reads_stdin: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hvdrun -np 2 python - < train.py`` ran nothing and exited 0: workers' stdin is
+    /dev/null (mpirun forwards its own to rank 0)."""
+    from hvdrun.command_check import check_command
+
+    (tmp_path / "train.py").write_text("")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        if reads_stdin:
+            with pytest.raises(click.ClickException, match="reads its program from stdin"):
+                check_command(["python3", *args])
+        else:
+            check_command(["python3", *args])
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.parametrize(
     ("first_line", "said"),
     [
         (
@@ -200,11 +235,10 @@ def test_a_script_whose_interpreter_is_missing_is_a_bad_interpreter(
         (["-u", "-X", "dev", "nonexist.py"], 2, "script not found: nonexist.py"),
         (["-Xutf8", "nonexist.py"], 2, "script not found: nonexist.py"),
         (["-u", "--", "nonexist.py"], 2, "script not found: nonexist.py"),
-        # No script runs: code, a module, stdin (closed, so empty); nothing is checked.
+        # No script runs: code, a module; nothing is checked (stdin: refused, below).
         (["-c", "print('code ran')", "nonexist.py"], 0, "[0]<stdout>:code ran"),
         (["-uc", "print('code ran')", "nonexist.py"], 0, "[0]<stdout>:code ran"),
         (["-m", "no_such_module_xyz", "nonexist.py"], 1, "No module named no_such_module_xyz"),
-        (["-", "nonexist.py"], 0, ""),
     ],
 )
 def test_script_check_reads_python_options_as_python_does(
