@@ -620,5 +620,5 @@ def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     finally:
         server.stop()
         sink.close()
-    report_failure(result, sink)
+    report_failure(result, sink, spec.command)
     return result

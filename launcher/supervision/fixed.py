@@ -263,7 +263,7 @@ def run_fixed_job(spec: JobSpec, sink: OutputSink) -> JobResult:
                 stop_agents(agents)
     finally:
         sink.close()
-    report_failure(result, sink)
+    report_failure(result, sink, spec.command)
     return result
 
 

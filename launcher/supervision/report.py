@@ -8,7 +8,11 @@ instead, so that the ranks that matter stay on screen.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import signal
+import sys
+from collections.abc import Sequence
 
 from launcher.output import OutputSink
 from launcher.supervision.core import JobResult, rank_list
@@ -78,7 +82,25 @@ def summary_table(result: JobResult, sink: OutputSink, hosts: dict[int, str]) ->
     return lines
 
 
-def report_failure(result: JobResult, sink: OutputSink) -> None:
+def python_hint(tail: Sequence[str], command: Sequence[str]) -> str | None:
+    """Where a worker failed for a missing module and the command's ``python`` is another
+    than the one hvdrun runs on (a virtualenv not activated): which to use."""
+    if not command or not any("No module named" in line for line in tail):
+        return None
+    program = command[0]
+    if not os.path.basename(program).startswith("python"):
+        return None
+    found = shutil.which(program)
+    if found is None or os.path.abspath(found) == os.path.abspath(sys.executable):
+        return None
+    return (
+        f"hint: the workers ran {found} (the command's {program}), not the Python hvdrun runs "
+        f"on ({sys.executable}), whose packages they may need: give {sys.executable}, or "
+        "activate its virtualenv"
+    )
+
+
+def report_failure(result: JobResult, sink: OutputSink, command: Sequence[str] = ()) -> None:
     failure = result.failure
     if failure is None:
         return
@@ -102,3 +124,6 @@ def report_failure(result: JobResult, sink: OutputSink) -> None:
         sink.message(f"last lines of rank {failure.rank}'s stderr:")
         for line in tail:
             sink.message(f"    {line}")
+    hint = python_hint(tail, command)
+    if hint:
+        sink.message(hint)

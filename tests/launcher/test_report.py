@@ -1,10 +1,11 @@
 """The failure report: first failure, a table of ranks, the failing rank's stderr."""
 
 import io
+from pathlib import Path
 
 from launcher.output import OutputSink
 from launcher.supervision.core import JobResult, WorkerFailure
-from launcher.supervision.report import report_failure, summary_table
+from launcher.supervision.report import python_hint, report_failure, summary_table
 
 
 def sink_with(tails: dict[int, list[bytes]]) -> OutputSink:
@@ -71,3 +72,23 @@ def test_report_wording() -> None:
     assert "hvdrun: stopped or failed afterwards: rank(s) 0\n" in text
     assert "hvdrun: summary:\nhvdrun:   RANK  HOST  EXIT  STATUS" in text
     assert text.endswith("hvdrun: last lines of rank 1's stderr:\nhvdrun:     out of memory\n")
+
+
+def test_a_missing_module_with_another_python_than_hvdruns_gets_a_hint(tmp_path: Path) -> None:
+    """``.venv/bin/hvdrun -np 2 python train.py`` with the virtualenv not activated: the
+    workers' ``python`` lacks its packages; hvdrun says which Python it runs on."""
+    import sys
+
+    other = tmp_path / "python3"
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    tail = ["Traceback (most recent call last):", "ModuleNotFoundError: No module named 'torch'"]
+    hint = python_hint(tail, [str(other), "train.py"])
+    assert hint == (
+        f"hint: the workers ran {other} (the command's {other}), not the Python hvdrun runs "
+        f"on ({sys.executable}), whose packages they may need: give {sys.executable}, or "
+        "activate its virtualenv"
+    )
+    assert python_hint(tail, [sys.executable, "train.py"]) is None  # the same Python
+    assert python_hint(["ValueError: bad"], [str(other), "train.py"]) is None
+    assert python_hint(tail, ["./train.sh"]) is None
