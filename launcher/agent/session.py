@@ -364,5 +364,7 @@ def main(shared_stdin: bool = False) -> int:
             case TerminateRequest() | KillRequest():
                 emit(Done())  # (stopped before it ran anything: an elastic host held back)
                 return 0
+            case SignalRequest():
+                continue  # (no worker yet to pass it to: an elastic host held back)
         note(f"unexpected request {request.op!r}")
         return 2

@@ -17,6 +17,7 @@ from launcher.transport.protocol import (
     KillRequest,
     PrepareRequest,
     RunRequest,
+    SignalRequest,
     TerminateRequest,
     WorkerLaunch,
     encode,
@@ -184,9 +185,10 @@ def test_a_stop_while_workers_start_skips_the_ones_not_started_yet() -> None:
 
 
 def test_a_stop_before_the_job_is_answered_with_done() -> None:
-    # (an elastic host that was ready when the job stopped)
+    # (an elastic host that was ready when the job stopped; a forwarded signal before it)
     agent = Agent()
     agent.event()
+    agent.send(encode_request(SignalRequest(signal.SIGUSR1)))
     agent.send(encode_request(TerminateRequest()))
     assert agent.event()["ev"] == "done"
     code, stderr = agent.close()
