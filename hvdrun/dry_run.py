@@ -237,10 +237,20 @@ def _rank_table(slots: list[SlotInfo]) -> str:
     return "ranks:\n" + "\n".join(line.rstrip() for line in lines)
 
 
+def _one_line(value: str) -> str:
+    """A value as one line of the plan: one with line breaks is shown escaped (``\\n``,
+    and ``\\\\`` for a backslash); any other as it is."""
+    if "\n" not in value and "\r" not in value:
+        return value
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
 def env_lines(spec: JobSpec, slots: list[SlotInfo]) -> list[str]:
     env = dict(spec.env)
     env["PYTHONUNBUFFERED"] = "1"
-    lines = [f"  {name}={masked(name, value)}" for name, value in sorted(env.items())]
+    for name in we.connection_env("", "", ""):  # (hvdrun's own, below, replace these)
+        env.pop(name, None)
+    lines = [f"  {name}={_one_line(masked(name, value))}" for name, value in sorted(env.items())]
     lines += [
         f"  {we.RENDEZVOUS_ADDR}=<this machine's address and port, chosen at start>",
         f"  {we.JOB_ID}=<chosen at start>",

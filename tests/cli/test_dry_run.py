@@ -101,6 +101,8 @@ def test_secrets_are_masked(
         monkeypatch.setenv(name, "other-secret-value")
     monkeypatch.setenv("DATABASE_URL", "postgres://trainer:url-secret-value@db:5432/runs")
     monkeypatch.setenv("HVDRUN_TEST_PATH", "/data/PWD/keys")  # (a word in a value: shown)
+    monkeypatch.setenv("HVDRUN_SECRET", "env-secret-value")
+    monkeypatch.setenv("HVDRUN_TEST_LINES", "one\ntwo")
     out = dry_run(["-np", "1", "-x", "DB_PASSWORD=pw-secret-value", "true"], capsys)
     assert "secret-value" not in out
     env = section(
@@ -110,6 +112,11 @@ def test_secrets_are_masked(
         assert f"{name}=****" in env
     assert "DATABASE_URL=postgres://trainer:****@db:5432/runs" in env
     assert "HVDRUN_TEST_PATH=/data/PWD/keys" in env
+    assert "HVDRUN_TEST_LINES=one\\ntwo" in env  # (one line of the plan)
+    # The job's own secret replaces one in the environment: shown once, as hvdrun's.
+    assert [line for line in env if line.startswith("HVDRUN_SECRET=")] == [
+        "HVDRUN_SECRET=**** (made at start)"
+    ]
     assert "HVDRUN_TEST_PLAIN=visible" in env
     assert "HVDRUN_SECRET=**** (made at start)" in env
 
