@@ -53,6 +53,9 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 #: The relay's directory: ``<tmp>/hvdrun-relay-<pid of the agent>-<random>``.
 _DIR_PREFIX = "hvdrun-relay-"
+#: The socket in it, and the longest path a Unix socket may have (``sun_path``, less its NUL).
+_SOCKET = "rendezvous.sock"
+_MAX_SOCKET_PATH = 107
 
 
 def remove_stale_dirs(parent: str) -> list[str]:
@@ -157,6 +160,9 @@ class HostRelay:
     def start(self) -> str:
         """Binds the local socket, opens the server's heartbeat stream; returns the address."""
         parent = tempfile.gettempdir()
+        longest = os.path.join(parent, f"{_DIR_PREFIX}{os.getpid()}-12345678", _SOCKET)
+        if len(os.fsencode(longest)) > _MAX_SOCKET_PATH and os.access("/tmp", os.W_OK):
+            parent = "/tmp"  # (a long TMPDIR: the socket's path would not fit)
         stale = remove_stale_dirs(parent)
         if stale:
             logger.info("removed relay directories of agents that died: %s", stale)
@@ -192,7 +198,7 @@ class HostRelay:
             ]
         )
         server.add_generic_rpc_handlers([_Handler(self)])
-        address = f"unix:{os.path.join(self._dir, 'rendezvous.sock')}"
+        address = f"unix:{os.path.join(self._dir, _SOCKET)}"
         server.add_insecure_port(address)
         await server.start()
         self._server = server

@@ -242,3 +242,23 @@ def test_a_relay_removes_the_directories_of_agents_that_died(
     finally:
         relay.stop()
     assert not (tmp_path / own[0]).exists()
+
+
+def test_a_relay_under_a_long_tmpdir_puts_its_socket_in_tmp(
+    served: RendezvousServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Unix socket's path holds 107 bytes: under a long TMPDIR the relay could not bind
+    and every worker dialled the server itself, silently."""
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    relay = HostRelay(f"127.0.0.1:{served.port}", SECRET, JOB_ID, [0], heartbeat_interval=0.2)
+    try:
+        assert relay.start().startswith(f"unix:/tmp/hvdrun-relay-{os.getpid()}-")
+        client = RendezvousClient(relay.addr, SECRET, JOB_ID)
+        try:
+            assert client.register("host-a", 0).rank in (0, 1)
+        finally:
+            client.close()
+    finally:
+        relay.stop()
