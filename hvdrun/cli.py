@@ -69,7 +69,9 @@ from rendezvous.worker_env import (
     PREFIX,
     RENDEZVOUS_LOST_AFTER_SECONDS,
     check_settings,
+    connection_env,
     setting_names,
+    slot_env,
     variable,
 )
 
@@ -557,6 +559,13 @@ def worker_env(
             f"(give a value with -x {name}=VALUE)",
             err=True,
         )
+    own = sorted(set(exported) & hvdrun_sets())
+    if own:
+        click.echo(
+            f"hvdrun: note: -x {', '.join(own)}: hvdrun sets these for each worker (its place "
+            "in the job and the job's rendezvous); the values given are not used",
+            err=True,
+        )
     env = forwarded_env(os.environ, exported)
     # A flag given on the command line wins over -x; -x wins over the config file's value.
     ctx = click.get_current_context()
@@ -573,6 +582,14 @@ def worker_env(
         env["GLOO_SOCKET_IFNAME"] = network_interface
         env["NCCL_SOCKET_IFNAME"] = network_interface
     return env
+
+
+def hvdrun_sets() -> set[str]:
+    """The variables hvdrun gives each worker itself, whatever the environment says."""
+    from rendezvous.slots import SlotInfo
+
+    slot = SlotInfo("h", 0, 1, 0, 1, 0, 1)
+    return {*slot_env(slot), *connection_env("", "", "")}
 
 
 def check_rendezvous_addr(addr: str) -> None:

@@ -478,3 +478,16 @@ def test_x_of_a_variable_not_set_here_is_a_note_as_with_mpirun(
         "workers do not get it (give a value with -x NOT_SET_ANYWHERE_XYZ=VALUE)\n"
     ) in err
     assert "NOT_SET_ANYWHERE_XYZ=" not in out
+
+
+def test_x_of_a_variable_hvdrun_sets_itself_says_it_is_not_used(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hvdrun.cli import run_cli
+
+    assert run_cli(["--dry-run", "-x", "RANK=7", "-x", "HVDRUN_SECRET=s", "-np", "1", "true"]) == 0
+    _, err = capsys.readouterr()
+    assert (
+        "hvdrun: note: -x HVDRUN_SECRET, RANK: hvdrun sets these for each worker (its place in "
+        "the job and the job's rendezvous); the values given are not used\n"
+    ) in err
