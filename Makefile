@@ -1,7 +1,8 @@
 # The two commands a newcomer needs: `make demo` and `make test`. Both do the whole set-up.
 PYTHON ?= python3
 VENV ?= .venv
-# A CPU build by default; override for CUDA, e.g. make TORCH_SPEC='torch==2.13.0' ...
+# PyPI's torch for x86-64 Linux is a CUDA build; the CPU-only one: make TORCH_SPEC='torch==2.13.0+cpu'
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu ... (pip reads it from the environment)
 TORCH_SPEC ?= torch==2.13.0
 # TensorFlow for collectives.tensorflow and collectives.keras (CPU build by default; e.g.
 # TF_SPEC='tensorflow[and-cuda]==2.21.0' on GPUs), and Keras 2 (tf_keras) to match it.
@@ -10,6 +11,15 @@ TF_KERAS_SPEC ?= tf_keras~=2.21.0
 NP ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hvdrun-installed
+# The stamp holds the specs it was made with: the set-up runs again when they change (make demo
+# TORCH_SPEC=...), as when pyproject.toml does. An empty stamp (older Makefiles) is taken as is.
+SETUP_SPECS := $(strip $(TORCH_SPEC) $(TF_SPEC) $(TF_KERAS_SPEC))
+STAMPED_SPECS := $(strip $(shell cat $(STAMP) 2>/dev/null))
+ifneq ($(STAMPED_SPECS),)
+ifneq ($(STAMPED_SPECS),$(SETUP_SPECS))
+.PHONY: $(STAMP)
+endif
+endif
 
 .PHONY: setup demo test lint proto bench gpu-check clean
 
@@ -22,7 +32,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,examples,keras,lightning,accelerate,ray,spark]'
 	# (tf_keras names the full "tensorflow" package: the one installed above serves it)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(TF_KERAS_SPEC)"
-	touch $(STAMP)
+	printf '%s\n' '$(SETUP_SPECS)' > $(STAMP)
 
 demo: setup
 	$(VENV)/bin/hvdrun -np $(NP) $(PY) examples/pytorch_digits.py
