@@ -61,7 +61,7 @@ def run(rounds: int) -> dict[str, list[float]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=21)
     args = parser.parse_args()
     samples = run(args.rounds)

@@ -157,7 +157,7 @@ def measure_restart(cluster: Cluster, rounds: int) -> list[float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--kills", type=int, default=7)
     parser.add_argument("--cuts", type=int, default=3)
     parser.add_argument("--restarts", type=int, default=5)

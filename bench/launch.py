@@ -90,7 +90,7 @@ def measure(rounds: int) -> dict[str, list[float]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     times = measure(args.rounds)

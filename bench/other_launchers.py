@@ -55,7 +55,7 @@ def variants(slurm: SlurmCluster) -> dict[str, Callable[[], list[float]]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     reason = unavailable_reason() or slurm_unavailable_reason()

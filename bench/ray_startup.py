@@ -86,7 +86,7 @@ def summary(name: str, values: list[float]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--trainer-hvd", action="store_true", help="hvd.init() in TorchTrainer")
     args = parser.parse_args()

@@ -571,7 +571,7 @@ def _row(result: Result) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--serve", choices=["rendezvous", "tcpstore"], help=argparse.SUPPRESS)
     parser.add_argument("--tls", action="store_true", help="the rendezvous server uses TLS")
     parser.add_argument("--ranks", default="256,1024,4096")
@@ -584,6 +584,14 @@ def main() -> None:
     if args.serve:
         serve(args.serve, int(args.ranks), args.tls)
         return
+    patterns = ("nccl", "relay", "host", "gloo", "gloo-batched", "gloo-torch")
+    for flag, given, known in (
+        ("--pattern", args.pattern, patterns),
+        ("--stores", args.stores, ("rendezvous", "tcpstore")),
+    ):
+        unknown = [name for name in given.split(",") if name not in known]
+        if unknown:
+            parser.error(f"{flag}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     print(
         f"{'store':<11} {'pattern':<13} {'ranks':>6} {'wall s':>8} {'srv cpu':>8} "
         f"{'ms/rank':>9} {'rpc/rank':>8} {'beat cpu':>9}"

@@ -98,7 +98,7 @@ def summary(name: str, values: list[float]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
     options = parser.parse_args()

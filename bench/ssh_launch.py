@@ -63,7 +63,7 @@ def variants(cluster: Cluster) -> dict[tuple[str, str], Callable[[], tuple[float
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     reason = unavailable_reason()

@@ -158,7 +158,7 @@ def fit_table(rounds: int, epochs: int) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=11, help="allreduce rounds")
     parser.add_argument("--fit-rounds", type=int, default=3, help="rounds of the fit table")
     parser.add_argument("--epochs", type=int, default=8, help="epochs per fit (first untimed)")

@@ -163,7 +163,7 @@ def autotune_vs_grid(rounds: int, steps: int, warmup: int, log_file: str) -> int
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument(
