@@ -135,7 +135,10 @@ def main() -> int:
     args = parser.parse_args()
     facts = versions()
     if args.device == "cuda" and not facts["gpus"]:
-        print("gpu_check: no GPU visible here: nothing to check (--device cpu tries the harness)")
+        why = "no GPU visible here"
+        if facts["cuda"] == "None":  # (a GPU may be there: torch cannot use one)
+            why = f"torch {facts['torch']} here is a CPU build (install a CUDA one: TORCH_SPEC)"
+        print(f"gpu_check: {why}: nothing to check (--device cpu tries the harness)")
         return 0
     began = time.monotonic()
     print(
