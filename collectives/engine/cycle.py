@@ -307,18 +307,13 @@ class CycleRunner:
 
     def _label(self, new: list[Request]) -> str:
         """What this member waits on in a round: its first new op, else the oldest op it
-        announced before (the table holds only ops not run yet). Where every member has
-        announced an op that others have not, nobody is late: the ranks disagree (a stall,
-        which the stall inspector reports), and no member's wait is another's doing."""
+        announced before (the table holds only ops not run yet)."""
         if new:
             return new[0].name
-        mine = IDLE
-        announced: set[int] = set()
         for entry in self.table.entries.values():
-            if mine == IDLE and self.rank in entry.seen_at:
-                mine = entry.name
-            announced.update(entry.seen_at)
-        return IDLE if len(announced) >= len(self.members) else mine
+            if self.rank in entry.seen_at:
+                return entry.name
+        return IDLE
 
     def count(self, requests: list[Request]) -> None:
         """Notes a round's ops for the autotuner (their bytes, on this rank)."""
