@@ -115,7 +115,7 @@ class StallInspector:
             if divergences:
                 return self._divergence_report(divergences, now)
         lines = []
-        kinds: dict[tuple[int, str], list[str]] = {}  # ops of one script name, by set
+        kinds: dict[tuple[int, str], list[tuple[str, set[int]]]] = {}  # by set and name
         for entry in sorted(table.entries.values(), key=lambda e: e.order):
             waited = now - entry.first_seen
             if waited < cfg.stall_warning_seconds and not aborting:
@@ -128,12 +128,17 @@ class StallInspector:
                 f"missing ranks {missing}"
             )
             key = (entry.process_set_id, script_name(entry.kind, entry.name))
-            kinds.setdefault(key, []).append(f"{what} on ranks {sorted(entry.sigs)}")
+            kinds.setdefault(key, []).append((what, set(entry.sigs)))
         for ops in kinds.values():
-            if len(ops) > 1:  # e.g. op=Adasum on some ranks, another op on the others
+            ranks = [submitters for _, submitters in ops]
+            # Ranks that each submitted only one of them (op=Adasum on some ranks, another
+            # op on the others); an allreduce and an allgather that the same ranks both
+            # submitted (unnamed ones share counters' numbers) may yet meet their peers.
+            if len(ops) > 1 and sum(map(len, ranks)) == len(set().union(*ranks)):
+                shown = "; ".join(f"{what} on ranks {sorted(who)}" for what, who in ops)
                 lines.append(
-                    f"  one name, different ops: {'; '.join(ops)}; these never meet (give "
-                    "different ops different names)"
+                    f"  one name, different ops: {shown}; these never meet (give different "
+                    "ops different names)"
                 )
         if aborting:
             head = (

@@ -184,6 +184,19 @@ def test_mismatch_errors_say_what_the_script_submitted() -> None:
         "[1], missing ranks [0]\n  one name, different ops: allreduce 'y' (op=Adasum) on ranks " \
         "[0]; allreduce 'y' on ranks [1]; these never meet (give different ops different " \
         "names)" in report, report  # fmt: skip
+    # Ranks 0 and 1 each submitted an unnamed allreduce and an unnamed allgather (both
+    # number 0) and rank 2 is late: a straggler, not one name given to different ops.
+    late = Table(size=3)
+    for rank in (0, 1):
+        for kind, name, sig in (
+            ("0", "allreduce.noname.0", _sum(torch.ones(3))),
+            ("1", "allgather.noname.0", rows[0]),
+        ):
+            late.add(rank, FIELD.join([kind, "0", name, sig, ""]).encode(), cycle=1, now=100.0)
+    report = StallInspector(config, rank=0, inspects=True).report(
+        late, lambda entry: [0, 1, 2], 102.5
+    )
+    assert "missing ranks [2]" in report and "one name, different ops" not in report, report
 
 
 def test_rank_that_shuts_down_ends_the_collectives(
