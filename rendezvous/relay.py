@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -51,24 +53,35 @@ _STREAMING = {method.name for method in _SERVICE.methods if method.server_stream
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-#: The relay's directory: ``<tmp>/hvdrun-relay-<pid of the agent>-<random>``.
+#: The relay's directory: ``<tmp>/hvdrun-relay-<host>-<pid of the agent>-<random>``, where
+#: ``<host>`` is a short digest of the host's name: a TMPDIR shared between hosts (an HPC
+#: scratch directory) holds other hosts' directories, whose pids mean nothing here.
 _DIR_PREFIX = "hvdrun-relay-"
+
+
+def _host_prefix() -> str:
+    digest = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    return f"{_DIR_PREFIX}{digest}-"
+
+
 #: The socket in it, and the longest path a Unix socket may have (``sun_path``, less its NUL).
 _SOCKET = "rendezvous.sock"
 _MAX_SOCKET_PATH = 107
 
 
 def remove_stale_dirs(parent: str) -> list[str]:
-    """Removes the relay directories in ``parent`` whose agent has died without cleaning up
-    (killed, out of memory): nothing else on the host would. Returns those removed."""
+    """Removes the relay directories of this host in ``parent`` whose agent has died without
+    cleaning up (killed, out of memory): nothing else on the host would. Returns those
+    removed."""
     try:
         names = os.listdir(parent)
     except OSError:
         return []
+    mine = _host_prefix()
     removed = []
     for name in names:
-        pid_text = name[len(_DIR_PREFIX) :].split("-", 1)[0]
-        if not name.startswith(_DIR_PREFIX) or not pid_text.isdigit():
+        pid_text = name[len(mine) :].split("-", 1)[0]
+        if not name.startswith(mine) or not pid_text.isdigit():
             continue
         path = os.path.join(parent, name)
         try:
@@ -160,14 +173,15 @@ class HostRelay:
     def start(self) -> str:
         """Binds the local socket, opens the server's heartbeat stream; returns the address."""
         parent = tempfile.gettempdir()
-        longest = os.path.join(parent, f"{_DIR_PREFIX}{os.getpid()}-12345678", _SOCKET)
+        prefix = f"{_host_prefix()}{os.getpid()}-"
+        longest = os.path.join(parent, f"{prefix}12345678", _SOCKET)
         if len(os.fsencode(longest)) > _MAX_SOCKET_PATH and os.access("/tmp", os.W_OK):
             parent = "/tmp"  # (a long TMPDIR: the socket's path would not fit)
         stale = remove_stale_dirs(parent)
         if stale:
             logger.info("removed relay directories of agents that died: %s", stale)
         # 0700: only this user
-        self._dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=parent)
+        self._dir = tempfile.mkdtemp(prefix=prefix, dir=parent)
         self._thread.start()
         self.addr = self._on_loop(self._start())
         logger.info("rendezvous relay for ranks %s at %s", self._ranks, self.addr)

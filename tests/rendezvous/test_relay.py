@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import socket
 import subprocess
 import tempfile
 import threading
@@ -219,16 +222,20 @@ def test_agent_starts_a_relay_only_for_a_fixed_job_that_leaves_this_machine(
 
 
 def test_a_relay_removes_the_directories_of_agents_that_died(
-    served: RendezvousServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    served: RendezvousServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A killed agent cannot remove its relay's socket directory; the next relay on the
-    host removes it, and leaves those of live agents and anything else alone."""
+    host removes it, and leaves those of live agents, of other hosts (a TMPDIR shared
+    between hosts, where their pids mean nothing) and anything else alone."""
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = tmp_path / f"hvdrun-relay-{dead.pid}-x1"
-    alive = tmp_path / f"hvdrun-relay-{os.getppid()}-x2"
+    tmp_path = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # (short: a socket's path)
+    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    stale = tmp_path / f"hvdrun-relay-{host}-{dead.pid}-x1"
+    alive = tmp_path / f"hvdrun-relay-{host}-{os.getppid()}-x2"
+    elsewhere = tmp_path / f"hvdrun-relay-0badc0de-{dead.pid}-x3"
     other = tmp_path / "hvdrun-relay-notes"
-    for path in (stale, alive, other):
+    for path in (stale, alive, elsewhere, other):
         path.mkdir()
     (stale / "rendezvous.sock").write_text("")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -236,12 +243,13 @@ def test_a_relay_removes_the_directories_of_agents_that_died(
     relay.start()
     try:
         left = sorted(path.name for path in tmp_path.iterdir())
-        own = [name for name in left if name.startswith(f"hvdrun-relay-{os.getpid()}-")]
-        assert not stale.exists() and alive.exists() and other.exists()
+        own = [name for name in left if name.startswith(f"hvdrun-relay-{host}-{os.getpid()}-")]
+        assert not stale.exists() and alive.exists() and elsewhere.exists() and other.exists()
         assert len(own) == 1 and relay.addr.endswith(f"{own[0]}/rendezvous.sock")
     finally:
         relay.stop()
     assert not (tmp_path / own[0]).exists()
+    shutil.rmtree(tmp_path)
 
 
 def test_a_relay_under_a_long_tmpdir_puts_its_socket_in_tmp(
@@ -254,7 +262,8 @@ def test_a_relay_under_a_long_tmpdir_puts_its_socket_in_tmp(
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     relay = HostRelay(f"127.0.0.1:{served.port}", SECRET, JOB_ID, [0], heartbeat_interval=0.2)
     try:
-        assert relay.start().startswith(f"unix:/tmp/hvdrun-relay-{os.getpid()}-")
+        host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+        assert relay.start().startswith(f"unix:/tmp/hvdrun-relay-{host}-{os.getpid()}-")
         client = RendezvousClient(relay.addr, SECRET, JOB_ID)
         try:
             assert client.register("host-a", 0).rank in (0, 1)
