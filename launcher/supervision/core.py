@@ -162,9 +162,10 @@ class Signals:
 
     def record(self, signum: int, frame: object = None) -> None:
         now = self._clock()
-        last, self._last = self._last, (signum, now)
+        last = self._last
         if last is not None and last[0] == signum and now - last[1] < REPEAT_SECONDS:
             return  # (the same delivery twice, not a user's second signal)
+        self._last = (signum, now)  # (from the last one recorded: Ctrl-C held down escalates)
         self.received.append(signum)
 
     def first(self) -> int | None:

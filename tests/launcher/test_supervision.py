@@ -162,6 +162,10 @@ def test_one_signal_delivered_twice_at_once_is_one_signal() -> None:
     now[0] += 1.0
     signals.record(signal.SIGTERM)  # a second one, later: the user means it
     assert signals.take() == [(1, signal.SIGTERM)]
+    for _ in range(3):  # Ctrl-C pressed again and again, 0.2 s apart: the second one counts
+        now[0] += 0.2
+        signals.record(signal.SIGINT)
+    assert signals.take() == [(2, signal.SIGINT), (3, signal.SIGINT)]
 
 
 def test_a_sighup_ignored_before_hvdrun_started_stays_ignored() -> None:
