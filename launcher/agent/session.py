@@ -195,8 +195,7 @@ class Control:
         self.kill = False
         self.reason = ""
         self.last_heard = time.monotonic()
-        #: Signals to forward to the workers (SIGUSR1, SIGUSR2: from hvdrun, or sent to
-        #: this agent, as Slurm signals a step's tasks), taken by the run loop.
+        #: Signals hvdrun forwards to the workers (SIGUSR1, SIGUSR2), taken by the run loop.
         self.forward: list[int] = []
 
     def request_stop(self, reason: str, kill: bool = False) -> None:
@@ -292,8 +291,6 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, on_signal)
-    for signum in FORWARDED_SIGNALS:
-        signal.signal(signum, lambda signum, frame: control.forward.append(signum))
     threading.Thread(target=control.watch_stdin, args=(stdin,), daemon=True).start()
     if spec.heartbeat_timeout > 0:
         threading.Thread(
@@ -339,6 +336,13 @@ def main(shared_stdin: bool = False) -> int:
         task = int(os.environ.get("SLURM_PROCID", "0"))
         stdin = AddressedStdin(stdin, task)
     emit = Emitter(sys.stdout.buffer)
+    # SIGUSR1/SIGUSR2 sent to the agent itself are Slurm's to a step (--signal=USR1@T,
+    # scancel --signal): Slurm signals every process of the step, the workers too, so the
+    # agent passes nothing on and must not die of them either. (A handler, not SIG_IGN:
+    # the workers it starts would inherit an ignored signal.) hvdrun's own forwards come
+    # as SignalRequests.
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, lambda signum, frame: None)
     emit(hello(task))
     while True:
         line = stdin.readline()
