@@ -10,6 +10,7 @@ script is refused (exit 2, what python exits with), wherever python's own option
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Sequence
 
@@ -43,7 +44,7 @@ def check_command(command: Sequence[str]) -> None:
         _not_runnable(program)
     else:
         _check_interpreter(program, found)
-    if os.path.basename(program).startswith("python"):
+    if is_python(program):
         if _reads_stdin(command[1:]):
             raise ScriptNotFound(
                 f"{' '.join(command)} reads its program from stdin, and the workers' stdin is "
@@ -53,6 +54,14 @@ def check_command(command: Sequence[str]) -> None:
         script = python_script(command[1:])
         if script is not None and script.endswith(".py") and not os.path.exists(script):
             raise ScriptNotFound(f"script not found: {script} (in {os.getcwd()})")
+
+
+#: A Python interpreter's name: python, python3, python3.11 (not python_job.sh).
+_PYTHON_NAME = re.compile(r"python(\d+(\.\d+)*)?")
+
+
+def is_python(program: str) -> bool:
+    return _PYTHON_NAME.fullmatch(os.path.basename(program)) is not None
 
 
 def _not_runnable(program: str) -> None:

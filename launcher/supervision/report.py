@@ -91,7 +91,10 @@ def python_hint(tail: Sequence[str], command: Sequence[str]) -> str | None:
     if not os.path.basename(program).startswith("python"):
         return None
     found = shutil.which(program)
-    if found is None or os.path.abspath(found) == os.path.abspath(sys.executable):
+    # (the same bin directory: the same virtualenv, python3 beside python)
+    if found is None or os.path.dirname(os.path.abspath(found)) == os.path.dirname(
+        os.path.abspath(sys.executable)
+    ):
         return None
     return (
         f"hint: the workers ran {found} (the command's {program}), not the Python hvdrun runs "

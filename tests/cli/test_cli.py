@@ -191,6 +191,10 @@ def test_python_reading_its_program_from_stdin_is_refused(
                 check_command(["python3", *args])
         else:
             check_command(["python3", *args])
+        job = tmp_path / "python_job.sh"  # (a program named python-something, not python)
+        job.write_text("#!/bin/sh\necho hi\n")
+        job.chmod(0o755)
+        check_command([str(job), *args])
     finally:
         os.chdir(cwd)
 

@@ -1,6 +1,7 @@
 """The failure report: first failure, a table of ranks, the failing rank's stderr."""
 
 import io
+import os
 from pathlib import Path
 
 from launcher.output import OutputSink
@@ -90,5 +91,8 @@ def test_a_missing_module_with_another_python_than_hvdruns_gets_a_hint(tmp_path:
         "activate its virtualenv"
     )
     assert python_hint(tail, [sys.executable, "train.py"]) is None  # the same Python
+    beside = os.path.join(os.path.dirname(sys.executable), "python3")  # (its venv's python3)
+    if os.path.exists(beside):
+        assert python_hint(tail, [beside, "train.py"]) is None
     assert python_hint(["ValueError: bad"], [str(other), "train.py"]) is None
     assert python_hint(tail, ["./train.sh"]) is None
