@@ -66,12 +66,11 @@ from launcher.spec.options import (
 from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
 from rendezvous.launchers import DetectionError, slurm_allocation
 from rendezvous.worker_env import (
+    LAUNCHER_SET,
     PREFIX,
     RENDEZVOUS_LOST_AFTER_SECONDS,
     check_settings,
-    connection_env,
     setting_names,
-    slot_env,
     variable,
 )
 
@@ -559,7 +558,7 @@ def worker_env(
             f"(give a value with -x {name}=VALUE)",
             err=True,
         )
-    own = sorted(set(exported) & hvdrun_sets())
+    own = sorted(set(exported) & LAUNCHER_SET)
     if own:
         click.echo(
             f"hvdrun: note: -x {', '.join(own)}: hvdrun sets these for each worker (its place "
@@ -582,14 +581,6 @@ def worker_env(
         env["GLOO_SOCKET_IFNAME"] = network_interface
         env["NCCL_SOCKET_IFNAME"] = network_interface
     return env
-
-
-def hvdrun_sets() -> set[str]:
-    """The variables hvdrun gives each worker itself, whatever the environment says."""
-    from rendezvous.slots import SlotInfo
-
-    slot = SlotInfo("h", 0, 1, 0, 1, 0, 1)
-    return {*slot_env(slot), *connection_env("", "", "")}
 
 
 def check_rendezvous_addr(addr: str) -> None:

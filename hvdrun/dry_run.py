@@ -248,7 +248,7 @@ def _one_line(value: str) -> str:
 def env_lines(spec: JobSpec, slots: list[SlotInfo]) -> list[str]:
     env = dict(spec.env)
     env["PYTHONUNBUFFERED"] = "1"
-    for name in we.connection_env("", "", ""):  # (hvdrun's own, below, replace these)
+    for name in we.LAUNCHER_SET:  # (hvdrun's own, below, replace these)
         env.pop(name, None)
     lines = [f"  {name}={_one_line(masked(name, value))}" for name, value in sorted(env.items())]
     lines += [

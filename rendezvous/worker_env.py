@@ -44,6 +44,7 @@ __all__ = [
     "HOSTNAME",
     "INSIGHT_KEY_PREFIX",
     "JOB_ID",
+    "LAUNCHER_SET",
     "LOCAL_RANK",
     "NUMBERS",
     "RANK",
@@ -393,6 +394,13 @@ def connection_env(
         SECRET: secret,
         RENDEZVOUS_CERT: cert_pem,
     }
+
+
+#: The variables a launcher (hvdrun, Spark's driver, Ray's executor) sets on every worker
+#: itself: the job's rendezvous and the worker's place in it, whatever the environment says.
+LAUNCHER_SET = frozenset(
+    [*connection_env("x", "x", "x", "x"), *slot_env(SlotInfo("x", 0, 1, 0, 1, 0, 1))]
+)
 
 
 def new_secret() -> str:

@@ -52,7 +52,6 @@ from collectives.ray.worker import RayWorker
 from rendezvous import worker_env
 from rendezvous.addresses import join_addr
 from rendezvous.server import RendezvousServer
-from rendezvous.slots import SlotInfo
 from rendezvous.tls import certificate_for
 
 __all__ = [
@@ -71,12 +70,7 @@ PEER_DEATH_GRACE_SECONDS = 2.0
 SHUTDOWN_WAIT_SECONDS = 10.0
 
 #: The variables the executor sets on every worker; ``extra_env_vars`` may not set them.
-RESERVED_VARIABLES = frozenset(
-    [
-        *worker_env.connection_env("x", "x", "x", "x"),
-        *worker_env.slot_env(SlotInfo("x", 0, 1, 0, 1, 0, 1)),
-    ]
-)
+RESERVED_VARIABLES = worker_env.LAUNCHER_SET
 
 
 class WorkerDiedError(RuntimeError):

@@ -46,7 +46,6 @@ from collectives.spark.placement import TaskReport, plan_server
 from collectives.spark.task import TaskArgs, run_task
 from rendezvous import worker_env
 from rendezvous.addresses import join_addr
-from rendezvous.slots import SlotInfo
 from rendezvous.tls import certificate_for
 
 __all__ = [
@@ -78,14 +77,7 @@ CONSEQUENCES = frozenset(["HorovodInternalError"])
 TIMESTAMP_FORMAT = "%a %b %d %H:%M:%S %Y"  # Horovod's --prefix-timestamp format
 
 #: The variables the driver sets on every worker; ``env`` may not set them.
-RESERVED_VARIABLES = frozenset(
-    [
-        *worker_env.connection_env("x", "x", "x", "x"),
-        *worker_env.slot_env(SlotInfo("x", 0, 1, 0, 1, 0, 1)),
-        worker_env.GENERATION,
-        worker_env.WORKER,
-    ]
-)
+RESERVED_VARIABLES = worker_env.LAUNCHER_SET | {worker_env.GENERATION, worker_env.WORKER}
 
 
 class SparkJobError(RuntimeError):
