@@ -45,13 +45,13 @@ def check_command(command: Sequence[str]) -> None:
     else:
         _check_interpreter(program, found)
     if is_python(program):
-        if _reads_stdin(command[1:]):
+        script = python_program(command[1:])
+        if script == STDIN:
             raise ScriptNotFound(
                 f"{' '.join(command)} reads its program from stdin, and the workers' stdin is "
                 "/dev/null (hvdrun passes its own to no worker): give the script as a file "
                 "(python train.py)"
             )
-        script = python_script(command[1:])
         if script is not None and script.endswith(".py") and not os.path.exists(script):
             raise ScriptNotFound(f"script not found: {script} (in {os.getcwd()})")
 
@@ -110,48 +110,31 @@ def _check_interpreter(program: str, path: str) -> None:
         )
 
 
-def python_script(args: Sequence[str]) -> str | None:
-    """The script ``python ARGS`` runs, past python's own options; None when it runs none
-    (``-c``, ``-m``, ``-`` for stdin, ``--help``) or an option is not one python has."""
+#: What :func:`python_program` answers for a python that reads its program from stdin.
+STDIN = "-"
+
+
+def python_program(args: Sequence[str]) -> str | None:
+    """The script ``python ARGS`` runs, past python's own options: :data:`STDIN` where it
+    reads its program from stdin (``-``, or no script after its options: its prompt); None
+    where it runs none (``-c``, ``-m``, ``--help``) or an option is not one python has."""
     index = 0
     while index < len(args):
         arg = args[index]
         if arg == "--":
-            return args[index + 1] if index + 1 < len(args) else None
+            return args[index + 1] if index + 1 < len(args) else STDIN
         if arg == "--check-hash-based-pycs":  # python's one long option that takes a value
             index += 2
             continue
         if arg.startswith("--"):
             return None  # --help, --version and the like run no script; others: not python's
-        if arg == "-" or not arg.startswith("-"):
-            return None if arg == "-" else arg
+        if not arg.startswith("-") or arg == STDIN:
+            return arg
         takes_next = _short_options(arg[1:])
         if takes_next is None:
             return None
         index += 2 if takes_next else 1
-    return None
-
-
-def _reads_stdin(args: Sequence[str]) -> bool:
-    """Whether ``python ARGS`` reads its program from stdin: ``-``, or no script, ``-c`` or
-    ``-m`` after python's own options (its interactive prompt)."""
-    index = 0
-    while index < len(args):
-        arg = args[index]
-        if arg == "-":
-            return True
-        if arg == "--":
-            return index + 1 >= len(args) or args[index + 1] == "-"
-        if arg == "--check-hash-based-pycs":
-            index += 2
-            continue
-        if arg.startswith("--") or not arg.startswith("-"):
-            return False
-        takes_next = _short_options(arg[1:])
-        if takes_next is None:
-            return False  # -c, -m, -h and the like
-        index += 2 if takes_next else 1
-    return True
+    return STDIN
 
 
 def _short_options(letters: str) -> bool | None:
