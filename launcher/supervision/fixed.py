@@ -94,6 +94,7 @@ class Supervisor(Supervision[HostEvent]):
         # Ranks that exited 0 without registering: they never joined the job (no
         # hvd.init()), and ranks that did may wait for them in hvd.init(). rank -> host
         self._unjoined: dict[int, str] = {}
+        self._everyone_registered = False
         if server is not None:
             self.insight = InsightWatch(server.values_under, sink)
 
@@ -123,12 +124,16 @@ class Supervisor(Supervision[HostEvent]):
         self._show_status()
 
     def _registered_slots(self) -> frozenset[tuple[str, int]] | None:
-        if self.server is None:
+        """The slots that registered; None when unknown or when every one has (then no rank
+        can have left without joining: the server is not asked again at every exit)."""
+        if self.server is None or self._everyone_registered:
             return None
         try:
-            return self.server.registered_slots()
+            registered = self.server.registered_slots()
         except TimeoutError:  # (asked again after the next events)
             return None
+        self._everyone_registered = len(registered) >= len(self._slot_of)
+        return None if self._everyone_registered else registered
 
     def _fail_unjoined(self, registered: frozenset[tuple[str, int]] | None) -> None:
         """A rank that never joined the job exited while others that joined run on: they

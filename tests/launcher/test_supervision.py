@@ -342,6 +342,9 @@ class _Every:
     def __contains__(self, slot: object) -> bool:
         return True
 
+    def __len__(self) -> int:
+        return 1 << 20
+
 
 def fixed(
     *agents: FakeAgent,
