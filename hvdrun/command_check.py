@@ -10,11 +10,12 @@ script is refused (exit 2, what python exits with), wherever python's own option
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Sequence
 
 import click
+
+from launcher.spec.job import is_python
 
 #: python's options that take no value and still run a script (``python -h`` lists them);
 #: they may be combined (``-uB``). Any other letter (``-c``, ``-m``, ``-h``, ``-V``) runs no
@@ -54,14 +55,6 @@ def check_command(command: Sequence[str]) -> None:
             )
         if script is not None and script.endswith(".py") and not os.path.exists(script):
             raise ScriptNotFound(f"script not found: {script} (in {os.getcwd()})")
-
-
-#: A Python interpreter's name: python, python3, python3.11 (not python_job.sh).
-_PYTHON_NAME = re.compile(r"python(\d+(\.\d+)*)?")
-
-
-def is_python(program: str) -> bool:
-    return _PYTHON_NAME.fullmatch(os.path.basename(program)) is not None
 
 
 def _not_runnable(program: str) -> None:

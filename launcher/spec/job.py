@@ -6,10 +6,20 @@ with ``elastic`` set describes an elastic job (see :mod:`launcher.supervision.el
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 
 from launcher.spec.hosts import HostSpec
 from launcher.spec.options import ElasticOptions, LaunchOptions
+
+#: A Python interpreter's name: python, python3, python3.11 (not python_job.sh).
+_PYTHON_NAME = re.compile(r"python(\d+(\.\d+)*)?")
+
+
+def is_python(program: str) -> bool:
+    """Whether the command's ``program`` is a Python interpreter (by its name)."""
+    return _PYTHON_NAME.fullmatch(os.path.basename(program)) is not None
 
 
 @dataclass

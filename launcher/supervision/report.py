@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from launcher.output import OutputSink
+from launcher.spec.job import is_python
 from launcher.supervision.core import JobResult, rank_list
 
 #: What a worker that hvdrun stopped exits with: SIGTERM, or SIGKILL after the grace period.
@@ -88,7 +89,7 @@ def python_hint(tail: Sequence[str], command: Sequence[str]) -> str | None:
     if not command or not any("No module named" in line for line in tail):
         return None
     program = command[0]
-    if not os.path.basename(program).startswith("python"):
+    if not is_python(program):
         return None
     found = shutil.which(program)
     # (the same bin directory: the same virtualenv, python3 beside python)
