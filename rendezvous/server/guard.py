@@ -6,11 +6,21 @@ compared in constant time and never appears in a log line or an error message. A
 id is reported first: it is the more useful diagnosis (a worker of an old job reaching a new
 server on the same port) and reveals nothing secret.
 
+A rejected call is answered without its request ever being read: the refusal is a
+request-streaming handler that never pulls a message, so a caller without the secret cannot
+make the server hold megabytes per call (gRPC reads a unary request whole before a unary
+handler runs, and an unknown caller could open thousands of such calls at once).
+
+Each refusal is logged with the caller's address, as a warning the first time a kind of
+refusal comes from that address and at debug level after that: a stale worker retrying, or
+anyone knocking on the port, gets one line in the job's output, not one per call.
+
 Requests that do not parse get INVALID_ARGUMENT from the handler wrapper here, instead of
 gRPC's own UNKNOWN plus an ERROR-level traceback in the server's log.
 
-Threads: the interceptor runs on the server's loop. Its only mutable field, the cache of
-lenient handlers, is touched there alone; the secret and job id never change.
+Threads: the interceptor and its handlers run on the server's loop. Its mutable fields, the
+cache of lenient handlers and the refusals already warned about, are touched there alone;
+the secret and job id never change.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, cast
+from urllib.parse import unquote
 
 import grpc
 import grpc.aio
@@ -29,6 +40,10 @@ from rendezvous.server.common import LOGGER_NAME, quote
 from rendezvous.worker_env import other_round
 
 logger = logging.getLogger(LOGGER_NAME)
+
+#: How many (refusal, caller's host) pairs get a warning of their own; refusals beyond that
+#: are logged at debug level only, so a flood from many addresses cannot flood the log.
+WARNED_LIMIT = 64
 
 
 class GuardInterceptor(grpc.aio.ServerInterceptor):
@@ -40,6 +55,8 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         self._job_id = job_id
         # method -> its lenient handler: built once, not on every call (thousands per second)
         self._lenient: dict[str, grpc.RpcMethodHandler] = {}
+        # (status, caller's host) of the refusals already logged as a warning
+        self._warned: set[tuple[grpc.StatusCode, str]] = set()
 
     def _reject_reason(
         self, metadata: Sequence[tuple[str, str | bytes]] | None
@@ -92,15 +109,49 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             return handler  # unknown method: gRPC answers UNIMPLEMENTED
         if reason is not None:
             code, message = reason
-            # Never logs the token itself. A caller of another round is expected (it tries
-            # again): not worth a warning.
-            level = logging.DEBUG if code == grpc.StatusCode.UNAVAILABLE else logging.WARNING
-            logger.log(level, "rejected %s: %s", handler_call_details.method, message)
-            return _denying_handler(handler, code, message)
+            method = handler_call_details.method
+            return _denying_handler(
+                handler, code, message, lambda peer: self._log_refusal(method, peer, code, message)
+            )
         lenient = self._lenient.get(handler_call_details.method)
         if lenient is None:
             lenient = self._lenient[handler_call_details.method] = _lenient_handler(handler)
         return lenient
+
+    def _log_refusal(self, method: str, peer: str, code: grpc.StatusCode, message: str) -> None:
+        """Logs a refused call (never its token): a warning the first time this kind of
+        refusal comes from the caller's host, debug after that. A caller of another round
+        is expected (it tries again): never worth a warning."""
+        host = peer_host(peer)
+        first = (
+            code != grpc.StatusCode.UNAVAILABLE
+            and (code, host) not in self._warned
+            and len(self._warned) < WARNED_LIMIT
+        )
+        caller = unquote(peer) or "an unknown peer"
+        if not first:
+            logger.debug("rejected %s from %s: %s", method, caller, message)
+            return
+        self._warned.add((code, host))
+        logger.warning(
+            "rejected %s from %s: %s (further such calls from %s are logged at debug level only)",
+            method,
+            caller,
+            message,
+            host or "there",
+        )
+
+
+def peer_host(peer: str) -> str:
+    """The caller's host in a gRPC peer string (``ipv4:10.0.0.2:5123`` -> ``10.0.0.2``,
+    ``ipv6:%5B::1%5D:5123`` or ``ipv6:[::1]:5123`` -> ``::1``); a Unix socket's peer is
+    kept whole."""
+    kind, _, rest = unquote(peer).partition(":")
+    if kind == "ipv6" and rest.startswith("["):
+        return rest[1:].partition("]")[0]
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    return peer
 
 
 @dataclass(frozen=True)
@@ -165,20 +216,28 @@ def _lenient_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 def _denying_handler(
-    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
+    handler: grpc.RpcMethodHandler,
+    code: grpc.StatusCode,
+    message: str,
+    log: Callable[[str], None],
 ) -> grpc.RpcMethodHandler:
-    """A handler of the same kind that only aborts; it takes raw bytes, so a rejected
-    request is never even parsed."""
+    """A handler that only aborts, of the same response kind. It takes the request as a
+    stream it never reads, so a rejected request is neither parsed nor even received whole
+    (a unary handler would have gRPC buffer all of it first)."""
     if handler.response_streaming:
 
-        async def deny_stream(request: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async def deny_stream(
+            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> Any:
+            log(context.peer())
             await context.abort(code, message)
             yield  # pragma: no cover - makes this an async generator
 
-        return grpc.unary_stream_rpc_method_handler(deny_stream)
+        return grpc.stream_stream_rpc_method_handler(deny_stream)
 
-    async def deny(request: bytes, context: grpc.aio.ServicerContext) -> NoReturn:
+    async def deny(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> NoReturn:
+        log(context.peer())
         await context.abort(code, message)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    return grpc.unary_unary_rpc_method_handler(deny)
+    return grpc.stream_unary_rpc_method_handler(deny)

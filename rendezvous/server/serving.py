@@ -9,6 +9,11 @@ Why it looks the way it does:
 * gRPC core's defaults assume a multi-threaded server: it randomly cancels new calls once
   1000 wait to be picked up. The server raises that backlog limit, since a job's workers all
   call at once by design.
+* Every worker, relay and stray connection holds a file descriptor, and the usual soft limit
+  of 1024 is reached by a job of a thousand hosts, or by anyone who opens a thousand idle
+  connections to the port (new connections then wait in vain, and the job's workers fail
+  to register): starting a server raises its process's soft limit towards the hard one
+  (:func:`raise_open_files_limit`).
 * Stopping sends SHUTDOWN on every Watch stream and waits (boundedly) for those to go out
   before the server cancels what is left, so workers learn why the job ended.
 * The job's state belongs to the loop. The launcher's threads (the fixed supervisor's
@@ -53,6 +58,29 @@ _T = TypeVar("_T")
 #: How long a question to the server's loop (the supervisor's, about the job's state) waits
 #: for its answer; then it raises TimeoutError, which the supervisors ride out.
 ASK_SECONDS = 30.0
+
+
+#: What :func:`raise_open_files_limit` raises the soft open-files limit to, at most.
+OPEN_FILES = 65536
+
+
+def raise_open_files_limit(wanted: int = OPEN_FILES) -> None:
+    """Raises this process's soft limit on open files to ``wanted``, or to its hard limit
+    where that is lower; never lowers it. (Processes it starts inherit the new limit.)"""
+    try:
+        import resource
+    except ImportError:  # (not on Unix)
+        return
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if soft == resource.RLIM_INFINITY or soft >= target:
+            return
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError) as error:
+        logger.debug("cannot raise the limit on open files: %s", error)
+        return
+    logger.debug("raised the limit on open files from %d to %d", soft, target)
 
 
 def _check_slots(slots: Sequence[SlotInfo]) -> None:
@@ -136,6 +164,7 @@ class RendezvousServer:
                 raise RuntimeError("a stopped rendezvous server cannot be started again")
             if self._port is not None:
                 return self._port
+            raise_open_files_limit()
             loop_thread = LoopThread.get()
             port = loop_thread.run(self._start_server(), timeout=30)
             self._loop_thread = loop_thread
