@@ -33,19 +33,36 @@ dry_run_option = click.option(
 
 #: Variable names whose values are never printed.
 SECRET_NAME = re.compile(
-    r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|(^|_)API_?KEY|ACCESS_KEY|(^|_)AUTH($|_)|"
-    r"(^|_)KEY$|_PWD$|_PAT$|CONNECTION_?STRING|WEBHOOK",
+    r"SECRET|TOKEN|PASSWORD|PASSWD|PASSPHRASE|CREDENTIAL|PRIVATE|PRIVKEY|COOKIE|"
+    r"(^|_)API_?KEY|ACCESS_KEY|(^|_)AUTH($|_)|(^|_)KEY$|_PWD$|_PASS$|_PAT$|_CREDS$|_DSN$|"
+    r"CONNECTION_?STRING|WEBHOOK",
     re.IGNORECASE,
 )
 #: The password of a URL's ``user:password@`` part (``DATABASE_URL=postgres://u:pw@h/db``).
 URL_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):[^/@\s]*@")
+#: The user part of an http(s) URL without a password, where tokens go
+#: (``https://<token>@github.com/...``, a Sentry DSN's key).
+URL_TOKEN_USER = re.compile(r"(\bhttps?://)[^/@:\s]+@", re.IGNORECASE)
+#: Secret query parameters of a URL: ``?token=...``, ``&sig=...`` (signed URLs), and any
+#: parameter whose name looks like a secret's (``X-Amz-Signature``, ``access_token``).
+URL_SECRET_QUERY = re.compile(
+    r"([?&](?:[^=&#\s]*(?:SECRET|TOKEN|PASSWORD|PASSWD|SIGNATURE|CREDENTIAL|API_?KEY)"
+    r"[^=&#\s]*|sig|key|pwd|pass)=)[^&#\s]*",
+    re.IGNORECASE,
+)
+#: Key material in a value, whatever the variable's name.
+PRIVATE_KEY_BLOCK = re.compile(r"PRIVATE KEY-----|BEGIN OPENSSH|BEGIN PGP PRIVATE")
 MASK = "****"
 
 
 def masked(name: str, value: str) -> str:
-    if SECRET_NAME.search(name):
+    """``value`` as the plan shows it: masked whole when the name or the value says it is a
+    secret; else with the secret parts of any URL in it masked."""
+    if SECRET_NAME.search(name) or PRIVATE_KEY_BLOCK.search(value):
         return MASK
-    return URL_PASSWORD.sub(rf"\1:{MASK}@", value)
+    value = URL_PASSWORD.sub(rf"\1:{MASK}@", value)
+    value = URL_TOKEN_USER.sub(rf"\1{MASK}@", value)
+    return URL_SECRET_QUERY.sub(rf"\1{MASK}", value)
 
 
 def describe_reach(hostname: str, launch: LaunchOptions) -> str:
