@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -70,10 +71,14 @@ def build_report() -> Iterator[str]:
         import torch
         import torch.distributed as dist
     except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":
+            why = f"not installed for {sys.executable}: pip install torch; every frontend needs it"
+        else:
+            why = f"cannot import torch: {exc}"
         yield f"hvdrun v{__version__}:"
         yield ""
         yield "Available Frameworks:"
-        yield f"    [ ] PyTorch (cannot import torch: {exc})"
+        yield f"    [ ] PyTorch ({why})"
         yield from framework_lines()
         return
 

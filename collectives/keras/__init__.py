@@ -22,6 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from collectives import missing_framework as _missing_framework
+
+if _missing := _missing_framework("torch", __name__):
+    raise _missing
+
 import numpy as np
 
 from collectives import job, objects
@@ -36,6 +41,26 @@ from collectives.errors import (
     TensorMismatchError,
 )
 from collectives.keras import backend as keras_backend
+
+try:  # which Keras (decided once, before the modules below use it), or what to install
+    _bridge = keras_backend.current()
+except ModuleNotFoundError as _error:
+    _advice = {
+        "keras": "Keras: pip install 'hvdrun[keras]' (Keras 3, on TensorFlow or with "
+        "KERAS_BACKEND=torch), or pip install tf_keras with TF_USE_LEGACY_KERAS=1 (Keras 2)",
+        "tf_keras": "tf_keras for Keras 2, which TF_USE_LEGACY_KERAS asks for: pip install "
+        "tf_keras (or unset TF_USE_LEGACY_KERAS for Keras 3)",
+        "tensorflow": "TensorFlow for Keras's TensorFlow backend: pip install "
+        "'hvdrun[tensorflow]' (or, with Keras 3, KERAS_BACKEND=torch)",
+        "jax": "Keras's TensorFlow or torch backend, not jax: set KERAS_BACKEND=tensorflow "
+        "or KERAS_BACKEND=torch",
+    }.get(_error.name or "")
+    if _advice is None:
+        raise
+    raise ModuleNotFoundError(
+        f"collectives.keras needs {_advice}",
+        name=_error.name,
+    ) from None
 from collectives.keras import callbacks, elastic
 from collectives.keras.optimizer import create_distributed_optimizer
 from collectives.keras.sync_batch_norm import SyncBatchNormalization
@@ -65,7 +90,6 @@ from collectives.runtime import (
     stop_timeline,
 )
 
-_bridge = keras_backend.current()
 if _bridge.legacy:
     from collectives.tensorflow.compression import Compression
 else:

@@ -32,6 +32,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from collectives import missing_framework as _missing_framework
+
+if _missing := _missing_framework("torch", __name__) or _missing_framework("tensorflow", __name__):
+    raise _missing
+
 from collectives import job
 from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.errors import (

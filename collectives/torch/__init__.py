@@ -18,6 +18,11 @@ layer ``collectives.ops``, the runtime ``collectives.runtime`` and the engine
 
 from __future__ import annotations
 
+from collectives import missing_framework as _missing_framework
+
+if _missing := _missing_framework("torch", __name__):
+    raise _missing
+
 from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.errors import (
     CollectiveError,
