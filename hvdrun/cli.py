@@ -17,7 +17,7 @@ import click
 
 from hvdrun import __version__
 from hvdrun.abbreviations import AbbreviatingCommand
-from hvdrun.command_check import check_command
+from hvdrun.command_check import check_command, hidden_packages_note
 from hvdrun.config_file import config_env, config_file_option
 from hvdrun.dry_run import dry_run_option
 from hvdrun.elastic_flags import (
@@ -370,6 +370,9 @@ def cli(
     launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic))
     if any(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
         check_command(command)
+        hidden = hidden_packages_note(command)
+        if hidden:
+            unused_notes.append(hidden)
     local_only = all(h.hostname in LOCAL_NAMES for h in host_list)
     if local_only and not dry_run:
         check_local_interfaces(ifnames)

@@ -57,6 +57,40 @@ def check_command(command: Sequence[str]) -> None:
             raise ScriptNotFound(f"script not found: {script} (in {os.getcwd()})")
 
 
+#: hvdrun's packages that a worker's ``import collectives.torch`` (or another frontend) imports.
+WORKER_PACKAGES = ("collectives", "rendezvous")
+
+
+def hidden_packages_note(command: Sequence[str]) -> str | None:
+    """A warning where the directory of the job's Python script holds a module or package
+    named as one of :data:`WORKER_PACKAGES`: Python puts that directory first on the workers'
+    ``sys.path``, so it hides hvdrun's own and ``import collectives.torch`` fails in every
+    worker (hvdrun's source tree itself is not such a directory)."""
+    if not is_python(command[0]):
+        return None
+    script = python_program(command[1:])
+    if script is None or script == STDIN or not os.path.isfile(script):
+        return None
+    directory = os.path.dirname(os.path.realpath(script))
+    ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    if directory == ours:
+        return None
+    hiding = [
+        path
+        for name in WORKER_PACKAGES
+        for path in (os.path.join(directory, name + ".py"), os.path.join(directory, name))
+        if os.path.isfile(path if path.endswith(".py") else os.path.join(path, "__init__.py"))
+    ]
+    if not hiding:
+        return None
+    return (
+        f"warning: {' and '.join(hiding)} hide{'s' if len(hiding) == 1 else ''} hvdrun's "
+        f"package{'' if len(hiding) == 1 else 's'} of that name from the workers (Python puts "
+        "the script's directory first on sys.path), so their import collectives.torch (or "
+        "another frontend) fails: rename " + ("it" if len(hiding) == 1 else "them")
+    )
+
+
 def _not_runnable(program: str) -> None:
     """Raises the error a shell gives for ``program``, which ``shutil.which`` did not find."""
     # A bare name is looked up on PATH, where a file without the execute bit counts as found.

@@ -12,6 +12,7 @@ import pytest
 
 from hvdrun import __version__
 from hvdrun.cli import run_cli
+from hvdrun.command_check import hidden_packages_note
 from tests.cli.conftest import assert_usage_error
 
 
@@ -495,3 +496,27 @@ def test_x_of_a_variable_hvdrun_sets_itself_says_it_is_not_used(
         "hvdrun: note: -x HVDRUN_SECRET, RANK: hvdrun sets these for each worker (its place in "
         "the job and the job's rendezvous); the values given are not used\n"
     ) in err
+
+
+def test_a_module_named_as_a_worker_package_beside_the_script_is_warned_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Python puts the script's directory first on sys.path: a collectives.py or rendezvous/
+    # package there hides hvdrun's, and every worker's import collectives.torch fails.
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    assert hidden_packages_note([sys.executable, str(script)]) is None
+    (tmp_path / "rendezvous").mkdir()
+    assert hidden_packages_note([sys.executable, str(script)]) is None  # a namespace: harmless
+    (tmp_path / "rendezvous" / "__init__.py").write_text("")
+    (tmp_path / "collectives.py").write_text("")
+    note = hidden_packages_note([sys.executable, "-u", str(script)])
+    assert note == (
+        f"warning: {tmp_path / 'collectives.py'} and {tmp_path / 'rendezvous'} hide hvdrun's "
+        "packages of that name from the workers (Python puts the script's directory first on "
+        "sys.path), so their import collectives.torch (or another frontend) fails: rename them"
+    )
+    assert hidden_packages_note(["bash", str(script)]) is None
+    assert hidden_packages_note([sys.executable, "-c", "pass"]) is None
+    assert run_cli(["-np", "1", sys.executable, str(script)]) == 0
+    assert f"hvdrun: warning: {tmp_path / 'collectives.py'} and " in capsys.readouterr().err
