@@ -124,7 +124,7 @@ def log_format(hide_timestamp: bool, who: str) -> logging.Formatter:
     return logging.Formatter(fmt)
 
 
-class _Stderr(logging.StreamHandler[Any]):
+class _Stderr(logging.StreamHandler):  # (not StreamHandler[Any]: Python 3.10 cannot subscript it)
     """Writes to whatever ``sys.stderr`` is when a record comes (as Python's own fallback
     does), not the stream of the moment it was made: callers in one process (tests) swap it."""
 
