@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -69,9 +70,17 @@ class Handle:
         self._done.release()
 
     def done(self) -> bool:
-        """Whether the op finished (for CUDA: including its kernels)."""
+        """Whether the op finished (for CUDA: including its kernels). Never blocks.
+
+        While the op runs, it gives up the GIL for a moment (``time.sleep(0)``): a thread
+        that polls in a loop (``while not hvd.poll(h): pass``) would otherwise keep the GIL
+        that the engine's thread needs to run the op, giving it up only at each switch
+        interval (5 ms) for every one of the cycle's GIL-free calls (2-rank allreduces took
+        50 ms each instead of 2-3 ms)."""
         if not self._finished:
-            return False
+            time.sleep(0)
+            if not self._finished:
+                return False
         event = self.cuda_event
         return event is None or bool(event.query())
 

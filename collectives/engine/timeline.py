@@ -37,6 +37,11 @@ from rendezvous.worker_env import timeline_file
 __all__ = ["Timeline", "TimelineSlot", "open_for_rank"]
 
 _CLOSE = b"\n]\n"
+#: Rows (op names) a timeline keeps in memory. Beyond it, the older half of the rows with no
+#: phase open (by their latest event) is forgotten, and a forgotten name seen again gets a new
+#: row: names made per step (``loss.{step}``) and unnamed ops (``allreduce.noname.N``) each
+#: take a row, which otherwise held about 270 bytes per op for as long as the job ran.
+MAX_ROWS = 4096
 _DATA_OPS = {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER"}
 
 
@@ -64,6 +69,7 @@ class Timeline:
         self._closed = False
         self._start = time.monotonic()
         self._rows: dict[str, int] = {}
+        self._next_row = 0
         self._open: dict[int, list[str]] = {}
         self._last: dict[int, float] = {}  # per row: events never go back in time
         self._pending: list[dict[str, Any]] = []
@@ -80,7 +86,10 @@ class Timeline:
     def _row(self, name: str) -> int:
         row = self._rows.get(name)
         if row is None:
-            row = len(self._rows)
+            if len(self._rows) >= MAX_ROWS:
+                self._forget_rows()
+            row = self._next_row
+            self._next_row += 1
             self._rows[name] = row
             self._open[row] = []
             label = "negotiation cycles" if name == ".cycles" else name
@@ -91,6 +100,19 @@ class Timeline:
                 {"name": "process_sort_index", "ph": "M", "pid": row, "args": {"sort_index": row}}
             )
         return row
+
+    def _forget_rows(self) -> None:
+        """Forgets the older half of the rows with no phase open (see :data:`MAX_ROWS`)."""
+        idle = [
+            (self._last.get(row, 0.0), row, name)
+            for name, row in self._rows.items()
+            if row != 0 and not self._open[row]  # (row 0: the cycles')
+        ]
+        idle.sort()
+        for _, row, name in idle[: len(self._rows) // 2]:
+            del self._rows[name]
+            del self._open[row]
+            self._last.pop(row, None)
 
     def _event(self, phase: str, kind: str, when: float, row: int, **extra: Any) -> None:
         ts = max(self._ts(when), self._last.get(row, 0.0))
@@ -109,7 +131,9 @@ class Timeline:
         with self._lock:
             if self._closed:
                 return
-            row = self._row(name)
+            row = self._rows.get(name)
+            if row is None:
+                return  # (nothing open on it)
             stack = self._open[row]
             if stack and stack[-1] == phase:
                 stack.pop()
