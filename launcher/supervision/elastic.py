@@ -338,8 +338,8 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                         self._fail_host(host, f"could not start its agent: {reason}")
             case HostEvent(_, Output(rank, stream, data)):
                 self.sink.line(rank, stream, data)
-            case HostEvent(name, event):
-                host = self.members.find(name, None)
+            case HostEvent(name, event, source):
+                host = self.members.find_agent(name, source)
                 if host is None:
                     return
                 match event:

@@ -204,6 +204,18 @@ class Membership:
                 return host
         return None
 
+    def find_agent(self, name: str, agent: Any) -> HostRecord | None:
+        """The record of host ``name`` whose agent is ``agent`` (the connection an event came
+        from), None where none is: a removed host's agent that reports its end after the
+        host was started again must not end the new one's agent. (No ``agent``: the record
+        of that name.)"""
+        if agent is None:
+            return self.find(name, None)
+        for host in [*self.hosts.values(), *self.retired]:
+            if host.name == name and host.agent is agent:
+                return host
+        return None
+
     def note_holders(self, holders: dict[int, int]) -> None:
         """The workers' latest reports of holding the training state."""
         self.holders = holders

@@ -74,10 +74,13 @@ class StepCancelled:
 
 @dataclass(frozen=True)
 class HostEvent:
-    """An event as the supervisors receive it: tagged with the host whose agent sent it."""
+    """An event as the supervisors receive it: tagged with the host whose agent sent it, and
+    with that agent's connection (``source``): an elastic job may start a new agent on a
+    host while the events of its previous one are still on their way."""
 
     host: str
     event: AgentEvent | AgentExit | StepCancelled
+    source: AgentConnection | None = None
 
 
 class EventQueue(Protocol):
@@ -247,7 +250,7 @@ class AgentConnection:
         self._deliver(event)
 
     def _deliver(self, event: AgentEvent | AgentExit | StepCancelled) -> None:
-        tagged = HostEvent(self.hostname, event)
+        tagged = HostEvent(self.hostname, event, self)
         with self._queue_lock:
             if self._events is None:
                 self._early.append(tagged)

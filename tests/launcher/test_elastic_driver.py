@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 
@@ -20,7 +21,7 @@ from launcher.supervision.core import Signals
 from launcher.supervision.discovery import FixedHosts
 from launcher.supervision.elastic import ElasticDriver
 from launcher.supervision.membership import HostRecord
-from launcher.transport.connection import AgentStartError
+from launcher.transport.connection import AgentExit, AgentStartError, HostEvent
 from rendezvous.slots import SlotInfo
 
 
@@ -192,3 +193,23 @@ def test_an_agent_made_after_the_loop_ended_is_aborted_by_its_start_thread(
     assert result.interrupted_by == signal.SIGTERM
     gate.set()
     wait_for(lambda: "abort" in agent.calls, timeout=5)  # at once, not when start() gives up
+
+
+def test_a_removed_hosts_old_agent_ending_late_leaves_its_new_agent_alone(
+    make_driver: Callable[[Make], ElasticDriver],
+) -> None:
+    # Discovery removed h1 and listed it again: its old agent's Done let the driver start a
+    # new agent there, and the old one's AgentExit came after. It was taken for the new
+    # agent's loss: "host h1 failed (its agent was lost before its workers started);
+    # blacklisted for the rest of the job".
+    driver = make_driver(lambda *args: StartingAgent("h1"))
+    old, new = cast(Any, StartingAgent("h1")), cast(Any, StartingAgent("h1"))
+    gone = HostRecord(name="h1", slots=1, order=1, state="removed", agent=old)
+    gone.agent_finished = True  # its Done came
+    driver.members.retired.append(gone)
+    current = driver.members.hosts["h1"] = HostRecord(name="h1", slots=1, order=2, agent=new)
+    driver.on_event(HostEvent("h1", AgentExit(0, ""), old))
+    assert current.state == "starting" and current.agent_alive
+    assert not driver.members.blacklist.blocked("h1", time.monotonic())
+    driver.on_event(HostEvent("h1", AgentExit(1, "lost"), new))  # its own agent's loss
+    assert current.state == "failed"
