@@ -15,6 +15,7 @@ it is imported, instead of this module calling up into the runtime. Until then (
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,7 +31,36 @@ __all__ = [
 ]
 
 
-class ReduceOp(enum.IntEnum):
+class _ReduceOpType(enum.EnumMeta):
+    """``ReduceOp(value)`` takes a member or an integer only. An object that merely compares
+    equal to an integer is refused: ``torch.distributed.ReduceOp.SUM`` equals 0, Horovod's
+    Average, and ``AVG`` and ``PRODUCT`` equal Sum and Adasum, so a script written for
+    torch.distributed would silently reduce with another op."""
+
+    def __call__(cls, value: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(value) is cls and not args and not kwargs:  # a member: itself
+            return value
+        if args or kwargs:  # (enum's functional API)
+            return super().__call__(value, *args, **kwargs)
+        number = None
+        if (isinstance(value, int) and not isinstance(value, bool)) or (
+            type(value).__module__ == "numpy" and hasattr(value, "__index__")
+        ):
+            number = operator.index(value)  # (numpy integers too)
+        if number is None:
+            raise TypeError(
+                "op must be hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max or "
+                f"hvd.Product, got {value!r} ({type(value).__name__})"
+                + (
+                    " (torch.distributed's ReduceOp numbers its ops differently)"
+                    if "ReduceOp" in type(value).__qualname__
+                    else ""
+                )
+            )
+        return super().__call__(number)
+
+
+class ReduceOp(enum.IntEnum, metaclass=_ReduceOpType):
     """How an allreduce combines the tensors of the ranks (values as in Horovod)."""
 
     AVERAGE = 0

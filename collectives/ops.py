@@ -119,6 +119,22 @@ def check_tensor(tensor: Any, what: str, min_dims: int = 0) -> torch.Tensor:
     return tensor
 
 
+def unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor, or, where it is contiguous but its last stride is not 1, the same memory
+    viewed with contiguous strides. A dimension of size 1 may carry any stride (``x[:, 1]``
+    of a one-row ``x`` has shape ``(1,)`` and stride ``(3,)``): torch calls such a tensor
+    contiguous, but the engine's flat byte views of it (a small allreduce riding the
+    negotiation) need a unit last stride, and failed there. Its elements are where the
+    restrided view has them, so reading and writing through it is reading and writing the
+    tensor."""
+    if tensor.dim() and tensor.stride(-1) != 1 and tensor.is_contiguous():
+        strides = [1] * tensor.dim()
+        for axis in range(tensor.dim() - 2, -1, -1):
+            strides[axis] = strides[axis + 1] * tensor.shape[axis + 1]
+        return tensor.as_strided(tensor.shape, strides)
+    return tensor
+
+
 def check_writable(outputs: Sequence[torch.Tensor], what: str) -> None:
     """A tensor written in place may not have elements that share memory (an expanded view):
     torch refuses the write, which inside the engine would stop every collective of the
@@ -319,6 +335,8 @@ def allreduce_in_place(
     """``hvd.allreduce_``: an allreduce of one tensor in place, waited on at once. On the
     global process set it tries the engine's hot lane first (see :meth:`Engine.run_hot`),
     which checks the tensor and the op against the alike op that ran before."""
+    if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided:
+        tensor = unit_stride(tensor)
     if (process_set is None or process_set is global_process_set) and op is not ReduceOp.ADASUM:
         engine = runtime.engine(_ALLREDUCE)
         full = None if name is None else f"{_ALLREDUCE}.{_check_name(name)}"
@@ -360,8 +378,9 @@ def submit_allreduce(
     finish: Callable[[Request], Any],
     blocking: bool = False,
 ) -> Handle:
-    """Allreduce of one or more tensors; ``outputs`` None means new output tensors."""
-    inputs = [check_tensor(t, "allreduce") for t in tensors]
+    """Allreduce of one or more tensors; ``outputs`` None means new output tensors (in
+    place, the engine's outputs may be restrided views of the tensors: see unit_stride)."""
+    inputs = [unit_stride(check_tensor(t, "allreduce")) for t in tensors]
     if type(op) is not ReduceOp:
         op = ReduceOp(op)
     if op == ReduceOp.ADASUM:
@@ -379,7 +398,7 @@ def submit_allreduce(
         else:
             outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
         return submit(Kind.ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking)
-    outs = inputs if _same(outputs, tensors) else list(outputs)
+    outs = inputs if _same(outputs, tensors) else [unit_stride(t) for t in outputs]
     check_writable(outs, "allreduce")
     return submit(
         Kind.ALLREDUCE,

@@ -101,6 +101,18 @@ join = job.join
 _first = ops.first_output
 _all = ops.outputs_of
 
+
+def _tensor_list(tensors: Any, what: str) -> list[torch.Tensor]:
+    """The tensors of a grouped op as a list. A tensor is refused: iterating over it would
+    make each of its rows an op of the group."""
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(
+            f"hvd.{what} takes a list of tensors, got a tensor; pass [tensor], or use "
+            f"hvd.{what.removeprefix('grouped_')}"
+        )
+    return tensors if isinstance(tensors, list) else list(tensors)
+
+
 # ---- allreduce ----------------------------------------------------------------------------
 
 
@@ -185,7 +197,7 @@ def allreduce_async_(
             postscale_factor,
             process_set,
             name,
-            _first,  # (in place: the output is the tensor)
+            lambda request: tensor,  # (in place: the engine's output may be a view of it)
         )
     )
 
@@ -217,6 +229,7 @@ def grouped_allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts reducing a list of tensors as one op into new tensors; returns a handle."""
+    tensors = _tensor_list(tensors, "grouped_allreduce_async")
     resolved = handle_average_backwards_compatibility(op, average)
     return handles.register(
         ops.submit_allreduce(
@@ -243,6 +256,7 @@ def grouped_allreduce(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduces a list of tensors as one op (fused together); returns new tensors."""
+    tensors = _tensor_list(tensors, "grouped_allreduce")
     resolved = handle_average_backwards_compatibility(op, average)
     if not tensors:
         return []
@@ -263,6 +277,7 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts reducing a list of tensors in place as one op; returns a handle."""
+    tensors = _tensor_list(tensors, "grouped_allreduce_async_")
     resolved = handle_average_backwards_compatibility(op, average)
     return handles.register(
         ops.submit_allreduce(
@@ -288,6 +303,7 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduces a list of tensors in place as one op and returns them."""
+    tensors = _tensor_list(tensors, "grouped_allreduce_")
     resolved = handle_average_backwards_compatibility(op, average)
     if tensors:
         ops.submit_allreduce(
@@ -328,6 +344,7 @@ def grouped_allgather_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts allgathering a list of tensors as one op; returns a handle."""
+    tensors = _tensor_list(tensors, "grouped_allgather_async")
     return handles.register(ops.submit_allgather(tensors, process_set, name, _all))
 
 
@@ -337,6 +354,7 @@ def grouped_allgather(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Allgathers a list of tensors as one op (fused together)."""
+    tensors = _tensor_list(tensors, "grouped_allgather")
     if not tensors:
         return []
     return list(autograd.GroupedAllgather.apply(name, process_set, *tensors))
@@ -501,6 +519,7 @@ def grouped_reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> int:
     """Starts a reducescatter of a list of tensors as one op; returns a handle."""
+    tensors = _tensor_list(tensors, "grouped_reducescatter_async")
     return handles.register(
         ops.submit_reducescatter(
             tensors,
@@ -524,6 +543,7 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
     """Reducescatters a list of tensors as one op (fused together)."""
+    tensors = _tensor_list(tensors, "grouped_reducescatter")
     if not tensors:
         return []
     packed = [compression.compress(t) for t in tensors]
