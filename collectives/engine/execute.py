@@ -502,10 +502,13 @@ class Executor:
             and reduction.op == _AVERAGE
             and reduction.postscale == 1.0
             and out.is_floating_point()
+            and out.dtype is not torch.float16
             and size & (size - 1) == 0
         ):
             # Dividing by a power of two is exact (but for subnormals): divide on the way
-            # in; the sum is then the average, with no pass of its own.
+            # in; the sum is then the average, with no pass of its own. Not for float16,
+            # whose gradients are often subnormal (below 6.1e-5): those would flush to zero,
+            # where the sum divided afterwards, as Horovod does, keeps them.
             fill, reduction = Reduction(_SUM_OP, 1.0 / size), PLAIN_SUM
         if bucket is None:
             _allreduce(pg, size, out, opts, source, fill, sums).wait()

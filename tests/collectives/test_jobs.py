@@ -164,6 +164,9 @@ def test_optimizer_on_two_ranks() -> None:
             "distributed_optimizer.missing_grad",
             "distributed_optimizer.sparse",
             "distributed_optimizer.process_set",
+            "fp16.average.3.2",
+            "fp16.average.40000.2",
+            "fp16.optimizer.1",
         ],
     )
 

@@ -224,7 +224,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         bucket.handle = ops.submit_allreduce(
             [flat],
             [flat],
-            ReduceOp.SUM,
+            bucket.reduce_op,
             1.0,
             1.0,
             self._hvd_process_set,
@@ -247,8 +247,12 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
                 return False
         if bucket.flat_views() is None:
             return False
+        # Average divides each gradient on its way in, so that the Sum is the average; not
+        # float16, whose small gradients would flush to zero: its Sum is divided afterwards.
         average = self._hvd_op == ReduceOp.AVERAGE
-        bucket.factor = 1.0 / self._hvd_process_set.size() if average else 1.0
+        divide_first = average and bucket.params[0].dtype is not torch.float16
+        bucket.factor = 1.0 / self._hvd_process_set.size() if divide_first else 1.0
+        bucket.reduce_op = ReduceOp.AVERAGE if average and not divide_first else ReduceOp.SUM
         return True
 
     def _hvd_move(self, bucket: Bucket, param: torch.Tensor) -> None:

@@ -306,7 +306,33 @@ def main() -> None:
         )
         c.expect("distributed_optimizer.process_set", diff <= 1e-6, diff)
 
+    def float16_average() -> None:
+        # float16 Average sums, then divides, as Horovod does: every rank's gradient of
+        # 3 * 2**-24 (subnormal) averages to itself. Dividing each first by the size (exact
+        # for a power of two, but not for subnormals) gave 4 * 2**-24, or 0 for 2**-24.
+        tiny = 2.0**-24
+        for step in range(3):  # (the first op and its repetitions take different paths)
+            for numel in (3, 40_000):  # (rides the negotiation; reduced on its own)
+                got = hvd.allreduce(
+                    torch.full((numel,), 3 * tiny, dtype=torch.float16), name=f"half.{numel}"
+                )
+                c.expect(f"fp16.average.{numel}.{step}", bool((got == 3 * tiny).all()), got[:2])
+        weight = torch.nn.Parameter(torch.ones(8, dtype=torch.float16))
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD([weight], lr=1.0), named_parameters=[("weight", weight)]
+        )
+        for step in range(2):
+            opt.zero_grad()
+            (weight * torch.full((8,), tiny, dtype=torch.float16)).sum().backward()
+            opt.synchronize()
+            grad = weight.grad
+            ok = grad is not None and bool((grad == tiny).all())
+            c.expect(f"fp16.optimizer.{step}", ok, None if grad is None else grad[:2])
+            with opt.skip_synchronize():
+                opt.step()
+
     c.run("optimizer_state", optimizer_state)
+    c.run("float16_average", float16_average)
     c.run("distributed_optimizer", distributed_optimizer)
     c.run("process_set_optimizer", process_set_optimizer)
     hvd.shutdown()
