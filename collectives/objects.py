@@ -53,6 +53,29 @@ def loads(data: torch.Tensor) -> Any:
     return pickle.loads(data.numpy().tobytes())
 
 
+#: The first byte of what a rank sends in place of an object it could not pickle (its error,
+#: in UTF-8, follows): every pickle of protocol 2 or later starts with PROTO (0x80).
+_FAILED = b"\x00"
+
+
+def _dumps_or_error(obj: Any) -> tuple[torch.Tensor, BaseException | None]:
+    """The pickled object, or, where it cannot be pickled, the marked message that every
+    other rank receives instead (with the error this rank raises once the op is done: a
+    rank that raised before it would leave the others' op waiting, or take their next op's
+    data for this one's)."""
+    try:
+        return dumps(obj), None
+    except Exception as error:  # (pickle raises several types, cloudpickle more)
+        text = _FAILED + f"{type(error).__name__}: {error}".encode(errors="replace")[:4096]
+        return torch.frombuffer(bytearray(text), dtype=torch.uint8), error
+
+
+def _failure(data: torch.Tensor) -> str | None:
+    """The error a rank sent in place of its object, or None for a pickle."""
+    raw = data.numpy().tobytes()
+    return raw[1:].decode(errors="replace") if raw[:1] == _FAILED else None
+
+
 def broadcast_object(
     obj: Any,
     root_rank: int = 0,
@@ -65,15 +88,22 @@ def broadcast_object(
     base = name or "broadcast_object"  # (see the module docstring)
     size_name, data_name = f"{base}.sz", f"{base}.t"
     if runtime.rank() == root_rank:
-        payload = dumps(obj)
+        payload, error = _dumps_or_error(obj)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
         ops.broadcast_([length], root_rank, process_set, size_name)
         ops.broadcast_([payload], root_rank, process_set, data_name)
+        if error is not None:
+            raise error
         return obj
     length = torch.zeros(1, dtype=torch.int64)
     ops.broadcast_([length], root_rank, process_set, size_name)
     payload = torch.empty(int(length.item()), dtype=torch.uint8)
     ops.broadcast_([payload], root_rank, process_set, data_name)
+    failed = _failure(payload)
+    if failed is not None:
+        raise pickle.PicklingError(
+            f"hvd.broadcast_object: rank {root_rank} could not pickle its object: {failed}"
+        )
     return loads(payload)
 
 
@@ -84,10 +114,19 @@ def allgather_object(
     runtime.require("hvd.allgather_object()")
     # One allgather: the engine learns every rank's length in its negotiation.
     name = name or "allgather_object"  # (see the module docstring)
-    gathered, lengths = ops.allgather(dumps(obj), process_set, name)
-    result = []
-    offset = 0
+    payload, error = _dumps_or_error(obj)
+    gathered, lengths = ops.allgather(payload, process_set, name)
+    if error is not None:
+        raise error
+    pieces, offset = [], 0
     for length in lengths:
-        result.append(loads(gathered[offset : offset + length]))
+        pieces.append(gathered[offset : offset + length])
         offset += length
-    return result
+    failures = [(i, text) for i, piece in enumerate(pieces) if (text := _failure(piece))]
+    if failures:
+        ranks = process_set.ranks
+        raise pickle.PicklingError(
+            "hvd.allgather_object: "
+            + "; ".join(f"rank {ranks[i]} could not pickle its object: {t}" for i, t in failures)
+        )
+    return [loads(piece) for piece in pieces]

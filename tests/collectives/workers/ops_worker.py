@@ -581,6 +581,24 @@ def main() -> None:
         torch.nn.init.constant_(model.weight, float(r))
         hvd.broadcast_parameters(model.state_dict(), root_rank=n - 1)
         c.expect("broadcast_parameters", bool((model.weight == n - 1).all()))
+        # An object its rank cannot pickle: every rank raises in that call, and the next
+        # calls are not shifted by one (they got the next call's object, then hung).
+        lock = threading.Lock()
+        try:
+            hvd.broadcast_object(lock if r == n - 1 else None, root_rank=n - 1)
+            c.expect("objects.unpicklable_broadcast", False, "no error")
+        except Exception as error:
+            ok = r == n - 1 or f"rank {n - 1} could not pickle its object" in str(error)
+            c.expect("objects.unpicklable_broadcast", ok, repr(error))
+        try:
+            hvd.allgather_object(lock if r == 0 else r)
+            c.expect("objects.unpicklable_allgather", False, "no error")
+        except Exception as error:
+            ok = r == 0 or "rank 0 could not pickle its object" in str(error)
+            c.expect("objects.unpicklable_allgather", ok, repr(error))
+        after = hvd.broadcast_object({"from": r}, root_rank=0)
+        c.expect("objects.after_unpicklable", after == {"from": 0}, after)
+        c.expect("objects.after_unpicklable_gather", hvd.allgather_object(r) == everyone)
 
     for name, body in [
         ("identity", identity),
