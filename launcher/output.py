@@ -6,8 +6,9 @@ whole and two ranks can never interleave inside one line. ``\\n``, ``\\r\\n`` an
 and a line longer than ``max_line`` bytes is cut into pieces rather than buffered forever.
 
 :class:`OutputSink` prints ``[rank]<stream>:line`` (optionally after Horovod's timestamp,
-with the prefix coloured per rank), copies each rank's raw lines to
-``DIR/rank.N/stdout|stderr`` with ``--output-filename DIR`` (``N`` zero-padded to the width
+with the prefix coloured per rank), copies each rank's lines, without prefix and each
+ended by ``\\n``, to ``DIR/rank.N/stdout|stderr`` with ``--output-filename DIR`` (so not a
+byte-exact copy of output that is not text; ``N`` zero-padded to the width
 of the largest rank, as Horovod does, so that the directories sort in rank order), and
 keeps hvdrun's one-line status ("connected 3/4 hosts, 12/16 workers registered") at the
 bottom of a terminal.
