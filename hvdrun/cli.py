@@ -77,6 +77,17 @@ from rendezvous.worker_env import (
 CONTEXT_SETTINGS = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 
 
+class UserPath(click.Path):
+    """A file as OpenSSH takes it, with ``~`` expanded: the shell leaves ``-i=~/.ssh/key``
+    unexpanded (``~`` only at a word's start), and horovodrun hands it to ssh, which
+    expands it."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            value = os.path.expanduser(value)
+        return super().convert(value, param, ctx)
+
+
 class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
     """hvdrun's command: help in sections, long options abbreviated as horovodrun takes them."""
 
@@ -136,13 +147,13 @@ class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
     "--ssh-identity-file",
     "identity_files",
     multiple=True,
-    type=click.Path(exists=True, dir_okay=False),
+    type=UserPath(exists=True, dir_okay=False),
     metavar="FILE",
     help="Private key for SSH (repeatable); tried before ~/.ssh/config's and ssh-agent's.",
 )
 @click.option(
     "--ssh-config-file",
-    type=click.Path(exists=True, dir_okay=False),
+    type=UserPath(exists=True, dir_okay=False),
     metavar="FILE",
     help="OpenSSH client config to use instead of ~/.ssh/config.",
 )

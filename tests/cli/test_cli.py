@@ -520,3 +520,17 @@ def test_a_module_named_as_a_worker_package_beside_the_script_is_warned_of(
     assert hidden_packages_note([sys.executable, "-c", "pass"]) is None
     assert run_cli(["-np", "1", sys.executable, str(script)]) == 0
     assert f"hvdrun: warning: {tmp_path / 'collectives.py'} and " in capsys.readouterr().err
+
+
+def test_ssh_files_given_with_a_tilde_after_an_equals_sign_are_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The shell expands ~ only at a word's start: -i=~/.ssh/key reaches hvdrun as it is
+    # written (horovodrun passes it to ssh, which expands it); it was "does not exist".
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "key").write_text("not a real key\n")
+    (tmp_path / ".ssh" / "cfg").write_text("Host otherhost\n  Port 2222\n")
+    argv = ["--dry-run", "-H", "otherhost:1", "-i=~/.ssh/key", "--ssh-config-file=~/.ssh/cfg"]
+    assert run_cli([*argv, "true"]) == 0, capsys.readouterr().err
+    assert "otherhost" in capsys.readouterr().out
