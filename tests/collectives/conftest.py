@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -20,6 +21,25 @@ from rendezvous.slots import assign_slots
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 _JOB_ENV = re.compile(r"^(HVDRUN_|HOROVOD_)|^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE)$")
+
+
+@pytest.fixture
+def alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No trace of a launcher in the environment: hvd.init() makes a job of one."""
+    for name in ("HVDRUN_RENDEZVOUS_ADDR", "HVDRUN_SECRET", "HVDRUN_JOB_ID", "HVDRUN_ELASTIC"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def hvd(alone: None) -> Iterator[ModuleType]:
+    """collectives.torch, initialized alone in this process (shut down after the test)."""
+    import collectives.torch as hvd_module
+
+    hvd_module.init()
+    try:
+        yield hvd_module
+    finally:
+        hvd_module.shutdown()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -39,22 +39,6 @@ DTYPES = [
 ]
 
 
-@pytest.fixture
-def alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No trace of a launcher in the environment."""
-    for name in ("HVDRUN_RENDEZVOUS_ADDR", "HVDRUN_SECRET", "HVDRUN_JOB_ID", "HVDRUN_ELASTIC"):
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def hvd(alone: None) -> Iterator[ModuleType]:
-    hvd_module.init()
-    try:
-        yield hvd_module
-    finally:
-        hvd_module.shutdown()
-
-
 def test_queries_before_init_raise(alone: None) -> None:
     assert not hvd_module.is_initialized()
     for query in (hvd_module.rank, hvd_module.size, hvd_module.local_rank, hvd_module.cross_size):

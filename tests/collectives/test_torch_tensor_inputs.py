@@ -11,25 +11,11 @@ integers that are other ops of Horovod's, and is refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 import torch
 import torch.distributed as dist
-
-import collectives.torch as hvd_module
-
-
-@pytest.fixture
-def hvd(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    for name in ("HVDRUN_RENDEZVOUS_ADDR", "HVDRUN_SECRET", "HVDRUN_JOB_ID", "HVDRUN_ELASTIC"):
-        monkeypatch.delenv(name, raising=False)
-    hvd_module.init()
-    try:
-        yield hvd_module
-    finally:
-        hvd_module.shutdown()
 
 
 def _row() -> tuple[torch.Tensor, torch.Tensor]:

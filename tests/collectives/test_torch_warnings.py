@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 import torch
-
-import collectives.torch as hvd_module
 
 #: Horovod 0.28's texts (horovod/torch/optimizer.py), which users' filters quote.
 HOROVOD_STEP_AFTER_SYNCHRONIZE = (
@@ -24,17 +21,6 @@ HOROVOD_STEP_AFTER_SYNCHRONIZE = (
 HOROVOD_NUM_GROUPS = "Parameter `num_groups` has been replaced by `groups`"
 #: horovod/common/util.py, shared by every Horovod frontend.
 HOROVOD_AVERAGE = "Parameter `average` has been replaced with `op` and will be removed"
-
-
-@pytest.fixture
-def hvd(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    for name in ("HVDRUN_RENDEZVOUS_ADDR", "HVDRUN_SECRET", "HVDRUN_JOB_ID", "HVDRUN_ELASTIC"):
-        monkeypatch.delenv(name, raising=False)
-    hvd_module.init()
-    try:
-        yield hvd_module
-    finally:
-        hvd_module.shutdown()
 
 
 def step_after_synchronize(hvd: ModuleType) -> None:

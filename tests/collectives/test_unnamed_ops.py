@@ -7,13 +7,11 @@ tests of the parts."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 import torch
 
-import collectives.torch as hvd_module
 from collectives import runtime
 from collectives.engine.config import EngineConfig
 from collectives.engine.names import UnnamedCounters, unnamed_counter
@@ -157,17 +155,6 @@ def test_divergence_stops_the_job_at_the_stall_check_time(
 
 
 # ---- in one process: what draws a counter -------------------------------------------------
-
-
-@pytest.fixture
-def hvd(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    for name in ("HVDRUN_RENDEZVOUS_ADDR", "HVDRUN_SECRET", "HVDRUN_JOB_ID", "HVDRUN_ELASTIC"):
-        monkeypatch.delenv(name, raising=False)
-    hvd_module.init()
-    try:
-        yield hvd_module
-    finally:
-        hvd_module.shutdown()
 
 
 def _next(kind: Kind) -> int:
