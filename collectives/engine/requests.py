@@ -292,6 +292,12 @@ def describe_mismatch(kind: Kind, name: str, sigs: dict[int, str]) -> str:
     message = _describe_mismatch(kind, name, sigs)
     adasum = adasum_name(kind, name)
     kind, name = (Kind.ALLREDUCE, adasum) if adasum is not None else (kind, name)
+    if kind in (Kind.ADD_PROCESS_SET, Kind.REMOVE_PROCESS_SET):
+        # (these take no name= argument: the order of the calls pairs them)
+        return (
+            f"{message}. Every rank must call hvd.{kind.label}() for the same process sets "
+            "in the same order"
+        )
     if name.startswith(NONAME_PREFIXES[kind]):
         message += (
             f". The op has no name: it is each rank's unnamed {kind.label} number "

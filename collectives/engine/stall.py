@@ -86,7 +86,13 @@ class StallInspector:
             return False
         self._last_check = now
         cfg = self._config
-        waited = [(now - entry.first_seen, entry) for entry in table.entries.values()]
+        # A rank waiting in hvd.join() for the others to finish their data is no stall
+        # (as in Horovod): the others run on, their own ops are inspected.
+        waited = [
+            (now - entry.first_seen, entry)
+            for entry in table.entries.values()
+            if entry.kind != Kind.JOIN
+        ]
         warning, shutdown = cfg.stall_warning_seconds, cfg.stall_shutdown_seconds
         limit = min(t for t in (warning, shutdown) if t > 0)
         old = {id(entry) for w, entry in waited if w >= limit}

@@ -335,3 +335,18 @@ def test_one_op_name_in_two_process_sets_is_two_timeline_rows(tmp_path: Path) ->
 def test_entry_key_matches_table_key() -> None:
     entry = Entry(Kind.BARRIER, "barrier.noname.0", 2, (2, "barrier.noname.0"), 0, 0.0)
     assert entry.key == (entry.process_set_id, entry.name)
+
+
+def test_process_set_mismatch_says_to_call_in_the_same_order_not_to_name_the_op() -> None:
+    # add_process_set()/remove_process_set() take no name=: the hint for unnamed ops misleads
+    ranks = {r: sig(Kind.ADD_PROCESS_SET, ("0,1" if r == 0 else "0,2",)) for r in range(3)}
+    message = describe_mismatch(Kind.ADD_PROCESS_SET, "add_process_set.noname.0", ranks)
+    assert message == (
+        "add_process_set 'noname.0': ranks disagree on the ranks: rank 0: '0,1'; ranks 1, 2: "
+        "'0,2'. Every rank must call hvd.add_process_set() for the same process sets in the "
+        "same order"
+    )
+    ids = {r: sig(Kind.REMOVE_PROCESS_SET, (1 + r % 2,)) for r in range(2)}
+    message = describe_mismatch(Kind.REMOVE_PROCESS_SET, "remove_process_set.noname.3", ids)
+    assert "name=" not in message
+    assert message.endswith("hvd.remove_process_set() for the same process sets in the same order")
