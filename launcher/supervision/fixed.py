@@ -61,6 +61,12 @@ log = logging.getLogger(__name__)
 #: rank's exit, which names the job's first failure when it fails too (see
 #: ``worker_env.ENDED_BY_KEY_PREFIX``).
 ENDED_BY_WAIT = 5.0
+#: A worker that fails while another host's agent has been silent for over this share of
+#: its ``--agent-timeout`` (it pings every quarter) is held back until that agent is heard
+#: from again or counts as lost: a host cut off from hvdrun stops its own workers after
+#: ``--heartbeat-timeout``, and their peers' failures reach hvdrun before its own check of
+#: the silence, which names the host that is the cause.
+SILENT_SHARE = 0.5
 
 
 class Supervisor(Supervision[HostEvent]):
@@ -86,8 +92,9 @@ class Supervisor(Supervision[HostEvent]):
         self._pending_hosts = set(self.agents)  # hosts that have not reported every rank yet
         self._registered = -1
         # Failures held back: rank -> (its failure, the rank whose leaving ended its
-        # collectives and has not exited yet, when to stop waiting for it).
-        self._held: dict[int, tuple[WorkerFailure, int, float]] = {}
+        # collectives and has not exited yet, or None while another host's agent is
+        # silent, when to stop waiting for it).
+        self._held: dict[int, tuple[WorkerFailure, int | None, float]] = {}
         # Slurm cancelled the agents' step: every agent is then killed with its workers
         # (``scancel JOB.STEP`` sends SIGKILL), and the cancel message has said why.
         self._step_cancelled = False
@@ -114,8 +121,10 @@ class Supervisor(Supervision[HostEvent]):
         return True
 
     def after_events(self, now: float) -> None:
-        for failure, _, deadline in list(self._held.values()):
-            if now >= deadline:
+        for failure, culprit, deadline in list(self._held.values()):
+            if now >= deadline or (
+                culprit is None and self._silent_agent(failure.hostname, now) is None
+            ):
                 self._held.clear()
                 self.fail(failure)
                 break
@@ -191,7 +200,20 @@ class Supervisor(Supervision[HostEvent]):
         if culprit is not None and culprit not in self.result.exits and not self.stopping:
             self._held[rank] = (failure, culprit, self.clock() + ENDED_BY_WAIT)
             return
+        silent = None if self.stopping else self._silent_agent(failure.hostname, self.clock())
+        if silent is not None:
+            self._held[rank] = (failure, None, self.clock() + silent.heartbeat_timeout)
+            return
         self.fail(failure)
+
+    def _silent_agent(self, host: str, now: float) -> Supervised | None:
+        """Another live host's agent that has been silent for long (see SILENT_SHARE)."""
+        for other in sorted(self._pending_hosts - {host}):
+            agent = self.agents[other]
+            timeout = agent.heartbeat_timeout
+            if timeout > 0 and now - agent.last_heard > timeout * SILENT_SHARE:
+                return agent
+        return None
 
     def _left(self, rank: int) -> None:
         """A worker exited 0: failures that waited for it stand (it left cleanly)."""

@@ -507,3 +507,30 @@ def test_fixed_job_says_why_an_agent_went_away(event: Done | AgentExit, why: str
     put(supervisor, "a", event)
     supervisor.run()
     assert err.getvalue().decode() == f"hvdrun: host a: {why}; rank(s) 0, 1 not reported\n"
+
+
+@pytest.mark.parametrize("heard_again", [False, True])
+def test_a_failure_while_another_host_is_silent_waits_for_that_hosts_verdict(
+    heard_again: bool,
+) -> None:
+    """Host b is cut off from hvdrun (not from a): its agent stops its workers after its
+    own heartbeat timeout, and a's ranks fail at once. hvdrun hears of a's failure before
+    its own check of b's silence: b, the cause, is named first. Where b is heard from
+    again (it was only slow), a's failure stands."""
+    a, b = FakeAgent("a", heartbeat_timeout=30.0), FakeAgent("b", heartbeat_timeout=30.0)
+    clock = Clock()
+    supervisor, _, _ = fixed(a, b, clock=clock)
+    clock.now = a.last_heard = 29.0  # b silent since 0
+    put(supervisor, "a", Exit(1, 1))
+    supervisor.step()
+    assert supervisor.result.failure is None and a.calls == b.calls == []
+    if heard_again:
+        b.last_heard = 29.5
+        supervisor.step()
+        assert supervisor.result.failure == WorkerFailure(1, "a", 1, None)
+        return
+    clock.now = a.last_heard = 30.5
+    supervisor.step()
+    why = "heard nothing from its agent for 30 s"
+    assert supervisor.result.failure == WorkerFailure(2, "b", 255, why)
+    assert supervisor.result.exit_code == 255
