@@ -2,8 +2,9 @@
 
 Each worker runs in a session of its own, so its whole process group can be signalled; its
 stdout and stderr are split into lines where they are produced, so a line always travels
-whole. Stopping sends SIGTERM to every worker's process group and to every process of its
-tree (children may have left the group), then SIGKILL after the grace period.
+whole. Stopping sends SIGTERM (then SIGCONT, for a stopped one) to every worker's process group and
+to every process of its tree (children may have left the group), then SIGKILL after the
+grace period.
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ class HostAgent:
     def terminate(
         self, grace: float | None = None, hurry: Callable[[], bool] | None = None
     ) -> None:
-        """SIGTERM every worker's process tree, SIGKILL what is left after ``grace`` seconds,
-        or as soon as ``hurry()`` says so (hvdrun asked to kill meanwhile)."""
+        """SIGTERM (and SIGCONT) every worker's process tree, SIGKILL what is left after
+        ``grace`` seconds, or as soon as ``hurry()`` says so (hvdrun asked to kill
+        meanwhile)."""
         grace = self.spec.term_grace if grace is None else grace
         with self._lock:
             self._terminating = True
@@ -147,6 +149,10 @@ class HostAgent:
         trees = _process_trees([worker.proc.pid for worker in workers])
         for worker, tree in zip(workers, trees, strict=False):
             signal_tree(worker.proc.pid, tree, signal.SIGTERM)
+            # A stopped process (SIGSTOP, Ctrl-Z, a hung debugger session) keeps a SIGTERM
+            # pending until it runs again: continued, it exits or runs its handler now,
+            # instead of being SIGKILLed after the grace period (mpirun and Slurm do too).
+            signal_tree(worker.proc.pid, tree, signal.SIGCONT)
         procs = [proc for tree in trees for proc in tree]
         alive = _wait_gone(procs, grace, hurry)
         for worker, tree in zip(workers, trees, strict=False):

@@ -299,3 +299,32 @@ def test_hvdruns_usr1_reaches_each_worker_once_and_one_sent_to_the_agent_does_no
     said = sorted(e["data"] for e in events if e["ev"] == "out")
     assert said == ["1", "1"], events
     assert agent.close()[0] == 0
+
+
+def test_a_stopped_worker_is_continued_to_run_its_sigterm_handler() -> None:
+    """A worker stopped by SIGSTOP (a hang, Ctrl-Z) holds SIGTERM pending until it runs
+    again: the agent continues it, as mpirun and Slurm do, so it exits through its handler
+    at once instead of being SIGKILLed at the end of the grace period."""
+    agent = Agent()
+    agent.event()
+    stops = (
+        "import os, signal, sys\n"
+        "def bye(*_):\n"
+        "    print('handler ran', flush=True)\n"
+        "    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready', flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "signal.pause()\n"
+    )
+    agent.send(encode_request(RunRequest(spec(stops, term_grace=30))))
+    while agent.event().get("data") != "ready":
+        pass
+    time.sleep(0.3)  # (it stops itself)
+    start = time.monotonic()
+    agent.send(encode_request(TerminateRequest()))
+    events = agent.events_until_done()
+    assert {"ev": "exit", "rank": 0, "code": 143} in events, events
+    assert any(event.get("data") == "handler ran" for event in events), events
+    assert time.monotonic() - start < 15
+    agent.close()
