@@ -233,11 +233,10 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         return [h.agent for h in self.members.running() if h.agent_alive]
 
     def on_silent(self, agent: Supervised, why: str) -> bool:
-        """A silent agent fails its host when the others' collectives failed too (its
-        workers are gone or cut off: the survivors wait for a new generation) or after the
-        heartbeat timeout. Until then its workers still train with the others, and the
-        agent is only stopped or starved: the server's view of the job beats the agent's
-        heartbeat, and nobody is killed for a hiccup."""
+        """A silent agent fails its host when the others' collectives failed too (its workers
+        are gone or cut off: the survivors wait for a new generation) or after the heartbeat
+        timeout. Until then its workers train with the others and the agent is only stopped
+        or starved: the server's view beats the heartbeat; nobody is killed for a hiccup."""
         host = self._record_of(agent)
         silent = self.clock() - agent.last_heard
         if (
@@ -252,6 +251,8 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                     "workers still train with the others; waiting"
                 )
             return False
+        if host.name in self._silent_hosts:  # waited for: how long it was silent in all
+            why = f"heard nothing from its agent for {silent:.0f} s"
         self._silent_hosts.discard(host.name)
         self._fail_host(host, why)
         host.agent_finished = True

@@ -213,3 +213,23 @@ def test_a_removed_hosts_old_agent_ending_late_leaves_its_new_agent_alone(
     assert not driver.members.blacklist.blocked("h1", time.monotonic())
     driver.on_event(HostEvent("h1", AgentExit(1, "lost"), new))  # its own agent's loss
     assert current.state == "failed"
+
+
+def test_a_silent_host_that_was_waited_for_fails_with_its_whole_silence(
+    make_driver: Callable[[Make], ElasticDriver],
+) -> None:
+    # Its workers trained on with the others while its agent was silent; when it fails at
+    # last, the message said "for 5 s" (the first check's figure) after some 30 s.
+    driver = make_driver(lambda *args: StartingAgent("h1"))
+    agent = cast(Any, StartingAgent("h1"))
+    host = driver.members.hosts["h1"] = HostRecord(
+        name="h1", slots=1, order=1, state="running", agent=agent
+    )
+    host.workers = {0: 0}
+    messages: list[str] = []
+    driver.sink.message = messages.append  # type: ignore[method-assign,assignment]
+    agent.last_heard = time.monotonic() - 5
+    assert not driver.on_silent(agent, "heard nothing from its agent for 5 s")
+    agent.last_heard = time.monotonic() - 40
+    assert driver.on_silent(agent, "heard nothing from its agent for 5 s")
+    assert "host h1 failed (heard nothing from its agent for 40 s)" in messages[-1], messages
