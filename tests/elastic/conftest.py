@@ -1,5 +1,5 @@
 """A network-namespace cluster of three sshd hosts for the elastic tests (tests/cluster.py),
-and test_size1's runtime of one process (``hvd``) for test_state.py."""
+and the collectives tests' runtime of one process (``hvd``) for test_state.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.cluster import Cluster, cluster_for_tests
-from tests.collectives.test_size1 import alone, hvd
+from tests.collectives.conftest import alone, hvd
 
 __all__ = ["alone", "elastic_cluster", "hvd"]
 
