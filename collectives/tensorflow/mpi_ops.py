@@ -34,7 +34,7 @@ from collectives.engine.execute import split_rows
 from collectives.engine.requests import Kind
 from collectives.tensorflow import graph
 from collectives.tensorflow.compression import Compression, Compressor
-from collectives.tensorflow.errors import as_tensorflow_error
+from collectives.tensorflow.errors import InvalidSplitsError, as_tensorflow_error
 from collectives.tensorflow.tensors import check_dense
 
 __all__ = [
@@ -346,16 +346,26 @@ def _adasum(
                 "allreduce with op=hvd.Adasum needs floating-point tensors, got "
                 f"{tensor.dtype.name}"
             )
-    full = graph.op_name("allreduce", name, tensors)
 
-    def submit(views: list[torch.Tensor]) -> Any:
-        return ops.submit_adasum_allreduce(
-            views, None, prescale, postscale, process_set, full, ops.outputs_of
+    @_differentiable
+    def combine(*inputs: tf.Tensor) -> Any:
+        full = graph.op_name("allreduce", name, inputs)
+
+        def submit(views: list[torch.Tensor]) -> Any:
+            return ops.submit_adasum_allreduce(
+                views, None, prescale, postscale, process_set, full, ops.outputs_of
+            )
+
+        outputs = graph.run(
+            "allreduce", inputs, submit, list, [t.dtype for t in inputs], [t.shape for t in inputs]
         )
 
-    return graph.run(
-        "allreduce", tensors, submit, list, [t.dtype for t in tensors], [t.shape for t in tensors]
-    )
+        def grad(*upstream: tf.Tensor) -> Any:  # Horovod's: the same Adasum of the gradients
+            return _adasum(list(upstream), prescale, postscale, None, process_set)
+
+        return outputs, grad
+
+    return list(combine(*tensors))
 
 
 # ---- allgather ----------------------------------------------------------------------------
@@ -501,14 +511,32 @@ def alltoall(
     name: str | None = None,
     ignore_name_scope: bool = False,
     process_set: ProcessSet = global_process_set,
-) -> tuple[tf.Tensor, tf.Tensor]:
+) -> Any:
     """Sends ``splits[i]`` rows (equal shares without splits) to the i-th rank of the set;
-    returns the rows received, concatenated, and how many came from each rank."""
+    returns the rows received, concatenated, and, where ``splits`` was given, how many came
+    from each rank (as Horovod: without splits, the rows alone)."""
     dense = check_dense(tensor, "alltoall")
     if dense.shape.rank == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
-    split_tensor = None if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int32)
-    return _alltoall(dense, split_tensor, name, ignore_name_scope, process_set)
+    if splits is None:
+        return _alltoall(dense, None, name, ignore_name_scope, process_set)[0]
+    return _alltoall(dense, _split_counts(splits), name, ignore_name_scope, process_set)
+
+
+def _split_counts(splits: Any) -> tf.Tensor:
+    """``splits`` as an int32 tensor; splits that are not integers (floats, bools) are refused
+    rather than truncated, as Horovod's op refuses them."""
+    try:
+        counts = tf.convert_to_tensor(splits)
+    except (TypeError, ValueError):
+        counts = None
+    if counts is None or not counts.dtype.is_integer:
+        raise InvalidSplitsError(
+            None,
+            None,
+            f"alltoall: splits must be integers (a list or an integer tensor), got {splits!r}",
+        )
+    return tf.cast(counts, tf.int32)
 
 
 def _alltoall(

@@ -147,7 +147,7 @@ class Plan:
         if kind == "broadcast":
             return hvd.broadcast(x, j % self.n, name=name)
         if kind == "alltoall":
-            return hvd.alltoall(x, name=name)[0]
+            return hvd.alltoall(x, name=name)
         return hvd.reducescatter(x, op=hvd.Sum, name=name)
 
     def compare(self, got: list[Any], rank: int) -> list[int]:
