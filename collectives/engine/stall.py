@@ -27,7 +27,7 @@ from collectives.engine.names import unnamed_counter
 from collectives.engine.negotiation import Entry, Table
 from collectives.engine.requests import Kind, label, script_name
 
-__all__ = ["Divergence", "StallInspector", "diverged"]
+__all__ = ["Divergence", "StallInspector", "diverged", "name_clashes"]
 
 logger = logging.getLogger("collectives.engine")
 
@@ -66,6 +66,27 @@ def diverged(table: Table, members: Callable[[Entry], list[int]]) -> list[Diverg
     return sorted(found, key=lambda d: (d.entry.order, d.rank))
 
 
+def name_clashes(table: Table) -> list[list[Entry]]:
+    """Named ops that ranks submitted under one name as different ops (an allreduce on some
+    ranks, an allgather or an ``op=Adasum`` allreduce on others), each rank one of them: the
+    engine keys ops by kind and name, so they never meet (Horovod refuses them as mismatched
+    operations). Unnamed ops are left out: an allreduce and an allgather may both be number
+    0 of their own kinds and still meet their peers."""
+    by_name: dict[tuple[int, str], list[Entry]] = {}
+    for entry in sorted(table.entries.values(), key=lambda e: e.order):
+        key = (entry.process_set_id, script_name(entry.kind, entry.name))
+        by_name.setdefault(key, []).append(entry)
+    return [
+        entries
+        for entries in by_name.values()
+        if len(entries) > 1 and _disjoint([set(e.sigs) for e in entries])
+    ]
+
+
+def _disjoint(ranks: list[set[int]]) -> bool:
+    return sum(map(len, ranks)) == len(set().union(*ranks))
+
+
 class StallInspector:
     """Watches the negotiation table for ops that wait too long."""
 
@@ -96,7 +117,14 @@ class StallInspector:
         warning, shutdown = cfg.stall_warning_seconds, cfg.stall_shutdown_seconds
         limit = min(t for t in (warning, shutdown) if t > 0)
         old = {id(entry) for w, entry in waited if w >= limit}
-        if old and any(id(d.entry) in old for d in diverged(table, members)):
+        if old and (
+            any(id(d.entry) in old for d in diverged(table, members))
+            or any(
+                id(e) in old and unnamed_counter(e.kind, e.name) is None
+                for clash in name_clashes(table)
+                for e in clash
+            )
+        ):
             logger.error("%s", self.report(table, members, now, aborting=True))
             return True
         stalled = [entry for w, entry in waited if warning > 0 and w >= warning]
@@ -121,32 +149,33 @@ class StallInspector:
             if divergences:
                 return self._divergence_report(divergences, now)
         lines = []
-        kinds: dict[tuple[int, str], list[tuple[str, set[int]]]] = {}  # by set and name
+        shown = set()
         for entry in sorted(table.entries.values(), key=lambda e: e.order):
             waited = now - entry.first_seen
             if waited < cfg.stall_warning_seconds and not aborting:
                 continue
+            shown.add(id(entry))
             missing = table.waiting_for(entry, members(entry))
-            what = label(entry.kind, entry.name)
             lines.append(
-                f"  {what} (process set {entry.process_set_id}, "
+                f"  {label(entry.kind, entry.name)} (process set {entry.process_set_id}, "
                 f"waiting {waited:.0f} s): submitted by ranks {sorted(entry.sigs)}, "
                 f"missing ranks {missing}"
             )
-            key = (entry.process_set_id, script_name(entry.kind, entry.name))
-            kinds.setdefault(key, []).append((what, set(entry.sigs)))
-        for ops in kinds.values():
-            ranks = [submitters for _, submitters in ops]
-            # Ranks that each submitted only one of them (op=Adasum on some ranks, another
-            # op on the others); an allreduce and an allgather that the same ranks both
-            # submitted (unnamed ones share counters' numbers) may yet meet their peers.
-            if len(ops) > 1 and sum(map(len, ranks)) == len(set().union(*ranks)):
-                shown = "; ".join(f"{what} on ranks {sorted(who)}" for what, who in ops)
-                lines.append(
-                    f"  one name, different ops: {shown}; these never meet (give different "
-                    "ops different names)"
-                )
-        if aborting:
+        clashes = [c for c in name_clashes(table) if all(id(e) in shown for e in c)]
+        for clash in clashes:
+            ops = "; ".join(f"{label(e.kind, e.name)} on ranks {sorted(e.sigs)}" for e in clash)
+            lines.append(
+                f"  one name, different ops: {ops}; these never meet (give different ops "
+                "different names)"
+            )
+        if aborting and any(unnamed_counter(c[0].kind, c[0].name) is None for c in clashes):
+            head = (
+                f"rank {self._rank}: ranks submitted different ops under one name, so these "
+                "ops can never run (the engine pairs ops by kind and name; Horovod refuses "
+                "them as mismatched operations); the stall inspector stopped the job's "
+                "collectives. Give different ops different names"
+            )
+        elif aborting:
             head = (
                 f"rank {self._rank}: the stall inspector stopped the job's collectives after "
                 f"ops waited more than HVDRUN_STALL_SHUTDOWN_TIME_SECONDS="

@@ -199,6 +199,31 @@ def test_mismatch_errors_say_what_the_script_submitted() -> None:
     assert "missing ranks [2]" in report and "one name, different ops" not in report, report
 
 
+def test_one_name_given_to_different_ops_stops_the_job_at_the_stall_check_time() -> None:
+    # Horovod refuses such ops (mismatched operations); here they waited forever, warned of
+    # every 60 s, since no shutdown time is set by default.
+    table = Table(size=2)
+    table.add(0, FIELD.join(["0", "0", "allreduce.y", _sum(torch.ones(3)), ""]).encode(), 1, 100.0)
+    gather = FIELD.join(
+        ["1", "0", "allgather.y", signature(Kind.ALLGATHER, (), [torch.ones(1, 3)]), ""]
+    )
+    table.add(1, gather.encode(), 1, 100.0)
+    config = EngineConfig(stall_warning_seconds=1.0, stall_shutdown_seconds=0.0)
+    inspector = StallInspector(config, rank=0, inspects=True)
+    assert not inspector.check(table, lambda entry: [0, 1], 100.5)  # not yet the check time
+    assert inspector.check(table, lambda entry: [0, 1], 101.5)
+    report = inspector.report(table, lambda entry: [0, 1], 101.5, aborting=True)
+    assert report.startswith(
+        "rank 0: ranks submitted different ops under one name, so these ops can never run"
+    ), report
+    assert "one name, different ops: allreduce 'y' on ranks [0]; allgather 'y' on ranks [1]" \
+        in report, report  # fmt: skip
+    # A straggler (rank 1 has submitted nothing yet) only warns.
+    alone = Table(size=2)
+    alone.add(0, FIELD.join(["0", "0", "allreduce.y", _sum(torch.ones(3)), ""]).encode(), 1, 100.0)
+    assert not StallInspector(config, rank=0, inspects=True).check(alone, lambda e: [0, 1], 200.0)
+
+
 def test_rank_that_shuts_down_ends_the_collectives(
     make_harness: Callable[[int], Harness],
 ) -> None:
