@@ -97,11 +97,13 @@ def _keeping_failures(fn: Callable[..., Any]) -> Callable[..., Any]:
     def body(*args: Any) -> Any:
         try:
             return fn(*args)
+        # TensorFlow puts the traceback of what the body raises into the error's message:
+        # without the frames of hvdrun's own machinery below, it names the user's mistake.
         except _FAILURES as error:
             _failure[:] = [error]
-            raise as_tensorflow_error(error) from None
+            raise as_tensorflow_error(error).with_traceback(None) from None
         except (ValueError, TypeError) as error:
-            raise as_tensorflow_error(error) from None
+            raise as_tensorflow_error(error).with_traceback(None) from None
 
     return body
 
