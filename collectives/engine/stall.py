@@ -74,6 +74,8 @@ def name_clashes(table: Table) -> list[list[Entry]]:
     0 of their own kinds and still meet their peers."""
     by_name: dict[tuple[int, str], list[Entry]] = {}
     for entry in sorted(table.entries.values(), key=lambda e: e.order):
+        if not entry.kind.moves_data:  # (a join, barrier or process set call: no user name)
+            continue
         key = (entry.process_set_id, script_name(entry.kind, entry.name))
         by_name.setdefault(key, []).append(entry)
     return [
