@@ -6,13 +6,9 @@ One process of its own (TensorFlow stays out of pytest's)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.frameworks.conftest import run_alone
 
 SCRIPT = textwrap.dedent(
     """
@@ -56,11 +52,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_adasum_gradient_and_non_integer_splits() -> None:
-    env = {**os.environ, "HVDRUN_LAUNCHER": "none", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    env.pop("HVDRUN_RENDEZVOUS_ADDR", None)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=240, env=env
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ADASUM SPLITS OK" in result.stdout
+    run_alone(SCRIPT, "ADASUM SPLITS OK")

@@ -4,13 +4,9 @@ keep them through a sync. One process of its own (TensorFlow stays out of pytest
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.frameworks.conftest import run_alone
 
 SCRIPT = textwrap.dedent(
     """
@@ -49,11 +45,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_tensorflow_states_commit_restore_and_sync() -> None:
-    env = {**os.environ, "HVDRUN_LAUNCHER": "none", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    env.pop("HVDRUN_RENDEZVOUS_ADDR", None)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=240, env=env
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "STATE OK" in result.stdout
+    run_alone(SCRIPT, "STATE OK")
