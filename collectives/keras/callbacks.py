@@ -42,7 +42,8 @@ def optimizer_variables(optimizer: Any, model: Any) -> list[Any]:
 class BroadcastGlobalVariablesCallback(KerasCallback):
     """Broadcasts the model's and the optimizer's variables from ``root_rank`` before
     training starts, so that every rank starts from the same state (the optimizer's
-    variables included: Keras 3 creates them lazily, they are built here first).
+    variables included: Keras 3 creates them lazily, they are built here first); a model
+    that is not built before its first batch is broadcast at the end of that batch.
     ``local_variables`` (a variable or a list of them, Keras or backend variables) are
     each rank's own and never broadcast."""
 
@@ -70,7 +71,10 @@ class BroadcastGlobalVariablesCallback(KerasCallback):
         self.broadcast_done = True
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        if not self.broadcast_done:
+        # A model not built yet (a Sequential without an input shape, a subclassed model)
+        # has no weights until its first batch: it is broadcast at that batch's end, as
+        # Horovod does, once its weights and the optimizer's exist.
+        if not self.broadcast_done and getattr(self.model, "built", True):
             self._broadcast()
 
     def on_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
