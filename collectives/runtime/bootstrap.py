@@ -77,26 +77,20 @@ _atexit_registered = False
 JOINED_VARIABLE = "HVDRUN_JOINED_PROCESS"
 
 
-#: In a process forked from one whose runtime was live: that runtime. Its torch default
-#: group is the parent's too, so an ``init()`` here would adopt it and talk over the
-#: parent's sockets.
-_forked_from: RuntimeState | None = None
-
-
 def _after_fork_in_child() -> None:
     """A forked child (a DataLoader worker, ...) keeps its parent's runtime for the rank
-    queries (``state.engine()`` refuses its collectives), and gets a fresh lock: a thread
-    of the parent that held it at the fork does not exist here to release it."""
-    global _lock, _forked_from
+    queries (``state.engine()`` refuses its collectives, ``state.inherited()`` names it),
+    and gets a fresh lock: a thread of the parent that held it at the fork does not exist
+    here to release it."""
+    global _lock
     _lock = threading.RLock()
-    runtime_ = state.current()
-    if runtime_ is not None and runtime_.topology.size > 1:
-        _forked_from = runtime_
 
 
 def _refuse_in_a_forked_child() -> None:
-    parent = _forked_from
-    if parent is not None:
+    """The inherited runtime's torch default group is the parent's too: an ``init()`` here
+    would adopt it and talk over the parent's sockets."""
+    parent = state.inherited()
+    if parent is not None and parent.topology.size > 1:
         raise RuntimeError(
             f"hvd.init() in process {os.getpid()}, forked from rank {parent.topology.rank}'s "
             f"process (pid {parent.pid}) after its hvd.init(): a forked child cannot join the "

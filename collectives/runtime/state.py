@@ -118,17 +118,24 @@ class RuntimeState:
 
 
 _current: RuntimeState | None = None
-#: Whether this process was forked from another (so that the check of every op for a
-#: runtime inherited from the parent costs no system call in the parent).
-_forked = False
+#: In a process forked from one whose runtime was live: that runtime (its engine, sockets
+#: and rendezvous connection are the parent's). None in the process that joined, so the
+#: check of every op for an inherited runtime costs no system call there.
+_inherited: RuntimeState | None = None
 
 
 def _after_fork_in_child() -> None:
-    global _forked
-    _forked = True
+    global _inherited
+    if _current is not None:
+        _inherited = _current
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def inherited() -> RuntimeState | None:
+    """The runtime this process inherited from the parent it was forked from, if any."""
+    return _inherited
 
 
 def current() -> RuntimeState | None:
@@ -247,7 +254,7 @@ def engine(what: str = "this function") -> Engine:
     """The running engine, or :class:`NotInitializedError` naming ``what``; a RuntimeError
     in a process forked from the one that joined the job."""
     runtime = require(what)
-    if _forked and runtime.pid != os.getpid():
+    if _inherited is not None and runtime.pid != os.getpid():
         raise RuntimeError(_forked_child_message(what, runtime))
     engine_ = runtime.engine
     if engine_ is None:
