@@ -75,12 +75,13 @@ def hidden_packages_note(command: Sequence[str]) -> str | None:
     ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     if directory == ours:
         return None
-    hiding = [
-        path
-        for name in WORKER_PACKAGES
-        for path in (os.path.join(directory, name + ".py"), os.path.join(directory, name))
-        if os.path.isfile(path if path.endswith(".py") else os.path.join(path, "__init__.py"))
-    ]
+    hiding = []
+    for name in WORKER_PACKAGES:
+        module, package = os.path.join(directory, name + ".py"), os.path.join(directory, name)
+        if os.path.isfile(module):
+            hiding.append(module)
+        if os.path.isfile(os.path.join(package, "__init__.py")):
+            hiding.append(package)
     if not hiding:
         return None
     return (

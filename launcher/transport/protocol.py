@@ -48,8 +48,9 @@ from typing import Any, ClassVar
 
 PROTOCOL_VERSION = 2
 
-#: The signals hvdrun (and an agent that gets one itself) passes on to the workers, as
-#: mpirun does: a job's own (Slurm's ``--signal=USR1@60`` before its time limit, say).
+#: The signals hvdrun passes on to the workers, as mpirun does: a job's own (Slurm's
+#: ``--signal=USR1@60`` before its time limit, say). An agent that gets one itself passes
+#: nothing on: Slurm signals the workers of its step too.
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 #: ``python -m launcher.agent --shared-stdin``: one task of an srun step, whose stdin every
