@@ -71,9 +71,11 @@ def _dumps_or_error(obj: Any) -> tuple[torch.Tensor, BaseException | None]:
 
 
 def _failure(data: torch.Tensor) -> str | None:
-    """The error a rank sent in place of its object, or None for a pickle."""
-    raw = data.numpy().tobytes()
-    return raw[1:].decode(errors="replace") if raw[:1] == _FAILED else None
+    """The error a rank sent in place of its object, or None for a pickle (looked at by its
+    first byte: a pickle is not copied out for this)."""
+    if data.numel() == 0 or int(data[0]) != _FAILED[0]:
+        return None
+    return data[1:].numpy().tobytes().decode(errors="replace")
 
 
 def broadcast_object(
