@@ -221,10 +221,12 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         flat = bucket.flat
         assert flat is not None
         self._hvd_move_rest(bucket)
+        # (Average of float16 gradients: summed, then divided; of others, divided first)
+        half = self._hvd_op == ReduceOp.AVERAGE and flat.dtype is torch.float16
         bucket.handle = ops.submit_allreduce(
             [flat],
             [flat],
-            bucket.reduce_op,
+            ReduceOp.AVERAGE if half else ReduceOp.SUM,
             1.0,
             1.0,
             self._hvd_process_set,
@@ -252,7 +254,6 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         average = self._hvd_op == ReduceOp.AVERAGE
         divide_first = average and bucket.params[0].dtype is not torch.float16
         bucket.factor = 1.0 / self._hvd_process_set.size() if divide_first else 1.0
-        bucket.reduce_op = ReduceOp.AVERAGE if average and not divide_first else ReduceOp.SUM
         return True
 
     def _hvd_move(self, bucket: Bucket, param: torch.Tensor) -> None:

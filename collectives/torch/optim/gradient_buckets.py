@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from collectives.common import ReduceOp
 from collectives.engine import streams
 from collectives.engine.handles import Handle
 
@@ -52,7 +51,6 @@ class Bucket:
         "params",
         "position",
         "producers",
-        "reduce_op",
         "sent",
         "views",
         "waiting",
@@ -67,8 +65,6 @@ class Bucket:
         # (None: not decided yet), and those that have moved.
         self.early: bool | None = None
         self.factor = 1.0  # what a gradient is scaled by on its way in (1/size: Average)
-        # The flat tensor's op: Sum of the scaled gradients, or Average (float16: no factor)
-        self.reduce_op = ReduceOp.SUM
         self.moved: set[torch.Tensor] = set()
         # The CUDA streams this step's gradients not moved yet were produced on.
         self.producers: set[Any] = set()
