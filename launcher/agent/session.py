@@ -4,7 +4,8 @@ One agent runs on every host of a job, for local and remote hosts alike (a subpr
 over SSH). It announces its versions with a ``hello`` event, reads its request from stdin
 (:mod:`launcher.transport.protocol`), starts the host's workers (each in a new session, so its whole
 process group can be signalled), splits their output into lines and reports them, with
-exits, as events on stdout.
+exits (and workers stopped or continued, see :mod:`launcher.agent.workers`), as events on
+stdout.
 
 Before starting workers it finds the interface that faces the rendezvous server and sets
 ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` to it unless they are set: a host's own name
@@ -315,6 +316,7 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
         while not control.stop.is_set() and not emit.broken.is_set():
             while control.forward:
                 agent.signal(control.forward.pop(0))
+            agent.check_stops()
             if agent.wait(timeout=0.1):
                 break
         if control.stop.is_set() or emit.broken.is_set():

@@ -5,6 +5,12 @@ stdout and stderr are split into lines where they are produced, so a line always
 whole. Stopping sends SIGTERM (then SIGCONT, for a stopped one) to every worker's process group and
 to every process of its tree (children may have left the group), then SIGKILL after the
 grace period.
+
+A worker that stops running (SIGSTOP, SIGTSTP, a debugger that attached and holds it) is
+reported as :class:`Stopped`, and as :class:`Continued` when it runs again: its peers'
+collectives time out waiting for it, and hvdrun names it, not them, as the cause. The state
+is read from the process table (a debugger's ptrace stop reaches no ``waitpid`` of the
+agent); the stopping signal from ``waitid(WSTOPPED | WNOWAIT)``, which consumes nothing.
 """
 
 from __future__ import annotations
@@ -21,10 +27,21 @@ from typing import BinaryIO
 import psutil
 
 from launcher.output import LineSplitter
-from launcher.transport.protocol import AgentEvent, AgentSpec, Exit, Output, Started, WorkerLaunch
+from launcher.transport.protocol import (
+    AgentEvent,
+    AgentSpec,
+    Continued,
+    Exit,
+    Output,
+    Started,
+    Stopped,
+    WorkerLaunch,
+)
 
 Emit = Callable[[AgentEvent], None]
 READ_CHUNK = 65536
+#: How often the agent looks for workers that were stopped or continued.
+STOP_CHECK_INTERVAL = 0.5
 
 
 def exit_code_of(returncode: int) -> int:
@@ -52,6 +69,8 @@ class Worker:
             start_new_session=True,
         )
         self.exited = threading.Event()
+        self.reported_stop: Stopped | None = None  # (the HostAgent's checks only)
+        self._ps: psutil.Process | None = None
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._readers = [
             threading.Thread(target=self._drain, args=(self.proc.stdout, "stdout"), daemon=True),
@@ -75,6 +94,27 @@ class Worker:
             if not chunk:
                 pipe.close()
                 return
+
+    def stop_state(self) -> Stopped | None:
+        """How this worker is stopped now; None while it runs (or once it has exited)."""
+        if self.proc.returncode is not None:
+            return None  # (reaped: its pid may belong to another process now)
+        try:
+            if self._ps is None:
+                self._ps = psutil.Process(self.proc.pid)
+            status = self._ps.status()
+        except psutil.Error:
+            return None
+        if status == psutil.STATUS_TRACING_STOP:
+            return Stopped(self.rank, self.proc.pid, traced=True)
+        if status != psutil.STATUS_STOPPED:
+            return None
+        signum = None
+        with contextlib.suppress(OSError):
+            info = os.waitid(os.P_PID, self.proc.pid, os.WSTOPPED | os.WNOWAIT | os.WNOHANG)
+            if info is not None and info.si_code == os.CLD_STOPPED:
+                signum = info.si_status
+        return Stopped(self.rank, self.proc.pid, signum)
 
     def _wait(self) -> None:
         # Wait without reaping, so the pid cannot be reused while we clear its process group:
@@ -101,6 +141,7 @@ class HostAgent:
         self.workers: list[Worker] = []
         self._lock = threading.Lock()
         self._terminating = False
+        self._next_stop_check = 0.0
 
     def start(self, stop: threading.Event | None = None) -> None:
         """Starts the workers in turn; once ``stop`` is set (hvdrun asked, or a signal came)
@@ -131,6 +172,24 @@ class HostAgent:
         for worker in workers:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(worker.proc.pid, signum)
+
+    def check_stops(self, force: bool = False) -> None:
+        """Reports each running worker that was stopped or continued since the last check
+        (at most one check every ``STOP_CHECK_INTERVAL`` s, unless ``force``)."""
+        now = time.monotonic()
+        if now < self._next_stop_check and not force:
+            return
+        self._next_stop_check = now + STOP_CHECK_INTERVAL
+        with self._lock:
+            if self._terminating:
+                return  # (hvdrun's stop continues them itself)
+            workers = [worker for worker in self.workers if not worker.exited.is_set()]
+        for worker in workers:
+            stop = worker.stop_state()
+            if stop == worker.reported_stop:
+                continue
+            worker.reported_stop = stop
+            self._emit(stop if stop is not None else Continued(worker.rank))
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once every started worker has exited and been reported."""

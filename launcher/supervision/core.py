@@ -12,6 +12,9 @@ membership, discovery and generations):
 * Heartbeats: an agent silent for longer than its ``heartbeat_timeout`` (a cut network
   closes nothing) is given up on: its host counts as lost and its connection is dropped;
   the agent stops its workers on its own heartbeat timeout.
+* A worker that its agent reports stopped (SIGSTOP, SIGTSTP, a debugger holding it) while
+  another fails, or that was continued only moments before, is named as the cause
+  (:meth:`Supervision.stop_behind`): its peers' collectives timed out waiting for it.
 * Events are drained from one queue between those checks, in batches, so that a worker
   flooding its output cannot hold off a Ctrl-C.
 
@@ -38,7 +41,14 @@ from launcher.output import OutputSink
 from launcher.spec.job import JobSpec
 from launcher.supervision.insight import InsightWatch
 from launcher.transport.connection import AgentExit
-from launcher.transport.protocol import FORWARDED_SIGNALS, AgentSpec, Done, WorkerLaunch
+from launcher.transport.protocol import (
+    FORWARDED_SIGNALS,
+    AgentSpec,
+    Continued,
+    Done,
+    Stopped,
+    WorkerLaunch,
+)
 from rendezvous import worker_env
 from rendezvous.insight import RankFigures
 from rendezvous.slots import SlotInfo
@@ -52,6 +62,9 @@ EVENT_BATCH = 1000
 #: The loop steps every poll interval; a gap this long means hvdrun itself was stopped or
 #: starved, and the agents get as long again to be heard before their silence counts.
 LOOP_STALL_SECONDS = 2.0
+#: A worker continued less than this long before a peer failed still counts as stopped:
+#: the peer's collective had timed out waiting for it before its exit reached hvdrun.
+STOP_AFTERMATH_SECONDS = 2.0
 
 
 def rank_list(ranks: Sequence[int]) -> str:
@@ -72,11 +85,52 @@ def rank_list(ranks: Sequence[int]) -> str:
 
 
 @dataclass
+class WorkerStop:
+    """A worker its agent reported stopped, from when hvdrun heard of it (``since``) until
+    it was reported continued (``until``)."""
+
+    rank: int
+    hostname: str
+    pid: int
+    signum: int | None
+    traced: bool
+    since: float
+    until: float | None = None
+
+    def by(self) -> str:
+        """What stopped it, in a word: ``SIGSTOP``, ``a debugger``, ``a signal``."""
+        if self.traced:
+            return "a debugger"
+        if self.signum is not None:
+            with contextlib.suppress(ValueError):
+                return signal.Signals(self.signum).name
+        return "a signal"
+
+    def cause(self, peer: WorkerFailure) -> str:
+        """Why it, not ``peer`` (a worker that exited while it was stopped), failed first."""
+        if self.traced:
+            how = f"it was stopped by a debugger (ptrace, pid {self.pid})"
+        else:
+            how = f"it was stopped by {self.by()} (pid {self.pid})"
+        if self.until is None:
+            how += " and never continued; its peers' collectives timed out waiting for it"
+        else:
+            how += (
+                f" for {self.until - self.since:.1f} s, continued only just before its peers "
+                "failed; their collectives had timed out waiting for it"
+            )
+        return f"{how} (rank {peer.rank} exited first, with exit code {peer.code})"
+
+
+@dataclass
 class WorkerFailure:
     rank: int
     hostname: str
     code: int
     error: str | None = None
+    #: The rank was stopped while ``peer`` failed: ``code`` is the peer's.
+    stop: WorkerStop | None = None
+    peer: WorkerFailure | None = None
 
 
 @dataclass
@@ -245,6 +299,7 @@ class Supervision(ABC, Generic[E]):
         self._last_check: float | None = None  # when this loop last judged heartbeats
         self._grace_until = 0.0  # after this loop itself stalled, silence is its own
         self.insight: InsightWatch | None = None  # watches the workers' arrival figures
+        self.worker_stops: dict[int, WorkerStop] = {}  # rank -> its latest stop, until it exits
 
     # ---- what differs between supervisors ----------------------------------------------
 
@@ -380,8 +435,41 @@ class Supervision(ABC, Generic[E]):
 
     def record_exit(self, rank: int, code: int) -> None:
         self.result.exits[rank] = code
+        self.worker_stops.pop(rank, None)
         if self.stopping:
             self.result.stopped.add(rank)
+
+    def record_stop(self, host: str, event: Stopped | Continued) -> None:
+        """A worker was stopped (SIGSTOP, a debugger) or continued, as its agent saw it."""
+        if self.stopping or event.rank in self.result.exits:
+            return  # (hvdrun's own stop continues the stopped workers)
+        if isinstance(event, Stopped):
+            stop = WorkerStop(event.rank, host, event.pid, event.signum, event.traced, self.clock())
+            log.info("rank %d on %s was stopped by %s", event.rank, host, stop.by())
+            self.worker_stops[event.rank] = stop
+            return
+        stopped = self.worker_stops.get(event.rank)
+        if stopped is not None and stopped.until is None:
+            stopped.until = self.clock()
+            log.info("rank %d on %s was continued", event.rank, host)
+
+    def stop_behind(self, failure: WorkerFailure) -> WorkerFailure | None:
+        """The failure to name when ``failure`` (a worker's exit) came while another worker
+        was stopped, or was continued less than ``STOP_AFTERMATH_SECONDS`` before: the one
+        stopped first, with ``failure``'s exit code. None when no worker was stopped."""
+        now = self.clock()
+        stops = [
+            stop
+            for rank, stop in self.worker_stops.items()
+            if rank != failure.rank
+            and (stop.until is None or now - stop.until < STOP_AFTERMATH_SECONDS)
+        ]
+        if not stops:
+            return None
+        stop = min(stops, key=lambda stop: (stop.since, stop.rank))
+        return WorkerFailure(
+            stop.rank, stop.hostname, failure.code, stop.cause(failure), stop, failure
+        )
 
     def fail(self, failure: WorkerFailure) -> None:
         """The first failure decides the exit code, unless a signal came first, and stops

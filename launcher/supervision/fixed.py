@@ -2,7 +2,9 @@
 
 Exit rules (mpirun's): every worker exits 0 → 0. The first worker to fail decides the exit
 code (128+N for signal N); every other worker on every host is then stopped, and hvdrun
-names the rank, its host and the last lines of its stderr, with a table of every rank.
+names the rank, its host and the last lines of its stderr, with a table of every rank. A
+worker that fails while another is stopped (SIGSTOP, a debugger) names the stopped one as
+the cause, with the failed worker's exit code.
 SIGINT/SIGTERM to hvdrun stop the job the same way and exit with 128+signal; a second signal
 kills without grace. A host that cannot be started, or whose agent is lost mid-job (SSH
 connection dropped, no heartbeat), makes hvdrun exit with 255, like ssh.
@@ -41,7 +43,7 @@ from launcher.transport.connection import (
     HostEvent,
     StepCancelled,
 )
-from launcher.transport.protocol import Done, Exit, Network, Output
+from launcher.transport.protocol import Continued, Done, Exit, Network, Output, Stopped
 from launcher.transport.startup import (
     AGENT_FAILURE_EXIT,
     LaunchError,
@@ -181,6 +183,8 @@ class Supervisor(Supervision[HostEvent]):
                         self._unjoined[rank] = host
                         self._fail_unjoined(registered)
                     self._left(rank)
+            case Stopped() | Continued():
+                self.record_stop(host, event)
             case Network(ifname):
                 log.info("workers on %s use interface %s", host, ifname)
             case StepCancelled(message):
@@ -193,6 +197,11 @@ class Supervisor(Supervision[HostEvent]):
     def _failed(self, failure: WorkerFailure) -> None:
         """A worker failed. When another rank's leaving ended its collectives and that rank
         is still exiting, that rank is waited for: if it fails too, it failed first."""
+        stopped = self.stop_behind(failure)
+        if stopped is not None:  # (a stopped worker, whose peers' collectives timed out)
+            self._held.clear()
+            self.fail(stopped)
+            return
         rank = failure.rank
         # Failures that waited for this rank: this one (or what it waits for) comes first.
         self._held = {r: held for r, held in self._held.items() if held[1] != rank}

@@ -40,7 +40,8 @@ def describe_exit(code: int) -> str:
 def rank_status(result: JobResult, rank: int) -> str:
     failure = result.failure
     if failure is not None and failure.rank == rank:
-        return "FAILED FIRST"
+        # (a stopped rank's own exit code is hvdrun's stop of it: say what stopped it)
+        return "FAILED FIRST" if failure.stop is None else f"FAILED FIRST ({failure.stop.by()})"
     if rank in result.lost:
         return "lost"
     if rank not in result.exits:
@@ -69,6 +70,9 @@ def summary_table(result: JobResult, sink: OutputSink, hosts: dict[int, str]) ->
         code = result.exits.get(rank)
         tail = sink.stderr_tail(rank)
         last = tail[-1] if tail else result.lost.get(rank, "")
+        failure = result.failure
+        if not tail and failure is not None and failure.stop is not None and failure.rank == rank:
+            last = "(stopped, never continued)" if failure.stop.until is None else "(stopped)"
         rows.append((str(rank), hosts[rank], "-" if code is None else str(code), status, last))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [
@@ -113,6 +117,8 @@ def report_failure(result: JobResult, sink: OutputSink, command: Sequence[str] =
         what = failure.error
     if failure.rank in result.lost:
         what = f"{result.lost[failure.rank]} (exit code {failure.code})"
+    if failure.stop is not None and failure.error:
+        what = failure.error
     # Horovod's sentence first: scripts and CI logs match on it.
     sink.message(HOROVOD_FAILED)
     sink.message(f"rank {failure.rank} on host {failure.hostname} failed first: {what}")
@@ -128,6 +134,13 @@ def report_failure(result: JobResult, sink: OutputSink, command: Sequence[str] =
         sink.message(f"last lines of rank {failure.rank}'s stderr:")
         for line in tail:
             sink.message(f"    {line}")
+    if failure.peer is not None:  # (the rank that exited first, while failure's was stopped)
+        peer_tail = sink.stderr_tail(failure.peer.rank)
+        if peer_tail:
+            sink.message(f"last lines of rank {failure.peer.rank}'s stderr (it exited first):")
+            for line in peer_tail:
+                sink.message(f"    {line}")
+        tail = tail or peer_tail
     hint = python_hint(tail, command)
     if hint:
         sink.message(hint)

@@ -25,6 +25,9 @@ The agent answers with one JSON event per line on stdout:
 * ``{"ev": "started", "rank": R, "pid": P}``
 * ``{"ev": "out", "rank": R, "stream": "stdout"|"stderr", "data": TEXT}`` - one whole line
 * ``{"ev": "exit", "rank": R, "code": C, "error": MESSAGE?}`` - 128+N for signal N
+* ``{"ev": "stopped", "rank": R, "pid": P, "signum": N?, "traced": B?}`` - the worker is
+  stopped: by signal N (SIGSTOP, SIGTSTP, ...), or held by a debugger (``traced``, ptrace)
+* ``{"ev": "continued", "rank": R}`` - a worker reported stopped runs again
 * ``{"ev": "ping"}`` - the agent is alive
 * ``{"ev": "probe", ...}`` - the answer to a probe
 * ``{"ev": "prepared", "address": A, "port": P}`` - the answer to a prepare
@@ -35,7 +38,9 @@ Output bytes that are not UTF-8 travel as surrogate escapes and come back byte-e
 In the code, requests and events are small dataclasses (:class:`RunRequest`, :class:`Exit`,
 ...), turned into lines and back only here, by :func:`encode_request`/:func:`decode_request`
 and :func:`encode_event`/:func:`decode_event`; both sides dispatch on their types. An event
-of a kind this side does not know (a newer agent) decodes to None and is skipped.
+of a kind this side does not know (a newer agent) decodes to None and is skipped: new
+kinds of events (``stopped``, ``continued``) need no new protocol version, and an older agent
+simply never sends them.
 """
 
 from __future__ import annotations
@@ -265,6 +270,25 @@ class Exit:
 
 
 @dataclass(frozen=True)
+class Stopped:
+    """A worker that does not run: stopped by signal ``signum`` (SIGSTOP, SIGTSTP, SIGTTIN,
+    SIGTTOU; None where the agent could not tell which), or held by a debugger (``traced``:
+    a ptrace stop, as while gdb sits at its prompt)."""
+
+    rank: int
+    pid: int
+    signum: int | None = None
+    traced: bool = False
+
+
+@dataclass(frozen=True)
+class Continued:
+    """A worker reported :class:`Stopped` runs again."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
 class Ping:
     pass
 
@@ -281,7 +305,9 @@ class Done:
     """Every worker has been reported; the agent exits."""
 
 
-AgentEvent = Hello | Network | Prepared | Started | Output | Exit | Ping | Probe | Done
+AgentEvent = (
+    Hello | Network | Prepared | Started | Output | Exit | Stopped | Continued | Ping | Probe | Done
+)
 
 
 def encode_event(event: AgentEvent) -> bytes:
@@ -305,6 +331,15 @@ def encode_event(event: AgentEvent) -> bytes:
             if error is not None:
                 message["error"] = error
             return encode(message)
+        case Stopped(rank, pid, signum, traced):
+            stop: dict[str, Any] = {"ev": "stopped", "rank": rank, "pid": pid}
+            if signum is not None:
+                stop["signum"] = signum
+            if traced:
+                stop["traced"] = True
+            return encode(stop)
+        case Continued(rank):
+            return encode({"ev": "continued", "rank": rank})
         case Ping():
             return encode({"ev": "ping"})
         case Probe(facts):
@@ -335,6 +370,13 @@ _EVENT_DECODERS: dict[str, Callable[[dict[str, Any]], AgentEvent]] = {
     "started": lambda raw: Started(int(raw["rank"]), int(raw["pid"])),
     "out": lambda raw: Output(int(raw["rank"]), str(raw["stream"]), bytes_of(raw["data"])),
     "exit": lambda raw: Exit(int(raw["rank"]), int(raw["code"]), raw.get("error")),
+    "stopped": lambda raw: Stopped(
+        int(raw["rank"]),
+        int(raw["pid"]),
+        None if raw.get("signum") is None else int(raw["signum"]),
+        bool(raw.get("traced", False)),
+    ),
+    "continued": lambda raw: Continued(int(raw["rank"])),
     "ping": lambda raw: Ping(),
     "probe": lambda raw: Probe({k: v for k, v in raw.items() if k != "ev"}),
     "done": lambda raw: Done(),
