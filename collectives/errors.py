@@ -23,6 +23,8 @@ A leaf: every layer raises these, so this module imports nothing of the package.
 
 from __future__ import annotations
 
+import traceback
+
 __all__ = [
     "CollectiveError",
     "HorovodInternalError",
@@ -98,3 +100,13 @@ class NotInitializedError(ValueError):
         super().__init__(
             f"hvdrun collectives are not initialized: call hvd.init() before using {what}"
         )
+
+
+def describe(error: BaseException) -> dict[str, str]:
+    """An exception as a launcher reports it from a worker that ran a function
+    (``hvdrun.run``, ``collectives.spark.run``): its type, message and traceback."""
+    return {
+        "type": type(error).__name__,
+        "message": str(error),
+        "traceback": "".join(traceback.format_exception(error)),
+    }

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
-from hvdrun import __version__
+from hvdrun.version import __version__
 from rendezvous import launchers
 
 

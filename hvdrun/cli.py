@@ -15,8 +15,8 @@ from typing import Any
 
 import click
 
-from hvdrun import __version__
 from hvdrun.abbreviations import AbbreviatingCommand
+from hvdrun.calls import FunctionCall
 from hvdrun.command_check import check_command, hidden_packages_note
 from hvdrun.config_file import config_env, config_file_option
 from hvdrun.dry_run import dry_run_option
@@ -45,6 +45,7 @@ from hvdrun.report_flags import (
     report_options,
 )
 from hvdrun.tuning import tuning_env, tuning_options
+from hvdrun.version import __version__
 from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports, unset_exports
 from launcher.spec.hosts import (
     LOCAL_NAMES,
@@ -400,6 +401,7 @@ def cli(
     from launcher.spec.job import JobSpec
     from launcher.transport.startup import LaunchError, LaunchInterrupted
 
+    call = click.get_current_context().find_object(FunctionCall)  # (from hvdrun.run)
     spec = JobSpec(
         command=list(command),
         num_proc=num_proc,
@@ -410,14 +412,16 @@ def cli(
         launch=launch,
         elastic=elastic_options,
     )
+    if call is not None:
+        spec.preset, spec.collect = call.preset, call.collect
     if dry_run:
         from hvdrun.dry_run import print_plan
 
         print_plan(spec, click.echo)
         return 0
     # (None where hvdrun started with the descriptor closed: the sink drops that stream)
-    stdout = getattr(sys.stdout, "buffer", None)
-    stderr = getattr(sys.stderr, "buffer", None)
+    stdout = call.stdout if call else getattr(sys.stdout, "buffer", None)
+    stderr = call.stderr if call else getattr(sys.stderr, "buffer", None)
     options = OutputOptions(
         prefix_timestamp=prefix_timestamp,
         colour_stdout=use_colour(stdout, os.environ),
@@ -428,7 +432,10 @@ def cli(
     )
     try:
         sink = OutputSink(stdout, stderr, options=options)
-        code = run_job(spec, sink, report.options()).exit_code
+        result = run_job(spec, sink, report.options())
+        if call is not None:
+            call.result = result
+        code = result.exit_code
         merge_after_job(env, options.num_ranks)
         return code
     except LaunchError as exc:
@@ -619,7 +626,7 @@ def run_cli(argv: Sequence[str] | None = None) -> int:
             args=list(argv) if argv is not None else None, prog_name="hvdrun", standalone_mode=False
         )
     except click.UsageError as exc:
-        click.echo(f"hvdrun: error: {_usage_message(exc)}", err=True)
+        click.echo(f"hvdrun: error: {usage_message(exc)}", err=True)
         return 2
     except click.ClickException as exc:
         click.echo(f"hvdrun: error: {exc.format_message()}", err=True)
@@ -631,7 +638,7 @@ def run_cli(argv: Sequence[str] | None = None) -> int:
     return result if isinstance(result, int) else 0
 
 
-def _usage_message(exc: click.UsageError) -> str:
+def usage_message(exc: click.UsageError) -> str:
     message = exc.format_message()
     variable = _from_environment(exc)
     if variable is not None:

@@ -39,6 +39,7 @@ __all__ = [
     "ELASTIC_TIMEOUT",
     "ENDED_BY_KEY_PREFIX",
     "FLAGS",
+    "FUNCTION_KEY",
     "GENERATION",
     "GLOO_TIMEOUT_SECONDS",
     "HOSTNAME",
@@ -52,6 +53,7 @@ __all__ = [
     "RENDEZVOUS_CERT",
     "RENDEZVOUS_RELAY",
     "RENDEZVOUS_RELAY_ADDR",
+    "RESULT_KEY_PREFIX",
     "SECRET",
     "STATE_KEY_PREFIX",
     "WORKER",
@@ -133,6 +135,12 @@ INSIGHT_KEY_PREFIX = "hvdrun/insight/"
 #: when both then fail, hvdrun names the one that left as the first failure, whichever exit
 #: it heard of first.
 ENDED_BY_KEY_PREFIX = "hvdrun/ended-by/"
+#: ``hvdrun.run(fn, ...)``: the launcher puts ``(fn, args, kwargs)``, pickled, in the store
+#: under this key before any worker starts (in pieces, :mod:`rendezvous.pieces`); each
+#: worker (``python -m collectives.run_task``) reads it, calls ``fn`` and puts what it
+#: returned under ``RESULT_KEY_PREFIX`` and its rank, which the launcher reads at the end.
+FUNCTION_KEY = "hvdrun/run/function"
+RESULT_KEY_PREFIX = "hvdrun/run/result/"
 
 # ---- settings: read as HVDRUN_<name> or HOROVOD_<name> ---------------------------------
 FUSION_THRESHOLD = "FUSION_THRESHOLD"

@@ -207,6 +207,10 @@ class Cluster:
 
     def hvdrun_argv(self, *args: str) -> list[str]:
         """``python -m hvdrun ARGS`` with DNS pointed at loopback (see the module docstring)."""
+        return self.python_argv("-m", "hvdrun", *args)
+
+    def python_argv(self, *args: str) -> list[str]:
+        """``python ARGS`` (a script that launches jobs itself) as :meth:`hvdrun_argv` runs."""
         script = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
         return [
             "unshare",
@@ -217,8 +221,6 @@ class Cluster:
             script,
             str(self.resolv_conf),
             sys.executable,
-            "-m",
-            "hvdrun",
             *args,
         ]
 

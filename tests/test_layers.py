@@ -51,6 +51,7 @@ COLLECTIVES = [
     {"process_sets"},  # registering process sets (a negotiated op)
     {"job", "objects"},  # the job API every frontend shares: init, join, barrier, objects
     {"elastic"},  # elastic states and run, shared by every frontend
+    {"run_task"},  # python -m collectives.run_task: one rank of hvdrun.run(fn)
     FRONTENDS := {"torch", "tensorflow", "keras", "ray", "spark"},  # frontends, side by side
 ]
 

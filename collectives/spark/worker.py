@@ -26,6 +26,8 @@ import sys
 import threading
 import traceback
 
+from collectives.errors import describe
+
 #: The descriptor this process writes its result to (set by the task, then removed).
 RESULT_FD_VARIABLE = "HVDRUN_SPARK_RESULT_FD"
 OK = b"R"
@@ -53,15 +55,6 @@ def _watch_task(fd: int) -> None:
     except Exception:  # stderr may be gone with the task
         pass
     os.killpg(os.getpgrp(), signal.SIGKILL)  # this process leads its group
-
-
-def describe(error: BaseException) -> dict[str, str]:
-    """An exception as the driver reports it."""
-    return {
-        "type": type(error).__name__,
-        "message": str(error),
-        "traceback": "".join(traceback.format_exception(error)),
-    }
 
 
 def main() -> int:

@@ -32,3 +32,7 @@ class JobSpec:
     term_grace: float = 5.0  # seconds between SIGTERM and SIGKILL when workers are stopped
     launch: LaunchOptions = field(default_factory=LaunchOptions)
     elastic: ElasticOptions | None = None  # set: an elastic job
+    # Rendezvous store entries the workers find from the start (hvdrun.run's function), and
+    # the prefix of those they leave that the result keeps (JobResult.collected)
+    preset: dict[str, bytes] = field(default_factory=dict, repr=False)
+    collect: str | None = None

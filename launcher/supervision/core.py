@@ -143,6 +143,8 @@ class JobResult:
     lost: dict[int, str] = field(default_factory=dict)  # rank -> why it was never reported
     hosts: dict[int, str] = field(default_factory=dict)  # rank -> host
     figures: dict[str, RankFigures] = field(default_factory=dict)  # the workers' last figures
+    # what the workers left in the rendezvous store under JobSpec.collect (hvdrun.run's results)
+    collected: dict[str, bytes] = field(default_factory=dict)
 
 
 def agent_spec(

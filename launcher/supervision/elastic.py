@@ -612,12 +612,15 @@ def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     )
     server.start()
     try:
+        server.put_values(spec.preset)
         with Signals().installed() as signals:
             cert_pem = tls.cert_pem.decode("ascii") if tls is not None else ""
             driver = ElasticDriver(
                 spec, options, sink, signals, server, secret, job_id, initial, cert_pem
             )
             result = driver.run()
+        if spec.collect is not None:
+            result.collected = server.values_under(spec.collect)
     finally:
         server.stop()
         sink.close()

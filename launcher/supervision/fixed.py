@@ -342,6 +342,7 @@ def _supervise(
     )
     port = server.start()
     try:
+        server.put_values(spec.preset)
         rank0 = next(slot.hostname for slot in slots if slot.rank == 0)
         master = master_env(spec, agents, slots, rendezvous_addr(plan, rank0, port))
         for agent in agents:
@@ -352,6 +353,9 @@ def _supervise(
             )
             launch.env.update(master)
             agent.launch(launch, events)
-        return Supervisor(agents, slots, sink, events, spec.term_grace, signals, server).run()
+        result = Supervisor(agents, slots, sink, events, spec.term_grace, signals, server).run()
+        if spec.collect is not None:
+            result.collected = server.values_under(spec.collect)
+        return result
     finally:
         server.stop()

@@ -18,7 +18,7 @@ fields (the four parts) never change.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import NoReturn
 
 import grpc
@@ -95,6 +95,11 @@ class Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     def values_under(self, prefix: str) -> dict[str, bytes]:
         """Every key of the store under ``prefix`` (the workers' reports), and its value."""
         return self._store.values_under(prefix)
+
+    def put_values(self, values: Mapping[str, bytes]) -> None:
+        """Stores every pair (what the launcher hands its workers), or none if one is
+        refused (a value over the limit)."""
+        self._store.multi_set(list(values), list(values.values()))
 
     # ---- RPCs --------------------------------------------------------------------------
 

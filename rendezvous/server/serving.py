@@ -36,7 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TypeVar
 
@@ -280,6 +280,15 @@ class RendezvousServer:
         """The store's keys under ``prefix`` and their values (the workers' reports, such
         as their arrival figures under ``worker_env.INSIGHT_KEY_PREFIX``)."""
         return self._ask(lambda: self._servicer.values_under(prefix), {})
+
+    def put_values(self, values: Mapping[str, bytes]) -> None:
+        """Stores ``values`` (key -> bytes, each within the value limit) before the workers
+        ask for them, such as ``hvdrun.run``'s function; the server must be started."""
+        with self._state_lock:
+            started = self._loop_thread is not None
+        if not started:
+            raise RuntimeError("the rendezvous server has not been started")
+        self._ask(lambda: self._servicer.put_values(values), None)
 
     def _ask(self, question: Callable[[], _T], unstarted: _T) -> _T:
         """``question()`` answered on the server's loop, which owns the job's state: callers

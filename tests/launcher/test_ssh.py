@@ -7,6 +7,7 @@ every check below is made from inside the hosts.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -108,6 +109,44 @@ def test_this_machine_and_a_remote_host_in_one_job(cluster: Cluster) -> None:
     assert found[0]["gloo_ifname"] == cluster.bridge
     assert found[1]["hostname"] == node1.uts_hostname
     assert found[0]["sum"] == found[1]["sum"] == 3
+
+
+def test_hvdrun_run_calls_a_function_on_two_hosts(cluster: Cluster, tmp_path: Path) -> None:
+    """hvdrun.run from a script: the function (by value, with an argument over the store's
+    value limit) reaches the hosts over the job's connections; results come back by rank."""
+    node1, node2 = cluster.hosts[:2]
+    script = tmp_path / "driver.py"
+    script.write_text(
+        f"""
+import json, socket
+import hvdrun
+
+def where(blob):
+    import collectives.torch as hvd, torch
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(len(blob) + hvd.rank())]), op=hvd.Sum)
+    return {{"host": socket.gethostname(), "rank": hvd.rank(), "sum": total.item()}}
+
+results = hvdrun.run(
+    where, args=(b"x" * 6_000_000,), num_proc=2, hosts="{node1.alias}:1,{node2.alias}:1"
+)
+print("RESULTS", json.dumps(results))
+"""
+    )
+    result = subprocess.run(
+        cluster.python_argv(str(script)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=cluster.env(),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULTS "))
+    assert json.loads(line.removeprefix("RESULTS ")) == [
+        {"host": node1.uts_hostname, "rank": 0, "sum": 12_000_001.0},
+        {"host": node2.uts_hostname, "rank": 1, "sum": 12_000_001.0},
+    ]
 
 
 def test_a_plain_ddp_script_over_ssh_meets_on_rank_0s_host(cluster: Cluster) -> None:

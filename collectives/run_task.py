@@ -1,0 +1,119 @@
+"""``python -m collectives.run_task``: one rank of ``hvdrun.run(fn, ...)``.
+
+``hvdrun.run`` starts an hvdrun job whose command is this module. Before any worker starts,
+the launcher puts ``(fn, args, kwargs)``, pickled by cloudpickle, in the job's rendezvous
+store under ``worker_env.FUNCTION_KEY`` (in pieces, :mod:`rendezvous.pieces`), so the
+function reaches every host over the connection the worker already has, whatever the
+network between the hosts. This process reads it, calls ``fn(*args, **kwargs)`` (which calls
+``hvd.init()`` itself, as in any script), and leaves its outcome in the store under
+``worker_env.RESULT_KEY_PREFIX`` and its rank: the value ``fn`` returned, pickled, or a
+description of the exception it raised. The launcher reads them all when the job ends.
+
+The rank is the one hvdrun gave the worker (``HVDRUN_RANK``), or, in elastic jobs, where
+ranks change, the rank the function's ``hvd.init()`` last had; the header says which
+membership generation and size it belongs to, so the launcher keeps the last generation's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any
+
+from collectives.errors import describe
+from rendezvous import pieces, worker_env
+from rendezvous.client import RendezvousClient, RendezvousError
+
+#: How long a worker waits for the function (it is in the store before any worker starts).
+READ_TIMEOUT = 60.0
+
+
+def _place() -> tuple[str, dict[str, int]]:
+    """The key this rank's outcome goes under, and the header fields that place it."""
+    # (The runtime only where the function imported it: this module never imports torch.)
+    state = sys.modules.get("collectives.runtime.state")
+    runtime = state.current() if state is not None else None
+    if runtime is not None:
+        rank = runtime.topology.rank
+        return str(rank), {
+            "rank": rank,
+            "size": runtime.topology.size,
+            "generation": runtime.generation,
+        }
+    rank_text = os.environ.get(worker_env.RANK)
+    if rank_text is not None and rank_text.isdigit():
+        size_text = os.environ.get(worker_env.SIZE, "")
+        size = int(size_text) if size_text.isdigit() else 0
+        return rank_text, {"rank": int(rank_text), "size": size, "generation": 0}
+    # An elastic worker whose function never called hvd.init(): it has no rank.
+    worker = os.environ.get(worker_env.WORKER, "")
+    return f"worker-{worker}", {"rank": -1, "size": 0, "generation": -1}
+
+
+def _store(client: RendezvousClient, ok: bool, data: bytes) -> None:
+    key, fields = _place()
+    stored, head = pieces.split(worker_env.RESULT_KEY_PREFIX + key, data, {**fields, "ok": ok})
+    for piece_key, piece in stored.items():
+        client.set(piece_key, piece)
+    client.set(worker_env.RESULT_KEY_PREFIX + key, head)  # last: the pieces are all there
+
+
+def _call(payload: bytes) -> tuple[int, bool, bytes]:
+    """Runs the pickled call: (exit code, whether it returned, its outcome's bytes)."""
+    import json
+
+    import cloudpickle
+
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+        value: Any = fn(*args, **kwargs)
+    except SystemExit as leaving:  # the function ended the process: its code counts
+        code = leaving.code
+        if code is None or code == 0:
+            return 0, True, cloudpickle.dumps(None)
+        sys.stderr.write(f"hvdrun.run: the function exited: {code}\n")
+        return (code if isinstance(code, int) else 1), False, json.dumps(describe(leaving)).encode()
+    except BaseException as error:
+        # (from the function's own frame: this module's call of it is no news)
+        below = error.__traceback__.tb_next if error.__traceback__ else None
+        traceback.print_exception(type(error), error, below)
+        return 1, False, json.dumps(describe(error)).encode()
+    try:
+        return 0, True, cloudpickle.dumps(value)
+    except Exception as error:
+        message = f"hvdrun.run: the value the function returned cannot be pickled: {error}"
+        sys.stderr.write(message + "\n")
+        return 1, False, json.dumps(describe(TypeError(message))).encode()
+
+
+def main() -> int:
+    if worker_env.SECRET not in os.environ:
+        sys.stderr.write(
+            "collectives.run_task runs the ranks of hvdrun.run(fn, ...); it is not a command "
+            "of its own\n"
+        )
+        return 2
+    client = RendezvousClient.from_environment()
+    try:
+        try:
+            payload, _ = pieces.joined(
+                worker_env.FUNCTION_KEY, lambda key: client.get(key, READ_TIMEOUT)
+            )
+        except (RendezvousError, pieces.PiecesError) as exc:
+            sys.stderr.write(f"hvdrun.run: could not read the function from hvdrun: {exc}\n")
+            return 1
+        code, ok, outcome = _call(payload)
+        del payload
+        try:
+            _store(client, ok, outcome)
+        except RendezvousError as exc:
+            sys.stderr.write(f"hvdrun.run: could not hand the result to hvdrun: {exc}\n")
+            return code or 1
+        return code
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+"""``hvdrun.run(fn, ...)``: Horovod's ``horovod.run`` -- a Python function on many processes.
+
+The function, its arguments and keyword arguments are pickled by cloudpickle (so lambdas,
+closures and functions defined in ``__main__`` or a notebook travel by value) and the job is
+the one ``hvdrun`` would run for the same flags: the same checks and messages, hosts, SSH,
+Slurm allocations, elastic jobs and settings. Each worker is ``python -m
+collectives.run_task`` (:mod:`collectives.run_task`), which reads the function from the job's
+rendezvous store, calls it, and leaves its result there; ``run`` returns the results in rank
+order. Workers' output goes to this process's ``sys.stdout`` and ``sys.stderr`` with rank
+prefixes, as under ``hvdrun`` (a notebook's streams included).
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import io
+import json
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, BinaryIO, NoReturn, TextIO, cast
+
+import click
+
+from hvdrun.calls import FunctionCall
+from rendezvous import pieces, worker_env
+
+__all__ = ["JobFailed", "run"]
+
+#: What each worker runs: the module that reads the function, calls it and stores its result.
+TASK_MODULE = "collectives.run_task"
+
+
+class JobFailed(RuntimeError):
+    """The job of ``hvdrun.run`` failed: a rank's function raised or its process exited with
+    a non-zero code, or the job was stopped. ``rank`` and ``exit_code`` say which and how
+    (None where no rank failed first, such as a host that was lost); ``error_type`` and
+    ``error`` are the exception the function raised, when it raised one."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        exit_code: int,
+        rank: int | None = None,
+        error_type: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.rank = rank
+        self.error_type = error_type
+        self.error = error
+
+
+def run(
+    func: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    num_proc: int = 1,
+    min_num_proc: int | None = None,
+    max_num_proc: int | None = None,
+    slots: int | None = None,
+    reset_limit: int | None = None,
+    cooldown_range: tuple[float, float] | None = None,
+    hosts: str | None = None,
+    hostfile: str | None = None,
+    start_timeout: float | None = None,
+    ssh_port: int | None = None,
+    ssh_identity_file: str | None = None,
+    disable_cache: bool | None = None,
+    output_filename: str | None = None,
+    verbose: int | bool | None = None,
+    use_gloo: bool | None = None,
+    use_mpi: bool | None = None,
+    mpi_args: str | None = None,
+    network_interface: str | None = None,
+    executable: str | None = None,
+    np: int | None = None,
+    min_np: int | None = None,
+    max_np: int | None = None,
+) -> list[Any]:
+    """Runs ``func(*args, **kwargs)`` in ``num_proc`` processes as one hvdrun job and returns
+    the values they returned, in rank order (elastic jobs: the ranks of the last membership
+    generation). Takes Horovod's arguments, each as the ``hvdrun`` flag of the same name;
+    ``np``, ``min_np`` and ``max_np`` are Horovod's deprecated spellings. Raises ValueError
+    for bad arguments (the message hvdrun would print for the flag), :class:`JobFailed` when
+    the job fails, and KeyboardInterrupt after Ctrl-C has stopped it."""
+    num_proc, min_num_proc, max_num_proc = _deprecated(
+        num_proc, min_num_proc, max_num_proc, np, min_np, max_np
+    )
+    if not callable(func):
+        raise TypeError(f"hvdrun.run: func must be callable, got {type(func).__name__}")
+    if hosts is not None and hostfile is not None:
+        raise ValueError("hvdrun.run: give hosts or hostfile, not both")
+    if use_gloo and use_mpi:
+        raise ValueError("hvdrun.run: give use_gloo or use_mpi, not both")
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "hvdrun.run must be called from the main thread: it stops the job on Ctrl-C and "
+            "SIGTERM, whose handlers only the main thread may install"
+        )
+    argv = _flags(
+        num_proc=num_proc,
+        min_num_proc=min_num_proc,
+        max_num_proc=max_num_proc,
+        slots=slots,
+        reset_limit=reset_limit,
+        cooldown_range=cooldown_range,
+        hosts=hosts,
+        hostfile=hostfile,
+        start_timeout=start_timeout,
+        ssh_port=ssh_port,
+        ssh_identity_file=ssh_identity_file,
+        disable_cache=disable_cache,
+        output_filename=output_filename,
+        verbose=verbose,
+        use_gloo=use_gloo,
+        use_mpi=use_mpi,
+        mpi_args=mpi_args,
+        network_interface=network_interface,
+    )
+    argv += ["--", executable or sys.executable, "-m", TASK_MODULE]
+    stored, head = pieces.split(worker_env.FUNCTION_KEY, _payload(func, args, kwargs))
+    call = FunctionCall(
+        preset={**stored, worker_env.FUNCTION_KEY: head},
+        collect=worker_env.RESULT_KEY_PREFIX,
+        stdout=binary_stream(sys.stdout),
+        stderr=binary_stream(sys.stderr),
+    )
+    code = _invoke(argv, call)
+    return _results(code, call)
+
+
+def _deprecated(
+    num_proc: int,
+    min_num_proc: int | None,
+    max_num_proc: int | None,
+    np: int | None,
+    min_np: int | None,
+    max_np: int | None,
+) -> tuple[int, int | None, int | None]:
+    """Horovod's ``np``/``min_np``/``max_np``: they count where the new name was not given."""
+    if np is not None:
+        warnings.warn("np is deprecated, use num_proc instead", DeprecationWarning, stacklevel=3)
+        if num_proc == 1:
+            num_proc = np
+    if min_np is not None:
+        warnings.warn(
+            "min_np is deprecated, use min_num_proc instead", DeprecationWarning, stacklevel=3
+        )
+        min_num_proc = min_np if min_num_proc is None else min_num_proc
+    if max_np is not None:
+        warnings.warn(
+            "max_np is deprecated, use max_num_proc instead", DeprecationWarning, stacklevel=3
+        )
+        max_num_proc = max_np if max_num_proc is None else max_num_proc
+    return num_proc, min_num_proc, max_num_proc
+
+
+#: argument -> the hvdrun flag it becomes (a value, or a switch where True)
+_VALUE_FLAGS = {
+    "num_proc": "--num-proc",
+    "min_num_proc": "--min-num-proc",
+    "max_num_proc": "--max-num-proc",
+    "slots": "--slots-per-host",
+    "reset_limit": "--reset-limit",
+    "hosts": "--hosts",
+    "hostfile": "--hostfile",
+    "start_timeout": "--start-timeout",
+    "ssh_port": "--ssh-port",
+    "ssh_identity_file": "--ssh-identity-file",
+    "output_filename": "--output-filename",
+    "mpi_args": "--mpi-args",
+    "network_interface": "--network-interface",
+}
+_SWITCHES = {
+    "disable_cache": "--disable-cache",
+    "verbose": "--verbose",
+    "use_gloo": "--gloo",
+    "use_mpi": "--mpi",
+}
+
+
+def _flags(**values: Any) -> list[str]:
+    """The hvdrun command line (without the command) that the arguments given stand for."""
+    argv: list[str] = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name in _SWITCHES:
+            if value:
+                argv.append(_SWITCHES[name])
+        elif name == "cooldown_range":
+            low, high = _pair(value)
+            argv += ["--blacklist-cooldown-range", str(low), str(high)]
+        else:
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError(
+                    f"hvdrun.run: {name} must be a {'string' if name in _TEXT else 'number'}, "
+                    f"got {value!r}"
+                )
+            argv += [_VALUE_FLAGS[name], str(value)]
+    return argv
+
+
+#: arguments whose values are text (hosts, paths, interface names)
+_TEXT = {
+    "hosts",
+    "hostfile",
+    "ssh_identity_file",
+    "output_filename",
+    "mpi_args",
+    "network_interface",
+}
+
+
+def _pair(value: Any) -> tuple[Any, Any]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
+        raise ValueError(
+            f"hvdrun.run: cooldown_range must be (min_seconds, max_seconds), got {value!r}"
+        )
+    return value[0], value[1]
+
+
+def _payload(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None
+) -> bytes:
+    import cloudpickle
+
+    try:
+        return cast(bytes, cloudpickle.dumps((func, tuple(args), dict(kwargs or {}))))
+    except Exception as exc:
+        raise TypeError(
+            f"hvdrun.run: the function or its arguments cannot be pickled ({exc}); every "
+            "worker gets a pickled copy of them"
+        ) from exc
+
+
+def _invoke(argv: list[str], call: FunctionCall) -> int:
+    """Runs the CLI on ``argv`` with ``call``: its exit code; a user's mistake raises."""
+    from hvdrun.cli import cli, usage_message
+
+    for stream in (sys.stdout, sys.stderr):
+        _flush(stream)  # (what was written before comes first)
+    try:
+        code = cli.main(args=argv, prog_name="hvdrun", standalone_mode=False, obj=call)
+    except click.UsageError as exc:
+        raise ValueError(f"hvdrun.run: {usage_message(exc)}") from None
+    except click.ClickException as exc:
+        raise JobFailed(f"hvdrun.run: {exc.format_message()}", exit_code=exc.exit_code) from None
+    except click.Abort:
+        raise KeyboardInterrupt from None
+    return code if isinstance(code, int) else 0
+
+
+def _results(code: int, call: FunctionCall) -> list[Any]:
+    """The ranks' return values, or the job's failure raised."""
+    import cloudpickle
+
+    result = call.result
+    collected = result.collected if result is not None else {}
+    outcomes = {}
+    for key in collected:
+        name = key[len(worker_env.RESULT_KEY_PREFIX) :]
+        if "/" in name:
+            continue  # a piece
+        try:
+            data, fields = pieces.joined(key, collected.__getitem__)
+        except (KeyError, pieces.PiecesError):
+            continue
+        outcomes[name] = (data, fields)
+    if code != 0 or result is None:
+        _raise_failure(code, call, outcomes)
+    ranks = len(result.hosts)  # (the fixed job's ranks, where none left a result)
+    last = max((fields["generation"] for _, fields in outcomes.values()), default=0)
+    mine = {
+        fields["rank"]: (data, fields)
+        for data, fields in outcomes.values()
+        if fields["generation"] == last and fields["rank"] >= 0
+    }
+    size = max((fields["size"] for _, fields in mine.values()), default=ranks)
+    missing = [rank for rank in range(max(size, len(mine))) if rank not in mine]
+    if missing or not mine:
+        raise JobFailed(
+            f"hvdrun.run: the job ended, but {rank_list(missing) if missing else 'no rank'} "
+            "returned nothing: the function left its process some other way (such as "
+            "os._exit(0))",
+            exit_code=0,
+        )
+    return [cloudpickle.loads(mine[rank][0]) for rank in range(size)]
+
+
+def rank_list(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _raise_failure(
+    code: int, call: FunctionCall, outcomes: dict[str, tuple[bytes, dict[str, Any]]]
+) -> NoReturn:
+    result = call.result
+    if result is not None and result.interrupted_by == signal.SIGINT:
+        raise KeyboardInterrupt
+    failure = result.failure if result is not None else None
+    if failure is None:
+        raise JobFailed(f"hvdrun.run: the job failed (exit code {code})", exit_code=code)
+    where = f"rank {failure.rank} on {failure.hostname}"
+    outcome = outcomes.get(str(failure.rank))
+    if outcome is not None and not outcome[1].get("ok", True):
+        try:
+            described = json.loads(outcome[0])
+        except ValueError:
+            described = {}
+        error_type, error = str(described.get("type", "")), str(described.get("message", ""))
+        raise JobFailed(
+            f"hvdrun.run: {where} raised {error_type}: {error}",
+            exit_code=code,
+            rank=failure.rank,
+            error_type=error_type,
+            error=error,
+        )
+    if failure.stop is not None:  # (its code is the peer's that timed out waiting for it)
+        how, detail = "failed first", f": {failure.error}"
+    else:
+        how = f"exited with code {failure.code}" if failure.code >= 0 else "was killed"
+        detail = f": {failure.error}" if failure.error else ""
+    raise JobFailed(f"hvdrun.run: {where} {how}{detail}", exit_code=code, rank=failure.rank)
+
+
+class _TextWriter(io.RawIOBase):
+    """Bytes written to a text stream (a notebook's ``sys.stdout`` has no binary buffer)."""
+
+    def __init__(self, text: TextIO) -> None:
+        self._text = text
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._text.write(self._decoder.decode(bytes(data)))
+        return len(data)
+
+    def flush(self) -> None:
+        _flush(self._text)
+
+    def isatty(self) -> bool:
+        try:
+            return bool(self._text.isatty())
+        except (AttributeError, ValueError):
+            return False
+
+
+def binary_stream(stream: TextIO | None) -> BinaryIO | None:
+    """The binary side of ``stream``: its buffer, or a writer that decodes into it."""
+    if stream is None:
+        return None
+    buffer = getattr(stream, "buffer", None)
+    if isinstance(buffer, (io.BufferedIOBase, io.RawIOBase)):
+        return cast(BinaryIO, buffer)
+    return cast(BinaryIO, _TextWriter(stream))
+
+
+def _flush(stream: Any) -> None:
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        stream.flush()

@@ -1,0 +1,177 @@
+"""hvdrun.run's arguments: Horovod's names become hvdrun's flags; bad ones fail at once.
+
+Each test here fails before any process starts (or records the command line the CLI was
+given); tests/launcher/test_run_function.py runs real jobs.
+"""
+
+from __future__ import annotations
+
+import io
+import signal
+import threading
+import warnings
+from typing import Any
+
+import pytest
+
+import hvdrun
+from hvdrun import api
+from hvdrun.calls import FunctionCall
+
+
+@pytest.fixture
+def command_line(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The hvdrun command lines hvdrun.run would run (none is run)."""
+    seen: list[list[str]] = []
+
+    def record(argv: list[str], call: FunctionCall) -> int:
+        seen.append(argv)
+        raise SystemExit("recorded")
+
+    monkeypatch.setattr(api, "_invoke", record)
+    return seen
+
+
+def flags_of(command_line: list[list[str]], **arguments: Any) -> list[str]:
+    with pytest.raises(SystemExit, match="recorded"):
+        hvdrun.run(print, **arguments)
+    argv = command_line[-1]
+    return argv[: argv.index("--")]
+
+
+def test_horovods_arguments_become_hvdruns_flags(command_line: list[list[str]]) -> None:
+    flags = flags_of(
+        command_line,
+        num_proc=4,
+        hosts="a:2,b:2",
+        start_timeout=30,
+        ssh_port=2222,
+        ssh_identity_file="/k",
+        output_filename="/tmp/out",
+        verbose=2,
+        use_gloo=True,
+        network_interface="eth0",
+        disable_cache=True,
+    )
+    assert flags == [
+        "--num-proc", "4", "--hosts", "a:2,b:2", "--start-timeout", "30", "--ssh-port", "2222",
+        "--ssh-identity-file", "/k", "--disable-cache", "--output-filename", "/tmp/out",
+        "--verbose", "--gloo", "--network-interface", "eth0",
+    ]  # fmt: skip
+    elastic = flags_of(
+        command_line,
+        min_num_proc=1,
+        max_num_proc=3,
+        slots=2,
+        reset_limit=5,
+        cooldown_range=(1, 10),
+        hostfile="/hosts",
+    )
+    assert elastic == [
+        "--num-proc", "1", "--min-num-proc", "1", "--max-num-proc", "3", "--slots-per-host", "2",
+        "--reset-limit", "5", "--blacklist-cooldown-range", "1", "10", "--hostfile", "/hosts",
+    ]  # fmt: skip
+
+
+def test_each_worker_runs_the_task_module_with_the_python_given(
+    command_line: list[list[str]],
+) -> None:
+    with pytest.raises(SystemExit):
+        hvdrun.run(print, executable="/opt/py/bin/python3")
+    argv = command_line[-1]
+    assert argv[argv.index("--") + 1 :] == ["/opt/py/bin/python3", "-m", "collectives.run_task"]
+
+
+def test_np_min_np_max_np_are_deprecated_spellings(command_line: list[list[str]]) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flags = flags_of(command_line, np=3, min_np=2, max_np=4, hosts="a:4")
+    assert flags[:6] == ["--num-proc", "3", "--min-num-proc", "2", "--max-num-proc", "4"]
+    assert [str(w.message) for w in caught] == [
+        "np is deprecated, use num_proc instead",
+        "min_np is deprecated, use min_num_proc instead",
+        "max_np is deprecated, use max_num_proc instead",
+    ]
+    assert all(w.category is DeprecationWarning for w in caught)
+    # as in Horovod, num_proc wins where both are given
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert flags_of(command_line, num_proc=2, np=5)[:2] == ["--num-proc", "2"]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"num_proc": 0}, ValueError, "invalid '-np': must be at least 1, got 0"),
+        ({"hosts": "a:1", "hostfile": "/h"}, ValueError, "give hosts or hostfile, not both"),
+        ({"use_gloo": True, "use_mpi": True}, ValueError, "give use_gloo or use_mpi, not both"),
+        ({"use_mpi": True}, ValueError, "hvdrun does not drive MPI"),
+        ({"hosts": "bad host"}, ValueError, "host name 'bad host' contains white space"),
+        ({"cooldown_range": 5}, ValueError, "cooldown_range must be (min_seconds, max_seconds)"),
+        ({"hosts": ["a", "b"]}, ValueError, "hosts must be a string"),
+        ({"start_timeout": "soon"}, ValueError, "value for '--start-timeout': 'soon'"),
+    ],
+)
+def test_bad_arguments_raise_before_anything_starts(
+    arguments: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as raised:
+        hvdrun.run(print, **arguments)
+    assert str(raised.value).startswith("hvdrun.run: ")
+    assert message in str(raised.value)
+
+
+def test_what_cannot_be_pickled_is_named() -> None:
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        hvdrun.run(print, args=(threading.Lock(),))
+    with pytest.raises(TypeError, match="func must be callable"):
+        hvdrun.run(42)  # type: ignore[arg-type]
+
+
+def test_only_the_main_thread_may_run_a_job() -> None:
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            hvdrun.run(print)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert len(raised) == 1 and "main thread" in str(raised[0])
+
+
+def test_a_text_stream_without_a_buffer_gets_the_decoded_bytes() -> None:
+    text = io.StringIO()
+    stream = api.binary_stream(text)
+    assert stream is not None and not stream.isatty()
+    snowman = "☃ done\n".encode()
+    stream.write(b"[0]<stdout>:" + snowman[:2])  # a character split between two writes
+    stream.write(snowman[2:])
+    assert text.getvalue() == "[0]<stdout>:☃ done\n"
+    buffered = io.TextIOWrapper(io.BytesIO())
+    assert api.binary_stream(buffered) is buffered.buffer
+
+
+def test_a_failure_without_an_exception_names_the_rank_and_how_it_ended() -> None:
+    from launcher.supervision.core import JobResult, WorkerFailure, WorkerStop
+
+    def failed(failure: WorkerFailure) -> str:
+        call = FunctionCall({}, "p/", None, None, JobResult(exit_code=1, failure=failure))
+        with pytest.raises(hvdrun.JobFailed) as raised:
+            api._results(1, call)
+        assert raised.value.rank == failure.rank and raised.value.exit_code == 1
+        return str(raised.value)
+
+    assert failed(WorkerFailure(2, "gpu3", 1)) == "hvdrun.run: rank 2 on gpu3 exited with code 1"
+    # a stopped rank is named with its peer's exit code: that code is not its own
+    peer = WorkerFailure(0, "gpu1", 1)
+    stop = WorkerStop(1, "gpu2", 4242, signal.SIGSTOP, traced=False, since=0.0)
+    said = failed(WorkerFailure(1, "gpu2", 1, stop.cause(peer), stop, peer))
+    assert said == (
+        "hvdrun.run: rank 1 on gpu2 failed first: it was stopped by SIGSTOP (pid 4242) and "
+        "never continued; its peers' collectives timed out waiting for it (rank 0 exited "
+        "first, with exit code 1)"
+    )

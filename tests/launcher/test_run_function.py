@@ -1,0 +1,110 @@
+"""hvdrun.run(fn, ...) end to end: real jobs started from this process, real workers.
+
+The function travels to the workers through the job's rendezvous store and their results
+come back the same way (tests/launcher/test_ssh.py runs one over SSH on other hosts).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import psutil
+import pytest
+
+import hvdrun
+
+
+def no_workers_left() -> list[str]:
+    return [
+        " ".join(child.cmdline())
+        for child in psutil.Process().children(recursive=True)
+        if child.status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+def test_results_come_back_in_rank_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    scale = 10  # a closure's variable: the function travels by value (cloudpickle)
+    big = os.urandom(5 * 1024 * 1024)  # over the store's 4 MiB value limit, both ways
+
+    def train(offset: int, blob: bytes = b"") -> dict[str, object]:
+        import torch
+
+        import collectives.torch as hvd
+
+        hvd.init()
+        total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum)
+        print(f"rank {hvd.rank()} of {hvd.size()} got {len(blob)} bytes")
+        return {
+            "rank": hvd.rank(),
+            "value": total.item() * scale + offset,
+            "echo": blob if hvd.rank() == 1 else blob[:4],
+        }
+
+    out = io.StringIO()  # a stream without a binary buffer, as a notebook's is
+    monkeypatch.setattr(sys, "stdout", out)
+    results = hvdrun.run(train, args=(1,), kwargs={"blob": big}, num_proc=2)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["value"] for r in results] == [31.0, 31.0]
+    assert results[0]["echo"] == big[:4] and results[1]["echo"] == big
+    lines = sorted(line for line in out.getvalue().splitlines() if "got" in line)
+    assert lines == [
+        f"[0]<stdout>:rank 0 of 2 got {len(big)} bytes",
+        f"[1]<stdout>:rank 1 of 2 got {len(big)} bytes",
+    ]
+    assert no_workers_left() == []
+
+
+def test_a_rank_that_raises_fails_the_call_naming_it(capfd: pytest.CaptureFixture[str]) -> None:
+    def train() -> int:
+        import torch
+
+        import collectives.torch as hvd
+
+        hvd.init()
+        if hvd.rank() == 1:
+            raise ValueError("shard 7 is corrupt")
+        hvd.allreduce(torch.ones(1))
+        return 0
+
+    with pytest.raises(hvdrun.JobFailed) as failed:
+        hvdrun.run(train, num_proc=2)
+    assert (
+        str(failed.value) == "hvdrun.run: rank 1 on localhost raised ValueError: shard 7 is corrupt"
+    )
+    assert (failed.value.rank, failed.value.exit_code) == (1, 1)
+    assert (failed.value.error_type, failed.value.error) == ("ValueError", "shard 7 is corrupt")
+    err = capfd.readouterr().err
+    # the rank's traceback starts at the function's own frame
+    assert "[1]<stderr>:ValueError: shard 7 is corrupt" in err
+    assert "run_task" not in err
+    assert no_workers_left() == []
+
+
+def test_an_elastic_call_returns_the_last_generations_results() -> None:
+    def train() -> tuple[int, int, int]:
+        import torch
+
+        import collectives.torch as hvd
+
+        hvd.init()
+        state = hvd.elastic.ObjectState(epoch=0)
+
+        @hvd.elastic.run
+        def loop(state: hvd.elastic.ObjectState) -> tuple[int, int, int]:
+            while state.epoch < 2:
+                hvd.allreduce(torch.ones(1))
+                state.epoch += 1
+                state.commit()
+            return hvd.rank(), hvd.size(), state.epoch
+
+        return loop(state)
+
+    results = hvdrun.run(train, num_proc=2, min_num_proc=1, max_num_proc=2, hosts="localhost:2")
+    assert results == [(0, 2, 2), (1, 2, 2)]
+
+
+def test_a_function_that_leaves_without_returning_is_named() -> None:
+    with pytest.raises(hvdrun.JobFailed, match="ranks 0, 1 returned nothing"):
+        hvdrun.run(lambda: os._exit(0), num_proc=2)
