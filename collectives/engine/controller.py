@@ -243,11 +243,11 @@ class Controller:
 
     # ---- lifetime --------------------------------------------------------------------
 
-    def leave(self, message: str = "", script_failed: bool = False) -> None:
+    def leave(self, message: str = "", failure: str = "") -> None:
         """This rank leaves the set: its next cycle (the last) says so to the members
         (``message``: what the set's ops say, when the set ends for another reason than
-        this rank's shutdown; ``script_failed``: its script raised)."""
-        self.queue.leave(message, script_failed)
+        this rank's shutdown; ``failure``: how its script failed, when it did)."""
+        self.queue.leave(message, failure)
 
     def cancel(self, error_for: Callable[[Request], BaseException]) -> None:
         """The set goes away: every op in flight fails at once, then this rank leaves."""

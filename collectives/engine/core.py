@@ -113,7 +113,7 @@ class Engine:
     def _controller(
         self, group: Group, control_pg: Any, data_pg: Any, tuner: Autotuner | None = None
     ) -> Controller:
-        return Controller(
+        controller = Controller(
             rank=self.rank,
             group=group,
             config=self._config,
@@ -128,6 +128,14 @@ class Engine:
             tuner=tuner,
             cuda_device=self._cuda_device,
         )
+        if group.process_set_id != 0:  # (its stall reports say which members joined)
+            controller.runner.stall.joined = self._joined_ranks
+        return controller
+
+    def _joined_ranks(self) -> frozenset[int]:
+        """The ranks waiting in ``hvd.join()`` (an op of the global set) as of the global
+        set's latest round: they take part in no other set's ops meanwhile."""
+        return self._global.runner.table.joined_ranks
 
     # ---- what the API asks ---------------------------------------------------------
 
@@ -242,12 +250,13 @@ class Engine:
         rank's collectives, when another rank's did."""
         return self._global.runner.ended_by
 
-    def stop(self, timeout: float | None = None, script_failed: bool = False) -> None:
+    def stop(self, timeout: float | None = None, failure: str = "") -> None:
         """Announces this rank's departure in every set's last cycle and stops them
-        (``script_failed``: the others are told its script ended by an exception)."""
+        (``failure``: how this rank's script failed, which the others are told; "" when
+        it did not)."""
         controllers = list(self._controllers.values())
         for controller in controllers:
-            controller.leave(script_failed=script_failed)
+            controller.leave(failure=failure)
         for controller in controllers:
             controller.join(timeout)
         tl, self._slot.current = self._slot.current, None

@@ -54,6 +54,8 @@ from collectives.engine.config import EngineConfig
 from collectives.engine.dispatch import Controls, Dispatch
 from collectives.engine.execute import Group, reduces_directly
 from collectives.engine.insight import IDLE, Arrivals
+from collectives.engine.leaving import culprit, failure_of, left_message
+from collectives.engine.leaving import payload as failed_payload
 from collectives.engine.names import UnnamedCounters, unnamed_counter
 from collectives.engine.negotiation import (
     FLAG_ABORT,
@@ -106,19 +108,6 @@ def hot_print(request: Request, rode: bool) -> HotPrint | None:
     name = None if counter else request.name
     device = request.inputs[0].get_device()
     return HotPrint(name, request.reduction, spec.dtype, torch.Size(spec.shape), device, rode)
-
-
-def left_message(rank: int, leavers: list[int], failed: list[int]) -> str:
-    """Why no more collectives can run on ``rank``: ``leavers`` left, ``failed`` of them
-    because their scripts raised (the others called hvd.shutdown() or their scripts ended)."""
-    others = [peer for peer in failed if peer != rank]
-    if others:
-        cause = f"rank {others[0]}'s script failed (an uncaught exception), which ended"
-        cause += " hvdrun's collectives"
-    else:
-        who = "this rank" if leavers == [rank] else f"rank {leavers[0]}"
-        cause = f"{who} shut down hvdrun's collectives (hvd.shutdown() or the end of its script)"
-    return f"rank {rank}: {cause}, so no more collectives can run in this job"
 
 
 class CycleRunner:
@@ -232,7 +221,10 @@ class CycleRunner:
             self.rounds.forget()
         records = RECORD.join([request.record() for request in new]).encode()
         exchange = self.exchange
-        riders = eager.select(records, new, exchange.room, self.eager_budget)
+        if flags & FLAG_FAILED:  # (this rank leaves: the others are told how it failed)
+            riders = failed_payload(records, exchange.room, self.queue.failure)
+        else:
+            riders = eager.select(records, new, exchange.room, self.eager_budget)
         arrivals = self.arrivals
         started = time.perf_counter()
         gathered = exchange.round(
@@ -260,7 +252,9 @@ class CycleRunner:
         arrivals.after(
             self.control_pg, flush or any(peer_flags for peer_flags, _ in results), timeout
         )
-        leavers, failed, abort = [], [], False
+        leavers: list[int] = []
+        failed: dict[int, str] = {}
+        abort = False
         if self._agreed(new, records, results):
             delivery = eager.delivery(riders, datas, exchange.wants)
             if delivery == eager.FOLLOW:
@@ -279,7 +273,7 @@ class CycleRunner:
                 if peer_flags & FLAG_LEAVING:
                     leavers.append(peer)
                     if peer_flags & FLAG_FAILED:
-                        failed.append(peer)
+                        failed[peer] = failure_of(datas[position])
                 abort = abort or bool(peer_flags & FLAG_ABORT)
                 entries, joined = self.table.add(peer, data, self.cycle_no, now)
                 touched.extend(entries)
@@ -293,7 +287,7 @@ class CycleRunner:
             return False
         if leavers:
             if self.rank not in leavers:
-                self.ended_by = leavers[0]
+                self.ended_by = culprit(self.rank, leavers, failed)
             self.queue.fail(
                 self.queue.leave_message or left_message(self.rank, leavers, failed),
                 self.dispatch.current,
@@ -425,7 +419,7 @@ class CycleRunner:
         sets are the engine's (``controls``)."""
         if entry.kind == Kind.JOIN:
             last = self._last_joined()
-            self.table.joined.clear()
+            self.table.clear_joins()
             return last
         return self._controls(entry)
 

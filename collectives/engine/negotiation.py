@@ -56,7 +56,7 @@ __all__ = ["Entry", "Exchange", "Table"]
 FLAG_LEAVING = 1  # this rank's engine stops after this cycle (hvd.shutdown())
 FLAG_ABORT = 2  # the stall inspector gave up: every rank fails its pending ops
 FLAG_FLUSH = 4  # flush the arrival accounting after this round (see :mod:`.insight`)
-FLAG_FAILED = 8  # with FLAG_LEAVING: this rank's script ended by an uncaught exception
+FLAG_FAILED = 8  # with FLAG_LEAVING: this rank's script failed; how follows its records
 
 _HEADER = struct.Struct("<IIB")  # payload length, payload length wanted, flags
 _MIN_SLOT = 512
@@ -225,6 +225,9 @@ class Table:
         self._size = size
         self.entries: dict[tuple[int, str], Entry] = {}
         self.joined: dict[int, int] = {}  # rank -> cycle it joined in
+        # The ranks of ``joined``, as an immutable snapshot replaced whenever it changes:
+        # the one thing other threads read (other sets' stall inspectors, see :mod:`.stall`).
+        self.joined_ranks: frozenset[int] = frozenset()
         self._order = itertools.count()
 
     def add(self, rank: int, payload: bytes, cycle: int, now: float) -> tuple[list[Entry], bool]:
@@ -248,6 +251,7 @@ class Table:
             entry.seen_at[rank] = now
             if entry.kind == Kind.JOIN:
                 self.joined[rank] = cycle
+                self.joined_ranks = frozenset(self.joined)
                 joined = True
             touched.append(entry)
         return touched, joined
@@ -268,6 +272,11 @@ class Table:
 
     def pop(self, entry: Entry) -> None:
         self.entries.pop(entry.key, None)
+
+    def clear_joins(self) -> None:
+        """Every rank has joined: ``hvd.join()`` returns, and no rank is joined any more."""
+        self.joined.clear()
+        self.joined_ranks = frozenset()
 
 
 #: What hvd.join() supports (as in Horovod): joined ranks add neutral values to an allreduce

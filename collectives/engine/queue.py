@@ -17,6 +17,7 @@ Ownership: every field is read and written only with ``cond``'s lock held, by an
 * ``_woken``: the set's thread was notified of ops not yet in a cycle (notify once);
 * ``_leaving``: this rank stops after its next cycle (shutdown, or its set was removed),
   and ``_leave_message``: why, when another set's end decided it (what its ops then say);
+  ``_failure``: how its script failed, when it did (its last round tells the others);
 * ``_abort``: the stall inspector gave up: the next round tells every rank;
 * ``_error``: why this rank's collectives stopped; every later submission raises it;
 * ``_running``: False once the set's negotiation stopped (failure, shutdown, removal).
@@ -55,7 +56,7 @@ class Submissions:
         self._woken = False
         self._leaving = False
         self._leave_message = ""
-        self._script_failed = False
+        self._failure = ""
         self._abort = False
         self._error: HorovodInternalError | None = None
         self._running = True
@@ -122,7 +123,7 @@ class Submissions:
             self._flush = False
             self._woken = False
             flags = (FLAG_LEAVING if self._leaving else 0) | (FLAG_ABORT if self._abort else 0)
-            if self._leaving and self._script_failed:
+            if self._leaving and self._failure:
                 flags |= FLAG_FAILED
         return held, new, flags
 
@@ -175,13 +176,13 @@ class Submissions:
         with self._lock:
             return self._error
 
-    def leave(self, message: str = "", script_failed: bool = False) -> None:
+    def leave(self, message: str = "", failure: str = "") -> None:
         """This rank's last cycle of the set announces that it leaves (``message``: why,
-        for the set's ops, when it is not this rank's shutdown; ``script_failed``: its
-        script ended by an uncaught exception, which the others are told)."""
+        for the set's ops, when it is not this rank's shutdown; ``failure``: how its
+        script failed, when it did, which the others are told)."""
         with self._lock:
             self._leaving = True
-            self._script_failed = self._script_failed or script_failed
+            self._failure = self._failure or failure
             self._leave_message = self._leave_message or message
             self.cond.notify_all()
 
@@ -189,6 +190,12 @@ class Submissions:
     def leave_message(self) -> str:
         with self._lock:
             return self._leave_message
+
+    @property
+    def failure(self) -> str:
+        """How this rank's script failed, when it leaves because it did ("" otherwise)."""
+        with self._lock:
+            return self._failure
 
     def fail(
         self,

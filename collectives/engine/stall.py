@@ -19,7 +19,7 @@ fail with an error that names the ops and says what happened.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 from collectives.engine.config import EngineConfig
@@ -27,7 +27,7 @@ from collectives.engine.names import unnamed_counter
 from collectives.engine.negotiation import Entry, Table
 from collectives.engine.requests import Kind, label, script_name
 
-__all__ = ["Divergence", "StallInspector", "diverged", "name_clashes"]
+__all__ = ["Divergence", "StallInspector", "diverged", "joined_note", "name_clashes"]
 
 logger = logging.getLogger("collectives.engine")
 
@@ -89,6 +89,18 @@ def _disjoint(ranks: list[set[int]]) -> bool:
     return sum(map(len, ranks)) == len(set().union(*ranks))
 
 
+def joined_note(ranks: list[int]) -> str:
+    """What the report says of missing members that wait in hvd.join() (none: nothing)."""
+    if not ranks:
+        return ""
+    who = f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {ranks} have"
+    return (
+        f" ({who} joined: called hvd.join(), and a joined rank takes part in no ops of "
+        "other process sets until every rank has joined; run a set's ops before its "
+        "members call hvd.join())"
+    )
+
+
 class StallInspector:
     """Watches the negotiation table for ops that wait too long."""
 
@@ -101,6 +113,9 @@ class StallInspector:
         )
         self._rank = rank
         self._last_check = 0.0
+        # The ranks waiting in hvd.join() (the global set's, which the engine sets for
+        # the inspectors of other sets): an op of another set waits for such a member.
+        self.joined: Callable[[], Collection[int]] = frozenset
 
     def check(self, table: Table, members: Callable[[Entry], list[int]], now: float) -> bool:
         """Warns about stalled ops; returns True when the job's collectives must stop: after
@@ -152,6 +167,7 @@ class StallInspector:
                 return self._divergence_report(divergences, now)
         lines = []
         shown = set()
+        joined = self.joined()
         for entry in sorted(table.entries.values(), key=lambda e: e.order):
             waited = now - entry.first_seen
             if waited < cfg.stall_warning_seconds and not aborting:
@@ -161,7 +177,7 @@ class StallInspector:
             lines.append(
                 f"  {label(entry.kind, entry.name)} (process set {entry.process_set_id}, "
                 f"waiting {waited:.0f} s): submitted by ranks {sorted(entry.sigs)}, "
-                f"missing ranks {missing}"
+                f"missing ranks {missing}{joined_note([r for r in missing if r in joined])}"
             )
         clashes = [c for c in name_clashes(table) if all(id(e) in shown for e in c)]
         for clash in clashes:

@@ -31,7 +31,6 @@ import atexit
 import datetime
 import logging
 import os
-import sys
 import threading
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch.distributed as dist
 
 from collectives.engine import config as config_module
 from collectives.engine.cycle import FINAL_CYCLE_SECONDS
-from collectives.runtime import insight, logs, state
+from collectives.runtime import exits, insight, logs, state
 from collectives.runtime.adopted import init_adopted
 from collectives.runtime.groups import (
     check_interfaces,
@@ -220,11 +219,11 @@ def init(comm: Any = None) -> bool:
     return True
 
 
-def _teardown(runtime_: RuntimeState, script_failed: bool = False) -> None:
+def _teardown(runtime_: RuntimeState, failure: str = "") -> None:
     runtime_.closed.set()
     _unmark_joined()
     engine_ = runtime_.engine
-    stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 2.0, script_failed)
+    stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 2.0, failure)
     _say_who_ended(runtime_, engine_)
     insight.finish(runtime_, engine_)  # (its last figures, before the store goes)
     if runtime_.leave is not None:
@@ -289,12 +288,12 @@ def shutdown() -> None:
     """Stops the collectives (on every rank: a job's collectives end when one rank leaves),
     destroys the process groups it made (a framework's default group stays) and leaves the
     rendezvous; ``init()`` may be called again."""
-    _shutdown(script_failed=False)
+    _shutdown(failure="")
 
 
-def _shutdown(script_failed: bool) -> None:
-    """:func:`shutdown`; ``script_failed``: the other ranks are told this rank's script
-    ended by an exception."""
+def _shutdown(failure: str) -> None:
+    """:func:`shutdown`; ``failure``: how this rank's script failed, which the other
+    ranks are told ("" when it did not)."""
     with _lock:
         runtime_ = state.current()
         if runtime_ is None:
@@ -305,12 +304,10 @@ def _shutdown(script_failed: bool) -> None:
             # rendezvous connection are the parent's, which goes on using them.
             logger.debug("not shutting down the runtime of pid %d in a forked child", runtime_.pid)
             return
-        _teardown(runtime_, script_failed)
+        _teardown(runtime_, failure)
 
 
 def _shutdown_at_exit() -> None:
-    """The interpreter exits without hvd.shutdown(): after an uncaught exception (Python
-    has printed it and kept it as ``sys.last_value``; a SystemExit leaves none), the other
-    ranks learn that this rank's script failed rather than ended."""
-    error = getattr(sys, "last_value", None)
-    _shutdown(script_failed=error is not None and not isinstance(error, KeyboardInterrupt))
+    """The interpreter exits without hvd.shutdown(): the other ranks learn how this rank's
+    script ended, when it failed (an uncaught exception: see :mod:`.exits`)."""
+    _shutdown(failure=exits.describe())

@@ -280,12 +280,13 @@ def destroy_own_groups(runtime_: RuntimeState) -> None:
             logger.debug("destroying an engine group failed: %s", error)
 
 
-def stop_collectives(runtime_: RuntimeState, timeout: float, script_failed: bool = False) -> None:
-    """Stops the engine (waiting at most ``timeout`` for its last cycle) and destroys the
-    process groups (not a framework's default group); the rendezvous connection stays."""
+def stop_collectives(runtime_: RuntimeState, timeout: float, failure: str = "") -> None:
+    """Stops the engine (waiting at most ``timeout`` for its last cycle; ``failure``: how
+    this rank's script failed, which the others are told) and destroys the process groups
+    (not a framework's default group); the rendezvous connection stays."""
     engine_, runtime_.engine = runtime_.engine, None
     if engine_ is not None:
-        engine_.stop(timeout=timeout, script_failed=script_failed)
+        engine_.stop(timeout=timeout, failure=failure)
     if runtime_.adopted:
         destroy_own_groups(runtime_)
     else:

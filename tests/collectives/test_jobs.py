@@ -321,16 +321,18 @@ hvd.allreduce(torch.ones(1), name="first")
 if hvd.rank() == 0:
     if sys.argv[1] == "raise":
         raise RuntimeError("rank 0 breaks")
+    if sys.argv[1] == "exit":
+        sys.exit("rank 0 gives up")  # (exit code 1)
     sys.exit(0)  # ends its script early, cleanly
 hvd.allreduce(torch.ones(1), name="never")
 """
 
 
-@pytest.mark.parametrize(("how", "first"), [("raise", 0), ("end", 1)])
+@pytest.mark.parametrize(("how", "first"), [("raise", 0), ("exit", 0), ("end", 1)])
 def test_the_rank_whose_end_ended_the_others_is_named_first(
     tmp_path: Path, how: str, first: int
 ) -> None:
-    """Rank 0 leaves the job (its script raises, or ends) and exits 1.5 s later; rank 1's
+    """Rank 0 leaves the job (its script raises, exits, or ends) and exits 1.5 s later; rank 1's
     collectives end with it and rank 1 fails at once. hvdrun names rank 0 when it failed
     too, though it heard of rank 1's exit first, and rank 1 when rank 0 exited 0."""
     script = tmp_path / "ending.py"
@@ -338,12 +340,14 @@ def test_the_rank_whose_end_ended_the_others_is_named_first(
     code, output = run_hvdrun(2, script, how)
     assert code == 1, output
     assert f"hvdrun: rank {first} on host localhost failed first: exit code 1" in output, output
-    # Rank 1's error says how rank 0 left: its script raised, or ended.
+    # Rank 1's error says how rank 0 left: its script raised, called sys.exit, or ended.
     said = {
-        "raise": "rank 1: rank 0's script failed (an uncaught exception), which ended hvdrun's "
-        "collectives, so no more",
-        "end": "rank 1: rank 0 shut down hvdrun's collectives (hvd.shutdown() or the end of its "
-        "script), so no more",
+        "raise": "rank 1: rank 0 left the job: its script ended with an uncaught exception "
+        "(RuntimeError: rank 0 breaks), which ended hvdrun's collectives, so no more",
+        "exit": "rank 1: rank 0 left the job: it called hvd.shutdown() or its script ended (its "
+        "last line or sys.exit), which ended hvdrun's collectives, so no more",
+        "end": "rank 1: rank 0 left the job: it called hvd.shutdown() or its script ended (its "
+        "last line or sys.exit), which ended hvdrun's collectives, so no more",
     }
     assert said[how] in output, output
 
