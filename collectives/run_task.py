@@ -67,6 +67,9 @@ def _call(payload: bytes) -> tuple[int, bool, bytes]:
 
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
+    except Exception as error:
+        return 1, False, json.dumps(_unpickling_failed(error)).encode()
+    try:
         value: Any = fn(*args, **kwargs)
     except SystemExit as leaving:  # the function ended the process: its code counts
         code = leaving.code
@@ -82,9 +85,24 @@ def _call(payload: bytes) -> tuple[int, bool, bytes]:
     try:
         return 0, True, cloudpickle.dumps(value)
     except Exception as error:
-        message = f"hvdrun.run: the value the function returned cannot be pickled: {error}"
-        sys.stderr.write(message + "\n")
+        message = f"the value the function returned cannot be pickled: {error}"
+        sys.stderr.write(f"hvdrun.run: {message}\n")
         return 1, False, json.dumps(describe(TypeError(message))).encode()
+
+
+def _unpickling_failed(error: Exception) -> dict[str, str]:
+    """What a worker that could not unpickle the function says, and why that may be: what
+    cloudpickle sends by name (a module's functions and classes) must import here too."""
+    hint = (
+        "the function or its arguments could not be unpickled in this worker: functions and "
+        "classes of importable modules travel by name, so their modules must import here too "
+        f"(this worker runs in {os.getcwd()}; put the module's directory on PYTHONPATH, or "
+        "send the module by value with cloudpickle.register_pickle_by_value(module))"
+    )
+    sys.stderr.write(f"hvdrun.run: {type(error).__name__}: {error}\nhvdrun.run: {hint}\n")
+    described = describe(error)
+    described["message"] = f"{error}; {hint}"
+    return described
 
 
 def main() -> int:

@@ -16,11 +16,14 @@ import codecs
 import contextlib
 import io
 import json
+import logging
+import math
+import os
 import signal
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, NoReturn, TextIO, cast
 
 import click
@@ -94,6 +97,7 @@ def run(
     )
     if not callable(func):
         raise TypeError(f"hvdrun.run: func must be callable, got {type(func).__name__}")
+    _check_call_arguments(args, kwargs)
     if hosts is not None and hostfile is not None:
         raise ValueError("hvdrun.run: give hosts or hostfile, not both")
     if use_gloo and use_mpi:
@@ -123,7 +127,7 @@ def run(
         mpi_args=mpi_args,
         network_interface=network_interface,
     )
-    argv += ["--", executable or sys.executable, "-m", TASK_MODULE]
+    argv += ["--", _path("executable", executable) or sys.executable, "-m", TASK_MODULE]
     stored, head = pieces.split(worker_env.FUNCTION_KEY, _payload(func, args, kwargs))
     call = FunctionCall(
         preset={**stored, worker_env.FUNCTION_KEY: head},
@@ -186,36 +190,57 @@ _SWITCHES = {
 
 
 def _flags(**values: Any) -> list[str]:
-    """The hvdrun command line (without the command) that the arguments given stand for."""
+    """The hvdrun command line (without the command) that the arguments given stand for.
+    A value of the wrong type is a TypeError naming its argument; a number that is not
+    finite, a ValueError (hvdrun's own checks follow in the CLI)."""
     argv: list[str] = []
     for name, value in values.items():
         if value is None:
             continue
         if name in _SWITCHES:
+            if not isinstance(value, int):  # (bool is an int; Horovod's verbose may be a level)
+                raise TypeError(f"hvdrun.run: {name} must be True or False, got {value!r}")
             if value:
                 argv.append(_SWITCHES[name])
         elif name == "cooldown_range":
-            low, high = _pair(value)
+            low, high = (_seconds(name, end) for end in _pair(value))
             argv += ["--blacklist-cooldown-range", str(low), str(high)]
+        elif name == "start_timeout":
+            argv += [_VALUE_FLAGS[name], str(_seconds(name, value))]
+        elif name in _PATHS:
+            argv += [_VALUE_FLAGS[name], _path(name, value) or ""]
+        elif name in _TEXT:
+            if not isinstance(value, str):
+                raise TypeError(f"hvdrun.run: {name} must be a string, got {value!r}")
+            argv += [_VALUE_FLAGS[name], value]
         else:
-            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-                raise ValueError(
-                    f"hvdrun.run: {name} must be a {'string' if name in _TEXT else 'number'}, "
-                    f"got {value!r}"
-                )
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"hvdrun.run: {name} must be an integer, got {value!r}")
             argv += [_VALUE_FLAGS[name], str(value)]
     return argv
 
 
-#: arguments whose values are text (hosts, paths, interface names)
-_TEXT = {
-    "hosts",
-    "hostfile",
-    "ssh_identity_file",
-    "output_filename",
-    "mpi_args",
-    "network_interface",
-}
+#: arguments whose values are text (host lists, interface names)
+_TEXT = {"hosts", "mpi_args", "network_interface"}
+#: arguments whose values are paths (a string or an os.PathLike, such as pathlib.Path)
+_PATHS = {"hostfile", "ssh_identity_file", "output_filename"}
+
+
+def _path(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(path, str):
+        raise TypeError(f"hvdrun.run: {name} must be a path (a string), got {value!r}")
+    return path
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"hvdrun.run: {name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"hvdrun.run: {name} must be a finite number of seconds, got {value!r}")
+    return value
 
 
 def _pair(value: Any) -> tuple[Any, Any]:
@@ -224,6 +249,27 @@ def _pair(value: Any) -> tuple[Any, Any]:
             f"hvdrun.run: cooldown_range must be (min_seconds, max_seconds), got {value!r}"
         )
     return value[0], value[1]
+
+
+def _check_call_arguments(args: Any, kwargs: Any) -> None:
+    """``args`` and ``kwargs`` as ``func(*args, **kwargs)`` takes them, checked here rather
+    than in every worker once the job has started."""
+    if isinstance(args, (str, bytes, bytearray)) or not isinstance(args, Sequence):
+        raise TypeError(
+            "hvdrun.run: args must be a tuple or list of func's positional arguments, got "
+            f"{type(args).__name__} {args!r:.80}"
+            + (f" (for one argument: args=({args!r:.40},))" if isinstance(args, str) else "")
+        )
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(
+            f"hvdrun.run: kwargs must be a dict of func's keyword arguments, got "
+            f"{type(kwargs).__name__} {kwargs!r:.80}"
+        )
+    names = [key for key in kwargs if not isinstance(key, str)]
+    if names:
+        raise TypeError(f"hvdrun.run: kwargs' keys must be strings, got {names[0]!r}")
 
 
 def _payload(
@@ -247,7 +293,8 @@ def _invoke(argv: list[str], call: FunctionCall) -> int:
     for stream in (sys.stdout, sys.stderr):
         _flush(stream)  # (what was written before comes first)
     try:
-        code = cli.main(args=argv, prog_name="hvdrun", standalone_mode=False, obj=call)
+        with _logging_kept():
+            code = cli.main(args=argv, prog_name="hvdrun", standalone_mode=False, obj=call)
     except click.UsageError as exc:
         raise ValueError(f"hvdrun.run: {usage_message(exc)}") from None
     except click.ClickException as exc:
@@ -255,6 +302,22 @@ def _invoke(argv: list[str], call: FunctionCall) -> int:
     except click.Abort:
         raise KeyboardInterrupt from None
     return code if isinstance(code, int) else 0
+
+
+@contextlib.contextmanager
+def _logging_kept() -> Iterator[None]:
+    """The CLI sets up logging for a process of its own (a handler on the root logger that
+    words every record as hvdrun's, its packages' levels); here the caller's logging is
+    given back as it was when the job ends."""
+    from hvdrun.logging_setup import PACKAGES, reset_logging
+
+    levels = {name: logging.getLogger(name).level for name in PACKAGES}
+    try:
+        yield
+    finally:
+        reset_logging()
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def _results(code: int, call: FunctionCall) -> list[Any]:
@@ -301,12 +364,17 @@ def rank_list(ranks: Sequence[int]) -> str:
 def _raise_failure(
     code: int, call: FunctionCall, outcomes: dict[str, tuple[bytes, dict[str, Any]]]
 ) -> NoReturn:
+    from launcher.supervision.report import describe_exit
+
     result = call.result
-    if result is not None and result.interrupted_by == signal.SIGINT:
+    # (no result: a signal stopped the job while its hosts were starting)
+    stopped_by = result.interrupted_by if result is not None else _starting_stopped_by(code)
+    if stopped_by == signal.SIGINT:
         raise KeyboardInterrupt
     failure = result.failure if result is not None else None
     if failure is None:
-        raise JobFailed(f"hvdrun.run: the job failed (exit code {code})", exit_code=code)
+        how = f"was stopped by {signal.Signals(stopped_by).name}" if stopped_by else "failed"
+        raise JobFailed(f"hvdrun.run: the job {how} (exit code {code})", exit_code=code)
     where = f"rank {failure.rank} on {failure.hostname}"
     outcome = outcomes.get(str(failure.rank))
     if outcome is not None and not outcome[1].get("ok", True):
@@ -325,9 +393,18 @@ def _raise_failure(
     if failure.stop is not None:  # (its code is the peer's that timed out waiting for it)
         how, detail = "failed first", f": {failure.error}"
     else:
-        how = f"exited with code {failure.code}" if failure.code >= 0 else "was killed"
+        ended = describe_exit(failure.code)
+        how = f"was {ended}" if ended.startswith("killed") else f"exited with code {failure.code}"
         detail = f": {failure.error}" if failure.error else ""
     raise JobFailed(f"hvdrun.run: {where} {how}{detail}", exit_code=code, rank=failure.rank)
+
+
+def _starting_stopped_by(code: int) -> int | None:
+    """The signal that stopped a job while its hosts were starting (hvdrun exits 128+N)."""
+    try:
+        return signal.Signals(code - 128) if code > 128 else None
+    except ValueError:
+        return None
 
 
 class _TextWriter(io.RawIOBase):

@@ -7,9 +7,11 @@ given); tests/launcher/test_run_function.py runs real jobs.
 from __future__ import annotations
 
 import io
+import logging
 import signal
 import threading
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,8 +110,8 @@ def test_np_min_np_max_np_are_deprecated_spellings(command_line: list[list[str]]
         ({"use_mpi": True}, ValueError, "hvdrun does not drive MPI"),
         ({"hosts": "bad host"}, ValueError, "host name 'bad host' contains white space"),
         ({"cooldown_range": 5}, ValueError, "cooldown_range must be (min_seconds, max_seconds)"),
-        ({"hosts": ["a", "b"]}, ValueError, "hosts must be a string"),
-        ({"start_timeout": "soon"}, ValueError, "value for '--start-timeout': 'soon'"),
+        ({"hosts": ["a", "b"]}, TypeError, "hosts must be a string"),
+        ({"start_timeout": "soon"}, TypeError, "start_timeout must be a number of seconds"),
     ],
 )
 def test_bad_arguments_raise_before_anything_starts(
@@ -119,6 +121,74 @@ def test_bad_arguments_raise_before_anything_starts(
         hvdrun.run(print, **arguments)
     assert str(raised.value).startswith("hvdrun.run: ")
     assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"hosts": 123}, TypeError, "hosts must be a string, got 123"),
+        ({"hostfile": 3}, TypeError, "hostfile must be a path (a string), got 3"),
+        ({"executable": 5}, TypeError, "executable must be a path (a string), got 5"),
+        ({"num_proc": "2"}, TypeError, "num_proc must be an integer, got '2'"),
+        ({"ssh_port": 22.0}, TypeError, "ssh_port must be an integer, got 22.0"),
+        ({"use_gloo": "no"}, TypeError, "use_gloo must be True or False, got 'no'"),
+        ({"start_timeout": float("nan")}, ValueError, "start_timeout must be a finite number"),
+        ({"cooldown_range": (1, float("inf"))}, ValueError, "cooldown_range must be a finite"),
+        ({"args": "ab"}, TypeError, "args must be a tuple or list of func's positional"),
+        ({"args": None}, TypeError, "args must be a tuple or list"),
+        ({"kwargs": [("a", 1)]}, TypeError, "kwargs must be a dict of func's keyword arguments"),
+        ({"kwargs": {1: 2}}, TypeError, "kwargs' keys must be strings, got 1"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_named_before_anything_starts(
+    command_line: list[list[str]], arguments: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as raised:
+        hvdrun.run(print, **arguments)
+    assert str(raised.value).startswith("hvdrun.run: ")
+    assert message in str(raised.value)
+    assert command_line == []
+
+
+def test_paths_may_be_path_objects(command_line: list[list[str]]) -> None:
+    flags = flags_of(
+        command_line,
+        hostfile=Path("/hosts"),
+        ssh_identity_file=Path("/k"),
+        output_filename=Path("/out"),
+        executable=Path("/opt/py/bin/python3"),
+    )
+    assert flags == [
+        "--num-proc", "1", "--hostfile", "/hosts", "--ssh-identity-file", "/k",
+        "--output-filename", "/out",
+    ]  # fmt: skip
+    assert command_line[-1][-3] == "/opt/py/bin/python3"
+
+
+def test_the_callers_logging_is_as_it_was_after_a_call() -> None:
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    with pytest.raises(ValueError, match="--output-filename"):  # (after the CLI set up logging)
+        hvdrun.run(print, output_filename="/proc/no/such/dir")
+    assert root.handlers == handlers
+    assert logging.getLogger("hvdrun").level == logging.NOTSET
+
+
+def test_a_signal_while_the_hosts_start_stops_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    import launcher.run
+    from launcher.transport.startup import LaunchInterrupted
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise LaunchInterrupted(signum)
+
+    monkeypatch.setattr(launcher.run, "run_job", interrupted)
+    signum = signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):
+        hvdrun.run(print)
+    signum = signal.SIGTERM
+    with pytest.raises(hvdrun.JobFailed) as failed:
+        hvdrun.run(print)
+    assert str(failed.value) == "hvdrun.run: the job was stopped by SIGTERM (exit code 143)"
 
 
 def test_what_cannot_be_pickled_is_named() -> None:
@@ -155,6 +225,14 @@ def test_a_text_stream_without_a_buffer_gets_the_decoded_bytes() -> None:
     assert api.binary_stream(buffered) is buffered.buffer
 
 
+def test_a_job_stopped_by_a_signal_says_which() -> None:
+    from launcher.supervision.core import JobResult
+
+    call = FunctionCall({}, "p/", None, None, JobResult(exit_code=143, interrupted_by=15))
+    with pytest.raises(hvdrun.JobFailed, match=r"^hvdrun.run: the job was stopped by SIGTERM"):
+        api._results(143, call)
+
+
 def test_a_failure_without_an_exception_names_the_rank_and_how_it_ended() -> None:
     from launcher.supervision.core import JobResult, WorkerFailure, WorkerStop
 
@@ -166,6 +244,9 @@ def test_a_failure_without_an_exception_names_the_rank_and_how_it_ended() -> Non
         return str(raised.value)
 
     assert failed(WorkerFailure(2, "gpu3", 1)) == "hvdrun.run: rank 2 on gpu3 exited with code 1"
+    assert failed(WorkerFailure(0, "gpu1", 137)) == (
+        "hvdrun.run: rank 0 on gpu1 was killed by SIGKILL (exit code 137)"
+    )
     # a stopped rank is named with its peer's exit code: that code is not its own
     peer = WorkerFailure(0, "gpu1", 1)
     stop = WorkerStop(1, "gpu2", 4242, signal.SIGSTOP, traced=False, since=0.0)

@@ -7,8 +7,11 @@ come back the same way (tests/launcher/test_ssh.py runs one over SSH on other ho
 from __future__ import annotations
 
 import io
+import json
 import os
 import sys
+import threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -108,3 +111,36 @@ def test_an_elastic_call_returns_the_last_generations_results() -> None:
 def test_a_function_that_leaves_without_returning_is_named() -> None:
     with pytest.raises(hvdrun.JobFailed, match="ranks 0, 1 returned nothing"):
         hvdrun.run(lambda: os._exit(0), num_proc=2)
+
+
+def test_a_worker_that_cannot_unpickle_the_function_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import cloudpickle
+
+    from collectives import run_task
+
+    (tmp_path / "users_helpers.py").write_text("def work():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import users_helpers
+
+    payload = cloudpickle.dumps((users_helpers.work, (), {}))  # (a module's function: by name)
+    monkeypatch.delitem(sys.modules, "users_helpers")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    code, ok, outcome = run_task._call(payload)  # (a worker where the module is not)
+    described = json.loads(outcome)
+    assert (code, ok, described["type"]) == (1, False, "ModuleNotFoundError")
+    assert described["message"].startswith("No module named 'users_helpers'; the function")
+    assert "must import here too" in described["message"]
+    assert "must import here too" in capsys.readouterr().err
+
+
+def test_a_return_value_that_cannot_be_pickled_is_described_once() -> None:
+    import cloudpickle
+
+    from collectives import run_task
+
+    code, ok, outcome = run_task._call(cloudpickle.dumps((threading.Lock, (), {})))
+    described = json.loads(outcome)
+    assert (code, ok, described["type"]) == (1, False, "TypeError")
+    assert described["message"].startswith("the value the function returned cannot be pickled")
