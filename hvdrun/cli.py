@@ -45,6 +45,7 @@ from hvdrun.report_flags import (
     report_options,
 )
 from hvdrun.tuning import tuning_env, tuning_options
+from hvdrun.values import seconds
 from hvdrun.version import __version__
 from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports, unset_exports
 from launcher.spec.hosts import (
@@ -119,7 +120,7 @@ class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
 )
 @click.option(
     "--start-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=seconds(),
     default=30.0,
     show_default=True,
     envvar="HOROVOD_START_TIMEOUT",
@@ -187,7 +188,7 @@ class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
 )
 @click.option(
     "--agent-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=seconds(),
     default=30.0,
     show_default=True,
     metavar="SECONDS",
@@ -196,7 +197,7 @@ class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
 )
 @click.option(
     "--heartbeat-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=seconds(),
     default=30.0,
     metavar="SECONDS",
     help="Workers and agents give the job up (and stop) when hvdrun has been silent this "
@@ -225,7 +226,7 @@ class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
 )
 @click.option(
     "--term-grace",
-    type=click.FloatRange(min=0),
+    type=seconds(positive=False),
     default=5.0,
     show_default=True,
     metavar="SECONDS",

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
+from hvdrun.values import seconds
 from launcher.spec.hosts import MAX_PROCESSES, MAX_SLOTS_PER_HOST, HostSpec
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -75,7 +76,7 @@ _OPTIONS = [
     ),
     click.option(
         "--elastic-timeout",
-        type=click.FloatRange(min=0, min_open=True),
+        type=seconds(),
         default=600.0,
         show_default=True,
         envvar="HOROVOD_ELASTIC_TIMEOUT",
@@ -91,7 +92,7 @@ _OPTIONS = [
     ),
     click.option(
         "--blacklist-cooldown-range",
-        type=(float, float),
+        type=(seconds(positive=False), seconds(positive=False)),
         metavar="MIN MAX",
         help="Elastic job: a failed host may come back after MIN*2^(failures-1) s, at most MAX s "
         "(default: never).",

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import click
 
+from hvdrun.values import seconds
 from rendezvous import worker_env
 from rendezvous.addresses import missing_interfaces
 
@@ -101,7 +102,7 @@ _OPTIONS = [
     _refused_value("--binding-args"),
     click.option(
         "--gloo-timeout-seconds",
-        type=click.FloatRange(min=0, min_open=True),
+        type=seconds(),
         metavar="SECONDS",
         help="How long a collective waits for a peer before failing "
         "(HVDRUN_GLOO_TIMEOUT_SECONDS; default 30, elastic jobs 5).",

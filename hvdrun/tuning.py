@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import click
 
+from hvdrun.values import Finite, seconds
 from rendezvous import worker_env
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -20,13 +21,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 _OPTIONS = [
     click.option(
         "--fusion-threshold-mb",
-        type=click.FloatRange(min=0),
+        type=Finite(min=0),
         metavar="MB",
         help="Tensor fusion buffer size in MiB (HVDRUN_FUSION_THRESHOLD; default 128).",
     ),
     click.option(
         "--cycle-time-ms",
-        type=click.FloatRange(min=0),
+        type=Finite(min=0),
         metavar="MS",
         help="How long (ms) submitted collectives are gathered before negotiating them "
         "(HVDRUN_CYCLE_TIME; default 1).",
@@ -67,14 +68,14 @@ _OPTIONS = [
     ),
     click.option(
         "--stall-check-warning-time-seconds",
-        type=click.FloatRange(min=0),
+        type=seconds(positive=False),
         metavar="SECONDS",
         help="Warn about ranks that did not submit a tensor after this long "
         "(HVDRUN_STALL_CHECK_TIME_SECONDS; default 60).",
     ),
     click.option(
         "--stall-check-shutdown-time-seconds",
-        type=click.FloatRange(min=0),
+        type=seconds(positive=False),
         metavar="SECONDS",
         help="Fail every rank's collectives after a stall this long; 0 never "
         "(HVDRUN_STALL_SHUTDOWN_TIME_SECONDS; default 0).",
@@ -122,7 +123,7 @@ _OPTIONS = [
     ),
     click.option(
         "--autotune-gaussian-process-noise",
-        type=click.FloatRange(min=0, max=1),
+        type=Finite(min=0, max=1),
         metavar="ALPHA",
         help="Noise of the autotuner's Gaussian process, 0 to 1 "
         "(HVDRUN_AUTOTUNE_GAUSSIAN_PROCESS_NOISE; default 0.8).",
