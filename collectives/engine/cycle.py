@@ -146,7 +146,7 @@ class CycleRunner:
         self._timeline = timeline
         self.tuner = tuner
         self.counters = counters if counters is not None else UnnamedCounters()
-        self.stall = StallInspector(config, rank, inspects=group.index == 0)
+        self.stall = StallInspector(config, rank, group.index == 0, group.process_set_id)
         self.eager_budget = eager.budget(group.size, config.fusion_threshold)
         # Rounds run: cache rounds (predicted ones among them, and among those the ones of
         # the hot lane) and full negotiations.

@@ -104,8 +104,16 @@ def joined_note(ranks: list[int]) -> str:
 class StallInspector:
     """Watches the negotiation table for ops that wait too long."""
 
-    def __init__(self, config: EngineConfig, rank: int, inspects: bool) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int, inspects: bool, process_set_id: int = 0
+    ) -> None:
         self._config = config
+        # What a shutdown stops: the set's own collectives (the global set's: the job's).
+        self._stops = (
+            "the job's collectives"
+            if process_set_id == 0
+            else f"process set {process_set_id}'s collectives (the job's other sets go on)"
+        )
         self._active = (
             config.stall_check
             and inspects
@@ -190,12 +198,12 @@ class StallInspector:
             head = (
                 f"rank {self._rank}: ranks submitted different ops under one name, so these "
                 "ops can never run (the engine pairs ops by kind and name; Horovod refuses "
-                "them as mismatched operations); the stall inspector stopped the job's "
-                "collectives. Give different ops different names"
+                "them as mismatched operations); the stall inspector stopped "
+                f"{self._stops}. Give different ops different names"
             )
         elif aborting:
             head = (
-                f"rank {self._rank}: the stall inspector stopped the job's collectives after "
+                f"rank {self._rank}: the stall inspector stopped {self._stops} after "
                 f"ops waited more than HVDRUN_STALL_SHUTDOWN_TIME_SECONDS="
                 f"{cfg.stall_shutdown_seconds:g} s for ranks that never submitted them"
             )
@@ -220,7 +228,7 @@ class StallInspector:
             "never run: ranks submitted different unnamed ops (an unnamed op is called "
             "<kind>.noname.<counter>, counted per kind and process set on each rank, so an "
             "unnamed op run on some ranks only shifts the names of all later ones there); the "
-            "stall inspector stopped the job's collectives. Give the ops names (name=...) "
+            f"stall inspector stopped {self._stops}. Give the ops names (name=...) "
             "so that ranks match them by name, or make every rank submit the same unnamed "
             "ops in the same order"
         )
