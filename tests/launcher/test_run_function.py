@@ -20,11 +20,19 @@ import hvdrun
 
 
 def no_workers_left() -> list[str]:
-    return [
-        " ".join(child.cmdline())
-        for child in psutil.Process().children(recursive=True)
-        if child.status() != psutil.STATUS_ZOMBIE
-    ]
+    """The job's processes (agents, workers) still running under this one; daemons that
+    other tests of the session started (the SSH cluster's sshd) are not the job's."""
+    left = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            command = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "launcher.agent" in command or "collectives.run_task" in command:
+            left.append(command)
+    return left
 
 
 def test_results_come_back_in_rank_order(monkeypatch: pytest.MonkeyPatch) -> None:
