@@ -28,19 +28,19 @@ from rendezvous.client import RendezvousClient, RendezvousError
 #: How long a worker waits for the function (it is in the store before any worker starts).
 READ_TIMEOUT = 60.0
 
+#: The module that holds the worker's runtime (imported by the function, never by this one).
+STATE_MODULE = "collectives.runtime.state"
 
-def _place() -> tuple[str, dict[str, int]]:
+
+def _place() -> tuple[str, dict[str, Any]]:
     """The key this rank's outcome goes under, and the header fields that place it."""
     # (The runtime only where the function imported it: this module never imports torch.)
-    state = sys.modules.get("collectives.runtime.state")
-    runtime = state.current() if state is not None else None
-    if runtime is not None:
-        rank = runtime.topology.rank
-        return str(rank), {
-            "rank": rank,
-            "size": runtime.topology.size,
-            "generation": runtime.generation,
-        }
+    # (an elastic rank's last generation's place, even after the function's hvd.shutdown())
+    state = sys.modules.get(STATE_MODULE)
+    place = state.last_place() if state is not None else None
+    if place is not None:
+        rank, size, generation = place
+        return str(rank), {"rank": rank, "size": size, "generation": generation}
     rank_text = os.environ.get(worker_env.RANK)
     if rank_text is not None and rank_text.isdigit():
         size_text = os.environ.get(worker_env.SIZE, "")
@@ -53,7 +53,9 @@ def _place() -> tuple[str, dict[str, int]]:
 
 def _store(client: RendezvousClient, ok: bool, data: bytes) -> None:
     key, fields = _place()
-    stored, head = pieces.split(worker_env.RESULT_KEY_PREFIX + key, data, {**fields, "ok": ok})
+    host = os.environ.get(worker_env.HOSTNAME, "")
+    extra = {**fields, "ok": ok, "host": host}
+    stored, head = pieces.split(worker_env.RESULT_KEY_PREFIX + key, data, extra)
     for piece_key, piece in stored.items():
         client.set(piece_key, piece)
     client.set(worker_env.RESULT_KEY_PREFIX + key, head)  # last: the pieces are all there
@@ -81,6 +83,9 @@ def _call(payload: bytes) -> tuple[int, bool, bytes]:
         # (from the function's own frame: this module's call of it is no news)
         below = error.__traceback__.tb_next if error.__traceback__ else None
         traceback.print_exception(type(error), error, below)
+        # As for a script's uncaught exception: the other ranks are told it at this
+        # process's exit (collectives.runtime.exits), not that it left the job on purpose.
+        sys.last_type, sys.last_value, sys.last_traceback = type(error), error, below
         return 1, False, json.dumps(describe(error)).encode()
     try:
         return 0, True, cloudpickle.dumps(value)

@@ -85,11 +85,15 @@ def run(
     np: int | None = None,
     min_np: int | None = None,
     max_np: int | None = None,
+    *,
+    host_discovery_script: str | os.PathLike[str] | None = None,
+    elastic_timeout: float | None = None,
 ) -> list[Any]:
     """Runs ``func(*args, **kwargs)`` in ``num_proc`` processes as one hvdrun job and returns
     the values they returned, in rank order (elastic jobs: the ranks of the last membership
     generation). Takes Horovod's arguments, each as the ``hvdrun`` flag of the same name;
-    ``np``, ``min_np`` and ``max_np`` are Horovod's deprecated spellings. Raises ValueError
+    ``np``, ``min_np`` and ``max_np`` are Horovod's deprecated spellings; hvdrun adds
+    ``host_discovery_script`` and ``elastic_timeout`` (keywords only). Raises ValueError
     for bad arguments (the message hvdrun would print for the flag), :class:`JobFailed` when
     the job fails, and KeyboardInterrupt after Ctrl-C has stopped it."""
     num_proc, min_num_proc, max_num_proc = _deprecated(
@@ -126,6 +130,8 @@ def run(
         use_mpi=use_mpi,
         mpi_args=mpi_args,
         network_interface=network_interface,
+        host_discovery_script=host_discovery_script,
+        elastic_timeout=elastic_timeout,
     )
     argv += ["--", _path("executable", executable) or sys.executable, "-m", TASK_MODULE]
     stored, head = pieces.split(worker_env.FUNCTION_KEY, _payload(func, args, kwargs))
@@ -180,6 +186,8 @@ _VALUE_FLAGS = {
     "output_filename": "--output-filename",
     "mpi_args": "--mpi-args",
     "network_interface": "--network-interface",
+    "host_discovery_script": "--host-discovery-script",
+    "elastic_timeout": "--elastic-timeout",
 }
 _SWITCHES = {
     "disable_cache": "--disable-cache",
@@ -205,7 +213,7 @@ def _flags(**values: Any) -> list[str]:
         elif name == "cooldown_range":
             low, high = (_seconds(name, end) for end in _pair(value))
             argv += ["--blacklist-cooldown-range", str(low), str(high)]
-        elif name == "start_timeout":
+        elif name in ("start_timeout", "elastic_timeout"):
             argv += [_VALUE_FLAGS[name], str(_seconds(name, value))]
         elif name in _PATHS:
             argv += [_VALUE_FLAGS[name], _path(name, value) or ""]
@@ -223,7 +231,7 @@ def _flags(**values: Any) -> list[str]:
 #: arguments whose values are text (host lists, interface names)
 _TEXT = {"hosts", "mpi_args", "network_interface"}
 #: arguments whose values are paths (a string or an os.PathLike, such as pathlib.Path)
-_PATHS = {"hostfile", "ssh_identity_file", "output_filename"}
+_PATHS = {"hostfile", "ssh_identity_file", "output_filename", "host_discovery_script"}
 
 
 def _path(name: str, value: Any) -> str | None:
@@ -372,17 +380,17 @@ def _raise_failure(
     if stopped_by == signal.SIGINT:
         raise KeyboardInterrupt
     failure = result.failure if result is not None else None
+    if failure is None and not stopped_by:
+        _raise_raised(code, outcomes)  # (an elastic job: its failed hosts have no rank)
     if failure is None:
         how = f"was stopped by {signal.Signals(stopped_by).name}" if stopped_by else "failed"
-        raise JobFailed(f"hvdrun.run: the job {how} (exit code {code})", exit_code=code)
+        reason = result.reason if result is not None and not stopped_by else None
+        why = f": {reason.strip().splitlines()[-1]}" if reason and reason.strip() else ""
+        raise JobFailed(f"hvdrun.run: the job {how} (exit code {code}){why}", exit_code=code)
     where = f"rank {failure.rank} on {failure.hostname}"
     outcome = outcomes.get(str(failure.rank))
     if outcome is not None and not outcome[1].get("ok", True):
-        try:
-            described = json.loads(outcome[0])
-        except ValueError:
-            described = {}
-        error_type, error = str(described.get("type", "")), str(described.get("message", ""))
+        error_type, error = _described(outcome[0])
         raise JobFailed(
             f"hvdrun.run: {where} raised {error_type}: {error}",
             exit_code=code,
@@ -397,6 +405,44 @@ def _raise_failure(
         how = f"was {ended}" if ended.startswith("killed") else f"exited with code {failure.code}"
         detail = f": {failure.error}" if failure.error else ""
     raise JobFailed(f"hvdrun.run: {where} {how}{detail}", exit_code=code, rank=failure.rank)
+
+
+def _described(data: bytes) -> tuple[str, str]:
+    """The type and message of the exception a rank's outcome describes."""
+    try:
+        described = json.loads(data)
+    except ValueError:
+        described = {}
+    if not isinstance(described, dict):
+        described = {}
+    return str(described.get("type", "")), str(described.get("message", ""))
+
+
+def _raise_raised(code: int, outcomes: dict[str, tuple[bytes, dict[str, Any]]]) -> None:
+    """An elastic job that failed without a rank to blame (its hosts failed and it ran out
+    of them, or of resets): the function's exception, where a rank's raised one, the first
+    generation's lowest rank first. Returns where none did."""
+    raised = [
+        (fields.get("generation", 0), fields.get("rank", -1), data, fields)
+        for data, fields in outcomes.values()
+        if not fields.get("ok", True)
+    ]
+    if not raised:
+        return
+    generation, rank, data, fields = min(raised, key=lambda found: found[:2])
+    error_type, error = _described(data)
+    where = f"rank {rank}" if rank >= 0 else "a worker"
+    if fields.get("host"):
+        where += f" on {fields['host']}"
+    if generation > 0:
+        where += f" (generation {generation})"
+    raise JobFailed(
+        f"hvdrun.run: the elastic job failed: {where} raised {error_type}: {error}",
+        exit_code=code,
+        rank=rank if rank >= 0 else None,
+        error_type=error_type,
+        error=error,
+    )
 
 
 def _starting_stopped_by(code: int) -> int | None:

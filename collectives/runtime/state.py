@@ -145,8 +145,24 @@ def current() -> RuntimeState | None:
 
 def set_current(state: RuntimeState | None) -> None:
     """Installs the runtime that ``init()`` built (None: it was shut down)."""
-    global _current
+    global _current, _last
+    if _current is not None:
+        _last = _current  # (an elastic reset's or a shutdown's predecessor)
     _current = state
+
+
+#: The runtime this process had last, kept after ``shutdown()`` forgets it (see last_place).
+_last: RuntimeState | None = None
+
+
+def last_place() -> tuple[int, int, int] | None:
+    """(rank, size, generation) of the live runtime, or of the last one after
+    ``shutdown()``; None before any ``init()``. ``hvdrun.run``'s worker places its
+    function's result by it (:mod:`collectives.run_task`)."""
+    runtime = _current or _last
+    if runtime is None:
+        return None
+    return runtime.topology.rank, runtime.topology.size, runtime.generation
 
 
 def is_initialized() -> bool:

@@ -145,6 +145,7 @@ class JobResult:
     figures: dict[str, RankFigures] = field(default_factory=dict)  # the workers' last figures
     # what the workers left in the rendezvous store under JobSpec.collect (hvdrun.run's results)
     collected: dict[str, bytes] = field(default_factory=dict)
+    reason: str | None = None  # why the job was given up where no rank failed (elastic jobs)
 
 
 def agent_spec(

@@ -428,11 +428,10 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         host.stop_agent()
 
     def _give_up(self, message: str) -> None:
-        """The job cannot go on (too few hosts, too many resets, the state lost): stop it,
-        exit 1."""
+        """The job cannot go on (too few hosts, too many resets, the state lost): exit 1."""
         if self.stopping:
             return
-        self.result.exit_code = ELASTIC_FAILURE_EXIT
+        self.result.exit_code, self.result.reason = ELASTIC_FAILURE_EXIT, message
         for line in message.splitlines():
             self.sink.message(line)
         self.stop_all()

@@ -256,3 +256,27 @@ def test_a_failure_without_an_exception_names_the_rank_and_how_it_ended() -> Non
         "never continued; its peers' collectives timed out waiting for it (rank 0 exited "
         "first, with exit code 1)"
     )
+
+
+def test_hvdruns_own_elastic_keywords(command_line: list[list[str]]) -> None:
+    flags = flags_of(
+        command_line, min_num_proc=2, host_discovery_script="/bin/hosts.sh", elastic_timeout=60
+    )
+    assert flags == [
+        "--num-proc", "1", "--min-num-proc", "2",
+        "--host-discovery-script", "/bin/hosts.sh", "--elastic-timeout", "60",
+    ]  # fmt: skip
+    with pytest.raises(TypeError, match="elastic_timeout must be a number of seconds"):
+        hvdrun.run(print, min_num_proc=2, elastic_timeout="soon")  # type: ignore[arg-type]
+
+
+def test_an_elastic_job_given_up_says_why() -> None:
+    from launcher.supervision.core import JobResult
+
+    reason = "Horovod detected that one or more processes exited ...\nonly 1 slot(s) were left"
+    call = FunctionCall({}, "p/", None, None, JobResult(exit_code=1, reason=reason))
+    with pytest.raises(hvdrun.JobFailed) as raised:
+        api._results(1, call)
+    assert str(raised.value) == (
+        "hvdrun.run: the job failed (exit code 1): only 1 slot(s) were left"
+    )

@@ -152,3 +152,65 @@ def test_a_return_value_that_cannot_be_pickled_is_described_once() -> None:
     described = json.loads(outcome)
     assert (code, ok, described["type"]) == (1, False, "TypeError")
     assert described["message"].startswith("the value the function returned cannot be pickled")
+
+
+def test_a_rank_is_placed_by_its_last_runtime_after_hvd_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An elastic rank whose function ends with hvd.shutdown(): its place is the one its
+    last generation gave it, not the slot it started in (HVDRUN_RANK)."""
+    import types
+
+    from collectives import run_task
+    from collectives.runtime import state
+    from rendezvous import worker_env
+
+    monkeypatch.setattr(state, "_current", None)
+    monkeypatch.setattr(state, "_last", None)
+    monkeypatch.setenv(worker_env.RANK, "2")
+    monkeypatch.setenv(worker_env.SIZE, "3")
+    assert run_task._place() == ("2", {"rank": 2, "size": 3, "generation": 0})  # no init()
+    runtime = types.SimpleNamespace(topology=types.SimpleNamespace(rank=0, size=2), generation=1)
+    state.set_current(runtime)  # type: ignore[arg-type]  # hvd.init()
+    runtime.generation, runtime.topology.rank = 2, 1  # an elastic reset
+    state.set_current(None)  # hvd.shutdown()
+    assert run_task._place() == ("1", {"rank": 1, "size": 2, "generation": 2})
+
+
+def test_a_rank_that_raised_tells_its_peers_the_exception(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its peers are told at its exit that it failed, as for a script's uncaught exception,
+    not that it left the job on purpose."""
+    import cloudpickle
+
+    from collectives import run_task
+    from collectives.runtime import exits
+
+    for name in ("last_type", "last_value", "last_traceback"):
+        monkeypatch.setattr(sys, name, None, raising=False)
+
+    def train() -> None:
+        raise ValueError("shard 7 is corrupt")
+
+    code, ok, _ = run_task._call(cloudpickle.dumps((train, (), {})))
+    assert (code, ok) == (1, False)
+    assert exits.describe() == (
+        "its script ended with an uncaught exception (ValueError: shard 7 is corrupt)"
+    )
+    assert "ValueError: shard 7 is corrupt" in capsys.readouterr().err
+
+
+def test_an_elastic_call_finds_its_hosts_with_a_discovery_script(tmp_path: Path) -> None:
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+
+    def train() -> tuple[int, int]:
+        import collectives.torch as hvd
+
+        hvd.init()
+        return hvd.rank(), hvd.size()
+
+    results = hvdrun.run(train, num_proc=2, min_num_proc=2, host_discovery_script=script)
+    assert results == [(0, 2), (1, 2)]
