@@ -6,8 +6,10 @@ store under ``worker_env.FUNCTION_KEY`` (in pieces, :mod:`rendezvous.pieces`), s
 function reaches every host over the connection the worker already has, whatever the
 network between the hosts. This process reads it, calls ``fn(*args, **kwargs)`` (which calls
 ``hvd.init()`` itself, as in any script), and leaves its outcome in the store under
-``worker_env.RESULT_KEY_PREFIX`` and its rank: the value ``fn`` returned, pickled, or a
-description of the exception it raised. The launcher reads them all when the job ends.
+``worker_env.RESULT_KEY_PREFIX`` and ``g<generation>-r<rank>`` (each generation's ranks
+apart: a worker hvdrun stops as the job ends never overwrites a value another left): the
+value ``fn`` returned, pickled, or a description of the exception it raised. The launcher
+reads them all when the job ends.
 
 The rank is the one hvdrun gave the worker (``HVDRUN_RANK``), or, in elastic jobs, where
 ranks change, the rank the function's ``hvd.init()`` last had; the header says which
@@ -40,12 +42,12 @@ def _place() -> tuple[str, dict[str, Any]]:
     place = state.last_place() if state is not None else None
     if place is not None:
         rank, size, generation = place
-        return str(rank), {"rank": rank, "size": size, "generation": generation}
+        return f"g{generation}-r{rank}", {"rank": rank, "size": size, "generation": generation}
     rank_text = os.environ.get(worker_env.RANK)
     if rank_text is not None and rank_text.isdigit():
         size_text = os.environ.get(worker_env.SIZE, "")
         size = int(size_text) if size_text.isdigit() else 0
-        return rank_text, {"rank": int(rank_text), "size": size, "generation": 0}
+        return f"g0-r{rank_text}", {"rank": int(rank_text), "size": size, "generation": 0}
     # An elastic worker whose function never called hvd.init(): it has no rank.
     worker = os.environ.get(worker_env.WORKER, "")
     return f"worker-{worker}", {"rank": -1, "size": 0, "generation": -1}

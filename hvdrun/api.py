@@ -347,10 +347,13 @@ def _results(code: int, call: FunctionCall) -> list[Any]:
     if code != 0 or result is None:
         _raise_failure(code, call, outcomes)
     ranks = len(result.hosts)  # (the fixed job's ranks, where none left a result)
-    last = max((fields["generation"] for _, fields in outcomes.values()), default=0)
+    # The job succeeded: its last generation is the newest that returned values (a worker
+    # of a newer one that hvdrun stopped as the job finished may have left an error).
+    returned = [(data, fields) for data, fields in outcomes.values() if fields.get("ok", True)]
+    last = max((fields["generation"] for _, fields in returned), default=0)
     mine = {
         fields["rank"]: (data, fields)
-        for data, fields in outcomes.values()
+        for data, fields in returned
         if fields["generation"] == last and fields["rank"] >= 0
     }
     size = max((fields["size"] for _, fields in mine.values()), default=ranks)
@@ -388,7 +391,11 @@ def _raise_failure(
         why = f": {reason.strip().splitlines()[-1]}" if reason and reason.strip() else ""
         raise JobFailed(f"hvdrun.run: the job {how} (exit code {code}){why}", exit_code=code)
     where = f"rank {failure.rank} on {failure.hostname}"
-    outcome = outcomes.get(str(failure.rank))
+    outcome = max(
+        (found for found in outcomes.values() if found[1].get("rank") == failure.rank),
+        key=lambda found: int(found[1].get("generation", 0)),
+        default=None,
+    )
     if outcome is not None and not outcome[1].get("ok", True):
         error_type, error = _described(outcome[0])
         raise JobFailed(

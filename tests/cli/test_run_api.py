@@ -280,3 +280,27 @@ def test_an_elastic_job_given_up_says_why() -> None:
     assert str(raised.value) == (
         "hvdrun.run: the job failed (exit code 1): only 1 slot(s) were left"
     )
+
+
+def test_a_stopped_worker_of_a_newer_generation_does_not_hide_the_results() -> None:
+    import cloudpickle
+
+    from launcher.supervision.core import JobResult
+    from rendezvous import pieces, worker_env
+
+    def outcome(rank: int, generation: int, ok: bool, data: bytes) -> dict[str, bytes]:
+        key = f"{worker_env.RESULT_KEY_PREFIX}g{generation}-r{rank}"
+        fields = {"rank": rank, "size": 2, "generation": generation, "ok": ok}
+        stored, head = pieces.split(key, data, fields)
+        return {**stored, key: head}
+
+    collected = {
+        **outcome(0, 2, True, cloudpickle.dumps("zero")),
+        **outcome(1, 2, True, cloudpickle.dumps("one")),
+    }
+    # a host added as the job finished: its worker (rank 0 of generation 3), stopped, left
+    # an error after rank 0 of generation 2 had left its value
+    collected.update(outcome(0, 3, False, b'{"type": "KeyboardInterrupt", "message": ""}'))
+    result = JobResult(exit_code=0, collected=collected)
+    call = FunctionCall({}, worker_env.RESULT_KEY_PREFIX, None, None, result)
+    assert api._results(0, call) == ["zero", "one"]

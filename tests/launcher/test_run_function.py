@@ -169,12 +169,12 @@ def test_a_rank_is_placed_by_its_last_runtime_after_hvd_shutdown(
     monkeypatch.setattr(state, "_last", None)
     monkeypatch.setenv(worker_env.RANK, "2")
     monkeypatch.setenv(worker_env.SIZE, "3")
-    assert run_task._place() == ("2", {"rank": 2, "size": 3, "generation": 0})  # no init()
+    assert run_task._place() == ("g0-r2", {"rank": 2, "size": 3, "generation": 0})  # no init()
     runtime = types.SimpleNamespace(topology=types.SimpleNamespace(rank=0, size=2), generation=1)
     state.set_current(runtime)  # type: ignore[arg-type]  # hvd.init()
     runtime.generation, runtime.topology.rank = 2, 1  # an elastic reset
     state.set_current(None)  # hvd.shutdown()
-    assert run_task._place() == ("1", {"rank": 1, "size": 2, "generation": 2})
+    assert run_task._place() == ("g2-r1", {"rank": 1, "size": 2, "generation": 2})
 
 
 def test_a_rank_that_raised_tells_its_peers_the_exception(
