@@ -448,13 +448,16 @@ class Supervision(ABC, Generic[E]):
             return  # (hvdrun's own stop continues the stopped workers)
         if isinstance(event, Stopped):
             stop = WorkerStop(event.rank, host, event.pid, event.signum, event.traced, self.clock())
-            log.info("rank %d on %s was stopped by %s", event.rank, host, stop.by())
+            self.sink.message(
+                f"rank {event.rank} on {host} was stopped by {stop.by()} (pid {event.pid}): "
+                "the other ranks' collectives wait for it, and time out unless it is continued"
+            )
             self.worker_stops[event.rank] = stop
             return
         stopped = self.worker_stops.get(event.rank)
         if stopped is not None and stopped.until is None:
             stopped.until = self.clock()
-            log.info("rank %d on %s was continued", event.rank, host)
+            self.sink.message(f"rank {event.rank} on {host} was continued")
 
     def stop_behind(self, failure: WorkerFailure) -> WorkerFailure | None:
         """The failure to name when ``failure`` (a worker's exit) came while another worker

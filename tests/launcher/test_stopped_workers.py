@@ -102,9 +102,15 @@ def test_a_failure_while_a_rank_is_stopped_names_the_stopped_rank() -> None:
 def test_a_rank_stopped_and_continued_before_anything_failed_is_not_blamed() -> None:
     a, b = FakeAgent("a"), FakeAgent("b")
     clock = Clock()
-    supervisor, _, _ = fixed(a, b, clock=clock)
+    supervisor, _, err = fixed(a, b, clock=clock)
     put_stop(supervisor, "b", Stopped(3, 4242, signal.SIGTSTP), Continued(3))
     supervisor.step()
+    # said at once, while the job goes on
+    assert err.getvalue().decode().splitlines() == [
+        "hvdrun: rank 3 on b was stopped by SIGTSTP (pid 4242): the other ranks' collectives "
+        "wait for it, and time out unless it is continued",
+        "hvdrun: rank 3 on b was continued",
+    ]
     clock.now += STOP_AFTERMATH_SECONDS
     put(supervisor, "a", Exit(0, 1))
     supervisor.step()
