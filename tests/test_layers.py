@@ -237,6 +237,9 @@ BUILT_ON = {"keras": {"tensorflow"}}
 #: The only places a frontend names one built on it: Horovod's own names for the same API.
 ALIASES = {
     ("collectives.tensorflow.keras", "collectives.keras"),  # horovod.tensorflow.keras
+    ("collectives.tensorflow.keras.callbacks", "collectives.keras.callbacks"),
+    ("collectives.tensorflow.keras.elastic", "collectives.keras.elastic"),
+    ("collectives.tensorflow.sync_batch_norm", "collectives.keras.sync_batch_norm"),
     # horovod.tensorflow.DistributedOptimizer takes Keras optimizers too
     ("collectives.tensorflow.optimizer", "collectives.keras.optimizer"),
     # horovod.tensorflow.SyncBatchNormalization is a Keras layer

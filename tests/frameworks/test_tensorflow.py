@@ -89,3 +89,27 @@ def test_importing_the_torch_frontend_or_hvdrun_never_imports_tensorflow() -> No
         check=True,
     )
     assert result.stdout.split() == ["False", "False"], result.stdout + result.stderr
+
+
+def test_horovods_tensorflow_module_paths_import_under_collectives() -> None:
+    # horovod.tensorflow.keras.callbacks / .elastic and horovod.tensorflow.sync_batch_norm,
+    # with "horovod." renamed, as docs/migrating.md tells users to.
+    probe = (
+        "import collectives.tensorflow.keras.callbacks as callbacks\n"
+        "from collectives.tensorflow.keras.elastic import KerasState, run\n"
+        "from collectives.tensorflow.sync_batch_norm import SyncBatchNormalization\n"
+        "import collectives.keras as hvd\n"
+        "assert callbacks.MetricAverageCallback is hvd.callbacks.MetricAverageCallback\n"
+        "assert KerasState is hvd.elastic.KerasState and run is hvd.elastic.run\n"
+        "assert SyncBatchNormalization is hvd.SyncBatchNormalization\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.stdout.strip() == "ok", result.stdout + result.stderr
