@@ -92,8 +92,9 @@ def test_importing_the_torch_frontend_or_hvdrun_never_imports_tensorflow() -> No
 
 
 def test_horovods_tensorflow_module_paths_import_under_collectives() -> None:
-    # horovod.tensorflow.keras.callbacks / .elastic and horovod.tensorflow.sync_batch_norm,
-    # with "horovod." renamed, as docs/migrating.md tells users to.
+    # horovod.tensorflow.keras.callbacks / .elastic, horovod.tensorflow.sync_batch_norm and
+    # the job's queries in horovod.tensorflow.mpi_ops, with "horovod." renamed, as
+    # docs/migrating.md tells users to.
     probe = (
         "import collectives.tensorflow.keras.callbacks as callbacks\n"
         "from collectives.tensorflow.keras.elastic import KerasState, run\n"
@@ -102,6 +103,8 @@ def test_horovods_tensorflow_module_paths_import_under_collectives() -> None:
         "assert callbacks.MetricAverageCallback is hvd.callbacks.MetricAverageCallback\n"
         "assert KerasState is hvd.elastic.KerasState and run is hvd.elastic.run\n"
         "assert SyncBatchNormalization is hvd.SyncBatchNormalization\n"
+        "from collectives.tensorflow.mpi_ops import init, rank, size, local_rank, shutdown\n"
+        "init(); assert (rank(), size(), local_rank()) == (0, 1, 0); shutdown()\n"
         "print('ok')\n"
     )
     result = subprocess.run(
