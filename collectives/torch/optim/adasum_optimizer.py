@@ -30,15 +30,17 @@ class DistributedAdasumOptimizer(DistributedOptimizerBase):
     _hvd_group_of: dict[torch.Tensor, int]
     _hvd_skip_alone = False  # (its hooks step the parameters)
 
-    def _hvd_plan(self, groups: Any) -> list[Bucket]:
-        self._hvd_starts = {}
+    def _hvd_plan(self, groups: Any, params: list[torch.Tensor] | None = None) -> list[Bucket]:
+        if params is None:
+            self._hvd_starts = {}
+            params = self._hvd_params
         self._hvd_group_of = {
             param: index
             for index, group in enumerate(self.param_groups)
             for param in group["params"]
         }
         # One parameter per bucket: each is stepped as soon as its gradient is ready.
-        return [Bucket([param], self._hvd_names[param]) for param in self._hvd_params]
+        return [Bucket([param], self._hvd_names[param]) for param in params]
 
     def _hvd_start(self, bucket: Bucket) -> None:
         (param,) = bucket.params

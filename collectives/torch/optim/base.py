@@ -19,6 +19,7 @@ own attributes. Those names are the mixin's namespace, shared with its subclasse
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -122,8 +123,9 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         if self._hvd_reduces:
             self._hvd_attach_hooks()
 
-    def _hvd_plan(self, groups: Any) -> list[Bucket]:
-        return plan_buckets(self._hvd_params, self._hvd_names, groups)
+    def _hvd_plan(self, groups: Any, params: list[torch.Tensor] | None = None) -> list[Bucket]:
+        """The buckets of ``params`` (by default all the optimizer's parameters)."""
+        return plan_buckets(self._hvd_params if params is None else params, self._hvd_names, groups)
 
     # ---- hooks and submission ----------------------------------------------------------
 
@@ -191,7 +193,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
                 if not self._hvd_sparse_as_dense:
                     self._hvd_sparse.append(param)
                     continue
-                grad = param.grad = self._hvd_densify(param, grad)
+                grad = param.grad = _densify(self._hvd_densified, param, grad)
             tensor, ctx = self._hvd_compression.compress(grad)
             sent.append((param, tensor, ctx))
         if not sent:
@@ -270,7 +272,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
                 self._hvd_sparse.append(param)
                 self._hvd_sparse_params.add(param)
                 return
-            grad = self._hvd_densify(param, grad)
+            grad = _densify(self._hvd_densified, param, grad)
         if grad is view:  # accumulated in place (zero_grad(set_to_none=False))
             if factor != 1.0:
                 view.mul_(factor)
@@ -298,21 +300,6 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
             else:
                 together.append((param, grad))
         bucket.move_together(together)
-
-    def _hvd_densify(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """``sparse_as_dense``: the gradient travels dense and becomes sparse again after
-        the reduction (see ``_hvd_resparsify``)."""
-        self._hvd_densified[param] = grad.sparse_dim()
-        return grad.to_dense()
-
-    def _hvd_resparsify(self) -> None:
-        """Gives the gradients that ``sparse_as_dense`` reduced dense their sparse layout
-        back, as Horovod does: optimizers such as ``SparseAdam`` accept nothing else. Rows
-        whose reduced gradient is all zeros are left out."""
-        for param, sparse_dim in self._hvd_densified.items():
-            grad = param.grad
-            if grad is not None and not grad.is_sparse:
-                param.grad = grad.to_sparse(sparse_dim)
 
     def _hvd_finish(self, bucket: Bucket) -> None:
         """Waits for the bucket's allreduce and puts the results in place."""
@@ -370,7 +357,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
                 sparse.append((param, handle))
             for param, handle in sparse:
                 param.grad = handle.wait()
-            self._hvd_resparsify()
+            _resparsify(self._hvd_densified)
         finally:
             self._hvd_reset()
         # Parameters that were frozen before and require gradients now get their hook.
@@ -397,10 +384,16 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         self._hvd_synchronized = False
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Waits for the gradients' reductions (unless already done), then steps."""
+        """Waits for the gradients' reductions (unless already done), then steps; the
+        gradients a closure computes are reduced each time the step calls it."""
         self._hvd_sync_for_step()
         base: Any = super()
-        return base.step() if closure is None else base.step(closure)
+        if closure is None:
+            return base.step()
+        try:
+            return base.step(functools.partial(_reduced, self, closure))
+        finally:
+            self._hvd_synchronized = False
 
     # The wrapped class's own step already runs the step hooks and the profiler; marking this
     # one as hooked keeps Optimizer._patch_step_function (run by load_state_dict) from
@@ -441,11 +434,68 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         self._hvd_backward = False
         self._hvd_synchronized = False
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's method; the new group's parameters are reduced too (see _add_params)."""
+        super().add_param_group(param_group)
+        if "_hvd_buckets" in self.__dict__:
+            _add_params(self)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads the wrapped optimizer's state; pending reductions are forgotten (as after
         an elastic reset, which restores state this way)."""
         self._hvd_reset()
         super().load_state_dict(state_dict)
+
+
+def _reduced(optimizer: DistributedOptimizerBase, closure: Callable[[], Any]) -> Any:
+    """A closure given to ``step()``, then the reduction of the gradients it computed
+    (unless within ``skip_synchronize()``): the wrapped step uses them as soon as the
+    closure returns, and LBFGS calls it again, clearing them, within the same step."""
+    loss = closure()
+    if optimizer._hvd_should_synchronize:
+        optimizer.synchronize()
+    return loss
+
+
+def _densify(
+    densified: dict[torch.Tensor, int], param: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    """``sparse_as_dense``: the gradient travels dense, and becomes sparse again after the
+    reduction (``_resparsify``)."""
+    densified[param] = grad.sparse_dim()
+    return grad.to_dense()
+
+
+def _resparsify(densified: dict[torch.Tensor, int]) -> None:
+    """Gives the gradients that ``sparse_as_dense`` reduced dense their sparse layout back,
+    as Horovod does: optimizers such as ``SparseAdam`` accept nothing else. Rows whose
+    reduced gradient is all zeros are left out."""
+    for param, sparse_dim in densified.items():
+        grad = param.grad
+        if grad is not None and not grad.is_sparse:
+            param.grad = grad.to_sparse(sparse_dim)
+
+
+def _add_params(optimizer: DistributedOptimizerBase) -> None:
+    """Takes in the parameters of the group that ``add_param_group()`` just added (Horovod
+    leaves them out: they would train on each rank's own gradient, and the ranks drift
+    apart). Each is named as ``named_parameters`` named it, else ``noname.<group>.<index>``,
+    and they get buckets of their own, planned alike on every rank (the script adds the
+    group on every rank), so the existing buckets stay as they are."""
+    index = len(optimizer.param_groups) - 1
+    added: dict[torch.Tensor, None] = {}  # (a dict: tensors compare by value in a list)
+    for position, param in enumerate(optimizer.param_groups[index]["params"]):
+        if param not in optimizer._hvd_bucket_of and param not in added:
+            optimizer._hvd_names.setdefault(param, f"noname.{index}.{position}")
+            added[param] = None
+    if not added:
+        return
+    optimizer._hvd_params.extend(added)
+    buckets = optimizer._hvd_plan(None, list(added))
+    optimizer._hvd_buckets.extend(buckets)
+    optimizer._hvd_bucket_of.update((p, bucket) for bucket in buckets for p in bucket.params)
+    if optimizer._hvd_reduces:
+        optimizer._hvd_attach_hooks()
 
 
 _classes: dict[tuple[type, type], type] = {}

@@ -230,7 +230,10 @@ def parameter_names(
             f"are not in it (shapes {shapes}); pass model.named_parameters() of the "
             "model whose parameters the optimizer holds"
         )
-    return {param: by_param[param] for param in all_params}
+    # (The names of parameters the optimizer does not hold yet stay, for add_param_group.)
+    names = {param: by_param[param] for param in all_params}
+    names.update(by_param)
+    return names
 
 
 def check_groups(groups: Any, optimizer: torch.optim.Optimizer) -> None:

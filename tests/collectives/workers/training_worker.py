@@ -256,6 +256,63 @@ def main() -> None:
         c.expect("dynamic.same_on_ranks", same_on_all_ranks(flat(extra)))
         c.close("dynamic.extra_weight", extra.weight.detach(), expected, 1e-6)
 
+    def added_group() -> None:
+        # A group added with add_param_group() after wrapping is reduced like the others.
+        reference, model = make_model(), make_model()
+        ref_layers, layers = list(reference.children()), list(model.children())
+        ref_opt = torch.optim.SGD(ref_layers[0].parameters(), lr=0.1)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(layers[0].parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+        )
+        for step in range(4):
+            if step == 2:  # (one group named by named_parameters, one not in a list)
+                ref_opt.add_param_group({"params": ref_layers[2].parameters(), "lr": 0.2})
+                opt.add_param_group({"params": layers[2].parameters(), "lr": 0.2})
+                ref_opt.add_param_group({"params": ref_layers[4].parameters()})
+                opt.add_param_group({"params": list(layers[4].parameters())})
+            x, y = batch(step)
+            ref_opt.zero_grad()
+            F.cross_entropy(reference(x), y).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            F.cross_entropy(model(x[mine]), y[mine]).backward()
+            opt.step()
+        worst = max_diff(model, reference)
+        c.expect("added_group.reduced", worst <= 1e-6, f"max difference {worst:g}")
+        c.expect("added_group.same_on_ranks", same_on_all_ranks(flat(model)))
+
+    def closure_of(
+        opt: torch.optim.Optimizer, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+    ) -> Callable[[], float]:
+        def closure() -> float:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return float(loss)
+
+        return closure
+
+    def closures() -> None:
+        # step(closure): the gradients the closure computes are the ones reduced and used,
+        # also by LBFGS, which calls it several times per step.
+        for label, factory in (
+            ("sgd", sgd),
+            ("lbfgs", lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=4)),
+        ):
+            reference, model = make_model(), make_model()
+            ref_opt = factory(list(reference.parameters()))
+            opt = hvd.DistributedOptimizer(
+                factory(list(model.parameters())), named_parameters=model.named_parameters()
+            )
+            for step in range(3):
+                x, y = batch(step)
+                ref_opt.step(closure_of(ref_opt, reference, x, y))
+                opt.step(closure_of(opt, model, x[mine], y[mine]))
+            worst = max_diff(model, reference)
+            c.expect(f"closure.{label}", worst <= 1e-5, f"max difference {worst:g}")
+            c.expect(f"closure.{label}.same_on_ranks", same_on_all_ranks(flat(model)))
+
     def name_errors() -> None:
         model = make_model()
         named = list(model.named_parameters())
@@ -534,6 +591,8 @@ def main() -> None:
     c.run("bursts", bursts)
     c.run("hooks", hooks)
     c.run("dynamic_graphs", dynamic_graphs)
+    c.run("added_group", added_group)
+    c.run("closures", closures)
     c.run("name_errors", name_errors)
     c.run("sparse", sparse)
     c.run("optimizer_state", optimizer_state)
