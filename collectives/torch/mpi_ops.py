@@ -35,6 +35,31 @@ import torch
 from collectives import job, ops
 from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.engine import handles
+from collectives.errors import HorovodInternalError
+from collectives.process_sets import add_process_set, remove_process_set
+from collectives.runtime import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
 from collectives.torch import autograd
 from collectives.torch.compression import Compression, Compressor
 
@@ -43,13 +68,17 @@ from collectives.torch.compression import Compression, Compressor
 #: engine's out-of-place path, which folds an Average into the copy.
 _COPIED_BYTES = 64 * 1024
 
+# (Horovod's horovod.torch.mpi_ops holds the job's queries too: scripts import them from
+# there)
 __all__ = [
     "Adasum",
     "Average",
+    "HorovodInternalError",
     "Max",
     "Min",
     "Product",
     "Sum",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allreduce",
@@ -63,6 +92,13 @@ __all__ = [
     "broadcast_",
     "broadcast_async",
     "broadcast_async_",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
     "grouped_allgather",
     "grouped_allgather_async",
     "grouped_allreduce",
@@ -73,11 +109,26 @@ __all__ = [
     "grouped_reducescatter_async",
     "handle_average_backwards_compatibility",
     "init",
+    "is_homogeneous",
+    "is_initialized",
     "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "poll",
+    "rank",
     "reducescatter",
     "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
     "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]
 

@@ -61,3 +61,18 @@ def test_torch_compile_trains_with_distributed_optimizer() -> None:
             f"the compiled model trains; the compiled step needs torch >= 2.12 (Dynamo of "
             f"torch {torch.__version__} cannot trace it)"
         )
+
+
+def test_horovods_mpi_ops_module_holds_the_job_queries() -> None:
+    # from horovod.torch.mpi_ops import rank, size, ... (with "horovod." renamed)
+    import collectives.torch as hvd
+    from collectives.torch import mpi_ops
+
+    names = [
+        "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
+        "cross_size", "cross_rank", "is_homogeneous", "start_timeline", "stop_timeline",
+        "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+        "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+        "add_process_set", "remove_process_set", "HorovodInternalError",
+    ]  # fmt: skip
+    assert [name for name in names if getattr(mpi_ops, name, None) is not getattr(hvd, name)] == []

@@ -168,3 +168,26 @@ def test_elastic_sampler_resplits_the_rest_of_the_epoch() -> None:
     assert list(other) == parts[2]
     sampler.set_epoch(3)
     assert sampler.processed_indices == set()
+
+
+def test_elastic_sampler_keeps_horovods_order_and_loads_its_state() -> None:
+    import random
+
+    sampler = elastic.ElasticSampler(list(range(20)), shuffle=True, seed=1)
+    sampler.set_epoch(2)
+    sampler.split(num_replicas=2, rank=1)
+    order = list(range(20))
+    random.Random(1 + 2).shuffle(order)  # Horovod's shuffle of epoch 2 with seed 1
+    assert list(sampler) == order[1:20:2]
+    # Horovod's state after 2 batches of 3 on 2 ranks: the first 12 samples of the order
+    horovods = {"epoch": 2, "processed_num": 12}
+    resumed = elastic.ElasticSampler(list(range(20)), shuffle=True, seed=1)
+    resumed.load_state_dict(horovods)
+    assert resumed.processed_indices == set(order[:12]) and resumed.processed_num == 12
+    resumed.split(num_replicas=2, rank=0)
+    assert list(resumed) == order[12:20:2]
+    # and the other way round: the state holds what Horovod's sampler loads
+    sampler.record_batch(0, 3)
+    sampler.record_batch(1, 3)
+    assert sampler.state_dict()["processed_num"] == 12
+    assert sampler.processed_indices == set(order[:12])

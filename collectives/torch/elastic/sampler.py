@@ -6,15 +6,20 @@ splits them over the new number of ranks, so that no sample is lost or seen twic
 epoch whatever the membership does. ``record_batch`` marks the batch of *every* rank as
 processed (all ranks step in lockstep and the split is deterministic), so the samples of a
 host that died with its work committed are not trained on again.
+
+The epoch's order is Horovod's (``random.Random(seed + epoch)`` shuffles the indices), and
+``state_dict()`` holds Horovod's ``processed_num`` beside the processed indices, so a
+sampler state saved under Horovod loads here (its processed samples are the first
+``processed_num`` of that order, as Horovod's split makes them) and the other way round.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterator, Sized
 from typing import Any
 
-import torch
 from torch.utils.data import Sampler
 
 from collectives import runtime
@@ -46,11 +51,15 @@ class ElasticSampler(Sampler[int]):
         self.reset()
 
     def _order(self) -> list[int]:
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            return torch.randperm(len(self.dataset), generator=generator).tolist()
-        return list(range(len(self.dataset)))
+        order = list(range(len(self.dataset)))
+        if self.shuffle:  # (Horovod's shuffle: the same order as under Horovod)
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    @property
+    def processed_num(self) -> int:
+        """How many samples of the epoch were processed (Horovod's attribute)."""
+        return len(self.processed_indices)
 
     def reset(self) -> None:
         """Re-splits the epoch's remaining samples over the current ranks."""
@@ -91,11 +100,20 @@ class ElasticSampler(Sampler[int]):
         self.processed_indices.update(indices)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
+        return {
+            "epoch": self.epoch,
+            "processed_indices": sorted(self.processed_indices),
+            "processed_num": self.processed_num,  # (what Horovod's sampler loads)
+        }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch = int(state["epoch"])
-        self.processed_indices = set(state["processed_indices"])
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state of :meth:`state_dict`, or of Horovod's sampler (``epoch`` and
+        ``processed_num``: the first that many samples of the epoch's order)."""
+        self.epoch = int(state_dict["epoch"])
+        if "processed_indices" in state_dict:
+            self.processed_indices = set(state_dict["processed_indices"])
+        else:
+            self.processed_indices = set(self._order()[: int(state_dict["processed_num"])])
         self.reset()
 
     def __iter__(self) -> Iterator[int]:
