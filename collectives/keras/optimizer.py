@@ -107,6 +107,8 @@ def create_distributed_optimizer(
             settings.postscale *= backward_passes_per_step
             settings.local_scale *= backward_passes_per_step
         methods["_backend_update_step"] = _update_step
+    if not bridge.legacy:
+        _agree_on_finite_gradients(bridge.keras)
     cls = type(base.__name__, (base,), methods)
     cls.__module__ = base.__module__
     optimizer.__class__ = cls
@@ -170,6 +172,15 @@ class _Settings:
                     result[i] = rescale(result[i], scale)
             return result
         return self._reduce(grads, variables)
+
+    def all_ranks(self, flag: Any) -> Any:
+        """A boolean backend tensor that is True on every rank of the process set where it
+        is True on all of them (their minimum), else False on every one."""
+        ops = self.bridge.keras.ops
+        (agreed,) = self.bridge.reduce(
+            [ops.cast(flag, "int32")], ReduceOp.MIN, process_set=self.process_set
+        )
+        return ops.cast(agreed, "bool")
 
     def is_local(self, variable: Any) -> bool:
         return bool(self.local) and variable_key(variable) in self.local
@@ -240,8 +251,10 @@ def _reduced_elsewhere(bridge: Any, variables: list[Any]) -> str | None:
         from torch.nn.parallel import DistributedDataParallel
 
         params = {id(getattr(v, "value", v)) for v in variables}
-        for obj in gc.get_objects():  # (once per optimizer: the DDPs alive)
-            if isinstance(obj, DistributedDataParallel) and any(
+        # (once per optimizer: the DDPs alive; by the object's type, since an isinstance
+        # check may ask objects for their class, which deprecated ones answer with a warning)
+        for obj in gc.get_objects():
+            if issubclass(type(obj), DistributedDataParallel) and any(
                 id(p) in params for p in obj.module.parameters()
             ):
                 return "torch's DistributedDataParallel, which wraps the model"
@@ -263,6 +276,13 @@ def _reduce_unless_elsewhere(self: Any, grads: list[Any], variables: list[Any]) 
     """The gradients reduced over the ranks, or as they come where something else reduces
     them already (decided at the optimizer's first step)."""
     settings = self._hvd_settings
+    if _elsewhere(settings, variables):
+        return grads
+    return settings.reduce(grads, variables)
+
+
+def _elsewhere(settings: _Settings, variables: list[Any]) -> str:
+    """What reduces the gradients already ("" if nothing), decided once, said on stderr."""
     if settings.elsewhere is None:
         settings.elsewhere = _reduced_elsewhere(settings.bridge, variables) or ""
         if settings.elsewhere:
@@ -270,9 +290,35 @@ def _reduce_unless_elsewhere(self: Any, grads: list[Any], variables: list[Any]) 
                 f"hvd.DistributedOptimizer: the gradients are reduced over the processes by "
                 f"{settings.elsewhere} already; they are not reduced again\n"
             )
-    if settings.elsewhere:
-        return grads
-    return settings.reduce(grads, variables)
+    return settings.elsewhere
+
+
+def _agree_on_finite_gradients(keras: Any) -> None:
+    """Makes Keras 3's ``LossScaleOptimizer`` (which ``model.compile`` wraps the optimizer in
+    under the ``mixed_float16`` policy) skip a step on every rank where any rank's gradients
+    are not finite. It looks at the gradients before its inner optimizer reduces them, so a
+    float16 overflow on one rank alone made that rank skip a reduction the others waited in
+    (a hang, or steps paired out of order). Horovod reduces before the loss scale looks,
+    which gives the same decision. Installed once; loss scale optimizers around other
+    optimizers are left as they are."""
+    cls = getattr(keras.optimizers, "LossScaleOptimizer", None)
+    if cls is None or getattr(cls, "_hvd_agreeing", False):
+        return
+    check_locally = cls.check_finite
+
+    def check_finite(self: Any, grads: Any) -> Any:
+        finite = check_locally(self, grads)
+        inner = getattr(self, "inner_optimizer", None)
+        settings = getattr(inner, "_hvd_settings", None)
+        if settings is None:
+            return finite
+        variables = list(getattr(inner, "_trainable_variables", None) or [])
+        if _elsewhere(settings, variables) or not settings.process_set.included():
+            return finite
+        return settings.all_ranks(finite)
+
+    cls.check_finite = check_finite
+    cls._hvd_agreeing = True
 
 
 def _no_compression() -> Any:
