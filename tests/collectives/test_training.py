@@ -44,6 +44,7 @@ CHECKS = [
     "added_group.reduced",
     "added_group.same_on_ranks",
     *(f"closure.{label}{s}" for label in ("sgd", "lbfgs") for s in ("", ".same_on_ranks")),
+    "closure.no_backward",
     "names.missing",
     "names.duplicate",
     "names.twice",

@@ -386,10 +386,12 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Waits for the gradients' reductions (unless already done), then steps; the
         gradients a closure computes are reduced each time the step calls it."""
-        self._hvd_sync_for_step()
         base: Any = super()
         if closure is None:
+            self._hvd_sync_for_step()
             return base.step()
+        if self._hvd_backward:  # (gradients of a backward before the step: reduced first)
+            self._hvd_sync_for_step()
         try:
             return base.step(functools.partial(_reduced, self, closure))
         finally:
@@ -452,7 +454,8 @@ def _reduced(optimizer: DistributedOptimizerBase, closure: Callable[[], Any]) ->
     (unless within ``skip_synchronize()``): the wrapped step uses them as soon as the
     closure returns, and LBFGS calls it again, clearing them, within the same step."""
     loss = closure()
-    if optimizer._hvd_should_synchronize:
+    # (a closure that ran no backward left the gradients as they were: reduced already)
+    if optimizer._hvd_should_synchronize and optimizer._hvd_backward:
         optimizer.synchronize()
     return loss
 

@@ -312,6 +312,24 @@ def main() -> None:
             worst = max_diff(model, reference)
             c.expect(f"closure.{label}", worst <= 1e-5, f"max difference {worst:g}")
             c.expect(f"closure.{label}.same_on_ranks", same_on_all_ranks(flat(model)))
+        # A backward before step(closure) and a closure that runs none: the gradients are
+        # reduced once (op=Sum: twice would multiply them by the size).
+        reference, model = make_model(), make_model()
+        ref_opt = sgd(list(reference.parameters()))
+        opt = hvd.DistributedOptimizer(
+            sgd(list(model.parameters())), named_parameters=model.named_parameters(), op=hvd.Sum
+        )
+        for step in range(3):
+            x, y = batch(step)
+            ref_opt.zero_grad()
+            (F.cross_entropy(reference(x), y) * n).backward()  # (the shards' means, summed)
+            ref_opt.step()
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x[mine]), y[mine])
+            loss.backward()
+            opt.step(lambda: float(loss))  # noqa: B023 (called within this iteration)
+        worst = max_diff(model, reference)
+        c.expect("closure.no_backward", worst <= 1e-5, f"max difference {worst:g}")
 
     def name_errors() -> None:
         model = make_model()
