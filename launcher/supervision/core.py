@@ -33,7 +33,7 @@ import queue
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -65,6 +65,20 @@ LOOP_STALL_SECONDS = 2.0
 #: A worker continued less than this long before a peer failed still counts as stopped:
 #: the peer's collective had timed out waiting for it before its exit reached hvdrun.
 STOP_AFTERMATH_SECONDS = 2.0
+#: A stop counts as a failure's cause only when it lasted at least this share of the
+#: workers' collective timeout (HVDRUN_GLOO_TIMEOUT_SECONDS) before the failure: a peer
+#: that failed sooner failed for its own reasons (a stop to look at a rank with a debugger
+#: while another raises is not the cause of that).
+STOP_BLAME_SHARE = 0.5
+
+
+def collective_timeout(env: Mapping[str, str]) -> float:
+    """The collective timeout the workers read from ``env`` (HVDRUN_GLOO_TIMEOUT_SECONDS);
+    its default where the value is not one (the workers then refuse it themselves)."""
+    try:
+        return worker_env.number(worker_env.GLOO_TIMEOUT_SECONDS, env=env)
+    except ValueError:
+        return worker_env.number(worker_env.GLOO_TIMEOUT_SECONDS, env={})
 
 
 def rank_list(ranks: Sequence[int]) -> str:
@@ -303,6 +317,9 @@ class Supervision(ABC, Generic[E]):
         self._grace_until = 0.0  # after this loop itself stalled, silence is its own
         self.insight: InsightWatch | None = None  # watches the workers' arrival figures
         self.worker_stops: dict[int, WorkerStop] = {}  # rank -> its latest stop, until it exits
+        # how long a stop must have lasted before a failure to be its cause (set from the
+        # workers' collective timeout: STOP_BLAME_SHARE)
+        self.stop_blame_after = 0.0
 
     # ---- what differs between supervisors ----------------------------------------------
 
@@ -469,6 +486,7 @@ class Supervision(ABC, Generic[E]):
             for rank, stop in self.worker_stops.items()
             if rank != failure.rank
             and (stop.until is None or now - stop.until < STOP_AFTERMATH_SECONDS)
+            and (stop.until or now) - stop.since >= self.stop_blame_after
         ]
         if not stops:
             return None

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from launcher.output import OutputSink
 from launcher.spec.job import JobSpec
 from launcher.supervision.core import (
+    STOP_BLAME_SHARE,
     JobResult,
     Signals,
     Supervised,
@@ -32,6 +33,7 @@ from launcher.supervision.core import (
     WorkerFailure,
     agent_loss_reason,
     agent_spec,
+    collective_timeout,
     rank_list,
 )
 from launcher.supervision.insight import InsightWatch
@@ -353,7 +355,9 @@ def _supervise(
             )
             launch.env.update(master)
             agent.launch(launch, events)
-        result = Supervisor(agents, slots, sink, events, spec.term_grace, signals, server).run()
+        supervisor = Supervisor(agents, slots, sink, events, spec.term_grace, signals, server)
+        supervisor.stop_blame_after = STOP_BLAME_SHARE * collective_timeout(spec.env)
+        result = supervisor.run()
         if spec.collect is not None:
             result.collected = server.values_under(spec.collect)
         return result

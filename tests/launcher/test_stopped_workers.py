@@ -69,7 +69,7 @@ def test_a_failure_while_a_rank_is_stopped_names_the_stopped_rank() -> None:
     a, b = FakeAgent("a"), FakeAgent("b")
     clock = Clock()
     supervisor, _, _ = fixed(a, b, clock=clock)
-    put_stop(supervisor, "b", Stopped(3, 4242, signal.SIGSTOP))
+    put(supervisor, "b", Stopped(3, 4242, signal.SIGSTOP))
     supervisor.step()
     clock.now += 30  # (the peers' collectives time out)
     put(supervisor, "a", Exit(0, 1))
@@ -78,7 +78,7 @@ def test_a_failure_while_a_rank_is_stopped_names_the_stopped_rank() -> None:
     assert failure is not None and (failure.rank, failure.hostname, failure.code) == (3, "b", 1)
     assert supervisor.result.exit_code == 1  # the first exit's, as mpirun's
     assert a.calls == b.calls == ["terminate"]
-    put_stop(supervisor, "b", Continued(3))  # (hvdrun's stop continues it)
+    put(supervisor, "b", Continued(3))  # (hvdrun's stop continues it)
     put(supervisor, "a", Exit(1, 143))
     put(supervisor, "b", Exit(2, 143), Exit(3, 143))
     supervisor.step()
@@ -103,7 +103,7 @@ def test_a_rank_stopped_and_continued_before_anything_failed_is_not_blamed() -> 
     a, b = FakeAgent("a"), FakeAgent("b")
     clock = Clock()
     supervisor, _, err = fixed(a, b, clock=clock)
-    put_stop(supervisor, "b", Stopped(3, 4242, signal.SIGTSTP), Continued(3))
+    put(supervisor, "b", Stopped(3, 4242, signal.SIGTSTP), Continued(3))
     supervisor.step()
     # said at once, while the job goes on
     assert err.getvalue().decode().splitlines() == [
@@ -121,10 +121,10 @@ def test_a_rank_continued_just_before_its_peer_failed_is_still_named() -> None:
     a, b = FakeAgent("a"), FakeAgent("b")
     clock = Clock()
     supervisor, _, _ = fixed(a, b, clock=clock)
-    put_stop(supervisor, "b", Stopped(2, 4242, traced=True))
+    put(supervisor, "b", Stopped(2, 4242, traced=True))
     supervisor.step()
     clock.now += 30
-    put_stop(supervisor, "b", Continued(2))
+    put(supervisor, "b", Continued(2))
     supervisor.step()
     put(supervisor, "a", Exit(1, 1))
     supervisor.step()
@@ -144,7 +144,7 @@ def test_a_rank_continued_just_before_its_peer_failed_is_still_named() -> None:
 def test_a_stopped_rank_killed_outright_is_its_own_failure() -> None:
     a, b = FakeAgent("a"), FakeAgent("b")
     supervisor, _, _ = fixed(a, b)
-    put_stop(supervisor, "b", Stopped(3, 4242, signal.SIGSTOP))
+    put(supervisor, "b", Stopped(3, 4242, signal.SIGSTOP))
     put(supervisor, "b", Exit(3, 137))
     supervisor.step()
     assert supervisor.result.failure == WorkerFailure(3, "b", 137, None)
@@ -155,7 +155,29 @@ def put(supervisor: Supervisor, host: str, *events: Exit | Stopped | Continued) 
         supervisor.events.put(HostEvent(host, event))
 
 
-put_stop = put
+def test_a_failure_soon_after_a_stop_is_its_own() -> None:
+    # A rank stopped (a debugger looking at it) one second before another raises: nothing
+    # timed out waiting for it (the workers' collectives wait 30 s), so the peer is named.
+    a, b = FakeAgent("a"), FakeAgent("b")
+    clock = Clock()
+    supervisor, _, _ = fixed(a, b, clock=clock)
+    supervisor.stop_blame_after = 15.0
+    put(supervisor, "b", Stopped(3, 4242, None, traced=True))
+    supervisor.step()
+    clock.now += 1.0
+    put(supervisor, "a", Exit(0, 1))
+    supervisor.step()
+    assert supervisor.result.failure == WorkerFailure(0, "a", 1, None)
+    # one stopped for longer than that is the cause
+    a, b = FakeAgent("a"), FakeAgent("b")
+    supervisor, _, _ = fixed(a, b, clock=clock)
+    supervisor.stop_blame_after = 15.0
+    put(supervisor, "b", Stopped(3, 4242, None, traced=True))
+    supervisor.step()
+    clock.now += 16.0
+    put(supervisor, "a", Exit(0, 1))
+    supervisor.step()
+    assert supervisor.result.failure is not None and supervisor.result.failure.rank == 3
 
 
 def test_a_job_whose_rank_stops_itself_names_it(tmp_path: Path) -> None:
@@ -184,6 +206,8 @@ def test_a_job_whose_rank_stops_itself_names_it(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=60,
+        # (the collectives' timeout: a stop counts as the cause after half of it)
+        env={**os.environ, "HVDRUN_GLOO_TIMEOUT_SECONDS": "2"},
     )
     pid = (tmp_path / "pid").read_text()
     assert result.returncode == 1, result.stderr
