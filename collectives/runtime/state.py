@@ -145,24 +145,26 @@ def current() -> RuntimeState | None:
 
 def set_current(state: RuntimeState | None) -> None:
     """Installs the runtime that ``init()`` built (None: it was shut down)."""
-    global _current, _last
-    if _current is not None:
-        _last = _current  # (an elastic reset's or a shutdown's predecessor)
+    global _current, _last_place
+    if _current is not None:  # (an elastic reset's or a shutdown's predecessor)
+        _last_place = _place_of(_current)
     _current = state
 
 
-#: The runtime this process had last, kept after ``shutdown()`` forgets it (see last_place).
-_last: RuntimeState | None = None
+#: (rank, size, generation) of the runtime this process had last, kept after ``shutdown()``
+#: forgets the runtime itself (see last_place).
+_last_place: tuple[int, int, int] | None = None
+
+
+def _place_of(runtime: RuntimeState) -> tuple[int, int, int]:
+    return runtime.topology.rank, runtime.topology.size, runtime.generation
 
 
 def last_place() -> tuple[int, int, int] | None:
     """(rank, size, generation) of the live runtime, or of the last one after
     ``shutdown()``; None before any ``init()``. ``hvdrun.run``'s worker places its
     function's result by it (:mod:`collectives.run_task`)."""
-    runtime = _current or _last
-    if runtime is None:
-        return None
-    return runtime.topology.rank, runtime.topology.size, runtime.generation
+    return _place_of(_current) if _current is not None else _last_place
 
 
 def is_initialized() -> bool:

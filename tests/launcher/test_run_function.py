@@ -166,7 +166,7 @@ def test_a_rank_is_placed_by_its_last_runtime_after_hvd_shutdown(
     from rendezvous import worker_env
 
     monkeypatch.setattr(state, "_current", None)
-    monkeypatch.setattr(state, "_last", None)
+    monkeypatch.setattr(state, "_last_place", None)
     monkeypatch.setenv(worker_env.RANK, "2")
     monkeypatch.setenv(worker_env.SIZE, "3")
     assert run_task._place() == ("g0-r2", {"rank": 2, "size": 3, "generation": 0})  # no init()
