@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, NoReturn, TextIO, cast
 import click
 
 from hvdrun.calls import FunctionCall
+from launcher.supervision.core import rank_list
 from rendezvous import pieces, worker_env
 
 __all__ = ["JobFailed", "run"]
@@ -63,7 +64,7 @@ def run(
     func: Callable[..., Any],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
-    num_proc: int = 1,
+    num_proc: int | None = None,
     min_num_proc: int | None = None,
     max_num_proc: int | None = None,
     slots: int | None = None,
@@ -99,6 +100,9 @@ def run(
     num_proc, min_num_proc, max_num_proc = _deprecated(
         num_proc, min_num_proc, max_num_proc, np, min_np, max_np
     )
+    elastic = any(x is not None for x in (min_num_proc, max_num_proc, host_discovery_script))
+    if num_proc is None and not elastic:
+        num_proc = 1  # (Horovod's default; an elastic job's is hvdrun's: --min-np)
     if not callable(func):
         raise TypeError(f"hvdrun.run: func must be callable, got {type(func).__name__}")
     _check_call_arguments(args, kwargs)
@@ -140,24 +144,24 @@ def run(
         collect=worker_env.RESULT_KEY_PREFIX,
         stdout=binary_stream(sys.stdout),
         stderr=binary_stream(sys.stderr),
+        elastic=elastic,
     )
     code = _invoke(argv, call)
     return _results(code, call)
 
 
 def _deprecated(
-    num_proc: int,
+    num_proc: int | None,
     min_num_proc: int | None,
     max_num_proc: int | None,
     np: int | None,
     min_np: int | None,
     max_np: int | None,
-) -> tuple[int, int | None, int | None]:
+) -> tuple[int | None, int | None, int | None]:
     """Horovod's ``np``/``min_np``/``max_np``: they count where the new name was not given."""
     if np is not None:
         warnings.warn("np is deprecated, use num_proc instead", DeprecationWarning, stacklevel=3)
-        if num_proc == 1:
-            num_proc = np
+        num_proc = np if num_proc is None else num_proc
     if min_np is not None:
         warnings.warn(
             "min_np is deprecated, use min_num_proc instead", DeprecationWarning, stacklevel=3
@@ -253,7 +257,7 @@ def _seconds(name: str, value: Any) -> float:
 
 def _pair(value: Any) -> tuple[Any, Any]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
-        raise ValueError(
+        raise TypeError(
             f"hvdrun.run: cooldown_range must be (min_seconds, max_seconds), got {value!r}"
         )
     return value[0], value[1]
@@ -346,7 +350,8 @@ def _results(code: int, call: FunctionCall) -> list[Any]:
         outcomes[name] = (data, fields)
     if code != 0 or result is None:
         _raise_failure(code, call, outcomes)
-    ranks = len(result.hosts)  # (the fixed job's ranks, where none left a result)
+    # (the fixed job's ranks, where none left a result; an elastic job's are not known)
+    ranks = 0 if call.elastic else len(result.hosts)
     # The job succeeded: its last generation is the newest that returned values (a worker
     # of a newer one that hvdrun stopped as the job finished may have left an error).
     returned = [(data, fields) for data, fields in outcomes.values() if fields.get("ok", True)]
@@ -359,17 +364,33 @@ def _results(code: int, call: FunctionCall) -> list[Any]:
     size = max((fields["size"] for _, fields in mine.values()), default=ranks)
     missing = [rank for rank in range(max(size, len(mine))) if rank not in mine]
     if missing or not mine:
+        what = (
+            f"rank(s) {rank_list(missing)} returned nothing"
+            if missing
+            else "no rank returned a value"
+        )
+        how = (
+            " (in an elastic job, a function that never calls hvd.init() has no rank)"
+            if call.elastic
+            else ""
+        )
         raise JobFailed(
-            f"hvdrun.run: the job ended, but {rank_list(missing) if missing else 'no rank'} "
-            "returned nothing: the function left its process some other way (such as "
-            "os._exit(0))",
+            f"hvdrun.run: the job ended, but {what}: the function left its process some "
+            f"other way (such as os._exit(0)){how}",
             exit_code=0,
         )
-    return [cloudpickle.loads(mine[rank][0]) for rank in range(size)]
-
-
-def rank_list(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+    values = []
+    for rank in range(size):
+        try:
+            values.append(cloudpickle.loads(mine[rank][0]))
+        except Exception as exc:  # (a CUDA tensor on a machine without CUDA, a class not here)
+            raise JobFailed(
+                f"hvdrun.run: rank {rank} returned a value this process cannot unpickle: "
+                f"{type(exc).__name__}: {exc}",
+                exit_code=0,
+                rank=rank,
+            ) from exc
+    return values
 
 
 def _raise_failure(
@@ -407,6 +428,8 @@ def _raise_failure(
         )
     if failure.stop is not None:  # (its code is the peer's that timed out waiting for it)
         how, detail = "failed first", f": {failure.error}"
+    elif result is not None and failure.rank in result.lost:  # (its host was lost)
+        how, detail = "was lost", f": {result.lost[failure.rank]}"
     else:
         ended = describe_exit(failure.code)
         how = f"was {ended}" if ended.startswith("killed") else f"exited with code {failure.code}"

@@ -23,3 +23,4 @@ class FunctionCall:
     stdout: BinaryIO | None
     stderr: BinaryIO | None
     result: JobResult | None = None
+    elastic: bool = False  # (its ranks change: only the results say how many there were)

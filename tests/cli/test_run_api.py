@@ -69,8 +69,9 @@ def test_horovods_arguments_become_hvdruns_flags(command_line: list[list[str]]) 
         cooldown_range=(1, 10),
         hostfile="/hosts",
     )
+    # (no -np: an elastic job starts with hvdrun's default, --min-np, not Horovod's 1)
     assert elastic == [
-        "--num-proc", "1", "--min-num-proc", "1", "--max-num-proc", "3", "--slots-per-host", "2",
+        "--min-num-proc", "1", "--max-num-proc", "3", "--slots-per-host", "2",
         "--reset-limit", "5", "--blacklist-cooldown-range", "1", "10", "--hostfile", "/hosts",
     ]  # fmt: skip
 
@@ -109,7 +110,7 @@ def test_np_min_np_max_np_are_deprecated_spellings(command_line: list[list[str]]
         ({"use_gloo": True, "use_mpi": True}, ValueError, "give use_gloo or use_mpi, not both"),
         ({"use_mpi": True}, ValueError, "hvdrun does not drive MPI"),
         ({"hosts": "bad host"}, ValueError, "host name 'bad host' contains white space"),
-        ({"cooldown_range": 5}, ValueError, "cooldown_range must be (min_seconds, max_seconds)"),
+        ({"cooldown_range": 5}, TypeError, "cooldown_range must be (min_seconds, max_seconds)"),
         ({"hosts": ["a", "b"]}, TypeError, "hosts must be a string"),
         ({"start_timeout": "soon"}, TypeError, "start_timeout must be a number of seconds"),
     ],
@@ -165,13 +166,15 @@ def test_paths_may_be_path_objects(command_line: list[list[str]]) -> None:
     assert command_line[-1][-3] == "/opt/py/bin/python3"
 
 
-def test_the_callers_logging_is_as_it_was_after_a_call() -> None:
+def test_the_callers_logging_is_as_it_was_after_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
     root = logging.getLogger()
     handlers = list(root.handlers)
+    mine = logging.getLogger("launcher")  # (one of hvdrun's packages, set by the caller)
+    monkeypatch.setattr(mine, "level", logging.ERROR)
     with pytest.raises(ValueError, match="--output-filename"):  # (after the CLI set up logging)
-        hvdrun.run(print, output_filename="/proc/no/such/dir")
+        hvdrun.run(print, output_filename="/proc/no/such/dir", verbose=True)
     assert root.handlers == handlers
-    assert logging.getLogger("hvdrun").level == logging.NOTSET
+    assert mine.level == logging.ERROR
 
 
 def test_a_signal_while_the_hosts_start_stops_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -263,8 +266,8 @@ def test_hvdruns_own_elastic_keywords(command_line: list[list[str]]) -> None:
         command_line, min_num_proc=2, host_discovery_script="/bin/hosts.sh", elastic_timeout=60
     )
     assert flags == [
-        "--num-proc", "1", "--min-num-proc", "2",
-        "--host-discovery-script", "/bin/hosts.sh", "--elastic-timeout", "60",
+        "--min-num-proc", "2", "--host-discovery-script", "/bin/hosts.sh",
+        "--elastic-timeout", "60",
     ]  # fmt: skip
     with pytest.raises(TypeError, match="elastic_timeout must be a number of seconds"):
         hvdrun.run(print, min_num_proc=2, elastic_timeout="soon")  # type: ignore[arg-type]
@@ -304,3 +307,32 @@ def test_a_stopped_worker_of_a_newer_generation_does_not_hide_the_results() -> N
     result = JobResult(exit_code=0, collected=collected)
     call = FunctionCall({}, worker_env.RESULT_KEY_PREFIX, None, None, result)
     assert api._results(0, call) == ["zero", "one"]
+
+
+def test_what_the_caller_cannot_take_back_is_named() -> None:
+    from launcher.supervision.core import JobResult, WorkerFailure
+    from rendezvous import pieces, worker_env
+
+    key = f"{worker_env.RESULT_KEY_PREFIX}g0-r0"
+    stored, head = pieces.split(key, b"not a pickle", {"rank": 0, "size": 1, "generation": 0})
+    result = JobResult(exit_code=0, collected={**stored, key: head}, hosts={0: "a"})
+    call = FunctionCall({}, worker_env.RESULT_KEY_PREFIX, None, None, result)
+    with pytest.raises(hvdrun.JobFailed, match="rank 0 returned a value this process cannot"):
+        api._results(0, call)
+    # a rank whose host was lost never exited
+    lost = JobResult(
+        exit_code=255,
+        failure=WorkerFailure(1, "b", 255, "x"),
+        lost={1: "the connection to host b was lost"},
+    )
+    call = FunctionCall({}, worker_env.RESULT_KEY_PREFIX, None, None, lost)
+    with pytest.raises(hvdrun.JobFailed) as raised:
+        api._results(255, call)
+    assert (
+        str(raised.value) == "hvdrun.run: rank 1 on b was lost: the connection to host b was lost"
+    )
+    # an elastic job whose workers never took a rank: no count of ranks that never were
+    nothing = JobResult(exit_code=0, hosts={0: "a", 1: "a", 2: "b"})
+    call = FunctionCall({}, worker_env.RESULT_KEY_PREFIX, None, None, nothing, elastic=True)
+    with pytest.raises(hvdrun.JobFailed, match=r"but no rank returned a value.*never calls"):
+        api._results(0, call)

@@ -117,7 +117,7 @@ def test_an_elastic_call_returns_the_last_generations_results() -> None:
 
 
 def test_a_function_that_leaves_without_returning_is_named() -> None:
-    with pytest.raises(hvdrun.JobFailed, match="ranks 0, 1 returned nothing"):
+    with pytest.raises(hvdrun.JobFailed, match=r"rank\(s\) 0, 1 returned nothing"):
         hvdrun.run(lambda: os._exit(0), num_proc=2)
 
 

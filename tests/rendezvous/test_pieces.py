@@ -6,6 +6,7 @@ import pytest
 
 from rendezvous import pieces
 from rendezvous.server import RendezvousServer
+from rendezvous.server.common import Refusal
 from tests.rendezvous.conftest import ClientFactory
 
 
@@ -41,6 +42,6 @@ def test_a_value_that_is_no_header_is_refused(raw: bytes) -> None:
 def test_a_value_over_the_limit_is_refused_whole(
     server: RendezvousServer, make_client: ClientFactory
 ) -> None:
-    with pytest.raises(Exception, match="limit"):
+    with pytest.raises(Refusal, match="limit"):
         server.put_values({"job/ok": b"x", "job/big": b"y" * 5000})
     assert make_client(server).check(["job/ok"]) is False  # nothing of it was stored
