@@ -44,6 +44,14 @@ READ_CHUNK = 65536
 STOP_CHECK_INTERVAL = 0.5
 
 
+def _same_state(now: Stopped | None, before: Stopped | None) -> bool:
+    """Whether two readings of a worker tell the same: running, or stopped alike (a stop
+    read again, its signal known only now, is no news)."""
+    if now is None or before is None:
+        return now is before
+    return now.traced == before.traced
+
+
 def exit_code_of(returncode: int) -> int:
     """Shell convention: a worker killed by signal N exits with 128+N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -186,7 +194,7 @@ class HostAgent:
             workers = [worker for worker in self.workers if not worker.exited.is_set()]
         for worker in workers:
             stop = worker.stop_state()
-            if stop == worker.reported_stop:
+            if _same_state(stop, worker.reported_stop):
                 continue
             worker.reported_stop = stop
             self._emit(stop if stop is not None else Continued(worker.rank))

@@ -464,6 +464,9 @@ class Supervision(ABC, Generic[E]):
         if self.stopping or event.rank in self.result.exits:
             return  # (hvdrun's own stop continues the stopped workers)
         if isinstance(event, Stopped):
+            open_stop = self.worker_stops.get(event.rank)
+            if open_stop is not None and open_stop.until is None:
+                return  # (still the stop it told of: stopped since then)
             stop = WorkerStop(event.rank, host, event.pid, event.signum, event.traced, self.clock())
             self.sink.message(
                 f"rank {event.rank} on {host} was stopped by {stop.by()} (pid {event.pid}): "

@@ -218,3 +218,20 @@ def test_a_job_whose_rank_stops_itself_names_it(tmp_path: Path) -> None:
     assert not psutil.pid_exists(int(pid)) or (
         psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
     )
+
+
+def test_a_stop_told_again_keeps_its_start_and_is_said_once() -> None:
+    a, b = FakeAgent("a"), FakeAgent("b")
+    clock = Clock()
+    supervisor, _, err = fixed(a, b, clock=clock)
+    supervisor.stop_blame_after = 15.0
+    put(supervisor, "b", Stopped(3, 4242, None))
+    supervisor.step()
+    clock.now += 10.0
+    put(supervisor, "b", Stopped(3, 4242, signal.SIGSTOP))  # (its signal read only now)
+    supervisor.step()
+    clock.now += 10.0
+    put(supervisor, "a", Exit(0, 1))
+    supervisor.step()
+    assert err.getvalue().decode().count("was stopped by") == 1
+    assert supervisor.result.failure is not None and supervisor.result.failure.rank == 3
