@@ -25,6 +25,8 @@ be added without touching the queries.
 
 from __future__ import annotations
 
+from typing import Any
+
 from collectives.runtime.bootstrap import init, reset, shutdown, state_synced
 from collectives.runtime.build import (
     ccl_built,
@@ -66,7 +68,46 @@ from collectives.runtime.state import (
     topology,
 )
 
+#: The job's queries of Horovod's API that every frontend exports, and that Horovod's
+#: ``mpi_ops`` modules hold too (``from horovod.torch.mpi_ops import rank``): the frontends'
+#: ``mpi_ops`` answer them through :func:`job_query`.
+JOB_QUERIES = frozenset(
+    {
+        "size",
+        "rank",
+        "local_size",
+        "local_rank",
+        "cross_size",
+        "cross_rank",
+        "is_homogeneous",
+        "is_initialized",
+        "shutdown",
+        "start_timeline",
+        "stop_timeline",
+        "mpi_threads_supported",
+        "mpi_built",
+        "mpi_enabled",
+        "gloo_built",
+        "gloo_enabled",
+        "nccl_built",
+        "ddl_built",
+        "ccl_built",
+        "cuda_built",
+        "rocm_built",
+    }
+)
+
+
+def job_query(module: str, name: str) -> Any:
+    """``name`` of :data:`JOB_QUERIES` (a module's ``__getattr__``); AttributeError for any
+    other name, as for a module without it."""
+    if name in JOB_QUERIES:
+        return globals()[name]
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "JOB_QUERIES",
     "HostRemoved",
     "RuntimeState",
     "Topology",
@@ -86,6 +127,7 @@ __all__ = [
     "is_elastic",
     "is_homogeneous",
     "is_initialized",
+    "job_query",
     "local_rank",
     "local_size",
     "mpi_built",

@@ -33,29 +33,6 @@ from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.engine.execute import split_rows
 from collectives.engine.requests import Kind
 from collectives.process_sets import add_process_set, remove_process_set
-from collectives.runtime import (
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
 from collectives.tensorflow import graph
 from collectives.tensorflow.compression import Compression, Compressor
 from collectives.tensorflow.errors import InvalidSplitsError, as_tensorflow_error
@@ -77,32 +54,16 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_",
-    "ccl_built",
     "check_num_rank_power_of_2",
-    "cross_rank",
-    "cross_size",
-    "cuda_built",
-    "ddl_built",
-    "gloo_built",
-    "gloo_enabled",
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",
     "handle_average_backwards_compatibility",
     "init",
-    "is_homogeneous",
-    "is_initialized",
     "join",
-    "local_rank",
     "local_rank_op",
-    "local_size",
     "local_size_op",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
     "process_set_included_op",
-    "rank",
     "rank_op",
     "raw_allreduce",
     "raw_grouped_allreduce",
@@ -110,12 +71,7 @@ __all__ = [
     "raw_reducescatter",
     "reducescatter",
     "remove_process_set",
-    "rocm_built",
-    "shutdown",
-    "size",
     "size_op",
-    "start_timeline",
-    "stop_timeline",
 ]
 
 init = job.init
@@ -818,3 +774,8 @@ def raw_grouped_reducescatter(
         postscale_factor=postscale_factor,
         name=name,
     )
+
+
+def __getattr__(name: str) -> Any:
+    """The job's queries (``rank``, ``size``, ...), which Horovod's ``mpi_ops`` holds too."""
+    return runtime.job_query(__name__, name)

@@ -32,34 +32,11 @@ from typing import Any
 
 import torch
 
-from collectives import job, ops
+from collectives import job, ops, runtime
 from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.engine import handles
 from collectives.errors import HorovodInternalError
 from collectives.process_sets import add_process_set, remove_process_set
-from collectives.runtime import (
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
 from collectives.torch import autograd
 from collectives.torch.compression import Compression, Compressor
 
@@ -92,13 +69,6 @@ __all__ = [
     "broadcast_",
     "broadcast_async",
     "broadcast_async_",
-    "ccl_built",
-    "cross_rank",
-    "cross_size",
-    "cuda_built",
-    "ddl_built",
-    "gloo_built",
-    "gloo_enabled",
     "grouped_allgather",
     "grouped_allgather_async",
     "grouped_allreduce",
@@ -109,26 +79,12 @@ __all__ = [
     "grouped_reducescatter_async",
     "handle_average_backwards_compatibility",
     "init",
-    "is_homogeneous",
-    "is_initialized",
     "join",
-    "local_rank",
-    "local_size",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
     "poll",
-    "rank",
     "reducescatter",
     "reducescatter_async",
     "remove_process_set",
-    "rocm_built",
-    "shutdown",
-    "size",
     "sparse_allreduce_async",
-    "start_timeline",
-    "stop_timeline",
     "synchronize",
 ]
 
@@ -625,3 +581,8 @@ def synchronize(handle: int) -> Any:
     handle); raises the op's error: HorovodInternalError, TensorMismatchError, ..."""
     found = handles.release(handle)
     return None if found is None else found.wait()
+
+
+def __getattr__(name: str) -> Any:
+    """The job's queries (``rank``, ``size``, ...), which Horovod's ``mpi_ops`` holds too."""
+    return runtime.job_query(__name__, name)

@@ -79,15 +79,7 @@ def test_importing_the_torch_frontend_or_hvdrun_never_imports_tensorflow() -> No
         "import sys, collectives.torch, hvdrun.cli; "
         "print('tensorflow' in sys.modules, 'keras' in sys.modules)"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", probe],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    result = run_probe(probe)
     assert result.stdout.split() == ["False", "False"], result.stdout + result.stderr
 
 
@@ -107,7 +99,13 @@ def test_horovods_tensorflow_module_paths_import_under_collectives() -> None:
         "init(); assert (rank(), size(), local_rank()) == (0, 1, 0); shutdown()\n"
         "print('ok')\n"
     )
-    result = subprocess.run(
+    result = run_probe(probe)
+    assert result.stdout.strip() == "ok", result.stdout + result.stderr
+
+
+def run_probe(probe: str) -> subprocess.CompletedProcess[str]:
+    """``python -c PROBE`` in a fresh process, as a user's script would run."""
+    return subprocess.run(
         [sys.executable, "-c", probe],
         cwd=REPO,
         env=clean_env(),
@@ -115,4 +113,3 @@ def test_horovods_tensorflow_module_paths_import_under_collectives() -> None:
         text=True,
         timeout=120,
     )
-    assert result.stdout.strip() == "ok", result.stdout + result.stderr

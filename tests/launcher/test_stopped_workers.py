@@ -155,29 +155,27 @@ def put(supervisor: Supervisor, host: str, *events: Exit | Stopped | Continued) 
         supervisor.events.put(HostEvent(host, event))
 
 
-def test_a_failure_soon_after_a_stop_is_its_own() -> None:
-    # A rank stopped (a debugger looking at it) one second before another raises: nothing
-    # timed out waiting for it (the workers' collectives wait 30 s), so the peer is named.
+def failure_after_a_stop(seconds: float) -> WorkerFailure | None:
+    """Rank 3 is held by a debugger; rank 0 exits 1 ``seconds`` later (the workers'
+    collectives would have waited 30 s for rank 3)."""
     a, b = FakeAgent("a"), FakeAgent("b")
     clock = Clock()
     supervisor, _, _ = fixed(a, b, clock=clock)
     supervisor.stop_blame_after = 15.0
     put(supervisor, "b", Stopped(3, 4242, None, traced=True))
     supervisor.step()
-    clock.now += 1.0
+    clock.now += seconds
     put(supervisor, "a", Exit(0, 1))
     supervisor.step()
-    assert supervisor.result.failure == WorkerFailure(0, "a", 1, None)
-    # one stopped for longer than that is the cause
-    a, b = FakeAgent("a"), FakeAgent("b")
-    supervisor, _, _ = fixed(a, b, clock=clock)
-    supervisor.stop_blame_after = 15.0
-    put(supervisor, "b", Stopped(3, 4242, None, traced=True))
-    supervisor.step()
-    clock.now += 16.0
-    put(supervisor, "a", Exit(0, 1))
-    supervisor.step()
-    assert supervisor.result.failure is not None and supervisor.result.failure.rank == 3
+    return supervisor.result.failure
+
+
+def test_a_failure_soon_after_a_stop_is_its_own() -> None:
+    # one second later, nothing timed out waiting for rank 3: rank 0 failed for its own reasons
+    assert failure_after_a_stop(1.0) == WorkerFailure(0, "a", 1, None)
+    # a stop longer than half the timeout is the cause
+    failure = failure_after_a_stop(16.0)
+    assert failure is not None and failure.rank == 3
 
 
 def test_a_job_whose_rank_stops_itself_names_it(tmp_path: Path) -> None:
