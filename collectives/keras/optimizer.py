@@ -10,16 +10,8 @@ working): it is re-classed as a subclass of its class whose gradient step reduce
   ``gradient_accumulation_steps``) and reduces only the accumulated ones, every k-th step:
   their average with ``average_aggregated_gradients=True``, else their sum (Horovod's
   default).
-* **Keras 2** (``tf_keras``): as in Horovod, the gradients come back reduced from
-  ``compute_gradients`` (which ``minimize`` and ``model.fit`` call), ``_compute_gradients``
-  (the legacy optimizers') and ``get_gradients`` (TF1 graphs), and ``apply_gradients``
-  applies those without reducing them again. So code between the two (clipping, checks) and
-  tf_keras's ``LossScaleOptimizer``, which tests the gradients for overflow before its inner
-  optimizer applies them, see the same values on every rank. Gradients that did not come
-  from these methods (a plain ``tf.GradientTape`` in a custom loop) are reduced by
-  ``apply_gradients``, where Horovod applies them unreduced. ``backward_passes_per_step``
-  accumulates with Horovod's algorithm (:mod:`collectives.tensorflow.gradient_aggregation`),
-  where the gradients are reduced.
+* **Keras 2** (``tf_keras``): ``apply_gradients`` reduces first; ``backward_passes_per_step``
+  accumulates with Horovod's algorithm (:mod:`collectives.tensorflow.gradient_aggregation`).
 
 Variables registered as local (``register_local_var``, or the local layers of
 ``PartialDistributedOptimizer``) keep each rank's own gradient, divided by the process set's
@@ -87,7 +79,7 @@ def create_distributed_optimizer(
     base = type(optimizer)
     methods: dict[str, Any] = {"register_local_var": _register_local_var}
     if bridge.legacy:
-        methods.update(_legacy_methods(base))
+        methods["apply_gradients"] = _legacy_apply_gradients
         if backward_passes_per_step != 1:
             from collectives.tensorflow.gradient_aggregation import (
                 LocalGradientAggregationHelper,
@@ -156,11 +148,6 @@ class _Settings:
         self.local_scale = 1.0
         #: tf_keras's accumulation of backward passes (None: every pass is applied).
         self.aggregation: Any = None
-        #: tf_keras: keys of the variables whose gradients the gradient methods returned
-        #: reduced, which ``apply_gradients`` is yet to apply (it does not reduce them again).
-        self.pending: set[int] = set()
-        #: tf_keras: a gradient method is running (one calling another reduces once).
-        self.computing = False
         #: What reduces the gradients already ("": nothing; None: not known yet).
         self.elsewhere: str | None = None
         #: The TensorFlow frontend's reducer (TensorFlow backends), made at the first step.
@@ -352,105 +339,15 @@ def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate:
     return super(type(self), self)._backend_update_step(reduced, trainable_variables, learning_rate)
 
 
-def _legacy_methods(base: type) -> dict[str, Any]:
-    """tf_keras's gradient methods that reduce (those its optimizer class has; a legacy
-    ``OptimizerV2`` gets Horovod's ``compute_gradients`` too) and ``apply_gradients``."""
-    methods: dict[str, Any] = {"apply_gradients": _legacy_apply_gradients}
-    if hasattr(base, "compute_gradients"):
-        methods["compute_gradients"] = _legacy_compute_gradients
-    else:
-        methods["compute_gradients"] = _legacy_compute_gradients_v2
-    if hasattr(base, "_compute_gradients"):
-        methods["_compute_gradients"] = _legacy_private_compute_gradients
-    if hasattr(base, "get_gradients"):
-        methods["get_gradients"] = _legacy_get_gradients
-    return methods
-
-
-def _legacy_reduced(self: Any, compute: Any, variables_of: Any) -> tuple[list[Any], list[Any]]:
-    """The gradients ``compute()`` returns, reduced over the ranks (accumulated with
-    ``backward_passes_per_step``), with their variables; they are marked for
-    ``apply_gradients`` not to reduce them again. Inside another gradient method (a subclass
-    whose method calls another): as they come, for the outer one to reduce."""
-    settings = self._hvd_settings
-    outer = not settings.computing
-    settings.computing = True
-    try:
-        grads, variables = variables_of(compute())
-    finally:
-        settings.computing = not outer
-    if not outer:
-        return grads, variables
-    aggregation = settings.aggregation
+def _legacy_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+    pairs = list(grads_and_vars)
+    grads = [g for g, _ in pairs]
+    variables = [v for _, v in pairs]
+    aggregation = self._hvd_settings.aggregation
     if aggregation is None:
         grads = _reduce_unless_elsewhere(self, grads, variables)
     else:
         grads = aggregation.compute_gradients(grads, variables)
-    marked = zip(grads, variables, strict=True)
-    settings.pending.update(variable_key(v) for g, v in marked if g is not None)
-    return grads, variables
-
-
-def _unzipped(pairs: Any) -> tuple[list[Any], list[Any]]:
-    pairs = list(pairs)
-    return [g for g, _ in pairs], [v for _, v in pairs]
-
-
-def _legacy_compute_gradients(self: Any, loss: Any, var_list: Any, tape: Any = None) -> Any:
-    grads, variables = _legacy_reduced(
-        self,
-        lambda: super(type(self), self).compute_gradients(loss, var_list, tape=tape),
-        _unzipped,
-    )
-    return list(zip(grads, variables, strict=True))
-
-
-def _legacy_compute_gradients_v2(self: Any, loss: Any, var_list: Any, tape: Any = None) -> Any:
-    """Horovod's ``compute_gradients`` for tf_keras's legacy optimizers (which have only the
-    private one)."""
-    return self._compute_gradients(loss, var_list, None, tape)
-
-
-def _legacy_private_compute_gradients(
-    self: Any, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None
-) -> Any:
-    grads, variables = _legacy_reduced(
-        self,
-        lambda: super(type(self), self)._compute_gradients(loss, var_list, grad_loss, tape=tape),
-        _unzipped,
-    )
-    return list(zip(grads, variables, strict=True))
-
-
-def _legacy_get_gradients(self: Any, loss: Any, params: Any) -> Any:
-    import tensorflow as tf
-
-    variables = tf.nest.flatten(params)
-    grads, _ = _legacy_reduced(
-        self,
-        lambda: super(type(self), self).get_gradients(loss, params),
-        lambda grads: (list(grads), variables),
-    )
-    return grads
-
-
-def _legacy_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
-    grads, variables = _unzipped(grads_and_vars)
-    settings = self._hvd_settings
-    keys = [variable_key(v) for v in variables]
-    # (the gradients a gradient method returned reduced: applied as they are, as in Horovod)
-    todo = [i for i, key in enumerate(keys) if key not in settings.pending]
-    settings.pending.difference_update(keys)
-    aggregation = settings.aggregation
-    if aggregation is not None:
-        if len(todo) == len(grads):  # (else that method counted this pass already)
-            grads = aggregation.compute_gradients(grads, variables)
-    elif todo:
-        reduced = _reduce_unless_elsewhere(
-            self, [grads[i] for i in todo], [variables[i] for i in todo]
-        )
-        for i, grad in zip(todo, reduced, strict=True):
-            grads[i] = grad
     merged = list(zip(grads, variables, strict=True))
 
     def apply() -> Any:

@@ -5,9 +5,7 @@ Rank 1's first batch overflows float16 (its gradients are inf), rank 0's never d
 Horovod, where the gradients are reduced before the loss scale looks at them, every rank
 must skip that step and halve its loss scale together, then train on: the job ends with the
 same weights, loss scale and number of applied steps on every rank (without the agreement
-rank 0 waited forever in its reduction of a step that rank 1 skipped). On tf_keras
-(``TF_USE_LEGACY_KERAS=1``) the optimizer reduces in ``compute_gradients``, before the loss
-scale looks, as Horovod's does; tf_keras counts the skipped step in ``iterations``.
+rank 0 waited forever in its reduction of a step that rank 1 skipped).
 """
 
 from __future__ import annotations
@@ -51,11 +49,9 @@ def main() -> None:
         callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
     )
     optimizer = model.optimizer
-    legacy = hvd._bridge.legacy
-    scale = optimizer.loss_scale if legacy else optimizer.dynamic_scale
     state = [
         np.concatenate([np.asarray(w, np.float64).ravel() for w in model.get_weights()]),
-        float(np.asarray(scale)),
+        float(np.asarray(optimizer.dynamic_scale)),
         int(np.asarray(optimizer.inner_optimizer.iterations)),
     ]
     every = hvd.allgather_object(state)
@@ -64,9 +60,8 @@ def main() -> None:
         all(np.array_equal(every[0][0], other[0]) for other in every),
         every,
     )
-    # (the scale starts at 2**15, is halved at every skipped step; 4 batches, 1 skipped)
-    steps = 4 if legacy else 3
-    c.expect("mixed.skipped_together", all(s[1:] == [2.0**14, steps] for s in every), every)
+    # (the scale starts at 2**15, is halved at every skipped step)
+    c.expect("mixed.skipped_together", all(s[1:] == [2.0**14, 3] for s in every), every)
     hvd.shutdown()
     c.finish(r)
 
