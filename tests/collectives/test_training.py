@@ -43,7 +43,12 @@ CHECKS = [
     "dynamic.extra_weight",
     "added_group.reduced",
     "added_group.same_on_ranks",
-    *(f"closure.{label}{s}" for label in ("sgd", "lbfgs") for s in ("", ".same_on_ranks")),
+    *(
+        f"closure.{label}{s}"
+        for label in ("sgd", "lbfgs", "lbfgs_wolfe")
+        for s in ("", ".same_on_ranks")
+    ),
+    "closure.one_sided.same_on_ranks",
     "closure.no_backward",
     "names.missing",
     "names.duplicate",

@@ -390,7 +390,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         if closure is None:
             self._hvd_sync_for_step()
             return base.step()
-        if self._hvd_backward:  # (gradients of a backward before the step: reduced first)
+        if _agreed(self, None)[1]:  # (a backward on any rank before the step: reduced first)
             self._hvd_sync_for_step()
         try:
             return base.step(functools.partial(_reduced, self, closure))
@@ -452,12 +452,35 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
 def _reduced(optimizer: DistributedOptimizerBase, closure: Callable[[], Any]) -> Any:
     """A closure given to ``step()``, then the reduction of the gradients it computed
     (unless within ``skip_synchronize()``): the wrapped step uses them as soon as the
-    closure returns, and LBFGS calls it again, clearing them, within the same step."""
-    loss = closure()
-    # (a closure that ran no backward left the gradients as they were: reduced already)
-    if optimizer._hvd_should_synchronize and optimizer._hvd_backward:
+    closure returns, and LBFGS calls it again, clearing them, within the same step. It
+    returns the loss averaged over the ranks, so that LBFGS's line search and stop tests,
+    which read it, take the same branches (and call the closure as often) on every rank."""
+    loss, backward = _agreed(optimizer, closure())
+    # (where no rank's closure ran a backward, the gradients are as they were: reduced)
+    if optimizer._hvd_should_synchronize and backward:
         optimizer.synchronize()
     return loss
+
+
+def _agreed(optimizer: DistributedOptimizerBase, loss: Any) -> tuple[Any, bool]:
+    """``loss`` averaged over the process set, and whether any rank ran a backward since its
+    gradients were last reduced: decided alike on every rank, since each decision is
+    whether to run a collective (one small allreduce)."""
+    if not optimizer._hvd_reduces:
+        return loss, optimizer._hvd_backward
+    value = 0.0 if loss is None else float(loss)
+    mine = torch.tensor([value, float(optimizer._hvd_backward)], dtype=torch.float64)
+    handle = ops.submit_allreduce(
+        [mine], [mine], ReduceOp.SUM, 1.0, 1.0, optimizer._hvd_process_set,
+        "DistributedOptimizer.closure", ops.outputs_of,
+    )  # fmt: skip
+    (total,) = handle.wait()
+    mean = total[0].item() / optimizer._hvd_process_set.size()
+    if isinstance(loss, torch.Tensor):
+        loss = torch.full_like(loss.detach(), mean)
+    elif loss is not None:
+        loss = mean
+    return loss, total[1].item() > 0
 
 
 def _densify(

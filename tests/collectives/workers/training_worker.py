@@ -299,6 +299,11 @@ def main() -> None:
         for label, factory in (
             ("sgd", sgd),
             ("lbfgs", lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=4)),
+            # (its line search reads the loss: the ranks' losses differ, their mean does not)
+            (
+                "lbfgs_wolfe",
+                lambda p: torch.optim.LBFGS(p, max_iter=5, line_search_fn="strong_wolfe"),
+            ),
         ):
             reference, model = make_model(), make_model()
             ref_opt = factory(list(reference.parameters()))
@@ -330,6 +335,23 @@ def main() -> None:
             opt.step(lambda: float(loss))  # noqa: B023 (called within this iteration)
         worst = max_diff(model, reference)
         c.expect("closure.no_backward", worst <= 1e-5, f"max difference {worst:g}")
+        # A closure that runs a backward on rank 0 only (rank 1 skips its batch): every rank
+        # still takes part in the reduction (rank 1 with zeros), and none waits for ever.
+        model = make_model()
+        opt = hvd.DistributedOptimizer(
+            sgd(list(model.parameters())), named_parameters=model.named_parameters()
+        )
+
+        def one_sided() -> float:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x[mine]), y[mine])
+            if r == 0:
+                loss.backward()
+            return float(loss)
+
+        for _ in range(2):
+            opt.step(one_sided)
+        c.expect("closure.one_sided.same_on_ranks", same_on_all_ranks(flat(model)))
 
     def name_errors() -> None:
         model = make_model()
