@@ -191,3 +191,5 @@ def test_elastic_sampler_keeps_horovods_order_and_loads_its_state() -> None:
     sampler.record_batch(1, 3)
     assert sampler.state_dict()["processed_num"] == 12
     assert sampler.processed_indices == set(order[:12])
+    sampler.processed_num = 4  # (Horovod's attribute, which its scripts may set)
+    assert sampler.processed_indices == set(order[:4]) and len(sampler) == 8

@@ -61,6 +61,12 @@ class ElasticSampler(Sampler[int]):
         """How many samples of the epoch were processed (Horovod's attribute)."""
         return len(self.processed_indices)
 
+    @processed_num.setter
+    def processed_num(self, number: int) -> None:
+        """Horovod's way to say the epoch's first ``number`` samples (in its order) are done."""
+        self.processed_indices = set(self._order()[: int(number)])
+        self.reset()
+
     def reset(self) -> None:
         """Re-splits the epoch's remaining samples over the current ranks."""
         if runtime.is_initialized():
@@ -112,9 +118,9 @@ class ElasticSampler(Sampler[int]):
         self.epoch = int(state_dict["epoch"])
         if "processed_indices" in state_dict:
             self.processed_indices = set(state_dict["processed_indices"])
+            self.reset()
         else:
-            self.processed_indices = set(self._order()[: int(state_dict["processed_num"])])
-        self.reset()
+            self.processed_num = state_dict["processed_num"]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._shard(self.rank))
