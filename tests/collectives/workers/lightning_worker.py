@@ -98,6 +98,7 @@ def main() -> None:
     checks = Checks()
     L.seed_everything(1)
     model = Regression(checks)
+    root = tempfile.TemporaryDirectory(prefix="hvd-lightning-")  # (removed at exit)
     trainer = L.Trainer(
         strategy="ddp",
         accelerator="cpu",
@@ -107,7 +108,7 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        default_root_dir=tempfile.mkdtemp(prefix="hvd-lightning-"),
+        default_root_dir=root.name,
     )
     trainer.fit(model, loader)
     rank = hvd.rank()
