@@ -16,14 +16,13 @@ import codecs
 import contextlib
 import io
 import json
-import logging
 import math
 import os
 import signal
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, BinaryIO, NoReturn, TextIO, cast
 
 import click
@@ -301,35 +300,21 @@ def _payload(
 def _invoke(argv: list[str], call: FunctionCall) -> int:
     """Runs the CLI on ``argv`` with ``call``: its exit code; a user's mistake raises."""
     from hvdrun.cli import cli, usage_message
+    from hvdrun.logging_setup import reset_logging
 
     for stream in (sys.stdout, sys.stderr):
         _flush(stream)  # (what was written before comes first)
     try:
-        with _logging_kept():
-            code = cli.main(args=argv, prog_name="hvdrun", standalone_mode=False, obj=call)
+        code = cli.main(args=argv, prog_name="hvdrun", standalone_mode=False, obj=call)
     except click.UsageError as exc:
         raise ValueError(f"hvdrun.run: {usage_message(exc)}") from None
     except click.ClickException as exc:
         raise JobFailed(f"hvdrun.run: {exc.format_message()}", exit_code=exc.exit_code) from None
     except click.Abort:
         raise KeyboardInterrupt from None
-    return code if isinstance(code, int) else 0
-
-
-@contextlib.contextmanager
-def _logging_kept() -> Iterator[None]:
-    """The CLI sets up logging for a process of its own (a handler on the root logger that
-    words every record as hvdrun's, its packages' levels); here the caller's logging is
-    given back as it was when the job ends."""
-    from hvdrun.logging_setup import PACKAGES, reset_logging
-
-    levels = {name: logging.getLogger(name).level for name in PACKAGES}
-    try:
-        yield
     finally:
-        reset_logging()
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
+        reset_logging()  # (the CLI set logging up for the job: the caller's comes back)
+    return code if isinstance(code, int) else 0
 
 
 def _results(code: int, call: FunctionCall) -> list[Any]:

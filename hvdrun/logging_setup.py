@@ -114,6 +114,8 @@ class LogSettings:
 #: The loggers the flags set the level of; others (grpc, asyncio, paramiko) stay at WARNING.
 PACKAGES = ("hvdrun", "launcher", "rendezvous")
 
+#: The levels configure_logging replaced, by logger name (reset_logging restores them).
+_replaced_levels: dict[str, int] = {}
 _handler: logging.Handler | None = None
 
 
@@ -164,14 +166,18 @@ def configure_logging(settings: LogSettings, who: str = "hvdrun") -> None:
         return
     _handler.setFormatter(log_format(bool(settings.hide_timestamp), who))
     for name in PACKAGES:
-        logging.getLogger(name).setLevel(settings.python_level())
+        logger = logging.getLogger(name)
+        _replaced_levels.setdefault(name, logger.level)
+        logger.setLevel(settings.python_level())
 
 
 def reset_logging() -> None:
-    """Undoes :func:`configure_logging` (for in-process callers such as tests)."""
+    """Undoes :func:`configure_logging` (for in-process callers: ``hvdrun.run``, tests):
+    its handler goes, and its packages' loggers get back the levels they had before."""
     global _handler
     if _handler is not None:
         logging.getLogger().removeHandler(_handler)
         _handler = None
-    for name in PACKAGES:
-        logging.getLogger(name).setLevel(logging.NOTSET)
+    for name, level in _replaced_levels.items():
+        logging.getLogger(name).setLevel(level)
+    _replaced_levels.clear()
