@@ -96,9 +96,9 @@ def run(
     ``host_discovery_script`` and ``elastic_timeout`` (keywords only). Raises ValueError
     for bad arguments (the message hvdrun would print for the flag), :class:`JobFailed` when
     the job fails, and KeyboardInterrupt after Ctrl-C has stopped it."""
-    num_proc, min_num_proc, max_num_proc = _deprecated(
-        num_proc, min_num_proc, max_num_proc, np, min_np, max_np
-    )
+    num_proc = _renamed("np", "num_proc", np, num_proc)
+    min_num_proc = _renamed("min_np", "min_num_proc", min_np, min_num_proc)
+    max_num_proc = _renamed("max_np", "max_num_proc", max_np, max_num_proc)
     elastic = any(x is not None for x in (min_num_proc, max_num_proc, host_discovery_script))
     if num_proc is None and not elastic:
         num_proc = 1  # (Horovod's default; an elastic job's is hvdrun's: --min-np)
@@ -149,29 +149,13 @@ def run(
     return _results(code, call)
 
 
-def _deprecated(
-    num_proc: int | None,
-    min_num_proc: int | None,
-    max_num_proc: int | None,
-    np: int | None,
-    min_np: int | None,
-    max_np: int | None,
-) -> tuple[int | None, int | None, int | None]:
-    """Horovod's ``np``/``min_np``/``max_np``: they count where the new name was not given."""
-    if np is not None:
-        warnings.warn("np is deprecated, use num_proc instead", DeprecationWarning, stacklevel=3)
-        num_proc = np if num_proc is None else num_proc
-    if min_np is not None:
-        warnings.warn(
-            "min_np is deprecated, use min_num_proc instead", DeprecationWarning, stacklevel=3
-        )
-        min_num_proc = min_np if min_num_proc is None else min_num_proc
-    if max_np is not None:
-        warnings.warn(
-            "max_np is deprecated, use max_num_proc instead", DeprecationWarning, stacklevel=3
-        )
-        max_num_proc = max_np if max_num_proc is None else max_num_proc
-    return num_proc, min_num_proc, max_num_proc
+def _renamed(old: str, new: str, value: int | None, given: int | None) -> int | None:
+    """Horovod's deprecated spelling ``old`` of ``new``: it counts where ``new`` was not
+    given, with Horovod's DeprecationWarning."""
+    if value is None:
+        return given
+    warnings.warn(f"{old} is deprecated, use {new} instead", DeprecationWarning, stacklevel=3)
+    return value if given is None else given
 
 
 #: argument -> the hvdrun flag it becomes (a value, or a switch where True)
