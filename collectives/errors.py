@@ -110,3 +110,12 @@ def describe(error: BaseException) -> dict[str, str]:
         "message": str(error),
         "traceback": "".join(traceback.format_exception(error)),
     }
+
+
+def exit_code(leaving: SystemExit) -> int:
+    """The exit code a ``SystemExit`` gives its process, by Python's rule: None is 0, an int
+    itself, anything else (a message) 1."""
+    code = leaving.code
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1

@@ -23,7 +23,7 @@ import sys
 import traceback
 from typing import Any
 
-from collectives.errors import describe
+from collectives.errors import describe, exit_code
 from rendezvous import pieces, worker_env
 from rendezvous.client import RendezvousClient, RendezvousError
 
@@ -76,11 +76,11 @@ def _call(payload: bytes) -> tuple[int, bool, bytes]:
     try:
         value: Any = fn(*args, **kwargs)
     except SystemExit as leaving:  # the function ended the process: its code counts
-        code = leaving.code
-        if code is None or code == 0:
+        code = exit_code(leaving)
+        if code == 0:
             return 0, True, cloudpickle.dumps(None)
-        sys.stderr.write(f"hvdrun.run: the function exited: {code}\n")
-        return (code if isinstance(code, int) else 1), False, json.dumps(describe(leaving)).encode()
+        sys.stderr.write(f"hvdrun.run: the function exited: {leaving.code}\n")
+        return code, False, json.dumps(describe(leaving)).encode()
     except BaseException as error:
         # (from the function's own frame: this module's call of it is no news)
         below = error.__traceback__.tb_next if error.__traceback__ else None

@@ -26,7 +26,7 @@ import sys
 import threading
 import traceback
 
-from collectives.errors import describe
+from collectives.errors import describe, exit_code
 
 #: The descriptor this process writes its result to (set by the task, then removed).
 RESULT_FD_VARIABLE = "HVDRUN_SPARK_RESULT_FD"
@@ -76,7 +76,7 @@ def main() -> int:
         fn, args, kwargs = cloudpickle.loads(payload)
         outcome = OK + cloudpickle.dumps(fn(*args, **kwargs))
     except SystemExit as leaving:  # the function ended the process: its code counts
-        code = leaving.code if isinstance(leaving.code, int) else (0 if leaving.code is None else 1)
+        code = exit_code(leaving)
         outcome = (
             OK + cloudpickle.dumps(None)
             if code == 0
