@@ -78,7 +78,7 @@ def collective_timeout(env: Mapping[str, str]) -> float:
     try:
         return worker_env.number(worker_env.GLOO_TIMEOUT_SECONDS, env=env)
     except ValueError:
-        return worker_env.number(worker_env.GLOO_TIMEOUT_SECONDS, env={})
+        return worker_env.NUMBERS[worker_env.GLOO_TIMEOUT_SECONDS].default
 
 
 def rank_list(ranks: Sequence[int]) -> str:
@@ -122,10 +122,7 @@ class WorkerStop:
 
     def cause(self, peer: WorkerFailure) -> str:
         """Why it, not ``peer`` (a worker that exited while it was stopped), failed first."""
-        if self.traced:
-            how = f"it was stopped by a debugger (ptrace, pid {self.pid})"
-        else:
-            how = f"it was stopped by {self.by()} (pid {self.pid})"
+        how = f"it was stopped by {self.by()} ({'ptrace, ' if self.traced else ''}pid {self.pid})"
         if self.until is None:
             how += " and never continued; its peers' collectives timed out waiting for it"
         else:
