@@ -5,16 +5,28 @@ stopped for a while in the middle.
 ``readline()`` (or iterating over ``proc.stdout``) had already read ahead into the file
 object's buffer are skipped: a test that waits for one line and then communicates loses
 whatever came with that line's read, now and then. Read the rest through the file objects.
+
+Also: the ``PYTHONPATH`` of a child that runs the checkout's code without an install.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def with_repo_on_path() -> str:
+    """``PYTHONPATH`` with the checkout first and this process's entries kept: where the
+    packages a child needs come from ``PYTHONPATH`` (a machine that runs the suite from
+    source), replacing it would give the child other versions of them."""
+    return os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
 
 
 def rest_of_output(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:

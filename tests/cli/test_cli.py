@@ -14,6 +14,7 @@ from hvdrun import __version__
 from hvdrun.cli import run_cli
 from hvdrun.command_check import hidden_packages_note
 from tests.cli.conftest import assert_usage_error
+from tests.processes import with_repo_on_path
 
 
 @pytest.mark.parametrize(
@@ -310,11 +311,14 @@ def test_cli_process_never_imports_torch() -> None:
 
 
 def test_check_build_lists_what_is_available() -> None:
+    # (Keras's backend named: its default, TensorFlow, is what a machine without
+    # TensorFlow, the GPU image for one, lists as unusable)
     result = subprocess.run(
         [sys.executable, "-m", "hvdrun", "--check-build"],
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
     )
     assert result.returncode == 0, result.stderr
     import torch
@@ -343,12 +347,15 @@ def test_check_build_lists_what_is_available() -> None:
         return None
 
     # (TensorFlow's CPU build is the distribution tensorflow-cpu, the same package)
-    for names, label in ((("tensorflow", "tensorflow-cpu"), "TensorFlow"), (("keras",), "Keras")):
-        version = installed(*names)
-        if version is None:
-            assert f"[ ] {label}" in out, out
-        else:
-            assert f"[X] {label} {version}" in out, out
+    tensorflow, keras = installed("tensorflow", "tensorflow-cpu"), installed("keras")
+    assert (f"[X] TensorFlow {tensorflow}" if tensorflow else "[ ] TensorFlow") in out, out
+    if keras is None:
+        assert "[ ] Keras" in out, out
+    elif tensorflow:
+        assert f"[X] Keras {keras}, backend tensorflow" in out, out
+    else:
+        assert f"[ ] Keras {keras}, backend tensorflow (" in out, out
+        assert "this backend needs TensorFlow" in out, out
     env = {**os.environ, "KERAS_BACKEND": "torch"}
     torch_backend = subprocess.run(
         [sys.executable, "-m", "hvdrun", "--check-build"],
@@ -358,8 +365,9 @@ def test_check_build_lists_what_is_available() -> None:
         env=env,
         check=True,
     ).stdout
-    if "[X] Keras 3" in torch_backend:
-        assert "backend torch (collectives.keras)" in torch_backend, torch_backend
+    if keras is not None:
+        expected = f"[X] Keras {keras}, backend torch (collectives.keras)"
+        assert expected in torch_backend, torch_backend
 
 
 def test_check_build_says_which_launcher_started_the_process() -> None:
@@ -460,7 +468,7 @@ def test_a_deleted_current_directory_is_one_line(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        env={**os.environ, "PYTHONPATH": with_repo_on_path()},
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr == (

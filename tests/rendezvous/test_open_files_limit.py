@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rendezvous.client import RendezvousClient
 from rendezvous.server.serving import OPEN_FILES, raise_open_files_limit
+from tests.processes import with_repo_on_path
 
 SERVER = Path(__file__).with_name("rdzv_server_process.py")
 SOFT = 128
@@ -37,7 +38,7 @@ def test_idle_connections_beyond_the_soft_limit_do_not_lock_the_job_out() -> Non
         stdout=subprocess.PIPE,
         text=True,
         preexec_fn=_low_soft_limit,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        env={**os.environ, "PYTHONPATH": with_repo_on_path()},
     )
     sockets: list[socket.socket] = []
     try:

@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("pyspark", reason="PySpark is not installed (pip install 'hvdrun[spark]')")
 
+from tests.processes import with_repo_on_path
 from tests.spark_cluster import REPO, SparkCluster, alive, eventually, no_worker_left, worker_pids
 
 
@@ -33,7 +34,7 @@ def test_ctrl_c_and_a_killed_driver_leave_nothing_running(
     spark: Any, spark_cluster: SparkCluster, tmp_path: Path
 ) -> None:
     ours = {proc.pid for _, proc in spark_cluster.executors()}
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": with_repo_on_path()}
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "tests.spark.driver_process"),
