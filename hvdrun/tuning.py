@@ -23,7 +23,8 @@ _OPTIONS = [
         "--fusion-threshold-mb",
         type=Finite(min=0),
         metavar="MB",
-        help="Tensor fusion buffer size in MiB (HVDRUN_FUSION_THRESHOLD; default 128).",
+        help="Tensor fusion buffer size in MiB (HVDRUN_FUSION_THRESHOLD; default 128, and 4 "
+        "for reductions of CUDA tensors; a value given applies to both).",
     ),
     click.option(
         "--cycle-time-ms",

@@ -141,7 +141,7 @@ class CycleRunner:
         if config.cache_capacity > 0:
             cache = ResponseCache(config.cache_capacity)
             self.rounds = CacheRound(cache, group.size, self.arrivals)
-        self.dispatch = Dispatch(group, queue, data_pg, self.control, config.fusion_threshold)
+        self.dispatch = Dispatch(group, queue, data_pg, self.control, config)
         self._controls = controls
         self._timeline = timeline
         self.tuner = tuner
@@ -492,10 +492,11 @@ class CycleRunner:
         threshold, cycle_ms, cache, final, cycles = vector.tolist()
         setting = Setting(int(threshold), cycle_ms, cache >= 0.5)
         tuner.apply(setting, final >= 0.5, int(cycles))
+        tuned = setting.fusion_threshold  # (a tuned threshold is CUDA's too)
         self.config = dataclasses.replace(
-            self.config, fusion_threshold=setting.fusion_threshold, cycle_time_ms=cycle_ms
+            self.config, fusion_threshold=tuned, cuda_fusion_threshold=tuned, cycle_time_ms=cycle_ms
         )
-        self.dispatch.fusion_threshold = setting.fusion_threshold
+        self.dispatch.tune(tuned)
         pace = self.pace
         self.pace = Pace(pace.awaiting, pace.quiet, pace.last_cycle, pace.last_round,
                          self.config.cycle_time)  # fmt: skip

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from collectives.engine import eager
+from collectives.engine.config import EngineConfig
 from collectives.engine.execute import Executor, Group
 from collectives.engine.fusion import Bucket, Work, plan
 from collectives.engine.negotiation import Entry
@@ -50,7 +51,7 @@ class Dispatch:
         queue: Submissions,
         data_pg: Any,
         controls: Controls,
-        fusion_threshold: int,
+        config: EngineConfig,
     ) -> None:
         self.group = group
         self.queue = queue
@@ -60,8 +61,13 @@ class Dispatch:
         self.tl: Timeline | None = None
         self.round_id = ""
         self.controls = controls
-        self.fusion_threshold = fusion_threshold
+        self.fusion_threshold = config.fusion_threshold
+        self.cuda_fusion_threshold = config.cuda_fusion_threshold
         self.current: list[Request] = []  # the round's requests until they completed
+
+    def tune(self, fusion_threshold: int) -> None:
+        """Autotune's threshold, for CUDA reductions too."""
+        self.fusion_threshold = self.cuda_fusion_threshold = fusion_threshold
 
     def agreed(
         self,
@@ -153,7 +159,7 @@ class Dispatch:
         tl = self.tl
         works = [work for work in works if self._supported(work)]
         members = {self.group.process_set_id: self.group.ranks}
-        buckets = plan(works, members, self.fusion_threshold)
+        buckets = plan(works, members, self.fusion_threshold, self.cuda_fusion_threshold)
         for work in works:
             if work.remaining == 0:
                 self.complete(work.request, None)

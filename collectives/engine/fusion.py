@@ -7,6 +7,11 @@ collective combines them with (dtype, op and scaling for reductions; the root fo
 broadcast). A bucket holds at most ``fusion_threshold`` bytes; a tensor larger than that
 gets a bucket of its own and runs in place. Alltoall is never fused (its splits are
 per-tensor), as in Horovod.
+
+CUDA reductions have a threshold of their own (``cuda_threshold``; see
+:mod:`.config`): a fused bucket waits on the GPU for the last of its tensors, so a bucket
+that packs a whole backward pass's gradients starts only once backward ended, where
+smaller ones overlap it.
 """
 
 from __future__ import annotations
@@ -125,8 +130,15 @@ def _allgather_bytes(work: Work, index: int, members: list[int]) -> int:
     return rows * _row_bytes(work.specs[index]) * len(members)
 
 
-def plan(works: list[Work], members_of: dict[int, list[int]], threshold: int) -> list[Bucket]:
-    """Packs the tensors of ready ops into buckets, identically on every rank."""
+def plan(
+    works: list[Work],
+    members_of: dict[int, list[int]],
+    threshold: int,
+    cuda_threshold: int | None = None,
+) -> list[Bucket]:
+    """Packs the tensors of ready ops into buckets, identically on every rank
+    (``cuda_threshold``: the bytes of a bucket of CUDA reductions; None: ``threshold``)."""
+    cuda_limit = threshold if cuda_threshold is None else cuda_threshold
     buckets: list[Bucket] = []
     open_buckets: dict[tuple[object, ...], Bucket] = {}
     for work in works:
@@ -158,8 +170,9 @@ def plan(works: list[Work], members_of: dict[int, list[int]], threshold: int) ->
                 spec.device_type,
                 spec.dtype if by_dtype else None,
             )
+            limit = cuda_limit if by_dtype and spec.device_type == "cuda" else threshold
             bucket = open_buckets.get(key)
-            if bucket is None or bucket.nbytes + nbytes > threshold:
+            if bucket is None or bucket.nbytes + nbytes > limit:
                 bucket = Bucket(kind, set_id, spec.device_type, [])
                 buckets.append(bucket)
                 open_buckets[key] = bucket

@@ -276,6 +276,63 @@ def test_fusion_plan_groups_by_key_and_threshold() -> None:
     assert len(no_fusion) == 3
 
 
+def _cuda_work(name: str, order: int, kind: Kind, *numels: int) -> Work:
+    specs = [TensorSpec.of(torch.float32, (n,), "cuda") for n in numels]
+    return Work(kind, name, 0, None, Reduction(1, 1.0, 1.0), 0, specs, {}, order)
+
+
+def test_cuda_reductions_have_a_fusion_threshold_of_their_own() -> None:
+    # A bucket waits on the GPU for the last of its tensors: DistributedOptimizer's 1 MB
+    # and 25 MB gradient buckets stay apart (each starts once its gradients exist) under a
+    # small CUDA threshold, though the fusion threshold would pack them into one.
+    mb = 1 << 18  # float32 elements of 1 MiB
+    works = [
+        _cuda_work("first", 0, Kind.ALLREDUCE, mb),
+        _cuda_work("second", 1, Kind.ALLREDUCE, 25 * mb),
+        _cuda_work("third", 2, Kind.ALLREDUCE, 18 * mb),
+        _cuda_work("small1", 3, Kind.ALLREDUCE, 1024),
+        _cuda_work("small2", 4, Kind.ALLREDUCE, 1024),
+        _cuda_work("gathered", 5, Kind.ALLGATHER, mb),
+        _cuda_work("gathered2", 6, Kind.ALLGATHER, mb),
+    ]
+    members = {0: [0]}
+    cap = 4 << 20
+    layout = [[s.work.name for s in b.slots] for b in plan(works, members, 128 << 20, cap)]
+    assert layout == [
+        ["first"],
+        ["second"],
+        ["third"],
+        ["small1", "small2"],  # (small CUDA tensors still fuse)
+        ["gathered", "gathered2"],  # (only reductions: an allgather keeps the threshold)
+    ]
+    for work in works:
+        work.remaining = 0
+    one = plan(works, members, 128 << 20)  # (no CUDA threshold: the fusion threshold's)
+    assert [[s.work.name for s in b.slots] for b in one] == [
+        ["first", "second", "third", "small1", "small2"],
+        ["gathered", "gathered2"],
+    ]
+
+
+def test_the_cuda_fusion_threshold_is_the_fusion_threshold_once_one_is_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from collectives.engine.config import DEFAULT_CUDA_FUSION_THRESHOLD, from_environment
+
+    for name in ("HVDRUN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"):
+        monkeypatch.delenv(name, raising=False)
+    config = from_environment()
+    assert config.fusion_threshold == 128 << 20
+    assert config.cuda_fusion_threshold == DEFAULT_CUDA_FUSION_THRESHOLD == 4 << 20
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", str(64 << 20))
+    assert from_environment().cuda_fusion_threshold == 64 << 20
+    monkeypatch.setenv("HVDRUN_FUSION_THRESHOLD", str(1 << 20))
+    config = from_environment()
+    assert (config.fusion_threshold, config.cuda_fusion_threshold) == (1 << 20, 1 << 20)
+    monkeypatch.setenv("HVDRUN_FUSION_THRESHOLD", "0")  # (0: no fusion, CUDA too)
+    assert from_environment().cuda_fusion_threshold == 0
+
+
 def test_timeline_is_valid_json_after_every_flush(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     timeline = Timeline(str(path), mark_cycles=True)
