@@ -220,6 +220,10 @@ class Number:
     strict: bool = False
 
 
+#: The fusion threshold of reductions of CUDA tensors where no fusion threshold was set
+#: (see collectives/engine/config.py); a threshold that was set applies to them too.
+CUDA_FUSION_THRESHOLD_DEFAULT = 4 * 1024 * 1024
+
 #: The numeric settings of the engine and the runtime, read by the workers with these
 #: defaults and bounds, and checked by hvdrun before any process starts. Defaults are
 #: Horovod's.

@@ -23,7 +23,7 @@ DEFAULT_FUSION_THRESHOLD = int(_NUMBERS[worker_env.FUSION_THRESHOLD].default)
 #: starting once its gradients are computed, instead of one buffer of the whole backward
 #: pass that waits for its end (two ranks training ResNet-18 on one H200 through Gloo: 0.79x
 #: DDP's throughput at 128 MiB, 1.04x at 16 MiB, 1.06x at 4 MiB; docs/gpu.md).
-DEFAULT_CUDA_FUSION_THRESHOLD = 4 * 1024 * 1024
+DEFAULT_CUDA_FUSION_THRESHOLD = worker_env.CUDA_FUSION_THRESHOLD_DEFAULT
 DEFAULT_CYCLE_TIME_MS = _NUMBERS[worker_env.CYCLE_TIME].default
 DEFAULT_STALL_CHECK_SECONDS = _NUMBERS[worker_env.STALL_CHECK_TIME_SECONDS].default
 DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = _NUMBERS[worker_env.GLOO_TIMEOUT_SECONDS].default

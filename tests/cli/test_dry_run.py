@@ -58,7 +58,10 @@ def test_local_job(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         ["2", "localhost", "2", "3", "0", "1"],
     ]
     tuning = section(out, "tuning the workers run with")
-    assert "fusion threshold        134217728 bytes (128 MiB)  (default)" in tuning
+    assert (
+        "fusion threshold        134217728 bytes (128 MiB), 4 MiB for CUDA reductions  (default)"
+        in tuning
+    )
 
 
 def test_the_tuning_shows_the_cache_and_under_autotune_the_autotuner(
@@ -197,3 +200,11 @@ def test_dry_run_checks_no_command_or_output_dir(
     out = dry_run(["-np", "1", "--output-filename", str(out_dir), "no-such-program-xyz"], capsys)
     assert "command: no-such-program-xyz" in out
     assert not os.path.exists(out_dir)
+
+
+def test_a_fusion_threshold_that_was_set_is_cudas_too(capsys: pytest.CaptureFixture[str]) -> None:
+    tuning = section(
+        dry_run(["-np", "1", "--fusion-threshold-mb", "2", "true"], capsys),
+        "tuning the workers run with",
+    )
+    assert "fusion threshold        2097152 bytes (2 MiB)  (from HVDRUN_FUSION_THRESHOLD)" in tuning
