@@ -10,6 +10,7 @@ per threshold gives the medians and hvd's throughput over DDP's. "default" runs 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -35,7 +36,9 @@ def main() -> int:
         command = [hvdrun, "-np", "2", "--cuda-backend", "gloo", "--no-report", *flags]
         command += [sys.executable, __file__, "--device", args.device]
         command += ["--rounds", str(args.rounds), "--worker", threshold]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        # (the threshold is this script's to choose: none inherited from the shell)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDRUN_", "HOROVOD_"))}
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
         lines = [line for line in result.stdout.splitlines() if "SWEEP " in line]
         if result.returncode or not lines:
             failed = f"{threshold}: the job failed (exit {result.returncode})"

@@ -41,9 +41,10 @@ class EngineConfig:
     #: Ready tensors of one kind, dtype, op and process set are packed into one buffer of at
     #: most this many bytes; a tensor larger than this runs on its own, in place. 0 = no fusion.
     fusion_threshold: int = DEFAULT_FUSION_THRESHOLD
-    #: The same for CUDA reductions: the fusion threshold where one was set, else
-    #: :data:`DEFAULT_CUDA_FUSION_THRESHOLD` (at most the default fusion threshold).
-    cuda_fusion_threshold: int = DEFAULT_CUDA_FUSION_THRESHOLD
+    #: The same for CUDA reductions: the fusion threshold where one was set, else (None)
+    #: :data:`DEFAULT_CUDA_FUSION_THRESHOLD`, at most ``fusion_threshold``. Autotune tunes
+    #: ``fusion_threshold`` alone.
+    cuda_fusion_threshold: int | None = None
     #: How long (ms) the engine gathers newly submitted ops before negotiating them, and the
     #: pace of negotiation while ops wait for other ranks.
     cycle_time_ms: float = DEFAULT_CYCLE_TIME_MS
@@ -69,6 +70,11 @@ class EngineConfig:
     autotune_bayes_opt_max_samples: int = DEFAULT_AUTOTUNE_MAX_SAMPLES
     autotune_gaussian_process_noise: float = DEFAULT_AUTOTUNE_NOISE
 
+    def __post_init__(self) -> None:
+        if self.cuda_fusion_threshold is None:
+            cuda = min(self.fusion_threshold, DEFAULT_CUDA_FUSION_THRESHOLD)
+            object.__setattr__(self, "cuda_fusion_threshold", cuda)
+
     @property
     def cycle_time(self) -> float:
         """The cycle time in seconds."""
@@ -82,9 +88,7 @@ def from_environment() -> EngineConfig:
     chosen = we.setting(we.FUSION_THRESHOLD) is not None
     return EngineConfig(
         fusion_threshold=fusion_threshold,
-        cuda_fusion_threshold=(
-            fusion_threshold if chosen else min(fusion_threshold, DEFAULT_CUDA_FUSION_THRESHOLD)
-        ),
+        cuda_fusion_threshold=fusion_threshold if chosen else None,
         cycle_time_ms=we.number(we.CYCLE_TIME),
         timeline=_timeline_file(),
         timeline_mark_cycles=we.flag(we.TIMELINE_MARK_CYCLES),

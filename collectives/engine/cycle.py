@@ -492,11 +492,11 @@ class CycleRunner:
         threshold, cycle_ms, cache, final, cycles = vector.tolist()
         setting = Setting(int(threshold), cycle_ms, cache >= 0.5)
         tuner.apply(setting, final >= 0.5, int(cycles))
-        tuned = setting.fusion_threshold  # (a tuned threshold is CUDA's too)
+        # (CUDA reductions keep theirs: larger buckets there only wait longer, docs/gpu.md)
         self.config = dataclasses.replace(
-            self.config, fusion_threshold=tuned, cuda_fusion_threshold=tuned, cycle_time_ms=cycle_ms
+            self.config, fusion_threshold=setting.fusion_threshold, cycle_time_ms=cycle_ms
         )
-        self.dispatch.tune(tuned)
+        self.dispatch.fusion_threshold = setting.fusion_threshold
         pace = self.pace
         self.pace = Pace(pace.awaiting, pace.quiet, pace.last_cycle, pace.last_round,
                          self.config.cycle_time)  # fmt: skip

@@ -65,10 +65,6 @@ class Dispatch:
         self.cuda_fusion_threshold = config.cuda_fusion_threshold
         self.current: list[Request] = []  # the round's requests until they completed
 
-    def tune(self, fusion_threshold: int) -> None:
-        """Autotune's threshold, for CUDA reductions too."""
-        self.fusion_threshold = self.cuda_fusion_threshold = fusion_threshold
-
     def agreed(
         self,
         new: list[Request],

@@ -21,7 +21,9 @@ and switches streams around every bucket, so here:
   by its caller's own thread) run on that stream: it is ordered after their inputs already.
   Any other bucket runs on the engine's own stream of the device, which first waits for
   each op's position on its submitting stream, so that communication overlaps the kernels
-  the user queues next.
+  the user queues next. A bucket that runs on another stream than the device's previous
+  bucket first waits for that one's end (:func:`after_previous`): buckets share the
+  executor's fusion buffer.
 """
 
 from __future__ import annotations
@@ -131,12 +133,23 @@ def _wait_for_positions(requests: Sequence[Request], stream: Any) -> None:
         del spare[_SPARE_MAX:]
 
 
+def after_previous(stream: Any, previous: tuple[Any, Any] | None) -> None:
+    """Orders ``stream`` after the previous bucket of its device (``previous``: the stream it
+    ran on and the event after its last kernel), where that ran on another stream: the two
+    share the fusion buffer (one round can run a blocking op's bucket on its caller's stream
+    and asynchronous ones on the engine's)."""
+    if previous is not None and previous[0] is not stream:
+        stream.wait_event(previous[1])
+
+
 class EngineStreams:
     """The engine's own CUDA stream per device (one process set's executor), and where each
     bucket runs (see the module's docstring)."""
 
     def __init__(self) -> None:
         self._own: dict[torch.device, Any] = {}
+        #: Per device: (stream, event after the last kernel) of the latest bucket.
+        self._previous: dict[torch.device, tuple[Any, Any]] = {}
 
     @contextlib.contextmanager
     def running(self, requests: Sequence[Request], device: torch.device) -> Iterator[list[Any]]:
@@ -145,14 +158,17 @@ class EngineStreams:
         done: list[Any] = []
         here = current(device.index if device.index is not None else torch.cuda.current_device())
         if all(r.ready is None and r.stream is here for r in requests):
+            after_previous(here, self._previous.get(device))
             yield done
             done.append(_recorded(here))
+            self._previous[device] = (here, done[0])
             return
         stream = self._own.get(device)
         if stream is None:
             stream = self._own[device] = torch.cuda.Stream(device)
         before = switch(stream)
         try:
+            after_previous(stream, self._previous.get(device))
             _wait_for_positions(requests, stream)
             for request in requests:
                 submitted = request.stream
@@ -171,6 +187,7 @@ class EngineStreams:
                     if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
                         tensor.record_stream(stream)
             done.append(_recorded(stream))
+            self._previous[device] = (stream, done[0])
         finally:
             switch(before)
 

@@ -314,6 +314,50 @@ def test_cuda_reductions_have_a_fusion_threshold_of_their_own() -> None:
     ]
 
 
+def test_a_round_of_cuda_reductions_runs_in_buckets_of_the_cuda_threshold() -> None:
+    # The round's dispatch plans with the configuration's CUDA threshold (the buckets are
+    # recorded instead of run: there is no GPU here).
+    from collectives.engine.config import EngineConfig
+    from collectives.engine.dispatch import Dispatch
+    from collectives.engine.execute import Group
+    from collectives.engine.queue import Submissions
+
+    def layouts(config: EngineConfig) -> list[list[str]]:
+        dispatch = Dispatch(Group(0, [0], 0), Submissions(0), None, lambda entry: None, config)
+        ran: list[list[str]] = []
+        dispatch.executor.run = lambda bucket: ran.append([s.work.name for s in bucket.slots])  # type: ignore[method-assign]
+        mb = 1 << 18
+        works = [_cuda_work(n, i, Kind.ALLREDUCE, mb, mb) for i, n in enumerate("abc")]
+        dispatch.execute(works, [])
+        return ran
+
+    assert layouts(EngineConfig()) == [["a", "a", "b", "b"], ["c", "c"]]  # (4 MiB)
+    assert layouts(EngineConfig(fusion_threshold=128 << 20, cuda_fusion_threshold=128 << 20)) == [
+        ["a", "a", "b", "b", "c", "c"]
+    ]
+    assert layouts(EngineConfig(fusion_threshold=0)) == [["a"], ["a"], ["b"], ["b"], ["c"], ["c"]]
+
+
+def test_a_bucket_on_another_stream_waits_for_the_previous_one() -> None:
+    # Buckets share the fusion buffer: one on another stream than the previous bucket's
+    # starts after that one's end; on the same stream, the stream's order suffices.
+    from collectives.engine.streams import after_previous
+
+    class Stream:
+        def __init__(self) -> None:
+            self.waited: list[object] = []
+
+        def wait_event(self, event: object) -> None:
+            self.waited.append(event)
+
+    engine, caller, event = Stream(), Stream(), object()
+    after_previous(caller, None)
+    after_previous(caller, (caller, event))
+    assert caller.waited == []
+    after_previous(caller, (engine, event))
+    assert caller.waited == [event]
+
+
 def test_the_cuda_fusion_threshold_is_the_fusion_threshold_once_one_is_set(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
