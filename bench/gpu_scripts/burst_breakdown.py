@@ -63,10 +63,10 @@ def main() -> None:
     names = [f"burst.{i}" for i in range(COUNT)]
     clock = BucketClock()
 
-    def burst() -> tuple[float, float, float]:
+    def timed(submit: Callable[[], list[int]]) -> tuple[float, float, float]:
+        """(start, submitted, synchronized) of ``submit`` and a synchronize of its handles."""
         start = time.perf_counter()
-        pairs = zip(small, names, strict=True)
-        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=n) for t, n in pairs]
+        handles = submit()
         submitted = time.perf_counter()
         for handle in handles:
             hvd.synchronize(handle)
@@ -74,14 +74,12 @@ def main() -> None:
         gpu_sync()
         return start, submitted, synchronized
 
+    def burst() -> tuple[float, float, float]:
+        pairs = zip(small, names, strict=True)
+        return timed(lambda: [hvd.allreduce_async_(t, op=hvd.Sum, name=n) for t, n in pairs])
+
     def grouped() -> tuple[float, float, float]:
-        start = time.perf_counter()
-        handle = hvd.grouped_allreduce_async_(small, op=hvd.Sum, name="burst.grouped")
-        submitted = time.perf_counter()
-        hvd.synchronize(handle)
-        synchronized = time.perf_counter()
-        gpu_sync()
-        return start, submitted, synchronized
+        return timed(lambda: [hvd.grouped_allreduce_async_(small, op=hvd.Sum, name="grouped")])
 
     def loop() -> tuple[float, float, float]:
         start = time.perf_counter()
