@@ -31,8 +31,10 @@ __all__ = [
     "HostsUpdatedInterrupt",
     "InvalidArgumentsError",
     "InvalidSplitsError",
+    "JobSetupError",
     "NotInitializedError",
     "NotSupportedWithJoinError",
+    "SettingsMismatchError",
     "SharedGpuError",
     "TensorMismatchError",
 ]
@@ -84,10 +86,20 @@ class InvalidSplitsError(CollectiveError, TypeError, ValueError):
     hvdrun releases ``TypeError``: both still catch it."""
 
 
-class SharedGpuError(RuntimeError):
+class JobSetupError(RuntimeError):
+    """``hvd.init()`` found the job set up in a way no retry can mend; raised on every rank
+    alike, so elastic jobs do not retry it."""
+
+
+class SharedGpuError(JobSetupError):
     """``hvd.init()`` found two ranks on one host that would run NCCL on the same GPU, which
-    NCCL refuses. Raised on every rank, naming the host, the ranks and the ways out; a
-    setup mistake, so elastic jobs do not retry it."""
+    NCCL refuses. Raised on every rank, naming the host, the ranks and the ways out."""
+
+
+class SettingsMismatchError(JobSetupError):
+    """``hvd.init()`` found ranks running with different engine settings that must agree
+    (fusion thresholds, the response cache, autotune): their collectives would not match.
+    Raised on every rank, naming the setting and each rank's value."""
 
 
 class NotInitializedError(ValueError):

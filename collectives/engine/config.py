@@ -10,11 +10,12 @@ are Horovod's.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rendezvous import worker_env
 
-__all__ = ["EngineConfig", "from_environment"]
+__all__ = ["EngineConfig", "from_environment", "must_agree", "settings_disagreement"]
 
 _NUMBERS = worker_env.NUMBERS
 DEFAULT_FUSION_THRESHOLD = int(_NUMBERS[worker_env.FUSION_THRESHOLD].default)
@@ -112,3 +113,54 @@ def _timeline_file() -> str | None:
     way to write none until ``hvd.start_timeline()``."""
     value = worker_env.setting(worker_env.TIMELINE)
     return None if value == "DYNAMIC" else value
+
+
+def must_agree(config: EngineConfig) -> dict[str, object]:
+    """The settings every rank must run with alike, by what sets each: ranks plan their
+    buckets, answer the response cache and take autotune's samples from them, and ranks
+    that differ would run collectives that do not match (Gloo aborts the process)."""
+    we = worker_env
+    fusion = we.variable(we.FUSION_THRESHOLD)
+    settings: dict[str, object] = {
+        fusion: config.fusion_threshold,
+        f"the fusion threshold of CUDA reductions (4 MiB unless {fusion} is set)": (
+            config.cuda_fusion_threshold
+        ),
+        we.variable(we.CACHE_CAPACITY): config.cache_capacity,
+        we.variable(we.AUTOTUNE): int(config.autotune),
+    }
+    if config.autotune:
+        for name in (
+            we.AUTOTUNE_WARMUP_SAMPLES,
+            we.AUTOTUNE_STEPS_PER_SAMPLE,
+            we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES,
+        ):
+            settings[we.variable(name)] = int(we.number(name))
+    return settings
+
+
+def settings_disagreement(settings: Sequence[Mapping[str, object]]) -> str | None:
+    """Why ranks cannot run together (``settings``: each rank's :func:`must_agree`, in rank
+    order): the first setting they differ on, with each value's ranks; None when they agree."""
+    for name in settings[0]:
+        by_value: dict[str, list[int]] = {}
+        for rank, mine in enumerate(settings):
+            by_value.setdefault(str(mine.get(name)), []).append(rank)
+        if len(by_value) > 1:
+            values = "; ".join(
+                f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}: {value}"
+                for value, ranks in by_value.items()
+            )
+            horovod = name.replace(worker_env.PREFIX, worker_env.HOROVOD_PREFIX, 1)
+            spelled = f"{name} (or {horovod})" if name.startswith(worker_env.PREFIX) else name
+            return (
+                f"the ranks run with different values of {spelled}: {values}. Their "
+                "collectives would not match: set it alike in every rank's environment, or "
+                "in none (hvdrun passes its own to every rank; mpirun needs -x for each)"
+            )
+    return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown if len(ranks) <= 8 else f"{shown} and {len(ranks) - 8} more"

@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from collectives.engine import timeline
+from collectives.engine.config import must_agree, settings_disagreement
 from collectives.engine.core import Engine
-from collectives.errors import SharedGpuError
+from collectives.errors import SettingsMismatchError, SharedGpuError
 from collectives.runtime.state import RuntimeState
 from rendezvous import worker_env
 from rendezvous.addresses import missing_interfaces
@@ -175,12 +176,19 @@ def shared_gpu_error(places: Sequence[GpuPlace]) -> str | None:
     )
 
 
+def job_facts(
+    control: Any, place: GpuPlace | None, settings: dict[str, object]
+) -> tuple[list[Any], list[dict[str, object]]]:
+    """Every rank learns every rank's GPU (None: no NCCL) and engine settings, in rank
+    order, in one gather over the Gloo group ``control``."""
+    facts: list[Any] = [None] * dist.get_world_size(control)
+    dist.all_gather_object(facts, (place, settings), group=control)
+    return [fact[0] for fact in facts], [fact[1] for fact in facts]
+
+
 def shared_gpus_in_job(control: Any, place: GpuPlace) -> str | None:
-    """Every rank learns every rank's GPU (over the Gloo group ``control``); returns the same
-    :func:`shared_gpu_error` verdict on every rank."""
-    places: list[Any] = [None] * dist.get_world_size(control)
-    dist.all_gather_object(places, place, group=control)
-    return shared_gpu_error(places)
+    """The same :func:`shared_gpu_error` verdict on every rank."""
+    return shared_gpu_error(job_facts(control, place, {})[0])
 
 
 def destroy_groups() -> None:
@@ -223,12 +231,11 @@ def start_engine(runtime_: RuntimeState) -> Engine:
                 own.remove(group)
             dist.destroy_process_group(group)
 
-    check = None
+    place = None
     if "nccl" in runtime_.backend:
         # Before the first NCCL group: ranks that would share a GPU learn it together.
         place = GpuPlace.of_this_process(topo.rank, runtime_.host or socket.gethostname())
-        check = functools.partial(_refuse_shared_gpus, runtime_, place)
-    control, data = make_groups(everyone, check)
+    control, data = make_groups(everyone, functools.partial(_check_job, runtime_, place))
 
     engine = Engine(
         rank=topo.rank,
@@ -261,11 +268,18 @@ def start_engine(runtime_: RuntimeState) -> Engine:
     return engine
 
 
-def _refuse_shared_gpus(runtime_: RuntimeState, place: GpuPlace, control: Any) -> None:
-    """Where ranks would share a GPU under NCCL, CUDA collectives fail at the call with the
+def _check_job(runtime_: RuntimeState, place: GpuPlace | None, control: Any) -> None:
+    """Ranks whose engine settings differ fail at once, alike. Where ranks would share a GPU
+    under NCCL (``place``: this rank's GPU), CUDA collectives fail at the call with the
     reason on every rank (CPU ones run: a CPU job on a GPU machine stays fine), and at once
     when the job asked for NCCL by name."""
-    runtime_.cuda_refusal = shared_gpus_in_job(control, place)
+    places, settings = job_facts(control, place, must_agree(runtime_.config))
+    mismatch = settings_disagreement(settings)
+    if mismatch is not None:
+        raise SettingsMismatchError(f"hvd.init(): {mismatch}")
+    if place is None:
+        return
+    runtime_.cuda_refusal = shared_gpu_error(places)
     if runtime_.cuda_refusal is not None and cuda_backend_setting() == "nccl":
         raise SharedGpuError(runtime_.cuda_refusal)
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from collectives.errors import HorovodInternalError, SharedGpuError
+from collectives.errors import HorovodInternalError, JobSetupError
 from collectives.runtime import logs
 from collectives.runtime.groups import destroy_groups, select_cuda_device, start_engine
 from collectives.runtime.state import RuntimeState, Topology
@@ -222,7 +222,7 @@ def join_elastic(runtime_: RuntimeState) -> None:
             _bootstrap(runtime_, 1)  # one bootstrap per generation: the prefix is unique
             runtime_.engine = start_engine(runtime_)
             return
-        except SharedGpuError:
+        except JobSetupError:
             raise  # the job's set-up: no generation can fix it
         except (RuntimeError, HorovodInternalError) as error:
             logger.warning(

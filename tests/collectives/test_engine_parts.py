@@ -338,6 +338,26 @@ def test_a_round_of_cuda_reductions_runs_in_buckets_of_the_cuda_threshold() -> N
     assert layouts(EngineConfig(fusion_threshold=0)) == [["a"], ["a"], ["b"], ["b"], ["c"], ["c"]]
 
 
+def test_settings_that_must_agree_name_the_setting_and_each_ranks_value() -> None:
+    from collectives.engine.config import EngineConfig, must_agree, settings_disagreement
+
+    alike = [must_agree(EngineConfig()) for _ in range(3)]
+    assert settings_disagreement(alike) is None
+    assert "HVDRUN_AUTOTUNE_WARMUP_SAMPLES" not in alike[0]  # (autotune off: not compared)
+    tuned = must_agree(EngineConfig(autotune=True))
+    assert "HVDRUN_AUTOTUNE_STEPS_PER_SAMPLE" in tuned
+    many = [must_agree(EngineConfig(cache_capacity=0 if r == 4 else 1024)) for r in range(12)]
+    assert settings_disagreement(many) == (
+        "the ranks run with different values of HVDRUN_CACHE_CAPACITY (or "
+        "HOROVOD_CACHE_CAPACITY): ranks 0, 1, 2, 3, 5, 6, 7, 8 and 3 more: 1024; rank 4: 0. "
+        "Their collectives would not match: set it alike in every rank's environment, or in "
+        "none (hvdrun passes its own to every rank; mpirun needs -x for each)"
+    )
+    assert "HVDRUN_AUTOTUNE (or HOROVOD_AUTOTUNE): rank 0: 0; rank 1: 1" in str(
+        settings_disagreement([alike[0], tuned])
+    )
+
+
 def test_a_bucket_on_another_stream_waits_for_the_previous_one() -> None:
     # Buckets share the fusion buffer: one on another stream than the previous bucket's
     # starts after that one's end; on the same stream, the stream's order suffices.

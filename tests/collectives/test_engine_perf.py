@@ -261,3 +261,25 @@ def test_tuning_flags_become_worker_variables_horovod_spelling_read_too(
     assert config.autotune_bayes_opt_max_samples == 7
     assert config.autotune_gaussian_process_noise == 0.5
     assert config.autotune_log == env["HVDRUN_AUTOTUNE_LOG"]
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "words"),
+    [
+        ("HOROVOD_FUSION_THRESHOLD", "0", "HVDRUN_FUSION_THRESHOLD (or HOROVOD_FUSION_THRESHOLD): "
+         "rank 0: 134217728; rank 1: 0"),
+        # (set to the default: only CUDA reductions differ)
+        ("HVDRUN_FUSION_THRESHOLD", str(128 << 20), "the fusion threshold of CUDA reductions "
+         "(4 MiB unless HVDRUN_FUSION_THRESHOLD is set): rank 0: 4194304; rank 1: 134217728"),
+    ],
+)  # fmt: skip
+def test_ranks_with_different_engine_settings_are_refused_at_init(
+    setting: str, value: str, words: str
+) -> None:
+    code, output = run_hvdrun(
+        2, WORKERS / "settings_worker.py", env={"SETTING": setting, "VALUE": value}
+    )
+    assert code == 3, output
+    refusals = {line.split(":", 1)[1] for line in output.splitlines() if ">:REFUSED " in line}
+    assert len(refusals) == 1, output  # both ranks, the same words
+    assert words in refusals.pop(), output
