@@ -130,12 +130,10 @@ def must_agree(config: EngineConfig) -> dict[str, object]:
         we.variable(we.AUTOTUNE): int(config.autotune),
     }
     if config.autotune:
-        for name in (
-            we.AUTOTUNE_WARMUP_SAMPLES,
-            we.AUTOTUNE_STEPS_PER_SAMPLE,
-            we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES,
-        ):
-            settings[we.variable(name)] = int(we.number(name))
+        settings[we.variable(we.AUTOTUNE_WARMUP_SAMPLES)] = config.autotune_warmup_samples
+        settings[we.variable(we.AUTOTUNE_STEPS_PER_SAMPLE)] = config.autotune_steps_per_sample
+        samples = config.autotune_bayes_opt_max_samples
+        settings[we.variable(we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES)] = samples
     return settings
 
 
