@@ -115,13 +115,16 @@ def _timeline_file() -> str | None:
     return None if value == "DYNAMIC" else value
 
 
-def must_agree(config: EngineConfig) -> dict[str, object]:
-    """The settings every rank must run with alike, by what sets each: ranks plan their
-    buckets, answer the response cache and take autotune's samples from them, and ranks
-    that differ would run collectives that do not match (Gloo aborts the process)."""
+def must_agree(config: EngineConfig, backend: str) -> dict[str, object]:
+    """The settings every rank must run with alike, by what sets each: ranks create their
+    process groups with ``backend``, plan their buckets, answer the response cache and
+    end autotune's first sample by them, and ranks that differ would run collectives that
+    do not match. (Autotune's other counts are rank 0's alone: it broadcasts its choices.)"""
     we = worker_env
     fusion = we.variable(we.FUSION_THRESHOLD)
     settings: dict[str, object] = {
+        f"backend of the engine's process groups ({we.variable(we.CUDA_BACKEND)}, or GPUs "
+        "on some hosts only)": backend,
         fusion: config.fusion_threshold,
         f"the fusion threshold of CUDA reductions (4 MiB unless {fusion} is set)": (
             config.cuda_fusion_threshold
@@ -130,10 +133,7 @@ def must_agree(config: EngineConfig) -> dict[str, object]:
         we.variable(we.AUTOTUNE): int(config.autotune),
     }
     if config.autotune:
-        settings[we.variable(we.AUTOTUNE_WARMUP_SAMPLES)] = config.autotune_warmup_samples
         settings[we.variable(we.AUTOTUNE_STEPS_PER_SAMPLE)] = config.autotune_steps_per_sample
-        samples = config.autotune_bayes_opt_max_samples
-        settings[we.variable(we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES)] = samples
     return settings
 
 
@@ -153,8 +153,8 @@ def settings_disagreement(settings: Sequence[Mapping[str, object]]) -> str | Non
             spelled = f"{name} (or {horovod})" if name.startswith(worker_env.PREFIX) else name
             return (
                 f"the ranks run with different values of {spelled}: {values}. Their "
-                "collectives would not match: set it alike in every rank's environment, or "
-                "in none (hvdrun passes its own to every rank; mpirun needs -x for each)"
+                "collectives would not match: give every rank's environment the same "
+                "settings (hvdrun passes its own to every rank; mpirun needs -x for each)"
             )
     return None
 

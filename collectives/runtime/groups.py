@@ -219,10 +219,13 @@ def start_engine(runtime_: RuntimeState) -> Engine:
 
     def make_groups(ranks: list[int], check: Any = None) -> tuple[Any, Any]:
         control_ = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if isinstance(control_, dist.ProcessGroup):  # (before the check, which may refuse)
+            own.append(control_)
         if check is not None:
             check(control_)
         data_ = dist.new_group(ranks, backend=runtime_.backend, timeout=timeout)
-        own.extend(group for group in (control_, data_) if isinstance(group, dist.ProcessGroup))
+        if isinstance(data_, dist.ProcessGroup):
+            own.append(data_)
         return control_, data_
 
     def destroy_group(group: Any) -> None:
@@ -273,7 +276,7 @@ def _check_job(runtime_: RuntimeState, place: GpuPlace | None, control: Any) -> 
     under NCCL (``place``: this rank's GPU), CUDA collectives fail at the call with the
     reason on every rank (CPU ones run: a CPU job on a GPU machine stays fine), and at once
     when the job asked for NCCL by name."""
-    places, settings = job_facts(control, place, must_agree(runtime_.config))
+    places, settings = job_facts(control, place, must_agree(runtime_.config, runtime_.backend))
     mismatch = settings_disagreement(settings)
     if mismatch is not None:
         raise SettingsMismatchError(f"hvd.init(): {mismatch}")

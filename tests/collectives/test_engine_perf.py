@@ -280,6 +280,11 @@ def test_ranks_with_different_engine_settings_are_refused_at_init(
         2, WORKERS / "settings_worker.py", env={"SETTING": setting, "VALUE": value}
     )
     assert code == 3, output
-    refusals = {line.split(":", 1)[1] for line in output.splitlines() if ">:REFUSED " in line}
-    assert len(refusals) == 1, output  # both ranks, the same words
-    assert words in refusals.pop(), output
+    refusals = {
+        line.split("<", 1)[0]: line.split(":", 1)[1]
+        for line in output.splitlines()
+        if ">:REFUSED " in line
+    }
+    assert sorted(refusals) == ["[0]", "[1]"], output  # both ranks refused,
+    assert len(set(refusals.values())) == 1, output  # with the same words
+    assert words in refusals["[0]"], output
