@@ -115,16 +115,15 @@ def _timeline_file() -> str | None:
     return None if value == "DYNAMIC" else value
 
 
-def must_agree(config: EngineConfig, backend: str) -> dict[str, object]:
-    """The settings every rank must run with alike, by what sets each: ranks create their
-    process groups with ``backend``, plan their buckets, answer the response cache and
-    end autotune's first sample by them, and ranks that differ would run collectives that
-    do not match. (Autotune's other counts are rank 0's alone: it broadcasts its choices.)"""
+def must_agree(config: EngineConfig) -> dict[str, object]:
+    """The settings every rank must run with alike, by what sets each: ranks plan their
+    buckets, answer the response cache and end autotune's first sample by them, and ranks
+    that differ would run collectives that do not match. (Autotune's other counts are rank
+    0's alone: it broadcasts its choices. The process groups' backend may differ where a
+    job moves CPU tensors only, so it is not compared.)"""
     we = worker_env
     fusion = we.variable(we.FUSION_THRESHOLD)
     settings: dict[str, object] = {
-        f"backend of the engine's process groups ({we.variable(we.CUDA_BACKEND)}, or GPUs "
-        "on some hosts only)": backend,
         fusion: config.fusion_threshold,
         f"the fusion threshold of CUDA reductions (4 MiB unless {fusion} is set)": (
             config.cuda_fusion_threshold
