@@ -115,22 +115,23 @@ def _timeline_file() -> str | None:
     return None if value == "DYNAMIC" else value
 
 
-def must_agree(config: EngineConfig) -> dict[str, object]:
+def must_agree(config: EngineConfig, cuda: bool) -> dict[str, object]:
     """The settings every rank must run with alike, by what sets each: ranks plan their
     buckets, answer the response cache and end autotune's first sample by them, and ranks
     that differ would run collectives that do not match. (Autotune's other counts are rank
     0's alone: it broadcasts its choices. The process groups' backend may differ where a
-    job moves CPU tensors only, so it is not compared.)"""
+    job moves CPU tensors only, so it is not compared.) ``cuda``: this rank can run CUDA
+    tensors, so its CUDA threshold counts."""
     we = worker_env
     fusion = we.variable(we.FUSION_THRESHOLD)
     settings: dict[str, object] = {
         fusion: config.fusion_threshold,
-        f"the fusion threshold of CUDA reductions (4 MiB unless {fusion} is set)": (
-            config.cuda_fusion_threshold
-        ),
         we.variable(we.CACHE_CAPACITY): config.cache_capacity,
         we.variable(we.AUTOTUNE): int(config.autotune),
     }
+    if cuda:
+        cuda_threshold = f"the fusion threshold of CUDA reductions (4 MiB unless {fusion} is set)"
+        settings[cuda_threshold] = config.cuda_fusion_threshold
     if config.autotune:
         settings[we.variable(we.AUTOTUNE_STEPS_PER_SAMPLE)] = config.autotune_steps_per_sample
     return settings
@@ -138,11 +139,14 @@ def must_agree(config: EngineConfig) -> dict[str, object]:
 
 def settings_disagreement(settings: Sequence[Mapping[str, object]]) -> str | None:
     """Why ranks cannot run together (``settings``: each rank's :func:`must_agree`, in rank
-    order): the first setting they differ on, with each value's ranks; None when they agree."""
-    for name in settings[0]:
+    order): the first setting they differ on, with each value's ranks; None when they agree.
+    A setting some ranks lack (CUDA's, where a rank has no GPU) is compared among the others."""
+    names = dict.fromkeys(name for mine in settings for name in mine)
+    for name in names:
         by_value: dict[str, list[int]] = {}
         for rank, mine in enumerate(settings):
-            by_value.setdefault(str(mine.get(name)), []).append(rank)
+            if name in mine:
+                by_value.setdefault(str(mine[name]), []).append(rank)
         if len(by_value) > 1:
             values = "; ".join(
                 f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}: {value}"

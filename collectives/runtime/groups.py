@@ -276,7 +276,9 @@ def _check_job(runtime_: RuntimeState, place: GpuPlace | None, control: Any) -> 
     under NCCL (``place``: this rank's GPU), CUDA collectives fail at the call with the
     reason on every rank (CPU ones run: a CPU job on a GPU machine stays fine), and at once
     when the job asked for NCCL by name."""
-    places, settings = job_facts(control, place, must_agree(runtime_.config))
+    places, settings = job_facts(
+        control, place, must_agree(runtime_.config, torch.cuda.is_available())
+    )
     mismatch = settings_disagreement(settings)
     if mismatch is not None:
         raise SettingsMismatchError(f"hvd.init(): {mismatch}")

@@ -341,14 +341,16 @@ def test_a_round_of_cuda_reductions_runs_in_buckets_of_the_cuda_threshold() -> N
 def test_settings_that_must_agree_name_the_setting_and_each_ranks_value() -> None:
     from collectives.engine.config import EngineConfig, must_agree, settings_disagreement
 
-    alike = [must_agree(EngineConfig()) for _ in range(3)]
+    alike = [must_agree(EngineConfig(), False) for _ in range(3)]
     assert settings_disagreement(alike) is None
     assert "HVDRUN_AUTOTUNE_STEPS_PER_SAMPLE" not in alike[0]  # (autotune off: not compared)
-    tuned = must_agree(EngineConfig(autotune=True, autotune_warmup_samples=9))
+    tuned = must_agree(EngineConfig(autotune=True, autotune_warmup_samples=9), False)
     assert "HVDRUN_AUTOTUNE_STEPS_PER_SAMPLE" in tuned
     # (rank 0's own: it broadcasts what the others run)
     assert "HVDRUN_AUTOTUNE_WARMUP_SAMPLES" not in tuned
-    many = [must_agree(EngineConfig(cache_capacity=0 if r == 4 else 1024)) for r in range(12)]
+    many = [
+        must_agree(EngineConfig(cache_capacity=0 if r == 4 else 1024), False) for r in range(12)
+    ]
     assert settings_disagreement(many) == (
         "the ranks run with different values of HVDRUN_CACHE_CAPACITY (or "
         "HOROVOD_CACHE_CAPACITY): ranks 0, 1, 2, 3, 5, 6, 7, 8 and 3 more: 1024; rank 4: 0. "
@@ -358,6 +360,15 @@ def test_settings_that_must_agree_name_the_setting_and_each_ranks_value() -> Non
     assert "HVDRUN_AUTOTUNE (or HOROVOD_AUTOTUNE): rank 0: 0; rank 1: 1" in str(
         settings_disagreement([alike[0], tuned])
     )
+    # The threshold set to its default on one rank only: CUDA reductions would differ, which
+    # counts where ranks have GPUs (compared among those that do).
+    default, named = EngineConfig(), EngineConfig(cuda_fusion_threshold=128 << 20)
+    assert settings_disagreement([must_agree(default, False), must_agree(named, False)]) is None
+    gpus = [must_agree(default, True), must_agree(named, True)]
+    assert "CUDA reductions (4 MiB unless HVDRUN_FUSION_THRESHOLD is set): rank 0: 4194304; " \
+        "rank 1: 134217728" in str(settings_disagreement(gpus))  # fmt: skip
+    mixed = [must_agree(default, True), must_agree(named, False), must_agree(default, True)]
+    assert settings_disagreement(mixed) is None
 
 
 def test_a_setup_error_is_not_retried_by_an_elastic_job(monkeypatch: pytest.MonkeyPatch) -> None:

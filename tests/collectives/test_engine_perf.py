@@ -268,9 +268,8 @@ def test_tuning_flags_become_worker_variables_horovod_spelling_read_too(
     [
         ("HOROVOD_FUSION_THRESHOLD", "0", "HVDRUN_FUSION_THRESHOLD (or HOROVOD_FUSION_THRESHOLD): "
          "rank 0: 134217728; rank 1: 0"),
-        # (set to the default: only CUDA reductions differ)
-        ("HVDRUN_FUSION_THRESHOLD", str(128 << 20), "the fusion threshold of CUDA reductions "
-         "(4 MiB unless HVDRUN_FUSION_THRESHOLD is set): rank 0: 4194304; rank 1: 134217728"),
+        ("HVDRUN_CACHE_CAPACITY", "0", "HVDRUN_CACHE_CAPACITY (or HOROVOD_CACHE_CAPACITY): "
+         "rank 0: 1024; rank 1: 0"),
     ],
 )  # fmt: skip
 def test_ranks_with_different_engine_settings_are_refused_at_init(
@@ -288,3 +287,18 @@ def test_ranks_with_different_engine_settings_are_refused_at_init(
     assert sorted(refusals) == ["[0]", "[1]"], output  # both ranks refused,
     assert len(set(refusals.values())) == 1, output  # with the same words
     assert words in refusals["[0]"], output
+
+
+def test_a_threshold_set_to_its_default_on_one_rank_counts_only_where_cuda_runs() -> None:
+    # Only CUDA reductions differ then (4 MiB unless a threshold is set): ranks without a GPU
+    # run together as before; ranks with one are refused.
+    code, output = run_hvdrun(
+        2,
+        WORKERS / "settings_worker.py",
+        env={"SETTING": "HVDRUN_FUSION_THRESHOLD", "VALUE": str(128 << 20)},
+    )
+    if torch.cuda.is_available():
+        assert code == 3 and "fusion threshold of CUDA reductions" in output, output
+    else:
+        assert code == 0, output
+        assert output.count(">:INIT OK") == 2, output
