@@ -130,8 +130,9 @@ def must_agree(config: EngineConfig, cuda: bool) -> dict[str, object]:
         we.variable(we.AUTOTUNE): int(config.autotune),
     }
     if cuda:
-        cuda_threshold = f"the fusion threshold of CUDA reductions (4 MiB unless {fusion} is set)"
-        settings[cuda_threshold] = config.cuda_fusion_threshold
+        mib = DEFAULT_CUDA_FUSION_THRESHOLD >> 20
+        label = f"the fusion threshold of CUDA reductions ({mib} MiB unless {fusion} is set)"
+        settings[label] = config.cuda_fusion_threshold
     if config.autotune:
         settings[we.variable(we.AUTOTUNE_STEPS_PER_SAMPLE)] = config.autotune_steps_per_sample
     return settings

@@ -46,10 +46,10 @@ __all__ = [
     "cuda_backend_setting",
     "destroy_groups",
     "destroy_own_groups",
+    "job_facts",
     "keep_nccl_off_the_store",
     "select_cuda_device",
     "shared_gpu_error",
-    "shared_gpus_in_job",
     "start_engine",
     "stop_collectives",
     "uses_cuda",
@@ -184,11 +184,6 @@ def job_facts(
     facts: list[Any] = [None] * dist.get_world_size(control)
     dist.all_gather_object(facts, (place, settings), group=control)
     return [fact[0] for fact in facts], [fact[1] for fact in facts]
-
-
-def shared_gpus_in_job(control: Any, place: GpuPlace) -> str | None:
-    """The same :func:`shared_gpu_error` verdict on every rank."""
-    return shared_gpu_error(job_facts(control, place, {})[0])
 
 
 def destroy_groups() -> None:

@@ -8,7 +8,12 @@ import torch.distributed as dist
 from checks import Checks, say
 
 import collectives.torch as hvd
-from collectives.runtime.groups import GpuPlace, shared_gpus_in_job
+from collectives.runtime.groups import GpuPlace, job_facts, shared_gpu_error
+
+
+def shared_gpus_in_job(control: object, place: GpuPlace) -> str | None:
+    """hvd.init()'s verdict from every rank's place (gathered as hvd.init() gathers them)."""
+    return shared_gpu_error(job_facts(control, place, {})[0])
 
 
 def main() -> None:
