@@ -365,11 +365,11 @@ def _results(code: int, call: FunctionCall) -> list[Any]:
 def _raise_failure(
     code: int, call: FunctionCall, outcomes: dict[str, tuple[bytes, dict[str, Any]]]
 ) -> NoReturn:
-    from launcher.supervision.report import describe_exit
+    from launcher.supervision.report import describe_exit, exit_signal
 
     result = call.result
     # (no result: a signal stopped the job while its hosts were starting)
-    stopped_by = result.interrupted_by if result is not None else _starting_stopped_by(code)
+    stopped_by = result.interrupted_by if result is not None else call.interrupted_by
     if stopped_by == signal.SIGINT:
         raise KeyboardInterrupt
     failure = result.failure if result is not None else None
@@ -400,8 +400,8 @@ def _raise_failure(
     elif result is not None and failure.rank in result.lost:  # (its host was lost)
         how, detail = "was lost", f": {result.lost[failure.rank]}"
     else:
-        ended = describe_exit(failure.code)
-        how = f"was {ended}" if ended.startswith("killed") else f"exited with code {failure.code}"
+        killed = exit_signal(failure.code) is not None
+        how = f"was {describe_exit(failure.code)}" if killed else f"exited with code {failure.code}"
         detail = f": {failure.error}" if failure.error else ""
     raise JobFailed(f"hvdrun.run: {where} {how}{detail}", exit_code=code, rank=failure.rank)
 
@@ -442,14 +442,6 @@ def _raise_raised(code: int, outcomes: dict[str, tuple[bytes, dict[str, Any]]]) 
         error_type=error_type,
         error=error,
     )
-
-
-def _starting_stopped_by(code: int) -> int | None:
-    """The signal that stopped a job while its hosts were starting (hvdrun exits 128+N)."""
-    try:
-        return signal.Signals(code - 128) if code > 128 else None
-    except ValueError:
-        return None
 
 
 class _TextWriter(io.RawIOBase):

@@ -23,4 +23,5 @@ class FunctionCall:
     stdout: BinaryIO | None
     stderr: BinaryIO | None
     result: JobResult | None = None
+    interrupted_by: int | None = None  # (the signal that stopped the job while it started)
     elastic: bool = False  # (its ranks change: only the results say how many there were)

@@ -443,6 +443,8 @@ def cli(
         raise LaunchFailed(str(exc)) from None
     except LaunchInterrupted as exc:
         click.echo("hvdrun: interrupted while starting the job", err=True)
+        if call is not None:
+            call.interrupted_by = exc.signum
         return 128 + exc.signum
 
 

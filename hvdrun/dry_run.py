@@ -170,8 +170,7 @@ def tuning_lines(env: Mapping[str, str], elastic: bool) -> list[str]:
         if name == we.FUSION_THRESHOLD and value.isdigit():
             shown += f" ({int(value) / 2**20:g} MiB)"
             if found is None:  # (a threshold that was set is CUDA's too)
-                cuda = min(int(value), we.CUDA_FUSION_THRESHOLD_DEFAULT) / 2**20
-                shown += f", {cuda:g} MiB for CUDA reductions"
+                shown += f", {we.CUDA_FUSION_THRESHOLD_DEFAULT / 2**20:g} MiB for CUDA reductions"
         if name == we.STALL_SHUTDOWN_TIME_SECONDS and value in ("0", "0.0"):
             shown += " (never)"
         if name == we.CACHE_CAPACITY and value in ("0", "0.0"):

@@ -30,11 +30,17 @@ FULL_TABLE_RANKS = 32
 LAST_LINE_WIDTH = 60
 
 
-def describe_exit(code: int) -> str:
+def exit_signal(code: int) -> signal.Signals | None:
+    """The signal that ended a process which exited with ``code`` (128+N), if any."""
     if code > 128:
         with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(code - 128).name} (exit code {code})"
-    return f"exit code {code}"
+            return signal.Signals(code - 128)
+    return None
+
+
+def describe_exit(code: int) -> str:
+    killed = exit_signal(code)
+    return f"killed by {killed.name} (exit code {code})" if killed else f"exit code {code}"
 
 
 def rank_status(result: JobResult, rank: int) -> str:
