@@ -72,13 +72,16 @@ STOP_AFTERMATH_SECONDS = 2.0
 STOP_BLAME_SHARE = 0.5
 
 
-def collective_timeout(env: Mapping[str, str]) -> float:
+def collective_timeout(env: Mapping[str, str], default: float | None = None) -> float:
     """The collective timeout the workers read from ``env`` (HVDRUN_GLOO_TIMEOUT_SECONDS);
-    its default where the value is not one (the workers then refuse it themselves)."""
+    ``default`` (else the setting's own) where it sets none, or not a valid one (the
+    workers then refuse it themselves)."""
+    name = worker_env.GLOO_TIMEOUT_SECONDS
+    fallback = worker_env.NUMBERS[name].default if default is None else default
     try:
-        return worker_env.number(worker_env.GLOO_TIMEOUT_SECONDS, env=env)
+        return worker_env.number(name, fallback, env=env)
     except ValueError:
-        return worker_env.NUMBERS[worker_env.GLOO_TIMEOUT_SECONDS].default
+        return fallback
 
 
 def rank_list(ranks: Sequence[int]) -> str:

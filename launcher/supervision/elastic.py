@@ -79,6 +79,7 @@ from launcher.supervision.core import (
     WorkerFailure,
     agent_loss_reason,
     agent_spec,
+    collective_timeout,
 )
 from launcher.supervision.discovery import DiscoveryError, FixedHosts
 from launcher.supervision.insight import InsightWatch
@@ -176,8 +177,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         self.job_id = job_id
         # Survivors of a failed collective wait in Register; a member that has not joined
         # them this long after is hung or cut off (twice the workers' Gloo timeout).
-        gloo_timeout = worker_env.setting(worker_env.GLOO_TIMEOUT_SECONDS, spec.env)
-        rejoin_timeout = 2 * _seconds(gloo_timeout, options.failure_timeout)
+        rejoin_timeout = 2 * collective_timeout(spec.env, options.failure_timeout)
         self.members = Membership(options, spec.num_proc, rejoin_timeout)
         # What every worker gets on top of the job's environment.
         worker_timeout = options.elastic_timeout + WORKER_TIMEOUT_SLACK
@@ -576,15 +576,6 @@ def _start_agent(
             agent.abort()
     else:
         events.put(AgentReady(name, order))
-
-
-def _seconds(text: str | None, default: float) -> float:
-    """A number of seconds the job set, or the default where it set none (or nonsense: the
-    workers reject that themselves, with a message naming the variable)."""
-    try:
-        return float(text) if text is not None else default
-    except ValueError:
-        return default
 
 
 def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
