@@ -312,8 +312,9 @@ def _agree_on_finite_gradients(keras: Any) -> None:
         settings = getattr(inner, "_hvd_settings", None)
         if settings is None:
             return finite
-        variables = list(getattr(inner, "_trainable_variables", None) or [])
-        if _elsewhere(settings, variables) or not settings.process_set.included():
+        if settings.elsewhere is None:  # (decided once: the variables are read that once)
+            _elsewhere(settings, list(getattr(inner, "_trainable_variables", None) or []))
+        if settings.elsewhere or not settings.process_set.included():
             return finite
         return settings.all_ranks(finite)
 

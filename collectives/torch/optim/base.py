@@ -462,6 +462,9 @@ def _reduced(optimizer: DistributedOptimizerBase, closure: Callable[[], Any]) ->
     return loss
 
 
+_AGREEMENT = "DistributedOptimizer.closure"
+
+
 def _agreed(optimizer: DistributedOptimizerBase, loss: Any) -> tuple[Any, bool]:
     """``loss`` averaged over the process set, and whether any rank ran a backward since its
     gradients were last reduced: decided alike on every rank, since each decision is
@@ -470,17 +473,14 @@ def _agreed(optimizer: DistributedOptimizerBase, loss: Any) -> tuple[Any, bool]:
         return loss, optimizer._hvd_backward
     value = 0.0 if loss is None else float(loss)
     mine = torch.tensor([value, float(optimizer._hvd_backward)], dtype=torch.float64)
-    handle = ops.submit_allreduce(
-        [mine], [mine], ReduceOp.SUM, 1.0, 1.0, optimizer._hvd_process_set,
-        "DistributedOptimizer.closure", ops.outputs_of,
-    )  # fmt: skip
-    (total,) = handle.wait()
-    mean = total[0].item() / optimizer._hvd_process_set.size()
+    process_set = optimizer._hvd_process_set
+    ops.allreduce_([mine], ReduceOp.SUM, process_set=process_set, name=_AGREEMENT)
+    mean = mine[0].item() / process_set.size()
     if isinstance(loss, torch.Tensor):
         loss = torch.full_like(loss.detach(), mean)
     elif loss is not None:
         loss = mean
-    return loss, total[1].item() > 0
+    return loss, mine[1].item() > 0
 
 
 def _densify(
