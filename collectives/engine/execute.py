@@ -364,16 +364,20 @@ class Executor:
         current = self._buffers.get(device)
         if current is None or current.numel() < nbytes:
             size = max(nbytes, int(current.numel() * 1.5) if current is not None else 0)
+            if current is not None and device.type == "cuda":
+                # Used on the stream of each bucket (streams.py): a buffer replaced by a
+                # larger one is freed once the latest bucket's kernels ended.
+                self._streams.retire(device, current)
             current = torch.empty(size, dtype=torch.uint8, device=device)
             self._buffers[device] = current
-        if device.type == "cuda":
-            # Used on whichever stream runs the bucket (streams.py): a buffer replaced
-            # by a larger one is not reused before that stream's kernels on it finished.
-            current.record_stream(streams.current(current.get_device()))
         return current[:nbytes].view(dtype)
 
     def release(self) -> Any:
         """Drops the buffers and the process group; returns the group (to destroy)."""
+        for device, buffer in self._buffers.items():
+            if device.type == "cuda":
+                self._streams.retire(device, buffer)
+        self._streams.release()
         self._buffers.clear()
         self.outputs.clear()
         pg, self._pg = self._pg, None

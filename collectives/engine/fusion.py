@@ -118,6 +118,9 @@ class Bucket:
 
 
 _REDUCING = (Kind.ALLREDUCE, Kind.REDUCESCATTER)
+# (plan() compares each op's kind: an enum member read through its class costs ~0.1 µs on
+# Python 3.11, a module global a fifth of that)
+_REDUCESCATTER, _ALLGATHER, _ALLTOALL = Kind.REDUCESCATTER, Kind.ALLGATHER, Kind.ALLTOALL
 
 
 def _row_bytes(spec: TensorSpec) -> int:
@@ -143,22 +146,22 @@ def plan(
     open_buckets: dict[tuple[object, ...], Bucket] = {}
     for work in works:
         kind = work.kind
-        if kind > Kind.REDUCESCATTER:  # control ops move no data
+        if kind > _REDUCESCATTER:  # control ops move no data
             continue
         set_id = work.process_set_id
-        if kind == Kind.ALLTOALL:
+        if kind == _ALLTOALL:
             work.remaining += 1
             slot = Slot(work, 0, 0)
             buckets.append(Bucket(kind, set_id, work.specs[0].device_type, [slot]))
             continue
         # Reductions combine by dtype, op and scaling; a broadcast by its root; an
         # allgather moves bytes, so any dtypes can share its buffer.
-        by_dtype = kind == Kind.ALLREDUCE or kind == Kind.REDUCESCATTER
+        by_dtype = kind in _REDUCING
         reduction, root = work.reduction, work.root
         specs = work.specs
         work.remaining += len(specs)
         for index, spec in enumerate(specs):
-            if kind == Kind.ALLGATHER:
+            if kind == _ALLGATHER:
                 nbytes = _allgather_bytes(work, index, members_of[set_id])
             else:
                 nbytes = spec.nbytes

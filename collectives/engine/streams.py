@@ -23,11 +23,14 @@ and switches streams around every bucket, so here:
   each op's position on its submitting stream, so that communication overlaps the kernels
   the user queues next. A bucket that runs on another stream than the device's previous
   bucket first waits for that one's end (:func:`after_previous`): buckets share the
-  executor's fusion buffer.
+  executor's fusion buffer. The tensors a bucket used on the engine's stream stay
+  referenced until its kernels ended (:meth:`EngineStreams.keep`), instead of a
+  ``record_stream`` call per tensor.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -83,6 +86,9 @@ def wait(event: Any) -> None:
     event.wait(stream)
     event.waiter = stream  # (an engine's event is recorded once: its waiters stay waiting)
 
+
+#: At most this many buckets' tensors are held for the GPU (:meth:`EngineStreams.keep`).
+KEEP_MAX = 64
 
 #: Per device: events that marked a submission's position and were waited for already, to
 #: record again (cudaStreamWaitEvent captures the event's last record at the call, so a later
@@ -150,6 +156,48 @@ class EngineStreams:
         self._own: dict[torch.device, Any] = {}
         #: Per device: (stream, event after the last kernel) of the latest bucket.
         self._previous: dict[torch.device, tuple[Any, Any]] = {}
+        #: (an event, its stream, what it keeps alive until it passed): see :meth:`keep`.
+        self._in_use: collections.deque[tuple[Any, Any, Any]] = collections.deque()
+
+    def keep(self, event: Any, stream: Any, held: Any) -> None:
+        """Keeps ``held`` (a tensor, or requests holding tensors) referenced until ``event``
+        (recorded on ``stream``) has passed on the GPU. The caching allocator hands a freed
+        tensor's memory to the next allocation on the stream it was allocated on, so a
+        tensor that the engine's stream still reads or writes must stay referenced until
+        then. That costs one ``query()`` per bucket, where ``record_stream`` cost a call of
+        about 1 µs per tensor (torch's NCCL backend does the same under
+        ``TORCH_NCCL_AVOID_RECORD_STREAMS``). What passed is let go at the next bucket; past
+        ``KEEP_MAX`` buckets the host waits for the oldest."""
+        self.let_go()
+        in_use = self._in_use
+        if len(in_use) >= KEEP_MAX:
+            in_use.popleft()[0].synchronize()
+        in_use.append((event, stream, held))
+
+    def let_go(self) -> None:
+        """Drops what the passed events kept (oldest first: one stream's events pass in
+        order)."""
+        in_use = self._in_use
+        while in_use and in_use[0][0].query():
+            in_use.popleft()
+
+    def retire(self, device: torch.device, tensor: torch.Tensor) -> None:
+        """``tensor`` (a fusion buffer being replaced) is no longer used after the latest
+        bucket of ``device``: kept until that bucket's end."""
+        previous = self._previous.get(device)
+        if previous is not None:
+            self.keep(previous[1], previous[0], tensor)
+
+    def release(self) -> None:
+        """The owner is done with its streams (its process group goes): what is still held
+        is marked in use by its stream instead (``record_stream``), so that letting it go
+        cannot free memory that kernels still use, without waiting for them (a collective
+        of a failed job may never end)."""
+        self.let_go()
+        while self._in_use:
+            _, stream, held = self._in_use.popleft()
+            for tensor in _tensors(held):
+                tensor.record_stream(stream)
 
     @contextlib.contextmanager
     def running(self, requests: Sequence[Request], device: torch.device) -> Iterator[list[Any]]:
@@ -179,17 +227,27 @@ class EngineStreams:
                 # Later buckets of the op run on this stream too, with nothing to wait for.
                 request.stream, request.ready = stream, None
             yield done
-            for request in requests:
-                inputs, outputs = request.inputs, request.outputs
-                # (in place, the outputs are the inputs' list: one use each)
-                tensors = inputs if outputs is inputs else (*inputs, *outputs)
-                for tensor in tensors:
-                    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-                        tensor.record_stream(stream)
             done.append(_recorded(stream))
             self._previous[device] = (stream, done[0])
+            # The requests hold the tensors this stream used (inputs and outputs), which
+            # were allocated on other streams.
+            self.keep(done[0], stream, requests)
         finally:
             switch(before)
+
+
+def _tensors(held: Any) -> list[torch.Tensor]:
+    """The CUDA tensors that :meth:`EngineStreams.keep` holds in ``held``."""
+    if isinstance(held, torch.Tensor):
+        return [held]
+    found = []
+    for request in held:
+        inputs, outputs = request.inputs, request.outputs
+        # (in place, the outputs are the inputs' list; an allgather's are None till it ran)
+        for tensor in inputs if outputs is inputs else (*inputs, *outputs):
+            if tensor is not None and tensor.is_cuda:
+                found.append(tensor)
+    return found
 
 
 def _recorded(stream: Any) -> Any:

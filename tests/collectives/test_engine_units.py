@@ -9,6 +9,7 @@ import datetime
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,6 +91,15 @@ class _Event:
 
     def record(self, stream: _Stream) -> None:
         self.recorded_on.append(stream.raw)
+
+    passed = False  # (its kernels ended)
+    waited_on_host = False
+
+    def query(self) -> bool:
+        return self.passed
+
+    def synchronize(self) -> None:
+        self.waited_on_host = self.passed = True
 
 
 class _OnDevice:
@@ -188,6 +198,56 @@ def test_a_bucket_waits_once_per_submitting_stream_for_its_last_position(
     assert own.waited_for == [(events[2], 1), (events[3], 1)]
     again = [streams.ready(tensor, blocking=False)[1] for _ in range(4)]
     assert sorted(map(id, again)) == sorted(map(id, events))  # (no new event)
+
+
+class _Held:
+    """A stand-in CUDA tensor that a bucket used: who refers to it, and its record_stream."""
+
+    is_cuda = True
+
+    def __init__(self) -> None:
+        self.recorded_on: list[int] = []
+
+    def record_stream(self, stream: _Stream) -> None:
+        self.recorded_on.append(stream.raw)
+
+
+def test_a_bucket_holds_its_tensors_until_its_kernels_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The tensors a bucket used on the engine's stream stay referenced (so the caching
+    # allocator cannot reuse their memory) until the event after its kernels passed: let go
+    # at a later bucket, waited for on the host past KEEP_MAX buckets, and marked with
+    # record_stream when the streams are released (CUDA stands in).
+    _FakeCuda(monkeypatch)
+    monkeypatch.setattr(streams, "KEEP_MAX", 3)
+    engine = streams.EngineStreams()
+    position: Any = _OnDevice()
+
+    def bucket(name: str) -> tuple[weakref.ref[_Held], _Event]:
+        held = _Held()
+        request = _request(name)
+        request.inputs = request.outputs = [held]  # type: ignore[list-item]
+        request.stream, request.ready = streams.ready(position, blocking=False)
+        with engine.running([request], torch.device("cuda", 0)) as done:
+            pass
+        return weakref.ref(held), done[0]
+
+    first, first_end = bucket("a")
+    assert first() is not None  # (its kernels may still run)
+    first_end.passed = True
+    second, second_end = bucket("b")
+    assert first() is None and second() is not None and not first_end.waited_on_host
+    third, _ = bucket("c")
+    fourth, _ = bucket("d")  # (three held now: b, c and d)
+    assert second() is not None and not second_end.waited_on_host
+    fifth, _ = bucket("e")
+    assert second_end.waited_on_host and second() is None  # (the oldest, waited for)
+    kept = [ref() for ref in (third, fourth, fifth)]
+    engine.release()
+    assert [held.recorded_on for held in kept if held is not None] == [[99]] * 3
+    del kept
+    assert [ref() for ref in (third, fourth, fifth)] == [None] * 3
 
 
 # ---- the queue, under two threads ----------------------------------------------------
