@@ -43,7 +43,7 @@ from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.engine import streams
 from collectives.engine.execute import Group, split_rows
 from collectives.engine.handles import Handle
-from collectives.engine.reduction import Reduction
+from collectives.engine.reduction import PLAIN_SUM, Reduction
 from collectives.engine.requests import (
     FIELD,
     RECORD,
@@ -169,7 +169,7 @@ def check_devices(tensors: Sequence[torch.Tensor], what: str) -> None:
 def check_reduction(
     tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float, what: str
 ) -> None:
-    if op == ReduceOp.ADASUM:
+    if op == _ADASUM:
         raise NotImplementedError(
             f"{what} does not support op=hvd.Adasum (only allreduce does); use hvd.Average "
             "or hvd.Sum"
@@ -177,9 +177,7 @@ def check_reduction(
     for tensor in tensors:
         if tensor.dtype not in REDUCIBLE:
             raise TypeError(f"{what} does not support tensors of dtype {tensor.dtype}")
-        if tensor.dtype == torch.bool and (
-            op == ReduceOp.AVERAGE or prescale != 1.0 or postscale != 1.0
-        ):
+        if tensor.dtype == torch.bool and (op == _AVERAGE or prescale != 1.0 or postscale != 1.0):
             raise TypeError(
                 f"{what}: bool tensors support only Sum, Min, Max and Product, unscaled"
             )
@@ -212,6 +210,7 @@ _described: dict[tuple[Any, ...], tuple[str, list[TensorSpec]]] = {}
 
 # (read per op: an enum member read through its class costs ~0.1 µs on Python 3.11)
 _KIND_ALLREDUCE, _BROADCAST = Kind.ALLREDUCE, Kind.BROADCAST
+_ADASUM, _AVERAGE = ReduceOp.ADASUM, ReduceOp.AVERAGE
 
 
 def _describe(
@@ -286,29 +285,30 @@ def _request(
     if len(inputs) > 1:
         check_devices(inputs, kind.label)
     sig, specs = _describe(kind, common, inputs)
-    handle = controller.new_handle()
+    reduction = common if isinstance(common, Reduction) else PLAIN_SUM
+    root = common[0] if kind == _BROADCAST else 0
+    # (positional: a dataclass's __init__ takes them faster than keywords, per op)
     request = Request(
         kind,
         full,
         set_id,
         inputs,
         outputs,
-        handle,
-        finish=finish,
-        sig=sig,
-        var=var,
-        specs=specs,
+        Handle(controller.flush_bound),
+        reduction,
+        root,
+        None,
+        finish,
+        sig,
+        var,
+        specs,
+        time.monotonic(),
     )
-    if isinstance(common, Reduction):
-        request.reduction = common
-    elif kind == _BROADCAST:
-        request.root = common[0]
     if inputs and inputs[0].is_cuda:
         refusal = runtime.cuda_refusal()
         if refusal is not None:
             raise SharedGpuError(refusal)
         request.stream, request.ready = streams.ready(inputs[0], blocking)
-    request.submitted = time.monotonic()
     return request
 
 
@@ -349,7 +349,7 @@ def allreduce_in_place(
     which checks the tensor and the op against the alike op that ran before."""
     if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided:
         tensor = unit_stride(tensor)
-    if (process_set is None or process_set is global_process_set) and op is not ReduceOp.ADASUM:
+    if (process_set is None or process_set is global_process_set) and op is not _ADASUM:
         engine = runtime.engine(_ALLREDUCE)
         full = None if name is None else f"{_ALLREDUCE}.{_check_name(name)}"
         key = (int(op), float(prescale), float(postscale))
@@ -395,7 +395,7 @@ def submit_allreduce(
     inputs = [unit_stride(check_tensor(t, "allreduce")) for t in tensors]
     if type(op) is not ReduceOp:
         op = ReduceOp(op)
-    if op == ReduceOp.ADASUM:
+    if op == _ADASUM:
         return submit_adasum_allreduce(
             inputs, outputs, prescale, postscale, process_set, name, finish
         )
@@ -409,20 +409,12 @@ def submit_allreduce(
             outs: list[Any] = [None] * len(inputs)
         else:
             outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
-        kind = _KIND_ALLREDUCE
-        return submit(kind, name, process_set, inputs, outs, common, "", finish, blocking)
+        return submit(
+            _KIND_ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking
+        )
     outs = inputs if _same(outputs, tensors) else [unit_stride(t) for t in outputs]
     check_writable(outs, "allreduce")
-    return submit(
-        _KIND_ALLREDUCE,
-        name,
-        process_set,
-        inputs,
-        outs,
-        common,
-        finish=finish,
-        blocking=blocking,
-    )
+    return submit(_KIND_ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking)
 
 
 def submit_adasum_allreduce(
