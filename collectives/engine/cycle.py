@@ -176,6 +176,7 @@ class CycleRunner:
     def cycle(self) -> bool:
         """One cycle; False when the set stops (a member left, or the stall inspector gave up)."""
         self.hot = None
+        self.dispatch.executor.let_go()  # (an idle set's keep-alive cycles free them too)
         start = time.monotonic()
         held, new, flags = self.queue.take()
         self.cycle_no += 1

@@ -372,6 +372,10 @@ class Executor:
             self._buffers[device] = current
         return current[:nbytes].view(dtype)
 
+    def let_go(self) -> None:
+        """Drops what buckets whose kernels ended held on the GPU (``EngineStreams.keep``)."""
+        self._streams.let_go()
+
     def release(self) -> Any:
         """Drops the buffers and the process group; returns the group (to destroy)."""
         for device, buffer in self._buffers.items():
