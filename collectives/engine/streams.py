@@ -205,35 +205,46 @@ class EngineStreams:
         yields a list that then holds the event after the bucket's last kernel."""
         done: list[Any] = []
         here = current(device.index if device.index is not None else torch.cuda.current_device())
-        if all(r.ready is None and r.stream is here for r in requests):
-            after_previous(here, self._previous.get(device))
-            yield done
-            done.append(_recorded(here))
-            self._previous[device] = (here, done[0])
-            return
-        stream = self._own.get(device)
-        if stream is None:
-            stream = self._own[device] = torch.cuda.Stream(device)
-        before = switch(stream)
+        own = not all(r.ready is None and r.stream is here for r in requests)
+        stream, before = here, here
+        if own:
+            stream = self._own.get(device)
+            if stream is None:
+                stream = self._own[device] = torch.cuda.Stream(device)
+            before = switch(stream)
         try:
             after_previous(stream, self._previous.get(device))
-            _wait_for_positions(requests, stream)
-            for request in requests:
-                submitted = request.stream
-                if request.ready is None and submitted is not None and submitted is not stream:
-                    # A blocking op from another thread: its caller waits and queues
-                    # nothing, so its stream's position now is its position at submission.
-                    stream.wait_stream(submitted)
-                # Later buckets of the op run on this stream too, with nothing to wait for.
-                request.stream, request.ready = stream, None
+            if own:
+                _wait_for_positions(requests, stream)
+                for request in requests:
+                    submitted = request.stream
+                    if request.ready is None and submitted is not None and submitted is not stream:
+                        # A blocking op from another thread: its caller waits and queues
+                        # nothing, so its stream's position now is its position at submission.
+                        stream.wait_stream(submitted)
+                    # Later buckets of the op run on this stream too, with nothing to wait for.
+                    request.stream, request.ready = stream, None
             yield done
-            done.append(_recorded(stream))
-            self._previous[device] = (stream, done[0])
-            # The requests hold the tensors this stream used (inputs and outputs), which
-            # were allocated on other streams.
-            self.keep(done[0], stream, requests)
         finally:
+            # Also when the bucket failed partway: the kernels it queued may still run.
+            # On its own stream, the requests hold the tensors that stream used (inputs and
+            # outputs), which were allocated on other streams.
+            self._ended(device, stream, requests if own else None, done)
             switch(before)
+
+    def _ended(
+        self, device: torch.device, stream: Any, held: Sequence[Request] | None, done: list[Any]
+    ) -> None:
+        """A bucket on ``stream`` ended (or failed): the event after its kernels goes to
+        ``done``, becomes the device's latest, and keeps ``held`` until it passed."""
+        try:
+            end = _recorded(stream)
+        except RuntimeError:  # (CUDA itself failed: nothing queued runs any more)
+            return
+        done.append(end)
+        self._previous[device] = (stream, end)
+        if held is not None:
+            self.keep(end, stream, held)
 
 
 def _tensors(held: Any) -> list[torch.Tensor]:

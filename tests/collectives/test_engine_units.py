@@ -252,6 +252,33 @@ def test_a_bucket_holds_its_tensors_until_its_kernels_ended(
     assert [ref() for ref in (third, fourth, fifth)] == [None] * 3
 
 
+def test_a_bucket_that_failed_partway_holds_what_it_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A bucket that raises partway (its collective failed) may have queued kernels already:
+    # its tensors stay held until the event after them, which becomes the device's latest,
+    # so a fusion buffer replaced after it is held until then as well (CUDA stands in).
+    _FakeCuda(monkeypatch)
+    events: list[_Event] = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda: events.append(_Event()) or events[-1])
+    engine, device = streams.EngineStreams(), torch.device("cuda", 0)
+    held = _Held()
+    request = _request("a")
+    request.inputs = request.outputs = [held]  # type: ignore[list-item]
+    request.stream, request.ready = streams.ready(_OnDevice(), blocking=False)
+    with pytest.raises(RuntimeError, match="failed"), engine.running([request], device):
+        raise RuntimeError("the collective failed")
+    used = weakref.ref(held)
+    del held, request
+    buffer = torch.empty(4)
+    replaced = weakref.ref(buffer)
+    engine.retire(device, buffer)
+    del buffer
+    engine.let_go()
+    assert used() is not None and replaced() is not None  # (the kernels may still run)
+    events[-1].passed = True  # (the event recorded after the failed bucket)
+    engine.let_go()
+    assert used() is None and replaced() is None
+
+
 # ---- the queue, under two threads ----------------------------------------------------
 
 
