@@ -87,8 +87,10 @@ def wait(event: Any) -> None:
     event.waiter = stream  # (an engine's event is recorded once: its waiters stay waiting)
 
 
-#: At most this many buckets' tensors are held for the GPU (:meth:`EngineStreams.keep`).
-KEEP_MAX = 64
+#: At most this many buckets' tensors are held for the GPU (:meth:`EngineStreams.keep`):
+#: a bound for a GPU that stopped, far above what a training step keeps in flight (a
+#: gradient bucket is 4 MiB), so that the host never waits for the GPU in a step.
+KEEP_MAX = 4096
 
 #: Per device: events that marked a submission's position and were waited for already, to
 #: record again (cudaStreamWaitEvent captures the event's last record at the call, so a later
