@@ -47,6 +47,7 @@ from collectives.engine.reduction import PLAIN_SUM, Reduction
 from collectives.engine.requests import (
     FIELD,
     RECORD,
+    Computing,
     Kind,
     Request,
     TensorSpec,
@@ -460,7 +461,7 @@ def submit_adasum_allreduce(
 
     # One row per rank, in the tensor's own shape: the allgather checks the ranks' shapes.
     rows = [t.detach().reshape(1, *t.shape) for t in inputs]
-    return submit_allgather(rows, process_set, f"adasum.{name}", combine)
+    return submit_allgather(rows, process_set, f"adasum.{name}", Computing(combine))
 
 
 def submit_reducescatter(
@@ -549,7 +550,7 @@ def submit_sparse_allreduce(
     # TensorMismatchError) instead of combining indices that are out of range.
     shape_check = torch.empty((0, *shape), dtype=torch.uint8, device=indices.device)
     tensors = [indices, sparse.values().contiguous(), shape_check]
-    return submit_allgather(tensors, process_set, name, combine)
+    return submit_allgather(tensors, process_set, name, Computing(combine))
 
 
 def _describe_value(value: Any) -> str:

@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from collectives.engine import eager
+from collectives.engine import eager, streams
 from collectives.engine.config import EngineConfig
 from collectives.engine.execute import Executor, Group
 from collectives.engine.fusion import Bucket, Work, plan
 from collectives.engine.negotiation import Entry
 from collectives.engine.queue import Submissions
-from collectives.engine.requests import Kind, Request, check_alltoall, label
+from collectives.engine.requests import Computing, Kind, Request, check_alltoall, label
 from collectives.engine.timeline import Timeline
 from collectives.errors import InvalidArgumentsError
 
@@ -215,5 +215,13 @@ class Dispatch:
         if tl is not None:
             tl.end(request.row, request.kind.label.upper(), time.monotonic())
         if request.kind <= _REDUCESCATTER:  # moves data
-            result = request.extra if request.finish is None else request.finish(request)
+            finish = request.finish
+            if finish is None:
+                result = request.extra
+            elif event is not None and type(finish) is Computing:
+                # Kernels on the outputs (this thread's current stream): after the op's, and
+                # its waiters after them.
+                result, event = streams.computed(event, lambda: finish(request))
+            else:
+                result = finish(request)
         request.handle.complete(result, event)

@@ -31,6 +31,7 @@ from collectives.engine.reduction import PLAIN_SUM, Reduction
 
 __all__ = [
     "NONAME_PREFIXES",
+    "Computing",
     "Kind",
     "Request",
     "Signature",
@@ -128,6 +129,20 @@ class TensorSpec:
 
 def _dims(shape: Sequence[int]) -> str:
     return "[" + ", ".join("*" if d < 0 else str(d) for d in shape) + "]"
+
+
+class Computing:
+    """A request's ``finish`` that computes on the op's outputs (Adasum's tree, a sparse
+    sum): on CUDA its kernels run after the op's, and the op's waiters wait for them
+    (see ``Dispatch.complete``). Any other finish only hands out the outputs."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Request], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, request: Request) -> Any:
+        return self.fn(request)
 
 
 @dataclass(eq=False, slots=True)

@@ -34,7 +34,7 @@ import collections
 import contextlib
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,7 +42,7 @@ import torch
 if TYPE_CHECKING:
     from collectives.engine.requests import Request
 
-__all__ = ["EngineStreams", "current", "ready", "switch", "wait"]
+__all__ = ["EngineStreams", "computed", "current", "ready", "switch", "wait"]
 
 #: (device index, raw stream) -> torch.cuda.Stream. Bounded: streams are pooled by torch,
 #: so a program uses few; external streams could come and go.
@@ -119,6 +119,16 @@ def ready(tensor: torch.Tensor, blocking: bool) -> tuple[Any, Any]:
         event.record(stream)
         event.order = next(_orders)
     return stream, event
+
+
+def computed(event: Any, compute: Callable[[], Any]) -> tuple[Any, Any]:
+    """Runs ``compute`` (torch calls on what the kernels before ``event`` wrote) on this
+    thread's current stream, ordered after ``event``; returns its result and the event after
+    its own kernels, for whoever waits on the result."""
+    wait(event)
+    result = compute()
+    device = _device() if _device is not None else torch.cuda.current_device()
+    return result, _recorded(current(device))
 
 
 def _wait_for_positions(requests: Sequence[Request], stream: Any) -> None:

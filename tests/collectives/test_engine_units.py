@@ -23,10 +23,12 @@ from collectives.engine import streams
 from collectives.engine.cache import ResponseCache, is_unnamed, key_of, keys_of, ordinal
 from collectives.engine.config import EngineConfig
 from collectives.engine.core import Engine
+from collectives.engine.dispatch import Dispatch
+from collectives.engine.execute import Group
 from collectives.engine.handles import Handle
 from collectives.engine.queue import Submissions
 from collectives.engine.reduction import PLAIN_SUM, Reduction
-from collectives.engine.requests import Kind, Request, TensorSpec, noname, signature
+from collectives.engine.requests import Computing, Kind, Request, TensorSpec, noname, signature
 from collectives.engine.rounds import RODE, CacheRound
 from collectives.engine.scheduler import KEEPALIVE_SECONDS, Due, Pace, seconds_until_cycle
 from collectives.errors import HorovodInternalError
@@ -277,6 +279,36 @@ def test_a_bucket_that_failed_partway_holds_what_it_used(monkeypatch: pytest.Mon
     events[-1].passed = True  # (the event recorded after the failed bucket)
     engine.let_go()
     assert used() is None and replaced() is None
+
+
+def test_a_finish_that_computes_runs_after_the_ops_kernels_and_its_waiters_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Adasum's tree and a sparse sum compute on an op's CUDA outputs when the engine
+    # completes it: the current stream first waits for the bucket's end, and the handle
+    # carries the event after the finish's kernels. A finish that only hands out the
+    # outputs costs neither (CUDA stands in).
+    _FakeCuda(monkeypatch)
+    monkeypatch.setattr(streams, "_device", lambda: 0)
+    config = EngineConfig()
+    dispatch = Dispatch(Group(0, [0], 0), Submissions(0), None, lambda entry: None, config)
+    bucket_end = _Event()
+    waited_then: list[list[int]] = []
+
+    def tree(request: Request) -> str:
+        waited_then.append(list(bucket_end.waited_by))
+        return "combined"
+
+    computing = _request("a")
+    computing.finish = Computing(tree)
+    dispatch.complete(computing, bucket_end)
+    assert waited_then == [[7]]  # (the current stream waited before the tree ran)
+    after = computing.handle.cuda_event
+    assert after is not bucket_end and after.recorded_on == [7]
+    assert computing.handle.wait() == "combined"
+    plain, other_end = _request("b"), _Event()
+    dispatch.complete(plain, other_end)
+    assert plain.handle.cuda_event is other_end and other_end.waited_by == []
 
 
 # ---- the queue, under two threads ----------------------------------------------------

@@ -158,6 +158,26 @@ def main() -> None:
         ),
     )
 
+    # ---- ops whose result is computed from an allgather: Adasum, a sparse sum ------------
+    # Their finish runs kernels on the gathered rows, which must wait for the allgather's
+    # (asynchronous: it runs on the engine's stream). Rank q adds a one-hot row at q: pairwise
+    # orthogonal, so Adasum is their plain sum; large, so the allgather takes a while.
+    hot = torch.zeros(1 << 20, device=device)
+    hot[r] = 1.0
+    summed = torch.zeros(1 << 20)
+    summed[:n] = 1.0
+    adasum = hvd.allreduce_async(hot, op=hvd.Adasum, name="adasum.async")
+    same("adasum.async", hvd.synchronize(adasum), summed)
+    hvd.synchronize(hvd.allreduce_async_(hot, op=hvd.Adasum, name="adasum.inplace"))
+    same("adasum.in_place", hot, summed)
+    at = torch.tensor([[r, n]], device=device)  # row r holds r + 1, row n holds 1
+    sparse = torch.sparse_coo_tensor(
+        at, torch.tensor([[r + 1.0] * 3, [1.0] * 3], device=device), (n + 1, 3)
+    )
+    dense = torch.cat([torch.arange(1.0, n + 1).repeat(3, 1).t(), torch.full((1, 3), float(n))])
+    handle = hvd.sparse_allreduce_async(sparse, name="sparse.sum", op=hvd.Sum)
+    same("sparse_allreduce.sum", hvd.synchronize(handle).to_dense(), dense)
+
     # ---- CPU and device ops in one job, in flight together ------------------------------
     on_cpu = torch.full((5,), float(r + 1))
     on_device = torch.full((5,), float(r + 1), device=device)
