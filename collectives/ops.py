@@ -310,6 +310,7 @@ def _request(
         if refusal is not None:
             raise SharedGpuError(refusal)
         request.stream, request.ready = streams.ready(inputs[0], blocking)
+        request.home = request.stream
     return request
 
 

@@ -609,7 +609,6 @@ class Executor:
 
     def _allgather(self, bucket: Bucket, group: Group, device: torch.device) -> None:
         slots, size, me = bucket.slots, group.size, group.index
-        dims = [slot.work.dims(rank_) for rank_ in group.ranks for slot in slots[:1]]
         dims = [[slot.work.dims(rank_)[slot.index] for slot in slots] for rank_ in group.ranks]
         row_bytes = [_row_bytes(slot.spec) for slot in slots]
         contrib = [sum(d * b for d, b in zip(row, row_bytes, strict=True)) for row in dims]
@@ -620,7 +619,7 @@ class Executor:
                 outputs.append(None)
                 continue
             rows = sum(dims[rank_][column] for rank_ in range(size))
-            out = torch.empty((rows, *slot.spec.shape[1:]), dtype=slot.spec.dtype, device=device)
+            out = engine_output(request, (rows, *slot.spec.shape[1:]), slot.spec.dtype, device)
             request.outputs[slot.index] = out
             if request.rank_dims is None:
                 request.rank_dims = [[] for _ in request.inputs]
@@ -707,9 +706,8 @@ class Executor:
         received = [sends[rank_][me] for rank_ in range(size)]
         row_bytes = _row_bytes(slot.spec)
         request = slot.request
-        out = torch.empty(
-            (sum(received), *slot.spec.shape[1:]), dtype=slot.spec.dtype, device=device
-        )
+        shape = (sum(received), *slot.spec.shape[1:])
+        out = engine_output(request, shape, slot.spec.dtype, device)
         if request is not None:
             request.outputs[0] = out
             request.extra = received
@@ -772,6 +770,24 @@ def _output(slot: Slot) -> torch.Tensor:
     assert request is not None
     out: torch.Tensor | None = request.outputs[slot.index]
     return out if out is not None else _new_output(slot)
+
+
+def engine_output(
+    request: Request | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An output whose size only the negotiation told (allgather, alltoall). On CUDA it is
+    allocated on the stream its op was submitted from: its caller uses and frees it there,
+    and the caching allocator reuses freed memory in the order of the stream it was
+    allocated on. (The engine's stream, which writes it, holds it until it is done with it:
+    ``streams.EngineStreams.keep``.)"""
+    home = None if request is None else request.home
+    if home is None or home is streams.current(home.device_index):
+        return torch.empty(shape, dtype=dtype, device=device)
+    before = streams.switch(home)
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    finally:
+        streams.switch(before)
 
 
 def _new_output(slot: Slot) -> torch.Tensor:

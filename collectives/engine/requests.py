@@ -175,6 +175,9 @@ class Request:
     remaining: int = 0  # buckets still to run
     # Filled by the engine: each member's first dimension per tensor (allgather, alltoall).
     rank_dims: list[list[int]] | None = None
+    #: CUDA: the stream the op was submitted from (``stream`` is where it runs). Outputs
+    #: the engine allocates for it are allocated there, where its caller uses and frees them.
+    home: Any = None
 
     @property
     def label(self) -> str:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from collectives.common import ReduceOp
-from collectives.engine import streams
+from collectives.engine import execute, streams
 from collectives.engine.cache import ResponseCache, is_unnamed, key_of, keys_of, ordinal
 from collectives.engine.config import EngineConfig
 from collectives.engine.core import Engine
@@ -309,6 +309,24 @@ def test_a_finish_that_computes_runs_after_the_ops_kernels_and_its_waiters_after
     plain, other_end = _request("b"), _Event()
     dispatch.complete(plain, other_end)
     assert plain.handle.cuda_event is other_end and other_end.waited_by == []
+
+
+def test_an_output_the_engine_allocates_is_allocated_on_the_submitting_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The caching allocator reuses freed memory in the order of the stream it was allocated
+    # on: an allgather's output, which its caller uses and frees on the stream it submitted
+    # from, is allocated there, not on the engine's stream that writes it (CUDA stands in).
+    cuda = _FakeCuda(monkeypatch)
+    made_on: list[int] = []
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: made_on.append(cuda.current))
+    request = _request("a")
+    request.home = streams.current(0)  # (submitted from stream 7)
+    cuda.current = 99  # (the engine's stream runs the bucket)
+    execute.engine_output(request, (2, 3), torch.float32, torch.device("cuda", 0))
+    assert made_on == [7] and cuda.current == 99
+    execute.engine_output(None, (2, 3), torch.float32, torch.device("cuda", 0))  # (joined)
+    assert made_on == [7, 99]
 
 
 # ---- the queue, under two threads ----------------------------------------------------
