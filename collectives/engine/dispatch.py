@@ -218,10 +218,10 @@ class Dispatch:
             finish = request.finish
             if finish is None:
                 result = request.extra
-            elif event is not None and type(finish) is Computing:
-                # Kernels on the outputs (this thread's current stream): after the op's, and
+            elif event is not None and type(finish) is Computing and request.home is not None:
+                # Kernels on the outputs, on the op's submitting stream: after the op's, and
                 # its waiters after them.
-                result, event = streams.computed(event, lambda: finish(request))
+                result, event = streams.computed(event, request.home, lambda: finish(request))
             else:
                 result = finish(request)
         request.handle.complete(result, event)

@@ -775,19 +775,18 @@ def _output(slot: Slot) -> torch.Tensor:
 def engine_output(
     request: Request | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """An output whose size only the negotiation told (allgather, alltoall). On CUDA it is
-    allocated on the stream its op was submitted from: its caller uses and frees it there,
-    and the caching allocator reuses freed memory in the order of the stream it was
-    allocated on. (The engine's stream, which writes it, holds it until it is done with it:
-    ``streams.EngineStreams.keep``.)"""
+    """An output whose size only the negotiation told (allgather, alltoall), allocated on the
+    stream that writes it (the bucket's: the engine's, which waited for the op's position on
+    its submitting stream, no later). Where the op was submitted from another stream, which
+    uses and frees the output, that stream's use is recorded too: the caching allocator then
+    reuses its memory only after the work queued there by the time it is freed. (Allocated
+    on the submitting stream instead, it could get memory that stream's later kernels still
+    use.)"""
+    out = torch.empty(shape, dtype=dtype, device=device)
     home = None if request is None else request.home
-    if home is None or home is streams.current(home.device_index):
-        return torch.empty(shape, dtype=dtype, device=device)
-    before = streams.switch(home)
-    try:
-        return torch.empty(shape, dtype=dtype, device=device)
-    finally:
-        streams.switch(before)
+    if home is not None and home is not streams.current(home.device_index):
+        out.record_stream(home)
+    return out
 
 
 def _new_output(slot: Slot) -> torch.Tensor:

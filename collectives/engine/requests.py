@@ -175,8 +175,8 @@ class Request:
     remaining: int = 0  # buckets still to run
     # Filled by the engine: each member's first dimension per tensor (allgather, alltoall).
     rank_dims: list[list[int]] | None = None
-    #: CUDA: the stream the op was submitted from (``stream`` is where it runs). Outputs
-    #: the engine allocates for it are allocated there, where its caller uses and frees them.
+    #: CUDA: the stream the op was submitted from (``stream`` is where it runs), where its
+    #: caller uses and frees its outputs (see ``execute.engine_output``, ``Computing``).
     home: Any = None
 
     @property

@@ -121,14 +121,18 @@ def ready(tensor: torch.Tensor, blocking: bool) -> tuple[Any, Any]:
     return stream, event
 
 
-def computed(event: Any, compute: Callable[[], Any]) -> tuple[Any, Any]:
-    """Runs ``compute`` (torch calls on what the kernels before ``event`` wrote) on this
-    thread's current stream, ordered after ``event``; returns its result and the event after
-    its own kernels, for whoever waits on the result."""
-    wait(event)
-    result = compute()
-    device = _device() if _device is not None else torch.cuda.current_device()
-    return result, _recorded(current(device))
+def computed(event: Any, stream: Any, compute: Callable[[], Any]) -> tuple[Any, Any]:
+    """Runs ``compute`` (torch calls on what the kernels before ``event`` wrote) on
+    ``stream`` (the op's submitting stream: what it allocates belongs there, where the
+    caller uses and frees it), ordered after ``event``; returns its result and the event
+    after its own kernels, for whoever waits on the result."""
+    before = switch(stream)
+    try:
+        stream.wait_event(event)
+        result = compute()
+        return result, _recorded(stream)
+    finally:
+        switch(before)
 
 
 def _wait_for_positions(requests: Sequence[Request], stream: Any) -> None:

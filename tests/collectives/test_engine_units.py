@@ -285,48 +285,59 @@ def test_a_finish_that_computes_runs_after_the_ops_kernels_and_its_waiters_after
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Adasum's tree and a sparse sum compute on an op's CUDA outputs when the engine
-    # completes it: the current stream first waits for the bucket's end, and the handle
-    # carries the event after the finish's kernels. A finish that only hands out the
-    # outputs costs neither (CUDA stands in).
-    _FakeCuda(monkeypatch)
+    # completes it: on the op's submitting stream, which first waits for the bucket's end;
+    # the handle carries the event after the finish's kernels. A finish that only hands out
+    # the outputs costs neither (CUDA stands in).
+    cuda = _FakeCuda(monkeypatch)
     monkeypatch.setattr(streams, "_device", lambda: 0)
     config = EngineConfig()
     dispatch = Dispatch(Group(0, [0], 0), Submissions(0), None, lambda entry: None, config)
+    home = streams.current(0)  # (stream 7 submitted the op)
+    cuda.current = 99  # (the thread that completes it runs on another stream)
     bucket_end = _Event()
-    waited_then: list[list[int]] = []
+    ran_on: list[int] = []
 
     def tree(request: Request) -> str:
-        waited_then.append(list(bucket_end.waited_by))
+        ran_on.append(cuda.current)
         return "combined"
 
     computing = _request("a")
-    computing.finish = Computing(tree)
+    computing.finish, computing.home = Computing(tree), home
     dispatch.complete(computing, bucket_end)
-    assert waited_then == [[7]]  # (the current stream waited before the tree ran)
+    assert ran_on == [7] and home.waited_for == [(bucket_end, 0)] and cuda.current == 99
     after = computing.handle.cuda_event
     assert after is not bucket_end and after.recorded_on == [7]
     assert computing.handle.wait() == "combined"
     plain, other_end = _request("b"), _Event()
+    plain.home = home
     dispatch.complete(plain, other_end)
-    assert plain.handle.cuda_event is other_end and other_end.waited_by == []
+    assert plain.handle.cuda_event is other_end and len(home.waited_for) == 1
 
 
-def test_an_output_the_engine_allocates_is_allocated_on_the_submitting_stream(
+def test_an_output_the_engine_allocates_is_marked_used_by_the_submitting_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The caching allocator reuses freed memory in the order of the stream it was allocated
-    # on: an allgather's output, which its caller uses and frees on the stream it submitted
-    # from, is allocated there, not on the engine's stream that writes it (CUDA stands in).
+    # An allgather's output is allocated on the stream that writes it (the engine's, which
+    # waited for the op's position, no later), and marked as used by the stream the op was
+    # submitted from, where its caller uses and frees it: the caching allocator then waits
+    # for that stream's work before reusing the memory (CUDA stands in).
     cuda = _FakeCuda(monkeypatch)
     made_on: list[int] = []
-    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: made_on.append(cuda.current))
+
+    def empty(*args: Any, **kwargs: Any) -> _Held:
+        made_on.append(cuda.current)
+        return _Held()
+
+    monkeypatch.setattr(torch, "empty", empty)
     request = _request("a")
     request.home = streams.current(0)  # (submitted from stream 7)
     cuda.current = 99  # (the engine's stream runs the bucket)
-    execute.engine_output(request, (2, 3), torch.float32, torch.device("cuda", 0))
-    assert made_on == [7] and cuda.current == 99
-    execute.engine_output(None, (2, 3), torch.float32, torch.device("cuda", 0))  # (joined)
-    assert made_on == [7, 99]
+    out: Any = execute.engine_output(request, (2, 3), torch.float32, torch.device("cuda", 0))
+    assert made_on == [99] and out.recorded_on == [7]
+    joined: Any = execute.engine_output(None, (2, 3), torch.float32, torch.device("cuda", 0))
+    cuda.current = 7  # (a blocking op run on its caller's stream)
+    here: Any = execute.engine_output(request, (2, 3), torch.float32, torch.device("cuda", 0))
+    assert joined.recorded_on == [] and here.recorded_on == [] and made_on == [99, 99, 7]
 
 
 # ---- the queue, under two threads ----------------------------------------------------
