@@ -218,10 +218,12 @@ class Dispatch:
             finish = request.finish
             if finish is None:
                 result = request.extra
-            elif event is not None and type(finish) is Computing and request.home is not None:
-                # Kernels on the outputs, on the op's submitting stream: after the op's, and
-                # its waiters after them.
-                result, event = streams.computed(event, request.home, lambda: finish(request))
+            elif event is not None and type(finish) is Computing:
+                # Kernels on the outputs, on the stream that ran the op's: its waiters wait
+                # for them too.
+                result, event = streams.computed(
+                    event, request.stream, request.home, lambda: finish(request)
+                )
             else:
                 result = finish(request)
         request.handle.complete(result, event)

@@ -42,7 +42,7 @@ import torch
 if TYPE_CHECKING:
     from collectives.engine.requests import Request
 
-__all__ = ["EngineStreams", "computed", "current", "ready", "switch", "wait"]
+__all__ = ["EngineStreams", "computed", "current", "ready", "switch", "used_on", "wait"]
 
 #: (device index, raw stream) -> torch.cuda.Stream. Bounded: streams are pooled by torch,
 #: so a program uses few; external streams could come and go.
@@ -121,18 +121,36 @@ def ready(tensor: torch.Tensor, blocking: bool) -> tuple[Any, Any]:
     return stream, event
 
 
-def computed(event: Any, stream: Any, compute: Callable[[], Any]) -> tuple[Any, Any]:
+def computed(event: Any, stream: Any, home: Any, compute: Callable[[], Any]) -> tuple[Any, Any]:
     """Runs ``compute`` (torch calls on what the kernels before ``event`` wrote) on
-    ``stream`` (the op's submitting stream: what it allocates belongs there, where the
-    caller uses and frees it), ordered after ``event``; returns its result and the event
-    after its own kernels, for whoever waits on the result."""
+    ``stream``, the one that ran them (the submitting stream ``home`` goes on with the
+    caller's kernels meanwhile), ordered after ``event``; its results are marked as used by
+    ``home``, where the caller uses and frees them. Returns the result and the event after
+    its kernels, for whoever waits on it."""
     before = switch(stream)
     try:
         stream.wait_event(event)
         result = compute()
+        if home is not None and home is not stream:
+            used_on(result, home)
         return result, _recorded(stream)
     finally:
         switch(before)
+
+
+def used_on(result: Any, stream: Any) -> None:
+    """Marks the CUDA tensors of ``result`` (a tensor, sparse or dense, or a list or tuple of
+    them) as used by ``stream``: the caching allocator reuses their memory only after the
+    work queued there by the time they are freed."""
+    if isinstance(result, (list, tuple)):
+        for item in result:
+            used_on(item, stream)
+    elif getattr(result, "is_cuda", False):
+        if getattr(result, "layout", None) is torch.sparse_coo:
+            result._indices().record_stream(stream)
+            result._values().record_stream(stream)
+        else:
+            result.record_stream(stream)
 
 
 def _wait_for_positions(requests: Sequence[Request], stream: Any) -> None:

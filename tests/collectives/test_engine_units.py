@@ -285,33 +285,38 @@ def test_a_finish_that_computes_runs_after_the_ops_kernels_and_its_waiters_after
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Adasum's tree and a sparse sum compute on an op's CUDA outputs when the engine
-    # completes it: on the op's submitting stream, which first waits for the bucket's end;
-    # the handle carries the event after the finish's kernels. A finish that only hands out
-    # the outputs costs neither (CUDA stands in).
+    # completes it: on the stream that ran the op, after its kernels, while the submitting
+    # stream goes on; the results are marked as used by the submitting stream, and the
+    # handle carries the event after the finish's kernels. A finish that only hands out the
+    # outputs costs none of this (CUDA stands in).
     cuda = _FakeCuda(monkeypatch)
     monkeypatch.setattr(streams, "_device", lambda: 0)
     config = EngineConfig()
     dispatch = Dispatch(Group(0, [0], 0), Submissions(0), None, lambda entry: None, config)
     home = streams.current(0)  # (stream 7 submitted the op)
-    cuda.current = 99  # (the thread that completes it runs on another stream)
-    bucket_end = _Event()
-    ran_on: list[int] = []
+    cuda.current = 42
+    engine_stream = streams.current(0)  # (stream 42 ran it)
+    cuda.current = 5  # (the thread that completes it is on another stream)
+    bucket_end, results = _Event(), [_Held(), _Held()]
+    seen: list[tuple[int, int]] = []
 
-    def tree(request: Request) -> str:
-        ran_on.append(cuda.current)
-        return "combined"
+    def tree(request: Request) -> list[_Held]:
+        seen.append((cuda.current, len(engine_stream.waited_for)))
+        return results
 
     computing = _request("a")
-    computing.finish, computing.home = Computing(tree), home
+    computing.finish = Computing(tree)
+    computing.stream, computing.home = engine_stream, home
     dispatch.complete(computing, bucket_end)
-    assert ran_on == [7] and home.waited_for == [(bucket_end, 0)] and cuda.current == 99
+    assert seen == [(42, 1)] and engine_stream.waited_for == [(bucket_end, 0)]
+    assert cuda.current == 5 and [held.recorded_on for held in results] == [[7], [7]]
     after = computing.handle.cuda_event
-    assert after is not bucket_end and after.recorded_on == [7]
-    assert computing.handle.wait() == "combined"
+    assert after is not bucket_end and after.recorded_on == [42] and home.waited_for == []
+    assert computing.handle.wait() is results and after.waited_by == [5]
     plain, other_end = _request("b"), _Event()
-    plain.home = home
+    plain.stream, plain.home = engine_stream, home
     dispatch.complete(plain, other_end)
-    assert plain.handle.cuda_event is other_end and len(home.waited_for) == 1
+    assert plain.handle.cuda_event is other_end and len(engine_stream.waited_for) == 1
 
 
 def test_an_output_the_engine_allocates_is_marked_used_by_the_submitting_stream(
