@@ -45,6 +45,8 @@ from collectives.engine.execute import Group, split_rows
 from collectives.engine.handles import Handle
 from collectives.engine.reduction import PLAIN_SUM, Reduction
 from collectives.engine.requests import (
+    ALLREDUCE,
+    BROADCAST,
     FIELD,
     RECORD,
     Computing,
@@ -210,7 +212,6 @@ def reduction_of(op: ReduceOp, prescale: float, postscale: float) -> Reduction:
 _described: dict[tuple[Any, ...], tuple[str, list[TensorSpec]]] = {}
 
 # (read per op: an enum member read through its class costs ~0.1 µs on Python 3.11)
-_KIND_ALLREDUCE, _BROADCAST = Kind.ALLREDUCE, Kind.BROADCAST
 _ADASUM, _AVERAGE = ReduceOp.ADASUM, ReduceOp.AVERAGE
 
 
@@ -287,7 +288,7 @@ def _request(
         check_devices(inputs, kind.label)
     sig, specs = _describe(kind, common, inputs)
     reduction = common if isinstance(common, Reduction) else PLAIN_SUM
-    root = common[0] if kind == _BROADCAST else 0
+    root = common[0] if kind == BROADCAST else 0
     # (positional: a dataclass's __init__ takes them faster than keywords, per op)
     request = Request(
         kind,
@@ -411,12 +412,10 @@ def submit_allreduce(
             outs: list[Any] = [None] * len(inputs)
         else:
             outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
-        return submit(
-            _KIND_ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking
-        )
+        return submit(ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking)
     outs = inputs if _same(outputs, tensors) else [unit_stride(t) for t in outputs]
     check_writable(outs, "allreduce")
-    return submit(_KIND_ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking)
+    return submit(ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking)
 
 
 def submit_adasum_allreduce(

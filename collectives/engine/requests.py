@@ -91,6 +91,12 @@ _LABEL_LIST = [_LABELS[kind] for kind in Kind]
 NONAME_PREFIXES = [f"{_LABEL_LIST[kind]}.noname." for kind in Kind]
 
 
+#: The data kinds as module globals, for code that compares an op's kind per op: an enum
+#: member read through its class costs ~0.1 µs on Python 3.11, a global a fifth of that.
+ALLREDUCE, ALLGATHER, BROADCAST = Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST
+ALLTOALL, REDUCESCATTER, BARRIER = Kind.ALLTOALL, Kind.REDUCESCATTER, Kind.BARRIER
+
+
 def noname(kind: Kind, counter: int) -> str:
     """The Horovod-style name of an unnamed op: its kind's label and its counter."""
     return f"{NONAME_PREFIXES[kind]}{counter}"

@@ -57,7 +57,7 @@ from collectives.engine.cache import Key, ResponseCache, is_unnamed, keys_of, re
 from collectives.engine.execute import Sums, check_unchanged
 from collectives.engine.insight import IDLE, Arrivals
 from collectives.engine.reduction import Reduction
-from collectives.engine.requests import Kind, Request
+from collectives.engine.requests import ALLREDUCE, REDUCESCATTER, Request
 
 __all__ = ["AGREED", "DIFFERED", "HOLD_SECONDS", "MAX_COUNTER", "RODE", "CacheRound", "rides"]
 
@@ -91,8 +91,6 @@ HOLD_SECONDS = 1.0
 MAX_BACKOFF = 16
 #: Rounds of full negotiation after a burst of small allreduces too large to ride.
 BURST_ROUNDS = 16
-# (read per op: an enum member read through its class costs ~0.1 µs on Python 3.11)
-_ALLREDUCE, _REDUCESCATTER = Kind.ALLREDUCE, Kind.REDUCESCATTER
 _RIDER_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 #: The cache round's first slot holds the dirty members plus this many times the members
 #: that raised the accounting's flag (exact in float64 for any job size below it).
@@ -302,7 +300,7 @@ class _Patterns:
 
 def rides(request: Request) -> bool:
     """Whether a request's data can ride a cache round."""
-    if request.kind != _ALLREDUCE or len(request.specs) != 1:
+    if request.kind != ALLREDUCE or len(request.specs) != 1:
         return False
     spec = request.specs[0]
     return (
@@ -683,7 +681,7 @@ class CacheRound:
             if (
                 index is None
                 or index in mine
-                or request.kind > _REDUCESCATTER
+                or request.kind > REDUCESCATTER
                 or counter >= MAX_COUNTER
             ):
                 dirty = True

@@ -200,8 +200,8 @@ class EngineStreams:
         tensor that the engine's stream still reads or writes must stay referenced until
         then. That costs one ``query()`` per bucket, where ``record_stream`` cost a call of
         about 1 µs per tensor (torch's NCCL backend does the same under
-        ``TORCH_NCCL_AVOID_RECORD_STREAMS``). What passed is let go at the next bucket; past
-        ``KEEP_MAX`` buckets the host waits for the oldest."""
+        ``TORCH_NCCL_AVOID_RECORD_STREAMS``). What passed is let go at the next bucket or
+        cycle (:meth:`let_go`); past ``KEEP_MAX`` buckets the host waits for the oldest."""
         self.let_go()
         in_use = self._in_use
         if len(in_use) >= KEEP_MAX:
@@ -230,8 +230,7 @@ class EngineStreams:
         self.let_go()
         while self._in_use:
             _, stream, held = self._in_use.popleft()
-            for tensor in _tensors(held):
-                tensor.record_stream(stream)
+            used_on(_tensors(held), stream)
 
     @contextlib.contextmanager
     def running(self, requests: Sequence[Request], device: torch.device) -> Iterator[list[Any]]:
@@ -240,7 +239,7 @@ class EngineStreams:
         done: list[Any] = []
         here = current(device.index if device.index is not None else torch.cuda.current_device())
         own = not all(r.ready is None and r.stream is here for r in requests)
-        stream, before = here, here
+        stream, before = here, None
         if own:
             stream = self._own.get(device)
             if stream is None:
@@ -264,7 +263,8 @@ class EngineStreams:
             # On its own stream, the requests hold the tensors that stream used (inputs and
             # outputs), which were allocated on other streams.
             self._ended(device, stream, requests if own else None, done)
-            switch(before)
+            if before is not None:
+                switch(before)
 
     def _ended(
         self, device: torch.device, stream: Any, held: Sequence[Request] | None, done: list[Any]
@@ -281,18 +281,21 @@ class EngineStreams:
             self.keep(end, stream, held)
 
 
-def _tensors(held: Any) -> list[torch.Tensor]:
-    """The CUDA tensors that :meth:`EngineStreams.keep` holds in ``held``."""
+def _tensors(held: Any) -> Any:
+    """The tensors that :meth:`EngineStreams.keep` holds in ``held`` (with CPU tensors, and
+    an allgather's outputs, None until it ran: :func:`used_on` passes over them)."""
     if isinstance(held, torch.Tensor):
-        return [held]
-    found = []
-    for request in held:
-        inputs, outputs = request.inputs, request.outputs
-        # (in place, the outputs are the inputs' list; an allgather's are None till it ran)
-        for tensor in inputs if outputs is inputs else (*inputs, *outputs):
-            if tensor is not None and tensor.is_cuda:
-                found.append(tensor)
-    return found
+        return held
+    # (in place, the outputs are the inputs' list: one use each)
+    return [
+        tensor
+        for request in held
+        for tensor in (
+            request.inputs
+            if request.outputs is request.inputs
+            else (*request.inputs, *request.outputs)
+        )
+    ]
 
 
 def _recorded(stream: Any) -> Any:

@@ -119,7 +119,6 @@ def test_a_cuda_result_orders_each_stream_that_waits_for_it_once(
     # A burst's handles share their bucket's event: the waiter's current stream waits for
     # it once, and a stream made current later waits too (CUDA stands in: no GPU here).
     cuda = _FakeCuda(monkeypatch)
-    monkeypatch.setattr(streams, "_device", lambda: 0)
     event = _Event()
     handles = [Handle() for _ in range(3)]
     for number, handle in enumerate(handles):
@@ -139,6 +138,7 @@ class _FakeCuda:
         self.current = 7
         self.made: list[_Stream] = []
         monkeypatch.setattr(streams, "_raw", lambda device: self.current)
+        monkeypatch.setattr(streams, "_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device: _Stream(self.current))
         monkeypatch.setattr(torch.cuda, "Stream", self._new_stream)
         monkeypatch.setattr(torch.cuda, "Event", _Event)
@@ -290,7 +290,6 @@ def test_a_finish_that_computes_runs_after_the_ops_kernels_and_its_waiters_after
     # handle carries the event after the finish's kernels. A finish that only hands out the
     # outputs costs none of this (CUDA stands in).
     cuda = _FakeCuda(monkeypatch)
-    monkeypatch.setattr(streams, "_device", lambda: 0)
     config = EngineConfig()
     dispatch = Dispatch(Group(0, [0], 0), Submissions(0), None, lambda entry: None, config)
     home = streams.current(0)  # (stream 7 submitted the op)
