@@ -29,8 +29,10 @@ def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a_sq = torch.dot(a.flatten(), a.flatten())
     b_sq = torch.dot(b.flatten(), b.flatten())
     # A zero gradient contributes nothing; its coefficient is irrelevant, keep it finite.
-    a_coef = 1 - dot / (2 * a_sq) if a_sq > 0 else torch.ones((), dtype=a.dtype)
-    b_coef = 1 - dot / (2 * b_sq) if b_sq > 0 else torch.ones((), dtype=b.dtype)
+    # (torch.where, not a Python test of ``a_sq > 0``: that would read the value on the
+    # host, which for a CUDA tensor waits for the GPU twice per pair.)
+    a_coef = torch.where(a_sq > 0, 1 - dot / (2 * a_sq), 1.0)
+    b_coef = torch.where(b_sq > 0, 1 - dot / (2 * b_sq), 1.0)
     return a_coef * a + b_coef * b
 
 

@@ -42,3 +42,12 @@ def test_tree_order_for_two_three_and_four_ranks() -> None:
 def test_keeps_dtype() -> None:
     halves = [torch.ones(3, dtype=torch.float16), torch.ones(3, dtype=torch.float16)]
     assert adasum_tree(halves).dtype == torch.float16
+
+
+def test_never_reads_a_value_on_the_host() -> None:
+    # On a CUDA tensor a read on the host (``if a_sq > 0``) waits for the GPU; meta tensors
+    # have no values at all, so any such read raises here.
+    a, b = torch.ones(5, device="meta"), torch.ones(5, device="meta")
+    assert adasum_tree([a, b, a]).shape == (5,)
+    zero = torch.zeros(3)
+    assert torch.equal(adasum_pair(zero, zero), zero)
