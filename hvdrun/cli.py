@@ -193,7 +193,7 @@ class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
     show_default=True,
     metavar="SECONDS",
     help="A remote host silent this long counts as cut off: its agent stops its workers "
-    "and hvdrun stops the job.",
+    "and hvdrun stops the job (an elastic job carries on without it; its default is 5).",
 )
 @click.option(
     "--heartbeat-timeout",

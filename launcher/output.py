@@ -90,7 +90,8 @@ class OutputOptions:
 
 
 def rank_dir_name(rank: int, num_ranks: int) -> str:
-    """``rank.N`` with N padded like Horovod's: ``rank.07`` in a job of 8 to 100 ranks."""
+    """``rank.N`` with N padded like Horovod's, to the digits of the highest rank: ``rank.07``
+    in a job of 11 to 100 ranks, ``rank.7`` in one of 8."""
     width = len(str(max(num_ranks - 1, 0)))
     return f"rank.{rank:0{width}d}"
 
