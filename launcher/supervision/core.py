@@ -323,6 +323,13 @@ class Supervision(ABC, Generic[E]):
 
     # ---- what differs between supervisors ----------------------------------------------
 
+    #: What a worker is called in messages (its number is its rank in a fixed job)...
+    worker_word = "rank"
+    #: ... and what a stopped one means for the job ({host}: its host).
+    stop_consequence = (
+        "the other ranks' collectives wait for it, and time out unless it is continued"
+    )
+
     @abstractmethod
     def finished(self) -> bool:
         """Whether the loop is done."""
@@ -469,15 +476,20 @@ class Supervision(ABC, Generic[E]):
                 return  # (still the stop it told of: stopped since then)
             stop = WorkerStop(event.rank, host, event.pid, event.signum, event.traced, self.clock())
             self.sink.message(
-                f"rank {event.rank} on {host} was stopped by {stop.by()} (pid {event.pid}): "
-                "the other ranks' collectives wait for it, and time out unless it is continued"
+                f"{self.worker_word} {event.rank} on {host} was stopped by {stop.by()} "
+                f"(pid {event.pid}): {self.stop_consequence.format(host=host)}"
             )
             self.worker_stops[event.rank] = stop
             return
         stopped = self.worker_stops.get(event.rank)
         if stopped is not None and stopped.until is None:
             stopped.until = self.clock()
-            self.sink.message(f"rank {event.rank} on {host} was continued")
+            self.sink.message(f"{self.worker_word} {event.rank} on {host} was continued")
+
+    def stopped_on(self, host: str) -> WorkerStop | None:
+        """The first worker of ``host`` that is stopped now (reported, not continued)."""
+        stops = [s for s in self.worker_stops.values() if s.hostname == host and s.until is None]
+        return min(stops, key=lambda stop: stop.since, default=None)
 
     def stop_behind(self, failure: WorkerFailure) -> WorkerFailure | None:
         """The failure to name when ``failure`` (a worker's exit) came while another worker

@@ -87,7 +87,7 @@ from launcher.supervision.membership import HostRecord, Membership, Publish, Sto
 from launcher.supervision.report import describe_exit, report_failure
 from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
 from launcher.transport.hostinfo import installed_versions
-from launcher.transport.protocol import Done, Exit, Output
+from launcher.transport.protocol import Continued, Done, Exit, Output, Stopped
 from launcher.transport.startup import (
     dial_host,
     make_agent,
@@ -155,6 +155,11 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
     """Runs discovery, starts agents, publishes generations and supervises the workers."""
 
     poll_interval = 0.05
+    worker_word = "worker"
+    stop_consequence = (
+        "the other workers' collectives wait for it; unless it is continued, they time out "
+        "and the job goes on without {host}"
+    )
 
     def __init__(
         self,
@@ -179,15 +184,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         # them this long after is hung or cut off (twice the workers' Gloo timeout).
         rejoin_timeout = 2 * collective_timeout(spec.env, options.failure_timeout)
         self.members = Membership(options, spec.num_proc, rejoin_timeout)
-        # What every worker gets on top of the job's environment.
-        worker_timeout = options.elastic_timeout + WORKER_TIMEOUT_SLACK
-        we = worker_env
-        self._elastic_env = {
-            we.variable(we.ELASTIC): "1",
-            we.variable(we.ELASTIC_TIMEOUT): f"{worker_timeout:g}",
-        }
-        if not any(name in spec.env for name in we.setting_names(we.GLOO_TIMEOUT_SECONDS)):
-            self._elastic_env[we.variable(we.GLOO_TIMEOUT_SECONDS)] = f"{options.failure_timeout:g}"
+        self._elastic_env = _elastic_env(spec, options)
         self.members.discovered = initial
         self.finishing = False  # a worker exited 0: no more generations
         self._finished_in: int | None = None  # the generation it synced the state in
@@ -346,6 +343,8 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                 match event:
                     case Exit(worker, code, message):
                         self._on_exit(host, worker, code, message)
+                    case Stopped() | Continued():
+                        self.record_stop(host.name, event)
                     case Done() | AgentExit():
                         self._on_agent_gone(host, event)
 
@@ -454,10 +453,12 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         for host in members.hosts_to_start(now):
             self._start_host(host)
         for host in members.rejoin_failures(now, self.server.waiting_slots()):
+            stop = self.stopped_on(host.name)
             self._fail_host(
                 host,
                 f"its workers did not rejoin within {members.rejoin_timeout:g} s after the "
-                "others' collectives failed: hung or cut off",
+                "others' collectives failed: "
+                + ("hung or cut off" if stop is None else f"worker {stop.rank} is stopped"),
             )
             if host.agent is not None:
                 host.agent.kill()  # a stopped process ignores SIGTERM until it runs
@@ -549,6 +550,18 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         agents = [h.agent for h in self.members.all_hosts() if h.agent is not None]
         host = dial_host(agent, agents, self.spec.launch.rendezvous_addr)
         return join_addr(host, self.server.port)
+
+
+def _elastic_env(spec: JobSpec, options: ElasticOptions) -> dict[str, str]:
+    """What every worker of an elastic job gets on top of the job's environment."""
+    we = worker_env
+    env = {
+        we.variable(we.ELASTIC): "1",
+        we.variable(we.ELASTIC_TIMEOUT): f"{options.elastic_timeout + WORKER_TIMEOUT_SLACK:g}",
+    }
+    if not any(name in spec.env for name in we.setting_names(we.GLOO_TIMEOUT_SECONDS)):
+        env[we.variable(we.GLOO_TIMEOUT_SECONDS)] = f"{options.failure_timeout:g}"
+    return env
 
 
 def _start_agent(

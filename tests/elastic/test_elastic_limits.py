@@ -6,6 +6,7 @@ one and go on with the other.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -81,9 +82,17 @@ def test_hung_worker_is_dropped_after_the_rejoin_timeout() -> None:
     )
     assert code == 0, output
     assert "hanging on purpose after step 5" in output, output
+    # (the worker stops itself with SIGSTOP: its agent sees it, hvdrun names it)
+    stopped = re.search(
+        r"hvdrun: worker (\d+) on 127\.0\.0\.1 was stopped by SIGSTOP \(pid \d+\): the other "
+        r"workers' collectives wait for it; unless it is continued, they time out and the job "
+        r"goes on without 127\.0\.0\.1\n",
+        output,
+    )
+    assert stopped is not None, output
     assert (
         "hvdrun: host 127.0.0.1 failed (its workers did not rejoin within 4 s after the "
-        "others' collectives failed: hung or cut off)" in output
+        f"others' collectives failed: worker {stopped[1]} is stopped)" in output
     ), output
     assert "[0]<stdout>:final rank=0 size=1 step=30 weight=-30" in output, output
 
