@@ -40,10 +40,13 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+# (rendezvous first: it imports gRPC with the tracers that print headers off, see there)
+from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY
+
+# isort: split
 import grpc
 import grpc.aio
 
-from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY
 from rendezvous.addresses import DIRECT, join_addr
 from rendezvous.server.guard import GuardInterceptor
 from rendezvous.server.loop import LoopThread

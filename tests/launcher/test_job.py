@@ -267,6 +267,22 @@ def test_rendezvous_addr_and_network_interface_flags() -> None:
         assert f"[{rank}]<stdout>:registered rank {rank} on " in result.stdout
 
 
+def test_a_grpc_trace_shows_no_token() -> None:
+    # GRPC_TRACE=all makes gRPC print every header's value, in hvdrun's server and in the
+    # workers' clients, and the job's token travels in one; the workers print it once here,
+    # on purpose, and it must appear nowhere else (nor as the hex that gRPC prints beside it).
+    trace = {"GRPC_TRACE": "all", "GRPC_VERBOSITY": "debug", "SHOW_SECRET": "1"}
+    result = hvdrun("-np", "2", sys.executable, str(SCRIPTS / "register.py"), env=trace)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    shown = set(re.findall(r"<stdout>:the secret is (\S+)\n", result.stdout))
+    assert len(shown) == 1, result.stdout
+    secret = shown.pop()
+    assert output.count(secret) == 2, [line for line in output.splitlines() if secret in line]
+    assert " ".join(f"{byte:02x}" for byte in secret.encode()) not in output
+    assert "x-hvdrun-token: 43 bytes redacted" in output  # (gRPC did trace the headers)
+
+
 def test_interface_chosen_and_user_setting_kept() -> None:
     code = "import os; print(os.environ['GLOO_SOCKET_IFNAME'], os.environ['NCCL_SOCKET_IFNAME'])"
     result = hvdrun("-np", "1", sys.executable, "-c", code)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -237,3 +240,25 @@ def test_watch_with_bad_rank(
     assert "rank 7" in reasons[0] and "[0, 4)" in reasons[0]
     assert server.watching_ranks() == set()
     _assert_serving(client)
+
+
+def test_grpc_trace_is_left_to_children_and_a_late_guard_says_so() -> None:
+    # The guard changes GRPC_TRACE only while gRPC loads (the children see the job's own),
+    # and where gRPC was loaded first it cannot act, and says so.
+    env = {**os.environ, "GRPC_TRACE": "http"}
+    show = "import os, sys, rendezvous; print(os.environ['GRPC_TRACE'], 'grpc' in sys.modules)"
+    guarded = subprocess.run(
+        [sys.executable, "-c", show], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert guarded.stdout == "http True\n", guarded.stderr
+    late = subprocess.run(
+        [sys.executable, "-c", "import grpc, rendezvous"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        "GRPC_TRACE is set and gRPC was imported before hvdrun's rendezvous: its api and "
+        "chttp2_hpack_parser tracers, where on, print the job's token" in late.stderr
+    ), late.stderr
