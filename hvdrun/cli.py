@@ -190,10 +190,10 @@ class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
     "--agent-timeout",
     type=seconds(),
     default=30.0,
-    show_default=True,
+    show_default="30; 5 in elastic jobs",
     metavar="SECONDS",
     help="A remote host silent this long counts as cut off: its agent stops its workers "
-    "and hvdrun stops the job (an elastic job carries on without it; its default is 5).",
+    "and hvdrun stops the job (an elastic job carries on without it).",
 )
 @click.option(
     "--heartbeat-timeout",

@@ -8,7 +8,6 @@ imports torch). This package imports neither ``launcher`` nor ``collectives``.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import sys
@@ -21,13 +20,17 @@ JOB_METADATA_KEY = "x-hvdrun-job"
 HEADER_TRACERS = ("api", "chttp2_hpack_parser")
 
 
-def _load_grpc_without_header_tracers() -> None:
-    """Where ``GRPC_TRACE`` is set (to debug gRPC), imports gRPC with
-    :data:`HEADER_TRACERS` turned off: gRPC reads the variable once, at its import, and
+def _turn_header_tracers_off() -> None:
+    """Where ``GRPC_TRACE`` is set (to debug gRPC), turns :data:`HEADER_TRACERS` off in it
+    (``-api``...), before gRPC reads it: gRPC reads the variable once, at its import, and
     every process of a job (hvdrun, its relays, the workers) imports this package before
-    gRPC. The variable is changed only for the import, so children see the job's own."""
+    gRPC. Children inherit the amended variable (amended once: they import this too)."""
     trace = os.environ.get("GRPC_TRACE", "")
     if not trace.strip():
+        return
+    off = [f"-{name}" for name in HEADER_TRACERS]
+    missing = [item for item in off if item not in trace.replace(" ", "").split(",")]
+    if not missing:
         return
     if "grpc" in sys.modules:
         logging.getLogger(__name__).warning(
@@ -36,11 +39,7 @@ def _load_grpc_without_header_tracers() -> None:
             " and ".join(HEADER_TRACERS),
         )
         return
-    os.environ["GRPC_TRACE"] = ",".join([trace, *(f"-{name}" for name in HEADER_TRACERS)])
-    try:
-        importlib.import_module("grpc")
-    finally:
-        os.environ["GRPC_TRACE"] = trace
+    os.environ["GRPC_TRACE"] = ",".join([trace, *missing])
 
 
-_load_grpc_without_header_tracers()
+_turn_header_tracers_off()

@@ -33,7 +33,7 @@ import queue
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -316,7 +316,7 @@ class Supervision(ABC, Generic[E]):
         self._last_check: float | None = None  # when this loop last judged heartbeats
         self._grace_until = 0.0  # after this loop itself stalled, silence is its own
         self.insight: InsightWatch | None = None  # watches the workers' arrival figures
-        self.worker_stops: dict[int, WorkerStop] = {}  # rank -> its latest stop, until it exits
+        self.worker_stops: dict[int, WorkerStop] = {}  # rank (elastic: worker) -> its latest stop
         # how long a stop must have lasted before a failure to be its cause (set from the
         # workers' collective timeout: STOP_BLAME_SHARE)
         self.stop_blame_after = 0.0
@@ -486,10 +486,11 @@ class Supervision(ABC, Generic[E]):
             stopped.until = self.clock()
             self.sink.message(f"{self.worker_word} {event.rank} on {host} was continued")
 
-    def stopped_on(self, host: str) -> WorkerStop | None:
-        """The first worker of ``host`` that is stopped now (reported, not continued)."""
-        stops = [s for s in self.worker_stops.values() if s.hostname == host and s.until is None]
-        return min(stops, key=lambda stop: stop.since, default=None)
+    def stopped_among(self, workers: Iterable[int]) -> WorkerStop | None:
+        """The first of ``workers`` that is stopped now (reported, not continued)."""
+        stops = [self.worker_stops.get(worker) for worker in workers]
+        now = [stop for stop in stops if stop is not None and stop.until is None]
+        return min(now, key=lambda stop: stop.since, default=None)
 
     def stop_behind(self, failure: WorkerFailure) -> WorkerFailure | None:
         """The failure to name when ``failure`` (a worker's exit) came while another worker

@@ -158,7 +158,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
     worker_word = "worker"
     stop_consequence = (
         "the other workers' collectives wait for it; unless it is continued, they time out "
-        "and the job goes on without {host}"
+        "and {host} fails for not rejoining them"
     )
 
     def __init__(
@@ -453,7 +453,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         for host in members.hosts_to_start(now):
             self._start_host(host)
         for host in members.rejoin_failures(now, self.server.waiting_slots()):
-            stop = self.stopped_on(host.name)
+            stop = self.stopped_among(host.workers)
             self._fail_host(
                 host,
                 f"its workers did not rejoin within {members.rejoin_timeout:g} s after the "

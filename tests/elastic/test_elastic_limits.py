@@ -85,8 +85,8 @@ def test_hung_worker_is_dropped_after_the_rejoin_timeout() -> None:
     # (the worker stops itself with SIGSTOP: its agent sees it, hvdrun names it)
     stopped = re.search(
         r"hvdrun: worker (\d+) on 127\.0\.0\.1 was stopped by SIGSTOP \(pid \d+\): the other "
-        r"workers' collectives wait for it; unless it is continued, they time out and the job "
-        r"goes on without 127\.0\.0\.1\n",
+        r"workers' collectives wait for it; unless it is continued, they time out and "
+        r"127\.0\.0\.1 fails for not rejoining them\n",
         output,
     )
     assert stopped is not None, output

@@ -233,3 +233,20 @@ def test_a_stop_told_again_keeps_its_start_and_is_said_once() -> None:
     supervisor.step()
     assert err.getvalue().decode().count("was stopped by") == 1
     assert supervisor.result.failure is not None and supervisor.result.failure.rank == 3
+
+
+def test_the_stopped_worker_among_some_is_one_stopped_now() -> None:
+    # (an elastic host that fails for not rejoining names its own stopped worker, not one of
+    # an earlier host of that name, nor one continued since)
+    a, b = FakeAgent("a"), FakeAgent("b")
+    supervisor, _, _ = fixed(a, b, clock=Clock())
+    put(supervisor, "b", Stopped(3, 4242, signal.SIGSTOP), Stopped(5, 4343, signal.SIGTSTP))
+    supervisor.step()
+    stop = supervisor.stopped_among([2, 3])
+    assert stop is not None and (stop.rank, stop.pid) == (3, 4242)
+    assert supervisor.stopped_among([2, 4]) is None
+    put(supervisor, "b", Continued(3))
+    supervisor.step()
+    assert supervisor.stopped_among([2, 3]) is None
+    stop = supervisor.stopped_among([3, 5])
+    assert stop is not None and stop.rank == 5

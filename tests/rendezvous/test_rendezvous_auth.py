@@ -242,15 +242,21 @@ def test_watch_with_bad_rank(
     _assert_serving(client)
 
 
-def test_grpc_trace_is_left_to_children_and_a_late_guard_says_so() -> None:
-    # The guard changes GRPC_TRACE only while gRPC loads (the children see the job's own),
-    # and where gRPC was loaded first it cannot act, and says so.
+def test_grpc_trace_gets_the_header_tracers_off_once_and_a_late_guard_says_so() -> None:
+    # gRPC reads GRPC_TRACE at its import: the guard amends it before (without loading gRPC
+    # itself), once however often a process and its children import it; where gRPC was
+    # loaded first it cannot act, and says so.
     env = {**os.environ, "GRPC_TRACE": "http"}
-    show = "import os, sys, rendezvous; print(os.environ['GRPC_TRACE'], 'grpc' in sys.modules)"
+    show = (
+        "import os, sys, rendezvous; print(os.environ['GRPC_TRACE'], 'grpc' in sys.modules); "
+        "os.execv(sys.executable, [sys.executable, '-c', "
+        "'import os, rendezvous; print(os.environ[\"GRPC_TRACE\"])'])"
+    )
     guarded = subprocess.run(
         [sys.executable, "-c", show], env=env, capture_output=True, text=True, timeout=60
     )
-    assert guarded.stdout == "http True\n", guarded.stderr
+    amended = "http,-api,-chttp2_hpack_parser"
+    assert guarded.stdout == f"{amended} False\n{amended}\n", guarded.stderr
     late = subprocess.run(
         [sys.executable, "-c", "import grpc, rendezvous"],
         env=env,
