@@ -252,18 +252,15 @@ def test_grpc_trace_gets_the_header_tracers_off_once_and_a_late_guard_says_so() 
         "os.execv(sys.executable, [sys.executable, '-c', "
         "'import os, rendezvous; print(os.environ[\"GRPC_TRACE\"])'])"
     )
-    guarded = subprocess.run(
-        [sys.executable, "-c", show], env=env, capture_output=True, text=True, timeout=60
-    )
+
+    def python(code: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-c", code]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+
+    guarded = python(show)
     amended = "http,-api,-chttp2_hpack_parser"
     assert guarded.stdout == f"{amended} False\n{amended}\n", guarded.stderr
-    late = subprocess.run(
-        [sys.executable, "-c", "import grpc, rendezvous"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    late = python("import grpc, rendezvous")
     assert (
         "GRPC_TRACE is set and gRPC was imported before hvdrun's rendezvous: its api and "
         "chttp2_hpack_parser tracers, where on, print the job's token" in late.stderr
