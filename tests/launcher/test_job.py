@@ -280,7 +280,7 @@ def test_a_grpc_trace_shows_no_token() -> None:
     secret = shown.pop()
     assert output.count(secret) == 2, [line for line in output.splitlines() if secret in line]
     assert " ".join(f"{byte:02x}" for byte in secret.encode()) not in output
-    assert "x-hvdrun-token: 43 bytes redacted" in output  # (gRPC did trace the headers)
+    assert "x-hvdrun-token" in output  # (gRPC did trace the headers, the token's among them)
 
 
 def test_interface_chosen_and_user_setting_kept() -> None:
