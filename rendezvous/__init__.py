@@ -3,7 +3,9 @@
 The launcher runs a :class:`~rendezvous.server.RendezvousServer` in-process; workers talk to
 it through :class:`~rendezvous.client.RendezvousClient`, and torch.distributed bootstraps its
 process groups through :class:`~rendezvous.store.RendezvousStore` (the only module here that
-imports torch). This package imports neither ``launcher`` nor ``collectives``.
+imports torch). This package imports neither ``launcher`` nor ``collectives``. Importing it
+amends ``GRPC_TRACE`` where a user set it, so that gRPC's trace never prints the job's token
+(:func:`_turn_header_tracers_off`).
 """
 
 from __future__ import annotations
