@@ -30,8 +30,8 @@ def _turn_header_tracers_off() -> None:
     trace = os.environ.get("GRPC_TRACE", "")
     if not trace.strip():
         return
-    off = [f"-{name}" for name in HEADER_TRACERS]
-    missing = [item for item in off if item not in trace.replace(" ", "").split(",")]
+    entries = {entry.strip() for entry in trace.split(",")}
+    missing = [f"-{name}" for name in HEADER_TRACERS if f"-{name}" not in entries]
     if not missing:
         return
     if "grpc" in sys.modules:

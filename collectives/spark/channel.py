@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-# (rendezvous first: it imports gRPC with the tracers that print headers off, see there)
+# (rendezvous first: importing it turns off gRPC's tracers that print headers, see there)
 from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY
 
 # isort: split

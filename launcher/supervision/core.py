@@ -488,7 +488,7 @@ class Supervision(ABC, Generic[E]):
 
     def stopped_among(self, workers: Iterable[int]) -> WorkerStop | None:
         """The first of ``workers`` that is stopped now (reported, not continued)."""
-        stops = [self.worker_stops.get(worker) for worker in workers]
+        stops = (self.worker_stops.get(worker) for worker in workers)
         now = [stop for stop in stops if stop is not None and stop.until is None]
         return min(now, key=lambda stop: stop.since, default=None)
 
