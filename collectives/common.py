@@ -14,6 +14,7 @@ it is imported, instead of this module calling up into the runtime. Until then (
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import operator
 from collections.abc import Callable, Iterable
@@ -27,6 +28,8 @@ __all__ = [
     "bind_job",
     "global_process_set",
     "layer_variables",
+    "mark_reduced",
+    "reduced_over",
     "variable_key",
 ]
 
@@ -175,6 +178,28 @@ def variable_key(variable: Any) -> int:
     if inner is not None and type(variable).__module__.startswith("keras"):
         return id(inner)
     return id(variable)
+
+
+#: The attribute that marks a gradient a ``DistributedGradientTape`` returned: the process set
+#: it was reduced over, so that a ``DistributedOptimizer`` over that set applies it as it
+#: comes instead of reducing it again (on the tensor itself: a record by variable would go
+#: stale between a traced step and an eager one).
+_REDUCED_OVER = "_hvd_reduced_over"
+
+
+def mark_reduced(tensors: Iterable[Any], process_set: ProcessSet) -> None:
+    """Marks ``tensors`` (None among them skipped) as reduced over ``process_set``. A tensor
+    type that takes no attribute stays unmarked: it is reduced again, as before."""
+    for tensor in tensors:
+        if tensor is not None:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(tensor, _REDUCED_OVER, process_set)
+
+
+def reduced_over(tensor: Any) -> ProcessSet | None:
+    """The process set a ``DistributedGradientTape`` reduced ``tensor`` over, or None."""
+    mark = getattr(tensor, _REDUCED_OVER, None)
+    return mark if isinstance(mark, ProcessSet) else None
 
 
 def layer_variables(layers: Any) -> list[Any]:

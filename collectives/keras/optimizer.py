@@ -31,7 +31,13 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from collectives.common import ProcessSet, ReduceOp, global_process_set, variable_key
+from collectives.common import (
+    ProcessSet,
+    ReduceOp,
+    global_process_set,
+    reduced_over,
+    variable_key,
+)
 from collectives.keras import backend as keras_backend
 
 __all__ = ["create_distributed_optimizer"]
@@ -107,6 +113,7 @@ def create_distributed_optimizer(
             settings.postscale *= backward_passes_per_step
             settings.local_scale *= backward_passes_per_step
         methods["_backend_update_step"] = _update_step
+        methods["apply"] = _apply_accumulating
     if not bridge.legacy:
         _agree_on_finite_gradients(bridge.keras)
     cls = type(base.__name__, (base,), methods)
@@ -144,7 +151,8 @@ class _Settings:
         #: Keys (``variable_key``) of the variables whose gradients stay local.
         self.local: set[int] = set()
         #: What multiplies a local variable's gradient, besides 1 / size (Horovod's
-        #: ``scale_local_gradients``): the k passes' sum of Keras 3's average.
+        #: ``scale_local_gradients``), and a gradient reduced already by a
+        #: ``DistributedGradientTape``: the k passes' sum of Keras 3's average.
         self.local_scale = 1.0
         #: tf_keras's accumulation of backward passes (None: every pass is applied).
         self.aggregation: Any = None
@@ -152,6 +160,29 @@ class _Settings:
         self.elsewhere: str | None = None
         #: The TensorFlow frontend's reducer (TensorFlow backends), made at the first step.
         self._tf_reducer: Any = None
+        #: During one gradient step that accumulates: the keys of the variables whose
+        #: gradients came from a ``DistributedGradientTape`` (reduced already).
+        self.presented: set[int] = set()
+        #: Whether the step said on stderr that it applies a tape's gradients as they come.
+        self.said_tape = False
+
+    def from_tape(self, grad: Any) -> bool:
+        """Whether a ``DistributedGradientTape`` over this process set returned ``grad``."""
+        mark = reduced_over(grad)
+        return mark is not None and mark == self.process_set
+
+    def came_reduced(self, grad: Any, variable: Any) -> bool:
+        """Whether ``grad`` (of ``variable``) is reduced over this process set already: a
+        ``DistributedGradientTape`` returned it, or, accumulated, the passes' gradients."""
+        if grad is None:
+            return False
+        if self.from_tape(grad):
+            return True
+        return (
+            bool(self.presented)
+            and variable is not None
+            and (variable_key(variable) in self.presented)
+        )
 
     def reduce(self, grads: list[Any], variables: Sequence[Any]) -> list[Any]:
         """The gradients reduced over the ranks, but local variables' (scaled only)."""
@@ -278,7 +309,37 @@ def _reduce_unless_elsewhere(self: Any, grads: list[Any], variables: list[Any]) 
     settings = self._hvd_settings
     if _elsewhere(settings, variables):
         return grads
-    return settings.reduce(grads, variables)
+    pairs = enumerate(zip(grads, variables, strict=True))
+    done = {i for i, (g, v) in pairs if settings.came_reduced(g, v)}
+    if not done:
+        return settings.reduce(grads, variables)
+    if not settings.said_tape:
+        settings.said_tape = True
+        sys.stderr.write(
+            "hvd.DistributedOptimizer: gradients of a DistributedGradientTape are reduced "
+            "over the processes already; they are applied as they come\n"
+        )
+    rest = [i for i in range(len(grads)) if i not in done]
+    result = list(grads)
+    if settings.local_scale != 1.0:  # (accumulated by Keras 3: their average, times k)
+        rescale = _scaled_tf if not settings.bridge.is_torch else _scaled_torch
+        for i in done:
+            result[i] = rescale(grads[i], settings.local_scale)
+    if rest:
+        reduced = settings.reduce([grads[i] for i in rest], [variables[i] for i in rest])
+        for i, value in zip(rest, reduced, strict=True):
+            result[i] = value
+    return result
+
+
+def _presenting(settings: _Settings, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+    """Records, for one step that accumulates, which variables' gradients came reduced by a
+    ``DistributedGradientTape`` (the accumulated ones reach the reduction as new tensors)."""
+    settings.presented = {
+        variable_key(v)
+        for g, v in zip(grads, variables, strict=False)  # (a mismatch is Keras's to report)
+        if v is not None and settings.from_tape(g)
+    }
 
 
 def _elsewhere(settings: _Settings, variables: list[Any]) -> str:
@@ -335,6 +396,21 @@ def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
     return super(type(self), self).apply(reduced, trainable_variables)
 
 
+def _apply_accumulating(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+    grads = list(grads)
+    settings = self._hvd_settings
+    variables = (
+        trainable_variables
+        if trainable_variables is not None
+        else (getattr(self, "_trainable_variables", None) or [None] * len(grads))
+    )
+    _presenting(settings, grads, list(variables))
+    try:
+        return super(type(self), self).apply(grads, trainable_variables)
+    finally:
+        settings.presented = set()
+
+
 def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
     reduced = _reduce_unless_elsewhere(self, list(grads), list(trainable_variables))
     return super(type(self), self)._backend_update_step(reduced, trainable_variables, learning_rate)
@@ -348,7 +424,12 @@ def _legacy_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs
     if aggregation is None:
         grads = _reduce_unless_elsewhere(self, grads, variables)
     else:
-        grads = aggregation.compute_gradients(grads, variables)
+        settings = self._hvd_settings
+        _presenting(settings, grads, variables)
+        try:
+            grads = aggregation.compute_gradients(grads, variables)
+        finally:
+            settings.presented = set()
     merged = list(zip(grads, variables, strict=True))
 
     def apply() -> Any:

@@ -14,6 +14,7 @@ from collectives.common import (
     ReduceOp,
     global_process_set,
     layer_variables,
+    mark_reduced,
     variable_key,
 )
 from collectives.tensorflow import mpi_ops
@@ -224,6 +225,8 @@ class DistributedGradientTape:
         flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(grads, expand_composites=False)
         reduced = self._reducer.reduce(flat, flat_sources, use_generic_names)
+        if self.process_set.included():  # (a DistributedOptimizer applies them as they come)
+            mark_reduced(reduced, self.process_set)
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
 
     def get_local_and_global_gradients(

@@ -1,7 +1,8 @@
 """collectives.keras on real jobs: ``model.fit`` leaves identical weights on every rank and
 averaged metrics in the logs, the warmup's learning rates, ops on values, accumulated
 gradients against Horovod's algorithm (local layers, inf, sparse as dense),
-SyncBatchNormalization against BatchNormalization on the whole batch, and load_model, on
+SyncBatchNormalization against BatchNormalization on the whole batch, a
+DistributedGradientTape's gradients reduced once through the optimizer, and load_model, on
 Keras 3's TensorFlow and torch backends and on tf_keras (workers/keras_worker.py); and
 tf_keras in a TF1 session (workers/keras_tf1_worker.py)."""
 
@@ -14,14 +15,16 @@ import pytest
 from tests.collectives.conftest import assert_all_ok, run_hvdrun
 
 WORKERS = Path(__file__).parent / "workers"
+#: A DistributedGradientTape's gradients through a DistributedOptimizer (TensorFlow).
+TAPE = ["tape.reduced_once", "tape.plain_reduced", "tape.traced_once", "tape.accumulated"]
 
 
 @pytest.mark.parametrize(
     "env, checks",
     [
-        ({"KERAS_BACKEND": "tensorflow"}, []),
+        ({"KERAS_BACKEND": "tensorflow"}, TAPE),
         ({"KERAS_BACKEND": "torch"}, ["ddp.not_reduced_twice"]),
-        ({"TF_USE_LEGACY_KERAS": "1"}, []),
+        ({"TF_USE_LEGACY_KERAS": "1"}, TAPE),
     ],
     ids=["keras3-tensorflow", "keras3-torch", "tf_keras"],
 )
@@ -52,6 +55,8 @@ def test_keras_fit_callbacks_and_optimizer(env: dict[str, str], checks: list[str
             *checks,
         ],
     )
+    if checks is TAPE:  # (the optimizer says why it leaves the tape's gradients alone)
+        assert "gradients of a DistributedGradientTape are reduced" in output
 
 
 def test_tf_keras_in_a_tf1_session() -> None:

@@ -8,8 +8,8 @@ the learning rates Horovod's formula gives. Then: the ops on values, ``backward_
 against Horovod's algorithm (summed or averaged, local layers scaled or not, an inf
 gradient, sparse gradients as dense), ``PartialDistributedOptimizer`` and the broadcast
 callback's ``local_variables``, ``SyncBatchNormalization`` against BatchNormalization on the
-whole batch, a model in torch's DistributedDataParallel (its gradients not reduced twice),
-``load_model``.
+whole batch, a model in torch's DistributedDataParallel and a ``DistributedGradientTape``
+(their gradients not reduced twice), ``load_model``.
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ def main() -> None:
     c.expect("ops.broadcast", hvd.broadcast(np.arange(3) + r, n - 1).tolist() == [n - 1, n, n + 1])
 
     accumulation(c, r, n)
+    if not hvd._bridge.is_torch:
+        tape_and_optimizer(c, r, n)
     sync_batch_norm(c, r, n)
 
     # a model that torch's DistributedDataParallel wraps (Keras's recipe on torch): its
@@ -322,6 +324,51 @@ def accumulation(c: Checks, r: int, n: int) -> None:
         table[row] -= LR * 2 * (table[row] - (r + p + 1)) / n
     got_table = np.asarray(embedding.get_weights()[0]).ravel()
     c.expect("sparse.local_scaled", np.allclose(got_table, table), (got_table, table))
+
+
+def tape_and_optimizer(c: Checks, r: int, n: int) -> None:
+    """A DistributedGradientTape's gradients given to a DistributedOptimizer are reduced
+    once (op=Sum would show a second reduction as a factor of the size), eagerly, in a
+    tf.function and accumulated over two passes; a plain tape's are still reduced."""
+    import tensorflow as tf
+
+    import collectives.tensorflow as hvd_tf
+
+    total = n * (n + 1) / 2  # the sum over the ranks of each rank's gradient, r + 1
+    layer = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
+    layer.build((None, 1))
+    variables = layer.trainable_variables
+    x = tf.constant([[float(r + 1)]])
+
+    def grads(distributed: bool) -> list[object]:
+        with tf.GradientTape() as raw:
+            loss = tf.reduce_sum(layer(x))  # d/dw = r + 1
+        tape = hvd_tf.DistributedGradientTape(raw, op=hvd.Sum) if distributed else raw
+        return tape.gradient(loss, variables)
+
+    def kernel() -> float:
+        return float(np.asarray(layer.get_weights()[0]).ravel()[0])
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Sum)
+    opt.apply_gradients(zip(grads(True), variables, strict=True))
+    c.expect("tape.reduced_once", np.isclose(kernel(), -total), (kernel(), -total))
+    opt.apply_gradients(zip(grads(False), variables, strict=True))
+    c.expect("tape.plain_reduced", np.isclose(kernel(), -2 * total), (kernel(), -2 * total))
+
+    @tf.function
+    def step() -> None:
+        opt.apply_gradients(zip(grads(True), variables, strict=True))
+
+    step()
+    c.expect("tape.traced_once", np.isclose(kernel(), -3 * total), (kernel(), -3 * total))
+    # two passes summed (Horovod's default), each pass's gradients reduced by the tape
+    layer.set_weights([np.zeros((1, 1), np.float32)])
+    accumulating = hvd.DistributedOptimizer(
+        keras.optimizers.SGD(1.0), op=hvd.Sum, backward_passes_per_step=2
+    )
+    for _ in range(2):
+        accumulating.apply_gradients(zip(grads(True), variables, strict=True))
+    c.expect("tape.accumulated", np.isclose(kernel(), -2 * total), (kernel(), -2 * total))
 
 
 def sync_batch_norm(c: Checks, r: int, n: int) -> None:
