@@ -10,8 +10,10 @@ working): it is re-classed as a subclass of its class whose gradient step reduce
   ``gradient_accumulation_steps``) and reduces only the accumulated ones, every k-th step:
   their average with ``average_aggregated_gradients=True``, else their sum (Horovod's
   default).
-* **Keras 2** (``tf_keras``): ``apply_gradients`` reduces first; ``backward_passes_per_step``
-  accumulates with Horovod's algorithm (:mod:`collectives.tensorflow.gradient_aggregation`).
+* **Keras 2** (``tf_keras``): the optimizer's aggregation of gradients over replicas
+  (which ``apply_gradients`` and the ``LossScaleOptimizer`` of mixed precision run) reduces
+  them first; ``backward_passes_per_step`` accumulates with Horovod's algorithm
+  (:mod:`collectives.tensorflow.gradient_aggregation`) in ``apply_gradients``.
 
 Variables registered as local (``register_local_var``, or the local layers of
 ``PartialDistributedOptimizer``) keep each rank's own gradient, divided by the process set's
@@ -84,21 +86,23 @@ def create_distributed_optimizer(
         settings.local.add(variable_key(variable))
     base = type(optimizer)
     methods: dict[str, Any] = {"register_local_var": _register_local_var}
-    if bridge.legacy:
-        methods["apply_gradients"] = _legacy_apply_gradients
-        if backward_passes_per_step != 1:
-            from collectives.tensorflow.gradient_aggregation import (
-                LocalGradientAggregationHelper,
-            )
+    if bridge.legacy and backward_passes_per_step == 1:
+        # (tf_keras's optimizers aggregate the gradients over replicas in this method; its
+        # LossScaleOptimizer calls it before it tests the gradients for overflow)
+        aggregate = "aggregate_gradients" if hasattr(base, "aggregate_gradients") else None
+        methods[aggregate or "_aggregate_gradients"] = _aggregating(
+            aggregate or "_aggregate_gradients"
+        )
+    elif bridge.legacy:
+        from collectives.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 
-            settings.aggregation = LocalGradientAggregationHelper(
-                backward_passes_per_step,
-                lambda grads, variables: _reduce_unless_elsewhere(
-                    optimizer, grads, list(variables)
-                ),
-                sparse_as_dense,
-                average_aggregated_gradients,
-            )
+        methods["apply_gradients"] = _legacy_apply_gradients
+        settings.aggregation = LocalGradientAggregationHelper(
+            backward_passes_per_step,
+            lambda grads, variables: _reduce_unless_elsewhere(optimizer, grads, list(variables)),
+            sparse_as_dense,
+            average_aggregated_gradients,
+        )
     elif backward_passes_per_step == 1:
         methods["apply"] = _apply
     else:
@@ -416,23 +420,39 @@ def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate:
     return super(type(self), self)._backend_update_step(reduced, trainable_variables, learning_rate)
 
 
+def _aggregating(name: str) -> Any:
+    """tf_keras's gradient aggregation (the method ``name``) preceded by the reduction over
+    the ranks. ``apply_gradients`` runs it unless told the gradients are aggregated
+    already; tf_keras's ``LossScaleOptimizer`` runs it before its overflow test, so every
+    rank tests the same reduced gradients and skips the same steps."""
+
+    def aggregate(self: Any, grads_and_vars: Any) -> Any:
+        pairs = list(grads_and_vars)
+        variables = [v for _, v in pairs]
+        reduced = _reduce_unless_elsewhere(self, [g for g, _ in pairs], variables)
+        merged = list(zip(reduced, variables, strict=True))
+        return getattr(super(type(self), self), name)(merged)
+
+    aggregate.__name__ = name
+    return aggregate
+
+
 def _legacy_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+    """tf_keras with ``backward_passes_per_step``: Horovod's algorithm accumulates and
+    reduces every k-th pass, and applies then."""
     pairs = list(grads_and_vars)
     grads = [g for g, _ in pairs]
     variables = [v for _, v in pairs]
     aggregation = self._hvd_settings.aggregation
-    if aggregation is None:
-        grads = _reduce_unless_elsewhere(self, grads, variables)
-    else:
-        settings = self._hvd_settings
-        _presenting(settings, grads, variables)
-        try:
-            grads = aggregation.compute_gradients(grads, variables)
-        finally:
-            settings.presented = set()
+    settings = self._hvd_settings
+    _presenting(settings, grads, variables)
+    try:
+        grads = aggregation.compute_gradients(grads, variables)
+    finally:
+        settings.presented = set()
     merged = list(zip(grads, variables, strict=True))
 
     def apply() -> Any:
         return super(type(self), self).apply_gradients(merged, *args, **kwargs)
 
-    return apply() if aggregation is None else aggregation.apply_gradients(apply, self)
+    return aggregation.apply_gradients(apply, self)
