@@ -94,6 +94,10 @@ class MetricAverageCallback(KerasCallback):
             return
         for metric in sorted(logs):
             value = logs[metric]
+            name = f"metric.{epoch}.{metric}"
+            if value is None:  # (no value on this rank: the others' average, or None)
+                logs[metric] = _average_number(None, name)
+                continue
             try:  # a number, or an array (a per-class metric such as F1Score(average=None))
                 array = np.asarray(value, dtype=np.float64)
             except (TypeError, ValueError):
@@ -101,15 +105,22 @@ class MetricAverageCallback(KerasCallback):
                     array = np.asarray(float(value))
                 except (TypeError, ValueError):
                     continue
-            averaged = _bridge.allreduce_value(
-                array, ReduceOp.AVERAGE, f"metric.{epoch}.{metric}", global_process_set
-            )
             if array.ndim == 0:
-                logs[metric] = float(averaged)
-            elif isinstance(value, np.ndarray) and value.dtype.kind == "f":
+                logs[metric] = _average_number(float(array), name)
+                continue
+            averaged = _bridge.allreduce_value(array, ReduceOp.AVERAGE, name, global_process_set)
+            if isinstance(value, np.ndarray) and value.dtype.kind == "f":
                 logs[metric] = averaged.astype(value.dtype)
             else:
                 logs[metric] = averaged
+
+
+def _average_number(value: float | None, name: str) -> float | None:
+    """A metric's number averaged over the ranks that have one (a metric that is None on a
+    rank counts there for nothing; None where no rank has a number)."""
+    here = np.array([0.0, 0.0] if value is None else [value, 1.0])
+    total, count = _bridge.allreduce_value(here, ReduceOp.SUM, name, global_process_set)
+    return float(total / count) if count else None
 
 
 def _get(optimizer: Any, attr: str) -> float:

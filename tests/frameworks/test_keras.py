@@ -40,6 +40,7 @@ def test_keras_fit_callbacks_and_optimizer(env: dict[str, str], checks: list[str
             "fit.warmup_rates",
             "fit.momentum_corrected",
             "fit.vector_metric_averaged",
+            "fit.none_metric",
             "ops.allgather",
             "accumulate.sum.partial",
             "accumulate.average.local",

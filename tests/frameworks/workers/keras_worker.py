@@ -159,12 +159,14 @@ def momentum_correction(c: Checks, r: int, n: int) -> None:
 
 def vector_metric(c: Checks, r: int, n: int) -> None:
     """A metric whose value is an array (F1Score(average=None) logs one per class) is
-    averaged over the ranks too, element by element."""
+    averaged over the ranks too, element by element; a None counts for nothing."""
 
     class PerClass(keras.callbacks.Callback):
         def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
             assert logs is not None
             logs["per_class"] = np.array([r, 10 * r], "float32")
+            logs["not_on_rank_0"] = None if r == 0 else float(r)
+            logs["on_no_rank"] = None
 
     seen: list[object] = []
 
@@ -172,6 +174,7 @@ def vector_metric(c: Checks, r: int, n: int) -> None:
         def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
             assert logs is not None
             seen.append(logs["per_class"])
+            seen.append((logs["not_on_rank_0"], logs["on_no_rank"]))
 
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
@@ -179,6 +182,8 @@ def vector_metric(c: Checks, r: int, n: int) -> None:
     model.fit(np.ones((2, 1)), np.ones((2, 1)), verbose=0, callbacks=callbacks)
     mean = (n - 1) / 2
     c.expect("fit.vector_metric_averaged", np.allclose(seen[0], [mean, 10 * mean]), seen)
+    # None: no value on that rank (the average of the ranks that have one, or None)
+    c.expect("fit.none_metric", seen[1] == (n / 2, None), seen)
 
 
 LR = 0.25
