@@ -32,7 +32,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
-from launcher.agent.workers import Emit, HostAgent
+from launcher.agent.workers import Emit, HostAgent, adopt_orphans
 from launcher.spec.environment import worker_base_env
 from launcher.transport.hostinfo import installed_versions
 from launcher.transport.protocol import (
@@ -310,6 +310,7 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
         env.get("OMP_NUM_THREADS"),
     )
     relay = start_relay(spec, env)
+    adopt_orphans()
     try:
         agent = HostAgent(spec, env, emit)
         agent.start(stop=control.stop)
@@ -323,6 +324,7 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
             reason = control.reason or "hvdrun stopped reading"
             note(f"stopping workers: {reason}")
             agent.terminate(hurry=lambda: control.kill)  # (no grace once asked to kill)
+        agent.end_adopted()
     finally:
         if relay is not None:
             relay.stop()

@@ -6,6 +6,12 @@ whole. Stopping sends SIGTERM (then SIGCONT, for a stopped one) to every worker'
 to every process of its tree (children may have left the group), then SIGKILL after the
 grace period.
 
+The agent is the subreaper of the workers' descendants (Linux): a process whose parent
+exits is re-parented to the agent, not to init. A worker's child that left its process group
+(``setsid``, a double fork) and outlives the worker is found so, among the agent's children,
+and killed once the host's workers have all exited or been stopped; one that exits earlier is
+reaped.
+
 A worker that stops running (SIGSTOP, SIGTSTP, a debugger that attached and holds it) is
 reported as :class:`Stopped`, and as :class:`Continued` when it runs again: its peers'
 collectives time out waiting for it, and hvdrun names it, not them, as the cause. The state
@@ -16,6 +22,7 @@ agent); the stopping signal from ``waitid(WSTOPPED | WNOWAIT)``, which consumes 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -42,6 +49,20 @@ Emit = Callable[[AgentEvent], None]
 READ_CHUNK = 65536
 #: How often the agent looks for workers that were stopped or continued.
 STOP_CHECK_INTERVAL = 0.5
+#: How often it reaps the adopted processes that exited (a look at the whole process table).
+REAP_INTERVAL = 5.0
+#: prctl(2)'s option that makes a process the subreaper of its descendants.
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def adopt_orphans() -> bool:
+    """Makes this process the subreaper of its descendants (Linux; False elsewhere, or where
+    it is refused): a descendant whose parent exits is re-parented here."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _same_state(now: Stopped | None, before: Stopped | None) -> bool:
@@ -150,6 +171,7 @@ class HostAgent:
         self._lock = threading.Lock()
         self._terminating = False
         self._next_stop_check = 0.0
+        self._next_reap = 0.0
 
     def start(self, stop: threading.Event | None = None) -> None:
         """Starts the workers in turn; once ``stop`` is set (hvdrun asked, or a signal came)
@@ -198,6 +220,41 @@ class HostAgent:
                 continue
             worker.reported_stop = stop
             self._emit(stop if stop is not None else Continued(worker.rank))
+        if now >= self._next_reap:  # (the workers are all started: none is taken for adopted)
+            self._next_reap = now + REAP_INTERVAL
+            self._reap(self.adopted())
+
+    def adopted(self) -> list[psutil.Process]:
+        """The agent's children that are not its workers: descendants of the workers whose
+        parents exited (see the module's docstring)."""
+        with self._lock:
+            workers = {worker.proc.pid for worker in self.workers}
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return []
+        return [child for child in children if child.pid not in workers]
+
+    def end_adopted(self) -> None:
+        """Kills what the host's workers left running outside their process groups (the
+        adopted processes and their descendants), once every worker has exited."""
+        adopted = self.adopted()
+        if not adopted:
+            return
+        for tree in _process_trees([proc.pid for proc in adopted]):
+            for proc in tree:
+                with contextlib.suppress(psutil.Error, OSError):
+                    proc.kill()
+        _wait_gone(adopted, 5.0)
+        self._reap(adopted)
+
+    @staticmethod
+    def _reap(procs: list[psutil.Process]) -> None:
+        """Reaps those of ``procs`` (children of the agent, not workers) that exited."""
+        for proc in procs:
+            with contextlib.suppress(psutil.Error, OSError):
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(proc.pid, os.WNOHANG)
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once every started worker has exited and been reported."""
