@@ -86,13 +86,17 @@ def create_distributed_optimizer(
         settings.local.add(variable_key(variable))
     base = type(optimizer)
     methods: dict[str, Any] = {"register_local_var": _register_local_var}
-    if bridge.legacy and backward_passes_per_step == 1:
+    if bridge.legacy and backward_passes_per_step == 1 and not hasattr(base, "inner_optimizer"):
         # (tf_keras's optimizers aggregate the gradients over replicas in this method; its
-        # LossScaleOptimizer calls it before it tests the gradients for overflow)
+        # LossScaleOptimizer calls its inner optimizer's before it tests them for overflow)
         aggregate = "aggregate_gradients" if hasattr(base, "aggregate_gradients") else None
         methods[aggregate or "_aggregate_gradients"] = _aggregating(
             aggregate or "_aggregate_gradients"
         )
+    elif bridge.legacy and backward_passes_per_step == 1:
+        # a LossScaleOptimizer wrapped itself: it calls its inner optimizer's aggregation,
+        # not its own, so its apply_gradients reduces, before its own overflow test
+        methods["apply_gradients"] = _reducing_apply_gradients
     elif bridge.legacy:
         from collectives.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 
@@ -435,6 +439,14 @@ def _aggregating(name: str) -> Any:
 
     aggregate.__name__ = name
     return aggregate
+
+
+def _reducing_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+    pairs = list(grads_and_vars)
+    variables = [v for _, v in pairs]
+    reduced = _reduce_unless_elsewhere(self, [g for g, _ in pairs], variables)
+    merged = list(zip(reduced, variables, strict=True))
+    return super(type(self), self).apply_gradients(merged, *args, **kwargs)
 
 
 def _legacy_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:

@@ -35,7 +35,10 @@ def main() -> None:
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
     # (tf_keras's optimizers of TF 2.11 on, or its OptimizerV2 ones in optimizers.legacy)
     sgd = keras.optimizers.legacy.SGD if os.environ.get("OPTIMIZER_V2") else keras.optimizers.SGD
-    model.compile(hvd.DistributedOptimizer(sgd(0.01)), "mse")
+    inner = sgd(0.01)
+    if os.environ.get("OWN_LOSS_SCALE"):  # (a LossScaleOptimizer made by the script, wrapped)
+        inner = keras.mixed_precision.LossScaleOptimizer(inner)
+    model.compile(hvd.DistributedOptimizer(inner), "mse")
     # (small values: no gradient overflows float16 at the initial scale 2**15 but rank 1's
     # first batch's)
     x = np.random.default_rng(r).normal(size=(32, 4)).astype("float32") * 0.01
