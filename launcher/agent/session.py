@@ -310,9 +310,9 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
         env.get("OMP_NUM_THREADS"),
     )
     relay = start_relay(spec, env)
-    adopt_orphans()
+    adopting = adopt_orphans()
     try:
-        agent = HostAgent(spec, env, emit)
+        agent = HostAgent(spec, env, emit, adopting)
         agent.start(stop=control.stop)
         while not control.stop.is_set() and not emit.broken.is_set():
             while control.forward:
@@ -320,11 +320,13 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
             agent.check_stops()
             if agent.wait(timeout=0.1):
                 break
-        if control.stop.is_set() or emit.broken.is_set():
+        stopped = control.stop.is_set() or emit.broken.is_set()
+        if stopped:
             reason = control.reason or "hvdrun stopped reading"
             note(f"stopping workers: {reason}")
             agent.terminate(hurry=lambda: control.kill)  # (no grace once asked to kill)
-        agent.end_adopted()
+        # (stopped: they had their SIGTERM and grace with the workers)
+        agent.end_adopted(0.0 if stopped or control.kill else spec.term_grace)
     finally:
         if relay is not None:
             relay.stop()

@@ -8,9 +8,9 @@ grace period.
 
 The agent is the subreaper of the workers' descendants (Linux): a process whose parent
 exits is re-parented to the agent, not to init. A worker's child that left its process group
-(``setsid``, a double fork) and outlives the worker is found so, among the agent's children,
-and killed once the host's workers have all exited or been stopped; one that exits earlier is
-reaped.
+(``setsid``, a double fork) and outlives the worker is found so, among the agent's children:
+it gets SIGTERM with the workers when they are stopped, or once they have all exited, and
+SIGKILL after the grace period; one that exits earlier is reaped.
 
 A worker that stops running (SIGSTOP, SIGTSTP, a debugger that attached and holds it) is
 reported as :class:`Stopped`, and as :class:`Continued` when it runs again: its peers'
@@ -51,6 +51,8 @@ READ_CHUNK = 65536
 STOP_CHECK_INTERVAL = 0.5
 #: How often it reaps the adopted processes that exited (a look at the whole process table).
 REAP_INTERVAL = 5.0
+#: How long the agent keeps killing what the workers left outside their process groups.
+ADOPTED_KILL_S = 2.0
 #: prctl(2)'s option that makes a process the subreaper of its descendants.
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -163,8 +165,13 @@ class Worker:
 class HostAgent:
     """Starts one host's workers and stops them all on request."""
 
-    def __init__(self, spec: AgentSpec, base_env: Mapping[str, str], emit: Emit) -> None:
+    def __init__(
+        self, spec: AgentSpec, base_env: Mapping[str, str], emit: Emit, adopting: bool = False
+    ) -> None:
         self.spec = spec
+        #: Whether this process is the subreaper of the workers' descendants
+        #: (:func:`adopt_orphans`): only then are its other children theirs.
+        self.adopting = adopting
         self.base_env = dict(base_env)
         self._emit = emit
         self.workers: list[Worker] = []
@@ -226,27 +233,44 @@ class HostAgent:
 
     def adopted(self) -> list[psutil.Process]:
         """The agent's children that are not its workers: descendants of the workers whose
-        parents exited (see the module's docstring)."""
+        parents exited (see the module's docstring). Nothing where the agent is no
+        subreaper (its children are then its workers alone). A worker counts until it is
+        reaped: its pid may be another process's afterwards."""
+        if not self.adopting:
+            return []
         with self._lock:
-            workers = {worker.proc.pid for worker in self.workers}
+            workers = {w.proc.pid for w in self.workers if w.proc.returncode is None}
         try:
             children = psutil.Process().children()
         except psutil.Error:
             return []
         return [child for child in children if child.pid not in workers]
 
-    def end_adopted(self) -> None:
-        """Kills what the host's workers left running outside their process groups (the
-        adopted processes and their descendants), once every worker has exited."""
+    def end_adopted(self, grace: float) -> None:
+        """Ends what the host's workers left running outside their process groups (the
+        adopted processes and their descendants): SIGTERM (and SIGCONT), SIGKILL after
+        ``grace`` seconds, again for what they fork meanwhile or leave behind (their
+        children are adopted in turn), reaping all, for at most ``ADOPTED_KILL_S`` more."""
         adopted = self.adopted()
-        if not adopted:
-            return
-        for tree in _process_trees([proc.pid for proc in adopted]):
-            for proc in tree:
-                with contextlib.suppress(psutil.Error, OSError):
-                    proc.kill()
-        _wait_gone(adopted, 5.0)
-        self._reap(adopted)
+        if grace > 0 and adopted:
+            tree = [proc for t in _process_trees([p.pid for p in adopted]) for proc in t]
+            for signum in (signal.SIGTERM, signal.SIGCONT):
+                for proc in tree:
+                    with contextlib.suppress(psutil.Error, OSError):
+                        proc.send_signal(signum)
+            _wait_gone(tree, grace)
+        deadline = time.monotonic() + ADOPTED_KILL_S
+        while adopted:
+            self._reap(adopted)
+            live = [proc for proc in adopted if _running(proc)]
+            if not live or time.monotonic() > deadline:
+                return
+            for tree in _process_trees([proc.pid for proc in live]):
+                for proc in tree:
+                    with contextlib.suppress(psutil.Error, OSError):
+                        proc.kill()
+            time.sleep(0.02)
+            adopted = self.adopted()
 
     @staticmethod
     def _reap(procs: list[psutil.Process]) -> None:
@@ -271,13 +295,18 @@ class HostAgent:
             self._terminating = True
             workers = list(self.workers)
         trees = _process_trees([worker.proc.pid for worker in workers])
+        adopted = _process_trees([proc.pid for proc in self.adopted()])
         for worker, tree in zip(workers, trees, strict=False):
             signal_tree(worker.proc.pid, tree, signal.SIGTERM)
             # A stopped process (SIGSTOP, Ctrl-Z, a hung debugger session) keeps a SIGTERM
             # pending until it runs again: continued, it exits or runs its handler now,
             # instead of being SIGKILLed after the grace period (mpirun and Slurm do too).
             signal_tree(worker.proc.pid, tree, signal.SIGCONT)
-        procs = [proc for tree in trees for proc in tree]
+        for signum in (signal.SIGTERM, signal.SIGCONT):  # (what the workers left: the same)
+            for proc in (proc for tree in adopted for proc in tree):
+                with contextlib.suppress(psutil.Error, OSError):
+                    proc.send_signal(signum)
+        procs = [proc for tree in trees + adopted for proc in tree]
         alive = _wait_gone(procs, grace, hurry)
         for worker, tree in zip(workers, trees, strict=False):
             signal_tree(worker.proc.pid, [p for p in tree if p in alive], signal.SIGKILL)

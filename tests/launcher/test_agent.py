@@ -7,10 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
+from launcher.agent.workers import REAP_INTERVAL
 from launcher.transport.protocol import (
     PROTOCOL_VERSION,
     AgentSpec,
@@ -327,4 +330,36 @@ def test_a_stopped_worker_is_continued_to_run_its_sigterm_handler() -> None:
     assert {"ev": "exit", "rank": 0, "code": 143} in events, events
     assert any(event.get("data") == "handler ran" for event in events), events
     assert time.monotonic() - start < 15
+    agent.close()
+
+
+def test_what_a_worker_left_outside_its_process_group_ends_with_the_host_s_workers(
+    tmp_path: Path,
+) -> None:
+    # A child in a session of its own outlives its worker's process group; the agent adopts
+    # it and stops it (SIGTERM first) once the host's workers have exited. A grandchild
+    # whose parent exits meanwhile is adopted too, and reaped when it exits (no zombie).
+    agent = Agent()
+    agent.event()
+    said = tmp_path / "said"
+    kept = f"trap 'echo terminated > {said}; exit 0' TERM; while :; do sleep 0.1; done"
+    code = (
+        "import subprocess, time\n"
+        f"kept = subprocess.Popen(['sh', '-c', {kept!r}], start_new_session=True)\n"
+        "subprocess.run(['sh', '-c', 'sleep 0.3 & echo $!'])\n"
+        "print('kept', kept.pid, flush=True)\n"
+        f"time.sleep({REAP_INTERVAL + 2.5})\n"
+    )
+    agent.send(encode_request(RunRequest(spec(code))))
+    events = []
+    while not str(events[-1].get("data", "") if events else "").startswith("kept"):
+        events.append(agent.event())
+    short = int(next(e["data"] for e in events if str(e.get("data", "")).isdigit()))
+    kept_pid = int(str(events[-1]["data"]).split()[1])
+    time.sleep(REAP_INTERVAL + 1.0)  # (the short one exited and was reaped meanwhile)
+    assert not psutil.pid_exists(short)
+    events += agent.events_until_done()
+    assert {"ev": "exit", "rank": 0, "code": 0} in events
+    assert not psutil.pid_exists(kept_pid)  # (ended and reaped before the agent said done)
+    assert said.read_text() == "terminated\n"
     agent.close()
