@@ -6,9 +6,9 @@ whole and two ranks can never interleave inside one line. ``\\n``, ``\\r\\n`` an
 and a line longer than ``max_line`` bytes is cut into pieces rather than buffered forever.
 
 :class:`OutputSink` prints ``[rank]<stream>:line`` (optionally after Horovod's timestamp,
-with the prefix coloured per rank), copies each rank's lines, without prefix and each
-ended by ``\\n``, to ``DIR/rank.N/stdout|stderr`` with ``--output-filename DIR`` (so not a
-byte-exact copy of output that is not text; ``N`` zero-padded to the width
+with the prefix coloured per rank), copies each rank's lines, without prefix and with the
+terminators they had, to ``DIR/rank.N/stdout|stderr`` with ``--output-filename DIR`` (a
+byte-exact copy of the rank's stream, as mpirun's; ``N`` zero-padded to the width
 of the largest rank, as Horovod does, so that the directories sort in rank order), and
 keeps hvdrun's one-line status ("connected 3/4 hosts, 12/16 workers registered") at the
 bottom of a terminal.
@@ -23,13 +23,25 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 MAX_LINE = 64 * 1024
 
 
+class Piece(NamedTuple):
+    """A piece of a stream: a line's ``text``, and the ``end`` that followed it there
+    (``\\n``, ``\\r\\n``, ``\\r``, or nothing for a cut or unterminated line), so that the
+    pieces put back together are the stream's bytes. A ``\\n`` that completes the ``\\r``
+    ending the previous chunk comes alone, not ``shown`` (it ends no line of its own)."""
+
+    text: bytes
+    end: bytes = b"\n"
+    shown: bool = True
+
+
 class LineSplitter:
-    """Incremental splitter: ``feed(chunk)`` returns the complete lines, without terminators."""
+    """Incremental splitter: ``feed(chunk)`` returns the complete lines, without terminators
+    (``split(chunk)`` the pieces, terminators kept apart)."""
 
     def __init__(self, max_line: int = MAX_LINE) -> None:
         self._buf = bytearray()
@@ -37,10 +49,18 @@ class LineSplitter:
         self._skip_lf = False  # the last chunk ended in '\r'; a leading '\n' belongs to it
 
     def feed(self, chunk: bytes) -> list[bytes]:
+        return [piece.text for piece in self.split(chunk) if piece.shown]
+
+    def flush(self) -> list[bytes]:
+        """The unterminated tail at end of stream, if any."""
+        return [piece.text for piece in self.tail()]
+
+    def split(self, chunk: bytes) -> list[Piece]:
+        pieces: list[Piece] = []
         if self._skip_lf and chunk.startswith(b"\n"):
             chunk = chunk[1:]
+            pieces.append(Piece(b"", b"\n", shown=False))
         self._skip_lf = False
-        lines: list[bytes] = []
         start = 0
         n = len(chunk)
         while start < n:
@@ -50,27 +70,30 @@ class LineSplitter:
                 break
             end = lf if cr < 0 or (0 <= lf < cr) else cr
             self._buf += chunk[start:end]
-            lines.append(bytes(self._buf))
-            self._buf.clear()
             start = end + 1
+            terminator = b"\n"
             if chunk[end] == ord("\r"):
+                terminator = b"\r"
                 if start < n and chunk[start] == ord("\n"):
                     start += 1
+                    terminator = b"\r\n"
                 elif start == n:
                     self._skip_lf = True
+            pieces.append(Piece(bytes(self._buf), terminator))
+            self._buf.clear()
         self._buf += chunk[start:]
         while len(self._buf) >= self._max_line:
-            lines.append(bytes(self._buf[: self._max_line]))
+            pieces.append(Piece(bytes(self._buf[: self._max_line]), b""))
             del self._buf[: self._max_line]
-        return lines
+        return pieces
 
-    def flush(self) -> list[bytes]:
-        """The unterminated tail at end of stream, if any."""
+    def tail(self) -> list[Piece]:
+        """The unterminated tail at end of stream, if any, as a piece."""
         if not self._buf:
             return []
         tail = bytes(self._buf)
         self._buf.clear()
-        return [tail]
+        return [Piece(tail, b"")]
 
 
 #: Prefix colours (ANSI), one per rank in turn; red is left for hvdrun's own errors.
@@ -178,8 +201,18 @@ class OutputSink:
                         handle.stream.close()
             self._files.clear()
 
-    def line(self, rank: int, stream: str, text: bytes) -> None:
+    def line(
+        self, rank: int, stream: str, text: bytes, end: bytes = b"\n", shown: bool = True
+    ) -> None:
+        """A worker's line (a :class:`Piece` of its stream): printed with its prefix unless
+        not ``shown``; copied to the rank's ``--output-filename`` file with its own ``end``."""
         stream = "stderr" if stream == "stderr" else "stdout"
+        if not shown:
+            with self._lock:
+                handle = self._files.get((rank, stream))
+                if handle is not None:
+                    handle.write(end)
+            return
         out = self._streams[stream]
         prefix = b"[%d]<%s>:" % (rank, stream.encode())
         colour = self._options.colour_stderr if stream == "stderr" else self._options.colour_stdout
@@ -196,7 +229,7 @@ class OutputSink:
             out.write(prefix + text + b"\n")
             handle = self._files.get((rank, stream))
             if handle is not None:
-                handle.write(text + b"\n")
+                handle.write(text + end)
             self._draw_status()
 
     def message(self, text: str) -> None:

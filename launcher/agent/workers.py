@@ -119,9 +119,8 @@ class Worker:
                 chunk = os.read(fd, READ_CHUNK)
             except OSError:
                 chunk = b""
-            lines = splitter.feed(chunk) if chunk else splitter.flush()
-            for line in lines:
-                self._emit(Output(self.rank, stream, line))
+            for piece in splitter.split(chunk) if chunk else splitter.tail():
+                self._emit(Output(self.rank, stream, *piece))
             if not chunk:
                 pipe.close()
                 return

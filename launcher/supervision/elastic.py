@@ -334,8 +334,8 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                     # (an agent hvdrun stopped itself, the job ending, has not failed)
                     if host.state == "starting" and not (self.stopping or self.finishing):
                         self._fail_host(host, f"could not start its agent: {reason}")
-            case HostEvent(_, Output(rank, stream, data)):
-                self.sink.line(rank, stream, data)
+            case HostEvent(_, Output(rank, stream, data, end, shown)):
+                self.sink.line(rank, stream, data, end, shown)
             case HostEvent(name, event, source):
                 host = self.members.find_agent(name, source)
                 if host is None:

@@ -171,8 +171,8 @@ class Supervisor(Supervision[HostEvent]):
     def on_event(self, item: HostEvent) -> None:
         host, event = item.host, item.event
         match event:
-            case Output(rank, stream, data):
-                self.sink.line(rank, stream, data)
+            case Output(rank, stream, data, end, shown):
+                self.sink.line(rank, stream, data, end, shown)
             case Exit(rank, code, error):
                 self.record_exit(rank, code)
                 if error:

@@ -253,11 +253,14 @@ class Started:
 
 @dataclass(frozen=True)
 class Output:
-    """One whole line of a worker's stdout or stderr, without its terminator."""
+    """One whole line of a worker's stdout or stderr, and its terminator apart (a
+    :class:`launcher.output.Piece`)."""
 
     rank: int
     stream: str  # "stdout" or "stderr"
     data: bytes
+    end: bytes = b"\n"
+    shown: bool = True
 
 
 @dataclass(frozen=True)
@@ -324,8 +327,18 @@ def encode_event(event: AgentEvent) -> bytes:
             return encode({"ev": "prepared", "address": address, "port": port})
         case Started(rank, pid):
             return encode({"ev": "started", "rank": rank, "pid": pid})
-        case Output(rank, stream, data):
-            return encode({"ev": "out", "rank": rank, "stream": stream, "data": text_of(data)})
+        case Output(rank, stream, data, end, shown):
+            out: dict[str, Any] = {
+                "ev": "out",
+                "rank": rank,
+                "stream": stream,
+                "data": text_of(data),
+            }
+            if end != b"\n":
+                out["end"] = text_of(end)
+            if not shown:
+                out["shown"] = False
+            return encode(out)
         case Exit(rank, code, error):
             message: dict[str, Any] = {"ev": "exit", "rank": rank, "code": code}
             if error is not None:
@@ -368,7 +381,13 @@ _EVENT_DECODERS: dict[str, Callable[[dict[str, Any]], AgentEvent]] = {
     "network": lambda raw: Network(raw.get("ifname"), raw.get("address")),
     "prepared": lambda raw: Prepared(str(raw["address"]), int(raw["port"])),
     "started": lambda raw: Started(int(raw["rank"]), int(raw["pid"])),
-    "out": lambda raw: Output(int(raw["rank"]), str(raw["stream"]), bytes_of(raw["data"])),
+    "out": lambda raw: Output(
+        int(raw["rank"]),
+        str(raw["stream"]),
+        bytes_of(raw["data"]),
+        bytes_of(raw.get("end", "\n")),
+        bool(raw.get("shown", True)),
+    ),
     "exit": lambda raw: Exit(int(raw["rank"]), int(raw["code"]), raw.get("error")),
     "stopped": lambda raw: Stopped(
         int(raw["rank"]),

@@ -214,7 +214,8 @@ def test_output_files_timestamps_and_exports(tmp_path: Path) -> None:
         "-c",
         "import os, sys\n"
         "print('rank', os.environ['HVDRUN_RANK'], os.environ['EXTRA'], os.environ['HOME'])\n"
-        "print('oops', file=sys.stderr)",
+        "print('oops', file=sys.stderr, flush=True)\n"
+        "sys.stderr.buffer.write(b'10%\\r100%\\r\\n\\x01 binary\\x00\\nno newline')",
         env={"HOME": str(tmp_path)},
     )
     assert result.returncode == 0, result.stderr
@@ -222,7 +223,9 @@ def test_output_files_timestamps_and_exports(tmp_path: Path) -> None:
         # host-specific variables (HOME) of the local host are the caller's own
         expected = f"rank {rank} 1 {tmp_path}\n"
         assert (out_dir / f"rank.{rank}" / "stdout").read_text() == expected
-        assert (out_dir / f"rank.{rank}" / "stderr").read_text() == "oops\n"
+        # byte for byte, as the rank wrote it (progress bars' CRs, binary, no last newline)
+        said = b"oops\n10%\r100%\r\n\x01 binary\x00\nno newline"
+        assert (out_dir / f"rank.{rank}" / "stderr").read_bytes() == said
         stamp = r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
         assert re.search(rf"^{stamp}\[{rank}\]<stdout>:{expected}", result.stdout, re.M)
 

@@ -28,6 +28,25 @@ def test_carriage_returns_end_lines_and_crlf_is_one_terminator() -> None:
     assert split_all([b"x\r", b"\r", b"\n"]) == [b"x", b""]
 
 
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [b"10%\r20%\r", b"\ndone\r\n"],  # (a CR LF cut between two chunks)
+        [b"x\r", b"\r", b"\n", b"\n"],
+        [b"\xff\xfe binary\x00\n", b"abcdefghij", b"klm"],  # (cut lines, an unterminated tail)
+        [b"a\r\n\r\n\n\rb"],
+    ],
+)
+def test_the_pieces_put_back_together_are_the_stream(chunks: list[bytes]) -> None:
+    splitter = LineSplitter(4)
+    pieces = [piece for chunk in chunks for piece in splitter.split(chunk)] + splitter.tail()
+    assert b"".join(text + end for text, end, _ in pieces) == b"".join(chunks)
+    # the lines shown are those feed() returns
+    again = LineSplitter(4)
+    lines = [line for chunk in chunks for line in again.feed(chunk)] + again.flush()
+    assert [text for text, _, shown in pieces if shown] == lines
+
+
 def test_empty_lines_kept() -> None:
     assert split_all([b"\n\nz\n"]) == [b"", b"", b"z"]
 
@@ -92,6 +111,19 @@ def test_output_files_per_rank(tmp_path: Path) -> None:
     assert (tmp_path / "rank.1" / "stderr").read_bytes() == b"\xff raw bytes\n"
     assert (tmp_path / "rank.2" / "stdout").read_bytes() == b""  # every rank gets its files
     assert out.getvalue() == b"[1]<stdout>:one\n"  # and the terminal still gets the lines
+
+
+def test_output_files_keep_each_line_s_own_terminator(tmp_path: Path) -> None:
+    out = io.BytesIO()
+    sink = OutputSink(out, io.BytesIO(), options=OutputOptions(output_dir=str(tmp_path)))
+    sink.open_files([0])
+    sink.line(0, "stdout", b"50%", b"\r")
+    sink.line(0, "stdout", b"", b"\n", shown=False)  # (the LF of that CR, in the next chunk)
+    sink.line(0, "stdout", b"done", b"\r\n")
+    sink.line(0, "stdout", b"tail", b"")
+    sink.close()
+    assert (tmp_path / "rank.0" / "stdout").read_bytes() == b"50%\r\ndone\r\ntail"
+    assert out.getvalue() == b"[0]<stdout>:50%\n[0]<stdout>:done\n[0]<stdout>:tail\n"
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,14 @@ EVENT_LINES = [
         Output(0, "stderr", b"caf\xc3\xa9 \xff"),
         b'{"ev": "out", "rank": 0, "stream": "stderr", "data": "caf\\u00e9 \\udcff"}\n',
     ),
+    (  # (a progress bar's carriage return, kept for --output-filename's files)
+        Output(1, "stdout", b"50%", b"\r"),
+        b'{"ev": "out", "rank": 1, "stream": "stdout", "data": "50%", "end": "\\r"}\n',
+    ),
+    (
+        Output(1, "stdout", b"", b"\n", shown=False),
+        b'{"ev": "out", "rank": 1, "stream": "stdout", "data": "", "shown": false}\n',
+    ),
     (Exit(1, 137), b'{"ev": "exit", "rank": 1, "code": 137}\n'),
     (
         Exit(2, 127, "cannot run 'x'"),
