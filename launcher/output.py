@@ -3,7 +3,8 @@
 Splitting happens where the worker runs (in its host's agent), so a line always travels
 whole and two ranks can never interleave inside one line. ``\\n``, ``\\r\\n`` and a bare
 ``\\r`` (progress bars) each end a line; an unterminated tail is flushed at end of stream,
-and a line longer than ``max_line`` bytes is cut into pieces rather than buffered forever.
+and the part of a line that stays buffered across reads is cut every ``max_line`` bytes
+rather than buffered forever (a line within one read may be longer).
 
 :class:`OutputSink` prints ``[rank]<stream>:line`` (optionally after Horovod's timestamp,
 with the prefix coloured per rank), copies each rank's lines, without prefix and with the

@@ -23,7 +23,10 @@ The agent answers with one JSON event per line on stdout:
 
 * ``{"ev": "network", "ifname": IF, "address": A}`` - the interface facing the rendezvous
 * ``{"ev": "started", "rank": R, "pid": P}``
-* ``{"ev": "out", "rank": R, "stream": "stdout"|"stderr", "data": TEXT}`` - one whole line
+* ``{"ev": "out", "rank": R, "stream": "stdout"|"stderr", "data": TEXT, "end": T?,
+  "shown": false?}`` - one whole line (or a piece of one longer than 64 KiB), and the
+  terminator that followed it (``end``, when not ``\\n``; empty for a cut or an unterminated
+  line); ``shown: false`` marks a ``\\n`` that completes the ``\\r`` ending the previous piece
 * ``{"ev": "exit", "rank": R, "code": C, "error": MESSAGE?}`` - 128+N for signal N
 * ``{"ev": "stopped", "rank": R, "pid": P, "signum": N?, "traced": B?}`` - the worker is
   stopped: by signal N (SIGSTOP, SIGTSTP, ...), or held by a debugger (``traced``, ptrace)
@@ -40,7 +43,8 @@ In the code, requests and events are small dataclasses (:class:`RunRequest`, :cl
 and :func:`encode_event`/:func:`decode_event`; both sides dispatch on their types. An event
 of a kind this side does not know (a newer agent) decodes to None and is skipped: new
 kinds of events (``stopped``, ``continued``) need no new protocol version, and an older agent
-simply never sends them.
+simply never sends them. New fields whose absence an older side would misread do need one
+(protocol 3: the ``end`` and ``shown`` of ``out``).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: The signals hvdrun passes on to the workers, as mpirun does: a job's own (Slurm's
 #: ``--signal=USR1@60`` before its time limit, say). An agent that gets one itself passes
@@ -253,8 +257,8 @@ class Started:
 
 @dataclass(frozen=True)
 class Output:
-    """One whole line of a worker's stdout or stderr, and its terminator apart (a
-    :class:`launcher.output.Piece`)."""
+    """A line of a worker's stdout or stderr (a :class:`launcher.output.Piece`: a whole
+    line, a piece of a longer one, or a lone ``\\n`` not ``shown``), its terminator apart."""
 
     rank: int
     stream: str  # "stdout" or "stderr"
