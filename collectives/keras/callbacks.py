@@ -144,6 +144,13 @@ def _set(optimizer: Any, attr: str, value: float) -> None:
         setattr(optimizer, attr, value)
 
 
+def _with_momentum(optimizer: Any) -> Any:
+    """The optimizer that holds the momentum: a ``LossScaleOptimizer``'s inner one (Keras 3's
+    has no ``momentum`` of its own; mixed precision's ``model.compile`` makes one)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return inner if inner is not None and not hasattr(optimizer, "momentum") else optimizer
+
+
 def _scale_momentum_buffers(optimizer: Any, factor: float) -> None:
     """Momentum correction where the optimizer holds the momentum as a Python number (Keras
     3's optimizers, tf_keras's non-legacy ones): a compiled train step reads it once, when
@@ -223,6 +230,7 @@ class LearningRateScheduleCallback(KerasCallback):
         old = _get(optimizer, "learning_rate")
         new = self.initial_lr * self.multiplier(epoch)
         _set(optimizer, "learning_rate", new)
+        optimizer = _with_momentum(optimizer)
         if not (self.momentum_correction and hasattr(optimizer, "momentum") and old):
             return
         if hasattr(optimizer.momentum, "assign"):  # a tf_keras legacy optimizer's variable
@@ -252,7 +260,7 @@ class LearningRateScheduleCallback(KerasCallback):
 
     def on_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self.restore_momentum is not None:
-            _set(self.model.optimizer, "momentum", self.restore_momentum)
+            _set(_with_momentum(self.model.optimizer), "momentum", self.restore_momentum)
             self.restore_momentum = None
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

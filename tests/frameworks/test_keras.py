@@ -39,6 +39,7 @@ def test_keras_fit_callbacks_and_optimizer(env: dict[str, str], checks: list[str
             "fit.metrics_averaged",
             "fit.warmup_rates",
             "fit.momentum_corrected",
+            "fit.momentum_scaled_too",
             "fit.vector_metric_averaged",
             "fit.none_metric",
             "ops.allgather",

@@ -147,14 +147,20 @@ def momentum_correction(c: Checks, r: int, n: int) -> None:
                 factor, rate = momentum * new / rate, new
             buffer = factor * buffer - rate * grad
             w = w + buffer
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
-    model.layers[0].set_weights([w0])
-    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=momentum))
-    model.compile(optimizer=optimizer, loss="mse")
-    warm = hvd.callbacks.LearningRateWarmupCallback(lr, warmup_epochs=warmup)
-    model.fit(xs[r], ys[r], batch_size=4, epochs=epochs, shuffle=False, verbose=0, callbacks=[warm])
-    got = np.asarray(model.get_weights()[0], np.float64)
-    c.expect("fit.momentum_corrected", np.allclose(got, w, rtol=1e-4, atol=1e-5), (got, w))
+    # the same under a LossScaleOptimizer (mixed precision's): the momentum is its inner
+    # optimizer's (the scale, a power of two, leaves these float32 gradients as they are)
+    for check, scaled in (("fit.momentum_corrected", False), ("fit.momentum_scaled_too", True)):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+        model.layers[0].set_weights([w0])
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=momentum))
+        if scaled:
+            optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
+        model.compile(optimizer=optimizer, loss="mse")
+        warm = hvd.callbacks.LearningRateWarmupCallback(lr, warmup_epochs=warmup)
+        x, y = xs[r], ys[r]
+        model.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0, callbacks=[warm])
+        got = np.asarray(model.get_weights()[0], np.float64)
+        c.expect(check, np.allclose(got, w, rtol=1e-4, atol=1e-5), (got, w))
 
 
 def vector_metric(c: Checks, r: int, n: int) -> None:
