@@ -13,6 +13,7 @@ OUTPUT FILE...`` does the same for files gathered by hand (:mod:`hvdrun.timeline
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -102,12 +103,20 @@ class ReportFlags:
 def creatable_directory(path: str, option: str) -> None:
     """Creates the directory an option writes into (``--report-file``'s,
     ``--output-filename``, ``--timeline-filename``'s, ``--autotune-log-file``'s), before the
-    job starts; a usage error naming the option when it cannot be."""
+    job starts, and writes a file in it (removed at once: permissions do not tell root of a
+    read-only mount); a usage error naming the option when either cannot be done."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise click.BadParameter(
             f"cannot create {path}: {exc.strerror or exc}", param_hint=f"'{option}'"
+        ) from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".hvdrun-probe-"):
+            pass
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot write in {path}: {exc.strerror or exc}", param_hint=f"'{option}'"
         ) from None
 
 

@@ -172,3 +172,18 @@ def test_an_output_file_whose_directory_cannot_be_made_is_a_usage_error(
         f"invalid '{option}': cannot create",
         capsys,
     )
+
+
+@pytest.mark.parametrize(
+    "option", ["--report-file", "--timeline-filename", "--autotune-log-file", "--output-filename"]
+)
+def test_an_output_directory_that_exists_but_takes_no_file_is_a_usage_error(
+    option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # (/proc takes no new file, not even from root, whom permissions would not stop)
+    path = "/proc" if option == "--output-filename" else "/proc/out.json"
+    assert_usage_error(
+        [option, path, "--autotune", "-np", "1", "true"],
+        f"invalid '{option}': cannot write in /proc",
+        capsys,
+    )
