@@ -302,7 +302,9 @@ def cli(
     if report.merge_timelines is not None:
         return merge_command(report.merge_timelines, command)
     log_settings = LogSettings.take(tuning)
-    configure_logging(log_settings)
+    # (from hvdrun.run: the caller's own records stay the caller's)
+    in_process = click.get_current_context().find_object(FunctionCall) is not None
+    configure_logging(log_settings, in_process=in_process)
     compat = HorovodFlags.take(tuning)
     compat.adjust_tuning(tuning)
     dry_run = bool(tuning.pop("dry_run", False))

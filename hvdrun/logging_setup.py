@@ -114,9 +114,16 @@ class LogSettings:
 #: The loggers the flags set the level of; others (grpc, asyncio, paramiko) stay at WARNING.
 PACKAGES = ("hvdrun", "launcher", "rendezvous")
 
+#: In a caller's process (``hvdrun.run``): the loggers hvdrun's handler serves instead of
+#: the root logger's, so that the caller's own records stay the caller's.
+IN_PROCESS = (*PACKAGES, "paramiko", "grpc")
+
 #: The levels configure_logging replaced, by logger name (reset_logging restores them).
 _replaced_levels: dict[str, int] = {}
+#: The loggers whose propagation configure_logging turned off, and what it was.
+_replaced_propagation: dict[str, bool] = {}
 _handler: logging.Handler | None = None
+_served: tuple[str, ...] = ()
 
 
 def log_format(hide_timestamp: bool, who: str) -> logging.Formatter:
@@ -151,15 +158,21 @@ class _Plain(logging.Formatter):
         return f"{self.who}: {record.levelname.lower()}: {record.getMessage()}"
 
 
-def configure_logging(settings: LogSettings, who: str = "hvdrun") -> None:
+def configure_logging(settings: LogSettings, who: str = "hvdrun", in_process: bool = False) -> None:
     """Sends log records at the requested level to stderr; unless asked for, only warnings
-    and errors, worded as hvdrun's own messages."""
-    global _handler
-    root = logging.getLogger()
-    if _handler is not None:
-        root.removeHandler(_handler)
+    and errors, worded as hvdrun's own messages. In hvdrun's own process the root logger's
+    records (paramiko's, grpc's, asyncio's too); ``in_process`` (``hvdrun.run``), only
+    those of :data:`IN_PROCESS`, which then do not reach the caller's handlers."""
+    global _handler, _served
+    _remove_handler()
     _handler = _Stderr()
-    root.addHandler(_handler)
+    _served = IN_PROCESS if in_process else ("",)
+    for name in _served:
+        logger = logging.getLogger(name or None)
+        logger.addHandler(_handler)
+        if name:
+            _replaced_propagation.setdefault(name, logger.propagate)
+            logger.propagate = False
     if not settings.requested:
         _handler.setLevel(logging.WARNING)
         _handler.setFormatter(_Plain(who))
@@ -171,13 +184,21 @@ def configure_logging(settings: LogSettings, who: str = "hvdrun") -> None:
         logger.setLevel(settings.python_level())
 
 
+def _remove_handler() -> None:
+    global _handler, _served
+    if _handler is not None:
+        for name in _served:
+            logging.getLogger(name or None).removeHandler(_handler)
+    _handler, _served = None, ()
+
+
 def reset_logging() -> None:
     """Undoes :func:`configure_logging` (for in-process callers: ``hvdrun.run``, tests):
     its handler goes, and its packages' loggers get back the levels they had before."""
-    global _handler
-    if _handler is not None:
-        logging.getLogger().removeHandler(_handler)
-        _handler = None
+    _remove_handler()
     for name, level in _replaced_levels.items():
         logging.getLogger(name).setLevel(level)
     _replaced_levels.clear()
+    for name, propagate in _replaced_propagation.items():
+        logging.getLogger(name).propagate = propagate
+    _replaced_propagation.clear()

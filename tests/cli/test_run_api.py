@@ -177,6 +177,35 @@ def test_the_callers_logging_is_as_it_was_after_a_call(monkeypatch: pytest.Monke
     assert mine.level == logging.ERROR
 
 
+def test_during_a_call_the_callers_own_records_stay_the_callers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hvdrun.cli
+
+    seen: list[str] = []
+    collector = logging.Handler()
+    collector.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger().addHandler(collector)
+    refuse = hvdrun.cli.creatable_directory
+
+    def logging_then_refusing(path: str, option: str) -> None:  # (in the job's set-up)
+        logging.getLogger("caller.module").warning("from the caller")
+        logging.getLogger("launcher.somewhere").warning("from hvdrun")
+        refuse(path, option)
+
+    monkeypatch.setattr(hvdrun.cli, "creatable_directory", logging_then_refusing)
+    try:
+        with pytest.raises(ValueError, match="--output-filename"):
+            hvdrun.run(print, output_filename="/proc/no/such/dir")
+    finally:
+        logging.getLogger().removeHandler(collector)
+    err = capsys.readouterr().err
+    assert "hvdrun: warning: from hvdrun" in err
+    assert "from the caller" not in err  # (not worded as hvdrun's: the caller's handler has it)
+    assert seen == ["from the caller"]
+    assert logging.getLogger("launcher").propagate  # (as it was, after the call)
+
+
 def test_a_signal_while_the_hosts_start_stops_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
     import launcher.run
     from launcher.transport.startup import LaunchInterrupted
