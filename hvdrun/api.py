@@ -288,6 +288,7 @@ def _invoke(argv: list[str], call: FunctionCall) -> int:
 
     for stream in (sys.stdout, sys.stderr):
         _flush(stream)  # (what was written before comes first)
+    limit = _open_files_limit()
     try:
         code = cli.main(args=argv, prog_name="hvdrun", standalone_mode=False, obj=call)
     except click.UsageError as exc:
@@ -298,7 +299,30 @@ def _invoke(argv: list[str], call: FunctionCall) -> int:
         raise KeyboardInterrupt from None
     finally:
         reset_logging()  # (the CLI set logging up for the job: the caller's comes back)
+        _give_back_open_files_limit(limit)
     return code if isinstance(code, int) else 0
+
+
+def _open_files_limit() -> tuple[int, int] | None:
+    """The soft and hard limits on open files (None where there are none to read)."""
+    try:
+        import resource
+
+        return resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return None
+
+
+def _give_back_open_files_limit(before: tuple[int, int] | None) -> None:
+    """Lowers the soft limit on open files to what it was before the job, where the job's
+    rendezvous raised it (it is done with its connections)."""
+    now = _open_files_limit()
+    if before is None or now is None or now[0] == before[0] or now[1] != before[1]:
+        return
+    import resource
+
+    with contextlib.suppress(OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
 
 
 def _results(code: int, call: FunctionCall) -> list[Any]:

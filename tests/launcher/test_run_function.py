@@ -121,6 +121,21 @@ def test_a_function_that_leaves_without_returning_is_named() -> None:
         hvdrun.run(lambda: os._exit(0), num_proc=2)
 
 
+def test_the_open_files_limit_the_job_raised_is_given_back() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 4096
+    if hard != resource.RLIM_INFINITY and hard <= low:
+        pytest.skip(f"the hard limit on open files ({hard}) leaves nothing to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        assert hvdrun.run(lambda: 1, num_proc=1) == [1]  # (its rendezvous raised the limit)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (low, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_worker_that_cannot_unpickle_the_function_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
