@@ -230,10 +230,7 @@ class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
     default=5.0,
     show_default=True,
     metavar="SECONDS",
-    help=(
-        "After a failure, how long workers get between SIGTERM and SIGKILL (and what "
-        "they left running outside their process groups, once they have exited)."
-    ),
+    help="After a failure, how long workers get between SIGTERM and SIGKILL.",
 )
 @click.option(
     "--check-hosts",

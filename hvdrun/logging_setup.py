@@ -115,8 +115,9 @@ class LogSettings:
 PACKAGES = ("hvdrun", "launcher", "rendezvous")
 
 #: In a caller's process (``hvdrun.run``): the loggers hvdrun's handler serves instead of
-#: the root logger's, so that the caller's own records stay the caller's.
-IN_PROCESS = (*PACKAGES, "paramiko", "grpc")
+#: the root logger's, so that the caller's own records stay the caller's. (Not paramiko's:
+#: launcher.transport.ssh silences it, as hvdrun reports SSH's failures itself.)
+IN_PROCESS = (*PACKAGES, "grpc")
 
 #: The levels configure_logging replaced, by logger name (reset_logging restores them).
 _replaced_levels: dict[str, int] = {}
@@ -161,8 +162,8 @@ class _Plain(logging.Formatter):
 def configure_logging(settings: LogSettings, who: str = "hvdrun", in_process: bool = False) -> None:
     """Sends log records at the requested level to stderr; unless asked for, only warnings
     and errors, worded as hvdrun's own messages. In hvdrun's own process the root logger's
-    records (paramiko's, grpc's, asyncio's too); ``in_process`` (``hvdrun.run``), only
-    those of :data:`IN_PROCESS`, which then do not reach the caller's handlers."""
+    records (grpc's and asyncio's too); ``in_process`` (``hvdrun.run``), only those of
+    :data:`IN_PROCESS`, which then do not reach the caller's handlers."""
     global _handler, _served
     _remove_handler()
     _handler = _Stderr()

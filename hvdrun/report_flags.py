@@ -81,17 +81,17 @@ class ReportFlags:
         (``local``: elsewhere the ranks' hosts write them, and a rank that cannot says so and
         writes none)."""
         if self.report_file is not None:
-            directory = os.path.dirname(os.path.abspath(self.report_file))
-            creatable_directory(directory, "--report-file")
+            path = os.path.abspath(self.report_file)
+            creatable_directory(os.path.dirname(path), "--report-file", path)
         for name, option in (
             (worker_env.TIMELINE, "--timeline-filename"),
             (worker_env.AUTOTUNE_LOG, "--autotune-log-file"),
         ):
-            path = worker_env.setting(name, env)
-            if local and path:
-                directory = os.path.dirname(os.path.abspath(path))
-                if "{rank}" not in directory:
-                    creatable_directory(directory, option)
+            setting = worker_env.setting(name, env)
+            if local and setting:
+                file = os.path.abspath(setting)
+                if "{rank}" not in os.path.dirname(file):
+                    creatable_directory(os.path.dirname(file), option, file)
 
     def options(self) -> ReportOptions:
         from launcher.supervision.insight import ReportOptions
@@ -100,19 +100,23 @@ class ReportFlags:
         return ReportOptions(table=not self.no_report, file=path)
 
 
-def creatable_directory(path: str, option: str) -> None:
+def creatable_directory(path: str, option: str, file: str | None = None) -> None:
     """Creates the directory an option writes into (``--report-file``'s,
     ``--output-filename``, ``--timeline-filename``'s, ``--autotune-log-file``'s), before the
-    job starts, and writes a file in it (removed at once: permissions do not tell root of a
-    read-only mount); a usage error naming the option when either cannot be done."""
+    job starts; a usage error naming the option when it cannot be. Where the option's
+    ``file`` does not exist yet (or names a directory of files: None), a nameless file is
+    made there too, which leaves nothing behind (permissions do not tell root of a read-only
+    mount); an existing file (``/dev/null``, a descriptor's) is opened by name, as it is."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise click.BadParameter(
             f"cannot create {path}: {exc.strerror or exc}", param_hint=f"'{option}'"
         ) from None
+    if file is not None and os.path.lexists(file):
+        return
     try:
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".hvdrun-probe-"):
+        with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
         raise click.BadParameter(

@@ -32,7 +32,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
-from launcher.agent.workers import Emit, HostAgent, adopt_orphans
+from launcher.agent.workers import ADOPTED_GRACE_S, Emit, HostAgent, adopt_orphans
 from launcher.spec.environment import worker_base_env
 from launcher.transport.hostinfo import installed_versions
 from launcher.transport.protocol import (
@@ -326,7 +326,8 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
             note(f"stopping workers: {reason}")
             agent.terminate(hurry=lambda: control.kill)  # (no grace once asked to kill)
         # (stopped: they had their SIGTERM and grace with the workers)
-        agent.end_adopted(0.0 if stopped or control.kill else spec.term_grace)
+        grace = 0.0 if stopped or control.kill else min(spec.term_grace, ADOPTED_GRACE_S)
+        agent.end_adopted(grace, hurry=lambda: control.kill)
     finally:
         if relay is not None:
             relay.stop()

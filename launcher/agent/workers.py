@@ -9,8 +9,8 @@ grace period.
 The agent is the subreaper of the workers' descendants (Linux): a process whose parent
 exits is re-parented to the agent, not to init. A worker's child that left its process group
 (``setsid``, a double fork) and outlives the worker is found so, among the agent's children:
-it gets SIGTERM with the workers when they are stopped, or once they have all exited, and
-SIGKILL after the grace period; one that exits earlier is reaped.
+it gets SIGTERM with the workers when they are stopped (and SIGKILL after the grace period),
+or once they have all exited (and SIGKILL a second later); one that exits earlier is reaped.
 
 A worker that stops running (SIGSTOP, SIGTSTP, a debugger that attached and holds it) is
 reported as :class:`Stopped`, and as :class:`Continued` when it runs again: its peers'
@@ -51,6 +51,10 @@ READ_CHUNK = 65536
 STOP_CHECK_INTERVAL = 0.5
 #: How often it reaps the adopted processes that exited (a look at the whole process table).
 REAP_INTERVAL = 5.0
+#: What the workers left outside their process groups, once they have all exited by
+#: themselves, gets this long (at most the grace period) between SIGTERM and SIGKILL:
+#: hvdrun gives an elastic job's agents 2 s to report before it kills them.
+ADOPTED_GRACE_S = 1.0
 #: How long the agent keeps killing what the workers left outside their process groups.
 ADOPTED_KILL_S = 2.0
 #: prctl(2)'s option that makes a process the subreaper of its descendants.
@@ -245,11 +249,12 @@ class HostAgent:
             return []
         return [child for child in children if child.pid not in workers]
 
-    def end_adopted(self, grace: float) -> None:
+    def end_adopted(self, grace: float, hurry: Callable[[], bool] | None = None) -> None:
         """Ends what the host's workers left running outside their process groups (the
         adopted processes and their descendants): SIGTERM (and SIGCONT), SIGKILL after
-        ``grace`` seconds, again for what they fork meanwhile or leave behind (their
-        children are adopted in turn), reaping all, for at most ``ADOPTED_KILL_S`` more."""
+        ``grace`` seconds (or once ``hurry()``), again for what they fork meanwhile or leave
+        behind (their children are adopted in turn), reaping all, for at most
+        ``ADOPTED_KILL_S`` more."""
         adopted = self.adopted()
         if grace > 0 and adopted:
             tree = [proc for t in _process_trees([p.pid for p in adopted]) for proc in t]
@@ -257,7 +262,7 @@ class HostAgent:
                 for proc in tree:
                     with contextlib.suppress(psutil.Error, OSError):
                         proc.send_signal(signum)
-            _wait_gone(tree, grace)
+            _wait_gone(tree, grace, hurry)
         deadline = time.monotonic() + ADOPTED_KILL_S
         while adopted:
             self._reap(adopted)

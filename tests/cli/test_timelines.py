@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 
 from collectives.engine.timeline import Timeline, open_for_rank
@@ -187,3 +188,12 @@ def test_an_output_directory_that_exists_but_takes_no_file_is_a_usage_error(
         f"invalid '{option}': cannot write in /proc",
         capsys,
     )
+
+
+def test_an_existing_file_is_taken_as_it_is_wherever_it_lies() -> None:
+    # (a descriptor's file, /dev/null: opened by name, in a directory that takes no new file)
+    from hvdrun.report_flags import creatable_directory
+
+    creatable_directory("/proc/self/fd", "--report-file", "/proc/self/fd/2")
+    with pytest.raises(click.BadParameter, match="cannot write in /proc/self/fd"):
+        creatable_directory("/proc/self/fd", "--report-file", "/proc/self/fd/no-such")
