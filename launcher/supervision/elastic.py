@@ -627,5 +627,5 @@ def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     finally:
         server.stop()
         sink.close()
-    report_failure(result, sink, spec.command)
+    report_failure(result, sink, spec.command, elastic=True)
     return result

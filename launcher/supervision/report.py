@@ -114,7 +114,23 @@ def python_hint(tail: Sequence[str], command: Sequence[str]) -> str | None:
     )
 
 
-def report_failure(result: JobResult, sink: OutputSink, command: Sequence[str] = ()) -> None:
+def _exited_before(result: JobResult, rank: int) -> list[int]:
+    """The ranks that exited 0 before ``rank`` did (``exits`` holds them in the order they
+    were reported)."""
+    early: list[int] = []
+    for other, code in result.exits.items():
+        if other == rank:
+            return sorted(early)
+        if code == 0 and other not in result.stopped:
+            early.append(other)
+    return []
+
+
+def report_failure(
+    result: JobResult, sink: OutputSink, command: Sequence[str] = (), elastic: bool = False
+) -> None:
+    """Who failed first, with what; who exited 0 before it (fixed jobs: in elastic ones,
+    workers of removed hosts end so); the ranks' table; the stderr of the rank that failed."""
     failure = result.failure
     if failure is None:
         return
@@ -128,6 +144,9 @@ def report_failure(result: JobResult, sink: OutputSink, command: Sequence[str] =
     # Horovod's sentence first: scripts and CI logs match on it.
     sink.message(HOROVOD_FAILED)
     sink.message(f"rank {failure.rank} on host {failure.hostname} failed first: {what}")
+    early = [] if elastic else _exited_before(result, failure.rank)
+    if early:  # (a peer that left unannounced fails the others' next collective: os._exit)
+        sink.message(f"before it, rank(s) {rank_list(early)} had exited with code 0")
     others = sorted(r for r, c in result.exits.items() if c != 0 and r != failure.rank)
     if others:
         sink.message(f"stopped or failed afterwards: rank(s) {rank_list(others)}")

@@ -96,3 +96,22 @@ def test_a_missing_module_with_another_python_than_hvdruns_gets_a_hint(tmp_path:
         assert python_hint(tail, [beside, "train.py"]) is None
     assert python_hint(["ValueError: bad"], [str(other), "train.py"]) is None
     assert python_hint(tail, ["./train.sh"]) is None
+
+
+def test_ranks_that_exited_0_before_the_failure_are_named() -> None:
+    # (a rank that left without a word, os._exit(0) mid-job, fails its peers' next
+    # collective: the failing rank's error speaks of a dead peer, this names it)
+    result = JobResult(
+        exit_code=1,
+        failure=WorkerFailure(0, "a", 1),
+        exits={2: 0, 1: 0, 0: 1, 3: 0},
+        hosts={0: "a", 1: "a", 2: "b", 3: "b"},
+    )
+    err = io.BytesIO()
+    report_failure(result, OutputSink(io.BytesIO(), err))
+    text = err.getvalue().decode()
+    assert "hvdrun: before it, rank(s) 1, 2 had exited with code 0\n" in text  # (not 3)
+    quiet = io.BytesIO()
+    result.exits = {0: 1, 1: 0}
+    report_failure(result, OutputSink(io.BytesIO(), quiet))
+    assert "before it" not in quiet.getvalue().decode()
