@@ -125,6 +125,10 @@ _replaced_levels: dict[str, int] = {}
 _replaced_propagation: dict[str, bool] = {}
 _handler: logging.Handler | None = None
 _served: tuple[str, ...] = ()
+#: In a caller's process: paramiko's logger as it was, for reset_logging to give back. It
+#: is silenced for the job (hvdrun reports SSH's failures itself, as the SSH transport,
+#: which silences it when first imported, says), and is the caller's again afterwards.
+_paramiko_before: tuple[bool, list[logging.Handler]] | None = None
 
 
 def log_format(hide_timestamp: bool, who: str) -> logging.Formatter:
@@ -164,10 +168,15 @@ def configure_logging(settings: LogSettings, who: str = "hvdrun", in_process: bo
     and errors, worded as hvdrun's own messages. In hvdrun's own process the root logger's
     records (grpc's and asyncio's too); ``in_process`` (``hvdrun.run``), only those of
     :data:`IN_PROCESS`, which then do not reach the caller's handlers."""
-    global _handler, _served
+    global _handler, _served, _paramiko_before
     _remove_handler()
     _handler = _Stderr()
     _served = IN_PROCESS if in_process else ("",)
+    if in_process and _paramiko_before is None:
+        paramiko = logging.getLogger("paramiko")
+        _paramiko_before = (paramiko.propagate, list(paramiko.handlers))
+        paramiko.propagate = False
+        paramiko.addHandler(logging.NullHandler())
     for name in _served:
         logger = logging.getLogger(name or None)
         logger.addHandler(_handler)
@@ -196,6 +205,7 @@ def _remove_handler() -> None:
 def reset_logging() -> None:
     """Undoes :func:`configure_logging` (for in-process callers: ``hvdrun.run``, tests):
     its handler goes, and its packages' loggers get back the levels they had before."""
+    global _paramiko_before
     _remove_handler()
     for name, level in _replaced_levels.items():
         logging.getLogger(name).setLevel(level)
@@ -203,3 +213,7 @@ def reset_logging() -> None:
     for name, propagate in _replaced_propagation.items():
         logging.getLogger(name).propagate = propagate
     _replaced_propagation.clear()
+    if _paramiko_before is not None:
+        paramiko = logging.getLogger("paramiko")
+        paramiko.propagate, paramiko.handlers[:] = _paramiko_before
+        _paramiko_before = None

@@ -13,6 +13,7 @@ OUTPUT FILE...`` does the same for files gathered by hand (:mod:`hvdrun.timeline
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -91,7 +92,11 @@ class ReportFlags:
             if local and setting:
                 file = os.path.abspath(setting)
                 if "{rank}" not in os.path.dirname(file):
-                    creatable_directory(os.path.dirname(file), option, file)
+                    # (every rank's own timeline: new files beside the one named)
+                    named = name != worker_env.TIMELINE or not (
+                        "{rank}" in file or worker_env.setting(worker_env.TIMELINE_ALL_RANKS, env)
+                    )
+                    creatable_directory(os.path.dirname(file), option, file if named else None)
 
     def options(self) -> ReportOptions:
         from launcher.supervision.insight import ReportOptions
@@ -114,6 +119,7 @@ def creatable_directory(path: str, option: str, file: str | None = None) -> None
             f"cannot create {path}: {exc.strerror or exc}", param_hint=f"'{option}'"
         ) from None
     if file is not None and os.path.lexists(file):
+        _writable_file(file, option)
         return
     try:
         with tempfile.TemporaryFile(dir=path):
@@ -121,6 +127,19 @@ def creatable_directory(path: str, option: str, file: str | None = None) -> None
     except OSError as exc:
         raise click.BadParameter(
             f"cannot write in {path}: {exc.strerror or exc}", param_hint=f"'{option}'"
+        ) from None
+
+
+def _writable_file(file: str, option: str) -> None:
+    """An existing regular file an option names is opened for writing, and closed (nothing
+    in it changes); a device's or a pipe's is taken as it is."""
+    try:
+        if not stat.S_ISREG(os.stat(file).st_mode):
+            return
+        os.close(os.open(file, os.O_WRONLY))
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot write {file}: {exc.strerror or exc}", param_hint=f"'{option}'"
         ) from None
 
 

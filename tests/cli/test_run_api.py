@@ -206,6 +206,20 @@ def test_during_a_call_the_callers_own_records_stay_the_callers(
     assert logging.getLogger("launcher").propagate  # (as it was, after the call)
 
 
+def test_paramiko_is_silenced_for_a_call_and_the_callers_again_after_it() -> None:
+    from hvdrun.logging_setup import LogSettings, configure_logging, reset_logging
+
+    paramiko = logging.getLogger("paramiko")
+    before = (paramiko.propagate, list(paramiko.handlers))
+    configure_logging(LogSettings(), in_process=True)
+    try:
+        assert not paramiko.propagate  # (hvdrun says what SSH failed with, once)
+        import launcher.transport.ssh  # noqa: F401  (first imported during a remote job)
+    finally:
+        reset_logging()
+    assert (paramiko.propagate, paramiko.handlers) == before
+
+
 def test_a_signal_while_the_hosts_start_stops_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
     import launcher.run
     from launcher.transport.startup import LaunchInterrupted

@@ -4,6 +4,8 @@ report flags on the command line."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -186,6 +188,47 @@ def test_an_output_directory_that_exists_but_takes_no_file_is_a_usage_error(
     assert_usage_error(
         [option, path, "--autotune", "-np", "1", "true"],
         f"invalid '{option}': cannot write in /proc",
+        capsys,
+    )
+
+
+def test_an_existing_file_that_cannot_be_written_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hvdrun.report_flags import creatable_directory
+
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    creatable_directory(str(tmp_path), "--report-file", str(report))
+    assert report.read_text() == "{}"  # (opened, not truncated)
+    # A file that cannot be written: on a read-only mount for root (whom permissions do
+    # not stop), else without write permission.
+    mounted = tmp_path / "ro"
+    mounted.mkdir()
+    root = os.geteuid() == 0
+    if root and subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mounted)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (mounted / "old.json").write_text("{}")
+        if root:
+            subprocess.run(["mount", "-o", "remount,ro", str(mounted)], check=True)
+        else:
+            (mounted / "old.json").chmod(0o444)
+        with pytest.raises(click.BadParameter, match=r"cannot write .*old\.json"):
+            creatable_directory(str(mounted), "--report-file", str(mounted / "old.json"))
+    finally:
+        if root:
+            subprocess.run(["umount", str(mounted)], check=False)
+
+
+def test_every_rank_s_timeline_tries_the_directory_though_the_named_file_exists(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # (--timeline-all-ranks writes trace.N.json beside the file named, which may be an
+    # earlier run's merged trace: /proc/version stands for one in a read-only directory)
+    assert_usage_error(
+        ["--timeline-filename", "/proc/version", "--timeline-all-ranks", "-np", "1", "true"],
+        "invalid '--timeline-filename': cannot write in /proc",
         capsys,
     )
 
