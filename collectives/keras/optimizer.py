@@ -28,9 +28,10 @@ so once, on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from collectives.common import (
@@ -86,17 +87,15 @@ def create_distributed_optimizer(
         settings.local.add(variable_key(variable))
     base = type(optimizer)
     methods: dict[str, Any] = {"register_local_var": _register_local_var}
-    if bridge.legacy and backward_passes_per_step == 1 and not hasattr(base, "inner_optimizer"):
-        # (tf_keras's optimizers aggregate the gradients over replicas in this method; its
-        # LossScaleOptimizer calls its inner optimizer's before it tests them for overflow)
-        aggregate = "aggregate_gradients" if hasattr(base, "aggregate_gradients") else None
-        methods[aggregate or "_aggregate_gradients"] = _aggregating(
-            aggregate or "_aggregate_gradients"
-        )
-    elif bridge.legacy and backward_passes_per_step == 1:
-        # a LossScaleOptimizer wrapped itself: it calls its inner optimizer's aggregation,
-        # not its own, so its apply_gradients reduces, before its own overflow test
-        methods["apply_gradients"] = _reducing_apply_gradients
+    if bridge.legacy and backward_passes_per_step == 1:
+        # (see _reducing: a LossScaleOptimizer wrapped itself reduces in apply_gradients)
+        if hasattr(base, "inner_optimizer"):
+            name = "apply_gradients"
+        elif hasattr(base, "aggregate_gradients"):
+            name = "aggregate_gradients"  # (tf_keras's optimizers of TF 2.11 on)
+        else:
+            name = "_aggregate_gradients"  # (its optimizers.legacy ones)
+        methods[name] = _reducing(name)
     elif bridge.legacy:
         from collectives.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 
@@ -179,38 +178,64 @@ class _Settings:
         mark = reduced_over(grad)
         return mark is not None and mark == self.process_set
 
+    @contextlib.contextmanager
+    def presenting(self, grads: Sequence[Any], variables: Sequence[Any]) -> Iterator[None]:
+        """For one step that accumulates (whose accumulated gradients reach the reduction as
+        new tensors): which variables' gradients came from a ``DistributedGradientTape``."""
+        self.presented = {
+            variable_key(v)
+            for g, v in zip(grads, variables, strict=False)  # (a mismatch is Keras's to report)
+            if v is not None and self.from_tape(g)
+        }
+        try:
+            yield
+        finally:
+            self.presented = set()
+
     def came_reduced(self, grad: Any, variable: Any) -> bool:
         """Whether ``grad`` (of ``variable``) is reduced over this process set already: a
-        ``DistributedGradientTape`` returned it, or, accumulated, the passes' gradients."""
-        if grad is None:
+        ``DistributedGradientTape`` (TensorFlow's) returned it, or, accumulated, the passes'
+        gradients."""
+        if grad is None or self.bridge.is_torch:
             return False
         if self.from_tape(grad):
             return True
-        return (
-            bool(self.presented)
-            and variable is not None
-            and (variable_key(variable) in self.presented)
-        )
+        return variable is not None and variable_key(variable) in self.presented
 
     def reduce(self, grads: list[Any], variables: Sequence[Any]) -> list[Any]:
-        """The gradients reduced over the ranks, but local variables' (scaled only)."""
-        local = [i for i, v in enumerate(variables) if v is not None and self.is_local(v)]
-        if local:
-            mine = set(local)
-            shared = [i for i in range(len(grads)) if i not in mine]
+        """The gradients reduced over the ranks, but those a ``DistributedGradientTape``
+        reduced already (as they come) and local variables' (scaled only)."""
+        local_scale = self.local_scale
+        if self.scale_local_gradients:
+            local_scale /= self.process_set.size()
+        kept: dict[int, float] = {}  # index -> the scale it gets instead of a reduction
+        for i, (grad, variable) in enumerate(zip(grads, variables, strict=True)):
+            if self.came_reduced(grad, variable):
+                kept[i] = self.local_scale
+                self._say_tape()
+            elif variable is not None and self.is_local(variable):
+                kept[i] = local_scale
+        if not kept:
+            return self._reduce(grads, variables)
+        shared = [i for i in range(len(grads)) if i not in kept]
+        result = list(grads)
+        if shared:
             reduced = self._reduce([grads[i] for i in shared], [variables[i] for i in shared])
-            result = list(grads)
             for i, value in zip(shared, reduced, strict=True):
                 result[i] = value
-            scale = self.local_scale
-            if self.scale_local_gradients:
-                scale /= self.process_set.size()
+        rescale = _scaled_tf if not self.bridge.is_torch else _scaled_torch
+        for i, scale in kept.items():
             if scale != 1.0:
-                rescale = _scaled_tf if not self.bridge.is_torch else _scaled_torch
-                for i in local:
-                    result[i] = rescale(result[i], scale)
-            return result
-        return self._reduce(grads, variables)
+                result[i] = rescale(grads[i], scale)
+        return result
+
+    def _say_tape(self) -> None:
+        if not self.said_tape:
+            self.said_tape = True
+            sys.stderr.write(
+                "hvd.DistributedOptimizer: gradients of a DistributedGradientTape are reduced "
+                "over the processes already; they are applied as they come\n"
+            )
 
     def all_ranks(self, flag: Any) -> Any:
         """A boolean backend tensor that is True on every rank of the process set where it
@@ -317,37 +342,7 @@ def _reduce_unless_elsewhere(self: Any, grads: list[Any], variables: list[Any]) 
     settings = self._hvd_settings
     if _elsewhere(settings, variables):
         return grads
-    pairs = enumerate(zip(grads, variables, strict=True))
-    done = {i for i, (g, v) in pairs if settings.came_reduced(g, v)}
-    if not done:
-        return settings.reduce(grads, variables)
-    if not settings.said_tape:
-        settings.said_tape = True
-        sys.stderr.write(
-            "hvd.DistributedOptimizer: gradients of a DistributedGradientTape are reduced "
-            "over the processes already; they are applied as they come\n"
-        )
-    rest = [i for i in range(len(grads)) if i not in done]
-    result = list(grads)
-    if settings.local_scale != 1.0:  # (accumulated by Keras 3: their average, times k)
-        rescale = _scaled_tf if not settings.bridge.is_torch else _scaled_torch
-        for i in done:
-            result[i] = rescale(grads[i], settings.local_scale)
-    if rest:
-        reduced = settings.reduce([grads[i] for i in rest], [variables[i] for i in rest])
-        for i, value in zip(rest, reduced, strict=True):
-            result[i] = value
-    return result
-
-
-def _presenting(settings: _Settings, grads: Sequence[Any], variables: Sequence[Any]) -> None:
-    """Records, for one step that accumulates, which variables' gradients came reduced by a
-    ``DistributedGradientTape`` (the accumulated ones reach the reduction as new tensors)."""
-    settings.presented = {
-        variable_key(v)
-        for g, v in zip(grads, variables, strict=False)  # (a mismatch is Keras's to report)
-        if v is not None and settings.from_tape(g)
-    }
+    return settings.reduce(grads, variables)
 
 
 def _elsewhere(settings: _Settings, variables: list[Any]) -> str:
@@ -412,11 +407,8 @@ def _apply_accumulating(self: Any, grads: Any, trainable_variables: Any = None) 
         if trainable_variables is not None
         else (getattr(self, "_trainable_variables", None) or [None] * len(grads))
     )
-    _presenting(settings, grads, list(variables))
-    try:
+    with settings.presenting(grads, list(variables)):
         return super(type(self), self).apply(grads, trainable_variables)
-    finally:
-        settings.presented = set()
 
 
 def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
@@ -424,29 +416,23 @@ def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate:
     return super(type(self), self)._backend_update_step(reduced, trainable_variables, learning_rate)
 
 
-def _aggregating(name: str) -> Any:
-    """tf_keras's gradient aggregation (the method ``name``) preceded by the reduction over
-    the ranks. ``apply_gradients`` runs it unless told the gradients are aggregated
-    already; tf_keras's ``LossScaleOptimizer`` runs it before its overflow test, so every
-    rank tests the same reduced gradients and skips the same steps."""
+def _reducing(name: str) -> Any:
+    """The base class's method ``name``, taking (gradient, variable) pairs first, given them
+    reduced over the ranks: tf_keras's aggregation of gradients over replicas, which
+    ``apply_gradients`` runs unless told the gradients are aggregated already and its
+    ``LossScaleOptimizer`` runs before its overflow test (so every rank tests the same
+    reduced gradients and skips the same steps); or a ``LossScaleOptimizer``'s own
+    ``apply_gradients``, since it runs its inner optimizer's aggregation, not its own."""
 
-    def aggregate(self: Any, grads_and_vars: Any) -> Any:
+    def method(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
         pairs = list(grads_and_vars)
         variables = [v for _, v in pairs]
         reduced = _reduce_unless_elsewhere(self, [g for g, _ in pairs], variables)
         merged = list(zip(reduced, variables, strict=True))
-        return getattr(super(type(self), self), name)(merged)
+        return getattr(super(type(self), self), name)(merged, *args, **kwargs)
 
-    aggregate.__name__ = name
-    return aggregate
-
-
-def _reducing_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
-    pairs = list(grads_and_vars)
-    variables = [v for _, v in pairs]
-    reduced = _reduce_unless_elsewhere(self, [g for g, _ in pairs], variables)
-    merged = list(zip(reduced, variables, strict=True))
-    return super(type(self), self).apply_gradients(merged, *args, **kwargs)
+    method.__name__ = name
+    return method
 
 
 def _legacy_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
@@ -455,13 +441,10 @@ def _legacy_apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs
     pairs = list(grads_and_vars)
     grads = [g for g, _ in pairs]
     variables = [v for _, v in pairs]
-    aggregation = self._hvd_settings.aggregation
     settings = self._hvd_settings
-    _presenting(settings, grads, variables)
-    try:
+    aggregation = settings.aggregation
+    with settings.presenting(grads, variables):
         grads = aggregation.compute_gradients(grads, variables)
-    finally:
-        settings.presented = set()
     merged = list(zip(grads, variables, strict=True))
 
     def apply() -> Any:
