@@ -121,14 +121,11 @@ IN_PROCESS = (*PACKAGES, "grpc")
 
 #: The levels configure_logging replaced, by logger name (reset_logging restores them).
 _replaced_levels: dict[str, int] = {}
-#: The loggers whose propagation configure_logging turned off, and what it was.
-_replaced_propagation: dict[str, bool] = {}
+#: In a caller's process: the loggers configure_logging took off propagation (its own and
+#: paramiko's, which is silenced for the job: hvdrun reports SSH's failures itself), with
+#: their propagation and handlers before, for reset_logging to give back.
+_taken: dict[str, tuple[bool, list[logging.Handler]]] = {}
 _handler: logging.Handler | None = None
-_served: tuple[str, ...] = ()
-#: In a caller's process: paramiko's logger as it was, for reset_logging to give back. It
-#: is silenced for the job (hvdrun reports SSH's failures itself, as the SSH transport,
-#: which silences it when first imported, says), and is the caller's again afterwards.
-_paramiko_before: tuple[bool, list[logging.Handler]] | None = None
 
 
 def log_format(hide_timestamp: bool, who: str) -> logging.Formatter:
@@ -168,21 +165,15 @@ def configure_logging(settings: LogSettings, who: str = "hvdrun", in_process: bo
     and errors, worded as hvdrun's own messages. In hvdrun's own process the root logger's
     records (grpc's and asyncio's too); ``in_process`` (``hvdrun.run``), only those of
     :data:`IN_PROCESS`, which then do not reach the caller's handlers."""
-    global _handler, _served, _paramiko_before
-    _remove_handler()
+    global _handler
+    _give_back_loggers()
     _handler = _Stderr()
-    _served = IN_PROCESS if in_process else ("",)
-    if in_process and _paramiko_before is None:
-        paramiko = logging.getLogger("paramiko")
-        _paramiko_before = (paramiko.propagate, list(paramiko.handlers))
-        paramiko.propagate = False
-        paramiko.addHandler(logging.NullHandler())
-    for name in _served:
-        logger = logging.getLogger(name or None)
-        logger.addHandler(_handler)
-        if name:
-            _replaced_propagation.setdefault(name, logger.propagate)
-            logger.propagate = False
+    if in_process:
+        for name in IN_PROCESS:
+            _take(name, _handler)
+        _take("paramiko", logging.NullHandler())
+    else:
+        logging.getLogger().addHandler(_handler)
     if not settings.requested:
         _handler.setLevel(logging.WARNING)
         _handler.setFormatter(_Plain(who))
@@ -194,26 +185,31 @@ def configure_logging(settings: LogSettings, who: str = "hvdrun", in_process: bo
         logger.setLevel(settings.python_level())
 
 
-def _remove_handler() -> None:
-    global _handler, _served
+def _take(name: str, handler: logging.Handler) -> None:
+    """Takes the logger ``name`` off propagation, ``handler`` added (see :data:`_taken`)."""
+    logger = logging.getLogger(name)
+    _taken.setdefault(name, (logger.propagate, list(logger.handlers)))
+    logger.propagate = False
+    logger.addHandler(handler)
+
+
+def _give_back_loggers() -> None:
+    """Removes configure_logging's handler and gives the loggers it took back."""
+    global _handler
     if _handler is not None:
-        for name in _served:
-            logging.getLogger(name or None).removeHandler(_handler)
-    _handler, _served = None, ()
+        logging.getLogger().removeHandler(_handler)
+        _handler = None
+    for name, (propagate, handlers) in _taken.items():
+        logger = logging.getLogger(name)
+        logger.propagate, logger.handlers[:] = propagate, handlers
+    _taken.clear()
 
 
 def reset_logging() -> None:
     """Undoes :func:`configure_logging` (for in-process callers: ``hvdrun.run``, tests):
-    its handler goes, and its packages' loggers get back the levels they had before."""
-    global _paramiko_before
-    _remove_handler()
+    its handler goes, the loggers it took are given back, and its packages' loggers get
+    back the levels they had before."""
+    _give_back_loggers()
     for name, level in _replaced_levels.items():
         logging.getLogger(name).setLevel(level)
     _replaced_levels.clear()
-    for name, propagate in _replaced_propagation.items():
-        logging.getLogger(name).propagate = propagate
-    _replaced_propagation.clear()
-    if _paramiko_before is not None:
-        paramiko = logging.getLogger("paramiko")
-        paramiko.propagate, paramiko.handlers[:] = _paramiko_before
-        _paramiko_before = None

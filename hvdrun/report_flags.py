@@ -89,14 +89,13 @@ class ReportFlags:
             (worker_env.AUTOTUNE_LOG, "--autotune-log-file"),
         ):
             setting = worker_env.setting(name, env)
-            if local and setting:
-                file = os.path.abspath(setting)
-                if "{rank}" not in os.path.dirname(file):
-                    # (every rank's own timeline: new files beside the one named)
-                    named = name != worker_env.TIMELINE or not (
-                        "{rank}" in file or worker_env.setting(worker_env.TIMELINE_ALL_RANKS, env)
-                    )
-                    creatable_directory(os.path.dirname(file), option, file if named else None)
+            if not (local and setting) or "{rank}" in os.path.dirname(setting):
+                continue
+            file = os.path.abspath(setting)
+            if name == worker_env.TIMELINE:  # (rank 0's: every rank's own, where each has one)
+                all_ranks = worker_env.flag(worker_env.TIMELINE_ALL_RANKS, env)
+                file = worker_env.timeline_file(file, 0, all_ranks) or file
+            creatable_directory(os.path.dirname(file), option, file)
 
     def options(self) -> ReportOptions:
         from launcher.supervision.insight import ReportOptions
