@@ -257,11 +257,8 @@ class HostAgent:
         ``ADOPTED_KILL_S`` more."""
         adopted = self.adopted()
         if grace > 0 and adopted:
-            tree = [proc for t in _process_trees([p.pid for p in adopted]) for proc in t]
-            for signum in (signal.SIGTERM, signal.SIGCONT):
-                for proc in tree:
-                    with contextlib.suppress(psutil.Error, OSError):
-                        proc.send_signal(signum)
+            tree = _whole_trees(adopted)
+            _signal_each(tree, signal.SIGTERM, signal.SIGCONT)
             _wait_gone(tree, grace, hurry)
         deadline = time.monotonic() + ADOPTED_KILL_S
         while adopted:
@@ -269,10 +266,7 @@ class HostAgent:
             live = [proc for proc in adopted if _running(proc)]
             if not live or time.monotonic() > deadline:
                 return
-            for tree in _process_trees([proc.pid for proc in live]):
-                for proc in tree:
-                    with contextlib.suppress(psutil.Error, OSError):
-                        proc.kill()
+            _signal_each(_whole_trees(live), signal.SIGKILL)
             time.sleep(0.02)
             adopted = self.adopted()
 
@@ -299,18 +293,15 @@ class HostAgent:
             self._terminating = True
             workers = list(self.workers)
         trees = _process_trees([worker.proc.pid for worker in workers])
-        adopted = _process_trees([proc.pid for proc in self.adopted()])
+        adopted = _whole_trees(self.adopted())
         for worker, tree in zip(workers, trees, strict=False):
             signal_tree(worker.proc.pid, tree, signal.SIGTERM)
             # A stopped process (SIGSTOP, Ctrl-Z, a hung debugger session) keeps a SIGTERM
             # pending until it runs again: continued, it exits or runs its handler now,
             # instead of being SIGKILLed after the grace period (mpirun and Slurm do too).
             signal_tree(worker.proc.pid, tree, signal.SIGCONT)
-        for signum in (signal.SIGTERM, signal.SIGCONT):  # (what the workers left: the same)
-            for proc in (proc for tree in adopted for proc in tree):
-                with contextlib.suppress(psutil.Error, OSError):
-                    proc.send_signal(signum)
-        procs = [proc for tree in trees + adopted for proc in tree]
+        _signal_each(adopted, signal.SIGTERM, signal.SIGCONT)  # (what the workers left: the same)
+        procs = [proc for tree in trees for proc in tree] + adopted
         alive = _wait_gone(procs, grace, hurry)
         for worker, tree in zip(workers, trees, strict=False):
             signal_tree(worker.proc.pid, [p for p in tree if p in alive], signal.SIGKILL)
@@ -335,6 +326,21 @@ def _process_trees(roots: list[int]) -> list[list[psutil.Process]]:
             tree.extend(children.get(proc.pid, ()))
         trees.append(tree)
     return trees
+
+
+def _whole_trees(roots: list[psutil.Process]) -> list[psutil.Process]:
+    """``roots`` and all their descendants, in one list."""
+    if not roots:
+        return []  # (no look at the process table)
+    return [proc for tree in _process_trees([root.pid for root in roots]) for proc in tree]
+
+
+def _signal_each(procs: list[psutil.Process], *signums: int) -> None:
+    """Sends each of ``signums`` in turn to each process of ``procs`` (gone ones skipped)."""
+    for signum in signums:
+        for proc in procs:
+            with contextlib.suppress(psutil.Error, OSError):
+                proc.send_signal(signum)
 
 
 def _running(proc: psutil.Process) -> bool:
