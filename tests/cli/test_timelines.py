@@ -15,7 +15,7 @@ import pytest
 
 from collectives.engine.timeline import Timeline, open_for_rank
 from hvdrun.cli import run_cli
-from hvdrun.report_flags import merge_after_job
+from hvdrun.report_flags import creatable_directory, merge_after_job
 from hvdrun.timelines import TimelineError, merge_files, merged_path, rank_files
 from rendezvous.worker_env import timeline_file
 from tests.cli.conftest import assert_usage_error
@@ -192,11 +192,7 @@ def test_an_output_directory_that_exists_but_takes_no_file_is_a_usage_error(
     )
 
 
-def test_an_existing_file_that_cannot_be_written_is_a_usage_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from hvdrun.report_flags import creatable_directory
-
+def test_an_existing_file_that_cannot_be_written_is_a_usage_error(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     report.write_text("{}")
     creatable_directory(str(tmp_path), "--report-file", str(report))
@@ -235,8 +231,6 @@ def test_every_rank_s_timeline_tries_the_directory_though_the_named_file_exists(
 
 def test_an_existing_file_is_taken_as_it_is_wherever_it_lies() -> None:
     # (a descriptor's file, /dev/null: opened by name, in a directory that takes no new file)
-    from hvdrun.report_flags import creatable_directory
-
     creatable_directory("/proc/self/fd", "--report-file", "/proc/self/fd/2")
     with pytest.raises(click.BadParameter, match="cannot write in /proc/self/fd"):
         creatable_directory("/proc/self/fd", "--report-file", "/proc/self/fd/no-such")
