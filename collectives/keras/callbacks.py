@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from collectives import runtime
-from collectives.common import ReduceOp, global_process_set, variable_key
+from collectives import objects, runtime
+from collectives.common import global_process_set, variable_key
 from collectives.keras import backend as keras_backend
 
 __all__ = [
@@ -84,43 +84,76 @@ class BroadcastGlobalVariablesCallback(KerasCallback):
 
 class MetricAverageCallback(KerasCallback):
     """Averages every metric in the epoch's logs over the ranks (put it before callbacks
-    that read the logs, such as checkpoints and TensorBoard)."""
+    that read the logs, such as checkpoints and TensorBoard).
+
+    Every rank's logs travel in one gather per epoch, so ranks whose logs differ cannot
+    stall each other: a metric that is None on a rank, or that a rank does not log, is
+    averaged over the ranks that have a value (None where none has); a metric whose values
+    cannot be averaged together (not a number on some rank, arrays of different shapes) is
+    left as each rank has it, with a warning."""
 
     def __init__(self, device: str = "") -> None:
         super().__init__()
+        self._warned: set[str] = set()
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        if not logs:
-            return
+        logs = {} if logs is None else logs  # (every rank takes part in the gather)
+        mine = {metric: _as_array(value) for metric, value in logs.items()}
+        every = objects.allgather_object(mine, f"metrics.{epoch}", global_process_set)
         for metric in sorted(logs):
+            values = [ranks_logs.get(metric) for ranks_logs in every]
+            held = [v for v in values if v is not None]
+            if not held:
+                logs[metric] = None
+                continue
+            odd = [isinstance(v, str) for v in held]
+            if any(odd) or len({v.shape for v in held}) > 1:
+                if metric not in self._warned and not all(odd):
+                    self._warned.add(metric)
+                    logger.warning(
+                        "MetricAverageCallback: metric %r is left as each rank has it: %s",
+                        metric,
+                        _describe(values),
+                    )
+                continue
+            averaged = sum(held[1:], held[0]) / len(held)  # (in rank order: alike everywhere)
             value = logs[metric]
-            name = f"metric.{epoch}.{metric}"
-            if value is None:  # (no value on this rank: the others' average, or None)
-                logs[metric] = _average_number(None, name)
-                continue
-            try:  # a number, or an array (a per-class metric such as F1Score(average=None))
-                array = np.asarray(value, dtype=np.float64)
-            except (TypeError, ValueError):
-                try:  # (a device tensor of one value)
-                    array = np.asarray(float(value))
-                except (TypeError, ValueError):
-                    continue
-            if array.ndim == 0:
-                logs[metric] = _average_number(float(array), name)
-                continue
-            averaged = _bridge.allreduce_value(array, ReduceOp.AVERAGE, name, global_process_set)
-            if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+            if averaged.ndim == 0:
+                logs[metric] = float(averaged)
+            elif isinstance(value, np.ndarray) and value.dtype.kind == "f":
                 logs[metric] = averaged.astype(value.dtype)
             else:
                 logs[metric] = averaged
 
 
-def _average_number(value: float | None, name: str) -> float | None:
-    """A metric's number averaged over the ranks that have one (a metric that is None on a
-    rank counts there for nothing; None where no rank has a number)."""
-    here = np.array([0.0, 0.0] if value is None else [value, 1.0])
-    total, count = _bridge.allreduce_value(here, ReduceOp.SUM, name, global_process_set)
-    return float(total / count) if count else None
+#: What a logged value that is not a number nor an array of numbers gathers as.
+_NOT_A_NUMBER = "not a number"
+
+
+def _as_array(value: Any) -> Any:
+    """A logged value as float64 numbers (None stays None, others :data:`_NOT_A_NUMBER`)."""
+    if value is None:
+        return None
+    try:  # a number, or an array (a per-class metric such as F1Score(average=None))
+        return np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        try:  # (a device tensor of one value)
+            return np.asarray(float(value))
+        except (TypeError, ValueError):
+            return _NOT_A_NUMBER
+
+
+def _describe(values: list[Any]) -> str:
+    """What each rank logged, for the warning (``rank 0: a number, rank 1: not a number``)."""
+
+    def kind(value: Any) -> str:
+        if value is None:
+            return "none"
+        if isinstance(value, str):
+            return value
+        return "a number" if value.ndim == 0 else f"an array of shape {value.shape}"
+
+    return ", ".join(f"rank {rank}: {kind(value)}" for rank, value in enumerate(values))
 
 
 def _get(optimizer: Any, attr: str) -> float:

@@ -42,6 +42,10 @@ def test_keras_fit_callbacks_and_optimizer(env: dict[str, str], checks: list[str
             "fit.momentum_scaled_too",
             "fit.vector_metric_averaged",
             "fit.none_metric",
+            "fit.none_vector_metric",
+            "fit.metric_of_one_rank",
+            "fit.text_metric_kept",
+            "fit.shapes_kept",
             "ops.allgather",
             "accumulate.sum.partial",
             "accumulate.average.local",
@@ -57,6 +61,7 @@ def test_keras_fit_callbacks_and_optimizer(env: dict[str, str], checks: list[str
             *checks,
         ],
     )
+    assert "metric 'text_on_rank_0' is left as each rank has it: rank 0: not a number" in output
     if checks is TAPE:  # (the optimizer says why it leaves the tape's gradients alone)
         assert "gradients of a DistributedGradientTape are reduced" in output
 

@@ -173,6 +173,12 @@ def vector_metric(c: Checks, r: int, n: int) -> None:
             logs["per_class"] = np.array([r, 10 * r], "float32")
             logs["not_on_rank_0"] = None if r == 0 else float(r)
             logs["on_no_rank"] = None
+            # logs that differ between the ranks stall none of them
+            logs["vector_not_on_rank_0"] = None if r == 0 else np.array([r, r])
+            if r == n - 1:
+                logs["only_on_the_last"] = float(r)
+            logs["text_on_rank_0"] = "n/a" if r == 0 else float(r)
+            logs["shape_by_rank"] = np.arange(r + 1, dtype="float32")
 
     seen: list[object] = []
 
@@ -181,6 +187,14 @@ def vector_metric(c: Checks, r: int, n: int) -> None:
             assert logs is not None
             seen.append(logs["per_class"])
             seen.append((logs["not_on_rank_0"], logs["on_no_rank"]))
+            seen.append(
+                (
+                    logs["vector_not_on_rank_0"],
+                    logs.get("only_on_the_last"),
+                    logs["text_on_rank_0"],
+                    logs["shape_by_rank"],
+                )
+            )
 
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
@@ -190,6 +204,12 @@ def vector_metric(c: Checks, r: int, n: int) -> None:
     c.expect("fit.vector_metric_averaged", np.allclose(seen[0], [mean, 10 * mean]), seen)
     # None: no value on that rank (the average of the ranks that have one, or None)
     c.expect("fit.none_metric", seen[1] == (n / 2, None), seen)
+    vector, only, text, shaped = seen[2]
+    c.expect("fit.none_vector_metric", np.allclose(vector, [n / 2, n / 2]), seen)
+    c.expect("fit.metric_of_one_rank", only == (float(n - 1) if r == n - 1 else None), seen)
+    # not averageable together: each rank keeps its own
+    c.expect("fit.text_metric_kept", text == ("n/a" if r == 0 else float(r)), seen)
+    c.expect("fit.shapes_kept", np.array_equal(shaped, np.arange(r + 1)), seen)
 
 
 LR = 0.25
