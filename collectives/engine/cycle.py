@@ -110,6 +110,26 @@ def hot_print(request: Request, rode: bool) -> HotPrint | None:
     return HotPrint(name, request.reduction, spec.dtype, torch.Size(spec.shape), device, rode)
 
 
+def _leaving(
+    members: list[int], results: list[tuple[int, bytes]], datas: list[Any], agreed: bool
+) -> tuple[list[int], dict[int, str], bool]:
+    """From a full round's flags: the members that leave the set after it, how those that
+    failed failed, and whether a member asked for an abort (none of it in an ``agreed``
+    round: no member raised a flag in it)."""
+    leavers: list[int] = []
+    failed: dict[int, str] = {}
+    abort = False
+    if agreed:
+        return leavers, failed, abort
+    for peer, (peer_flags, _), data in zip(members, results, datas, strict=True):
+        if peer_flags & FLAG_LEAVING:
+            leavers.append(peer)
+            if peer_flags & FLAG_FAILED:
+                failed[peer] = failure_of(data)
+        abort = abort or bool(peer_flags & FLAG_ABORT)
+    return leavers, failed, abort
+
+
 class CycleRunner:
     """Runs one process set's cycles on this rank (see the module docstring)."""
 
@@ -249,14 +269,25 @@ class CycleRunner:
                 peer_flags &= ~FLAG_FLUSH
             results.append((peer_flags, peer_records))
             datas.append(peer_data)
+        agreed = self._agreed(new, records, results)
+        leavers, failed, abort = _leaving(self.members, results, datas, agreed)
+        ready: list[Entry] = []
+        if not agreed:
+            touched: list[Entry] = []
+            everything = False
+            for peer, (_, data) in zip(self.members, results, strict=True):
+                entries, joined = self.table.add(peer, data, self.cycle_no, now)
+                touched.extend(entries)
+                everything = everything or joined
+            ready = self._ready(touched, everything)
         # A member that leaves (or an abort) ends the set after this round: the last flush.
         arrivals.after(
-            self.control_pg, flush or any(peer_flags for peer_flags, _ in results), timeout
+            self.control_pg,
+            flush or any(peer_flags for peer_flags, _ in results),
+            timeout,
+            progress=agreed or bool(ready),
         )
-        leavers: list[int] = []
-        failed: dict[int, str] = {}
-        abort = False
-        if self._agreed(new, records, results):
+        if agreed:
             delivery = eager.delivery(riders, datas, exchange.wants)
             if delivery == eager.FOLLOW:
                 datas = exchange.gather(riders.tensors(), riders.nbytes, timeout)
@@ -267,19 +298,7 @@ class CycleRunner:
                     self._cache_ran(key)
             self.dispatch.agreed(new, now, riders if delivery else None, datas)
         else:
-            touched: list[Entry] = []
-            everything = False
-            for position, (peer_flags, data) in enumerate(results):
-                peer = self.members[position]
-                if peer_flags & FLAG_LEAVING:
-                    leavers.append(peer)
-                    if peer_flags & FLAG_FAILED:
-                        failed[peer] = failure_of(datas[position])
-                abort = abort or bool(peer_flags & FLAG_ABORT)
-                entries, joined = self.table.add(peer, data, self.cycle_no, now)
-                touched.extend(entries)
-                everything = everything or joined
-            self._run_ready(self._ready(touched, everything), now)
+            self._run_ready(ready, now)
         if tl is not None:
             tl.flush()
         if abort:

@@ -12,6 +12,11 @@ with another host's) and the members compare those durations afterwards:
   the round (a member with none, in a keepalive round or leaving the set, waited for
   nothing it needed); a round's wait is the sum of its members' waits, and the last member
   *caused* it;
+* a *stuck* round, one that made no op ready although its last member had an op of its own,
+  has no wait: each member waited on ops that others had not submitted (ops submitted in
+  different orders, or a deadlock, which the stall inspector reports), and which member
+  came last was the engines' pacing, not a late rank (a round whose last member had no op
+  keeps its wait: that member is late, it brings nothing the others wait for);
 * a round *held* the set back when its wait reached :data:`HELD_SECONDS`: only those count
   when members are said to have been last (in a balanced job every member is last by a
   hair in turn, which says nothing);
@@ -139,6 +144,7 @@ class Arrivals:
         self._sums_t = torch.frombuffer(raw, dtype=torch.float64)
         self._sums = numpy.frombuffer(raw, dtype=numpy.float64)
         self._labels: list[str | None] = [None] * CAPACITY
+        self._stuck = numpy.zeros(CAPACITY, dtype=bool)  # rounds that made no op ready
         self._started = time.perf_counter()
         self._rounds = 0
         self._held = 0
@@ -172,9 +178,14 @@ class Arrivals:
         elif ended - self._first >= INTERVAL:
             self.want = True
 
-    def after(self, group: Any, flagged: bool, timeout: float | None = None) -> None:
+    def after(
+        self, group: Any, flagged: bool, timeout: float | None = None, progress: bool = True
+    ) -> None:
         """After a noted round: flushes when a member raised its flag in it (``flagged``)
-        or the buffer is full, alike on every member."""
+        or the buffer is full, alike on every member. ``progress``: the round made an op
+        ready (alike on every member); one that made none is *stuck* (see :meth:`flush`)."""
+        if not progress and self.n:
+            self._stuck[self.n - 1] = True
         if flagged or self.n == CAPACITY:
             self.flush(group, timeout)
 
@@ -213,6 +224,15 @@ class Arrivals:
             sums[3 * CAPACITY + numpy.asarray(idle)] = last[idle]
         if not alone:
             _allreduce(group, self._sums_t, _SUM, timeout)
+        stuck = self._stuck[:n]
+        if stuck.any():
+            # A stuck round whose last member had an op of its own: every member waited on
+            # ops some others had not submitted (ops in different orders, a deadlock), and
+            # who came last was the engines' pacing, not a late rank. Nobody waited in it.
+            noise = stuck & (sums[3 * CAPACITY : 3 * CAPACITY + n] < 0.5)
+            sums[:n][noise] = 0.0
+            excess[noise] = 0.0
+            stuck[:] = False
         if int(shortest[0]) != n:
             # Members counted different rounds: nothing to compare (never expected).
             if not self._warned:

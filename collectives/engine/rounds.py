@@ -643,7 +643,7 @@ class CacheRound:
         if lane:
             arrivals.busy += ended - started
         agreed = not math.isnan(first[0])
-        arrivals.after(group, agreed and flag is not None and first[flag] > 0.5)
+        arrivals.after(group, agreed and flag is not None and first[flag] > 0.5, progress=agreed)
         if not agreed:
             self.forget()
         return agreed
@@ -708,11 +708,10 @@ class CacheRound:
         arrivals.note(started, time.perf_counter(), new[0].name if new else IDLE)
         first = slots[0]
         flags = first // FLAG_WEIGHT
-        arrivals.after(group, flags > 0, timeout)
-        if first - flags * FLAG_WEIGHT != 0.0:  # (dirty members)
-            return None
         size = self.size
-        outcome = count_slots.agreed(vector, mine, size)
+        # (None: dirty members, or unnamed ops that differ; the caller's full round follows)
+        outcome = None if first != flags * FLAG_WEIGHT else count_slots.agreed(vector, mine, size)
+        arrivals.after(group, flags > 0, timeout, progress=bool(outcome and outcome[0]))
         if outcome is None:
             return None
         agreed, partial = outcome
@@ -800,7 +799,9 @@ class CacheRound:
         arrivals.note(started, time.perf_counter(), new[0].name if new else IDLE)
         flag = staging.flag
         agreed = not math.isnan(staging.first[0])
-        arrivals.after(group, agreed and flag is not None and staging.first[flag] > 0.5, timeout)
+        arrivals.after(
+            group, agreed and flag is not None and staging.first[flag] > 0.5, timeout, agreed
+        )
         if not agreed:
             self.forget()
             return None

@@ -208,6 +208,25 @@ def test_a_rank_late_at_every_step_is_late_every_time() -> None:
     assert report.straggler is not None and report.straggler.rank == 1, report.summary
 
 
+def test_a_stuck_round_counts_a_wait_only_when_its_last_member_had_no_op() -> None:
+    # Rounds 0 and 1 made no op ready: in round 0 member 1 came last with an op of its own
+    # (the members waited on ops the others had not submitted: a deadlock, say), in round 1
+    # it came last with none (it is late). Round 2 made its op ready.
+    arrivals = Arrivals(index=0, size=2)
+    for k, (duration, progress) in enumerate([(0.5, False), (0.3, False), (0.2, True)]):
+        arrivals.note(100.0 + k, 100.0 + k + duration, "allreduce.a")
+        arrivals.after(None, flagged=False, progress=progress)
+    arrivals.flush(Peers({1: [0.001] * 3}, idle={1: {1}}))
+    snap = arrivals.snapshot
+    assert snap.waited == pytest.approx(0.299 + 0.199)
+    assert snap.caused == (0.0, pytest.approx(0.299 + 0.199))
+    assert snap.last == (0, 1) and snap.held == 1  # (rounds 1 and 2: one late arrival)
+    # (the mark is the flushed rounds' only)
+    _rounds(arrivals, [0.5], ["allreduce.a"])
+    arrivals.flush(Peers({1: [0.001]}))
+    assert arrivals.snapshot.waited == pytest.approx(0.299 + 0.199 + 0.499)
+
+
 def test_time_in_collectives_covers_the_waits_of_the_last_round() -> None:
     # The round in which a member leaves flushes inside its cycle, before the cycle's time
     # is added to busy: the wait in it must still be time in collectives.
@@ -532,6 +551,34 @@ def test_one_late_start_split_into_rounds_names_no_rank(tmp_path: Path) -> None:
     assert late["wait_caused_s"] > 1.5, ranks  # (keepalive rounds about once a second)
     assert late["largest_wait_caused_s"] > 0.9 * late["wait_caused_s"], ranks  # (one wait)
     assert all(f["in_collectives_s"] >= f["waited_s"] for f in ranks.values()), ranks
+
+
+DEADLOCK = """
+import torch
+import collectives.torch as hvd
+hvd.init()
+for step in range(20):
+    hvd.allreduce_(torch.ones(4), name="warm")
+hvd.allreduce_(torch.ones(4), name="a" if hvd.rank() == 0 else "b")
+"""
+
+
+def test_a_deadlock_names_no_rank_and_counts_no_waiting(tmp_path: Path) -> None:
+    # Each rank waits on an op the other never submits: the engines go on with rounds that
+    # make nothing ready, and which rank comes last in them is chance; the stall inspector
+    # ends the job. No rank held the others back.
+    script = tmp_path / "deadlock.py"
+    script.write_text(DEADLOCK)
+    report = tmp_path / "report.json"
+    options = ["--report-file", str(report), "--stall-check-shutdown-time-seconds", "8"]
+    code, output = run_hvdrun(2, script, options=options)
+    assert code == 1 and "the stall inspector stopped the job's collectives" in output, output
+    assert "holding the job back" not in output, output
+    document = _report(report)
+    assert document["straggler"] is None, document
+    ranks = {f["rank"]: f for f in document["ranks"]}
+    assert ranks[0]["rounds"] > 100, ranks  # (the rounds of 8 s stuck)
+    assert document["total_wait_s"] < 1.0, document  # (the rounds before: a few ms)
 
 
 def _free_port() -> int:
