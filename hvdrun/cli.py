@@ -339,6 +339,7 @@ def cli(
         env[variable(RENDEZVOUS_LOST_AFTER_SECONDS)] = f"{heartbeat_timeout:g}"
     for name, value in config_env(click.get_current_context()).items():
         env.setdefault(name, value)
+    compat.set_tcp(env)
     try:
         check_settings(env)  # as every worker will read them, before any starts
     except ValueError as exc:

@@ -9,7 +9,10 @@ A command line copied from Horovod's documentation must work unchanged. Three ki
   ``--torus-allreduce``, ``--num-nccl-streams``, ``--thread-affinity``,
   ``--mpi-threads-disable`` reach every worker under Horovod's ``HOROVOD_*`` names, and
   hvdrun says once that the runtime ignores them.
-* **Refused**: ``--mpi``, ``--jsrun``, ``--mpi-args``, ``--tcp``, ``--binding-args`` ask
+* **Real here**, too: ``--tcp``, which (as horovodrun does for Gloo jobs as well) sets
+  ``NCCL_IB_DISABLE=1`` in every worker, keeping NCCL off InfiniBand, unless the user set
+  that variable (``-x`` or hvdrun's environment).
+* **Refused**: ``--mpi``, ``--jsrun``, ``--mpi-args``, ``--binding-args`` ask
   horovodrun to drive MPI or jsrun. hvdrun starts its workers itself, so it says what to do
   instead, in one line, and exits with 2 before anything starts.
 """
@@ -44,10 +47,6 @@ REFUSED: dict[str, str] = {
     "--mpi-args": (
         "hvdrun does not run mpirun, so --mpi-args has nothing to go to: drop it, or run "
         f"mpirun with those arguments yourself ({_JOIN})"
-    ),
-    "--tcp": (
-        "hvdrun does not drive MPI, so --tcp has nothing to configure: Gloo always uses TCP; "
-        "to keep NCCL off InfiniBand pass -x NCCL_IB_DISABLE=1"
     ),
     "--binding-args": (
         "hvdrun does not drive MPI, so --binding-args has nothing to go to: bind workers "
@@ -98,7 +97,12 @@ _OPTIONS = [
     _refused_flag("--mpi"),
     _refused_flag("--jsrun"),
     _refused_value("--mpi-args"),
-    _refused_flag("--tcp"),
+    click.option(
+        "--tcp",
+        is_flag=True,
+        help="Keep NCCL off InfiniBand: the workers get NCCL_IB_DISABLE=1 unless it is set "
+        "(Gloo always uses TCP).",
+    ),
     _refused_value("--binding-args"),
     click.option(
         "--gloo-timeout-seconds",
@@ -159,6 +163,7 @@ _OPTIONS = [
 
 NAMES = (
     "gloo",
+    "tcp",
     "gloo_timeout_seconds",
     "disable_cache",
     *NO_EFFECT_VARIABLES,
@@ -181,6 +186,7 @@ class HorovodFlags:
     """The compatibility flags as given (None: not given)."""
 
     gloo: bool = False
+    tcp: bool = False
     gloo_timeout_seconds: float | None = None
     disable_cache: bool = False
     hierarchical_allreduce: bool | None = None
@@ -220,6 +226,12 @@ class HorovodFlags:
                 continue
             env[variable] = str(int(value)) if isinstance(value, bool) else str(value)
         return env
+
+    def set_tcp(self, env: dict[str, str]) -> None:
+        """``--tcp``: NCCL_IB_DISABLE=1 in ``env``, the workers' environment, unless it
+        already holds the variable (from -x or hvdrun's environment)."""
+        if self.tcp:
+            env.setdefault("NCCL_IB_DISABLE", "1")
 
     def no_effect(self) -> list[str]:
         """The flags given that reach the workers but change nothing there yet."""

@@ -128,7 +128,6 @@ def test_flags_without_effect_get_one_notice(capsys: pytest.CaptureFixture[str])
         (["--mpi"], "hvdrun does not drive MPI: it starts the workers itself"),
         (["--jsrun"], "hvdrun does not drive jsrun"),
         (["--mpi-args=--map-by ppr:6:node"], "so --mpi-args has nothing to go to"),
-        (["--tcp"], "pass -x NCCL_IB_DISABLE=1"),
         (["--binding-args", "--rankfile f"], "so --binding-args has nothing to go to"),
     ],
 )
@@ -136,6 +135,21 @@ def test_mpi_flags_say_what_to_do_instead(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert_usage_error(["-np", "2", *argv, "python", "train.py"], message, capsys)
+
+
+def test_tcp_keeps_nccl_off_infiniband_unless_the_user_set_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("NCCL_IB_DISABLE", raising=False)
+    out, _ = plan(["-np", "1", "--tcp", "true"], capsys)
+    assert "  NCCL_IB_DISABLE=1" in out.splitlines()
+    out, _ = plan(["-np", "1", "true"], capsys)
+    assert "NCCL_IB_DISABLE" not in out
+    out, _ = plan(["-np", "1", "--tcp", "-x", "NCCL_IB_DISABLE=0", "true"], capsys)
+    assert "  NCCL_IB_DISABLE=0" in out.splitlines()
+    monkeypatch.setenv("NCCL_IB_DISABLE", "0")
+    out, _ = plan(["-np", "1", "--tcp", "true"], capsys)
+    assert "  NCCL_IB_DISABLE=0" in out.splitlines()
 
 
 def test_start_and_elastic_timeouts_read_horovod_variables(
