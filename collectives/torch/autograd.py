@@ -34,6 +34,18 @@ from collectives.common import ProcessSet, ReduceOp
 from collectives.engine.requests import Request
 
 
+def _own(result: torch.Tensor) -> torch.Tensor:
+    """An op's result as a tensor of its own: the engine may hand out a view (of the memory
+    it pooled or fused into), and autograd refuses in-place changes (``y += b``,
+    ``ReLU(inplace=True)``) of a view made inside a Function; Horovod's results take them.
+    The same memory, so no copy (and the engine's pool still sees it in use)."""
+    if result._base is None:
+        return result
+    own = torch.empty(0, dtype=result.dtype, device=result.device)
+    storage = result.untyped_storage()
+    return own.set_(storage, result.storage_offset(), result.shape, result.stride())
+
+
 def alltoall_result(request: Request) -> tuple[torch.Tensor, torch.Tensor]:
     received = torch.tensor(request.extra, dtype=torch.int32)
     return request.outputs[0], received
@@ -62,8 +74,7 @@ class Allreduce(torch.autograd.Function):
         handle = ops.submit_allreduce(
             [tensor], None, op, pre, post, process_set, name, ops.first_output, blocking=True
         )
-        result: torch.Tensor = handle.wait()
-        return result
+        return _own(handle.wait())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -87,7 +98,7 @@ class GroupedAllreduce(torch.autograd.Function):
         handle = ops.submit_allreduce(
             tensors, None, op, pre, post, process_set, name, ops.outputs_of, blocking=True
         )
-        return tuple(handle.wait())
+        return tuple(_own(output) for output in handle.wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -113,8 +124,7 @@ class Allgather(torch.autograd.Function):
             [tensor], process_set, name, _with_dims, blocking=True
         ).wait()
         ctx.dims, ctx.ps = dims[0], process_set
-        result: torch.Tensor = outputs[0]
-        return result
+        return _own(outputs[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -130,7 +140,7 @@ class GroupedAllgather(torch.autograd.Function):
             tensors, process_set, name, _with_dims, blocking=True
         ).wait()
         ctx.dims, ctx.ps = dims, process_set
-        return tuple(outputs)
+        return tuple(_own(output) for output in outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -149,8 +159,7 @@ class Broadcast(torch.autograd.Function):
         handle = ops.submit_broadcast(
             [tensor], None, root_rank, process_set, name, ops.first_output, blocking=True
         )
-        result: torch.Tensor = handle.wait()
-        return result
+        return _own(handle.wait())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -171,7 +180,7 @@ class Alltoall(torch.autograd.Function):
         output, received = handle.wait()
         ctx.received, ctx.ps = received, process_set
         ctx.mark_non_differentiable(received)
-        return output, received
+        return _own(output), received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> Any:
@@ -194,8 +203,7 @@ class Reducescatter(torch.autograd.Function):
         handle = ops.submit_reducescatter(
             [tensor], op, pre, post, process_set, name, ops.first_output, blocking=True
         )
-        result: torch.Tensor = handle.wait()
-        return result
+        return _own(handle.wait())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -227,7 +235,7 @@ class GroupedReducescatter(torch.autograd.Function):
         handle = ops.submit_reducescatter(
             tensors, op, pre, post, process_set, name, ops.outputs_of, blocking=True
         )
-        return tuple(handle.wait())
+        return tuple(_own(output) for output in handle.wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:

@@ -261,6 +261,28 @@ def test_autograd_and_async(hvd: ModuleType) -> None:
         hvd.poll(handle)
 
 
+def test_results_that_carry_gradients_can_be_changed_in_place(hvd: ModuleType) -> None:
+    # Horovod's outputs are tensors of their own: `y = hvd.allreduce(x); y += b` (and
+    # ReLU(inplace=True)) work on them, small or large (the engine's pooled memory).
+    for n in (3, 100_000):
+        x = torch.ones(n, requires_grad=True)
+        outputs = [
+            hvd.allreduce(x, op=hvd.Sum),
+            *hvd.grouped_allreduce([x, x * 2]),
+            hvd.allgather(x),
+            *hvd.grouped_allgather([x]),
+            hvd.broadcast(x, 0),
+            hvd.alltoall(x),
+            hvd.reducescatter(x, op=hvd.Sum),
+            *hvd.grouped_reducescatter([x], op=hvd.Sum),
+        ]
+        for y in outputs:
+            y.mul_(3)
+            torch.relu_(y)
+        sum(y.sum() for y in outputs).backward()
+        assert x.grad is not None and x.grad.tolist() == [30.0] * n  # (3 * (1 + 2 + 7))
+
+
 def test_broadcast_parameters_and_optimizer_state(hvd: ModuleType) -> None:
     model = torch.nn.Linear(3, 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}

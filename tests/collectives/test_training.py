@@ -50,6 +50,7 @@ CHECKS = [
     ),
     "closure.one_sided.same_on_ranks",
     "closure.no_backward",
+    "closure.tensor_loss_no_warning",
     "names.missing",
     "names.duplicate",
     "names.twice",

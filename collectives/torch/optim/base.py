@@ -471,13 +471,15 @@ def _agreed(optimizer: DistributedOptimizerBase, loss: Any) -> tuple[Any, bool]:
     whether to run a collective (one small allreduce)."""
     if not optimizer._hvd_reduces:
         return loss, optimizer._hvd_backward
+    if isinstance(loss, torch.Tensor):
+        loss = loss.detach()  # (float() of a tensor that requires grad warns)
     value = 0.0 if loss is None else float(loss)
     mine = torch.tensor([value, float(optimizer._hvd_backward)], dtype=torch.float64)
     process_set = optimizer._hvd_process_set
     ops.allreduce_([mine], ReduceOp.SUM, process_set=process_set, name=_AGREEMENT)
     mean = mine[0].item() / process_set.size()
     if isinstance(loss, torch.Tensor):
-        loss = torch.full_like(loss.detach(), mean)
+        loss = torch.full_like(loss, mean)
     elif loss is not None:
         loss = mean
     return loss, mine[1].item() > 0

@@ -12,6 +12,7 @@ import copy
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -289,7 +290,7 @@ def main() -> None:
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
-            return float(loss)
+            return loss.item()  # (float(loss) would spend torch's warning, given once)
 
         return closure
 
@@ -332,9 +333,22 @@ def main() -> None:
             opt.zero_grad()
             loss = F.cross_entropy(model(x[mine]), y[mine])
             loss.backward()
-            opt.step(lambda: float(loss))  # noqa: B023 (called within this iteration)
+            opt.step(lambda: loss.item())  # noqa: B023 (called within this iteration)
         worst = max_diff(model, reference)
         c.expect("closure.no_backward", worst <= 1e-5, f"max difference {worst:g}")
+        # A closure that returns the loss tensor, as torch's docs write it: no warning.
+        x, y = batch(0)
+
+        def tensor_loss() -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x[mine]), y[mine])
+            loss.backward()
+            return loss
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step(tensor_loss)
+        c.expect("closure.tensor_loss_no_warning", not caught, [str(w.message) for w in caught])
         # A closure that runs a backward on rank 0 only (rank 1 skips its batch): every rank
         # still takes part in the reduction (rank 1 with zeros), and none waits for ever.
         model = make_model()
