@@ -206,7 +206,8 @@ class HorovodFlags:
         return cls(**{name: kwargs.pop(name) for name in NAMES if name in kwargs})
 
     def adjust_tuning(self, tuning: dict[str, Any]) -> None:
-        """The hidden opposites switch off what the config file may have switched on."""
+        """The hidden opposites switch off what the config file may have switched on (and
+        :meth:`env` writes the ``0`` that wins over hvdrun's environment)."""
         if self.stall_check and "no_stall_check" in tuning:
             tuning["no_stall_check"] = None
         if self.no_timeline_mark_cycles and "timeline_mark_cycles" in tuning:
@@ -220,6 +221,11 @@ class HorovodFlags:
         if self.gloo_timeout_seconds is not None:
             seconds = f"{self.gloo_timeout_seconds:g}"
             env[worker_env.variable(worker_env.GLOO_TIMEOUT_SECONDS)] = seconds
+        # horovodrun writes 0 for these, so that they win over an inherited HOROVOD_*=1.
+        if self.stall_check:
+            env[worker_env.variable(worker_env.STALL_CHECK_DISABLE)] = "0"
+        if self.no_timeline_mark_cycles:
+            env[worker_env.variable(worker_env.TIMELINE_MARK_CYCLES)] = "0"
         for name, variable in NO_EFFECT_VARIABLES.items():
             value = getattr(self, name)
             if value is None:

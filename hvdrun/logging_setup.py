@@ -106,8 +106,8 @@ class LogSettings:
         env: dict[str, str] = {}
         if self.level is not None:
             env["HOROVOD_LOG_LEVEL"] = self.level
-        if self.hide_timestamp:
-            env["HOROVOD_LOG_HIDE_TIME"] = "1"
+        if self.hide_timestamp is not None:  # (0 wins over an inherited HOROVOD_LOG_HIDE_TIME=1)
+            env["HOROVOD_LOG_HIDE_TIME"] = "1" if self.hide_timestamp else "0"
         return env
 
 

@@ -2,7 +2,10 @@
 
 Each flag becomes an ``HVDRUN_*`` variable in every worker's environment (the runtime also
 reads the ``HOROVOD_*`` spelling of each, so Horovod users' settings keep working). A flag
-left out sets nothing, so a variable the user exported still applies.
+left out sets nothing, so a variable the user exported still applies. A switch turned off
+explicitly (the config file's ``stall_check: enabled: true`` or ``timeline: mark_cycles:
+false``) writes ``0``, as horovodrun does, so that it wins over the ``HOROVOD_*`` variable
+hvdrun's environment may hold.
 """
 
 from __future__ import annotations
@@ -168,12 +171,12 @@ def tuning_env(
         env[we.variable(we.CUDA_BACKEND)] = cuda_backend
     if timeline_filename is not None:
         env[we.variable(we.TIMELINE)] = os.path.abspath(timeline_filename)
-    if timeline_mark_cycles:
-        env[we.variable(we.TIMELINE_MARK_CYCLES)] = "1"
+    if timeline_mark_cycles is not None:  # (False: the config file's ``mark_cycles: false``)
+        env[we.variable(we.TIMELINE_MARK_CYCLES)] = "1" if timeline_mark_cycles else "0"
     if timeline_all_ranks:
         env[we.variable(we.TIMELINE_ALL_RANKS)] = "1"
-    if no_stall_check:
-        env[we.variable(we.STALL_CHECK_DISABLE)] = "1"
+    if no_stall_check is not None:  # (False: the config file's ``enabled: true``)
+        env[we.variable(we.STALL_CHECK_DISABLE)] = "1" if no_stall_check else "0"
     if stall_check_warning_time_seconds is not None:
         env[we.variable(we.STALL_CHECK_TIME_SECONDS)] = f"{stall_check_warning_time_seconds:g}"
     if stall_check_shutdown_time_seconds is not None:

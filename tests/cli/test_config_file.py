@@ -85,7 +85,7 @@ def test_horovods_config_file_reaches_the_workers(
     assert env["HVDRUN_CYCLE_TIME"] == "10"
     assert env["HVDRUN_TIMELINE"] == "/tmp/horovod_timeline.json"
     assert env["HVDRUN_TIMELINE_MARK_CYCLES"] == "1"
-    assert "HVDRUN_STALL_CHECK_DISABLE" not in env
+    assert env["HVDRUN_STALL_CHECK_DISABLE"] == "0"  # (enabled: true)
     assert env["HVDRUN_STALL_CHECK_TIME_SECONDS"] == "120"
     assert env["HVDRUN_STALL_SHUTDOWN_TIME_SECONDS"] == "240"
     assert env["HVDRUN_GLOO_TIMEOUT_SECONDS"] == "60"
@@ -169,7 +169,22 @@ def test_disabled_stall_check_and_timestamps(
     assert env["HVDRUN_STALL_CHECK_DISABLE"] == "1"
     assert env["HOROVOD_LOG_HIDE_TIME"] == "1"
     env = environment(["--config-file", config, "--stall-check", "-np", "1", "true"], capsys)
-    assert "HVDRUN_STALL_CHECK_DISABLE" not in env
+    assert env["HVDRUN_STALL_CHECK_DISABLE"] == "0"
+
+
+def test_switches_turned_off_win_over_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As horovodrun writes HOROVOD_STALL_CHECK_DISABLE=0 and HOROVOD_TIMELINE_MARK_CYCLES=0,
+    the file's ``enabled: true`` and ``mark_cycles: false`` win over hvdrun's environment."""
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_DISABLE", "1")
+    monkeypatch.setenv("HOROVOD_TIMELINE_MARK_CYCLES", "1")
+    text = "stall_check:\n  enabled: true\ntimeline:\n  filename: t.json\n  mark_cycles: false\n"
+    text += "logging:\n  with_timestamp: true\n"
+    env = environment(["--config-file", write(tmp_path, text), "-np", "1", "true"], capsys)
+    assert env["HVDRUN_STALL_CHECK_DISABLE"] == "0"
+    assert env["HVDRUN_TIMELINE_MARK_CYCLES"] == "0"
+    assert env["HOROVOD_LOG_HIDE_TIME"] == "0"  # (with_timestamp: true)
 
 
 def test_empty_file_and_empty_sections_are_fine(

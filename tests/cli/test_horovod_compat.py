@@ -152,6 +152,27 @@ def test_tcp_keeps_nccl_off_infiniband_unless_the_user_set_it(
     assert "  NCCL_IB_DISABLE=0" in out.splitlines()
 
 
+def test_hidden_opposites_win_over_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """horovodrun writes HOROVOD_STALL_CHECK_DISABLE=0 and HOROVOD_TIMELINE_MARK_CYCLES=0
+    for --stall-check and --no-timeline-mark-cycles: the flags win over hvdrun's environment."""
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_DISABLE", "1")
+    monkeypatch.setenv("HOROVOD_TIMELINE_MARK_CYCLES", "1")
+    argv = ["-np", "1", "--stall-check", "--no-timeline-mark-cycles"]
+    out, _ = plan([*argv, "--timeline-filename", "t.json", "true"], capsys)
+    assert "stall check disabled    0  (from HVDRUN_STALL_CHECK_DISABLE)" in out
+    assert "timeline marks cycles   0  (from HVDRUN_TIMELINE_MARK_CYCLES)" in out
+    monkeypatch.setenv("HOROVOD_LOG_HIDE_TIME", "1")
+    out, _ = plan(["-np", "1", "--log-with-timestamp", "true"], capsys)
+    assert "  HOROVOD_LOG_HIDE_TIME=0" in out.splitlines()
+    monkeypatch.delenv("HOROVOD_LOG_HIDE_TIME")
+    # (and without them, the environment's values stand)
+    out, _ = plan(["-np", "1", "--timeline-filename", "t.json", "true"], capsys)
+    assert "stall check disabled    1  (from HOROVOD_STALL_CHECK_DISABLE)" in out
+    assert "timeline marks cycles   1  (from HOROVOD_TIMELINE_MARK_CYCLES)" in out
+
+
 def test_start_and_elastic_timeouts_read_horovod_variables(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
