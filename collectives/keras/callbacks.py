@@ -30,11 +30,15 @@ KerasCallback: Any = _bridge.keras.callbacks.Callback
 
 def optimizer_variables(optimizer: Any, model: Any) -> list[Any]:
     """The optimizer's variables, built first where Keras builds them lazily (Keras 3): every
-    rank must hold the same ones before they are broadcast."""
+    rank must hold the same ones before they are broadcast. Not while the model has no
+    variables yet (a model built at its first batch): an optimizer built on none refuses
+    the model's variables at its first step, so it is built once they exist."""
     if optimizer is None:
         return []
     if not getattr(optimizer, "built", True) and hasattr(optimizer, "build"):
-        optimizer.build(model.trainable_variables)
+        trainable = list(model.trainable_variables)
+        if trainable:
+            optimizer.build(trainable)
     variables = getattr(optimizer, "variables", None) or []
     return list(variables() if callable(variables) else variables)
 

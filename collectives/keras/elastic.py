@@ -39,17 +39,32 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
 class KerasState(VariablesState):
     """A Keras model, its optimizer and picklable attributes (``epoch``, ``batch``...):
     commit copies the variables' values to host memory, restore assigns them back, sync
-    broadcasts them from rank 0."""
+    broadcasts them from rank 0. The variables are looked up at each of them: a model
+    built at its first batch (a ``Sequential`` without an input shape) is covered once it
+    is, and its optimizer is built only then; a restore leaves the variables created
+    since the commit as they are."""
 
     def __init__(
         self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any
     ) -> None:
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        self._saved_variables: list[Any] = []
         super().__init__(**kwargs)
 
     def _variables(self) -> list[Any]:
         return list(self.model.variables) + optimizer_variables(self.optimizer, self.model)
+
+    def _save_variables(self) -> None:
+        self._saved_variables = self._variables()
+        self._saved_values = [self._value_of(v) for v in self._saved_variables]
+
+    def restore(self) -> None:
+        # The variables of the commit, each given its value back: the list may have grown
+        # since (a model built at its first batch, an optimizer's slots built later).
+        for variable, value in zip(self._saved_variables, self._saved_values, strict=True):
+            variable.assign(value)
+        super(VariablesState, self).restore()  # (the attributes; the variables are done)
 
     def _value_of(self, variable: Any) -> Any:
         import numpy as np

@@ -5,6 +5,8 @@ the states that survive a reset, on hvdrun's elastic jobs.
 optimizer's) variables; ``TensorFlowState(variables, **attrs)`` any list of variables. A
 commit copies the variables' values to host memory, a restore assigns them back, a sync
 broadcasts them from rank 0 (plus the picklable attributes, see :mod:`collectives.elastic`).
+The model's variables are looked up at each of them, so a model built at its first batch
+is covered once it is; a restore leaves the variables created since the commit as they are.
 """
 
 from __future__ import annotations
@@ -52,10 +54,22 @@ class TensorFlowState(VariablesState):
         self, variables: Sequence[tf.Variable] | None = None, session: Any = None, **kwargs: Any
     ) -> None:
         self._tf_variables = list(variables or [])
+        self._saved_variables: list[tf.Variable] = []
         super().__init__(**kwargs)
 
     def _variables(self) -> list[tf.Variable]:
         return self._tf_variables
+
+    def _save_variables(self) -> None:
+        self._saved_variables = self._variables()
+        self._saved_values = [self._value_of(v) for v in self._saved_variables]
+
+    def restore(self) -> None:
+        # The variables of the commit, each given its value back: the list may have grown
+        # since (a Keras model built at its first batch, an optimizer's slots built later).
+        for variable, value in zip(self._saved_variables, self._saved_values, strict=True):
+            variable.assign(value)
+        super(VariablesState, self).restore()  # (the attributes; the variables are done)
 
     def _broadcast_variables(self, variables: list[Any]) -> None:
         broadcast_variables(variables, root_rank=0)
@@ -64,7 +78,9 @@ class TensorFlowState(VariablesState):
 class TensorFlowKerasState(TensorFlowState):
     """A Keras model, its optimizer (optional) and picklable attributes (``epoch``...).
     The optimizer's variables are created (built) first, so that every rank holds the same
-    ones to sync."""
+    ones to sync; not before the model has variables (a ``Sequential`` without an input
+    shape has none before its first batch): an optimizer built on none would refuse the
+    model's at its first step. Both are looked up again at each sync, commit and restore."""
 
     def __init__(
         self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any
@@ -78,8 +94,9 @@ class TensorFlowKerasState(TensorFlowState):
         optimizer = self.optimizer
         if optimizer is not None:
             build = getattr(optimizer, "build", None)
-            if build is not None and not getattr(optimizer, "built", True):
-                build(self.model.trainable_variables)
+            trainable = list(self.model.trainable_variables)
+            if build is not None and not getattr(optimizer, "built", True) and trainable:
+                build(trainable)
             extra = getattr(optimizer, "variables", None) or []
             variables.extend(extra() if callable(extra) else extra)  # (a method in tf_keras)
         return variables

@@ -1,6 +1,7 @@
 """Elastic state of the TensorFlow frontend in a job of size 1: ``TensorFlowState`` and
 ``TensorFlowKerasState`` keep the values of the last commit, give them back on restore and
-keep them through a sync. One process of its own (TensorFlow stays out of pytest's)."""
+keep them through a sync, a Keras model built at its first batch included (Keras 3's
+``KerasState`` too). One process of its own (TensorFlow stays out of pytest's)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,32 @@ SCRIPT = textwrap.dedent(
     assert not np.array_equal(model.get_weights()[0], before[0])
     keras_state.restore()
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+
+    # A model built at its first batch (Horovod's elastic Keras example): the state made
+    # before fit leaves the optimizer unbuilt; its sync, commit and restore cover the
+    # model's and the optimizer's variables once they exist.
+    import collectives.keras as hvd_keras
+    x, y = np.ones((8, 3), np.float32), np.ones((8, 1), np.float32)
+    for make in (TensorFlowKerasState, hvd_keras.elastic.KerasState):
+        model = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(1)])
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+        state = make(model, batch=0, epoch=0)
+        state.sync()
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        state.restore()  # (variables created since the commit stay as they are)
+        synced = []
+        state._broadcast_variables = synced.extend
+        state.sync()  # (a sync ends with a commit)
+        every = list(model.variables) + list(model.optimizer.variables)
+        assert len(every) > 6 and [id(v) for v in synced] == [id(v) for v in every], synced
+        committed = [keras.ops.convert_to_numpy(v).copy() for v in every]
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        trained = [keras.ops.convert_to_numpy(v).copy() for v in every]
+        state.restore()
+        now = [keras.ops.convert_to_numpy(v) for v in every]
+        assert all(np.array_equal(a, b) for a, b in zip(now, committed)), make
+        changed = [not np.array_equal(a, b) for a, b in zip(trained, committed)]
+        assert changed[:5] == [True] * 5 and changed[6:] == [True] * 8, changed  # (not lr)
     hvd.shutdown()
     print("STATE OK")
     """
