@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -68,6 +68,7 @@ from launcher.spec.options import (
 from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
 from rendezvous.launchers import DetectionError, slurm_allocation
 from rendezvous.worker_env import (
+    HOROVOD_PREFIX,
     LAUNCHER_SET,
     PREFIX,
     RENDEZVOUS_LOST_AFTER_SECONDS,
@@ -332,9 +333,11 @@ def cli(
     if rendezvous_addr is not None:
         check_rendezvous_addr(rendezvous_addr)
     ifnames = interfaces(network_interface, compat.network_interfaces)
-    env = worker_env(exports, ifnames, tuning)
-    env.update(compat.env())
-    env.update(log_settings.env())
+    env, exported = worker_env(exports, ifnames)
+    settings = {name: tuning_env(**{name: value}) for name, value in tuning.items()}
+    settings.update(compat.settings())
+    settings.update(log_settings.settings())
+    apply_settings(env, exported, settings)
     if explicit("heartbeat_timeout"):
         env[variable(RENDEZVOUS_LOST_AFTER_SECONDS)] = f"{heartbeat_timeout:g}"
     for name, value in config_env(click.get_current_context()).items():
@@ -572,9 +575,10 @@ def choose_launcher(requested: str, host_list: Sequence[HostSpec], elastic: bool
 
 
 def worker_env(
-    exports: tuple[str, ...], network_interface: str | None, tuning: dict[str, Any]
-) -> dict[str, str]:
-    """What every worker gets from here: see launcher.spec.environment for the rules."""
+    exports: tuple[str, ...], network_interface: str | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """What every worker gets from here (see launcher.spec.environment for the rules), and
+    the variables ``-x`` exported."""
     try:
         exported = parse_exports(exports, os.environ)
     except EnvSpecError as exc:
@@ -593,21 +597,39 @@ def worker_env(
             err=True,
         )
     env = forwarded_env(os.environ, exported)
-    # A flag given on the command line wins over -x; -x wins over the config file's value.
-    ctx = click.get_current_context()
-    from_file = {
-        name: value
-        for name, value in tuning.items()
-        if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT_MAP
-    }
-    env.update(tuning_env(**{k: v for k, v in tuning.items() if k not in from_file}))
-    for name, value in tuning_env(**from_file).items():
-        if not any(spelling in exported for spelling in setting_names(name[len(PREFIX) :])):
-            env[name] = value
     if network_interface:
         env["GLOO_SOCKET_IFNAME"] = network_interface
         env["NCCL_SOCKET_IFNAME"] = network_interface
-    return env
+    return env, exported
+
+
+#: Where a parameter's value came from when ``-x`` wins over it: the config file, or the
+#: parameter's own environment variable (``HOROVOD_LOG_LEVEL``).
+_BELOW_EXPORTS = (click.core.ParameterSource.DEFAULT_MAP, click.core.ParameterSource.ENVIRONMENT)
+
+
+def apply_settings(
+    env: dict[str, str], exported: Mapping[str, str], settings: Mapping[str, Mapping[str, str]]
+) -> None:
+    """Writes the worker variables of hvdrun's flags, by parameter, into ``env``. One rule
+    for all: a flag given on the command line wins over ``-x``; ``-x`` (of either spelling,
+    ``HVDRUN_*`` or ``HOROVOD_*``) wins over the config file's value and over the flag's own
+    environment variable."""
+    ctx = click.get_current_context()
+    for param, variables in settings.items():
+        below = ctx.get_parameter_source(param) in _BELOW_EXPORTS
+        for name, value in variables.items():
+            if below and any(spelling in exported for spelling in _spellings(name)):
+                continue
+            env[name] = value
+
+
+def _spellings(name: str) -> tuple[str, ...]:
+    """A worker variable's names: both of a setting's (``HVDRUN_X``, ``HOROVOD_X``)."""
+    for prefix in (PREFIX, HOROVOD_PREFIX):
+        if name.startswith(prefix):
+            return setting_names(name[len(prefix) :])
+    return (name,)
 
 
 def check_rendezvous_addr(addr: str) -> None:

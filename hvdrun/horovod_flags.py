@@ -207,7 +207,7 @@ class HorovodFlags:
 
     def adjust_tuning(self, tuning: dict[str, Any]) -> None:
         """The hidden opposites switch off what the config file may have switched on (and
-        :meth:`env` writes the ``0`` that wins over hvdrun's environment)."""
+        :meth:`settings` writes the ``0`` that wins over hvdrun's environment)."""
         if self.stall_check and "no_stall_check" in tuning:
             tuning["no_stall_check"] = None
         if self.no_timeline_mark_cycles and "timeline_mark_cycles" in tuning:
@@ -215,23 +215,26 @@ class HorovodFlags:
         if self.no_autotune and "autotune" in tuning:
             tuning["autotune"] = None
 
-    def env(self) -> dict[str, str]:
-        """The worker variables these flags set."""
-        env: dict[str, str] = {}
+    def settings(self) -> dict[str, dict[str, str]]:
+        """The worker variables these flags set, by the parameter that sets each (the
+        command line decides what wins over -x by where that parameter's value came from)."""
+        we = worker_env
+        settings: dict[str, dict[str, str]] = {}
         if self.gloo_timeout_seconds is not None:
             seconds = f"{self.gloo_timeout_seconds:g}"
-            env[worker_env.variable(worker_env.GLOO_TIMEOUT_SECONDS)] = seconds
+            settings["gloo_timeout_seconds"] = {we.variable(we.GLOO_TIMEOUT_SECONDS): seconds}
         # horovodrun writes 0 for these, so that they win over an inherited HOROVOD_*=1.
         if self.stall_check:
-            env[worker_env.variable(worker_env.STALL_CHECK_DISABLE)] = "0"
+            settings["stall_check"] = {we.variable(we.STALL_CHECK_DISABLE): "0"}
         if self.no_timeline_mark_cycles:
-            env[worker_env.variable(worker_env.TIMELINE_MARK_CYCLES)] = "0"
+            settings["no_timeline_mark_cycles"] = {we.variable(we.TIMELINE_MARK_CYCLES): "0"}
         for name, variable in NO_EFFECT_VARIABLES.items():
             value = getattr(self, name)
             if value is None:
                 continue
-            env[variable] = str(int(value)) if isinstance(value, bool) else str(value)
-        return env
+            text = str(int(value)) if isinstance(value, bool) else str(value)
+            settings[name] = {variable: text}
+        return settings
 
     def set_tcp(self, env: dict[str, str]) -> None:
         """``--tcp``: NCCL_IB_DISABLE=1 in ``env``, the workers' environment, unless it

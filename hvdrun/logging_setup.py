@@ -101,14 +101,17 @@ class LogSettings:
             return ""
         return logging.getLevelName(self.python_level())
 
-    def env(self) -> dict[str, str]:
-        """What the workers get: Horovod's logging variables."""
-        env: dict[str, str] = {}
+    def settings(self) -> dict[str, dict[str, str]]:
+        """What the workers get, Horovod's logging variables, by the parameter that sets
+        each (``--log-hide-timestamp``, horovodrun's older spelling, counts as
+        ``--log-without-timestamp``)."""
+        settings: dict[str, dict[str, str]] = {}
         if self.level is not None:
-            env["HOROVOD_LOG_LEVEL"] = self.level
+            settings["log_level"] = {"HOROVOD_LOG_LEVEL": self.level}
         if self.hide_timestamp is not None:  # (0 wins over an inherited HOROVOD_LOG_HIDE_TIME=1)
-            env["HOROVOD_LOG_HIDE_TIME"] = "1" if self.hide_timestamp else "0"
-        return env
+            hide = "1" if self.hide_timestamp else "0"
+            settings["log_without_timestamp"] = {"HOROVOD_LOG_HIDE_TIME": hide}
+        return settings
 
 
 #: The loggers the flags set the level of; others (grpc, asyncio, paramiko) stay at WARNING.

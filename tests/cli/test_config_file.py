@@ -134,6 +134,43 @@ def test_a_setting_exported_with_x_wins_over_the_file(
     assert env["HVDRUN_FUSION_THRESHOLD"] == str(1024 * 1024)
 
 
+def test_x_wins_over_the_file_for_every_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One rule for every key: -x (either spelling) wins over the file's value."""
+    config = write(tmp_path, HOROVOD_CONFIG)
+    exports = {
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": "120",
+        "HOROVOD_LOG_LEVEL": "DEBUG",
+        "HOROVOD_LOG_HIDE_TIME": "0",
+        "HOROVOD_HIERARCHICAL_ALLREDUCE": "0",
+        "HOROVOD_HIERARCHICAL_ALLGATHER": "0",
+        "HOROVOD_NUM_NCCL_STREAMS": "4",
+        "HOROVOD_THREAD_AFFINITY": "7",
+        "HOROVOD_MPI_THREADS_DISABLE": "0",
+        "HVDRUN_STALL_CHECK_DISABLE": "1",
+        "HOROVOD_TIMELINE_MARK_CYCLES": "0",
+    }
+    argv = ["--config-file", config]
+    for name, value in exports.items():
+        argv += ["-x", f"{name}={value}"]
+    env = environment([*argv, "-np", "1", "true"], capsys)
+    for name, value in exports.items():
+        assert env[name] == value, name
+    assert "HVDRUN_GLOO_TIMEOUT_SECONDS" not in env  # (it would win over the -x spelling)
+    assert "HVDRUN_TIMELINE_MARK_CYCLES" not in env
+    # ... and a flag's own variable in hvdrun's environment loses to -x too
+    monkeypatch.setenv("HOROVOD_LOG_LEVEL", "INFO")
+    env = environment(["-x", "HOROVOD_LOG_LEVEL=ERROR", "-np", "1", "true"], capsys)
+    assert env["HOROVOD_LOG_LEVEL"] == "ERROR"
+    # A flag on the command line still wins over -x.
+    argv += ["--gloo-timeout-seconds", "9", "--log-level", "WARNING", "--num-nccl-streams", "1"]
+    env = environment([*argv, "-np", "1", "true"], capsys)
+    assert env["HVDRUN_GLOO_TIMEOUT_SECONDS"] == "9"
+    assert env["HOROVOD_LOG_LEVEL"] == "WARNING"
+    assert env["HOROVOD_NUM_NCCL_STREAMS"] == "1"
+
+
 @pytest.mark.parametrize(
     ("how", "message"),
     [
