@@ -1,11 +1,11 @@
 """hvdrun's elastic flags (``--min-np``, ``--max-np``, ``--host-discovery-script``, ...).
 
-Any of ``--min-np``, ``--max-np`` or ``--host-discovery-script`` makes a job elastic (see
-:mod:`launcher.supervision.elastic`). The other elastic flags have no effect without them:
-horovodrun ignores them in a fixed-size job, so hvdrun runs the job and prints a note for
-each. Every mistake is a ``click.UsageError``: one line and exit code 2. The discovery
-script's first run happens here, so a script that does not work stops hvdrun before anything
-starts.
+``--min-np`` or ``--host-discovery-script`` makes a job elastic, as with horovodrun (see
+:mod:`launcher.supervision.elastic`). The other elastic flags, ``--max-np`` included, have no
+effect without them: horovodrun ignores them in a fixed-size job, so hvdrun runs the job and
+prints a note for each. Every mistake is a ``click.UsageError``: one line and exit code 2.
+The discovery script's first run happens here, so a script that does not work stops hvdrun
+before anything starts.
 """
 
 from __future__ import annotations
@@ -138,13 +138,16 @@ class ElasticFlags:
     cooldown: tuple[float, float] | None
 
     def given(self) -> bool:
-        return self.min_np is not None or self.max_np is not None or self.script is not None
+        """Whether the job is elastic: as horovodrun's ``_is_elastic``, ``--min-np`` or
+        ``--host-discovery-script`` (``--max-np`` alone leaves it fixed)."""
+        return self.min_np is not None or self.script is not None
 
     def unused_notes(self) -> list[str]:
         """The notes for a fixed-size job given elastic-only flags: horovodrun ignores them
         there, so hvdrun runs the job and says, one line per flag, that they do nothing."""
         notes = []
         for name in (
+            "max_np",
             "slots_per_host",
             "elastic_timeout",
             "reset_limit",
@@ -153,8 +156,8 @@ class ElasticFlags:
             if on_command_line(name):
                 flag = "--" + name.replace("_", "-")
                 notes.append(
-                    f"note: {flag} has no effect: the job is not elastic (--min-np, --max-np "
-                    "or --host-discovery-script makes it elastic)"
+                    f"note: {flag} has no effect: the job is not elastic (--min-np or "
+                    "--host-discovery-script makes it elastic)"
                 )
         return notes
 

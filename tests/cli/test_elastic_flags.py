@@ -18,8 +18,13 @@ from tests.cli.conftest import assert_usage_error
             "invalid '--min-np': must be between 1 and -np (2)",
         ),
         (["--min-np", "0", "-np", "2", "true"], "invalid '--min-np': must be between 1 and -np"),
-        (["--max-np", "1", "-np", "2", "true"], "invalid '--max-np': must be at least -np (2)"),
-        (["--max-np", "4", "true"], "an elastic job needs -np N"),
+        (
+            ["--min-np", "1", "--max-np", "1", "-np", "2", "true"],
+            "invalid '--max-np': must be at least -np (2)",
+        ),
+        (["--host-discovery-script", "echo a", "true"], "an elastic job needs -np N"),
+        # (--max-np alone leaves the job fixed, as with horovodrun: -np is needed)
+        (["--max-np", "4", "true"], "give the number of processes with -np N"),
         (["--min-np", "1", "-np", "2", "--reset-limit", "-1", "true"], "must not be negative"),
         (
             ["--min-np", "1", "-np", "2", "--blacklist-cooldown-range", "5", "1", "true"],
@@ -59,6 +64,8 @@ def test_bad_elastic_input_is_one_line_exit_2(
     ("flags", "names"),
     [
         (["--reset-limit", "2"], ["--reset-limit"]),
+        (["--max-np", "4"], ["--max-np"]),
+        (["--max-np", "1"], ["--max-np"]),
         (["--elastic-timeout", "5"], ["--elastic-timeout"]),
         (["--slots-per-host", "2"], ["--slots-per-host"]),
         (["--blacklist-cooldown-range", "1", "10"], ["--blacklist-cooldown-range"]),
@@ -78,10 +85,22 @@ def test_elastic_only_flags_on_a_fixed_job_are_noted_and_the_job_runs(
     assert code == (0 if program == "true" else 1)  # the job's own exit code
     notes = [line for line in err.splitlines() if "has no effect" in line]
     assert notes == [
-        f"hvdrun: note: {name} has no effect: the job is not elastic (--min-np, --max-np or "
+        f"hvdrun: note: {name} has no effect: the job is not elastic (--min-np or "
         "--host-discovery-script makes it elastic)"
         for name in names
     ]
+
+
+def test_max_np_alone_leaves_the_job_fixed(capsys: pytest.CaptureFixture[str]) -> None:
+    """horovodrun's job is elastic only with --min-np or --host-discovery-script."""
+    assert run_cli(["--dry-run", "-np", "2", "--max-np", "4", "true"]) == 0
+    out, err = capsys.readouterr()
+    assert "elastic:" not in out
+    assert "start timeout: 30 s; agent timeout: 30 s" in out  # (not the elastic 5 s)
+    assert "collective timeout      30 s  (default)" in out
+    assert "--max-np has no effect: the job is not elastic" in err
+    assert run_cli(["--dry-run", "-np", "2", "--min-np", "1", "--max-np", "4", "true"]) == 0
+    assert "elastic: min-np 1, max-np 4" in capsys.readouterr().out
 
 
 def test_discovery_script_failing_with_a_message(
