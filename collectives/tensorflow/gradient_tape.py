@@ -4,6 +4,7 @@ over the ranks (Horovod's TensorFlow 2 way of data-parallel training in a custom
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,8 +25,26 @@ __all__ = [
     "DistributedGradientTape",
     "GradientReducer",
     "PartialDistributedGradientTape",
+    "checked_groups",
     "scaled",
 ]
+
+
+def checked_groups(groups: Any, num_groups: int = 0) -> Any:
+    """Horovod's ``groups`` argument (``num_groups``, its old name, where it is None): None, a
+    number of groups above 0 or a list of lists of variables, as Horovod accepts; anything
+    else is a ValueError (as Horovod raises), here when the tape or optimizer is made."""
+    name = "groups"
+    if num_groups and groups is None:
+        groups, name = num_groups, "num_groups"
+    if groups is None or isinstance(groups, list | tuple):
+        return groups
+    if isinstance(groups, numbers.Integral) and not isinstance(groups, bool) and int(groups) > 0:
+        return int(groups)
+    raise ValueError(
+        f"{name} should be a positive integer (the number of groups) or a list of lists of "
+        f"tf.Variable, got {groups!r}"
+    )
 
 
 class GradientReducer:
@@ -55,10 +74,7 @@ class GradientReducer:
         op = ReduceOp(op)
         if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
             raise ValueError("gradient_predivide_factor needs op=hvd.Average")
-        if num_groups and groups is None:
-            groups = num_groups
-        if isinstance(groups, int) and groups < 0:
-            raise ValueError(f"groups must be a positive number of groups, got {groups}")
+        groups = checked_groups(groups, num_groups)
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense
         self.op = op

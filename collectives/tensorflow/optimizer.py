@@ -20,7 +20,7 @@ import tensorflow as tf
 from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.tensorflow.compression import Compression, Compressor
 from collectives.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
-from collectives.tensorflow.gradient_tape import GradientReducer
+from collectives.tensorflow.gradient_tape import GradientReducer, checked_groups
 
 __all__ = ["DistributedOptimizer"]
 
@@ -43,6 +43,7 @@ def DistributedOptimizer(
     scale_local_gradients: bool = True,
 ) -> Any:
     """Wraps ``optimizer`` so that it applies gradients averaged (``op``) over the ranks."""
+    groups, num_groups = checked_groups(groups, num_groups), 0
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         reducer = GradientReducer(
             compression,
