@@ -68,6 +68,7 @@ from launcher.spec.options import (
 from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
 from rendezvous.launchers import DetectionError, slurm_allocation
 from rendezvous.worker_env import (
+    ELASTIC_TIMEOUT,
     HOROVOD_PREFIX,
     LAUNCHER_SET,
     PREFIX,
@@ -93,6 +94,24 @@ class UserPath(click.Path):
 
 class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
     """hvdrun's command: help in sections, long options abbreviated as horovodrun takes them."""
+
+
+def _version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """``--version``: eager, so that it answers before any other flag or variable is read
+    (a bad ``HOROVOD_START_TIMEOUT`` in the environment does not stop it)."""
+    if value and not ctx.resilient_parsing:
+        click.echo(f"hvdrun {__version__}")
+        ctx.exit(0)
+
+
+def _check_build(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """``--check-build``: eager, as ``--version``."""
+    if value and not ctx.resilient_parsing:
+        from hvdrun.check_build import build_report
+
+        for line in build_report():
+            click.echo(line)
+        ctx.exit(0)
 
 
 @click.command(cls=HvdrunCommand, context_settings=CONTEXT_SETTINGS)
@@ -242,10 +261,21 @@ class HvdrunCommand(SectionedCommand, AbbreviatingCommand):
     "-cb",
     "--check-build",
     is_flag=True,
+    is_eager=True,
+    expose_value=False,
+    callback=_check_build,
     help="Show which frameworks, controllers and tensor operations are available.",
 )
 @elastic_options
-@click.option("-v", "--version", is_flag=True, help="Show hvdrun's version and exit.")
+@click.option(
+    "-v",
+    "--version",
+    is_flag=True,
+    is_eager=True,
+    expose_value=False,
+    callback=_version,
+    help="Show hvdrun's version and exit.",
+)
 @tuning_options
 @horovod_options
 @logging_options
@@ -273,29 +303,17 @@ def cli(
     prefix_timestamp: bool,
     term_grace: float,
     check_hosts: bool,
-    check_build: bool,
     min_np: int | None,
     max_np: int | None,
     host_discovery_script: str | None,
     slots_per_host: int,
-    elastic_timeout: float,
+    elastic_timeout: float | None,
     reset_limit: int | None,
     blacklist_cooldown_range: tuple[float, float] | None,
-    version: bool,
     command: tuple[str, ...],
     **tuning: Any,
 ) -> int:
     """Run COMMAND as N distributed workers, e.g. hvdrun -np 4 -H a:2,b:2 python train.py."""
-    if version:
-        click.echo(f"hvdrun {__version__}")
-        return 0
-    if check_build:
-        from hvdrun.check_build import build_report
-
-        for line in build_report():
-            click.echo(line)
-        return 0
-
     report = ReportFlags.take(tuning)
     if report.merge_timelines is not None:
         return merge_command(report.merge_timelines, command)
@@ -344,7 +362,9 @@ def cli(
         env.setdefault(name, value)
     compat.set_tcp(env)
     try:
-        check_settings(env)  # as every worker will read them, before any starts
+        # as every worker will read them, before any starts (a fixed job's workers never
+        # read the elastic timeout: any value of HOROVOD_ELASTIC_TIMEOUT may stand there)
+        check_settings(env if elastic else without_setting(env, ELASTIC_TIMEOUT))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     launch = LaunchOptions(
@@ -630,6 +650,12 @@ def _spellings(name: str) -> tuple[str, ...]:
         if name.startswith(prefix):
             return setting_names(name[len(prefix) :])
     return (name,)
+
+
+def without_setting(env: Mapping[str, str], name: str) -> dict[str, str]:
+    """``env`` less both spellings of the setting ``name``."""
+    spellings = setting_names(name)
+    return {key: value for key, value in env.items() if key not in spellings}
 
 
 def check_rendezvous_addr(addr: str) -> None:

@@ -22,6 +22,13 @@ from launcher.spec.hosts import MAX_PROCESSES, MAX_SLOTS_PER_HOST, HostSpec
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: How long an elastic job may wait for --min-np slots, unless --elastic-timeout or
+#: :data:`ELASTIC_TIMEOUT_VARIABLE` says.
+DEFAULT_ELASTIC_TIMEOUT = 600
+#: horovodrun's variable for --elastic-timeout: read only for an elastic job, so that a fixed
+#: job runs whatever it holds (horovodrun does not read it there either).
+ELASTIC_TIMEOUT_VARIABLE = "HOROVOD_ELASTIC_TIMEOUT"
+
 
 class Count(click.ParamType):
     """An integer no larger than ``cap``: ``-np 99999999999999999999`` is a typo, refused
@@ -77,9 +84,7 @@ _OPTIONS = [
     click.option(
         "--elastic-timeout",
         type=seconds(),
-        default=600.0,
-        show_default=True,
-        envvar="HOROVOD_ELASTIC_TIMEOUT",
+        show_default=str(DEFAULT_ELASTIC_TIMEOUT),
         metavar="SECONDS",
         help="Elastic job: how long it may wait for --min-np slots before it fails "
         "(HOROVOD_ELASTIC_TIMEOUT).",
@@ -133,7 +138,7 @@ class ElasticFlags:
     max_np: int | None
     script: str | None
     slots_per_host: int
-    elastic_timeout: float
+    elastic_timeout: float | None  # None: not given (HOROVOD_ELASTIC_TIMEOUT, else 600)
     reset_limit: int | None
     cooldown: tuple[float, float] | None
 
@@ -160,6 +165,23 @@ class ElasticFlags:
                     "--host-discovery-script makes it elastic)"
                 )
         return notes
+
+    def timeout(self) -> float:
+        """--elastic-timeout, else HOROVOD_ELASTIC_TIMEOUT (a bad value: the error click
+        gives for the flag, naming the variable), else the default."""
+        if self.elastic_timeout is not None:
+            return self.elastic_timeout
+        raw = os.environ.get(ELASTIC_TIMEOUT_VARIABLE)
+        if not raw:  # (an empty variable counts as unset, as click takes it)
+            return float(DEFAULT_ELASTIC_TIMEOUT)
+        ctx = click.get_current_context()
+        param = next(p for p in ctx.command.params if p.name == "elastic_timeout")
+        try:
+            value: float = param.type.convert(raw, param, ctx)
+        except click.BadParameter as exc:
+            message = f"{exc.message} (from {ELASTIC_TIMEOUT_VARIABLE})"
+            raise click.BadParameter(message, ctx=ctx, param=param) from None
+        return value
 
     def resolve(
         self, host_list: list[HostSpec] | None, num_proc: int | None
@@ -217,7 +239,7 @@ class ElasticFlags:
             min_np=min_np,
             max_np=self.max_np,
             discovery=discovery,
-            elastic_timeout=self.elastic_timeout,
+            elastic_timeout=self.timeout(),
             reset_limit=self.reset_limit,
             cooldown=self.cooldown,
         )

@@ -276,6 +276,55 @@ def test_a_bad_horovod_variable_is_named(
     assert_usage_error(["-np", "1", "true"], "'loud' is not one of", capsys)
 
 
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("HOROVOD_START_TIMEOUT", "abc"),
+        ("HOROVOD_LOG_LEVEL", "bogus"),
+        ("HOROVOD_LOG_HIDE_TIME", "maybe"),
+        ("HOROVOD_ELASTIC_TIMEOUT", "abc"),
+    ],
+)
+def test_variables_an_invocation_does_not_use_never_stop_it(
+    variable: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--version and --check-build answer whatever the environment holds, wherever they
+    stand; a fixed-size job runs whatever the elastic-only variable holds."""
+    import hvdrun.check_build
+
+    monkeypatch.setattr(hvdrun.check_build, "build_report", lambda: ["(the build report)"])
+    monkeypatch.setenv(variable, value)
+    for argv in (["--version"], ["-np", "2", "-v"], ["-v", "--start-timeout", "x"]):
+        assert run_cli(argv) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out.startswith("hvdrun ")
+    for argv in (["-cb"], ["--check-build"], ["-np", "1", "-cb"]):
+        assert run_cli(argv) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out == "(the build report)\n"
+    if variable == "HOROVOD_ELASTIC_TIMEOUT":
+        plan(["-np", "1", "true"], capsys)
+        # (an elastic job uses it: a bad value is the error it was)
+        assert_usage_error(
+            ["--dry-run", "-np", "1", "--min-np", "1", "true"],
+            "HOROVOD_ELASTIC_TIMEOUT must be a number, got 'abc'",
+            capsys,
+        )
+
+
+def test_a_bad_elastic_timeout_variable_names_the_flag_and_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HVDRUN_ELASTIC_TIMEOUT", "5")  # (passes the workers' check)
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "-1")
+    assert_usage_error(
+        ["--dry-run", "-np", "1", "--min-np", "1", "true"],
+        "Invalid value for '--elastic-timeout': -1 is not in the range x>0 "
+        "(from HOROVOD_ELASTIC_TIMEOUT)",
+        capsys,
+    )
+    out, _ = plan(["-np", "1", "--min-np", "1", "--elastic-timeout", "7", "true"], capsys)
+    assert "elastic timeout 7 s" in out  # (the flag wins over the variable)
+
+
 def test_dry_run_never_contacts_hosts(capsys: pytest.CaptureFixture[str]) -> None:
     assert_usage_error(
         ["--dry-run", "--check-hosts", "-H", "a.invalid"],
