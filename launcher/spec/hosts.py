@@ -98,6 +98,8 @@ def parse_hosts(text: str) -> list[HostSpec]:
 
 
 _SLOTS_KEYWORD = re.compile(r"^(?:slots|max_slots|max-slots)=(.*)$")
+#: Blanks around a hostfile line's '=': ``host slots = 2`` reads as ``host slots=2``.
+_AROUND_EQUALS = re.compile(r"\s*=\s*")
 
 
 def parse_hostfile_text(text: str, source: str = "hostfile") -> list[HostSpec]:
@@ -109,7 +111,7 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> list[HostSpec]:
         if not line:
             continue
         where = f"{source} line {number}"
-        fields = line.split()
+        fields = _AROUND_EQUALS.sub("=", line).split()  # (horovodrun reads 'a slots = 2' too)
         try:
             if len(fields) == 1:
                 host = parse_host_entry(fields[0])

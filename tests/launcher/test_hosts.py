@@ -125,6 +125,11 @@ def test_assign_slots_rejects_too_many() -> None:
     ("text", "expected"),
     [
         ("a slots=2\nb slots=1\n", [HostSpec("a", 2), HostSpec("b", 1)]),
+        # blanks around '=', as horovodrun reads them
+        (
+            "localhost slots = 2\nb slots= 3\nc\tslots =4 max_slots = 4\n",
+            [HostSpec("localhost", 2), HostSpec("b", 3), HostSpec("c", 4)],
+        ),
         ("a:4\nb\n", [HostSpec("a", 4), HostSpec("b", 1)]),
         (
             "# cluster\n\n  node-1 slots=8 max_slots=8  # the head\nnode-2:8\n\t\n",
