@@ -2,7 +2,8 @@
 
 ``--host-discovery-script SCRIPT`` is run (through ``/bin/sh``, so it may carry arguments)
 every second; it prints one ``host`` or ``host:slots`` per line (a bare host has
-``--slots-per-host`` slots; blank lines and ``#`` comments are ignored). Its first run must
+``--slots-per-host`` slots; blank lines and ``#`` comments are ignored; a host printed twice
+keeps its first place and takes its last line's slots, as in Horovod, with a warning). Its first run must
 succeed, or the job does not start; a later failure (non-zero exit, unparsable output, no
 answer within the timeout) is logged and the previous answer stays in force until a run
 succeeds again. A fixed ``-H`` list is the same without the script.
@@ -20,7 +21,7 @@ import logging
 import os
 import signal
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from launcher.errors import LauncherError
 from launcher.spec.hosts import HostSpec, HostSpecError, parse_host_entry
@@ -35,10 +36,13 @@ class DiscoveryError(LauncherError):
     """The discovery script failed or printed something that is not a host list."""
 
 
-def parse_discovery_output(text: str, slots_per_host: int) -> list[HostSpec]:
-    """``host`` / ``host:slots`` lines → hosts in the order printed; raises DiscoveryError."""
-    hosts: list[HostSpec] = []
-    seen: set[str] = set()
+def parse_discovery_output(
+    text: str, slots_per_host: int, repeated: set[str] | None = None
+) -> list[HostSpec]:
+    """``host`` / ``host:slots`` lines → hosts in the order printed; raises DiscoveryError.
+    A host printed more than once keeps its first place and takes its last line's slots
+    (Horovod keeps the hosts in a dict); its name is added to ``repeated``."""
+    hosts: dict[str, HostSpec] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -47,11 +51,10 @@ def parse_discovery_output(text: str, slots_per_host: int) -> list[HostSpec]:
             entry = parse_host_entry(line if ":" in line else f"{line}:{slots_per_host}")
         except HostSpecError as exc:
             raise DiscoveryError(f"line {number}: {exc}") from None
-        if entry.hostname in seen:
-            raise DiscoveryError(f"line {number}: host '{entry.hostname}' is listed twice")
-        seen.add(entry.hostname)
-        hosts.append(entry)
-    return hosts
+        if entry.hostname in hosts and repeated is not None:
+            repeated.add(entry.hostname)
+        hosts[entry.hostname] = entry
+    return list(hosts.values())
 
 
 class HostDiscovery:
@@ -85,6 +88,8 @@ class ScriptDiscovery(HostDiscovery):
     slots_per_host: int = 1
     timeout: float = DISCOVERY_TIMEOUT
     cwd: str | None = None
+    #: The hosts already warned about for being printed more than once (warned once each).
+    warned: set[str] = field(default_factory=set, repr=False)
 
     def describe(self) -> str:
         return f"host discovery script {self.script!r}"
@@ -113,7 +118,19 @@ class ScriptDiscovery(HostDiscovery):
             lines = stderr.decode("utf-8", "replace").strip().splitlines()
             last = f": {lines[-1]}" if lines else ""
             raise DiscoveryError(f"exited with code {proc.returncode}{last}")
-        return parse_discovery_output(stdout.decode("utf-8", "replace"), self.slots_per_host)
+        repeated: set[str] = set()
+        text = stdout.decode("utf-8", "replace")
+        hosts = parse_discovery_output(text, self.slots_per_host, repeated)
+        for name in sorted(repeated - self.warned):
+            slots = next(host.slots for host in hosts if host.hostname == name)
+            log.warning(
+                "%s prints host %s more than once: its last line counts (%d slot(s))",
+                self.describe(),
+                name,
+                slots,
+            )
+        self.warned |= repeated
+        return hosts
 
 
 class Blacklist:

@@ -47,10 +47,6 @@ from tests.cli.conftest import assert_usage_error
             ["--host-discovery-script", "echo 'a:x'", "-np", "1", "true"],
             "invalid '--host-discovery-script': echo 'a:x': line 1: slot count 'x' in 'a:x'",
         ),
-        (
-            ["--host-discovery-script", "printf 'a\\na\\n'", "-np", "1", "true"],
-            "line 2: host 'a' is listed twice",
-        ),
         (["--min-np", "1", "-np", "2"], "no command given"),
     ],
 )
@@ -101,6 +97,17 @@ def test_max_np_alone_leaves_the_job_fixed(capsys: pytest.CaptureFixture[str]) -
     assert "--max-np has no effect: the job is not elastic" in err
     assert run_cli(["--dry-run", "-np", "2", "--min-np", "1", "--max-np", "4", "true"]) == 0
     assert "elastic: min-np 1, max-np 4" in capsys.readouterr().out
+
+
+def test_a_host_the_script_prints_twice_takes_its_last_lines_slots(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    script = "printf 'localhost:1\\nlocalhost:2\\n'"
+    argv = ["--dry-run", "--host-discovery-script", script, "-np", "2", "true"]
+    assert run_cli(argv) == 0
+    out, err = capsys.readouterr()
+    assert "the plan of the first discovery (localhost:2)" in out
+    assert "prints host localhost more than once: its last line counts (2 slot(s))" in err
 
 
 def test_discovery_script_failing_with_a_message(

@@ -27,6 +27,33 @@ def test_parse_discovery_output() -> None:
         parse_discovery_output("a\nb:0\n", 1)
 
 
+def test_a_host_printed_twice_takes_its_last_lines_slots() -> None:
+    """As in Horovod, which keeps the hosts in a dict: the last line wins."""
+    repeated: set[str] = set()
+    text = "a:2\nb\na:4\nc:1\nb:3\n"
+    assert parse_discovery_output(text, 1, repeated) == [
+        HostSpec("a", 4),
+        HostSpec("b", 3),
+        HostSpec("c", 1),
+    ]
+    assert repeated == {"a", "b"}
+    assert parse_discovery_output("a\na\n", 2) == [HostSpec("a", 2)]
+
+
+def test_script_discovery_warns_once_about_a_host_printed_twice(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    discovery = ScriptDiscovery("printf 'x:1\\ny:1\\nx:5\\n'")
+    with caplog.at_level("WARNING", logger="launcher.supervision.discovery"):
+        assert discovery.find() == [HostSpec("x", 5), HostSpec("y", 1)]
+        assert discovery.find() == [HostSpec("x", 5), HostSpec("y", 1)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "host discovery script \"printf 'x:1\\\\ny:1\\\\nx:5\\\\n'\" prints host x more "
+        "than once: its last line counts (5 slot(s))"
+    ]
+
+
 def test_script_discovery_runs_through_the_shell(tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("x:2\ny\n")
