@@ -10,6 +10,13 @@ the result; the other passes apply nothing and only advance the optimizer's iter
 (a TF1 optimizer's ``global_step``). A non-finite gradient in any pass reaches the sum, and
 so the update, as it does in Horovod. Works eagerly, in ``tf.function`` and in TF1 graphs
 (explicit control dependencies order the reads after the updates).
+
+The counter and the sums are created when the first gradients come, as in Horovod: eagerly
+(lifted out of a ``tf.function``), or in the TF1 graph being built, in its
+``LOCAL_VARIABLES`` collection, so that an optimizer made before ``tf.Graph().as_default()``
+works in that graph, savers and ``BroadcastGlobalVariablesHook`` leave them out and
+``tf.compat.v1.local_variables_initializer()`` initializes them. An optimizer used in
+another graph later gets variables of its own there.
 """
 
 from __future__ import annotations
@@ -45,8 +52,22 @@ class LocalGradientAggregationHelper:
         self.average_aggregated_gradients = average_aggregated_gradients
         self._sums: dict[int, tf.Variable] = {}
         self._computed: list[Any] = []  # this pass's gradients, once summed or reduced
+        self.counter: Any = None  # (created with the sums, see _create_variables)
+        self._graph: Any = None  # the TF1 graph they are in (None: eager)
+
+    def _create_variables(self, grads: list[Any], present: list[int]) -> None:
+        """The counter and the sums of ``present`` gradients where they are missing: eager
+        variables (out of a ``tf.function``), or local variables of the TF1 graph."""
         with tf.init_scope():
-            self.counter = tf.Variable(0, trainable=False, dtype=tf.int64, name="hvd_passes")
+            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+            if self.counter is None or graph is not self._graph:
+                self._graph = graph
+                self._sums = {}
+                self.counter = _variable(graph, tf.zeros([], tf.int64), "hvd_passes")
+            for i in present:
+                if i not in self._sums:
+                    zeros = tf.zeros(grads[i].shape, grads[i].dtype)
+                    self._sums[i] = _variable(graph, zeros, "hvd_gradient_sum")
 
     def _dense(self, grad: Any) -> Any:
         if isinstance(grad, tf.IndexedSlices):
@@ -63,12 +84,7 @@ class LocalGradientAggregationHelper:
         the sums cleared), the running sums on the others."""
         grads = [None if g is None else self._dense(g) for g in grads]
         present = [i for i, g in enumerate(grads) if g is not None]
-        for i in present:
-            if i not in self._sums:
-                with tf.init_scope():
-                    self._sums[i] = tf.Variable(
-                        tf.zeros(grads[i].shape, grads[i].dtype), trainable=False
-                    )
+        self._create_variables(grads, present)
         updates = [self._sums[i].assign_add(grads[i]) for i in present]
         with tf.control_dependencies(updates):
             count = self.counter.assign_add(1)
@@ -118,9 +134,27 @@ class LocalGradientAggregationHelper:
             with tf.control_dependencies(step):
                 return tf.constant(False)
 
+        if self.counter is None:
+            raise ValueError(
+                "backward_passes_per_step > 1 applies the gradients of compute_gradients: "
+                "call compute_gradients (or minimize) first"
+            )
         with tf.control_dependencies(_ops(self._computed)):  # (after this pass's clearing)
             reduced_now = tf.equal(self.counter.read_value(), 0)
         return tf.cond(reduced_now, applied, skipped)
+
+
+def _variable(graph: Any, initial: tf.Tensor, name: str) -> Any:
+    """A variable of the accumulation: eager, or local to the TF1 graph ``graph``."""
+    if graph is None:
+        return tf.Variable(initial, trainable=False, name=name)
+    return tf.compat.v1.Variable(
+        initial,
+        trainable=False,
+        name=name,
+        collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+        use_resource=True,
+    )
 
 
 def _iterations(optimizer: Any) -> Any:

@@ -51,6 +51,7 @@ TWO_RANKS = [
     "local.partial_tape",
     "local.unscaled_split",
     "tf1.accumulated",
+    "tf1.accumulation_variables_local",
 ]
 
 

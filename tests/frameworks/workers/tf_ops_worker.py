@@ -408,20 +408,30 @@ def local_gradients(c: Checks, r: int, n: int) -> None:
 def tf1_accumulation(c: Checks, r: int, n: int) -> None:
     """A TF1 optimizer with backward_passes_per_step=2 and a local variable, in a graph:
     Horovod's algorithm (sum two passes, average over the ranks, apply every second pass;
-    the local variable's sum divided by the size)."""
+    the local variable's sum divided by the size). The optimizer is made before the graph,
+    and its counter and sums are the graph's local variables (Horovod's: no saver holds
+    them, local_variables_initializer initializes them)."""
+    opt = hvd.DistributedOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.25), backward_passes_per_step=2
+    )
     with tf.Graph().as_default():
         shared = tf.compat.v1.get_variable("shared", initializer=0.0)
         local = tf.compat.v1.get_variable("local", initializer=0.0)
         t = tf.compat.v1.placeholder(tf.float32, [])
         loss = (shared + local - t) ** 2
         step = tf.compat.v1.train.get_or_create_global_step()
-        opt = hvd.DistributedOptimizer(
-            tf.compat.v1.train.GradientDescentOptimizer(0.25), backward_passes_per_step=2
-        )
         opt.register_local_var(local)
         train = opt.minimize(loss, global_step=step)
+        saved = [v.op.name for v in tf.compat.v1.global_variables()]
+        kept = [v.op.name for v in tf.compat.v1.local_variables()]
+        c.expect(
+            "tf1.accumulation_variables_local",
+            saved == ["shared", "local", "global_step"] and len(kept) == 3,
+            (saved, kept),
+        )
         with tf.compat.v1.Session() as session:
             session.run(tf.compat.v1.global_variables_initializer())
+            session.run(tf.compat.v1.local_variables_initializer())
             targets = [1.0 + r, 2.0 + r, 3.0, 1.0]
             for target in targets:
                 session.run(train, {t: target})
