@@ -3,10 +3,10 @@
 ``--host-discovery-script SCRIPT`` is run (through ``/bin/sh``, so it may carry arguments)
 every second; it prints one ``host`` or ``host:slots`` per line (a bare host has
 ``--slots-per-host`` slots; blank lines and ``#`` comments are ignored; a host printed twice
-keeps its first place and takes its last line's slots, as in Horovod, with a warning). Its first run must
-succeed, or the job does not start; a later failure (non-zero exit, unparsable output, no
-answer within the timeout) is logged and the previous answer stays in force until a run
-succeeds again. A fixed ``-H`` list is the same without the script.
+keeps its first place and takes its last line's slots, as in Horovod, with a warning). Its
+first run must succeed, or the job does not start; a later failure (non-zero exit,
+unparsable output, no answer within the timeout) is logged and the previous answer stays in
+force until a run succeeds again. A fixed ``-H`` list is the same without the script.
 
 A host whose worker failed is blacklisted. Without ``--blacklist-cooldown-range`` it stays
 out for the rest of the job (Horovod's default); with ``MIN MAX`` its n-th failure keeps it out
