@@ -197,7 +197,7 @@ def print_plan(spec: JobSpec, echo: Echo) -> None:
     planned = min(spec.num_proc, discovered) if elastic is not None else spec.num_proc
     slots = assign_slots([(h.hostname, h.slots) for h in spec.hosts], planned) if planned else []
     hosts = list(dict.fromkeys(slot.hostname for slot in slots))
-    echo(f"hvdrun dry run: {spec.num_proc} worker(s) on {len(hosts)} host(s); nothing was started")
+    echo(f"hvdrun dry run: {planned} worker(s) on {len(hosts)} host(s); nothing was started")
     echo(f"command: {shlex.join(spec.command)}")
     echo(f"working directory: {spec.cwd}")
     launch = spec.launch
@@ -217,6 +217,12 @@ def print_plan(spec: JobSpec, echo: Echo) -> None:
             echo(
                 f"elastic: the first discovery offers {discovered} slot(s), fewer than "
                 f"min-np {elastic.min_np}: the job waits up to the elastic timeout for more"
+            )
+        elif planned < spec.num_proc:
+            echo(
+                f"elastic: the first discovery offers {discovered} slot(s), fewer than -np "
+                f"{spec.num_proc} but at least min-np {elastic.min_np}: the job starts with "
+                f"{planned} worker(s)"
             )
     echo("")
     echo("hosts:")

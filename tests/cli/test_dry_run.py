@@ -192,6 +192,19 @@ def test_elastic_job_shows_the_first_discovery(
     )
 
 
+def test_elastic_headline_counts_the_workers_that_would_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """-np 4 on 2 slots with --min-np 2: a real run starts 2 workers; the plan says 2."""
+    out = dry_run(["-np", "4", "--min-np", "2", "-H", "localhost:2", "true"], capsys)
+    assert out.startswith("hvdrun dry run: 2 worker(s) on 1 host(s); nothing was started\n")
+    assert len(section(out, "ranks")[1:]) == 2
+    assert (
+        "elastic: the first discovery offers 2 slot(s), fewer than -np 4 but at least min-np 2: "
+        "the job starts with 2 worker(s)" in out
+    )
+
+
 def test_dry_run_checks_no_command_or_output_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
