@@ -8,6 +8,7 @@ never a traceback. This process never imports torch (only ``--check-build`` does
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -510,18 +511,15 @@ def resolve_hosts(
     allocation: Allocation | None = None,
 ) -> tuple[list[HostSpec], int]:
     """The hosts and process count of a fixed-size job: -H/--hostfile, else the batch
-    allocation (its first ``-np`` slots), else ``localhost:-np``."""
+    allocation (its first ``-np`` slots; see :func:`beyond_allocation` for more), else
+    ``localhost:-np``."""
     if num_proc is not None:
         check_num_proc(num_proc)
     if host_list is None and allocation is not None:
         if num_proc is None:
             num_proc = allocation.slots
         if num_proc > allocation.slots:
-            raise click.BadParameter(
-                f"{num_proc} processes requested but {allocation.source} has only "
-                f"{allocation.slots} slot(s)",
-                param_hint="'-np'",
-            )
+            return beyond_allocation(allocation, num_proc), num_proc
         return allocation.first_slots(num_proc), num_proc
     if host_list is None:
         if num_proc is None:
@@ -548,6 +546,50 @@ def resolve_hosts(
             param_hint="'-np'",
         )
     return host_list, num_proc
+
+
+#: How to get more slots from each scheduler, for the error of an -np above them.
+_MORE_SLOTS = {
+    "slurm": "ask Slurm for more tasks (e.g. --ntasks-per-node=N)",
+    "pbs": "ask PBS for more slots (e.g. -l select=...:mpiprocs=N)",
+    "lsf": "ask LSF for more slots (bsub -n N)",
+    "sge": "ask SGE for more slots (-pe NAME N)",
+}
+
+
+def beyond_allocation(allocation: Allocation, num_proc: int) -> list[HostSpec]:
+    """The hosts of an ``-np`` above the allocation's slots. An allocation of this machine
+    alone (``sbatch -N1 --gres=gpu:8`` has one task slot) runs the N workers here, as
+    horovodrun (``localhost:N``) does, with a note; one of several nodes, where the workers'
+    places are not clear, is an error that names the ways out."""
+    nodes = [host.hostname for host in allocation.hosts]
+    if len(nodes) == 1 and is_this_machine(nodes[0]):
+        if num_proc > MAX_SLOTS_PER_HOST:
+            raise click.BadParameter(
+                f"{num_proc} processes on this machine is above the limit of "
+                f"{MAX_SLOTS_PER_HOST} slots per host",
+                param_hint="'-np'",
+            )
+        click.echo(
+            f"hvdrun: note: -np {num_proc} is more than the {allocation.slots} slot(s) of "
+            f"{allocation.source}, which holds only this machine ({nodes[0]}): its "
+            f"{num_proc} workers run here, as horovodrun runs them",
+            err=True,
+        )
+        return [HostSpec(nodes[0], num_proc)]
+    more = _MORE_SLOTS.get(allocation.scheduler, "ask the scheduler for more slots")
+    raise click.BadParameter(
+        f"{num_proc} processes requested but {allocation.source} has only "
+        f"{allocation.slots} slot(s) on {len(nodes)} node(s): give the hosts and their slots "
+        f"with -H (-H localhost:{num_proc} for this machine alone), or {more}",
+        param_hint="'-np'",
+    )
+
+
+def is_this_machine(name: str) -> bool:
+    """Whether a scheduler's node name is the machine hvdrun runs on."""
+    own = socket.gethostname()
+    return name in (own, own.split(".", 1)[0]) or is_local_host(name)
 
 
 def choose_launcher(requested: str, host_list: Sequence[HostSpec], elastic: bool) -> str:

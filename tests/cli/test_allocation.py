@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,47 @@ def test_np_above_the_slots_is_an_error_naming_the_allocation(
         "invalid '-np': 9 processes requested but the Slurm allocation (job 42) has only 4 slot(s)",
         capsys,
     )
+
+
+def test_np_above_the_slots_names_the_ways_out(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    assert_usage_error(
+        ["-np", "9", "true"],
+        "has only 4 slot(s) on 2 node(s): give the hosts and their slots with -H "
+        "(-H localhost:9 for this machine alone), or ask Slurm for more tasks "
+        "(e.g. --ntasks-per-node=N)",
+        capsys,
+    )
+    # one node that is not this machine: where the workers should go is not clear either
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "elsewhere.invalid")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1")
+    assert_usage_error(["-np", "2", "true"], "has only 1 slot(s) on 1 node(s)", capsys)
+
+
+@pytest.mark.parametrize("node", [socket.gethostname(), "localhost"])
+def test_np_above_the_slots_of_this_machine_alone_runs_here(
+    node: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sbatch -N1 --gres=gpu:8 has one task slot; horovodrun runs -np 8 as localhost:8."""
+    from hvdrun.cli import run_cli
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", node)
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1")
+    assert run_cli(["--dry-run", "-np", "8", "true"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("hvdrun dry run: 8 worker(s) on 1 host(s)")
+    assert f"  {node}  8 worker(s)" in out
+    assert (
+        f"hvdrun: note: -np 8 is more than the 1 slot(s) of the Slurm allocation (job 42), "
+        f"which holds only this machine ({node}): its 8 workers run here" in err
+    )
+    # (within the slots, no note)
+    assert run_cli(["--dry-run", "-np", "1", "true"]) == 0
+    assert "more than the" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
