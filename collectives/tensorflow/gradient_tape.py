@@ -134,8 +134,8 @@ class GradientReducer:
             )
             for i, g in zip(group, reduced, strict=True):
                 result[i] = g
-        if self.scale_local_gradients:
-            size = float(self.process_set.size())
+        if self.scale_local_gradients and local:
+            size = mpi_ops.size_to_divide_by(self.process_set)  # (elastic: read at run time)
             for i in local:
                 result[i] = _divided(grads[i], size)
         return result
@@ -170,9 +170,10 @@ class GradientReducer:
         return grouped
 
 
-def _divided(grad: Any, size: float) -> Any:
-    """A local gradient divided by the set's size (Horovod's ``scale_local_gradients``)."""
-    if grad is None or size == 1.0:
+def _divided(grad: Any, size: int | tf.Tensor) -> Any:
+    """A local gradient divided by the set's size (Horovod's ``scale_local_gradients``): a
+    number, or the size op of an elastic job's graph."""
+    if grad is None or (isinstance(size, int) and size == 1):
         return grad
     return _on_values(grad, lambda values: values / tf.cast(size, values.dtype))
 

@@ -185,6 +185,16 @@ def _size(process_set: ProcessSet) -> int:
     return process_set.size() if process_set is not global_process_set else runtime.size()
 
 
+def size_to_divide_by(process_set: ProcessSet) -> int | tf.Tensor:
+    """The process set's size for an average: in a graph of an elastic job (a traced
+    ``tf.function`` outlives a reset that changes the size) the size op, read each time the
+    graph runs, as Horovod does under HOROVOD_ELASTIC; elsewhere the number (cheaper)."""
+    set_id = process_set.process_set_id
+    if graph.in_graph() and set_id is not None and runtime.is_elastic():
+        return size_op(set_id)
+    return _size(process_set)
+
+
 # ---- allreduce ----------------------------------------------------------------------------
 
 
@@ -336,7 +346,7 @@ def _sparse_allreduce(
         slices.indices, f"{name}.indices" if name else None, ignore_name_scope, process_set
     )
     if op == ReduceOp.AVERAGE:
-        values = values / tf.cast(_size(process_set), values.dtype)
+        values = values / tf.cast(size_to_divide_by(process_set), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 

@@ -1,6 +1,7 @@
 """Checks of the TensorFlow frontend that need no peers, in one job of size 1 (a process of
 its own: TensorFlow stays out of pytest's): arguments refused where the tape or optimizer
-is made."""
+is made; in an elastic job, averages in a traced ``tf.function`` divide by the size the job
+has when the function runs."""
 
 from __future__ import annotations
 
@@ -35,6 +36,39 @@ SCRIPT = textwrap.dedent(
     hvd.DistributedGradientTape(tape, num_groups=0, groups=[[tf.Variable(1.0)]])
     hvd.DistributedOptimizer(keras.optimizers.SGD(), num_groups=3)
     print("groups-ok")
+
+    # In an elastic job, a traced tf.function divides by the size when it runs (a reset may
+    # change it): a sparse gradient's average and a local gradient's scaling.
+    import numpy as np
+    from collectives import runtime
+    from collectives.tensorflow import mpi_ops
+
+    @tf.function
+    def sparse_average(values):
+        rows = tf.IndexedSlices(values, tf.constant([0, 1]), tf.constant([4, 1], tf.int64))
+        return hvd.allreduce(rows, op=hvd.Average).values
+
+    w = tf.Variable([[2.0]])
+
+    @tf.function
+    def local_gradient():
+        with tf.GradientTape() as raw:
+            loss = tf.reduce_sum(w * 3.0)
+        tape = hvd.DistributedGradientTape(raw)
+        tape.register_local_source(w)
+        return tape.gradient(loss, [w])[0]
+
+    job, set_size = runtime.state.require(), mpi_ops._set_size
+    job.elastic = True
+    try:
+        x = tf.constant([[4.0], [8.0]])
+        assert np.allclose(sparse_average(x), [[4.0], [8.0]]) and np.allclose(local_gradient(), 3)
+        mpi_ops._set_size = lambda process_set_id: 2  # (as if the job had grown to 2)
+        got = (sparse_average(x).numpy(), local_gradient().numpy())
+        assert np.allclose(got[0], [[2.0], [4.0]]) and np.allclose(got[1], 1.5), got
+    finally:
+        job.elastic, mpi_ops._set_size = False, set_size
+    print("elastic-size-ok")
 
     hvd.shutdown()
     print("CHECKS OK")
