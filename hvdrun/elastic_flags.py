@@ -84,10 +84,9 @@ _OPTIONS = [
     click.option(
         "--elastic-timeout",
         type=seconds(),
-        show_default=str(DEFAULT_ELASTIC_TIMEOUT),
         metavar="SECONDS",
         help="Elastic job: how long it may wait for --min-np slots before it fails "
-        "(HOROVOD_ELASTIC_TIMEOUT).",
+        f"(HOROVOD_ELASTIC_TIMEOUT; default {DEFAULT_ELASTIC_TIMEOUT}).",
     ),
     click.option(
         "--reset-limit",
