@@ -42,11 +42,16 @@ class KerasState(VariablesState):
     broadcasts them from rank 0. The variables are looked up at each of them: a model
     built at its first batch (a ``Sequential`` without an input shape) is covered once it
     is, and its optimizer is built only then; a restore leaves the variables created
-    since the commit as they are."""
+    since the commit as they are. On TensorFlow it needs eager execution (tf_keras in a
+    TF1 session is refused, as Horovod refuses it)."""
 
     def __init__(
         self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any
     ) -> None:
+        if not keras_backend.current().is_torch:  # (tf_keras in a TF1 session: refused)
+            from collectives.tensorflow.elastic import check_eager
+
+            check_eager("hvd.elastic.KerasState")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self._saved_variables: list[Any] = []

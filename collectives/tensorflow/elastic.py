@@ -47,12 +47,27 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
     return elastic.run(unwrapping)
 
 
+def check_eager(what: str) -> None:
+    """A ValueError where ``what`` (an elastic state) is made without eager execution: TF1
+    graphs and sessions are not supported in elastic mode."""
+    if not tf.executing_eagerly():
+        raise ValueError(
+            f"{what} needs eager execution: TF1 graphs and sessions "
+            "(tf.compat.v1.disable_eager_execution(), tf.Graph().as_default()) are not "
+            "supported in elastic mode; train eagerly or in a tf.function (TensorFlow 2's "
+            "default), and make the state outside any graph or tf.function"
+        )
+
+
 class TensorFlowState(VariablesState):
-    """Variables (``variables``, e.g. ``model.variables``) and picklable attributes."""
+    """Variables (``variables``, e.g. ``model.variables``) and picklable attributes. Needs
+    eager execution (TF1 sessions are not supported in elastic mode): made in a graph, it
+    is a ValueError, where Horovod would read the variables through a session."""
 
     def __init__(
         self, variables: Sequence[tf.Variable] | None = None, session: Any = None, **kwargs: Any
     ) -> None:
+        check_eager(f"hvd.elastic.{type(self).__name__}")
         self._tf_variables = list(variables or [])
         self._saved_variables: list[tf.Variable] = []
         super().__init__(**kwargs)

@@ -76,5 +76,10 @@ def test_tf_keras_in_a_tf1_session() -> None:
         code,
         output,
         2,
-        ["tf1.broadcast_callback", "tf1.warmup_callback", "tf1.broadcast_global_variables"],
+        [
+            "tf1.broadcast_callback",
+            "tf1.warmup_callback",
+            "tf1.broadcast_global_variables",
+            "tf1.elastic_state_refused",
+        ],
     )

@@ -1,7 +1,7 @@
 """Checks of the TensorFlow frontend that need no peers, in one job of size 1 (a process of
 its own: TensorFlow stays out of pytest's): arguments refused where the tape or optimizer
 is made; in an elastic job, averages in a traced ``tf.function`` divide by the size the job
-has when the function runs."""
+has when the function runs; elastic states refused in TF1 graphs."""
 
 from __future__ import annotations
 
@@ -69,6 +69,19 @@ SCRIPT = textwrap.dedent(
     finally:
         job.elastic, mpi_ops._set_size = False, set_size
     print("elastic-size-ok")
+
+    # Elastic states need eager execution (TF1 sessions are not supported in elastic mode)
+    from collectives.tensorflow.elastic import TensorFlowKerasState, TensorFlowState
+    with tf.Graph().as_default():
+        graph_variable = tf.compat.v1.get_variable("v", initializer=1.0)
+        for make in (lambda: TensorFlowState([graph_variable]), lambda: TensorFlowState(),
+                     lambda: TensorFlowKerasState(keras.Sequential())):
+            try:
+                make()
+                raise AssertionError("an elastic state made in a TF1 graph")
+            except ValueError as error:
+                assert "needs eager execution" in str(error), error
+    print("elastic-eager-ok")
 
     hvd.shutdown()
     print("CHECKS OK")

@@ -1,6 +1,7 @@
 """Worker: collectives.keras on tf_keras in TF1 graph mode (``disable_eager_execution``), the
 way Horovod's older Keras scripts run: the callbacks and ``broadcast_global_variables`` must
-act in the Keras session (an assignment built in a graph does nothing until it runs)."""
+act in the Keras session (an assignment built in a graph does nothing until it runs); an
+elastic ``KerasState`` is refused (elastic mode needs eager execution)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ def main() -> None:
     hvd.broadcast_global_variables(0)
     got = keras.backend.get_value(kernel).ravel().tolist()
     c.expect("tf1.broadcast_global_variables", got == [5.0] * 3, got)
+    try:  # (elastic mode needs eager execution)
+        hvd.elastic.KerasState(model, epoch=0)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    c.expect("tf1.elastic_state_refused", "needs eager execution" in refused, refused)
     hvd.shutdown()
     c.finish(r)
 
