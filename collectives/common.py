@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import numbers
 import operator
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "ProcessSet",
     "ReduceOp",
     "bind_job",
+    "checked_groups",
     "global_process_set",
     "layer_variables",
     "mark_reduced",
@@ -216,3 +218,20 @@ def layer_variables(layers: Any) -> list[Any]:
     if bad:
         raise ValueError(f"All local layers must be Keras layers, got {', '.join(bad)}")
     return [variable for layer in layers for variable in layer.trainable_weights]
+
+
+def checked_groups(groups: Any, num_groups: int = 0) -> Any:
+    """Horovod's ``groups`` argument (``num_groups``, its old name, where it is None): None, a
+    number of groups above 0 or a list of lists of variables, as Horovod accepts; anything
+    else is a ValueError (as Horovod raises), here when the tape or optimizer is made."""
+    name = "groups"
+    if num_groups and groups is None:
+        groups, name = num_groups, "num_groups"
+    if groups is None or isinstance(groups, list | tuple):
+        return groups
+    if isinstance(groups, numbers.Integral) and not isinstance(groups, bool) and int(groups) > 0:
+        return int(groups)
+    raise ValueError(
+        f"{name} should be a positive integer (the number of groups) or a list of lists of "
+        f"variables, got {groups!r}"
+    )

@@ -37,6 +37,7 @@ from typing import Any
 from collectives.common import (
     ProcessSet,
     ReduceOp,
+    checked_groups,
     global_process_set,
     reduced_over,
     variable_key,
@@ -71,6 +72,7 @@ def create_distributed_optimizer(
     op = ReduceOp(op)
     if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor needs op=hvd.Average")
+    groups, num_groups = checked_groups(groups, num_groups), 0
     bridge = keras_backend.current()
     settings = _Settings(
         bridge,

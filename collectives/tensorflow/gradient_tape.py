@@ -4,7 +4,6 @@ over the ranks (Horovod's TensorFlow 2 way of data-parallel training in a custom
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +12,7 @@ import tensorflow as tf
 from collectives.common import (
     ProcessSet,
     ReduceOp,
+    checked_groups,
     global_process_set,
     layer_variables,
     mark_reduced,
@@ -25,26 +25,8 @@ __all__ = [
     "DistributedGradientTape",
     "GradientReducer",
     "PartialDistributedGradientTape",
-    "checked_groups",
     "scaled",
 ]
-
-
-def checked_groups(groups: Any, num_groups: int = 0) -> Any:
-    """Horovod's ``groups`` argument (``num_groups``, its old name, where it is None): None, a
-    number of groups above 0 or a list of lists of variables, as Horovod accepts; anything
-    else is a ValueError (as Horovod raises), here when the tape or optimizer is made."""
-    name = "groups"
-    if num_groups and groups is None:
-        groups, name = num_groups, "num_groups"
-    if groups is None or isinstance(groups, list | tuple):
-        return groups
-    if isinstance(groups, numbers.Integral) and not isinstance(groups, bool) and int(groups) > 0:
-        return int(groups)
-    raise ValueError(
-        f"{name} should be a positive integer (the number of groups) or a list of lists of "
-        f"tf.Variable, got {groups!r}"
-    )
 
 
 class GradientReducer:

@@ -17,10 +17,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from collectives.common import ProcessSet, ReduceOp, global_process_set
+from collectives.common import ProcessSet, ReduceOp, checked_groups, global_process_set
 from collectives.tensorflow.compression import Compression, Compressor
 from collectives.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
-from collectives.tensorflow.gradient_tape import GradientReducer, checked_groups
+from collectives.tensorflow.gradient_tape import GradientReducer
 
 __all__ = ["DistributedOptimizer"]
 

@@ -35,6 +35,8 @@ SCRIPT = textwrap.dedent(
     hvd.DistributedGradientTape(tape, groups=2)
     hvd.DistributedGradientTape(tape, num_groups=0, groups=[[tf.Variable(1.0)]])
     hvd.DistributedOptimizer(keras.optimizers.SGD(), num_groups=3)
+    import collectives.keras as hvd_keras  # (Keras's own DistributedOptimizer, too)
+    assert refused(lambda: hvd_keras.DistributedOptimizer(keras.optimizers.SGD(), groups=0))
     print("groups-ok")
 
     # In an elastic job, a traced tf.function divides by the size when it runs (a reset may
