@@ -107,6 +107,8 @@ def create_distributed_optimizer(
             lambda grads, variables: _reduce_unless_elsewhere(optimizer, grads, list(variables)),
             sparse_as_dense,
             average_aggregated_gradients,
+            # (in a TF1 session, Keras initializes the variables it tracks)
+            track=getattr(bridge.keras.__internal__.backend, "track_variable", None),
         )
     elif backward_passes_per_step == 1:
         methods["apply"] = _apply

@@ -41,6 +41,7 @@ class LocalGradientAggregationHelper:
         allreduce_func: Reduce,
         sparse_as_dense: bool,
         average_aggregated_gradients: bool,
+        track: Callable[[Any], Any] | None = None,
     ) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(
@@ -54,6 +55,9 @@ class LocalGradientAggregationHelper:
         self._computed: list[Any] = []  # this pass's gradients, once summed or reduced
         self.counter: Any = None  # (created with the sums, see _create_variables)
         self._graph: Any = None  # the TF1 graph they are in (None: eager)
+        # Called with each variable made in a TF1 graph: tf_keras's session initializes the
+        # variables tracked with its track_variable, which a Keras optimizer passes here.
+        self._track = track
 
     def _create_variables(self, grads: list[Any], present: list[int]) -> None:
         """The counter and the sums of ``present`` gradients where they are missing: eager
@@ -63,11 +67,26 @@ class LocalGradientAggregationHelper:
             if self.counter is None or graph is not self._graph:
                 self._graph = graph
                 self._sums = {}
-                self.counter = _variable(graph, tf.zeros([], tf.int64), "hvd_passes")
+                self.counter = self._variable(graph, tf.zeros([], tf.int64), "hvd_passes")
             for i in present:
                 if i not in self._sums:
                     zeros = tf.zeros(grads[i].shape, grads[i].dtype)
-                    self._sums[i] = _variable(graph, zeros, "hvd_gradient_sum")
+                    self._sums[i] = self._variable(graph, zeros, "hvd_gradient_sum")
+
+    def _variable(self, graph: Any, initial: tf.Tensor, name: str) -> Any:
+        """A variable of the accumulation: eager, or local to the TF1 graph ``graph``."""
+        if graph is None:
+            return tf.Variable(initial, trainable=False, name=name)
+        variable = tf.compat.v1.Variable(
+            initial,
+            trainable=False,
+            name=name,
+            collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+            use_resource=True,
+        )
+        if self._track is not None:
+            self._track(variable)
+        return variable
 
     def _dense(self, grad: Any) -> Any:
         if isinstance(grad, tf.IndexedSlices):
@@ -142,19 +161,6 @@ class LocalGradientAggregationHelper:
         with tf.control_dependencies(_ops(self._computed)):  # (after this pass's clearing)
             reduced_now = tf.equal(self.counter.read_value(), 0)
         return tf.cond(reduced_now, applied, skipped)
-
-
-def _variable(graph: Any, initial: tf.Tensor, name: str) -> Any:
-    """A variable of the accumulation: eager, or local to the TF1 graph ``graph``."""
-    if graph is None:
-        return tf.Variable(initial, trainable=False, name=name)
-    return tf.compat.v1.Variable(
-        initial,
-        trainable=False,
-        name=name,
-        collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
-        use_resource=True,
-    )
 
 
 def _iterations(optimizer: Any) -> Any:

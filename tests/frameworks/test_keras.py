@@ -81,5 +81,6 @@ def test_tf_keras_in_a_tf1_session() -> None:
             "tf1.warmup_callback",
             "tf1.broadcast_global_variables",
             "tf1.elastic_state_refused",
+            "tf1.accumulation",
         ],
     )

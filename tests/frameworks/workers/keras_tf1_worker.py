@@ -58,6 +58,19 @@ def main() -> None:
     except ValueError as error:
         refused = str(error)
     c.expect("tf1.elastic_state_refused", "needs eager execution" in refused, refused)
+
+    # backward_passes_per_step: the sums it keeps are variables the Keras session initializes.
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]
+    )
+    optimizer = keras.optimizers.legacy.SGD(0.1)
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(optimizer, backward_passes_per_step=2), loss="mse"
+    )
+    model.fit(x, y, batch_size=2, verbose=0)  # (two passes: one step of their summed gradients)
+    got = model.get_weights()[0].ravel().tolist()
+    want = 0.1 * sum(4 * (q + 1) for q in range(n)) / n
+    c.expect("tf1.accumulation", np.allclose(got, want), (got, want))
     hvd.shutdown()
     c.finish(r)
 
