@@ -22,7 +22,6 @@ TensorFlow and Keras states); the objects travel through :mod:`collectives.objec
 
 from __future__ import annotations
 
-import copy
 import enum
 import functools
 import logging
@@ -136,9 +135,39 @@ class State:
         raise NotImplementedError
 
 
+#: Values a commit keeps as they are (they cannot change in place).
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, frozenset)
+
+
+def _kept(value: Any) -> Any:
+    """What a commit keeps of an attribute's value: a copy of plain data (numbers, strings,
+    lists, tuples, dicts and sets of them, tensors and arrays), so that a restore also rolls
+    back changes made in place (``state.history.append(...)``); any other object (a sampler,
+    a dataset, a class of the script's) as it is, as Horovod keeps every value: it is not
+    copied at each commit. A tensor is copied detached (one of the autograd graph, such as
+    ``state.loss = loss``, cannot be deep-copied)."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if kind is list:
+        return [_kept(item) for item in value]
+    if kind is tuple:
+        return tuple(_kept(item) for item in value)
+    if kind is dict:
+        return {key: _kept(item) for key, item in value.items()}
+    if kind is set:
+        return set(value)
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if kind.__module__ == "numpy" and hasattr(value, "copy"):
+        return value.copy()
+    return value
+
+
 class ObjectState(State):
     """Picklable attributes (``ObjectState(epoch=0, batch=0)`` → ``state.epoch``), saved
-    as deep copies and synced from rank 0 with ``broadcast_object``."""
+    in memory by a commit (plain data copied, other objects as they are: see
+    :func:`_kept`) and synced from rank 0 with ``broadcast_object``."""
 
     def __init__(
         self,
@@ -149,10 +178,10 @@ class ObjectState(State):
         super().__init__()
         self._bcast_object = bcast_object
         self._get_rank = get_rank
-        # Our own broadcast_object gets names; a user's function (Horovod's signature
-        # ``bcast_object(obj, root_rank)``) is called without one.
+        # Our own broadcast_object gets names; a user's function is called as Horovod calls
+        # it, ``bcast_object(obj)`` (from rank 0: Horovod's broadcast_object's default).
         self._named = bcast_object is broadcast_object
-        self._saved_state: dict[str, Any] = copy.deepcopy(kwargs)
+        self._saved_state: dict[str, Any] = {name: _kept(v) for name, v in kwargs.items()}
         for name, value in kwargs.items():
             setattr(self, name, value)
 
@@ -171,14 +200,14 @@ class ObjectState(State):
     def _broadcast(self, obj: Any, name: str) -> Any:
         if self._named:
             return self._bcast_object(obj, 0, name=name)
-        return self._bcast_object(obj, 0)
+        return self._bcast_object(obj)
 
     def save(self) -> None:
-        self._saved_state = copy.deepcopy(self._current())
+        self._saved_state = {name: _kept(value) for name, value in self._current().items()}
 
     def restore(self) -> None:
-        for name, value in copy.deepcopy(self._saved_state).items():
-            setattr(self, name, value)
+        for name, value in self._saved_state.items():
+            setattr(self, name, _kept(value))
 
     def sync(self) -> None:
         if self._saved_state:
@@ -235,16 +264,15 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
     Before each call the state is synced from rank 0. On :class:`HorovodInternalError` the
     state is restored to its last commit; on :class:`HostsUpdatedInterrupt` it is kept. Then
     the worker joins the job's next membership generation and calls ``func`` again.
+
+    In a job that is not elastic (a fixed hvdrun job, or one started by srun, mpirun,
+    torchrun, ...) the function runs as plain training, as Horovod's does under mpirun:
+    there is no next generation to join, so a failed peer's error ends the worker (after the
+    restore), as it would without ``run``.
     """
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> _R:
-        started_by = runtime.started_by()
-        if started_by not in ("hvdrun", ""):
-            raise RuntimeError(
-                f"elastic training needs hvdrun: this job was started by {started_by}, which "
-                "cannot replace a lost host; start it with hvdrun --min-np N --max-np M ..."
-            )
         reset_needed = False
         skip_sync = False
         while True:
@@ -259,6 +287,8 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
             except HorovodInternalError as error:
                 logger.warning("a peer failed (%s); restoring the last commit", error)
                 state.restore()
+                if not runtime.is_elastic():
+                    raise  # (nothing replaces the peer: see the docstring)
                 skip_sync = False
             except HostsUpdatedInterrupt as interrupt:
                 skip_sync = interrupt.skip_sync

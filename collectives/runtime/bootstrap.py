@@ -258,7 +258,8 @@ def reset() -> None:
         runtime_ = state.require("collectives.torch.elastic reset")
         if not runtime_.elastic:
             raise RuntimeError(
-                "elastic reset needs an elastic job: start it with hvdrun --min-np/--max-np"
+                "elastic reset needs an elastic job: start it with hvdrun --min-np N (or "
+                "--host-discovery-script)"
             )
         # Shorter than at shutdown: a peer that is gone must not delay the recovery.
         engine_ = runtime_.engine

@@ -96,23 +96,44 @@ def test_run_retries_after_a_host_update_and_restores_after_a_failure(hvd: Modul
             raise hvd.HorovodInternalError("a peer died")
         return "done"
 
-    # In a job of size 1 without hvdrun there is no next generation to join.
-    with pytest.raises(RuntimeError, match="elastic reset needs an elastic job"):
+    # A job that is not elastic (size 1 without hvdrun) has no next generation to join: the
+    # peer's error ends the worker, as in plain training, after the restore.
+    with pytest.raises(hvd.HorovodInternalError, match="a peer died"):
         train(state)
     assert calls == [(0, 0)]
     assert (state.tries, state.value) == (1, 10)  # the last commit
 
 
-def test_object_state_with_horovods_bcast_object_signature(hvd: ModuleType) -> None:
-    seen: list[tuple[object, int]] = []
+def test_object_state_calls_a_bcast_object_as_horovod_does(hvd: ModuleType) -> None:
+    seen: list[object] = []
 
-    def bcast_object(obj: object, root_rank: int) -> object:
-        seen.append((obj, root_rank))
+    def bcast_object(obj: object) -> object:  # (Horovod calls it with the object only)
+        seen.append(obj)
         return obj
 
     state = elastic.ObjectState(bcast_object, hvd.rank, epoch=2)
     state.sync()
-    assert seen == [({"epoch": 2}, 0)]
+    assert seen == [{"epoch": 2}]
+
+
+@pytest.mark.usefixtures("hvd")
+def test_a_commit_copies_plain_data_and_keeps_other_objects_as_they_are() -> None:
+    class Loader:  # (a sampler or dataset of the script's: never copied)
+        def __init__(self) -> None:
+            self.epoch = 0
+
+    loader = Loader()
+    weight = torch.ones(2, requires_grad=True)
+    state = elastic.ObjectState(loss=None, loader=loader, metrics={"acc": [0.5]})
+    state.loss = (weight * 2).sum()  # a tensor of the autograd graph
+    state.commit()
+    state.metrics["acc"].append(0.7)
+    loader.epoch = 3
+    state.loss = torch.zeros(())
+    state.restore()
+    assert state.loss.item() == 4.0 and not state.loss.requires_grad
+    assert state.metrics == {"acc": [0.5]}
+    assert state.loader is loader and loader.epoch == 3  # (the script's own object)
 
 
 @pytest.mark.usefixtures("hvd")
