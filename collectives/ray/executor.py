@@ -177,8 +177,16 @@ class RayExecutor:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"RayExecutor: {name} must be a positive integer, got {value!r}")
         _positive("cpus_per_worker", cpus_per_worker)
-        if gpus_per_worker is not None and gpus_per_worker < 0:
-            raise ValueError(f"RayExecutor: gpus_per_worker must be >= 0, got {gpus_per_worker!r}")
+        if gpus_per_worker and not use_gpu:
+            raise ValueError(
+                f"RayExecutor: gpus_per_worker={gpus_per_worker!r} needs use_gpu=True (without "
+                "it the workers reserve no GPU)"
+            )
+        if use_gpu and gpus_per_worker is not None and not gpus_per_worker > 0:
+            raise ValueError(
+                f"RayExecutor: gpus_per_worker must be above 0 with use_gpu=True, got "
+                f"{gpus_per_worker!r}"
+            )
         self.settings = settings if settings is not None else self.create_settings()
         self.num_workers = num_workers or num_workers_per_host * (num_hosts or 0)
         self.use_gpu = use_gpu

@@ -51,6 +51,7 @@ CHECKS = [
     "closure.one_sided.same_on_ranks",
     "closure.no_backward",
     "closure.tensor_loss_no_warning",
+    "sampler.made_before_init",
     "names.missing",
     "names.duplicate",
     "names.twice",

@@ -74,10 +74,16 @@ def test_each_node_sees_its_gpus_in_local_rank_order() -> None:
         ({"num_workers": 0}, ValueError, "num_workers must be a positive integer, got 0"),
         ({"num_workers": 2, "cpus_per_worker": 0}, ValueError, "cpus_per_worker must be positive"),
         ({"min_workers": 1, "max_workers": 4}, NotImplementedError, "ElasticRayExecutor"),
+        ({"num_workers": 2, "gpus_per_worker": 1}, ValueError, "gpus_per_worker=1 needs use_gpu"),
+        (
+            {"num_workers": 2, "use_gpu": True, "gpus_per_worker": 0},
+            ValueError,
+            "gpus_per_worker must be above 0 with use_gpu=True, got 0",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_by_name(
-    kwargs: dict[str, int], error: type[Exception], match: str
+    kwargs: dict[str, object], error: type[Exception], match: str
 ) -> None:
     with pytest.raises(error, match=match):
         RayExecutor(RayExecutor.create_settings(), **kwargs)

@@ -38,6 +38,9 @@ class ElasticSampler(Sampler[int]):
         self.processed_indices: set[int] = set()
         self.num_replicas = 1
         self.rank = 0
+        # Split for one rank because made before hvd.init(): split again for the job at its
+        # first use (a DataLoader asks its length, then iterates), where Horovod's refuses.
+        self._before_init = False
         self.remaining_indices: list[int] = []
         self.num_samples = 0
         self.total_size = 0
@@ -73,10 +76,17 @@ class ElasticSampler(Sampler[int]):
             self.split(runtime.size(), runtime.rank())
         else:
             self.split(self.num_replicas, self.rank)
+            self._before_init = True
+
+    def _for_the_job(self) -> None:
+        """Splits for the job a sampler that was split before ``hvd.init()``."""
+        if self._before_init and runtime.is_initialized():
+            self.reset()
 
     def split(self, num_replicas: int, rank: int) -> None:
         """Splits the epoch's remaining samples over ``num_replicas`` ranks (this is ``rank``)."""
         self.num_replicas, self.rank = num_replicas, rank
+        self._before_init = False
         self.remaining_indices = [i for i in self._order() if i not in self.processed_indices]
         self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
@@ -123,7 +133,9 @@ class ElasticSampler(Sampler[int]):
             self.processed_num = state_dict["processed_num"]
 
     def __iter__(self) -> Iterator[int]:
+        self._for_the_job()
         return iter(self._shard(self.rank))
 
     def __len__(self) -> int:
+        self._for_the_job()
         return self.num_samples

@@ -88,8 +88,13 @@ def reference_adasum(tensors: list[torch.Tensor]) -> torch.Tensor:
 def main() -> None:
     torch.set_num_threads(1)
     c = Checks()
+    early = hvd.elastic.ElasticSampler(list(range(12)), shuffle=False)  # (before hvd.init())
     hvd.init()
     r, n = hvd.rank(), hvd.size()
+    # A sampler made before hvd.init() takes this rank's share at its first use.
+    shares = hvd.allgather_object((len(early), list(early)))
+    got = sorted(i for _, indices in shares for i in indices)
+    c.expect("sampler.made_before_init", shares[r][0] == 12 // n and got == list(range(12)), shares)
     rows = BATCH // n
     mine = slice(r * rows, (r + 1) * rows)
 
