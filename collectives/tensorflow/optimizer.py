@@ -9,6 +9,11 @@ optimizer applies them.
   ``minimize`` and ``apply_gradients`` after it work as in Horovod; with
   ``backward_passes_per_step`` it accumulates as Horovod does
   (:mod:`.gradient_aggregation`); ``register_local_var`` keeps a variable's gradient local.
+* A TF1 optimizer with ``op=hvd.Adasum`` combines model *deltas*, as Horovod's
+  ``_DistributedAdasumOptimizer`` does (and :mod:`collectives.torch.optim.adasum_optimizer`):
+  ``compute_gradients`` returns the local gradients; every ``apply_gradients`` steps the
+  variables with them, and every ``backward_passes_per_step``-th the variables' changes since
+  the last combination are combined with Adasum (see :func:`_distributed_tf1_adasum`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ def DistributedOptimizer(
     """Wraps ``optimizer`` so that it applies gradients averaged (``op``) over the ranks."""
     groups, num_groups = checked_groups(groups, num_groups), 0
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        if ReduceOp(op) == ReduceOp.ADASUM and average_aggregated_gradients:  # (Horovod's)
+            raise ValueError("Adasum does not support average_aggregated_gradients == True")
         reducer = GradientReducer(
             compression,
             sparse_as_dense,
@@ -55,6 +62,8 @@ def DistributedOptimizer(
             process_set,
             scale_local_gradients,
         )
+        if reducer.op == ReduceOp.ADASUM:
+            return _distributed_tf1_adasum(optimizer, reducer, backward_passes_per_step)
         aggregation = None
         if backward_passes_per_step != 1:
             aggregation = LocalGradientAggregationHelper(
@@ -123,3 +132,104 @@ def _distributed_tf1(
     cls = type(f"Distributed{base.__name__}", (base,), methods)
     optimizer.__class__ = cls  # (re-classed in place: its state stays its own)
     return optimizer
+
+
+#: The names of the Adasum optimizer's start copies (a slot of each variable, as Horovod's
+#: ``delta_start``) and of its step counter (a non-slot variable of the optimizer).
+START_SLOT = "delta_start"
+START_NAME = "hvd_delta_start"
+STEP_NAME = "hvd_adasum_step"
+
+
+def _distributed_tf1_adasum(
+    optimizer: Any, reducer: GradientReducer, backward_passes_per_step: int
+) -> Any:
+    """The TF1 optimizer, its class subclassed to combine model deltas with Adasum, as
+    Horovod's ``_DistributedAdasumOptimizer``: ``compute_gradients`` is the optimizer's own
+    (local gradients). ``apply_gradients`` applies them with the optimizer's own step on
+    every pass; on the communication passes (the step counter modulo k is k - 1) each
+    variable's change since its start copy is combined with Adasum over the process set
+    (``reducer``: its compression, process set and groups), the start copy moves by the
+    combination and the variable becomes it; then the counter advances.
+
+    The start copies (the slot ``delta_start`` of each variable) and the counter are made
+    when gradients are first applied, in the graph being built (or eagerly), as global,
+    non-trainable variables (``global_variables_initializer`` initializes them, savers and
+    ``BroadcastGlobalVariablesHook`` include them); the start copies take the variables'
+    values on the first step (counter 0). A variable of ``register_local_var`` is stepped
+    on its own gradient and never combined (no start copy, nothing divided: nothing is
+    averaged here, so ``scale_local_gradients`` does not apply)."""
+    k = backward_passes_per_step
+    if k < 1:
+        raise ValueError(f"backward_passes_per_step must be at least 1, got {k}")
+    base = type(optimizer)
+
+    def state(self: Any, variables: list[Any], shared: list[Any]) -> tuple[Any, list[Any]]:
+        """The step counter and the start copies of ``shared``, made where missing."""
+        with tf.init_scope():
+            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+            counter = self._get_non_slot_variable(STEP_NAME, graph)
+            if counter is None:  # (colocated with the first variable by name, as Adam's)
+                first = min(variables, key=lambda v: v.name)
+                self._create_non_slot_variable(tf.constant(0, tf.int64), STEP_NAME, first)
+                counter = self._get_non_slot_variable(STEP_NAME, graph)
+            starts = [self._zeros_slot(v, START_SLOT, START_NAME) for v in shared]
+        return counter, starts
+
+    def apply_gradients(
+        self: Any, grads_and_vars: Any, global_step: Any = None, name: Any = None
+    ) -> Any:
+        pairs = list(grads_and_vars)
+        shared = [v for g, v in pairs if g is not None and not reducer.is_local(v)]
+        if not any(g is not None for g, _ in pairs):  # (the optimizer's own error)
+            return base.apply_gradients(self, pairs, global_step, name)
+        counter, starts = state(self, [v for g, v in pairs if g is not None], shared)
+
+        def copy_starts() -> tf.Tensor:  # (the first step: start = var)
+            copies = [s.assign(v.read_value()) for v, s in zip(shared, starts, strict=True)]
+            with tf.control_dependencies(_ops(copies)):
+                return tf.constant(True)
+
+        first = tf.equal(counter.read_value(), 0)
+        started = tf.cond(first, copy_starts, lambda: tf.constant(False))
+        with tf.control_dependencies(_ops(started)):
+            applied = base.apply_gradients(self, pairs, global_step, name)
+        with tf.control_dependencies(_ops(applied)):
+            communicate = tf.equal(counter.read_value() % k, k - 1)
+
+        def combine() -> tf.Tensor:  # start += Adasum(var - start); var = start
+            begun = [s.read_value() for s in starts]
+            deltas = [v.read_value() - b for v, b in zip(shared, begun, strict=True)]
+            combined = reducer.reduce(deltas, shared)
+            updates = []
+            for v, s, b, d in zip(shared, starts, begun, combined, strict=True):
+                moved = b + d
+                updates += [s.assign(moved), v.assign(moved)]
+            with tf.control_dependencies(_ops(updates)):
+                return tf.constant(True)
+
+        combined = tf.cond(communicate, combine, lambda: tf.constant(False))
+        with tf.control_dependencies(_ops(combined)):
+            return tf.group(_ops(counter.assign_add(1)))
+
+    def register_local_var(self: Any, var: Any) -> None:
+        """A variable each rank trains alone: stepped on its own gradient, never combined."""
+        reducer.register_local(var)
+
+    methods = {"apply_gradients": apply_gradients, "register_local_var": register_local_var}
+    cls = type(f"Distributed{base.__name__}", (base,), methods)
+    optimizer.__class__ = cls  # (re-classed in place: its state stays its own)
+    return optimizer
+
+
+def _ops(result: Any) -> list[Any]:
+    """What a control dependency can wait for in ``result`` (nothing in eager mode)."""
+    if tf.executing_eagerly() or result is None:
+        return []
+    found = []
+    for item in tf.nest.flatten(result):
+        if isinstance(item, tf.Operation | tf.Tensor):
+            found.append(item)
+        elif hasattr(item, "op"):
+            found.append(item.op)
+    return found

@@ -1,9 +1,9 @@
 """collectives.tensorflow on real jobs: every op and dtype in eager mode, tf.function and
 TF1 graphs with exact values, gradients, reordered ops, a distributed tape that trains as
 one process, XLA refused, Horovod's error types in every mode, the job's numbers as ops,
-Horovod's private names, local gradients and TF1 accumulation (workers/tf_ops_worker.py);
-graphs of hundreds of collectives on one and two inter-op threads that never deadlock
-(workers/tf_graph_worker.py)."""
+Horovod's private names, local gradients, TF1 accumulation and TF1 Adasum's combined model
+deltas (workers/tf_ops_worker.py); graphs of hundreds of collectives on one and two inter-op
+threads that never deadlock (workers/tf_graph_worker.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ CHECKS = [
     *(f"job_ops.{mode}" for mode in MODES),
     "job_ops.process_set",
     "job_ops.tape_outside_set",
+    "tf1.adasum_variables_global",
+    *(f"tf1.adasum_deltas.{mode}.k{k}" for mode in ("graph", "eager") for k in (1, 2)),
     "errors.job_goes_on",
 ]
 #: Checks run in the job of 2 ranks only (the size changes nothing in them).

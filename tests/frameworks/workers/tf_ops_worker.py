@@ -9,6 +9,7 @@ gradients must train a model exactly as one process does on the whole batch.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -206,6 +207,7 @@ def main() -> None:
 
     dtypes(c, r, n)
     job_ops(c, r, n)
+    tf1_adasum(c, r, n)
     if n == 2:  # (what the size does not change: once)
         errors(c, r, n)
         horovod_names(c, r, n)
@@ -449,6 +451,119 @@ def tf1_accumulation(c: Checks, r: int, n: int) -> None:
         wl = [w - 0.25 * s / n for w, s in zip(wl, sums_l, strict=True)]
     want = [ws, wl[r], 4]
     c.expect("tf1.accumulated", np.allclose(got, want), (got, want))
+
+
+#: The TF1 Adasum check's initial weights, and its targets per rank and step.
+ADASUM_W0 = np.array([0.5, -1.0, 2.0], np.float32)
+ADASUM_OWN0 = np.array([1.0, 0.0], np.float32)
+
+
+def adasum_targets(rank: int, step: int) -> np.ndarray:
+    return np.array([1.0 + rank, 0.5 * step - rank, (rank % 2) * 2.0 - step], np.float32)
+
+
+def adasum_loss(w: Any, own: Any, t: Any) -> tf.Tensor:
+    """Gradients w - t and own - t[:2]."""
+    return 0.5 * tf.reduce_sum((w - t) ** 2) + 0.5 * tf.reduce_sum((own - t[:2]) ** 2)
+
+
+def adasum_reference(vectors: list[np.ndarray]) -> np.ndarray:
+    """Adasum over the ranks' vectors: pairs (0,1), (2,3), ... then their results, a node
+    without a partner carried up (collectives/adasum.py's order, Horovod's at 2 and 4)."""
+    level = [v.astype(np.float64) for v in vectors]
+    while len(level) > 1:
+        pairs = []
+        for a, b in zip(level[0::2], level[1::2], strict=False):
+            dot = a @ b
+            pairs.append((1 - dot / (2 * (a @ a))) * a + (1 - dot / (2 * (b @ b))) * b)
+        level = pairs + ([level[-1]] if len(level) % 2 else [])
+    return level[0]
+
+
+def adasum_momentum_reference(n: int, k: int, steps: int) -> list[list[np.ndarray]]:
+    """Horovod's TF1 Adasum optimizer over Momentum(0.1, 0.9), rank by rank: every pass each
+    rank steps on its own gradient (loss 0.5 |w - t|^2, 0.5 |own - t[:2]|^2); every k-th
+    the changes of w since the last combination (start) are combined with Adasum, and
+    start and w become start + the combination; own (a local variable) is never combined."""
+    w = [ADASUM_W0.astype(np.float64) for _ in range(n)]
+    own = [ADASUM_OWN0.astype(np.float64) for _ in range(n)]
+    accum_w = [np.zeros(3) for _ in range(n)]
+    accum_own = [np.zeros(2) for _ in range(n)]
+    start = ADASUM_W0.astype(np.float64)
+    for step in range(steps):
+        for q in range(n):
+            t = adasum_targets(q, step).astype(np.float64)
+            accum_w[q] = 0.9 * accum_w[q] + (w[q] - t)
+            w[q] = w[q] - 0.1 * accum_w[q]
+            accum_own[q] = 0.9 * accum_own[q] + (own[q] - t[:2])
+            own[q] = own[q] - 0.1 * accum_own[q]
+        if step % k == k - 1:
+            start = start + adasum_reference([w[q] - start for q in range(n)])
+            w = [start.copy() for _ in range(n)]
+    return [[w[q], own[q]] for q in range(n)]
+
+
+def tf1_adasum(c: Checks, r: int, n: int) -> None:
+    """A TF1 optimizer with op=hvd.Adasum combines model deltas, as Horovod's does: Momentum
+    steps each rank on its own gradients, and every k-th pass the weights' changes since
+    the last combination are Adasum-combined (the local variable's are not), in a TF1
+    graph and session and eagerly, with k=1 and k=2; against the numpy reference. The
+    start copies and the step counter are global, non-trainable variables of the graph,
+    which global_variables_initializer initializes."""
+    steps = 4
+    for k in (1, 2):
+        want = adasum_momentum_reference(n, k, steps)[r]
+        want.append(np.array(steps))
+        opt = hvd.DistributedOptimizer(
+            tf.compat.v1.train.MomentumOptimizer(0.1, 0.9),
+            op=hvd.Adasum,
+            backward_passes_per_step=k,
+        )
+        with tf.Graph().as_default():  # (the optimizer made before its graph)
+            w = tf.compat.v1.get_variable("w", initializer=ADASUM_W0)
+            own = tf.compat.v1.get_variable("own", initializer=ADASUM_OWN0)
+            t = tf.compat.v1.placeholder(tf.float32, [3])
+            loss = adasum_loss(w, own, t)
+            global_step = tf.compat.v1.train.get_or_create_global_step()
+            opt.register_local_var(own)
+            train = opt.minimize(loss, global_step=global_step)
+            trainable = [v.op.name for v in tf.compat.v1.trainable_variables()]
+            saved = [v.op.name for v in tf.compat.v1.global_variables()]
+            if k == 2:
+                extra = sorted(set(saved) - {"w", "own", "global_step"})
+                c.expect(
+                    "tf1.adasum_variables_global",
+                    trainable == ["w", "own"]
+                    and len(extra) == 4  # w's start copy, the counter, two momentum slots
+                    and opt.get_slot(w, "delta_start") is not None
+                    and opt.get_slot(own, "delta_start") is None
+                    and not tf.compat.v1.local_variables(),
+                    (trainable, saved),
+                )
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                for step in range(steps):
+                    session.run(train, {t: adasum_targets(r, step)})
+                got = session.run([w, own, global_step])
+        ok = all(np.allclose(a, b, atol=1e-5) for a, b in zip(got, want, strict=True))
+        c.expect(f"tf1.adasum_deltas.graph.k{k}", ok, (got, want))
+
+        opt = hvd.DistributedOptimizer(
+            tf.compat.v1.train.MomentumOptimizer(0.1, 0.9),
+            op=hvd.Adasum,
+            backward_passes_per_step=k,
+        )
+        w_e = tf.Variable(ADASUM_W0)
+        own_e = tf.Variable(ADASUM_OWN0)
+        opt.register_local_var(own_e)
+        step_e = tf.Variable(0, dtype=tf.int64)
+        for step in range(steps):
+            target = tf.constant(adasum_targets(r, step))
+            loss_now = functools.partial(adasum_loss, w_e, own_e, target)  # (a callable)
+            opt.minimize(loss_now, var_list=[w_e, own_e], global_step=step_e)
+        got = [w_e.numpy(), own_e.numpy(), step_e.numpy()]
+        ok = all(np.allclose(a, b, atol=1e-5) for a, b in zip(got, want, strict=True))
+        c.expect(f"tf1.adasum_deltas.eager.k{k}", ok, (got, want))
 
 
 def _grad(w: tf.Variable, fn: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
