@@ -224,6 +224,7 @@ class VariablesState(ObjectState):
     (:meth:`_value_of`) and how to broadcast them (:meth:`_broadcast_variables`)."""
 
     def __init__(self, **kwargs: Any) -> None:
+        self._saved_variables: list[Any] = []
         self._saved_values: list[Any] = []
         super().__init__(**kwargs)
         self._save_variables()
@@ -240,14 +241,17 @@ class VariablesState(ObjectState):
         raise NotImplementedError
 
     def _save_variables(self) -> None:
-        self._saved_values = [self._value_of(v) for v in self._variables()]
+        self._saved_variables = self._variables()
+        self._saved_values = [self._value_of(v) for v in self._saved_variables]
 
     def save(self) -> None:
         self._save_variables()
         super().save()
 
     def restore(self) -> None:
-        for variable, value in zip(self._variables(), self._saved_values, strict=True):
+        # The variables of the commit, each given its value back: the list may have grown
+        # since (a Keras model built at its first batch, an optimizer's slots built later).
+        for variable, value in zip(self._saved_variables, self._saved_values, strict=True):
             variable.assign(value)
         super().restore()
 

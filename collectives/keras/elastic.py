@@ -54,22 +54,10 @@ class KerasState(VariablesState):
             check_eager("hvd.elastic.KerasState")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        self._saved_variables: list[Any] = []
         super().__init__(**kwargs)
 
     def _variables(self) -> list[Any]:
         return list(self.model.variables) + optimizer_variables(self.optimizer, self.model)
-
-    def _save_variables(self) -> None:
-        self._saved_variables = self._variables()
-        self._saved_values = [self._value_of(v) for v in self._saved_variables]
-
-    def restore(self) -> None:
-        # The variables of the commit, each given its value back: the list may have grown
-        # since (a model built at its first batch, an optimizer's slots built later).
-        for variable, value in zip(self._saved_variables, self._saved_values, strict=True):
-            variable.assign(value)
-        super(VariablesState, self).restore()  # (the attributes; the variables are done)
 
     def _value_of(self, variable: Any) -> Any:
         import numpy as np

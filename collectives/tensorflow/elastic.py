@@ -69,22 +69,10 @@ class TensorFlowState(VariablesState):
     ) -> None:
         check_eager(f"hvd.elastic.{type(self).__name__}")
         self._tf_variables = list(variables or [])
-        self._saved_variables: list[tf.Variable] = []
         super().__init__(**kwargs)
 
     def _variables(self) -> list[tf.Variable]:
         return self._tf_variables
-
-    def _save_variables(self) -> None:
-        self._saved_variables = self._variables()
-        self._saved_values = [self._value_of(v) for v in self._saved_variables]
-
-    def restore(self) -> None:
-        # The variables of the commit, each given its value back: the list may have grown
-        # since (a Keras model built at its first batch, an optimizer's slots built later).
-        for variable, value in zip(self._saved_variables, self._saved_values, strict=True):
-            variable.assign(value)
-        super(VariablesState, self).restore()  # (the attributes; the variables are done)
 
     def _broadcast_variables(self, variables: list[Any]) -> None:
         broadcast_variables(variables, root_rank=0)

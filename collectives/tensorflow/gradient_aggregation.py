@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["LocalGradientAggregationHelper"]
+__all__ = ["LocalGradientAggregationHelper", "control_inputs"]
 
 Reduce = Callable[[list[Any], Sequence[Any]], list[Any]]
 
@@ -144,12 +144,12 @@ class LocalGradientAggregationHelper:
         only the optimizer's iteration count (or ``global_step``) moves on."""
 
         def applied() -> tf.Tensor:
-            with tf.control_dependencies(_ops(apply())):
+            with tf.control_dependencies(control_inputs(apply())):
                 return tf.constant(True)
 
         def skipped() -> tf.Tensor:
             counter = global_step if global_step is not None else _iterations(optimizer)
-            step = [] if counter is None else _ops(counter.assign_add(1))
+            step = [] if counter is None else control_inputs(counter.assign_add(1))
             with tf.control_dependencies(step):
                 return tf.constant(False)
 
@@ -158,7 +158,8 @@ class LocalGradientAggregationHelper:
                 "backward_passes_per_step > 1 applies the gradients of compute_gradients: "
                 "call compute_gradients (or minimize) first"
             )
-        with tf.control_dependencies(_ops(self._computed)):  # (after this pass's clearing)
+        # (after this pass's clearing)
+        with tf.control_dependencies(control_inputs(self._computed)):
             reduced_now = tf.equal(self.counter.read_value(), 0)
         return tf.cond(reduced_now, applied, skipped)
 
@@ -167,7 +168,7 @@ def _iterations(optimizer: Any) -> Any:
     return getattr(optimizer, "iterations", None)
 
 
-def _ops(result: Any) -> list[Any]:
+def control_inputs(result: Any) -> list[Any]:
     """What a control dependency can wait for in ``result`` (nothing in eager mode)."""
     if tf.executing_eagerly() or result is None:
         return []

@@ -24,7 +24,10 @@ import tensorflow as tf
 
 from collectives.common import ProcessSet, ReduceOp, checked_groups, global_process_set
 from collectives.tensorflow.compression import Compression, Compressor
-from collectives.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
+from collectives.tensorflow.gradient_aggregation import (
+    LocalGradientAggregationHelper,
+    control_inputs,
+)
 from collectives.tensorflow.gradient_tape import GradientReducer
 
 __all__ = ["DistributedOptimizer"]
@@ -187,14 +190,14 @@ def _distributed_tf1_adasum(
 
         def copy_starts() -> tf.Tensor:  # (the first step: start = var)
             copies = [s.assign(v.read_value()) for v, s in zip(shared, starts, strict=True)]
-            with tf.control_dependencies(_ops(copies)):
+            with tf.control_dependencies(control_inputs(copies)):
                 return tf.constant(True)
 
         first = tf.equal(counter.read_value(), 0)
         started = tf.cond(first, copy_starts, lambda: tf.constant(False))
-        with tf.control_dependencies(_ops(started)):
+        with tf.control_dependencies(control_inputs(started)):
             applied = base.apply_gradients(self, pairs, global_step, name)
-        with tf.control_dependencies(_ops(applied)):
+        with tf.control_dependencies(control_inputs(applied)):
             communicate = tf.equal(counter.read_value() % k, k - 1)
 
         def combine() -> tf.Tensor:  # start += Adasum(var - start); var = start
@@ -205,12 +208,12 @@ def _distributed_tf1_adasum(
             for v, s, b, d in zip(shared, starts, begun, combined, strict=True):
                 moved = b + d
                 updates += [s.assign(moved), v.assign(moved)]
-            with tf.control_dependencies(_ops(updates)):
+            with tf.control_dependencies(control_inputs(updates)):
                 return tf.constant(True)
 
         combined = tf.cond(communicate, combine, lambda: tf.constant(False))
-        with tf.control_dependencies(_ops(combined)):
-            return tf.group(_ops(counter.assign_add(1)))
+        with tf.control_dependencies(control_inputs(combined)):
+            return tf.group(control_inputs(counter.assign_add(1)))
 
     def register_local_var(self: Any, var: Any) -> None:
         """A variable each rank trains alone: stepped on its own gradient, never combined."""
@@ -220,16 +223,3 @@ def _distributed_tf1_adasum(
     cls = type(f"Distributed{base.__name__}", (base,), methods)
     optimizer.__class__ = cls  # (re-classed in place: its state stays its own)
     return optimizer
-
-
-def _ops(result: Any) -> list[Any]:
-    """What a control dependency can wait for in ``result`` (nothing in eager mode)."""
-    if tf.executing_eagerly() or result is None:
-        return []
-    found = []
-    for item in tf.nest.flatten(result):
-        if isinstance(item, tf.Operation | tf.Tensor):
-            found.append(item)
-        elif hasattr(item, "op"):
-            found.append(item.op)
-    return found

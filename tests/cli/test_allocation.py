@@ -52,25 +52,14 @@ def test_host_list_wins_over_the_allocation() -> None:
     assert resolve_hosts(given, "a:3", None, read_allocation(SLURM)) == (given, 3)
 
 
-def test_np_above_the_slots_is_an_error_naming_the_allocation(
+def test_np_above_the_slots_is_an_error_naming_the_allocation_and_the_ways_out(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for name, value in SLURM.items():
         monkeypatch.setenv(name, value)
     assert_usage_error(
         ["-np", "9", "true"],
-        "invalid '-np': 9 processes requested but the Slurm allocation (job 42) has only 4 slot(s)",
-        capsys,
-    )
-
-
-def test_np_above_the_slots_names_the_ways_out(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    for name, value in SLURM.items():
-        monkeypatch.setenv(name, value)
-    assert_usage_error(
-        ["-np", "9", "true"],
+        "invalid '-np': 9 processes requested but the Slurm allocation (job 42) "
         "has only 4 slot(s) on 2 node(s): give the hosts and their slots with -H "
         "(-H localhost:9 for this machine alone), or ask Slurm for more tasks "
         "(e.g. --ntasks-per-node=N)",
