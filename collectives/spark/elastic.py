@@ -187,7 +187,7 @@ class ElasticDriver(Driver):
                 raise SparkJobError(
                     f"{self.WHAT}: the Spark job ended before the workers did: "
                     f"{spark_reason(self.spark_error)}"
-                )
+                ) from self.spark_error
             if self.finishing:
                 self._stop_stranded()
                 if self._done():

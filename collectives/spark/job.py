@@ -63,6 +63,8 @@ __all__ = [
     "horovod_options",
     "num_proc_of",
     "positive_integer",
+    "python_error_of",
+    "spark_reason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -215,18 +217,56 @@ class SparkJob:
         return self.finished.wait(timeout)
 
 
-def spark_reason(error: BaseException) -> str:
-    """The first line of what Spark said (a Java exception's message, not its stack)."""
+def spark_reason(error: BaseException, *, cause: bool = True) -> str:
+    """What Spark said: the first line of its message (a Java exception's, not its stack)
+    and, with ``cause``, the Python exception that failed the task when the message carries
+    its traceback (Spark's first line is generic: "Could not recover from a failed barrier
+    ResultStage..."), such as ``ModuleNotFoundError: No module named 'psutil'``."""
+    texts = []
     java = getattr(error, "java_exception", None)
-    text = ""
     if java is not None:
         with contextlib.suppress(Exception):
-            text = str(java.getMessage() or "")
-    text = text or str(error) or type(error).__name__
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()
-    return type(error).__name__
+            texts.append(str(java.getMessage() or ""))
+    texts.append(str(error))
+    headline = next(
+        (line.strip() for text in texts for line in text.splitlines() if line.strip()),
+        type(error).__name__,
+    )
+    if not cause:
+        return headline
+    python_error = next(filter(None, map(python_error_of, texts)), None)
+    if python_error is None or python_error in headline:
+        return headline
+    end = "" if headline.endswith(".") else "."
+    return f"{headline}{end} The task's Python error: {python_error}"
+
+
+#: The longest a Python exception named in a message may be (a message can be a page).
+MAX_CAUSE_CHARS = 500
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def python_error_of(text: str) -> str | None:
+    """The exception line (``SomeError: message``, with the lines its message goes on for)
+    of the last Python traceback in ``text``, at most :data:`MAX_CAUSE_CHARS` long; None
+    without a traceback."""
+    lines = text.splitlines()
+    starts = [index for index, line in enumerate(lines) if _TRACEBACK in line]
+    if not starts:
+        return None
+    found: list[str] = []
+    for line in lines[starts[-1] + 1 :]:
+        unindented = bool(line.strip()) and not line[:1].isspace()
+        if found and not unindented:
+            break  # the message's end: Spark's " SQLSTATE", the Java stack's "\tat ..."
+        if unindented:
+            found.append(line.strip())
+    if not found:
+        return None
+    message = " ".join(found)
+    if len(message) > MAX_CAUSE_CHARS:
+        message = message[: MAX_CAUSE_CHARS - 3] + "..."
+    return message
 
 
 @dataclass

@@ -125,9 +125,10 @@ class FixedDriver(Driver):
             if self.spark_error is not None:
                 reason = spark_reason(self.spark_error)
                 message = f"{self.WHAT}: Spark could not run the {size} tasks: {reason}"
-                if "slot" in reason.lower() or "resource" in reason.lower():
+                headline = spark_reason(self.spark_error, cause=False).lower()
+                if "slot" in headline or "resource" in headline:
                     message += ". " + START_ADVICE.format(num_proc=size)
-                raise SparkJobError(message)
+                raise SparkJobError(message) from self.spark_error
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
@@ -189,7 +190,7 @@ class FixedDriver(Driver):
                 raise SparkJobError(
                     f"{self.WHAT}: the Spark job ended before its workers did: "
                     f"{spark_reason(self.spark_error)}"
-                )
+                ) from self.spark_error
             event = self.next_event(1.0)
             if isinstance(event, Received) and event.frame[:1] == HELLO:
                 task = self.tasks[event.stream]

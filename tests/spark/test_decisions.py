@@ -280,3 +280,68 @@ def test_a_binary_output_stream_is_refused_before_the_job_starts() -> None:
         streams: dict[str, Any] = {"stdout": None, "stderr": None, name: io.BytesIO()}
         with pytest.raises(TypeError, match=f"{name} must be a text stream"):
             Driver(None, env=None, prefix_output_with_timestamp=False, verbose=1, **streams)
+
+
+#: What Spark 4.3 says when a barrier task fails before it reaches the driver (here: the
+#: executors' Python lacks psutil), shortened: the cause is only on later lines.
+SPARK_TASK_FAILURE = """\
+Job aborted due to stage failure: Could not recover from a failed barrier ResultStage. \
+Most recent failure reason: Stage failed because barrier task ResultTask(0, 1) finished \
+unsuccessfully.
+org.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] An exception was thrown \
+from the Python worker: Traceback (most recent call last):
+  File "/x/pyspark.zip/pyspark/worker.py", line 4197, in invoke_udf
+    func, profiler, deserializer, serializer = read_command(pickleSer, init_info.udf_info)
+                                               ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/work/collectives/spark/task.py", line 37, in <module>
+    import psutil
+ModuleNotFoundError: No module named 'psutil'
+ SQLSTATE: 38000
+\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException(...)
+\tat org.apache.spark.scheduler.ResultTask.runTask(ResultTask.scala:93)
+\tat java.base/java.lang.Thread.run(Thread.java:840)
+"""
+
+
+class _JavaError(Exception):
+    """A py4j error as PySpark raises it: the Java exception's message is the whole story."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("An error occurred while calling collectAndServe.\n: " + message)
+        self.java_exception = self
+        self._message = message
+
+    def getMessage(self) -> str:  # Java's name
+        return self._message
+
+
+def test_a_task_that_fails_before_its_worker_names_the_python_error() -> None:
+    from collectives.spark.job import SparkJobError, python_error_of, spark_reason
+    from collectives.spark.runner import FixedDriver
+
+    error = _JavaError(SPARK_TASK_FAILURE)
+    reason = spark_reason(error)
+    assert reason.startswith("Job aborted due to stage failure: Could not recover"), reason
+    assert reason.endswith(
+        "finished unsuccessfully. The task's Python error: "
+        "ModuleNotFoundError: No module named 'psutil'"
+    ), reason
+    assert "SQLSTATE" not in reason and "\n" not in reason
+    assert spark_reason(error, cause=False).endswith("finished unsuccessfully.")
+    # The last traceback's exception, its message's lines too, boundedly; none without one.
+    chained = "Traceback (most recent call last):\n  x\nKeyError: 1\n\nDuring handling...\n"
+    chained += "Traceback (most recent call last):\n  y\nRuntimeError: task 0: the connection"
+    chained += "\nto the driver broke\n\tat Java"
+    expected = "RuntimeError: task 0: the connection to the driver broke"
+    assert python_error_of(chained) == expected
+    assert len(python_error_of("Traceback (most recent call last):\nE: " + "x" * 9999)) == 500
+    assert python_error_of("Job aborted: executor lost") is None
+    assert spark_reason(RuntimeError("Job aborted: executor lost\nat ...")) == (
+        "Job aborted: executor lost"
+    )
+    # run() says it, and chains Spark's exception.
+    driver = FixedDriver.__new__(FixedDriver)
+    driver.spark_error = error
+    with pytest.raises(SparkJobError, match="No module named 'psutil'") as info:
+        driver._wait_for_tasks(2, 10.0)
+    assert info.value.__cause__ is error
