@@ -251,6 +251,7 @@ class TaskChannelClient:
         self._outgoing: queue.Queue[bytes | None] = queue.Queue()
         self._incoming: queue.Queue[bytes | None] = queue.Queue()
         self.ended = ""
+        self._over = threading.Event()  # the stream has ended, either way
         self._call = self._channel.stream_stream(METHOD, None, None)(
             self._requests(),
             metadata=((TOKEN_METADATA_KEY, secret), (JOB_METADATA_KEY, job_id)),
@@ -272,6 +273,7 @@ class TaskChannelClient:
             details = error.details() if hasattr(error, "details") else str(error)
             self.ended = f"the connection to the driver broke: {details}"
         finally:
+            self._over.set()
             self._incoming.put(None)
 
     def send(self, frame: bytes) -> None:
@@ -285,6 +287,12 @@ class TaskChannelClient:
         """The driver's next frame; None once the stream has ended; raises queue.Empty
         after ``timeout`` seconds without one."""
         return self._incoming.get(timeout=timeout)
+
+    def wait_ended(self, timeout: float | None = None) -> bool:
+        """Waits until the stream has ended (the driver ended it, or the connection broke:
+        a closed socket at once, a vanished host within two keepalive periods); whether it
+        has."""
+        return self._over.wait(timeout)
 
     def close(self) -> None:
         self._outgoing.put(None)

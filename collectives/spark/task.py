@@ -54,7 +54,8 @@ __all__ = ["STOP_GRACE_SECONDS", "TaskArgs", "run_task"]
 
 #: How long a worker has between SIGTERM and SIGKILL when its task stops it.
 STOP_GRACE_SECONDS = 3.0
-#: How long a task waits for the driver to take its exit report before it returns anyway.
+#: How long a task whose worker could not start waits for the driver to take that report.
+#: (A worker's exit report, with its result, has no such limit: see ``_Supervisor._exit``.)
 REPORT_WAIT_SECONDS = 30.0
 MAX_LINE = 64 * 1024
 #: Gloo's and NCCL's choice of network interface; the rendezvous's when the job set none.
@@ -135,7 +136,6 @@ class _Supervisor:
         self.client = client
         self.start = start
         self.stopped: dict[str, Any] | None = None  # the driver's STOP, or the stream's end
-        self.driver_gone = threading.Event()
         self.reported = threading.Event()  # the exit report is on its way
         self.result = bytearray()
 
@@ -224,17 +224,21 @@ class _Supervisor:
                 if not self.reported.is_set() and self.stopped is None:
                     self.stopped = {"reason": self.client.ended, "fail": True}
                     _kill_group(proc)
-                self.driver_gone.set()
                 return
             if frame[:1] == STOP and self.stopped is None and not self.reported.is_set():
                 self.stopped = read_json(frame)
                 _kill_group(proc)
 
     def _exit(self, code: int, error: dict[str, str] | None, result: bytes = b"") -> None:
+        """Reports the worker's exit and result, and keeps the stream until the driver ends
+        it, which it does once it has the whole report: a result of up to 1 GiB may take
+        minutes on a slow link, and closing the stream earlier would cancel it. No time
+        limit: a driver that is gone breaks the stream (a closed socket at once, a vanished
+        host within the keepalive's 10 s), and Spark kills the task of a cancelled job."""
         self.reported.set()
         self.client.send(encode_exit({"code": code, "error": error}, result))
         self.client.finish()
-        self.driver_gone.wait(REPORT_WAIT_SECONDS)
+        self.client.wait_ended()
 
     def _finish(self, returncode: int) -> None:
         code = 128 - returncode if returncode < 0 else returncode

@@ -345,3 +345,43 @@ def test_a_task_that_fails_before_its_worker_names_the_python_error() -> None:
     with pytest.raises(SparkJobError, match="No module named 'psutil'") as info:
         driver._wait_for_tasks(2, 10.0)
     assert info.value.__cause__ is error
+
+
+def test_a_task_keeps_its_stream_until_the_driver_has_taken_a_large_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A result still on its way when REPORT_WAIT_SECONDS is over is not lost: the task
+    waits for the driver to end the stream (here a 64 MiB result, a wait of 1 ms, and a
+    driver that answers 0.3 s after the result arrived)."""
+    import threading
+    import time
+
+    from collectives.spark import task as spark_task
+    from collectives.spark.channel import EXIT
+
+    monkeypatch.setattr(spark_task, "REPORT_WAIT_SECONDS", 0.001)
+    result = bytes(range(256)) * (1 << 18)
+    events: queue.Queue[Any] = queue.Queue()
+    server = TaskChannelServer("the-secret", "job-1", events)
+    port = server.start()
+    received: list[bytes] = []
+
+    def driver() -> None:
+        while not isinstance(event := events.get(timeout=30), Closed):
+            if event.frame[:1] == EXIT:
+                received.append(decode_exit(event.frame)[1])
+                time.sleep(0.3)
+                server.end(event.stream)
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    client = TaskChannelClient(f"127.0.0.1:{port}", "the-secret", "job-1")
+    try:
+        args = spark_task.TaskArgs(addr="", job_id="job-1", secret="the-secret")
+        supervisor = spark_task._Supervisor(args, _report(0, "h"), client, {"env": {}})
+        supervisor._exit(0, None, result)
+    finally:
+        client.close()  # as run_task does once the report is out
+        thread.join(30)
+        server.stop()
+    assert len(received) == 1 and received[0] == result
