@@ -137,7 +137,8 @@ class ElasticDriver(Driver):
         self.finishing = False
         self._numbers = itertools.count()
         self._rejoin_since: float | None = None
-        gloo = worker_env.setting(worker_env.GLOO_TIMEOUT_SECONDS, self.env)
+        given = {name: value for name, value in self.env.items() if value is not None}
+        gloo = worker_env.setting(worker_env.GLOO_TIMEOUT_SECONDS, given)
         self._rejoin_timeout = 2 * float(gloo or FAILURE_TIMEOUT)
         self._elastic_env = {
             worker_env.variable(worker_env.ELASTIC): "1",

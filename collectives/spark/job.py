@@ -362,7 +362,10 @@ class Driver:
         verbose: int,
     ) -> None:
         self.context = context
-        self.env = {name: str(value) for name, value in (env or {}).items()}
+        # None unsets the variable in the workers, as in Horovod's task service.
+        self.env: dict[str, str | None] = {
+            name: None if value is None else str(value) for name, value in (env or {}).items()
+        }
         clash = sorted(RESERVED_VARIABLES & set(self.env))
         if clash:
             raise ValueError(

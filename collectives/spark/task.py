@@ -72,7 +72,8 @@ class TaskArgs:
     secret: str = field(repr=False)
     cert_pem: str = field(default="", repr=False)
     payload: bytes = field(default=b"", repr=False)  # cloudpickle of (fn, args, kwargs)
-    env: Mapping[str, str] = field(default_factory=dict)  # the user's extra variables
+    #: the user's extra variables (None: unset the variable)
+    env: Mapping[str, str | None] = field(default_factory=dict)
     executable: str | None = None
     barrier: bool = True
 
@@ -141,7 +142,11 @@ class _Supervisor:
 
     def _environment(self, result_fd: int) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(self.args.env)
+        for name, value in self.args.env.items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
         env.update(self.start["env"])
         env.setdefault("PYTHONUNBUFFERED", "1")
         env[RESULT_FD_VARIABLE] = str(result_fd)

@@ -68,6 +68,7 @@ def rank_report_and_training(values: list[list[float]]) -> dict[str, Any]:
         optimizer.step()
     argv = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in (os.getpid(), os.getppid())]
     secret = os.environ["HVDRUN_SECRET"].encode()
+    task_env = Path(f"/proc/{os.getppid()}/environ").read_bytes()
     return {
         "rank": hvd.rank(),
         "size": hvd.size(),
@@ -81,6 +82,11 @@ def rank_report_and_training(values: list[list[float]]) -> dict[str, Any]:
         "secret_in_argv": any(secret in line for line in argv),
         "rendezvous": os.environ["HVDRUN_RENDEZVOUS_ADDR"],
         "extra": os.environ.get("EXTRA"),
+        # env=None values: unset here, whether the task's environment had them or not.
+        "unset": {
+            name: (f"\0{name}=".encode() in b"\0" + task_env, os.environ.get(name))
+            for name in ("PYSPARK_PYTHON", "NOT_THERE")
+        },
     }
 
 
@@ -150,7 +156,11 @@ def test_results_by_rank_and_a_training_that_matches_one_process(spark: Any) -> 
     values = [[1.0, 2.0], [10.0, 20.0]]
     out, err = io.StringIO(), io.StringIO()
     results = hvd_spark.run(
-        rank_report_and_training, args=(values,), env={"EXTRA": "x"}, stdout=out, stderr=err
+        rank_report_and_training,
+        args=(values,),
+        env={"EXTRA": "x", "PYSPARK_PYTHON": None, "NOT_THERE": None},
+        stdout=out,
+        stderr=err,
     )
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["size"] == 2 and r["sum"] == [11.0, 22.0] for r in results)
@@ -158,6 +168,8 @@ def test_results_by_rank_and_a_training_that_matches_one_process(spark: Any) -> 
     assert len({r["host"] for r in results}) == 2
     assert [(r["local_rank"], r["cross_rank"]) for r in results] == [(0, 0), (0, 1)]
     assert all(r["tls"] and not r["secret_in_argv"] and r["extra"] == "x" for r in results)
+    unset = {"PYSPARK_PYTHON": (True, None), "NOT_THERE": (False, None)}
+    assert all(r["unset"] == unset for r in results), results[0]["unset"]
     expected = train_on_everything()
     for result in results:
         assert result["weights"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
