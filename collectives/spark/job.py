@@ -43,7 +43,7 @@ from collectives.spark.channel import (
     read_json,
 )
 from collectives.spark.placement import TaskReport, plan_server
-from collectives.spark.task import TaskArgs, run_task
+from collectives.spark.task import GPUS_VARIABLE, TaskArgs, run_task
 from rendezvous import worker_env
 from rendezvous.addresses import join_addr
 from rendezvous.tls import certificate_for
@@ -79,7 +79,11 @@ CONSEQUENCES = frozenset(["HorovodInternalError"])
 TIMESTAMP_FORMAT = "%a %b %d %H:%M:%S %Y"  # Horovod's --prefix-timestamp format
 
 #: The variables the driver sets on every worker; ``env`` may not set them.
-RESERVED_VARIABLES = worker_env.LAUNCHER_SET | {worker_env.GENERATION, worker_env.WORKER}
+RESERVED_VARIABLES = worker_env.LAUNCHER_SET | {
+    worker_env.GENERATION,
+    worker_env.WORKER,
+    GPUS_VARIABLE,
+}
 
 
 class SparkJobError(RuntimeError):

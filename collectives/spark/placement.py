@@ -11,6 +11,8 @@ without a cluster:
   so that ``local_rank`` and ``cross_rank`` mean what they mean under ``hvdrun``;
 * :func:`visible_devices` -- ``CUDA_VISIBLE_DEVICES`` from the GPUs Spark gave each task:
   the host's GPUs in local-rank order, so local rank ``k`` finds its own at CUDA index ``k``;
+* :func:`worker_devices` -- the CUDA indices, inside a worker, of the GPUs Spark gave its
+  task (what :func:`collectives.spark.task.get_available_devices` returns);
 * :func:`plan_server` -- where the driver listens: on loopback, in clear text, for a
   ``local[...]`` master (every task runs in the driver's process tree); otherwise on every
   interface (or ``spark.driver.bindAddress``) with the job's TLS certificate, dialled at
@@ -42,6 +44,7 @@ __all__ = [
     "resolve_timeout",
     "slot_table",
     "visible_devices",
+    "worker_devices",
 ]
 
 #: Horovod's variable and default for how long the tasks may take to start.
@@ -115,6 +118,16 @@ def visible_devices(reports: Sequence[TaskReport], slots: Sequence[SlotInfo]) ->
     if not all(report.gpus for report in reports):
         return [None] * len(reports)
     return list(host_devices(slots, [report.gpus for report in reports]))
+
+
+def worker_devices(assigned: Sequence[str], visible: str | None) -> list[str]:
+    """The CUDA indices, in a worker whose ``CUDA_VISIBLE_DEVICES`` is ``visible``, of the
+    GPUs that Spark ``assigned`` its task (Spark's addresses, the host's numbering): each
+    address's position in ``visible``. An address that ``visible`` does not list (or
+    ``visible`` unset or empty: the worker sees the host's GPUs by their own numbers) is
+    returned as it is."""
+    order = [device.strip() for device in (visible or "").split(",") if device.strip()]
+    return [str(order.index(address)) if address in order else address for address in assigned]
 
 
 def plan_server(master: str, driver_host: str, bind_address: str | None = None) -> ServerPlan:

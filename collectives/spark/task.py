@@ -5,7 +5,10 @@ stream (:mod:`.channel`), says which partition, attempt, executor and GPUs it ha
 for the environment its worker needs (the job's rendezvous address, secret and TLS
 certificate, its rank and local rank). It then starts ``python -m collectives.spark.worker``
 (:mod:`.worker`) in a session of its own, hands it the pickled function on its standard
-input, forwards its output line by line, and reports its exit and result.
+input, forwards its output line by line, and reports its exit and result. The worker's
+environment names the GPUs Spark gave the task (:data:`GPUS_VARIABLE`), for
+:func:`get_available_devices` in the function: Spark's ``TaskContext`` is the task's, not
+the worker's.
 
 Nothing outlives the task's reason to exist. The worker is stopped (SIGTERM to its process
 group, SIGKILL after :data:`STOP_GRACE_SECONDS`) when the driver says so, or when the
@@ -45,12 +48,12 @@ from collectives.spark.channel import (
     json_frame,
     read_json,
 )
-from collectives.spark.placement import TaskReport, executor_of
+from collectives.spark.placement import TaskReport, executor_of, worker_devices
 from collectives.spark.worker import FAILED, OK, RESULT_FD_VARIABLE
 from rendezvous import worker_env
 from rendezvous.addresses import interface_facing
 
-__all__ = ["STOP_GRACE_SECONDS", "TaskArgs", "run_task"]
+__all__ = ["GPUS_VARIABLE", "STOP_GRACE_SECONDS", "TaskArgs", "get_available_devices", "run_task"]
 
 #: How long a worker has between SIGTERM and SIGKILL when its task stops it.
 STOP_GRACE_SECONDS = 3.0
@@ -61,6 +64,22 @@ MAX_LINE = 64 * 1024
 #: Gloo's and NCCL's choice of network interface; the rendezvous's when the job set none.
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 STREAMS = {"stdout": b"1", "stderr": b"2"}
+#: The GPU addresses Spark gave a worker's task, comma-separated (empty: none), set by the
+#: task in its worker's environment for :func:`get_available_devices`.
+GPUS_VARIABLE = "HVDRUN_SPARK_TASK_GPUS"
+
+
+def get_available_devices() -> list[str]:
+    """Horovod's ``horovod.spark.task.get_available_devices()``, called in ``fn``: the GPUs
+    that Spark gave this worker's task (``spark.task.resource.gpu.amount``), as CUDA
+    indices in this process (strings, as Horovod's are): the driver sets each worker's
+    ``CUDA_VISIBLE_DEVICES`` to its host's GPUs in local-rank order, so Spark's address
+    ``"3"`` is index ``"1"`` when ``CUDA_VISIBLE_DEVICES`` is ``"2,3"``
+    (``torch.cuda.set_device(int(get_available_devices()[0]))`` pins the task's own GPU).
+    An empty list where Spark gave the task no GPUs, or outside a worker of
+    :func:`collectives.spark.run`/:func:`~collectives.spark.run_elastic`."""
+    assigned = [gpu for gpu in os.environ.get(GPUS_VARIABLE, "").split(",") if gpu]
+    return worker_devices(assigned, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 @dataclass(frozen=True)
@@ -149,6 +168,7 @@ class _Supervisor:
                 env[name] = value
         env.update(self.start["env"])
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env[GPUS_VARIABLE] = ",".join(self.report.gpus)
         env[RESULT_FD_VARIABLE] = str(result_fd)
         ifname, _ = interface_facing(env[worker_env.RENDEZVOUS_ADDR])
         for name in IFNAME_VARIABLES:

@@ -385,3 +385,39 @@ def test_a_task_keeps_its_stream_until_the_driver_has_taken_a_large_result(
         thread.join(30)
         server.stop()
     assert len(received) == 1 and received[0] == result
+
+
+def test_a_worker_finds_its_tasks_gpus_by_their_cuda_index_in_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from collectives.spark import task as spark_task
+    from collectives.spark.placement import worker_devices
+
+    # Spark's addresses, by their position in the worker's CUDA_VISIBLE_DEVICES.
+    assert worker_devices(["3"], "0,3") == ["1"]
+    assert worker_devices(["1", "2"], "3,1, 2,0") == ["1", "2"]
+    assert worker_devices(["5"], None) == ["5"] and worker_devices(["5"], "") == ["5"]
+    assert worker_devices(["7"], "0,1") == ["7"] and worker_devices([], "0,1") == []
+
+    # The task tells its worker what Spark gave it; the worker translates it.
+    def worker_env(report: TaskReport, devices: str | None) -> dict[str, str]:
+        start = {"env": {"HVDRUN_RENDEZVOUS_ADDR": "127.0.0.1:1"}}
+        if devices is not None:
+            start["env"]["CUDA_VISIBLE_DEVICES"] = devices
+        args = spark_task.TaskArgs(addr="", job_id="job-1", secret="s")
+        client: Any = None
+        return spark_task._Supervisor(args, report, client, start)._environment(99)
+
+    reports = [_report(0, "a", ("3",)), _report(1, "a", ("1",))]
+    devices = visible_devices(reports, slot_table(reports))
+    for report, visible, index in zip(reports, devices, ("0", "1"), strict=True):
+        env = worker_env(report, visible)
+        for name in (spark_task.GPUS_VARIABLE, "CUDA_VISIBLE_DEVICES"):
+            monkeypatch.setenv(name, env[name])
+        assert spark_task.get_available_devices() == [index]
+    monkeypatch.setenv(
+        spark_task.GPUS_VARIABLE, worker_env(_report(0, "a"), None)[spark_task.GPUS_VARIABLE]
+    )
+    assert spark_task.get_available_devices() == []
+    monkeypatch.delenv(spark_task.GPUS_VARIABLE)
+    assert spark_task.get_available_devices() == []  # not in a worker

@@ -47,6 +47,7 @@ def rank_report_and_training(values: list[list[float]]) -> dict[str, Any]:
     import torch
 
     import collectives.torch as hvd
+    from collectives.spark.task import GPUS_VARIABLE, get_available_devices
 
     hvd.init()
     total = hvd.allreduce(torch.tensor(values[hvd.rank()]), op=hvd.Sum)
@@ -82,6 +83,7 @@ def rank_report_and_training(values: list[list[float]]) -> dict[str, Any]:
         "secret_in_argv": any(secret in line for line in argv),
         "rendezvous": os.environ["HVDRUN_RENDEZVOUS_ADDR"],
         "extra": os.environ.get("EXTRA"),
+        "devices": (get_available_devices(), os.environ.get(GPUS_VARIABLE)),  # no GPUs here
         # env=None values: unset here, whether the task's environment had them or not.
         "unset": {
             name: (f"\0{name}=".encode() in b"\0" + task_env, os.environ.get(name))
@@ -170,6 +172,7 @@ def test_results_by_rank_and_a_training_that_matches_one_process(spark: Any) -> 
     assert all(r["tls"] and not r["secret_in_argv"] and r["extra"] == "x" for r in results)
     unset = {"PYSPARK_PYTHON": (True, None), "NOT_THERE": (False, None)}
     assert all(r["unset"] == unset for r in results), results[0]["unset"]
+    assert all(r["devices"] == ([], "") for r in results), results[0]["devices"]
     expected = train_on_everything()
     for result in results:
         assert result["weights"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
