@@ -5,10 +5,10 @@ stream (:mod:`.channel`), says which partition, attempt, executor and GPUs it ha
 for the environment its worker needs (the job's rendezvous address, secret and TLS
 certificate, its rank and local rank). It then starts ``python -m collectives.spark.worker``
 (:mod:`.worker`) in a session of its own, hands it the pickled function on its standard
-input, forwards its output line by line, and reports its exit and result. The worker's
-environment names the GPUs Spark gave the task (:data:`GPUS_VARIABLE`), for
-:func:`get_available_devices` in the function: Spark's ``TaskContext`` is the task's, not
-the worker's.
+input, forwards its output line by line (:func:`output_lines`), and reports its exit and
+result. The worker's environment names the GPUs Spark gave the task
+(:data:`GPUS_VARIABLE`), for :func:`get_available_devices` in the function: Spark's
+``TaskContext`` is the task's, not the worker's.
 
 Nothing outlives the task's reason to exist. The worker is stopped (SIGTERM to its process
 group, SIGKILL after :data:`STOP_GRACE_SECONDS`) when the driver says so, or when the
@@ -28,12 +28,13 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import signal
 import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -53,7 +54,14 @@ from collectives.spark.worker import FAILED, OK, RESULT_FD_VARIABLE
 from rendezvous import worker_env
 from rendezvous.addresses import interface_facing
 
-__all__ = ["GPUS_VARIABLE", "STOP_GRACE_SECONDS", "TaskArgs", "get_available_devices", "run_task"]
+__all__ = [
+    "GPUS_VARIABLE",
+    "STOP_GRACE_SECONDS",
+    "TaskArgs",
+    "get_available_devices",
+    "output_lines",
+    "run_task",
+]
 
 #: How long a worker has between SIGTERM and SIGKILL when its task stops it.
 STOP_GRACE_SECONDS = 3.0
@@ -231,8 +239,9 @@ class _Supervisor:
 
     def _relay(self, pipe: IO[bytes], stream: str) -> None:
         tag = OUTPUT + STREAMS[stream]
-        for line in iter(lambda: pipe.readline(MAX_LINE), b""):
-            self.client.send(tag + line.rstrip(b"\r\n"))
+        read = getattr(pipe, "read1", pipe.read)  # what is there, without waiting for more
+        for line in output_lines(iter(lambda: read(MAX_LINE), b"")):
+            self.client.send(tag + line)
         pipe.close()
 
     def _collect(self, fd: int) -> None:
@@ -295,6 +304,37 @@ class _Supervisor:
                 f"collectives.spark: the worker of task {self.report.partition} failed "
                 f"({_describe_exit(returncode)}): {error['type']}: {error['message']}"
             )
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def output_lines(chunks: Iterable[bytes], limit: int = MAX_LINE) -> Iterator[bytes]:
+    """A worker's output, as it comes in ``chunks``, cut into lines without their ends, each
+    yielded as soon as its end has come: a line ends at ``\\n``, ``\\r\\n`` or a lone
+    ``\\r``, so that each redraw of a progress bar (tqdm starts each with ``\\r``) reaches
+    the driver as a line of its own once the next begins, not the whole bar at its end. A
+    lone ``\\r`` that ends nothing (tqdm's first) makes no line. A longer line is cut every
+    ``limit`` bytes; the last one may have no end."""
+    buffer = bytearray()
+    skip_newline = False  # a chunk ended with "\r": a "\n" that starts the next one is its end
+    for chunk in chunks:
+        if skip_newline and chunk[:1] == b"\n":
+            chunk = chunk[1:]
+        buffer += chunk
+        data = bytes(buffer)
+        start = 0
+        for match in _LINE_END.finditer(data):
+            if match.start() > start or match.group() != b"\r":
+                yield data[start : match.start()]
+            start = match.end()
+        skip_newline = data.endswith(b"\r")
+        del buffer[:start]
+        while len(buffer) >= limit:
+            yield bytes(buffer[:limit])
+            del buffer[:limit]
+    if buffer:
+        yield bytes(buffer)
 
 
 def _error_of(data: bytes) -> dict[str, str]:

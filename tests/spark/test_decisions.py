@@ -5,6 +5,7 @@ and the task channel (a real gRPC stream on loopback, with a wrong secret refuse
 from __future__ import annotations
 
 import queue
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -421,3 +422,27 @@ def test_a_worker_finds_its_tasks_gpus_by_their_cuda_index_in_it(
     assert spark_task.get_available_devices() == []
     monkeypatch.delenv(spark_task.GPUS_VARIABLE)
     assert spark_task.get_available_devices() == []  # not in a worker
+
+
+def test_output_is_cut_into_lines_at_each_newline_and_carriage_return_as_it_comes() -> None:
+    from collectives.spark.task import output_lines
+
+    def lines(*chunks: bytes, limit: int = 64) -> list[bytes]:
+        return list(output_lines(iter(chunks), limit))
+
+    # tqdm: each redraw starts with "\r"; the first ends nothing.
+    assert lines(b"\r 0%|", b"\r 50%|#", b"\r100%|##|\n") == [b" 0%|", b" 50%|#", b"100%|##|"]
+    assert lines(b"a\r\nb\n\nc\r", b"\nd") == [b"a", b"b", b"", b"c", b"d"]  # \r\n split too
+    assert lines(b"x" * 10, b"y\n", limit=4) == [b"xxxx", b"xxxx", b"xxy"]
+    # A redraw is forwarded when the next one starts, without waiting for the bar's end.
+    read: list[bytes] = []
+
+    def worker() -> Iterator[bytes]:
+        for chunk in (b"\r 10%|", b"\r 20%|", b"\r 30%|"):
+            read.append(chunk)
+            yield chunk
+
+    relayed = output_lines(worker())
+    assert next(relayed) == b" 10%|" and len(read) == 2
+    assert next(relayed) == b" 20%|" and len(read) == 3
+    assert list(relayed) == [b" 30%|"]

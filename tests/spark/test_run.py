@@ -53,6 +53,9 @@ def rank_report_and_training(values: list[list[float]]) -> dict[str, Any]:
     total = hvd.allreduce(torch.tensor(values[hvd.rank()]), op=hvd.Sum)
     print(f"rank {hvd.rank()} of {hvd.size()} says hello")
     print(f"rank {hvd.rank()} on stderr", file=sys.stderr)
+    for percent in (50, 100):  # a progress bar's redraws, as tqdm draws them
+        print(f"\rrank {hvd.rank()} {percent}%", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
 
     model = _model()
     optimizer = hvd.DistributedOptimizer(
@@ -179,6 +182,10 @@ def test_results_by_rank_and_a_training_that_matches_one_process(spark: Any) -> 
     for rank in (0, 1):
         assert f"[{rank}]<stdout>:rank {rank} of 2 says hello\n" in out.getvalue()
         assert f"[{rank}]<stderr>:rank {rank} on stderr\n" in err.getvalue()
+        bar = [f"[{rank}]<stderr>:rank {rank} {percent}%" for percent in (50, 100)]
+        assert [
+            line for line in err.getvalue().splitlines() if "%" in line and f"[{rank}]" in line
+        ] == bar, err.getvalue()
     no_worker_left([r["pid"] for r in results])
     assert _closed(results[0]["rendezvous"])
 
