@@ -33,7 +33,7 @@ import torch
 from collectives import ops, runtime
 from collectives.common import ReduceOp, global_process_set
 from collectives.errors import HorovodInternalError, HostsUpdatedInterrupt
-from collectives.objects import broadcast_object
+from collectives.objects import allgather_object, broadcast_object
 
 __all__ = ["HostMessages", "HostUpdateResult", "ObjectState", "State", "VariablesState", "run"]
 
@@ -257,6 +257,15 @@ class VariablesState(ObjectState):
 
     def sync(self) -> None:
         variables = self._variables()
+        counts = allgather_object(len(variables), "elastic.variables")
+        if len(set(counts)) > 1:
+            held = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
+            raise ValueError(
+                f"{type(self).__name__}.sync(): the ranks hold different numbers of variables "
+                f"({held}); a model that is built on some ranks only (a worker that joins an "
+                "elastic job has not run a batch yet) cannot be synced: build the model before "
+                "the state syncs (an Input layer, or model.build(input_shape))"
+            )
         if variables:
             self._broadcast_variables(variables)
         super().sync()  # ends with save(), which saves the variables too

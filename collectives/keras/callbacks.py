@@ -67,18 +67,27 @@ class BroadcastGlobalVariablesCallback(KerasCallback):
         """A variable each worker keeps for itself (never broadcast)."""
         self._local.add(variable_key(var))
 
-    def _broadcast(self) -> None:
+    def _variables(self) -> list[Any]:
         model = self.model
         variables = [v for v in model.variables if variable_key(v) not in self._local]
-        variables += optimizer_variables(getattr(model, "optimizer", None), model)
-        _bridge.broadcast_variables(variables, self.root_rank)
+        return variables + optimizer_variables(getattr(model, "optimizer", None), model)
+
+    def _broadcast(self) -> None:
+        _bridge.broadcast_variables(self._variables(), self.root_rank)
         self.broadcast_done = True
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        # A model not built yet (a Sequential without an input shape, a subclassed model)
-        # has no weights until its first batch: it is broadcast at that batch's end, as
-        # Horovod does, once its weights and the optimizer's exist.
-        if not self.broadcast_done and getattr(self.model, "built", True):
+        # Broadcast now if every rank's model is built and holds as many variables; else at
+        # the end of the first batch, as Horovod does, once every rank's weights and
+        # optimizer slots exist (a model without an input shape, built at its first batch;
+        # a model built on some ranks only; an optimizer loaded with its slots on rank 0,
+        # as Horovod's resume recipe makes it, and built at the first step elsewhere). The
+        # ranks decide together (one small gather), so that they all broadcast alike.
+        if self.broadcast_done:
+            return
+        count = len(self._variables()) if getattr(self.model, "built", True) else -1
+        counts = objects.allgather_object(count, "BroadcastGlobalVariablesCallback")
+        if min(counts) >= 0 and len(set(counts)) == 1:
             self._broadcast()
 
     def on_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:

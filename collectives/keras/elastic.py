@@ -57,6 +57,10 @@ class KerasState(VariablesState):
         super().__init__(**kwargs)
 
     def _variables(self) -> list[Any]:
+        if self.optimizer is None:  # (a state made before model.compile)
+            self.optimizer = getattr(self.model, "optimizer", None)
+        if not getattr(self.model, "built", True):  # (tf_keras raises for its variables)
+            return []
         return list(self.model.variables) + optimizer_variables(self.optimizer, self.model)
 
     def _value_of(self, variable: Any) -> Any:

@@ -6,8 +6,10 @@ Each rank computes its batch's mean and variance as Keras does; the layer then a
 means and the means of squares over the ranks (one allreduce that carries the gradient
 back), as Horovod's layer does: every rank weighs the same, so the ranks' batches should be
 of one size. Horovod's constructor arguments are taken: ``fused=False`` (the default; the
-fused kernel cannot be synchronised, so ``fused=True`` is refused as in Horovod), and a
-default name of ``sync_batch_normalization``. On one rank it is BatchNormalization.
+fused kernel cannot be synchronised, so ``fused=True`` is refused as in Horovod). Unnamed
+layers take Keras's unique names from the class (``sync_batch_normalization``,
+``sync_batch_normalization_1``, ...), so that a model holds several (Horovod gives them all
+one name, and a second one in a model fails). On one rank it is BatchNormalization.
 """
 
 from __future__ import annotations
@@ -39,8 +41,6 @@ class SyncBatchNormalization(BatchNormalization):
     def __init__(self, fused: bool | None = False, **kwargs: Any) -> None:
         if fused in (True, None):
             raise ValueError("SyncBatchNormalization does not support fused=True.")
-        if not kwargs.get("name"):
-            kwargs["name"] = "sync_batch_normalization"
         if _bridge.legacy:  # (Keras 3's layer has no fused kernel, nor the argument)
             kwargs["fused"] = False
         super().__init__(**kwargs)

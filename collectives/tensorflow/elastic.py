@@ -93,7 +93,11 @@ class TensorFlowKerasState(TensorFlowState):
         super().__init__(None, **kwargs)
 
     def _variables(self) -> list[tf.Variable]:
+        if not getattr(self.model, "built", True):  # (tf_keras raises for its variables)
+            return []
         variables = list(self.model.variables)
+        if self.optimizer is None:  # (a state made before model.compile)
+            self.optimizer = getattr(self.model, "optimizer", None)
         optimizer = self.optimizer
         if optimizer is not None:
             build = getattr(optimizer, "build", None)

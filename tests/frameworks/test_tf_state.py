@@ -65,6 +65,18 @@ SCRIPT = textwrap.dedent(
         assert all(np.array_equal(a, b) for a, b in zip(now, committed)), make
         changed = [not np.array_equal(a, b) for a, b in zip(trained, committed)]
         assert changed[:5] == [True] * 5 and changed[6:] == [True] * 8, changed  # (not lr)
+
+    # A state made before model.compile covers the optimizer compile gives the model.
+    for make in (TensorFlowKerasState, hvd_keras.elastic.KerasState):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        state = make(model, epoch=0)
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        state.commit()
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        state.restore()
+        steps = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+        assert state.optimizer is model.optimizer and steps == 2, (make, steps)
     hvd.shutdown()
     print("STATE OK")
     """

@@ -76,6 +76,7 @@ def main() -> None:
 
     momentum_correction(c, r, n)
     vector_metric(c, r, n)
+    broadcast_built_on_one_rank(c, r, x[shard], y[shard])
 
     # ops on values: numbers, numpy arrays
     c.expect("ops.allreduce_number", np.isclose(hvd.allreduce(float(r), op=hvd.Sum), sum(range(n))))
@@ -161,6 +162,33 @@ def momentum_correction(c: Checks, r: int, n: int) -> None:
         model.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0, callbacks=[warm])
         got = np.asarray(model.get_weights()[0], np.float64)
         c.expect(check, np.allclose(got, w, rtol=1e-4, atol=1e-5), (got, w))
+
+
+def broadcast_built_on_one_rank(c: Checks, r: int, x: np.ndarray, y: np.ndarray) -> None:
+    """A model built, with its optimizer's slots, on rank 0 only before fit (Horovod's resume
+    recipe loads a checkpoint there): every rank broadcasts at the same moment, once every
+    rank has the variables, and all end alike."""
+    model = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(2)])  # (no input shape)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if r == 0:
+        model.build((None, x.shape[1]))
+        optimizer.build(model.trainable_variables)
+    callback = hvd.callbacks.BroadcastGlobalVariablesCallback(0)
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[callback], verbose=0)
+    weights = hvd.allgather_object(weights_of(model))
+    same = all(np.array_equal(weights[0], w) for w in weights)
+    c.expect("fit.broadcast_built_on_one_rank", same)
+    # An elastic state cannot sync a model built on some ranks only: it says so on every rank.
+    model = keras.Sequential([keras.layers.Dense(4)])
+    if r == 0:
+        model.build((None, x.shape[1]))
+    try:
+        hvd.elastic.KerasState(model, epoch=0).sync()
+        said = ""
+    except ValueError as error:
+        said = str(error)
+    c.expect("elastic.sync_needs_built_models", "build the model before" in said, said)
 
 
 def vector_metric(c: Checks, r: int, n: int) -> None:
@@ -421,6 +449,12 @@ def sync_batch_norm(c: Checks, r: int, n: int) -> None:
     ok = all(np.allclose(a, b, rtol=1e-5) for a, b in zip(moving, whole_moving, strict=True))
     c.expect("sync_batch_norm.moving_statistics", ok, (moving, whole_moving))
     c.expect("sync_batch_norm.name", sync.name.startswith("sync_batch_normalization"), sync.name)
+    # unnamed layers take unique names: a model holds several (a ResNet's)
+    layers = [hvd.SyncBatchNormalization(), hvd.SyncBatchNormalization()]
+    several = keras.Sequential([keras.Input((2,)), *layers])
+    names = [layer.name for layer in several.layers]
+    unique = len(set(names)) == 2 and all(n.startswith("sync_batch_normalization") for n in names)
+    c.expect("sync_batch_norm.unique_names", unique, names)
     try:
         hvd.SyncBatchNormalization(fused=True)
         c.expect("sync_batch_norm.fused_refused", False, "no error")
