@@ -22,6 +22,7 @@ TensorFlow and Keras states); the objects travel through :mod:`collectives.objec
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
 import logging
@@ -149,14 +150,20 @@ def _kept(value: Any) -> Any:
     kind = type(value)
     if kind in _ATOMS:
         return value
-    if kind is list:
-        return [_kept(item) for item in value]
-    if kind is tuple:
-        return tuple(_kept(item) for item in value)
-    if kind is dict:
-        return {key: _kept(item) for key, item in value.items()}
-    if kind is set:
-        return set(value)
+    # (their kinds too: defaultdict, OrderedDict, Counter, ...)
+    if isinstance(value, list):
+        listed: Any = copy.copy(value)
+        listed[:] = [_kept(item) for item in value]
+        return listed
+    if isinstance(value, dict):
+        mapped: Any = copy.copy(value)
+        mapped.update((key, _kept(item)) for key, item in value.items())
+        return mapped
+    if isinstance(value, set):
+        return copy.copy(value)
+    if isinstance(value, tuple):
+        items = [_kept(item) for item in value]
+        return kind(*items) if hasattr(value, "_fields") else kind(items)
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if kind.__module__ == "numpy" and hasattr(value, "copy"):

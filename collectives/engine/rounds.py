@@ -643,7 +643,7 @@ class CacheRound:
         if lane:
             arrivals.busy += ended - started
         agreed = not math.isnan(first[0])
-        arrivals.after(group, agreed and flag is not None and first[flag] > 0.5, progress=agreed)
+        arrivals.after(group, agreed and flag is not None and first[flag] > 0.5)
         if not agreed:
             self.forget()
         return agreed
@@ -711,7 +711,9 @@ class CacheRound:
         size = self.size
         # (None: dirty members, or unnamed ops that differ; the caller's full round follows)
         outcome = None if first != flags * FLAG_WEIGHT else count_slots.agreed(vector, mine, size)
-        arrivals.after(group, flags > 0, timeout, progress=bool(outcome and outcome[0]))
+        # (stuck: a clean round that made nothing ready; where it was not clean, the full
+        # round that follows in this cycle judges, so a late member's wait here counts)
+        arrivals.after(group, flags > 0, timeout, progress=outcome is None or bool(outcome[0]))
         if outcome is None:
             return None
         agreed, partial = outcome
@@ -799,9 +801,7 @@ class CacheRound:
         arrivals.note(started, time.perf_counter(), new[0].name if new else IDLE)
         flag = staging.flag
         agreed = not math.isnan(staging.first[0])
-        arrivals.after(
-            group, agreed and flag is not None and staging.first[flag] > 0.5, timeout, agreed
-        )
+        arrivals.after(group, agreed and flag is not None and staging.first[flag] > 0.5, timeout)
         if not agreed:
             self.forget()
             return None

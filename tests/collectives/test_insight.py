@@ -538,11 +538,17 @@ print(f"DONE rank {hvd.rank()}")
 """
 
 
-def test_one_late_start_split_into_rounds_names_no_rank(tmp_path: Path) -> None:
-    script = tmp_path / "late_start.py"
-    script.write_text(LATE_START)
+def _job(tmp_path: Path, script: str, *options: str) -> tuple[int, str, Path]:
+    """A two-rank hvdrun job of ``script``: its exit code, its output and its report file."""
+    path = tmp_path / "job.py"
+    path.write_text(script)
     report = tmp_path / "report.json"
-    code, output = run_hvdrun(2, script, options=["--report-file", str(report)])
+    code, output = run_hvdrun(2, path, options=["--report-file", str(report), *options])
+    return code, output, report
+
+
+def test_one_late_start_split_into_rounds_names_no_rank(tmp_path: Path) -> None:
+    code, output, report = _job(tmp_path, LATE_START)
     assert code == 0, output
     assert "holding the job back" not in output, output
     assert "hvdrun: no rank stood out" in output, output
@@ -567,11 +573,7 @@ def test_a_deadlock_names_no_rank_and_counts_no_waiting(tmp_path: Path) -> None:
     # Each rank waits on an op the other never submits: the engines go on with rounds that
     # make nothing ready, and which rank comes last in them is chance; the stall inspector
     # ends the job. No rank held the others back.
-    script = tmp_path / "deadlock.py"
-    script.write_text(DEADLOCK)
-    report = tmp_path / "report.json"
-    options = ["--report-file", str(report), "--stall-check-shutdown-time-seconds", "8"]
-    code, output = run_hvdrun(2, script, options=options)
+    code, output, report = _job(tmp_path, DEADLOCK, "--stall-check-shutdown-time-seconds", "8")
     assert code == 1 and "the stall inspector stopped the job's collectives" in output, output
     assert "holding the job back" not in output, output
     document = _report(report)
@@ -579,6 +581,29 @@ def test_a_deadlock_names_no_rank_and_counts_no_waiting(tmp_path: Path) -> None:
     ranks = {f["rank"]: f for f in document["ranks"]}
     assert ranks[0]["rounds"] > 100, ranks  # (the rounds of 8 s stuck)
     assert document["total_wait_s"] < 1.0, document  # (the rounds before: a few ms)
+
+
+LATE_WITH_NEW_NAMES = """
+import time, torch
+import collectives.torch as hvd
+hvd.init()
+for step in range(12):
+    if hvd.rank() == 1:
+        time.sleep(0.3)  # (its data loader, say)
+    hvd.allreduce_(torch.ones(4), name=f"step.{step}")  # (a name per step: never cached)
+print(f"DONE rank {hvd.rank()}")
+"""
+
+
+def test_a_late_rank_that_brings_ops_new_to_the_cache_is_named(tmp_path: Path) -> None:
+    # Each step's op is new to the response cache: its rounds fail (then back off to the
+    # full negotiation), and neither kind of round is judged stuck when the late rank
+    # brings the op, so its lateness counts.
+    code, output, report = _job(tmp_path, LATE_WITH_NEW_NAMES)
+    assert code == 0, output
+    ranks = {f["rank"]: f for f in _report(report)["ranks"]}
+    assert ranks[1]["wait_caused_s"] > 2.0, ranks  # (12 x 0.3 s, less the first steps)
+    assert ranks[0]["waited_s"] > 2.0 and ranks[0]["wait_caused_s"] < 0.5, ranks
 
 
 def _free_port() -> int:

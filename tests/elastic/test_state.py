@@ -3,6 +3,7 @@ fixture of tests/collectives/test_size1.py, through conftest.py)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from types import ModuleType
 
 import pytest
@@ -124,15 +125,18 @@ def test_a_commit_copies_plain_data_and_keeps_other_objects_as_they_are() -> Non
 
     loader = Loader()
     weight = torch.ones(2, requires_grad=True)
-    state = elastic.ObjectState(loss=None, loader=loader, metrics={"acc": [0.5]})
+    counts: defaultdict[str, list[int]] = defaultdict(list, {"steps": [1]})
+    state = elastic.ObjectState(loss=None, loader=loader, metrics={"acc": [0.5]}, counts=counts)
     state.loss = (weight * 2).sum()  # a tensor of the autograd graph
     state.commit()
     state.metrics["acc"].append(0.7)
+    state.counts["steps"].append(2)
     loader.epoch = 3
     state.loss = torch.zeros(())
     state.restore()
     assert state.loss.item() == 4.0 and not state.loss.requires_grad
     assert state.metrics == {"acc": [0.5]}
+    assert type(state.counts) is defaultdict and state.counts == {"steps": [1]}
     assert state.loader is loader and loader.epoch == 3  # (the script's own object)
 
 

@@ -8,7 +8,7 @@ Each attribute of a torch kind gets a handler that keeps the very object the scr
 to the parameters its optimizer steps. Assigning a new object of a handled attribute
 (``state.sampler = ElasticSampler(...)``) hands the new object to the handler, which saves
 it at once. Every other attribute is an :class:`~collectives.elastic.ObjectState` value
-(deep-copied, broadcast pickled).
+(plain data copied at a commit, other objects kept as they are; broadcast pickled).
 """
 
 from __future__ import annotations
