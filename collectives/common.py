@@ -31,6 +31,8 @@ __all__ = [
     "global_process_set",
     "layer_variables",
     "mark_reduced",
+    "model_variables",
+    "optimizer_variables",
     "reduced_over",
     "variable_key",
 ]
@@ -235,3 +237,26 @@ def checked_groups(groups: Any, num_groups: int = 0) -> Any:
         f"{name} should be a positive integer (the number of groups) or a list of lists of "
         f"variables, got {groups!r}"
     )
+
+
+def optimizer_variables(optimizer: Any, model: Any) -> list[Any]:
+    """The optimizer's variables, built first where Keras builds them lazily (Keras 3): every
+    rank must hold the same ones before they are broadcast. Not while the model has no
+    variables yet (a model built at its first batch): an optimizer built on none refuses
+    the model's variables at its first step, so it is built once they exist."""
+    if optimizer is None:
+        return []
+    if not getattr(optimizer, "built", True) and hasattr(optimizer, "build"):
+        trainable = list(model.trainable_variables)
+        if trainable:
+            optimizer.build(trainable)
+    variables = getattr(optimizer, "variables", None) or []
+    return list(variables() if callable(variables) else variables)
+
+
+def model_variables(model: Any, optimizer: Any) -> list[Any]:
+    """A Keras model's variables and its optimizer's (see :func:`optimizer_variables`); none
+    while the model is not built (tf_keras raises for them then)."""
+    if not getattr(model, "built", True):
+        return []
+    return list(model.variables) + optimizer_variables(optimizer, model)

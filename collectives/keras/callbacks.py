@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from collectives import objects, runtime
-from collectives.common import global_process_set, variable_key
+from collectives.common import global_process_set, optimizer_variables, variable_key
 from collectives.keras import backend as keras_backend
 
 __all__ = [
@@ -26,21 +26,6 @@ logger = logging.getLogger(__name__)
 _bridge = keras_backend.current()
 #: The Keras in use's callback base class.
 KerasCallback: Any = _bridge.keras.callbacks.Callback
-
-
-def optimizer_variables(optimizer: Any, model: Any) -> list[Any]:
-    """The optimizer's variables, built first where Keras builds them lazily (Keras 3): every
-    rank must hold the same ones before they are broadcast. Not while the model has no
-    variables yet (a model built at its first batch): an optimizer built on none refuses
-    the model's variables at its first step, so it is built once they exist."""
-    if optimizer is None:
-        return []
-    if not getattr(optimizer, "built", True) and hasattr(optimizer, "build"):
-        trainable = list(model.trainable_variables)
-        if trainable:
-            optimizer.build(trainable)
-    variables = getattr(optimizer, "variables", None) or []
-    return list(variables() if callable(variables) else variables)
 
 
 class BroadcastGlobalVariablesCallback(KerasCallback):

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from collectives import elastic
+from collectives.common import model_variables
 from collectives.elastic import VariablesState
 from collectives.keras import backend as keras_backend
-from collectives.keras.callbacks import KerasCallback, optimizer_variables
+from collectives.keras.callbacks import KerasCallback
 
 __all__ = [
     "CommitStateCallback",
@@ -59,9 +60,7 @@ class KerasState(VariablesState):
     def _variables(self) -> list[Any]:
         if self.optimizer is None:  # (a state made before model.compile)
             self.optimizer = getattr(self.model, "optimizer", None)
-        if not getattr(self.model, "built", True):  # (tf_keras raises for its variables)
-            return []
-        return list(self.model.variables) + optimizer_variables(self.optimizer, self.model)
+        return model_variables(self.model, self.optimizer)
 
     def _value_of(self, variable: Any) -> Any:
         import numpy as np

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import tensorflow as tf
 
 from collectives import elastic
+from collectives.common import model_variables
 from collectives.elastic import ObjectState, State, VariablesState
 from collectives.tensorflow import graph
 from collectives.tensorflow.functions import broadcast_variables
@@ -93,17 +94,6 @@ class TensorFlowKerasState(TensorFlowState):
         super().__init__(None, **kwargs)
 
     def _variables(self) -> list[tf.Variable]:
-        if not getattr(self.model, "built", True):  # (tf_keras raises for its variables)
-            return []
-        variables = list(self.model.variables)
         if self.optimizer is None:  # (a state made before model.compile)
             self.optimizer = getattr(self.model, "optimizer", None)
-        optimizer = self.optimizer
-        if optimizer is not None:
-            build = getattr(optimizer, "build", None)
-            trainable = list(self.model.trainable_variables)
-            if build is not None and not getattr(optimizer, "built", True) and trainable:
-                build(trainable)
-            extra = getattr(optimizer, "variables", None) or []
-            variables.extend(extra() if callable(extra) else extra)  # (a method in tf_keras)
-        return variables
+        return model_variables(self.model, self.optimizer)
