@@ -8,7 +8,6 @@ never a traceback. This process never imports torch (only ``--check-build`` does
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -69,7 +68,6 @@ from launcher.spec.options import (
 from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
 from rendezvous.launchers import DetectionError, slurm_allocation
 from rendezvous.worker_env import (
-    ELASTIC_TIMEOUT,
     HOROVOD_PREFIX,
     LAUNCHER_SET,
     PREFIX,
@@ -363,9 +361,8 @@ def cli(
         env.setdefault(name, value)
     compat.set_tcp(env)
     try:
-        # as every worker will read them, before any starts (a fixed job's workers never
-        # read the elastic timeout: any value of HOROVOD_ELASTIC_TIMEOUT may stand there)
-        check_settings(env if elastic else without_setting(env, ELASTIC_TIMEOUT))
+        # as every worker will read them, before any starts
+        check_settings(env, elastic=elastic)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     launch = LaunchOptions(
@@ -524,13 +521,7 @@ def resolve_hosts(
     if host_list is None:
         if num_proc is None:
             raise click.UsageError("give the number of processes with -np N (or hosts with -H)")
-        if num_proc > MAX_SLOTS_PER_HOST:  # (all on this machine: one host's slots)
-            raise click.BadParameter(
-                f"{num_proc} processes on this machine (no -H) is above the limit of "
-                f"{MAX_SLOTS_PER_HOST} slots per host",
-                param_hint="'-np'",
-            )
-        return [HostSpec("localhost", num_proc)], num_proc
+        return [HostSpec("localhost", here(num_proc))], num_proc
     total = sum(h.slots for h in host_list)
     if num_proc is None:
         if total > MAX_PROCESSES:
@@ -563,13 +554,8 @@ def beyond_allocation(allocation: Allocation, num_proc: int) -> list[HostSpec]:
     horovodrun (``localhost:N``) does, with a note; one of several nodes, where the workers'
     places are not clear, is an error that names the ways out."""
     nodes = [host.hostname for host in allocation.hosts]
-    if len(nodes) == 1 and is_this_machine(nodes[0]):
-        if num_proc > MAX_SLOTS_PER_HOST:
-            raise click.BadParameter(
-                f"{num_proc} processes on this machine is above the limit of "
-                f"{MAX_SLOTS_PER_HOST} slots per host",
-                param_hint="'-np'",
-            )
+    if len(nodes) == 1 and is_local_host(nodes[0]):
+        here(num_proc)
         click.echo(
             f"hvdrun: note: -np {num_proc} is more than the {allocation.slots} slot(s) of "
             f"{allocation.source}, which holds only this machine ({nodes[0]}): its "
@@ -586,10 +572,15 @@ def beyond_allocation(allocation: Allocation, num_proc: int) -> list[HostSpec]:
     )
 
 
-def is_this_machine(name: str) -> bool:
-    """Whether a scheduler's node name is the machine hvdrun runs on."""
-    own = socket.gethostname()
-    return name in (own, own.split(".", 1)[0]) or is_local_host(name)
+def here(num_proc: int) -> int:
+    """``num_proc``, the workers to run on this machine alone: at most one host's slots."""
+    if num_proc > MAX_SLOTS_PER_HOST:
+        raise click.BadParameter(
+            f"{num_proc} processes on this machine is above the limit of "
+            f"{MAX_SLOTS_PER_HOST} slots per host",
+            param_hint="'-np'",
+        )
+    return num_proc
 
 
 def choose_launcher(requested: str, host_list: Sequence[HostSpec], elastic: bool) -> str:
@@ -692,12 +683,6 @@ def _spellings(name: str) -> tuple[str, ...]:
         if name.startswith(prefix):
             return setting_names(name[len(prefix) :])
     return (name,)
-
-
-def without_setting(env: Mapping[str, str], name: str) -> dict[str, str]:
-    """``env`` less both spellings of the setting ``name``."""
-    spellings = setting_names(name)
-    return {key: value for key, value in env.items() if key not in spellings}
 
 
 def check_rendezvous_addr(addr: str) -> None:

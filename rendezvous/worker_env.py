@@ -305,11 +305,14 @@ def choice(name: str, choices: tuple[str, ...], env: Mapping[str, str] | None = 
     return value
 
 
-def check_settings(env: Mapping[str, str]) -> None:
+def check_settings(env: Mapping[str, str], *, elastic: bool = True) -> None:
     """Parses every setting of :data:`NUMBERS`, :data:`FLAGS` and the CUDA backend in
-    ``env`` as the workers will: ValueError naming the first variable they would refuse."""
+    ``env`` as the workers will: ValueError naming the first variable they would refuse.
+    A fixed-size job's workers never read :data:`ELASTIC_TIMEOUT` (``elastic`` False): any
+    value may stand there, as horovodrun lets it."""
     for name in NUMBERS:
-        number(name, env=env)
+        if elastic or name != ELASTIC_TIMEOUT:
+            number(name, env=env)
     for name in FLAGS:
         flag(name, env)
     choice(CUDA_BACKEND, CUDA_BACKENDS, env)

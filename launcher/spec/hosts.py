@@ -9,8 +9,9 @@ and repeated ``-H`` hosts are user errors:
 :class:`HostSpecError` carries a message that names the offending entry (and line), and the
 CLI turns it into one line with exit code 2.
 
-:func:`is_local_host` decides which hosts run without SSH: ``localhost``, loopback
-addresses, and any name that resolves to an address of one of this machine's interfaces.
+:func:`is_local_host` decides which hosts run without SSH: ``localhost``, this machine's
+host name (full or short), loopback addresses, and any name that resolves to an address of
+one of this machine's interfaces.
 """
 
 from __future__ import annotations
@@ -198,6 +199,9 @@ def is_local_host(hostname: str) -> bool:
         return True
     if "@" in hostname:
         return False
+    own = socket.gethostname()
+    if hostname in (own, own.split(".", 1)[0]):  # (a scheduler's short node name, too)
+        return True
     try:
         infos = socket.getaddrinfo(hostname, None, proto=socket.IPPROTO_TCP)
     except (OSError, UnicodeError):

@@ -43,7 +43,7 @@ from tests.processes import with_repo_on_path
         (["-np", "1048577", "true"], "1048577 is above the limit of 1048576 processes"),
         (
             ["-np", "65537", "true"],
-            "invalid '-np': 65537 processes on this machine (no -H) is above the limit of "
+            "invalid '-np': 65537 processes on this machine is above the limit of "
             "65536 slots per host",
         ),
         (

@@ -220,3 +220,14 @@ def test_own_addresses_are_local() -> None:
     # (numeric addresses only: a test must not send DNS queries off this machine)
     for address in local_addresses():
         assert is_local_host(address), address
+
+
+def test_this_machines_host_name_is_local_full_or_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler names nodes by short host name (Slurm's ``node7`` of ``node7.cluster``):
+    either spelling of this machine's name starts its workers without SSH."""
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node7.cluster.invalid")
+    assert is_local_host("node7.cluster.invalid")
+    assert is_local_host("node7")
+    assert not is_local_host("node8.cluster.invalid")
