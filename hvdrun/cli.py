@@ -351,7 +351,7 @@ def cli(
         check_rendezvous_addr(rendezvous_addr)
     ifnames = interfaces(network_interface, compat.network_interfaces)
     env, exported = worker_env(exports, ifnames)
-    settings = {name: tuning_env(**{name: value}) for name, value in tuning.items()}
+    settings = {name: tuning_env(name, value) for name, value in tuning.items()}
     settings.update(compat.settings())
     settings.update(log_settings.settings())
     apply_settings(env, exported, settings)

@@ -142,58 +142,47 @@ def tuning_options(fn: F) -> F:
     return fn
 
 
-def tuning_env(
-    fusion_threshold_mb: float | None = None,
-    cycle_time_ms: float | None = None,
-    cuda_backend: str | None = None,
-    timeline_filename: str | None = None,
-    timeline_mark_cycles: bool | None = None,
-    timeline_all_ranks: bool | None = None,
-    no_stall_check: bool | None = None,
-    stall_check_warning_time_seconds: float | None = None,
-    stall_check_shutdown_time_seconds: float | None = None,
-    cache_capacity: int | None = None,
-    autotune: bool | None = None,
-    autotune_log_file: str | None = None,
-    autotune_warmup_samples: int | None = None,
-    autotune_steps_per_sample: int | None = None,
-    autotune_bayes_opt_max_samples: int | None = None,
-    autotune_gaussian_process_noise: float | None = None,
-) -> dict[str, str]:
-    """The worker environment variables for the flags the user gave."""
-    we = worker_env
-    env: dict[str, str] = {}
-    if fusion_threshold_mb is not None:
-        env[we.variable(we.FUSION_THRESHOLD)] = str(int(fusion_threshold_mb * 1024 * 1024))
-    if cycle_time_ms is not None:
-        env[we.variable(we.CYCLE_TIME)] = f"{cycle_time_ms:g}"
-    if cuda_backend is not None:
-        env[we.variable(we.CUDA_BACKEND)] = cuda_backend
-    if timeline_filename is not None:
-        env[we.variable(we.TIMELINE)] = os.path.abspath(timeline_filename)
-    if timeline_mark_cycles is not None:  # (False: the config file's ``mark_cycles: false``)
-        env[we.variable(we.TIMELINE_MARK_CYCLES)] = "1" if timeline_mark_cycles else "0"
-    if timeline_all_ranks:
-        env[we.variable(we.TIMELINE_ALL_RANKS)] = "1"
-    if no_stall_check is not None:  # (False: the config file's ``enabled: true``)
-        env[we.variable(we.STALL_CHECK_DISABLE)] = "1" if no_stall_check else "0"
-    if stall_check_warning_time_seconds is not None:
-        env[we.variable(we.STALL_CHECK_TIME_SECONDS)] = f"{stall_check_warning_time_seconds:g}"
-    if stall_check_shutdown_time_seconds is not None:
-        seconds = f"{stall_check_shutdown_time_seconds:g}"
-        env[we.variable(we.STALL_SHUTDOWN_TIME_SECONDS)] = seconds
-    if cache_capacity is not None:
-        env[we.variable(we.CACHE_CAPACITY)] = str(cache_capacity)
-    if autotune:
-        env[we.variable(we.AUTOTUNE)] = "1"
-    if autotune_log_file is not None:
-        env[we.variable(we.AUTOTUNE_LOG)] = os.path.abspath(autotune_log_file)
-    for name, value in (
-        (we.AUTOTUNE_WARMUP_SAMPLES, autotune_warmup_samples),
-        (we.AUTOTUNE_STEPS_PER_SAMPLE, autotune_steps_per_sample),
-        (we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES, autotune_bayes_opt_max_samples),
-        (we.AUTOTUNE_GAUSSIAN_PROCESS_NOISE, autotune_gaussian_process_noise),
-    ):
-        if value is not None:
-            env[we.variable(name)] = f"{value:g}"
-    return env
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def _on_off(value: bool) -> str:
+    """A switch that may be turned off explicitly (False: the config file's ``enabled:
+    true`` or ``mark_cycles: false``): written either way."""
+    return "1" if value else "0"
+
+
+def _on(value: bool) -> str | None:
+    """A switch whose False is its default: written only when on."""
+    return "1" if value else None
+
+
+we = worker_env
+
+#: Each tuning flag: the worker setting it writes, and how its value is spelled there.
+_SETTINGS: dict[str, tuple[str, Callable[[Any], str | None]]] = {
+    "fusion_threshold_mb": (we.FUSION_THRESHOLD, lambda mb: str(int(mb * 1024 * 1024))),
+    "cycle_time_ms": (we.CYCLE_TIME, _number),
+    "cuda_backend": (we.CUDA_BACKEND, str),
+    "timeline_filename": (we.TIMELINE, os.path.abspath),
+    "timeline_mark_cycles": (we.TIMELINE_MARK_CYCLES, _on_off),
+    "timeline_all_ranks": (we.TIMELINE_ALL_RANKS, _on),
+    "no_stall_check": (we.STALL_CHECK_DISABLE, _on_off),
+    "stall_check_warning_time_seconds": (we.STALL_CHECK_TIME_SECONDS, _number),
+    "stall_check_shutdown_time_seconds": (we.STALL_SHUTDOWN_TIME_SECONDS, _number),
+    "cache_capacity": (we.CACHE_CAPACITY, str),
+    "autotune": (we.AUTOTUNE, _on),
+    "autotune_log_file": (we.AUTOTUNE_LOG, os.path.abspath),
+    "autotune_warmup_samples": (we.AUTOTUNE_WARMUP_SAMPLES, _number),
+    "autotune_steps_per_sample": (we.AUTOTUNE_STEPS_PER_SAMPLE, _number),
+    "autotune_bayes_opt_max_samples": (we.AUTOTUNE_BAYES_OPT_MAX_SAMPLES, _number),
+    "autotune_gaussian_process_noise": (we.AUTOTUNE_GAUSSIAN_PROCESS_NOISE, _number),
+}
+
+
+def tuning_env(name: str, value: Any) -> dict[str, str]:
+    """The worker variable that the tuning flag ``name`` (its parameter name) given as
+    ``value`` sets: none for a flag left out (None) or a plain switch left off."""
+    setting, spell = _SETTINGS[name]
+    text = None if value is None else spell(value)
+    return {} if text is None else {worker_env.variable(setting): text}

@@ -241,15 +241,16 @@ def test_bad_tuning_flags_are_one_line_exit_2(
 def test_tuning_flags_become_worker_variables_horovod_spelling_read_too(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    env = tuning_env(
-        cache_capacity=0,
-        autotune=True,
-        autotune_log_file="tune.csv",
-        autotune_warmup_samples=2,
-        autotune_steps_per_sample=5,
-        autotune_bayes_opt_max_samples=7,
-        autotune_gaussian_process_noise=0.5,
-    )
+    flags = {
+        "cache_capacity": 0,
+        "autotune": True,
+        "autotune_log_file": "tune.csv",
+        "autotune_warmup_samples": 2,
+        "autotune_steps_per_sample": 5,
+        "autotune_bayes_opt_max_samples": 7,
+        "autotune_gaussian_process_noise": 0.5,
+    }
+    env = {k: v for name, value in flags.items() for k, v in tuning_env(name, value).items()}
     assert env["HVDRUN_CACHE_CAPACITY"] == "0"
     assert env["HVDRUN_AUTOTUNE"] == "1"
     assert Path(env["HVDRUN_AUTOTUNE_LOG"]).is_absolute()
