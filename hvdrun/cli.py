@@ -44,7 +44,7 @@ from hvdrun.report_flags import (
     merge_command,
     report_options,
 )
-from hvdrun.tuning import tuning_env, tuning_options
+from hvdrun.tuning import tuning_env, tuning_notes, tuning_options
 from hvdrun.values import seconds
 from hvdrun.version import __version__
 from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports, unset_exports
@@ -417,6 +417,7 @@ def cli(
         creatable_directory(output_filename, "--output-filename")
     if not dry_run:
         report.check(env, local_only)
+    unused_notes += tuning_notes(tuning, env)
     for notice in [*unused_notes, *notices(compat, env, host_list, num_proc)]:
         click.echo(f"hvdrun: {notice}", err=True)
 

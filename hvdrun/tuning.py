@@ -11,7 +11,7 @@ hvdrun's environment may hold.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import click
@@ -186,3 +186,21 @@ def tuning_env(name: str, value: Any) -> dict[str, str]:
     setting, spell = _SETTINGS[name]
     text = None if value is None else spell(value)
     return {} if text is None else {worker_env.variable(setting): text}
+
+
+#: The switches that only shape a timeline: without a timeline file they do nothing.
+_TIMELINE_SWITCHES = ("timeline_mark_cycles", "timeline_all_ranks")
+
+
+def tuning_notes(tuning: Mapping[str, Any], env: Mapping[str, str]) -> list[str]:
+    """The notes for tuning flags that will do nothing: a timeline switch turned on while
+    no timeline file is set (by ``--timeline-filename``, the config file or the
+    environment), which the workers would ignore without a word."""
+    if worker_env.setting(worker_env.TIMELINE, env) is not None:
+        return []
+    return [
+        f"note: --{name.replace('_', '-')} has no effect without a timeline file "
+        "(--timeline-filename FILE)"
+        for name in _TIMELINE_SWITCHES
+        if tuning.get(name)
+    ]

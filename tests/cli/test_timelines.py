@@ -234,3 +234,22 @@ def test_an_existing_file_is_taken_as_it_is_wherever_it_lies() -> None:
     creatable_directory("/proc/self/fd", "--report-file", "/proc/self/fd/2")
     with pytest.raises(click.BadParameter, match="cannot write in /proc/self/fd"):
         creatable_directory("/proc/self/fd", "--report-file", "/proc/self/fd/no-such")
+
+
+def test_timeline_switches_without_a_timeline_file_are_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--timeline-all-ranks or --timeline-mark-cycles with no timeline file would write
+    nothing, and the user would find out after the job: hvdrun says so before it starts."""
+    monkeypatch.delenv("HOROVOD_TIMELINE", raising=False)
+    argv = ["--dry-run", "-np", "1", "--timeline-all-ranks", "--timeline-mark-cycles", "true"]
+    assert run_cli(argv) == 0
+    err = capsys.readouterr().err
+    for flag in ("--timeline-all-ranks", "--timeline-mark-cycles"):
+        assert f"hvdrun: note: {flag} has no effect without a timeline file" in err
+    # a timeline file from the command line or the environment: no note
+    assert run_cli([*argv[:-1], "--timeline-filename", "t.json", "true"]) == 0
+    assert "timeline file" not in capsys.readouterr().err
+    monkeypatch.setenv("HOROVOD_TIMELINE", "t.json")
+    assert run_cli(argv) == 0
+    assert "timeline file" not in capsys.readouterr().err
