@@ -40,7 +40,9 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -468,8 +470,52 @@ def init_launched(
         host=placement.host or socket.gethostname(),
     )
     try:
-        watch_and_join(runtime_, counter)
+        with _departures_fail_the_set_up(joined, placement):
+            watch_and_join(runtime_, counter)
     except BaseException:
         joined.leave()
         raise
     return runtime_
+
+
+#: How often rank 0 looks for ranks that left while the job's ranks connect.
+DEPARTURE_POLL_SECONDS = 0.2
+
+
+@contextlib.contextmanager
+def _departures_fail_the_set_up(joined: Joined, placement: Placement) -> Iterator[None]:
+    """Rank 0, while the ranks connect (``init_process_group``): a rank whose connection to
+    the rendezvous closes there (its CUDA or NCCL set-up raised, it was killed) makes every
+    rank's wait in the rendezvous store fail at once, naming it. Without this the others
+    would wait out the collectives' timeout (300 s), since no launcher may stop them (srun
+    without -K, a Kubernetes job)."""
+    server = joined.server
+    if server is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(DEPARTURE_POLL_SECONDS):
+            try:
+                gone = sorted(server.left_ranks())
+            except TimeoutError:  # (a loaded machine: ask again)
+                continue
+            if gone:
+                server.abandon(
+                    f"{_ranks(gone)} of {placement.size} ({placement.name}) left the job after "
+                    "joining it, before connecting to the others (its own output says why)"
+                )
+                return
+
+    thread = threading.Thread(target=watch, name="hvdrun-departures", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -20,7 +20,8 @@ before the server starts serving and from then on are read and written only by c
 callbacks on that loop (the RPC handlers, publish, shutdown), so no lock guards them:
 
 * :class:`KeyValueStore` -- ``_data``, ``_waiters``, ``_generation`` (its copy of the newest
-  published generation) and ``_shutdown`` (None while serving): loop-only;
+  published generation), ``_shutdown`` (None while serving) and ``_abandoned`` (None
+  unless :meth:`KeyValueStore.abandon`): loop-only;
   ``_max_value_bytes`` never changes.
 * :class:`Barriers` -- ``_barriers`` (each :class:`Barrier` in it too) and ``_shutdown``:
   loop-only.
@@ -61,6 +62,7 @@ class KeyValueStore:
         self._waiters: dict[str, set[asyncio.Future[bytes]]] = {}
         self._generation = 0
         self._shutdown: str | None = None  # the message blocked callers get, once stopping
+        self._abandoned: str | None = None  # the message blocked readers get, once abandoned
 
     # ---- writes ------------------------------------------------------------------------
 
@@ -182,6 +184,16 @@ class KeyValueStore:
                 if not waiter.done():
                     waiter.set_exception(ShuttingDown(message))
 
+    def abandon(self, message: str) -> None:
+        """The job cannot connect (a rank it waits for has left): every blocked reader, and
+        every later one that would block, fails with ABORTED ``message``; the server
+        serves on (the ranks leave it as they fail)."""
+        self._abandoned = message
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(Refusal(grpc.StatusCode.ABORTED, message))
+
     # ---- helpers -----------------------------------------------------------------------
 
     def _store(self, key: str, value: bytes) -> None:
@@ -233,6 +245,8 @@ class KeyValueStore:
             return self._data[key]
         if self._shutdown is not None:
             raise ShuttingDown(self._shutdown)
+        if self._abandoned is not None:
+            raise Refusal(grpc.StatusCode.ABORTED, self._abandoned)
         old = generation_of(key)
         if old is not None and old < self._generation:
             raise Superseded(old, self._generation)

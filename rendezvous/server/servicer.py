@@ -65,6 +65,10 @@ class Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self._store.shut_down(message)
         self._barriers.shut_down(message)
 
+    def abandon(self, message: str) -> None:
+        """Fails every blocked and later read of the store with ABORTED ``message``."""
+        self._store.abandon(message)
+
     async def wait_watches_closed(self, timeout: float) -> None:
         """Waits (up to ``timeout``) until every Watch stream has ended, i.e. sent SHUTDOWN."""
         await self._watches.wait_closed(timeout)
@@ -91,6 +95,9 @@ class Servicer(rendezvous_pb2_grpc.RendezvousServicer):
 
     def watching_ranks(self) -> set[int]:
         return self._watches.watching_ranks()
+
+    def left_ranks(self) -> set[int]:
+        return self._watches.left_ranks()
 
     def values_under(self, prefix: str) -> dict[str, bytes]:
         """Every key of the store under ``prefix`` (the workers' reports), and its value."""

@@ -19,7 +19,8 @@ Why it looks the way it does:
 * The job's state belongs to the loop. The launcher's threads (the fixed supervisor's
   status line, the elastic driver, a placed job's rank 0 waiting for the others to leave)
   read it through :meth:`RendezvousServer.registered_count`,
-  :meth:`~RendezvousServer.waiting_slots`, :meth:`~RendezvousServer.watching_ranks` and
+  :meth:`~RendezvousServer.waiting_slots`, :meth:`~RendezvousServer.watching_ranks`,
+  :meth:`~RendezvousServer.left_ranks` and
   :meth:`~RendezvousServer.values_under`,
   which run a small coroutine on the loop and wait for its answer: no lock is shared with
   the loop, and an answer is never a half-made change.
@@ -272,9 +273,18 @@ class RendezvousServer:
         generation each last synced it in."""
         return self._ask(self._servicer.state_holders, {})
 
+    def abandon(self, message: str) -> None:
+        """The job cannot connect: every read of the store that waits for a key, blocked now
+        or later, fails with ABORTED ``message`` (the ranks then leave; it serves on)."""
+        self._ask(lambda: self._servicer.abandon(message), None)
+
     def watching_ranks(self) -> set[int]:
         """Ranks that hold an open Watch stream right now."""
         return self._ask(self._servicer.watching_ranks, set())
+
+    def left_ranks(self) -> set[int]:
+        """Ranks that held a Watch stream and hold none now (they left, or were cut off)."""
+        return self._ask(self._servicer.left_ranks, set())
 
     def values_under(self, prefix: str) -> dict[str, bytes]:
         """The store's keys under ``prefix`` and their values (the workers' reports, such

@@ -15,9 +15,11 @@ Why it looks the way it does:
 
 Threads: every field of :class:`Watches` belongs to the server's asyncio loop (the streams,
 the timer's callback, publish and shutdown all run there), so no lock guards them:
-``_pulse``, ``_timer``, ``_watching`` (rank -> its open streams), ``_open``, ``_closed``,
-``_generation`` (the newest generation announced) and ``_shutdown``. ``_interval`` never
-changes. Other threads ask for :meth:`Watches.watching_ranks` through the loop
+``_pulse``, ``_timer``, ``_watching`` (rank -> its open streams), ``_left`` (the ranks whose
+last stream ended), ``_open``, ``_closed``, ``_generation`` (the newest generation announced)
+and ``_shutdown``. ``_interval`` never
+changes. Other threads ask for :meth:`Watches.watching_ranks` and
+:meth:`Watches.left_ranks` through the loop
 (:class:`rendezvous.server.serving.RendezvousServer` does).
 """
 
@@ -44,6 +46,7 @@ class Watches:
         self._pulse: asyncio.Event | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._watching: dict[int, int] = {}  # rank -> number of open streams
+        self._left: set[int] = set()  # ranks whose last stream has ended
         self._open = 0  # sum(_watching.values()), kept so the timer need not add it up
         self._closed: asyncio.Event | None = None  # set while no stream is open
         self._generation = 0
@@ -68,6 +71,10 @@ class Watches:
     def watching_ranks(self) -> set[int]:
         """The ranks with an open stream."""
         return set(self._watching)
+
+    def left_ranks(self) -> set[int]:
+        """The ranks that held a stream and hold none now."""
+        return self._left - self._watching.keys()
 
     async def wait_closed(self, timeout: float) -> None:
         """Waits (up to ``timeout``) until every stream has ended, i.e. sent SHUTDOWN."""
@@ -106,6 +113,7 @@ class Watches:
                     self._watching[rank] = count
                 else:
                     self._watching.pop(rank, None)
+                    self._left.add(rank)
             self._open -= 1
             if self._open == 0:
                 self._closed.set()

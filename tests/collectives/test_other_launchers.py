@@ -320,8 +320,14 @@ def start_pods(size: int, *args: str, port: int, **extra: str) -> list[subproces
 
 def finish(procs: list[subprocess.Popen[str]], timeout: float = 120) -> tuple[list[int], str]:
     outputs, codes = [], []
+    deadline = time.monotonic() + timeout
     for proc in procs:
-        out, _ = proc.communicate(timeout=timeout)
+        try:
+            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for each in procs:  # (no rank outlives the test)
+                each.kill()
+            raise
         outputs.append(out)
         codes.append(proc.returncode)
     return codes, "\n".join(outputs)
@@ -374,6 +380,22 @@ def test_peers_that_never_arrive() -> None:
     assert codes == [1], output
     assert "the RANK/WORLD_SIZE/MASTER_ADDR environment started 2 processes" in output, output
     assert re.search(r"1 of 2 ranks did not register within [0-9.]+ s: ranks 1\n", output), output
+
+
+def test_a_rank_that_fails_to_connect_is_named_at_once() -> None:
+    """A rank whose process group set-up fails after it joined (a CUDA or NCCL error)
+    leaves; with no launcher to stop the others (a Kubernetes job, srun without -K), their
+    hvd.init() fails at once, naming it, instead of waiting out the collectives' 300 s."""
+    procs = start_pods(2, "fail-connect", port=free_port())
+    codes, output = finish(procs)
+    assert codes == [5, 5], output
+    assert "NCCL error: unhandled cuda error (simulated)" in output, output
+    found = re.search(
+        r"INIT FAILED after ([0-9.]+) s: .*rank 1 of 2 \(the RANK/WORLD_SIZE/MASTER_ADDR "
+        r"environment\) left the job after joining it",
+        output,
+    )
+    assert found is not None and float(found[1]) < 30, output
 
 
 def test_no_address_to_meet_at_fails_at_once() -> None:

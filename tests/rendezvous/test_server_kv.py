@@ -158,6 +158,30 @@ def test_shutdown_fails_blocked_and_later_readers() -> None:
     run(test)
 
 
+def test_an_abandoned_store_fails_blocked_and_later_readers_and_serves_on() -> None:
+    """A placed job's rank 0 abandons the store when a rank leaves while the ranks connect:
+    every reader that waits fails with ABORTED and the reason; what is there is still read
+    and written."""
+
+    async def test() -> None:
+        store = KeyValueStore(1024)
+        blocked = asyncio.create_task(store.get("peer-address", 5000))
+        await settle()
+        store.abandon("rank 1 of 2 left the job")
+        await settle()
+        refusal = refusal_of(blocked)
+        assert (refusal.code, refusal.message) == (
+            grpc.StatusCode.ABORTED,
+            "rank 1 of 2 left the job",
+        )
+        with pytest.raises(Refusal, match="rank 1 of 2 left the job"):
+            await store.wait(["other"], 5000)
+        store.set("here", b"1")
+        assert await store.get("here", 5000) == (b"1", [])
+
+    run(test)
+
+
 def test_cancelled_readers_leave_no_waiters_behind() -> None:
     async def test() -> None:
         store = KeyValueStore(1024)

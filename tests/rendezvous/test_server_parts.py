@@ -157,8 +157,10 @@ def test_watch_streams_beat_together_and_hear_of_generations() -> None:
         assert await next_kind(one) == (Kind.HOSTS_UPDATED, 3)
         assert await next_kind(two) == (Kind.HOSTS_UPDATED, 3)
         assert await next_kind(one) == (Kind.HEARTBEAT, 3)
+        assert watches.left_ranks() == set()
         await one.aclose()
         assert watches.watching_ranks() == {1, 2}
+        assert watches.left_ranks() == {0}
         watches.shut_down("the end")
         event = await anext(two)
         assert (event.kind, event.message, event.generation) == (Kind.SHUTDOWN, "the end", 3)

@@ -7,6 +7,9 @@ leaves identical parameters on every rank (each rank trains on its own data).
 ``die``: rank 1 SIGKILLs itself after init; the others' next allreduce must fail with
 HorovodInternalError (printed as ``PEER LOST: ...``), and they exit 3.
 
+``fail-connect``: rank 1's process group set-up raises, as a CUDA or NCCL error would,
+after it joined; it exits 5, and the others' ``hvd.init()`` must fail naming it.
+
 ``reinit``: three rounds of ``init()``, an allreduce and ``shutdown()``, back to back (rank 0
 serves each round's rendezvous until the others left it); prints ``ROUND i rank r sum s``.
 """
@@ -73,6 +76,20 @@ def main() -> None:
             hvd.shutdown()
         return
     started = time.monotonic()
+    if mode == "fail-connect":
+        if os.environ.get("RANK") == "1":
+
+            def broken(*args: object, **kwargs: object) -> None:
+                raise RuntimeError("NCCL error: unhandled cuda error (simulated)")
+
+            torch.distributed.init_process_group = broken  # type: ignore[assignment]
+        try:
+            hvd.init()
+        except RuntimeError as error:
+            say(f"INIT FAILED after {time.monotonic() - started:.1f} s: {error}")
+            sys.exit(5)
+        say("INIT SUCCEEDED")
+        return
     hvd.init()
     say(f"{identity()} init_seconds={time.monotonic() - started:.3f}")
     rank, size = hvd.rank(), hvd.size()
