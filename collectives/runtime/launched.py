@@ -371,8 +371,15 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                 meeting.addr = join_addr(host_part, port)
                 _torchrun_store(placement, timeout).set(published, meeting.addr.encode())
         elif placement.agent_store:
-            store = _torchrun_store(placement, timeout)
-            meeting.addr = store.get(published).decode()
+            try:
+                meeting.addr = _torchrun_store(placement, timeout).get(published).decode()
+            except RuntimeError as error:  # (torch's DistStoreError: a timeout)
+                raise JoinError(
+                    f"hvd.init(): rank {rank} of {placement.size} ({placement.name}) did not "
+                    f"hear from rank 0 within {timeout:g} s (HVDRUN_START_TIMEOUT): rank 0 "
+                    "publishes the job's rendezvous in its hvd.init(); did it get there? "
+                    f"({error})"
+                ) from None
         if rank == 0 and meeting.unauthenticated and round_ == 1:  # (said once a process)
             _say_unauthenticated(meeting)
         _point_gloo_at(meeting.addr)

@@ -270,6 +270,21 @@ def test_torchrun() -> None:
         assert f"ALL OK rank {rank}:" in output, output
 
 
+def test_torchrun_rank_0_that_never_calls_init_is_named() -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), WORKER, "rank0-late",
+    ]  # fmt: skip
+    env = {**clean_env(), "HVDRUN_START_TIMEOUT": "3"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=50, env=env, cwd=REPO)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert (
+        "JoinError: hvd.init(): rank 1 of 2 (torchrun) did not hear from rank 0 within 3 s "
+        "(HVDRUN_START_TIMEOUT)" in output
+    ), output
+
+
 def test_two_torchrun_agents_on_one_host() -> None:
     """Two torchrun nodes on one machine (Spark's TorchDistributor with two tasks on one
     executor): each agent's process has LOCAL_RANK 0, and each agent is a node of its own,

@@ -10,6 +10,8 @@ HorovodInternalError (printed as ``PEER LOST: ...``), and they exit 3.
 ``fail-connect``: rank 1's process group set-up raises, as a CUDA or NCCL error would,
 after it joined; it exits 5, and the others' ``hvd.init()`` must fail naming it.
 
+``rank0-late``: rank 0 sleeps 60 s instead of calling ``hvd.init()``.
+
 ``reinit``: three rounds of ``init()``, an allreduce and ``shutdown()``, back to back (rank 0
 serves each round's rendezvous until the others left it); prints ``ROUND i rank r sum s``.
 """
@@ -76,6 +78,9 @@ def main() -> None:
             hvd.shutdown()
         return
     started = time.monotonic()
+    if mode == "rank0-late" and os.environ.get("RANK") == "0":
+        time.sleep(60)
+        return
     if mode == "fail-connect":
         if os.environ.get("RANK") == "1":
 
