@@ -39,6 +39,7 @@ import ipaddress
 import logging
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -253,7 +254,49 @@ def choose_address(own: list[str], peers: list[list[str]]) -> str:
 
 
 def _over_mpi(placement: Placement, meeting: Meeting, serve: Any) -> Meeting:
-    """MPI without MASTER_ADDR: rank 0 serves, then sends address and secret to everyone."""
+    """MPI without MASTER_ADDR: rank 0 serves, then sends address and secret to everyone.
+
+    MPI's start-up (``MPI_Init`` as mpi4py loads) and the exchange wait for every rank with
+    no timeout of their own, holding Python's lock: a small watchdog process ends this one
+    after :envvar:`HVDRUN_START_TIMEOUT`, saying why, and mpirun then ends the job, as the
+    other launchers' ranks give up by then."""
+    timeout = start_timeout()
+    message = (
+        f"hvdrun: hvd.init(): rank {placement.rank} of {placement.size} ({placement.name}) "
+        f"waited {timeout:g} s (HVDRUN_START_TIMEOUT) in MPI's start-up for the other ranks "
+        "(MPI_Init and rank 0's rendezvous address, over mpi4py): not every rank has reached "
+        "hvd.init(); exiting"
+    )
+    with _watchdog(timeout, message):
+        return _exchange_over_mpi(placement, meeting, serve)
+
+
+#: The watchdog: kills its parent (``$3``) after ``$1`` seconds, saying ``$2``, unless its
+#: stdin (a pipe the parent holds) closes first: the parent is done, or gone.
+_WATCHDOG = (
+    'timeout "$1" cat >/dev/null; [ $? -eq 124 ] && printf "%s\\n" "$2" >&2 && kill -KILL "$3"'
+)
+
+
+@contextlib.contextmanager
+def _watchdog(seconds: float, message: str) -> Iterator[None]:
+    read, write = os.pipe()
+    try:
+        watchdog = subprocess.Popen(
+            ["/bin/sh", "-c", _WATCHDOG, "hvdrun-watchdog", f"{seconds:g}", message,
+             str(os.getpid())],
+            stdin=read, stdout=subprocess.DEVNULL, close_fds=True,
+        )  # fmt: skip
+    finally:
+        os.close(read)
+    try:
+        yield
+    finally:
+        os.close(write)
+        watchdog.wait()
+
+
+def _exchange_over_mpi(placement: Placement, meeting: Meeting, serve: Any) -> Meeting:
     try:
         from mpi4py import MPI
     except Exception as error:  # ImportError, or no MPI library for it to load

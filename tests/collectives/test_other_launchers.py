@@ -232,6 +232,20 @@ def test_mpirun_without_master_addr_or_mpi4py(mpi: SlurmCluster, tmp_path: Path)
     assert "mpirun -x MASTER_ADDR=" in output, output
 
 
+def test_mpirun_rank_that_never_calls_init_ends_the_job(mpi: SlurmCluster) -> None:
+    """Over mpi4py the ranks meet in MPI_Init, which waits for every rank without a timeout
+    of its own: they give up after HVDRUN_START_TIMEOUT, as under the other launchers."""
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed")
+    env = mpi.hosts.env(HVDRUN_START_TIMEOUT="3")
+    started = time.monotonic()
+    result = mpirun(mpi, "-x", "HVDRUN_START_TIMEOUT", sys.executable, WORKER, "late", "3", env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "waited 3 s (HVDRUN_START_TIMEOUT) in MPI's start-up for the other ranks" in output, output
+    assert time.monotonic() - started < 50, output
+    assert python_left_on(mpi) == []
+
+
 def test_mpirun_killed_rank_ends_the_job(mpi: SlurmCluster) -> None:
     env = mpi.hosts.env(HVDRUN_GLOO_TIMEOUT_SECONDS="5")
     started = time.monotonic()
@@ -273,7 +287,7 @@ def test_torchrun() -> None:
 def test_torchrun_rank_0_that_never_calls_init_is_named() -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(free_port()), WORKER, "rank0-late",
+        "--master-port", str(free_port()), WORKER, "late", "0",
     ]  # fmt: skip
     env = {**clean_env(), "HVDRUN_START_TIMEOUT": "3"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=50, env=env, cwd=REPO)

@@ -10,7 +10,8 @@ HorovodInternalError (printed as ``PEER LOST: ...``), and they exit 3.
 ``fail-connect``: rank 1's process group set-up raises, as a CUDA or NCCL error would,
 after it joined; it exits 5, and the others' ``hvd.init()`` must fail naming it.
 
-``rank0-late``: rank 0 sleeps 60 s instead of calling ``hvd.init()``.
+``late R``: rank R (the launcher's ``RANK`` or ``OMPI_COMM_WORLD_RANK``) sleeps 60 s
+instead of calling ``hvd.init()``; the others' ``hvd.init()`` must give up.
 
 ``reinit``: three rounds of ``init()``, an allreduce and ``shutdown()``, back to back (rank 0
 serves each round's rendezvous until the others left it); prints ``ROUND i rank r sum s``.
@@ -78,7 +79,8 @@ def main() -> None:
             hvd.shutdown()
         return
     started = time.monotonic()
-    if mode == "rank0-late" and os.environ.get("RANK") == "0":
+    launcher_rank = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+    if mode == "late" and launcher_rank == sys.argv[2]:
         time.sleep(60)
         return
     if mode == "fail-connect":
