@@ -82,7 +82,7 @@ def create_distributed_optimizer(
         compression,
         sparse_as_dense,
         process_set,
-        groups if groups is not None else (num_groups or None),
+        groups,
         scale_local_gradients,
     )
     for variable in local_variables:

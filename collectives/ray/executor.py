@@ -182,11 +182,8 @@ class RayExecutor:
                 f"RayExecutor: gpus_per_worker={gpus_per_worker!r} needs use_gpu=True (without "
                 "it the workers reserve no GPU)"
             )
-        if use_gpu and gpus_per_worker is not None and not gpus_per_worker > 0:
-            raise ValueError(
-                f"RayExecutor: gpus_per_worker must be above 0 with use_gpu=True, got "
-                f"{gpus_per_worker!r}"
-            )
+        if use_gpu:
+            _positive("gpus_per_worker", gpus_per_worker)
         self.settings = settings if settings is not None else self.create_settings()
         self.num_workers = num_workers or num_workers_per_host * (num_hosts or 0)
         self.use_gpu = use_gpu

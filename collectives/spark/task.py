@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import re
 import signal
 import struct
@@ -65,9 +64,6 @@ __all__ = [
 
 #: How long a worker has between SIGTERM and SIGKILL when its task stops it.
 STOP_GRACE_SECONDS = 3.0
-#: How long a task whose worker could not start waits for the driver to take that report.
-#: (A worker's exit report, with its result, has no such limit: see ``_Supervisor._exit``.)
-REPORT_WAIT_SECONDS = 30.0
 MAX_LINE = 64 * 1024
 #: Gloo's and NCCL's choice of network interface; the rendezvous's when the job set none.
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -200,14 +196,7 @@ class _Supervisor:
         except OSError as error:
             os.close(read_end)
             message = f"cannot start {executable}: {error}"
-            self.reported.set()
-            self.client.send(
-                encode_exit({"code": 127, "error": {"type": "OSError", "message": message}}, b"")
-            )
-            self.client.finish()
-            with contextlib.suppress(queue.Empty):
-                while self.client.receive(REPORT_WAIT_SECONDS) is not None:
-                    pass
+            self._exit(127, {"type": "OSError", "message": message})
             raise RuntimeError(f"collectives.spark: {message}") from None
         finally:
             os.close(write_end)

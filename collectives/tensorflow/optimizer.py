@@ -22,7 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from collectives.common import ProcessSet, ReduceOp, checked_groups, global_process_set
+from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.tensorflow.compression import Compression, Compressor
 from collectives.tensorflow.gradient_aggregation import (
     LocalGradientAggregationHelper,
@@ -51,7 +51,6 @@ def DistributedOptimizer(
     scale_local_gradients: bool = True,
 ) -> Any:
     """Wraps ``optimizer`` so that it applies gradients averaged (``op``) over the ranks."""
-    groups, num_groups = checked_groups(groups, num_groups), 0
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if ReduceOp(op) == ReduceOp.ADASUM and average_aggregated_gradients:  # (Horovod's)
             raise ValueError("Adasum does not support average_aggregated_gradients == True")

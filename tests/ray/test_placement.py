@@ -78,7 +78,7 @@ def test_each_node_sees_its_gpus_in_local_rank_order() -> None:
         (
             {"num_workers": 2, "use_gpu": True, "gpus_per_worker": 0},
             ValueError,
-            "gpus_per_worker must be above 0 with use_gpu=True, got 0",
+            "gpus_per_worker must be positive, got 0",
         ),
     ],
 )
