@@ -307,14 +307,18 @@ def output_lines(chunks: Iterable[bytes], limit: int = MAX_LINE) -> Iterator[byt
     ``limit`` bytes; the last one may have no end."""
     buffer = bytearray()
     skip_newline = False  # a chunk ended with "\r": a "\n" that starts the next one is its end
+    empty = False  # ... a "\r" that ended nothing: with that "\n", an empty line
     for chunk in chunks:
         if skip_newline and chunk[:1] == b"\n":
             chunk = chunk[1:]
+            if empty:
+                yield b""
         buffer += chunk
         data = bytes(buffer)
         start = 0
         for match in _LINE_END.finditer(data):
-            if match.start() > start or match.group() != b"\r":
+            empty = match.start() == start and match.group() == b"\r"
+            if not empty:
                 yield data[start : match.start()]
             start = match.end()
         skip_newline = data.endswith(b"\r")

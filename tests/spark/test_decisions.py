@@ -430,6 +430,8 @@ def test_output_is_cut_into_lines_at_each_newline_and_carriage_return_as_it_come
     # tqdm: each redraw starts with "\r"; the first ends nothing.
     assert lines(b"\r 0%|", b"\r 50%|#", b"\r100%|##|\n") == [b" 0%|", b" 50%|#", b"100%|##|"]
     assert lines(b"a\r\nb\n\nc\r", b"\nd") == [b"a", b"b", b"", b"c", b"d"]  # \r\n split too
+    # an empty line's "\r\n" split between two reads is still a line
+    assert lines(b"x\n\r", b"\ny\n") == lines(b"x\n\r\ny\n") == [b"x", b"", b"y"]
     assert lines(b"x" * 10, b"y\n", limit=4) == [b"xxxx", b"xxxx", b"xxy"]
     # A redraw is forwarded when the next one starts, without waiting for the bar's end.
     read: list[bytes] = []
