@@ -241,7 +241,8 @@ def test_mpirun_rank_that_never_calls_init_ends_the_job(mpi: SlurmCluster) -> No
     result = mpirun(mpi, "-x", "HVDRUN_START_TIMEOUT", sys.executable, WORKER, "late", "3", env=env)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
-    assert "waited 3 s (HVDRUN_START_TIMEOUT) in MPI's start-up for the other ranks" in output, output
+    said = "waited 3 s (HVDRUN_START_TIMEOUT) in MPI's start-up for the other ranks"
+    assert said in output, output
     assert time.monotonic() - started < 50, output
     assert python_left_on(mpi) == []
 
