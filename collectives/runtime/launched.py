@@ -530,15 +530,18 @@ def init_launched(
 
 #: How often rank 0 looks for ranks that left while the job's ranks connect.
 DEPARTURE_POLL_SECONDS = 0.2
+#: How long after joining a rank may go without its rendezvous stream (each opens it at
+#: once) before rank 0 counts it as gone: one that fails at once may close before it opened.
+DEPARTURE_GRACE_SECONDS = 10.0
 
 
 @contextlib.contextmanager
 def _departures_fail_the_set_up(joined: Joined, placement: Placement) -> Iterator[None]:
     """Rank 0, while the ranks connect (``init_process_group``): a rank whose connection to
-    the rendezvous closes there (its CUDA or NCCL set-up raised, it was killed) makes every
-    rank's wait in the rendezvous store fail at once, naming it. Without this the others
-    would wait out the collectives' timeout (300 s), since no launcher may stop them (srun
-    without -K, a Kubernetes job)."""
+    the rendezvous closes there, or never opens (its CUDA or NCCL set-up raised, it was
+    killed; see :data:`DEPARTURE_GRACE_SECONDS`), makes every rank's wait in the rendezvous
+    store fail at once, naming it. Without this the others would wait out the collectives'
+    timeout (300 s), since no launcher may stop them (srun without -K, a Kubernetes job)."""
     server = joined.server
     if server is None:
         yield
@@ -546,11 +549,15 @@ def _departures_fail_the_set_up(joined: Joined, placement: Placement) -> Iterato
     done = threading.Event()
 
     def watch() -> None:
+        grace_ends = time.monotonic() + DEPARTURE_GRACE_SECONDS
         while not done.wait(DEPARTURE_POLL_SECONDS):
             try:
-                gone = sorted(server.left_ranks())
+                left = server.left_ranks()
+                if time.monotonic() > grace_ends:  # (one that left before its stream opened)
+                    left |= set(range(placement.size)) - server.watching_ranks()
             except TimeoutError:  # (a loaded machine: ask again)
                 continue
+            gone = sorted(left)
             if gone:
                 server.abandon(
                     f"{_ranks(gone)} of {placement.size} ({placement.name}) left the job after "

@@ -415,7 +415,8 @@ def test_peers_that_never_arrive() -> None:
 def test_a_rank_that_fails_to_connect_is_named_at_once() -> None:
     """A rank whose process group set-up fails after it joined (a CUDA or NCCL error)
     leaves; with no launcher to stop the others (a Kubernetes job, srun without -K), their
-    hvd.init() fails at once, naming it, instead of waiting out the collectives' 300 s."""
+    hvd.init() fails within seconds, naming it, instead of waiting out the collectives' 300 s
+    (also when the rank fails before its rendezvous stream has opened, as it may here)."""
     procs = start_pods(2, "fail-connect", port=free_port())
     codes, output = finish(procs)
     assert codes == [5, 5], output
