@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import click
 
 from hvdrun.values import Finite, seconds
-from rendezvous import worker_env
+from rendezvous import worker_env as we
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,7 +38,7 @@ _OPTIONS = [
     ),
     click.option(
         "--cuda-backend",
-        type=click.Choice(worker_env.CUDA_BACKENDS),
+        type=click.Choice(we.CUDA_BACKENDS),
         help="What carries CUDA tensors: nccl (the default where there are GPUs) or gloo, "
         "through host memory, which lets several ranks share one GPU: for more processes "
         "than GPUs, debugging and tests (HVDRUN_CUDA_BACKEND).",
@@ -157,8 +157,6 @@ def _on(value: bool) -> str | None:
     return "1" if value else None
 
 
-we = worker_env
-
 #: Each tuning flag: the worker setting it writes, and how its value is spelled there.
 _SETTINGS: dict[str, tuple[str, Callable[[Any], str | None]]] = {
     "fusion_threshold_mb": (we.FUSION_THRESHOLD, lambda mb: str(int(mb * 1024 * 1024))),
@@ -185,7 +183,7 @@ def tuning_env(name: str, value: Any) -> dict[str, str]:
     ``value`` sets: none for a flag left out (None) or a plain switch left off."""
     setting, spell = _SETTINGS[name]
     text = None if value is None else spell(value)
-    return {} if text is None else {worker_env.variable(setting): text}
+    return {} if text is None else {we.variable(setting): text}
 
 
 #: The switches that only shape a timeline: without a timeline file they do nothing.
@@ -196,7 +194,7 @@ def tuning_notes(tuning: Mapping[str, Any], env: Mapping[str, str]) -> list[str]
     """The notes for tuning flags that will do nothing: a timeline switch turned on while
     no timeline file is set (by ``--timeline-filename``, the config file or the
     environment), which the workers would ignore without a word."""
-    if worker_env.setting(worker_env.TIMELINE, env) is not None:
+    if we.setting(we.TIMELINE, env) is not None:
         return []
     return [
         f"note: --{name.replace('_', '-')} has no effect without a timeline file "

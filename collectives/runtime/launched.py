@@ -546,6 +546,8 @@ def _departures_fail_the_set_up(joined: Joined, placement: Placement) -> Iterato
     if server is None:
         yield
         return
+    from rendezvous.server.common import list_ranks  # (rank 0 serves: gRPC is loaded)
+
     done = threading.Event()
 
     def watch() -> None:
@@ -557,10 +559,10 @@ def _departures_fail_the_set_up(joined: Joined, placement: Placement) -> Iterato
                     left |= set(range(placement.size)) - server.watching_ranks()
             except TimeoutError:  # (a loaded machine: ask again)
                 continue
-            gone = sorted(left)
-            if gone:
+            if left:
+                ranks = ("rank " if len(left) == 1 else "ranks ") + list_ranks(sorted(left))
                 server.abandon(
-                    f"{_ranks(gone)} of {placement.size} ({placement.name}) left the job after "
+                    f"{ranks} of {placement.size} ({placement.name}) left the job after "
                     "joining it, before connecting to the others (its own output says why)"
                 )
                 return
@@ -572,7 +574,3 @@ def _departures_fail_the_set_up(joined: Joined, placement: Placement) -> Iterato
     finally:
         done.set()
         thread.join()
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

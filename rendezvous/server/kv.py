@@ -20,8 +20,7 @@ before the server starts serving and from then on are read and written only by c
 callbacks on that loop (the RPC handlers, publish, shutdown), so no lock guards them:
 
 * :class:`KeyValueStore` -- ``_data``, ``_waiters``, ``_generation`` (its copy of the newest
-  published generation), ``_shutdown`` (None while serving) and ``_abandoned`` (None
-  unless :meth:`KeyValueStore.abandon`): loop-only;
+  published generation) and ``_ended`` (None while serving and not abandoned): loop-only;
   ``_max_value_bytes`` never changes.
 * :class:`Barriers` -- ``_barriers`` (each :class:`Barrier` in it too) and ``_shutdown``:
   loop-only.
@@ -30,7 +29,7 @@ callbacks on that loop (the RPC handlers, publish, shutdown), so no lock guards 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,8 +60,8 @@ class KeyValueStore:
         self._data: dict[str, bytes] = {}
         self._waiters: dict[str, set[asyncio.Future[bytes]]] = {}
         self._generation = 0
-        self._shutdown: str | None = None  # the message blocked callers get, once stopping
-        self._abandoned: str | None = None  # the message blocked readers get, once abandoned
+        # The refusal every blocked and later reader gets, once stopping or abandoned.
+        self._ended: Callable[[], Refusal] | None = None
 
     # ---- writes ------------------------------------------------------------------------
 
@@ -178,21 +177,20 @@ class KeyValueStore:
     def shut_down(self, message: str) -> None:
         """Fails every blocked caller, and every later one that would block, with
         UNAVAILABLE ``message``."""
-        self._shutdown = message
-        for waiters in self._waiters.values():
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_exception(ShuttingDown(message))
+        self._end_waits(lambda: ShuttingDown(message))
 
     def abandon(self, message: str) -> None:
         """The job cannot connect (a rank it waits for has left): every blocked reader, and
         every later one that would block, fails with ABORTED ``message``; the server
         serves on (the ranks leave it as they fail)."""
-        self._abandoned = message
+        self._end_waits(lambda: Refusal(grpc.StatusCode.ABORTED, message))
+
+    def _end_waits(self, refusal: Callable[[], Refusal]) -> None:
+        self._ended = refusal
         for waiters in self._waiters.values():
             for waiter in waiters:
                 if not waiter.done():
-                    waiter.set_exception(Refusal(grpc.StatusCode.ABORTED, message))
+                    waiter.set_exception(refusal())
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -243,10 +241,8 @@ class KeyValueStore:
         Superseded when the key's generation is."""
         if key in self._data:
             return self._data[key]
-        if self._shutdown is not None:
-            raise ShuttingDown(self._shutdown)
-        if self._abandoned is not None:
-            raise Refusal(grpc.StatusCode.ABORTED, self._abandoned)
+        if self._ended is not None:
+            raise self._ended()
         old = generation_of(key)
         if old is not None and old < self._generation:
             raise Superseded(old, self._generation)

@@ -17,9 +17,8 @@ Threads: every field of :class:`Watches` belongs to the server's asyncio loop (t
 the timer's callback, publish and shutdown all run there), so no lock guards them:
 ``_pulse``, ``_timer``, ``_watching`` (rank -> its open streams), ``_left`` (the ranks whose
 last stream ended), ``_open``, ``_closed``, ``_generation`` (the newest generation announced)
-and ``_shutdown``. ``_interval`` never
-changes. Other threads ask for :meth:`Watches.watching_ranks` and
-:meth:`Watches.left_ranks` through the loop
+and ``_shutdown``. ``_interval`` never changes. Other threads ask for
+:meth:`Watches.watching_ranks` and :meth:`Watches.left_ranks` through the loop
 (:class:`rendezvous.server.serving.RendezvousServer` does).
 """
 
