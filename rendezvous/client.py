@@ -412,6 +412,7 @@ class RendezvousClient:
         timeout: float = 0.0,
         *,
         rank: int | None = None,
+        size: int | None = None,
     ) -> RankInfo:
         """Announces this worker's slot and returns its place in the job.
 
@@ -420,7 +421,8 @@ class RendezvousClient:
         raises :class:`RendezvousRemoved` when that generation does not contain the slot.
 
         Workers another launcher started pass the ``rank`` it gave them (and its local
-        rank, or -1): the call waits up to ``timeout`` seconds for every rank to register.
+        rank, or -1) and the job size it gave them: the call waits up to ``timeout`` seconds
+        for every rank to register, and fails on every rank if one's size differs.
         """
         timeout_ms = _to_ms(timeout)
         request = rendezvous_pb2.RegisterRequest(
@@ -428,6 +430,8 @@ class RendezvousClient:
         )
         if rank is not None:
             request.rank = rank
+        if size is not None:
+            request.size = size
         what = f"rank={rank}, host={host!r}" if rank is not None else f"host={host!r}"
         info = self._register_call(
             f"register({what}, local_rank={local_rank})", self._stub.Register, request

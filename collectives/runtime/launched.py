@@ -436,7 +436,9 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                info = client.register(peers, local_rank, timeout=max(remaining, 0.1), rank=rank)
+                info = client.register(
+                    peers, local_rank, timeout=max(remaining, 0.1), rank=rank, size=placement.size
+                )
                 break
             except RendezvousUnavailable as error:
                 if time.monotonic() + RETRY_SECONDS >= deadline:

@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import grpc
 
@@ -153,13 +153,20 @@ class Membership:
     # ---- registration ------------------------------------------------------------------
 
     async def register(
-        self, host: str, local_rank: int, rank: int | None, min_generation: int, timeout_ms: int
+        self,
+        host: str,
+        local_rank: int,
+        rank: int | None,
+        min_generation: int,
+        timeout_ms: int,
+        size: int | None = None,
     ) -> Place:
-        """One worker's Register: ``rank`` is the rank another launcher gave it (placed
-        jobs); else it waits up to ``timeout_ms`` for ``min_generation`` to be published."""
+        """One worker's Register: ``rank`` (and ``size``) are what another launcher gave it
+        (placed jobs); else it waits up to ``timeout_ms`` for ``min_generation`` to be
+        published."""
         check_timeout(timeout_ms)
         if rank is not None or self._placed_size is not None:
-            slot = await self._register_placed(host, local_rank, rank, timeout_ms)
+            slot = await self._register_placed(host, local_rank, rank, timeout_ms, size)
             return Place(slot, self._generation)
         if self._generation < min_generation:
             await self._wait_for_generation([(host, local_rank)], min_generation, timeout_ms)
@@ -247,11 +254,12 @@ class Membership:
     # ---- jobs another launcher placed --------------------------------------------------
 
     async def _register_placed(
-        self, host: str, local_rank: int, rank: int | None, timeout_ms: int
+        self, host: str, local_rank: int, rank: int | None, timeout_ms: int, size: int | None
     ) -> SlotInfo:
         """Register of a worker another launcher placed: waits until every rank has come,
-        then answers with the slot derived from the hosts they came from."""
-        size = self._placed_size
+        then answers with the slot derived from the hosts they came from. A rank given
+        another job size than rank 0's fails the set-up on every rank."""
+        given, size = size, self._placed_size
         if size is None or rank is None:
             who = "hvdrun" if size is None else "the launcher that started the workers"
             raise Refusal(
@@ -259,6 +267,8 @@ class Membership:
                 f"this job's ranks are assigned by {who}; this worker registered "
                 + ("with a rank of its own" if size is None else "without its rank"),
             )
+        if given is not None and given != size:
+            self._refuse_sizes(host, rank, given, size)
         if not 0 <= rank < size:
             raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -296,6 +306,21 @@ class Membership:
         self._registered.add((slots[rank].hostname, slots[rank].local_rank))
         self._registered_generation.add((slots[rank].hostname, slots[rank].local_rank))
         return slots[rank]
+
+    def _refuse_sizes(self, host: str, rank: int, given: int, size: int) -> NoReturn:
+        """Ranks that disagree on the job's size cannot make one job: unless the table is
+        already made (then only this Register is refused), every rank is told why."""
+        message = (
+            f"rank {rank} (host {quote(host)}) was started as one of {given} processes, but "
+            f"rank 0 as one of {size}: the launcher gave the job's processes different job "
+            "sizes (WORLD_SIZE or the like); start them all with the same size"
+        )
+        if self._placed_slots is None:
+            self._placed_error = message
+            self._placed_slots = []
+            self._wake_all()
+            logger.info("%s", message)
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, message)
 
     def _complete_placed(self) -> None:
         ranks = sorted(self._placed)

@@ -114,9 +114,15 @@ class Servicer(rendezvous_pb2_grpc.RendezvousServicer):
         self, request: rendezvous_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> rendezvous_pb2.RankInfo:
         rank = request.rank if request.HasField("rank") else None
+        size = request.size if request.HasField("size") else None
         try:
             place = await self._membership.register(
-                request.host, request.local_rank, rank, request.min_generation, request.timeout_ms
+                request.host,
+                request.local_rank,
+                rank,
+                request.min_generation,
+                request.timeout_ms,
+                size=size,
             )
         except Refusal as refusal:
             await _refuse(context, refusal)

@@ -330,22 +330,21 @@ def test_two_torchrun_agents_on_one_host() -> None:
 
 def start_pods(size: int, *args: str, port: int, **extra: str) -> list[subprocess.Popen[str]]:
     """One process per rank with what a Kubernetes PyTorchJob gives its pods."""
-    procs = []
-    for rank in range(size):
-        env = clean_env()
-        env.update(RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1")
-        env.update(MASTER_PORT=str(port), **extra)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, *args],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    return procs
+    return [start_pod(rank, size, *args, port=port, **extra) for rank in range(size)]
+
+
+def start_pod(rank: int, size: int, *args: str, port: int, **extra: str) -> subprocess.Popen[str]:
+    env = clean_env()
+    env.update(RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1")
+    env.update(MASTER_PORT=str(port), **extra)
+    return subprocess.Popen(
+        [sys.executable, WORKER, *args],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(procs: list[subprocess.Popen[str]], timeout: float = 120) -> tuple[list[int], str]:
@@ -410,6 +409,20 @@ def test_peers_that_never_arrive() -> None:
     assert codes == [1], output
     assert "the RANK/WORLD_SIZE/MASTER_ADDR environment started 2 processes" in output, output
     assert re.search(r"1 of 2 ranks did not register within [0-9.]+ s: ranks 1\n", output), output
+
+
+def test_ranks_given_different_job_sizes_are_told_so() -> None:
+    # Rank 0 was told the job has 2 processes, rank 1 that it has 3 (a wrong WORLD_SIZE in
+    # one pod's spec): both fail at once, naming the sizes, instead of making a job of 2 or
+    # waiting for a rank 2 that never comes.
+    port = free_port()
+    started = time.monotonic()
+    procs = [start_pod(0, 2, port=port), start_pod(1, 3, port=port)]
+    codes, output = finish(procs)
+    assert codes == [1, 1], output
+    why = "rank 1 (host '" + socket.gethostname() + "') was started as one of 3 processes, "
+    assert output.count(why + "but rank 0 as one of 2") == 2, output
+    assert time.monotonic() - started < 60, output
 
 
 def test_a_rank_that_fails_to_connect_is_named_at_once() -> None:

@@ -153,6 +153,53 @@ def test_local_ranks_that_do_not_add_up_fail_every_rank(
     assert "4 ranks registered from host 'same'" in str(results[0])
 
 
+def test_a_rank_given_another_job_size_fails_every_rank(
+    placed: RendezvousServer, make_client: ClientFactory
+) -> None:
+    # Rank 0 (whose size made the server: 4) waits for the others; rank 1 was told the job
+    # has 3 processes. Rank 0 hears why at once instead of waiting out its timeout.
+    results: dict[int, object] = {}
+
+    def register(rank: int, size: int) -> None:
+        try:
+            results[rank] = make_client(placed).register(
+                "n1", rank, timeout=20, rank=rank, size=size
+            )
+        except RendezvousError as error:
+            results[rank] = error
+
+    first = threading.Thread(target=register, args=(0, 4))
+    first.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    register(1, 3)
+    first.join(10)
+    assert time.monotonic() - started < 5
+    why = "rank 1 (host 'n1') was started as one of 3 processes, but rank 0 as one of 4"
+    assert isinstance(results[1], RendezvousError) and why in str(results[1])
+    assert isinstance(results[0], RendezvousError) and why in str(results[0])
+    # A rank that comes later (its rank outside rank 0's job, even) is told the same.
+    register(3, 4)
+    assert isinstance(results[3], RendezvousError) and why in str(results[3])
+
+
+def test_the_same_job_size_is_accepted(
+    placed: RendezvousServer, make_client: ClientFactory
+) -> None:
+    infos = [make_client(placed) for _ in range(4)]
+    results: dict[int, object] = {}
+
+    def register(rank: int) -> None:
+        results[rank] = infos[rank].register("n1", rank, timeout=10, rank=rank, size=4)
+
+    threads = [threading.Thread(target=register, args=(r,)) for r in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert [results[r].size for r in range(4)] == [4, 4, 4, 4]  # type: ignore[attr-defined]
+
+
 def test_server_refuses_a_placed_size_with_slots() -> None:
     with pytest.raises(ValueError, match="placed_size"):
         RendezvousServer(assign_slots([("a", 1)], 1), SECRET, JOB_ID, placed_size=1)

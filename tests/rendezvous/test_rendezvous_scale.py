@@ -60,6 +60,7 @@ def test_256_clients_register_exchange_and_barrier(secret: str, job_id: str) -> 
                     if errors:
                         break
                     time.sleep(0.05)
+                assert errors == []
                 assert server.registered_count() == N
                 observer.set("go", b"GO")
             finally:
