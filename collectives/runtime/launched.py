@@ -43,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -345,14 +345,18 @@ def _torchrun_store(placement: Placement, timeout: float) -> Any:
 # ---- joining -------------------------------------------------------------------------------
 
 
-def _point_gloo_at(addr: str) -> None:
-    """Gloo and NCCL use the interface that faces the rendezvous, unless the user chose."""
+def _point_gloo_at(addr: str, before: Sequence[str] = ()) -> list[str]:
+    """Gloo and NCCL use the interface that faces the rendezvous, unless the user chose;
+    returns the variables it set. ``before``: those a call for another address set."""
+    for name in before:
+        os.environ.pop(name, None)
     ifname, _ = interface_facing(addr)
     if ifname is None:
-        return
-    for name in IFNAME_VARIABLES:
-        if not os.environ.get(name):
-            os.environ[name] = ifname
+        return []
+    chosen = [name for name in IFNAME_VARIABLES if not os.environ.get(name)]
+    for name in chosen:
+        os.environ[name] = ifname
+    return chosen
 
 
 def _say_unauthenticated(meeting: Meeting) -> None:
@@ -403,19 +407,20 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
         return bound
 
     try:
+        agent_store = _torchrun_store(placement, timeout) if placement.agent_store else None
         if placement.launcher == "mpi" and not meeting.addr:
             meeting = _over_mpi(placement, meeting, serve)
         elif rank == 0:
             port = serve(meeting.bind_host, meeting.port, meeting.secret)
-            if placement.agent_store:
+            if agent_store is not None:
                 host_part = placement.master_addr or "127.0.0.1"
                 if not is_loopback(host_part) and host_part != "localhost":
                     host_part = source_address(host_part) or host_part
                 meeting.addr = join_addr(host_part, port)
-                _torchrun_store(placement, timeout).set(published, meeting.addr.encode())
-        elif placement.agent_store:
+                agent_store.set(published, meeting.addr.encode())
+        elif agent_store is not None:
             try:
-                meeting.addr = _torchrun_store(placement, timeout).get(published).decode()
+                meeting.addr = agent_store.get(published).decode()
             except RuntimeError as error:  # (torch's DistStoreError: a timeout)
                 raise JoinError(
                     f"hvd.init(): rank {rank} of {placement.size} ({placement.name}) did not "
@@ -425,7 +430,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                 ) from None
         if rank == 0 and meeting.unauthenticated and round_ == 1:  # (said once a process)
             _say_unauthenticated(meeting)
-        _point_gloo_at(meeting.addr)
+        pointed = _point_gloo_at(meeting.addr)
         dial = meeting.addr
         if servers:  # rank 0 reaches its own server on loopback, whatever the address
             loopback = "::1" if ":" in meeting.bind_host else "127.0.0.1"
@@ -450,6 +455,15 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                         "there? (HVDRUN_START_TIMEOUT sets how long to wait)"
                     ) from None
                 time.sleep(RETRY_SECONDS)
+                if agent_store is not None and rank != 0:
+                    # torchrun's store outlives its worker groups: what this rank read may
+                    # be the address of the group before's rank 0 (a scale-up keeps the
+                    # restart count); the one rank 0 publishes now replaces it.
+                    with contextlib.suppress(RuntimeError):
+                        fresh = agent_store.get(published).decode()
+                        if fresh != meeting.addr:
+                            dial = meeting.addr = fresh
+                            pointed = _point_gloo_at(fresh, pointed)
                 # A fresh connection: the server there may be the round before's, whose
                 # shutdown is none of this client's business.
                 client.close()

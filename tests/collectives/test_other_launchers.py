@@ -300,6 +300,45 @@ def test_torchrun_rank_0_that_never_calls_init_is_named() -> None:
     ), output
 
 
+def test_torchrun_address_left_by_an_earlier_worker_group() -> None:
+    """torchrun's agent store outlives its worker groups, and a scale-up starts new workers
+    with the same restart count: the key rank 0 publishes its address under may still hold
+    the address of the group before, whose rank 0 is gone. A rank that reads it first
+    must take the new address once rank 0 publishes it, not try the old one until
+    HVDRUN_START_TIMEOUT. Here the agent store is a real TCPStore the test serves, as
+    torchrun's agent does, and it holds such an address."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    store.set("hvdrun/torchrun/scale-up/0/rendezvous/1", f"127.0.0.1:{free_port()}")
+
+    def agent_worker(rank: int) -> subprocess.Popen[str]:
+        env = clean_env()
+        env.update(
+            RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+            GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+            TORCHELASTIC_RUN_ID="scale-up", TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_USE_AGENT_STORE="True", HVDRUN_START_TIMEOUT="40",
+        )  # fmt: skip
+        pipe, joined = subprocess.PIPE, subprocess.STDOUT
+        return subprocess.Popen(
+            [sys.executable, WORKER], env=env, cwd=REPO, stdout=pipe, stderr=joined, text=True
+        )
+
+    late_rank_0 = [agent_worker(1)]
+    time.sleep(4)  # rank 1 has read the old address and found nobody there
+    late_rank_0.insert(0, agent_worker(0))
+    codes, output = finish(late_rank_0, timeout=100)
+    assert codes == [0, 0], output
+    for rank in range(2):
+        assert f"ALL OK rank {rank}:" in output, output
+
+
 def test_two_torchrun_agents_on_one_host() -> None:
     """Two torchrun nodes on one machine (Spark's TorchDistributor with two tasks on one
     executor): each agent's process has LOCAL_RANK 0, and each agent is a node of its own,
