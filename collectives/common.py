@@ -24,6 +24,7 @@ from typing import Any
 from collectives.errors import NotInitializedError
 
 __all__ = [
+    "ModelVariables",
     "ProcessSet",
     "ReduceOp",
     "bind_job",
@@ -31,7 +32,6 @@ __all__ = [
     "global_process_set",
     "layer_variables",
     "mark_reduced",
-    "model_variables",
     "optimizer_variables",
     "reduced_over",
     "variable_key",
@@ -254,9 +254,21 @@ def optimizer_variables(optimizer: Any, model: Any) -> list[Any]:
     return list(variables() if callable(variables) else variables)
 
 
-def model_variables(model: Any, optimizer: Any) -> list[Any]:
-    """A Keras model's variables and its optimizer's (see :func:`optimizer_variables`); none
-    while the model is not built (tf_keras raises for them then)."""
-    if not getattr(model, "built", True):
-        return []
-    return list(model.variables) + optimizer_variables(optimizer, model)
+class ModelVariables:
+    """What the elastic states of a Keras model share: the model and its optimizer (the
+    model's own where none is given, looked up again while ``compile`` has made none), and
+    their variables for the state to sync, commit and restore."""
+
+    def __init__(self, model: Any, optimizer: Any, **kwargs: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        super().__init__(**kwargs)
+
+    def _variables(self) -> list[Any]:
+        """The model's variables and its optimizer's (see :func:`optimizer_variables`);
+        none while the model is not built (tf_keras raises for them then)."""
+        if self.optimizer is None:  # (a state made before model.compile)
+            self.optimizer = getattr(self.model, "optimizer", None)
+        if not getattr(self.model, "built", True):
+            return []
+        return list(self.model.variables) + optimizer_variables(self.optimizer, self.model)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from collectives import elastic
-from collectives.common import model_variables
+from collectives.common import ModelVariables
 from collectives.elastic import VariablesState
 from collectives.keras import backend as keras_backend
 from collectives.keras.callbacks import KerasCallback
@@ -37,7 +37,7 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
     return run_on_tensorflow(func)
 
 
-class KerasState(VariablesState):
+class KerasState(ModelVariables, VariablesState):
     """A Keras model, its optimizer and picklable attributes (``epoch``, ``batch``...):
     commit copies the variables' values to host memory, restore assigns them back, sync
     broadcasts them from rank 0. The variables are looked up at each of them: a model
@@ -53,14 +53,7 @@ class KerasState(VariablesState):
             from collectives.tensorflow.elastic import check_eager
 
             check_eager("hvd.elastic.KerasState")
-        self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        super().__init__(**kwargs)
-
-    def _variables(self) -> list[Any]:
-        if self.optimizer is None:  # (a state made before model.compile)
-            self.optimizer = getattr(self.model, "optimizer", None)
-        return model_variables(self.model, self.optimizer)
+        super().__init__(model, optimizer, **kwargs)
 
     def _value_of(self, variable: Any) -> Any:
         import numpy as np

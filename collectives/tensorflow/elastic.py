@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import tensorflow as tf
 
 from collectives import elastic
-from collectives.common import model_variables
+from collectives.common import ModelVariables
 from collectives.elastic import ObjectState, State, VariablesState
 from collectives.tensorflow import graph
 from collectives.tensorflow.functions import broadcast_variables
@@ -79,7 +79,7 @@ class TensorFlowState(VariablesState):
         broadcast_variables(variables, root_rank=0)
 
 
-class TensorFlowKerasState(TensorFlowState):
+class TensorFlowKerasState(ModelVariables, TensorFlowState):
     """A Keras model, its optimizer (optional) and picklable attributes (``epoch``...).
     The optimizer's variables are created (built) first, so that every rank holds the same
     ones to sync; not before the model has variables (a ``Sequential`` without an input
@@ -89,11 +89,4 @@ class TensorFlowKerasState(TensorFlowState):
     def __init__(
         self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any
     ) -> None:
-        self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        super().__init__(None, **kwargs)
-
-    def _variables(self) -> list[tf.Variable]:
-        if self.optimizer is None:  # (a state made before model.compile)
-            self.optimizer = getattr(self.model, "optimizer", None)
-        return model_variables(self.model, self.optimizer)
+        super().__init__(model, optimizer, variables=None, **kwargs)
