@@ -21,6 +21,7 @@ This module reads and writes JSON only: the CLI imports it without torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -83,7 +84,7 @@ def _load(path: str, index: int) -> _Rank:
         raise TimelineError(f"cannot read {path}: {error.strerror or error}") from None
     except ValueError as error:
         raise TimelineError(f"{path} is not a timeline (JSON): {error}") from None
-    if not isinstance(events, list):
+    if not isinstance(events, list) or not all(isinstance(event, dict) for event in events):
         raise TimelineError(f"{path} is not a timeline: not a JSON array of trace events")
     rank, host, origin = index, "", None
     number = re.findall(r"\d+", os.path.basename(path))
@@ -251,12 +252,39 @@ def _last_submitters(ranks: Sequence[_Rank]) -> dict[Key, int]:
     return {key: max(found)[1] for key, found in begins.items() if len(found) > 1}
 
 
+def _write_whole(output: str, text: str) -> None:
+    """Writes ``output`` whole or not at all: a regular file (or a new one) is written beside
+    it and replaces it; anything else (a pipe, ``/dev/stdout``) is written as it is."""
+    target = os.path.realpath(output)
+    if os.path.exists(target) and not os.path.isfile(target):
+        with open(output, "w", encoding="utf-8") as out:
+            out.write(text)
+        return
+    directory = os.path.dirname(target)
+    os.makedirs(directory, exist_ok=True)
+    partial = os.path.join(directory, f".{os.path.basename(target)}.{os.getpid()}.partial")
+    try:
+        with open(partial, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(partial, target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
+
+
 def merge_files(output: str, inputs: Iterable[str]) -> list[str]:
     """Merges the timeline files ``inputs`` into ``output``; returns notes for the user.
-    Raises :class:`TimelineError` naming a file that cannot be read."""
+    Raises :class:`TimelineError` naming a file that cannot be read or written. ``output``
+    appears whole or not at all (a file written beside it replaces it)."""
     paths = list(inputs)
     if not paths:
         raise TimelineError("no timeline files to merge")
+    for path in paths:
+        if os.path.exists(output) and os.path.exists(path) and os.path.samefile(output, path):
+            raise TimelineError(
+                f"the output {output} is one of the timelines to merge: name a new file"
+            )
     ranks = [_load(path, index) for index, path in enumerate(paths)]
     seen: dict[int, str] = {}
     for rank in ranks:
@@ -264,10 +292,9 @@ def merge_files(output: str, inputs: Iterable[str]) -> list[str]:
             raise TimelineError(f"{seen[rank.rank]} and {rank.path} are both rank {rank.rank}'s")
         seen[rank.rank] = rank.path
     events, notes = merge(ranks)
-    directory = os.path.dirname(os.path.abspath(output))
-    os.makedirs(directory, exist_ok=True)
-    with open(output, "w", encoding="utf-8") as out:
-        out.write("[\n")
-        out.write(",\n".join(json.dumps(event, separators=(",", ":")) for event in events))
-        out.write("\n]\n")
+    text = "[\n" + ",\n".join(json.dumps(e, separators=(",", ":")) for e in events) + "\n]\n"
+    try:
+        _write_whole(output, text)
+    except OSError as error:
+        raise TimelineError(f"cannot write {output}: {error.strerror or error}") from None
     return notes

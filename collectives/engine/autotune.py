@@ -191,18 +191,8 @@ class Autotuner:
                 )
             return
         self._writer = csv.writer(self._log)
-        self._writer.writerow(
-            [
-                "sample",
-                "phase",
-                "fusion_threshold_mb",
-                "cycle_time_ms",
-                "cache_enabled",
-                "mb_per_s",
-                "score",
-            ]
-        )
-        self._log.flush()
+        header = ["sample", "phase", "fusion_threshold_mb", "cycle_time_ms", "cache_enabled"]
+        self._write([*header, "mb_per_s", "score"], "writes no autotune log")
 
     def step(self, nbytes: int) -> bool:
         """One cycle that ran ops (``nbytes`` of data on this rank); True at a sample's end,
@@ -285,21 +275,33 @@ class Autotuner:
     ) -> None:
         if self._writer is None:
             return
-        self._writer.writerow(
-            [
-                self._samples,
-                phase,
-                f"{setting.fusion_threshold / (1024 * 1024):g}",
-                f"{setting.cycle_time_ms:g}",
-                int(setting.cache),
-                "" if rate is None else f"{rate:.3f}",
-                "" if relative is None else f"{relative:.4f}",
-            ]
-        )
-        self._log.flush()
+        row = [
+            self._samples,
+            phase,
+            f"{setting.fusion_threshold / (1024 * 1024):g}",
+            f"{setting.cycle_time_ms:g}",
+            int(setting.cache),
+            "" if rate is None else f"{rate:.3f}",
+            "" if relative is None else f"{relative:.4f}",
+        ]
+        self._write(row, "stops writing its autotune log")
+
+    def _write(self, row: list[Any], failing: str) -> None:
+        """Writes one row of the log; one it cannot write (a full disk) ends the log, and
+        the tuning goes on without it."""
+        try:
+            self._writer.writerow(row)
+            self._log.flush()
+        except OSError as error:
+            with contextlib.suppress(Exception):  # (stderr may be closed)
+                sys.stderr.write(
+                    f"hvdrun: rank 0 {failing}: {error.strerror or error}: {self._log.name}\n"
+                )
+            self.close()
 
     def close(self) -> None:
         if self._log is not None:
-            self._log.close()
+            with contextlib.suppress(OSError):  # (what it could not write before)
+                self._log.close()
             self._log = None
             self._writer = None

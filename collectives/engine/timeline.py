@@ -15,7 +15,9 @@ an op goes through::
 The file is a JSON array that stays valid while it is written: the engine appends a cycle's
 events in one write over the closing bracket, which it writes again behind them, so a file
 copied off a running job always parses. Only the engine thread writes; events are buffered
-during a cycle and written at its end.
+during a cycle and written at its end. A write that fails (a full disk, a file size limit)
+ends the recording, as in Horovod: the rank says so once, the file is cut back to the events
+written whole and closed, and the job runs on without it.
 
 For merging the timelines of all ranks into one trace (``hvdrun --merge-timelines``), each
 file starts with an ``hvdrun_rank`` metadata event (the rank, its host and the monotonic
@@ -26,8 +28,10 @@ rank left together align the ranks' clocks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -61,10 +65,15 @@ class Timeline:
         self.mark_cycles = mark_cycles
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
-        self._file = open(path, "wb")  # noqa: SIM115 - kept open while recording
-        self._file.write(b"[" + _CLOSE)
-        self._file.flush()
-        self._end = 1  # where the next events go: over the closing bracket
+        self._rank = rank
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._end = 0  # where the next events go: over the closing bracket
+        try:
+            self._write(b"[" + _CLOSE)
+        except OSError:
+            os.close(self._fd)
+            raise
+        self._end = 1
         self._first = True
         self._closed = False
         self._start = time.monotonic()
@@ -164,17 +173,45 @@ class Timeline:
                 if not self._closed:
                     self._event("CYCLE_START", "i", when, 0, s="p")
 
+    def _write(self, data: bytes) -> None:
+        """Writes ``data`` at :attr:`_end` (over the closing bracket), whole or raising."""
+        assert self._fd is not None
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], self._end + done)
+
     def _flush_locked(self) -> None:
-        if not self._pending or self._file.closed:
+        if not self._pending or self._fd is None:
             return
         chunk = ",\n".join(json.dumps(e, separators=(",", ":")) for e in self._pending)
         self._pending = []
         data = (b"\n" if self._first else b",\n") + chunk.encode() + _CLOSE
+        try:
+            self._write(data)
+        except OSError as error:
+            self._give_up(error)
+            return
         self._first = False
-        self._file.seek(self._end)
-        self._file.write(data)
-        self._file.flush()
         self._end += len(data) - len(_CLOSE)
+
+    def _give_up(self, error: OSError) -> None:
+        """A write failed: the file keeps the events written whole (a valid array, where
+        the bracket still fits; cutting the rest frees room for it) and recording ends."""
+        fd, self._fd = self._fd, None
+        self._closed = True
+        self._pending = []
+        assert fd is not None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, self._end)
+            os.pwrite(fd, _CLOSE, self._end)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        who = f"rank {self._rank}" if self._rank is not None else "this rank"
+        with contextlib.suppress(Exception):  # (stderr may be closed)
+            sys.stderr.write(
+                f"hvdrun: {who} stops writing its timeline {self.path}: "
+                f"{error.strerror or error}; the job runs on without it\n"
+            )
 
     def flush(self) -> None:
         """Writes the buffered events, keeping the file a complete JSON array."""
@@ -192,7 +229,10 @@ class Timeline:
                     self._event(stack.pop(), "E", now, row)
             self._flush_locked()
             self._closed = True
-            self._file.close()
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 class TimelineSlot:

@@ -293,14 +293,15 @@ def _forked_child_message(what: str, runtime: RuntimeState) -> str:
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Starts writing a Chrome-trace timeline (rank 0; every rank if the path has
-    ``{rank}`` or the job runs with ``--timeline-all-ranks``), replacing one being written."""
+    ``{rank}`` or the job runs with ``--timeline-all-ranks``), replacing one being written:
+    that one is completed first (the new one may be the same file)."""
     runtime_ = require("hvd.start_timeline()")
     engine_ = engine("hvd.start_timeline()")
     all_ranks = runtime_.config.timeline_all_ranks
-    new = timeline.open_for_rank(file_path, mark_cycles, engine_.rank, all_ranks, runtime_.host)
-    old, engine_.timeline = engine_.timeline, new
-    if old is not None:
-        old.close()
+    stop_timeline()
+    engine_.timeline = timeline.open_for_rank(
+        file_path, mark_cycles, engine_.rank, all_ranks, runtime_.host
+    )
 
 
 def stop_timeline() -> None:

@@ -123,6 +123,29 @@ def test_unreadable_or_clashing_timelines_are_named(tmp_path: Path, base: float)
     _write(tmp_path / "y.json", base, 0, "h", [0.0], [0.1])
     with pytest.raises(TimelineError, match="both rank 0's"):
         merge_files(str(tmp_path / "o.json"), [str(tmp_path / "x.json"), str(tmp_path / "y.json")])
+    (tmp_path / "numbers.json").write_text("[1, 2]")
+    with pytest.raises(TimelineError, match=r"numbers\.json is not a timeline: not a JSON array"):
+        merge_files(str(tmp_path / "o.json"), [str(tmp_path / "numbers.json")])
+
+
+def test_a_merge_never_overwrites_a_rank_s_file_or_leaves_half_a_file(
+    tmp_path: Path, base: float
+) -> None:
+    _write(tmp_path / "t.0.json", base, 0, "h", [0.0], [0.1])
+    _write(tmp_path / "t.1.json", base, 1, "h", [0.05], [0.1])
+    inputs = [str(tmp_path / "t.0.json"), str(tmp_path / "t.1.json")]
+    before = (tmp_path / "t.0.json").read_text()
+    with pytest.raises(TimelineError, match=r"t\.0\.json is one of the timelines to merge"):
+        merge_files(str(tmp_path / "t.0.json"), inputs)
+    assert (tmp_path / "t.0.json").read_text() == before
+    (tmp_path / "taken").mkdir()  # the output's name is a directory's
+    with pytest.raises(TimelineError, match=r"cannot write .*taken: Is a directory"):
+        merge_files(str(tmp_path / "taken"), inputs)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(TimelineError, match=r"cannot write .*file/o\.json: File exists"):
+        merge_files(str(tmp_path / "file" / "o.json"), inputs)
+    assert sorted(os.listdir(tmp_path)) == ["file", "t.0.json", "t.1.json", "taken"]
+    assert os.listdir(tmp_path / "taken") == []
 
 
 def test_merge_timelines_on_the_command_line(
@@ -138,6 +161,10 @@ def test_merge_timelines_on_the_command_line(
     assert_usage_error(["--merge-timelines", str(out)], "needs the timelines to merge", capsys)
     assert run_cli(["--merge-timelines", str(out), str(tmp_path / "none.json")]) == 1
     assert "hvdrun: error: cannot read" in capsys.readouterr().err
+    assert run_cli(["--merge-timelines", "/proc/none/all.json", str(tmp_path / "t.0.json")]) == 1
+    err = capsys.readouterr().err
+    assert "hvdrun: error: cannot write /proc/none/all.json: No such file or directory" in err
+    assert "Traceback" not in err
 
 
 def test_after_a_job_hvdrun_merges_the_timelines_it_can_see(tmp_path: Path, base: float) -> None:
@@ -151,6 +178,10 @@ def test_after_a_job_hvdrun_merges_the_timelines_it_can_see(tmp_path: Path, base
     said.clear()
     merge_after_job({"HVDRUN_TIMELINE": path}, 2, said.append)  # rank 0's file only
     assert said == []
+    os.unlink(path)
+    os.mkdir(path)  # the merge cannot be written: the job's end says so, no traceback
+    merge_after_job(env, 2, said.append)
+    assert said == [f"hvdrun: the timelines were not merged: cannot write {path}: Is a directory"]
 
 
 def test_report_flags(capsys: pytest.CaptureFixture[str]) -> None:

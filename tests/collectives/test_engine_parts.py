@@ -4,6 +4,8 @@ negotiation exchange, fusion planning and the timeline writer."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from collectives.engine.requests import (
     signature,
 )
 from collectives.engine.timeline import Timeline
+from tests.collectives.conftest import REPO
 
 
 def sig(kind: Kind, common: tuple[Any, ...], *tensors: torch.Tensor) -> str:
@@ -458,6 +461,43 @@ def test_timeline_is_valid_json_after_every_flush(tmp_path: Path) -> None:
     assert stamps == sorted(stamps)
     timeline.begin("late", "X", 3.0)  # after close: ignored, the file stays complete
     assert json.loads(path.read_text()) == events
+
+
+_FULL_DISK = """
+import json, os, resource, signal, sys, time
+from collectives.engine.timeline import Timeline
+from tests.collectives.conftest import REPO
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past the limit fails: EFBIG)
+path = sys.argv[1]
+timeline = Timeline(path, rank=3)
+timeline.begin("grad.w", "NEGOTIATE_ALLREDUCE", time.monotonic())
+timeline.flush()
+written = json.load(open(path))
+room = os.path.getsize(path) + 100
+resource.setrlimit(resource.RLIMIT_FSIZE, (room, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+for step in range(100):
+    timeline.begin(f"grad.{step}", "NEGOTIATE_ALLREDUCE", time.monotonic())
+timeline.flush()  # does not fit: recording ends
+timeline.begin("late", "NEGOTIATE_ALLREDUCE", time.monotonic())
+timeline.flush()
+timeline.close()
+assert json.load(open(path)) == written, open(path).read()
+print("SAME AS BEFORE", len(written))
+"""
+
+
+def test_a_timeline_that_cannot_be_written_ends_and_stays_valid(tmp_path: Path) -> None:
+    # Horovod stops writing a timeline it cannot write and trains on: a full disk, or a
+    # file size limit (here), must not fail the engine and with it the job.
+    path = tmp_path / "t.json"
+    result = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(path)],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "SAME AS BEFORE" in result.stdout, result.stdout
+    assert result.stderr.count("hvdrun: rank 3 stops writing its timeline") == 1, result.stderr
+    assert "File too large; the job runs on without it" in result.stderr, result.stderr
 
 
 def test_one_op_name_in_two_process_sets_is_two_timeline_rows(tmp_path: Path) -> None:

@@ -192,6 +192,14 @@ def test_the_autotune_log_makes_its_directory_or_tuning_goes_on_without_it(
     assert capsys.readouterr().err == (
         f"hvdrun: rank 0 writes no autotune log: File exists: {blocker}\n"
     )
+    # A log it can open but not write (a full disk): the same.
+    tuner = Autotuner(0, start, **knobs, log_file="/dev/full")
+    assert not tuner.step(100) and tuner.step(100)
+    tuner.apply(tuner.decide(), tuner.finishing)
+    tuner.close()
+    assert capsys.readouterr().err == (
+        "hvdrun: rank 0 writes no autotune log: No space left on device: /dev/full\n"
+    )
 
 
 def test_response_cache_evicts_least_recently_used_into_the_same_index() -> None:

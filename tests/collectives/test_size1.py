@@ -461,6 +461,23 @@ def test_timeline_at_runtime(hvd: ModuleType, tmp_path: Path) -> None:
     assert "allreduce.after" not in path.read_text()
 
 
+def test_start_timeline_again_on_the_file_being_written(hvd: ModuleType, tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    hvd.start_timeline(str(path))
+    hvd.allreduce(torch.ones(2), name="first")
+    # An op still negotiating when the recording restarts (a peer is late): its phase is
+    # open, and the old recording ends it, in its own file, before the new one starts it.
+    engine = runtime.engine("test")
+    assert engine.timeline is not None
+    engine.timeline.begin("allreduce.open", "NEGOTIATE_ALLREDUCE", time.monotonic())
+    hvd.start_timeline(str(path))
+    hvd.allreduce(torch.ones(2), name="second")
+    hvd.stop_timeline()
+    events = json.loads(path.read_text())
+    rows = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert "allreduce.second" in rows and "allreduce.first" not in rows, rows
+
+
 def test_a_timeline_that_cannot_be_written_is_skipped_with_a_warning(tmp_path: Path) -> None:
     # As Horovod: the job runs on without a timeline, and the rank says why (the path is a
     # setting of the whole job; a host may lack its directory).
