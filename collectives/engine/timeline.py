@@ -5,7 +5,7 @@ other than the global one, ``name (process set N)``), on which the engine record
 an op goes through::
 
     NEGOTIATE_ALLREDUCE   from submission until every rank has submitted it, with a tick
-                          for each rank's announcement
+                          for each rank's announcement (when this rank learned of it)
     ALLREDUCE             from then until the result is ready, containing
       QUEUE                 waiting for earlier ops of the same cycle
       MEMCPY_IN_FUSION_BUFFER
