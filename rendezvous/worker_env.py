@@ -213,11 +213,12 @@ def spelled(name: str, env: Mapping[str, str] | None = None) -> tuple[str, str] 
 @dataclass(frozen=True)
 class Number:
     """A numeric setting's default, and the least value it takes (``strict``: it must be
-    greater)."""
+    greater), and the largest, where it has one."""
 
     default: float
     minimum: float = 0.0
     strict: bool = False
+    maximum: float = math.inf
 
 
 #: The fusion threshold of reductions of CUDA tensors where no fusion threshold was set
@@ -237,7 +238,7 @@ NUMBERS: dict[str, Number] = {
     AUTOTUNE_WARMUP_SAMPLES: Number(3),
     AUTOTUNE_STEPS_PER_SAMPLE: Number(10, minimum=1),
     AUTOTUNE_BAYES_OPT_MAX_SAMPLES: Number(20, minimum=1),
-    AUTOTUNE_GAUSSIAN_PROCESS_NOISE: Number(0.8),
+    AUTOTUNE_GAUSSIAN_PROCESS_NOISE: Number(0.8, maximum=1.0),
     RENDEZVOUS_LOST_AFTER_SECONDS: Number(30.0, strict=True),
     ELASTIC_TIMEOUT: Number(600.0, strict=True),
 }
@@ -256,6 +257,7 @@ def number(
     """A numeric setting (default and bounds: :data:`NUMBERS`', unless given); ValueError
     naming the variable that set it when malformed or out of bounds."""
     known = NUMBERS.get(name)
+    maximum = math.inf if known is None else known.maximum
     if known is not None:
         default = known.default if default is None else default
         minimum = known.minimum if minimum is None else minimum
@@ -275,6 +277,8 @@ def number(
     if value < low or (strict and value <= low):
         bound = f"greater than {low:g}" if strict else f"at least {low:g}"
         raise ValueError(f"{spelling} must be {bound}, got {raw!r}")
+    if value > maximum:
+        raise ValueError(f"{spelling} must be at most {maximum:g}, got {raw!r}")
     return value
 
 

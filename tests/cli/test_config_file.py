@@ -180,6 +180,10 @@ def test_x_wins_over_the_file_for_every_setting(
         ),
         (["-x", "HVDRUN_CYCLE_TIME=-3"], "HVDRUN_CYCLE_TIME must be at least 0, got '-3'"),
         ({"HOROVOD_STALL_CHECK_DISABLE": "maybe"}, "HOROVOD_STALL_CHECK_DISABLE must be 0 or 1"),
+        (  # (0 to 1, as --autotune-gaussian-process-noise and the config file take it)
+            {"HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "5"},
+            "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE must be at most 1, got '5'",
+        ),
     ],
 )
 def test_a_bad_engine_setting_stops_hvdrun_before_any_worker_starts(
