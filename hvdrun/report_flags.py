@@ -89,12 +89,13 @@ class ReportFlags:
             (worker_env.AUTOTUNE_LOG, "--autotune-log-file"),
         ):
             setting = worker_env.setting(name, env)
-            if not (local and setting) or "{rank}" in os.path.dirname(setting):
+            if not (local and setting):
                 continue
-            file = os.path.abspath(setting)
+            file = setting
             if name == worker_env.TIMELINE:  # (rank 0's: every rank's own, where each has one)
                 all_ranks = worker_env.flag(worker_env.TIMELINE_ALL_RANKS, env)
                 file = worker_env.timeline_file(file, 0, all_ranks) or file
+            file = os.path.abspath(file)
             creatable_directory(os.path.dirname(file), option, file)
 
     def options(self) -> ReportOptions:

@@ -260,6 +260,17 @@ def test_every_rank_s_timeline_tries_the_directory_though_the_named_file_exists(
     )
 
 
+def test_a_rank_pattern_in_the_timeline_s_directory_is_checked_too(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # (rank 0's directory, /proc/0, where rank 0 would write: no rank could)
+    assert_usage_error(
+        ["--timeline-filename", "/proc/{rank}/t.json", "-np", "1", "true"],
+        "invalid '--timeline-filename': cannot create /proc/0",
+        capsys,
+    )
+
+
 def test_an_existing_file_is_taken_as_it_is_wherever_it_lies() -> None:
     # (a descriptor's file, /dev/null: opened by name, in a directory that takes no new file)
     creatable_directory("/proc/self/fd", "--report-file", "/proc/self/fd/2")
