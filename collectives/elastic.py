@@ -79,9 +79,17 @@ class HostMessages:
 
 
 class State:
-    """Base of elastic states: subclasses implement ``save``, ``restore`` and ``sync``."""
+    """Base of elastic states: subclasses implement ``save``, ``restore`` and ``sync``.
+    ``bcast_object`` and ``get_rank`` are Horovod's (a subclass written for Horovod passes
+    them): kept as ``_bcast_object`` and ``_rank``, as Horovod keeps them."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        bcast_object: Callable[..., Any] = broadcast_object,
+        get_rank: Callable[[], int] = runtime.rank,
+    ) -> None:
+        self._bcast_object = bcast_object
+        self._rank = get_rank
         self._reset_callbacks: list[Callable[[], None]] = []
         # Horovod's scripts reset it before waiting on _host_messages; kept for them.
         self._last_updated_timestamp = 0
@@ -182,9 +190,7 @@ class ObjectState(State):
         get_rank: Callable[[], int] = runtime.rank,
         **kwargs: Any,
     ) -> None:
-        super().__init__()
-        self._bcast_object = bcast_object
-        self._get_rank = get_rank
+        super().__init__(bcast_object, get_rank)
         # Our own broadcast_object gets names; a user's function is called as Horovod calls
         # it, ``bcast_object(obj)`` (from rank 0: Horovod's broadcast_object's default).
         self._named = bcast_object is broadcast_object

@@ -129,6 +129,7 @@ class _Watch:
         on_generation: Callable[[int], None] | None = None,
         *,
         per_host: bool = False,
+        on_roll_call: Callable[[int], None] | None = None,
     ) -> None:
         self._client = client
         self._ranks = list(ranks)
@@ -136,6 +137,8 @@ class _Watch:
         rank = self._ranks[0] if len(self._ranks) == 1 else f"{self._ranks[0]}+"
         self._on_lost = on_lost
         self._on_generation = on_generation
+        self._on_roll_call = on_roll_call
+        self._answered = 0  # the latest roll call on_roll_call heard
         self._lost_after = lost_after
         self._lock = threading.Lock()
         self._done = False  # on_lost was called, or the watch was closed
@@ -232,6 +235,9 @@ class _Watch:
                 self._last_event = time.monotonic()
                 if self._on_generation is not None and event.generation > 0:
                     self._on_generation(event.generation)
+                if self._on_roll_call is not None and event.roll_call > self._answered:
+                    self._answered = event.roll_call
+                    self._on_roll_call(event.roll_call)
                 if event.kind == rendezvous_pb2.WatchEvent.SHUTDOWN:
                     detail = event.message or "no reason given"
                     self._report(f"the rendezvous server shut down the job: {detail}")
@@ -613,20 +619,23 @@ class RendezvousClient:
         *,
         lost_after: float = 5.0,
         on_generation: Callable[[int], None] | None = None,
+        on_roll_call: Callable[[int], None] | None = None,
     ) -> None:
         """Holds the server's heartbeat stream in a daemon thread.
 
         Calls ``on_lost(reason)`` exactly once, from that thread, when the stream fails, the
         server sends SHUTDOWN, or no event arrives for ``lost_after`` seconds. Never called
         after :meth:`close`. ``on_generation(n)`` hears the newest membership generation
-        with every event of an elastic job.
+        with every event of an elastic job, ``on_roll_call(n)`` each new roll call once.
         """
         if lost_after <= 0:
             raise ValueError(f"lost_after must be positive, got {lost_after}")
         with self._lock:
             if self._closed:
                 raise RendezvousError("rendezvous watch: the client is closed")
-            watch = _Watch(self, [rank], on_lost, lost_after, on_generation)
+            watch = _Watch(
+                self, [rank], on_lost, lost_after, on_generation, on_roll_call=on_roll_call
+            )
             self._watches.append(watch)
         watch.start()
 

@@ -150,7 +150,7 @@ class WatchRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("kind", "message", "generation")
+    __slots__ = ("kind", "message", "generation", "roll_call")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         HEARTBEAT: _ClassVar[WatchEvent.Kind]
@@ -162,10 +162,12 @@ class WatchEvent(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ROLL_CALL_FIELD_NUMBER: _ClassVar[int]
     kind: WatchEvent.Kind
     message: str
     generation: int
-    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., message: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    roll_call: int
+    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., message: _Optional[str] = ..., generation: _Optional[int] = ..., roll_call: _Optional[int] = ...) -> None: ...
 
 class RegisterHostRequest(_message.Message):
     __slots__ = ("host", "local_ranks", "min_generation", "timeout_ms")

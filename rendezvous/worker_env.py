@@ -126,6 +126,11 @@ WORKER = "HVDRUN_WORKER"
 #: in (see ``collectives.runtime.state_synced``); the launcher never starts a generation
 #: from workers that hold none.
 STATE_KEY_PREFIX = "hvdrun/state/"
+#: Elastic jobs: while some workers wait for the others to rejoin after a failure, hvdrun
+#: calls the roll on the watch streams, and every worker answers from its watch thread,
+#: under this prefix and its number, with the roll call's number: one that answers is alive
+#: (a long step of its own), one that does not is stopped or hung.
+PRESENT_KEY_PREFIX = "hvdrun/present/"
 #: Every worker publishes its arrival figures (JSON, see :mod:`rendezvous.insight`) in the
 #: rendezvous store under this prefix and its number (its rank in fixed jobs), every few
 #: seconds and at shutdown; the launcher reads them for its report.

@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -235,6 +236,25 @@ def join_elastic(runtime_: RuntimeState) -> None:
         register(runtime_, runtime_.generation + 1)
 
 
+def _answer_roll(runtime_: RuntimeState) -> Callable[[int], None] | None:
+    """Elastic jobs: answers hvdrun's roll calls from the watch thread, which runs while the
+    script is busy in its own code (see ``worker_env.PRESENT_KEY_PREFIX``)."""
+    from rendezvous.client import RendezvousError
+
+    worker = os.environ.get(worker_env.WORKER, "")
+    client = runtime_.client
+    if client is None or not worker.isdigit():
+        return None
+
+    def answer(roll: int) -> None:
+        try:
+            client.set(worker_env.PRESENT_KEY_PREFIX + worker, str(roll).encode())
+        except RendezvousError as error:  # (the job is ending)
+            logger.debug("could not answer roll call %d: %s", roll, error)
+
+    return answer
+
+
 def report_state_synced(runtime_: RuntimeState) -> None:
     """Elastic jobs: tells hvdrun that this worker holds the training state as of its
     generation (once per generation), in the rendezvous store under its worker number."""
@@ -305,6 +325,7 @@ def watch_and_join(runtime_: RuntimeState, counter: int) -> None:
         _make_on_lost(runtime_),
         lost_after=lost_after,
         on_generation=runtime_.saw_generation if runtime_.elastic else None,
+        on_roll_call=_answer_roll(runtime_) if runtime_.elastic else None,
     )
     if not runtime_.elastic:
         _bootstrap(runtime_, counter)

@@ -44,6 +44,7 @@ from collectives.spark.job import (
 from collectives.spark.membership import Member, Membership, Publish, Stop, Wait
 from collectives.spark.placement import elastic_host, resolve_start_timeout, resolve_timeout
 from rendezvous import worker_env
+from rendezvous.rejoin import RejoinWindow
 from rendezvous.server import RendezvousServer
 
 __all__ = ["run_elastic"]
@@ -136,10 +137,11 @@ class ElasticDriver(Driver):
         self.members = membership
         self.finishing = False
         self._numbers = itertools.count()
-        self._rejoin_since: float | None = None
         given = {name: value for name, value in self.env.items() if value is not None}
         gloo = worker_env.setting(worker_env.GLOO_TIMEOUT_SECONDS, given)
-        self._rejoin_timeout = 2 * float(gloo or FAILURE_TIMEOUT)
+        self._rejoin: RejoinWindow[Member] = RejoinWindow(
+            2 * float(gloo or FAILURE_TIMEOUT), membership.elastic_timeout
+        )
         self._elastic_env = {
             worker_env.variable(worker_env.ELASTIC): "1",
             worker_env.variable(worker_env.ELASTIC_TIMEOUT): (
@@ -282,33 +284,27 @@ class ElasticDriver(Driver):
 
     def _fail_hung(self, now: float) -> None:
         """Members that do not rejoin the survivors of a failed collective (who wait for
-        the next generation) within twice the Gloo timeout are hung or cut off."""
-        members = self.members
+        the next generation): see :class:`rendezvous.rejoin.RejoinWindow`."""
+        members, rejoin = self.members, self._rejoin
         running = members.running()
         if members.generation == 0 or members.need_publish or not running:
-            self._rejoin_since = None
+            rejoin.close()
             return
         waiting = {host for host, _ in self.server.waiting_slots()}
-        if not waiting & {m.host for m in running}:
-            self._rejoin_since = None
-            return
-        if all(m.host in waiting for m in running):
+        late = rejoin.late(
+            now,
+            bool(waiting & {m.host for m in running}),
+            running,
+            lambda member: member.host in waiting,
+            lambda member: [] if member.worker is None else [member.worker],
+            self.server.present_workers,
+        )
+        if rejoin.roll_due:  # (workers busy in their own code answer it; stopped ones not)
+            rejoin.roll, rejoin.roll_due = self.server.call_roll(), False
+        if late is None:
             members.need_publish = True
-            self._rejoin_since = None
-            return
-        if self._rejoin_since is None:
-            self._rejoin_since = now
-        if now - self._rejoin_since < self._rejoin_timeout:
-            return
-        self._rejoin_since = None
-        for member in running:
-            if member.host not in waiting:
-                self._lost(
-                    member,
-                    self.tasks[member.stream],
-                    f"it did not rejoin within {self._rejoin_timeout:g} s after the others' "
-                    "collectives failed: hung or cut off",
-                )
+        for member, answered in late or []:
+            self._lost(member, self.tasks[member.stream], rejoin.failure(answered))
 
     # ---- the end --------------------------------------------------------------------
 

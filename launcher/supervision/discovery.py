@@ -110,9 +110,16 @@ class ScriptDiscovery(HostDiscovery):
         try:
             stdout, stderr = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
+            exited = proc.poll() is not None  # (a child it left holds the output open)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+            if exited:
+                raise DiscoveryError(
+                    f"exited, but a process it started still held its output open after "
+                    f"{self.timeout:g} s: start background processes with their output "
+                    "redirected (cmd >/dev/null 2>&1 &)"
+                ) from None
             raise DiscoveryError(f"did not finish within {self.timeout:g} s") from None
         if proc.returncode != 0:
             lines = stderr.decode("utf-8", "replace").strip().splitlines()

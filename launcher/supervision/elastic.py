@@ -452,14 +452,15 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             self.sink.message(notice)
         for host in members.hosts_to_start(now):
             self._start_host(host)
-        for host in members.rejoin_failures(now, self.server.waiting_slots()):
+        late = members.rejoin_failures(
+            now, self.server.waiting_slots(), self.server.present_workers
+        )
+        rejoin = members.rejoin
+        if rejoin.roll_due:  # (workers busy in their own code answer it; stopped ones not)
+            rejoin.roll, rejoin.roll_due = self.server.call_roll(), False
+        for host, answered in late:
             stop = self.stopped_among(host.workers)
-            self._fail_host(
-                host,
-                f"its workers did not rejoin within {members.rejoin_timeout:g} s after the "
-                "others' collectives failed: "
-                + ("hung or cut off" if stop is None else f"worker {stop.rank} is stopped"),
-            )
+            self._fail_host(host, rejoin.failure(answered, stop.rank if stop else None))
             if host.agent is not None:
                 host.agent.kill()  # a stopped process ignores SIGTERM until it runs
         if members.need_publish:

@@ -39,7 +39,7 @@ it hears that the agent was made, so it stays None while the agent is being crea
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ from launcher.spec.hosts import HostSpec
 from launcher.spec.options import ElasticOptions
 from launcher.supervision.discovery import Blacklist
 from launcher.supervision.report import HOROVOD_FAILED
+from rendezvous.rejoin import RejoinWindow
 from rendezvous.slots import SlotInfo, assign_slots
 
 ACTIVE = ("starting", "ready", "running")
@@ -168,7 +169,6 @@ class Membership:
     def __init__(self, options: ElasticOptions, num_proc: int, rejoin_timeout: float) -> None:
         self.options = options
         self.num_proc = num_proc
-        self.rejoin_timeout = rejoin_timeout
         self.hosts: dict[str, HostRecord] = {}
         self.retired: list[HostRecord] = []  # earlier incarnations whose agents may still run
         self.blacklist = Blacklist(options.cooldown)
@@ -181,7 +181,9 @@ class Membership:
         self.trained = False  # some worker has held the training state
         self._enough_since: float | None = None  # the first generation had enough slots
         self._short_since: float | None = None
-        self._rejoin_since: float | None = None
+        self.rejoin: RejoinWindow[HostRecord] = RejoinWindow(
+            rejoin_timeout, options.elastic_timeout
+        )
         self._sync_since: float | None = None  # a removal waits for the sync under way
         #: Since when discovery has listed none of the job's hosts while they hold the state.
         self.unlisted_since: float | None = None
@@ -370,29 +372,30 @@ class Membership:
             started.append(host)
         return started
 
-    def rejoin_failures(self, now: float, waiting: Iterable[tuple[str, int]]) -> list[HostRecord]:
-        """Members that have not joined the survivors of a failed collective (waiting for the
-        next generation) within the rejoin timeout: hung or cut off. When every member
-        waits (a transient error), the next generation is simply due."""
+    def rejoin_failures(
+        self, now: float, waiting: Iterable[tuple[str, int]], present: Callable[[int], set[int]]
+    ) -> list[tuple[HostRecord, bool]]:
+        """Members that fail for not joining the survivors of a failed collective (waiting
+        for the next generation), each with whether its workers answer the roll call (see
+        :class:`rendezvous.rejoin.RejoinWindow`). When every member waits (a transient
+        error), the next generation is simply due."""
         if self.generation == 0 or self.need_publish:
-            self._rejoin_since = None
+            self.rejoin.close()
             return []
         running = self.running()
-        members: set[tuple[str, int]] = set().union(*(h.slot_keys() for h in running))
-        waiting = set(waiting) & members
-        if not waiting:
-            self._rejoin_since = None
-            return []
-        if members <= waiting:
+        waits = set(waiting)
+        late = self.rejoin.late(
+            now,
+            any(key in waits for host in running for key in host.slot_keys()),
+            running,
+            lambda host: host.slot_keys() <= waits,
+            HostRecord.live_workers,
+            present,
+        )
+        if late is None:
             self.need_publish = True
-            self._rejoin_since = None
             return []
-        if self._rejoin_since is None:
-            self._rejoin_since = now
-        if now - self._rejoin_since < self.rejoin_timeout:
-            return []
-        self._rejoin_since = None
-        return [h for h in running if not h.slot_keys() <= waiting]
+        return late
 
     def decide(self, now: float) -> Decision:
         """Whether the next generation is due, must wait for slots, or cannot come."""

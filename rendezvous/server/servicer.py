@@ -93,6 +93,20 @@ class Servicer(rendezvous_pb2_grpc.RendezvousServicer):
                 holders[int(worker)] = int(text)
         return holders
 
+    def call_roll(self) -> int:
+        return self._watches.call_roll()
+
+    def present_workers(self, roll: int) -> set[int]:
+        """Elastic jobs: the workers (by number) that answered roll call ``roll`` or a later
+        one (see ``worker_env.PRESENT_KEY_PREFIX``)."""
+        prefix = worker_env.PRESENT_KEY_PREFIX
+        present = set()
+        for key, value in self._store.values_under(prefix).items():
+            worker, text = key[len(prefix) :], value.decode("ascii", "replace")
+            if worker.isdigit() and text.isdigit() and int(text) >= roll:
+                present.add(int(worker))
+        return present
+
     def watching_ranks(self) -> set[int]:
         return self._watches.watching_ranks()
 

@@ -278,6 +278,15 @@ class RendezvousServer:
         or later, fails with ABORTED ``message`` (the ranks then leave; it serves on)."""
         self._ask(lambda: self._servicer.abandon(message), None)
 
+    def call_roll(self) -> int:
+        """Elastic jobs: every worker's watch stream carries a new roll call, which each
+        worker answers from its watch thread; returns its number (0: the server is down)."""
+        return self._ask(self._servicer.call_roll, 0)
+
+    def present_workers(self, roll: int) -> set[int]:
+        """The workers (by number) that answered roll call ``roll`` (or a later one)."""
+        return self._ask(lambda: self._servicer.present_workers(roll), set())
+
     def watching_ranks(self) -> set[int]:
         """Ranks that hold an open Watch stream right now."""
         return self._ask(self._servicer.watching_ranks, set())

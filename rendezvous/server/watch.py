@@ -12,14 +12,17 @@ Why it looks the way it does:
   timer, not thousands; the timer runs only while some stream is open.
 * The server's stop waits (boundedly) until every stream has sent its SHUTDOWN, so workers
   learn why the job ended instead of seeing a broken connection.
+* Elastic jobs: every event carries the launcher's latest roll call (:meth:`Watches.call_roll`),
+  which each worker answers once, so the launcher can tell a worker busy in its own code
+  from a stopped one.
 
 Threads: every field of :class:`Watches` belongs to the server's asyncio loop (the streams,
 the timer's callback, publish and shutdown all run there), so no lock guards them:
 ``_pulse``, ``_timer``, ``_watching`` (rank -> its open streams), ``_left`` (the ranks whose
-last stream ended), ``_open``, ``_closed``, ``_generation`` (the newest generation announced)
-and ``_shutdown``. ``_interval`` never changes. Other threads ask for
-:meth:`Watches.watching_ranks` and :meth:`Watches.left_ranks` through the loop
-(:class:`rendezvous.server.serving.RendezvousServer` does).
+last stream ended), ``_open``, ``_closed``, ``_generation`` (the newest generation announced),
+``_roll`` (the latest roll call) and ``_shutdown``. ``_interval`` never changes. Other
+threads ask for :meth:`Watches.watching_ranks` and :meth:`Watches.left_ranks` through the
+loop (:class:`rendezvous.server.serving.RendezvousServer` does).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Watches:
         self._open = 0  # sum(_watching.values()), kept so the timer need not add it up
         self._closed: asyncio.Event | None = None  # set while no stream is open
         self._generation = 0
+        self._roll = 0
         self._shutdown: str | None = None  # the SHUTDOWN event's message, once stopping
 
     def beat(self) -> None:
@@ -61,6 +65,12 @@ class Watches:
         """Generation ``generation`` is published: every stream sends HOSTS_UPDATED now."""
         self._generation = generation
         self.beat()
+
+    def call_roll(self) -> int:
+        """Every stream carries a new roll call now; returns its number."""
+        self._roll += 1
+        self.beat()
+        return self._roll
 
     def shut_down(self, message: str) -> None:
         """Every stream sends SHUTDOWN with ``message`` and ends; later ones do at once."""
@@ -100,7 +110,9 @@ class Watches:
                 generation = self._generation
                 kind = kinds.HOSTS_UPDATED if generation != sent else kinds.HEARTBEAT
                 sent = generation
-                yield rendezvous_pb2.WatchEvent(kind=kind, generation=generation)
+                yield rendezvous_pb2.WatchEvent(
+                    kind=kind, generation=generation, roll_call=self._roll
+                )
                 await pulse.wait()
             yield rendezvous_pb2.WatchEvent(
                 kind=kinds.SHUTDOWN, message=self._shutdown, generation=self._generation

@@ -7,6 +7,7 @@ one and go on with the other.
 from __future__ import annotations
 
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from tests.processes import run_stopped_for_a_while
 
 WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
 TWO_HOSTS = "printf 'localhost\\n127.0.0.1\\n'"  # a discovery script
+THREE_HOSTS = "printf 'localhost\\n127.0.0.1\\n{}\\n'"  # and this machine's name
 
 
 def run_steps(
@@ -71,17 +73,31 @@ def test_more_resets_than_the_limit_end_the_job() -> None:
     ), output
 
 
-def test_hung_worker_is_dropped_after_the_rejoin_timeout() -> None:
-    code, output = run_steps(
-        ["--host-discovery-script", TWO_HOSTS],
-        30,
-        fail_host="127.0.0.1",
-        fail_at_step=5,
-        FAIL_MODE="hang",
-        HVDRUN_GLOO_TIMEOUT_SECONDS="2",
+def test_hung_worker_is_dropped_after_the_rejoin_timeout_and_a_busy_one_is_not() -> None:
+    # Three hosts: 127.0.0.1's worker hangs (stops itself) after step 5, while this
+    # machine's own name's worker spends 8 s in its own code then, twice the rejoin window:
+    # it answers hvdrun's roll call, so only the hung host fails, and it trains on.
+    this = socket.gethostname()
+    code, output = run_hvdrun(
+        3,
+        WORKER,
+        options=["--min-np", "1", "--host-discovery-script", THREE_HOSTS.format(this)],
+        env={
+            "STEPS": "30",
+            "STEP_INTERVAL": "0.05",
+            "FAIL_HOST": "127.0.0.1",
+            "FAIL_AT_STEP": "5",
+            "FAIL_MODE": "hang",
+            "LONG_STEP_HOST": this,
+            "LONG_STEP_SECONDS": "8",
+            "HVDRUN_GLOO_TIMEOUT_SECONDS": "2",
+        },
+        timeout=120,
     )
     assert code == 0, output
     assert "hanging on purpose after step 5" in output, output
+    assert "a long step of its own after step 5" in output, output
+    assert f"host {this} failed" not in output, output
     # (the worker stops itself with SIGSTOP: its agent sees it, hvdrun names it)
     stopped = re.search(
         r"hvdrun: worker (\d+) on 127\.0\.0\.1 was stopped by SIGSTOP \(pid \d+\): the other "
@@ -94,7 +110,8 @@ def test_hung_worker_is_dropped_after_the_rejoin_timeout() -> None:
         "hvdrun: host 127.0.0.1 failed (its workers did not rejoin within 4 s after the "
         f"others' collectives failed: worker {stopped[1]} is stopped)" in output
     ), output
-    assert "[0]<stdout>:final rank=0 size=1 step=30 weight=-30" in output, output
+    finals = re.findall(r"final rank=(\d) size=(\d) step=30 weight=-30 ", output)
+    assert sorted(finals) == [("0", "2"), ("1", "2")], output
 
 
 def test_a_finished_worker_ends_the_job_and_later_discovery_failures_do_not(

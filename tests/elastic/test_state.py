@@ -117,6 +117,32 @@ def test_object_state_calls_a_bcast_object_as_horovod_does(hvd: ModuleType) -> N
     assert seen == [{"epoch": 2}]
 
 
+def test_a_state_written_for_horovod_constructs_and_syncs(hvd: ModuleType) -> None:
+    # Horovod's State takes (bcast_object, get_rank) and keeps them as _bcast_object and
+    # _rank; a custom state written for Horovod calls them so.
+    class CounterState(elastic.State):
+        def __init__(self, value: int) -> None:
+            super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
+            self.value = self.saved = value
+
+        def save(self) -> None:
+            self.saved = self.value
+
+        def restore(self) -> None:
+            self.value = self.saved
+
+        def sync(self) -> None:
+            self.value = self._bcast_object(self.value)
+
+    state = CounterState(5)
+    state.value = 7
+    state.restore()
+    assert state.value == 5
+    state.sync()
+    assert (state.value, state._rank()) == (5, 0)
+    assert elastic.ObjectState(epoch=1)._rank() == 0
+
+
 @pytest.mark.usefixtures("hvd")
 def test_a_commit_copies_plain_data_and_keeps_other_objects_as_they_are() -> None:
     class Loader:  # (a sampler or dataset of the script's: never copied)

@@ -63,6 +63,8 @@ def test_script_discovery_runs_through_the_shell(tmp_path: Path) -> None:
     ]
     with pytest.raises(DiscoveryError, match=r"did not finish within 0\.2 s"):
         ScriptDiscovery("sleep 5", timeout=0.2).find()
+    with pytest.raises(DiscoveryError, match="exited, but a process it started still held"):
+        ScriptDiscovery(f"cat {hosts}; sleep 5 &", timeout=0.5).find()
     with pytest.raises(DiscoveryError, match="exited with code 127"):
         ScriptDiscovery(str(tmp_path / "missing.sh")).find()
 

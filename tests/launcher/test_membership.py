@@ -196,13 +196,49 @@ def test_rejoin_timeout_fails_the_members_that_do_not_rejoin() -> None:
     start_all(members)
     publish(members)
     waiting = {("a", 0), ("c", 0)}
-    assert members.rejoin_failures(1.0, waiting) == []
-    assert members.rejoin_failures(10.5, waiting) == []
-    (hung,) = members.rejoin_failures(11.5, waiting)
-    assert hung.name == "b"
+    nobody: set[int] = set()
+    assert members.rejoin_failures(1.0, waiting, lambda roll: nobody) == []
+    assert members.rejoin.roll_due  # the window opens: the roll is called
+    members.rejoin.roll, members.rejoin.roll_due = 1, False
+    assert members.rejoin_failures(10.5, waiting, lambda roll: nobody) == []
+    asked: list[int] = []
+    (hung,) = members.rejoin_failures(11.5, waiting, lambda roll: asked.append(roll) or nobody)
+    assert hung == (members.hosts["b"], False) and asked == [1]
+    assert members.rejoin.failure(False, 7) == (
+        "its workers did not rejoin within 10 s after the others' collectives failed: worker 7 "
+        "is stopped"
+    )
     # everyone waits: a transient error, the next generation is due at once
-    assert members.rejoin_failures(12.0, {("a", 0), ("b", 0), ("c", 0)}) == []
+    assert members.rejoin_failures(12.0, {("a", 0), ("b", 0), ("c", 0)}, lambda roll: nobody) == []
     assert members.need_publish
+
+
+def test_a_member_busy_in_its_own_code_is_not_failed_for_not_rejoining_at_once() -> None:
+    # b's worker answers the roll call (its watch thread runs) but is in a long step of its
+    # own when the others' collectives fail: it fails only after the elastic timeout.
+    members = membership(
+        [("a", 1), ("b", 1), ("c", 1)], num_proc=3, min_np=2, max_np=None, elastic_timeout=60.0
+    )
+    start_all(members)
+    publish(members)
+    b_workers = set(members.hosts["b"].workers)
+    waiting = {("a", 0), ("c", 0)}
+    assert members.rejoin_failures(0.0, waiting, lambda roll: b_workers) == []
+    for now in (10.0, 20.0, 50.0):
+        assert members.rejoin_failures(now, waiting, lambda roll: b_workers) == []
+        assert members.rejoin.roll_due  # called again at each check: it must keep answering
+        members.rejoin.roll_due = False
+    (busy,) = members.rejoin_failures(60.0, waiting, lambda roll: b_workers)
+    assert busy == (members.hosts["b"], True)
+    assert members.rejoin.failure(True).startswith(
+        "its workers did not rejoin within 60 s (the elastic timeout) after the others' "
+        "collectives failed, though they answer"
+    )
+    # One that stops answering fails at the next check.
+    assert members.rejoin_failures(61.0, waiting, lambda roll: b_workers) == []
+    assert members.rejoin_failures(71.0, waiting, lambda roll: set()) == [
+        (members.hosts["b"], False)
+    ]
 
 
 def test_a_host_discovery_drops_is_removed_and_a_failed_one_comes_back_after_cooldown() -> None:

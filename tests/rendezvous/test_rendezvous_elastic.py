@@ -66,6 +66,33 @@ def test_watch_reports_new_generations(
     assert seen[-1] == 2
 
 
+def test_each_roll_call_is_heard_once_and_answers_count_from_it(
+    elastic: RendezvousServer, make_client: ClientFactory
+) -> None:
+    elastic.publish(assign_slots([("a", 1), ("b", 1)], 2))
+    client = make_client(elastic)
+    heard: list[int] = []
+
+    def answer(roll: int) -> None:  # as a worker does, from its watch thread
+        heard.append(roll)
+        client.set("hvdrun/present/7", str(roll).encode())
+
+    client.watch(0, lambda reason: None, lost_after=5, on_roll_call=answer)
+    time.sleep(0.3)
+    assert heard == [] and elastic.present_workers(1) == set()  # no roll called yet
+    assert elastic.call_roll() == 1
+    deadline = time.monotonic() + 5
+    while elastic.present_workers(1) != {7} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert elastic.present_workers(1) == {7}
+    assert elastic.call_roll() == 2
+    assert elastic.present_workers(2) == set()  # an answer to an earlier roll is not one
+    while elastic.present_workers(2) != {7} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # more heartbeats carry roll 2: it is heard once
+    assert heard == [1, 2]
+
+
 def test_publishing_fails_bootstrap_waits_of_older_generations(
     elastic: RendezvousServer, make_client: ClientFactory
 ) -> None:

@@ -36,6 +36,9 @@ FINISH_AT_GENERATION = int(os.environ.get("FINISH_AT_GENERATION", "0"))
 # before hvd.init(), as a host slow to start does: the sync of the generation that added
 # it is under way until then.
 SLOW_HOST = os.environ.get("SLOW_HOST")
+# LONG_STEP_HOST=h LONG_STEP_SECONDS=s: the workers on host h spend s seconds in their own
+# code (no collective) after committing step FAIL_AT_STEP, as a long step does.
+LONG_STEP_HOST = os.environ.get("LONG_STEP_HOST")
 
 # DEVICE=cuda: the weight and its gradient live on this rank's GPU (tests/gpu).
 DEVICE = os.environ.get("DEVICE", "cpu")
@@ -79,6 +82,9 @@ def train(state: elastic.TorchState) -> None:
             flush=True,
         )
         here = os.environ.get("HVDRUN_HOSTNAME")
+        if state.step == FAIL_AT_STEP and here == LONG_STEP_HOST:
+            print(f"a long step of its own after step {state.step}", flush=True)
+            time.sleep(float(os.environ["LONG_STEP_SECONDS"]))
         if state.step == FAIL_AT_STEP and FAIL_HOST in ("*", here):
             if os.environ.get("FAIL_MODE") == "finish":
                 print(f"finishing early after step {state.step}", flush=True)
