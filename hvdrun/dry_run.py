@@ -275,12 +275,17 @@ def env_lines(spec: JobSpec, slots: list[SlotInfo]) -> list[str]:
     env["PYTHONUNBUFFERED"] = "1"
     for name in we.LAUNCHER_SET:  # (hvdrun's own, below, replace these)
         env.pop(name, None)
+    elastic = spec.elastic
+    per_rank = list(we.slot_env(slots[0]).keys() if slots else ())
+    if elastic is not None:
+        env.update(we.elastic_env(spec.env, elastic.elastic_timeout, elastic.failure_timeout))
+        per_rank += [we.GENERATION, we.WORKER]
     lines = [f"  {name}={_one_line(masked(name, value))}" for name, value in sorted(env.items())]
     lines += [
         f"  {we.RENDEZVOUS_ADDR}=<this machine's address and port, chosen at start>",
         f"  {we.JOB_ID}=<chosen at start>",
         f"  {we.SECRET}={MASK} (made at start)",
-        "  set per rank: " + ", ".join(we.slot_env(slots[0]).keys() if slots else ()),
+        "  set per rank: " + ", ".join(per_rank),
     ]
     if "OMP_NUM_THREADS" not in env:
         per_host: dict[str, int] = {}

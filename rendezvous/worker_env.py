@@ -314,6 +314,26 @@ def choice(name: str, choices: tuple[str, ...], env: Mapping[str, str] | None = 
     return value
 
 
+#: Elastic workers wait this much longer than their launcher for the next generation, so
+#: that the launcher's clear message, not a worker's timeout, ends a job out of hosts.
+ELASTIC_WORKER_SLACK = 30.0
+
+
+def elastic_env(
+    env: Mapping[str, str | None], elastic_timeout: float, gloo_timeout: float
+) -> dict[str, str]:
+    """What every worker of an elastic job gets on top of the job's environment ``env``:
+    the elastic switch, its wait for a generation, and (unless ``env`` sets one) the Gloo
+    timeout that detects a hung peer."""
+    extra = {
+        variable(ELASTIC): "1",
+        variable(ELASTIC_TIMEOUT): f"{elastic_timeout + ELASTIC_WORKER_SLACK:g}",
+    }
+    if not any(env.get(name) is not None for name in setting_names(GLOO_TIMEOUT_SECONDS)):
+        extra[variable(GLOO_TIMEOUT_SECONDS)] = f"{gloo_timeout:g}"
+    return extra
+
+
 def check_settings(env: Mapping[str, str], *, elastic: bool = True) -> None:
     """Parses every setting of :data:`NUMBERS`, :data:`FLAGS` and the CUDA backend in
     ``env`` as the workers will: ValueError naming the first variable they would refuse.

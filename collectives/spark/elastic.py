@@ -52,9 +52,6 @@ __all__ = ["run_elastic"]
 #: Horovod's variable and default for how long an elastic job waits for enough workers.
 ELASTIC_TIMEOUT_VARIABLE = worker_env.HOROVOD_PREFIX + worker_env.ELASTIC_TIMEOUT
 DEFAULT_ELASTIC_TIMEOUT = worker_env.NUMBERS[worker_env.ELASTIC_TIMEOUT].default
-#: Workers wait this much longer than the driver for the next generation, so that the
-#: driver's clear message, not a worker's timeout, ends a job that runs out of tasks.
-WORKER_TIMEOUT_SLACK = 30.0
 #: The Gloo timeout of elastic workers (hvdrun's --failure-timeout default): a hung peer
 #: fails the others' collectives after this long; twice it is the rejoin deadline.
 FAILURE_TIMEOUT = 5.0
@@ -142,16 +139,9 @@ class ElasticDriver(Driver):
         self._rejoin: RejoinWindow[Member] = RejoinWindow(
             2 * float(gloo or FAILURE_TIMEOUT), membership.elastic_timeout
         )
-        self._elastic_env = {
-            worker_env.variable(worker_env.ELASTIC): "1",
-            worker_env.variable(worker_env.ELASTIC_TIMEOUT): (
-                f"{membership.elastic_timeout + WORKER_TIMEOUT_SLACK:g}"
-            ),
-        }
-        if gloo is None:
-            self._elastic_env[worker_env.variable(worker_env.GLOO_TIMEOUT_SECONDS)] = (
-                f"{FAILURE_TIMEOUT:g}"
-            )
+        self._elastic_env = worker_env.elastic_env(
+            given, membership.elastic_timeout, FAILURE_TIMEOUT
+        )
         self.open()
         tasks = membership.max_np
         self.say(

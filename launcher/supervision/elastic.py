@@ -105,9 +105,6 @@ log = logging.getLogger(__name__)
 
 #: hvdrun's exit code when an elastic job cannot go on (too few hosts, too many resets).
 ELASTIC_FAILURE_EXIT = 1
-#: Workers wait this much longer than the launcher for the next generation, so that the
-#: launcher's clear message, not a worker's timeout, ends a job that runs out of hosts.
-WORKER_TIMEOUT_SLACK = 30.0
 
 
 @dataclass(frozen=True)
@@ -180,11 +177,9 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         self.server = server
         self.secret = secret
         self.job_id = job_id
-        # Survivors of a failed collective wait in Register; a member that has not joined
-        # them this long after is hung or cut off (twice the workers' Gloo timeout).
+        # (the rejoin window: twice the workers' Gloo timeout, see rendezvous.rejoin)
         rejoin_timeout = 2 * collective_timeout(spec.env, options.failure_timeout)
         self.members = Membership(options, spec.num_proc, rejoin_timeout)
-        self._elastic_env = _elastic_env(spec, options)
         self.members.discovered = initial
         self.finishing = False  # a worker exited 0: no more generations
         self._finished_in: int | None = None  # the generation it synced the state in
@@ -535,7 +530,8 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             agent.heartbeat_timeout,
             self.cert_pem,
         )
-        spec.env.update(self._elastic_env)
+        timeouts = self.options.elastic_timeout, self.options.failure_timeout
+        spec.env.update(worker_env.elastic_env(self.spec.env, *timeouts))
         for worker in spec.workers:
             number = next(self._worker_ids)
             worker.rank = number
@@ -551,18 +547,6 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         agents = [h.agent for h in self.members.all_hosts() if h.agent is not None]
         host = dial_host(agent, agents, self.spec.launch.rendezvous_addr)
         return join_addr(host, self.server.port)
-
-
-def _elastic_env(spec: JobSpec, options: ElasticOptions) -> dict[str, str]:
-    """What every worker of an elastic job gets on top of the job's environment."""
-    we = worker_env
-    env = {
-        we.variable(we.ELASTIC): "1",
-        we.variable(we.ELASTIC_TIMEOUT): f"{options.elastic_timeout + WORKER_TIMEOUT_SLACK:g}",
-    }
-    if not any(name in spec.env for name in we.setting_names(we.GLOO_TIMEOUT_SECONDS)):
-        env[we.variable(we.GLOO_TIMEOUT_SECONDS)] = f"{options.failure_timeout:g}"
-    return env
 
 
 def _start_agent(

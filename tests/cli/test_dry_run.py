@@ -190,6 +190,13 @@ def test_elastic_job_shows_the_first_discovery(
     assert "collective timeout      5 s  (elastic default)" in section(
         out, "tuning the workers run with"
     )
+    # and get what a real run gives them
+    env = section(
+        out, "every worker's environment (secrets masked; rank variables as in the table)"
+    )
+    for line in ("HVDRUN_ELASTIC=1", "HVDRUN_ELASTIC_TIMEOUT=630", "HVDRUN_GLOO_TIMEOUT_SECONDS=5"):
+        assert line in env, env
+    assert "HVDRUN_GENERATION, HVDRUN_WORKER" in out
 
 
 def test_elastic_headline_counts_the_workers_that_would_start(
