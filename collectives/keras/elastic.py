@@ -95,7 +95,9 @@ class CommitStateCallback(KerasCallback):
 
 
 class UpdateBatchStateCallback(KerasCallback):
-    """Keeps ``state.batch`` current (and resumes an epoch after a reset where it was)."""
+    """Keeps ``state.batch`` current, and after a reset lowers the epoch's ``steps`` by the
+    batches done, as Horovod's does. Keras 3's ``fit`` counts its own steps, so there an
+    epoch interrupted by a reset runs whole again from the last commit."""
 
     def __init__(self, state: Any) -> None:
         super().__init__()
