@@ -76,13 +76,16 @@ class _TensorSlot:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device_type: str
+    sparse: bool = False  # travels dense (SGD's momentum of a sparse embedding)
 
 
 def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """A copy of a nested container with every tensor replaced by a _TensorSlot."""
     if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type)
+        tensors.append(obj.to_dense() if obj.is_sparse else obj)
+        return _TensorSlot(
+            len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type, obj.is_sparse
+        )
     if isinstance(obj, dict):
         return {key: _strip(value, tensors) for key, value in obj.items()}
     if isinstance(obj, list):
@@ -95,7 +98,7 @@ def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
 def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """Inverse of _strip: puts the received tensors back in place of their slots."""
     if isinstance(obj, _TensorSlot):
-        return tensors[obj.index]
+        return tensors[obj.index].to_sparse() if obj.sparse else tensors[obj.index]
     if isinstance(obj, dict):
         return {key: _fill(value, tensors) for key, value in obj.items()}
     if isinstance(obj, list):

@@ -340,6 +340,24 @@ def test_distributed_optimizer_matches_plain_training(hvd: ModuleType) -> None:
         hvd.DistributedOptimizer(wrapped)
 
 
+def test_distributed_optimizer_has_horovods_public_attributes(hvd: ModuleType) -> None:
+    # Horovod's optimizer keeps its arguments under these names, and scripts read them
+    # (``loss / opt.backward_passes_per_step``).
+    model = torch.nn.Linear(2, 1)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        backward_passes_per_step=3,
+        gradient_predivide_factor=2.0,
+        sparse_as_dense=True,
+    )
+    assert opt.backward_passes_per_step == 3 and opt.op == hvd.Average
+    assert (opt.gradient_predivide_factor, opt.sparse_as_dense) == (2.0, True)
+    assert opt.process_set is hvd.global_process_set
+    opt.set_backward_passes_per_step(5)
+    assert opt.backward_passes_per_step == 5
+
+
 def test_distributed_optimizer_alone_steps_as_the_wrapped_optimizer(hvd: ModuleType) -> None:
     # As in Horovod: alone there is nothing to reduce, so the gradients stay exactly as
     # backward left them (fp16 compression rounds nothing), passes accumulate without the

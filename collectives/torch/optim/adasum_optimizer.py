@@ -55,7 +55,7 @@ class DistributedAdasumOptimizer(DistributedOptimizerBase):
         tensor, ctx = self._hvd_compression.compress(delta)
         bucket.sent = [(param, tensor, ctx)]
         bucket.handle = ops.submit_adasum_allreduce(
-            [tensor], [tensor], 1.0, 1.0, self._hvd_process_set, bucket.name, ops.first_output
+            [tensor], [tensor], 1.0, 1.0, self.process_set, bucket.name, ops.first_output
         )
 
     def _hvd_step_one(self, param: torch.Tensor) -> None:
@@ -81,7 +81,11 @@ class DistributedAdasumOptimizer(DistributedOptimizerBase):
             param.copy_(start)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Applies the Adasum-combined parameter changes (each rank already stepped)."""
+        """Applies the Adasum-combined parameter changes (each rank already stepped); a
+        rank outside the optimizer's process set steps on its own gradients."""
+        if not self._hvd_reduces:
+            base: Any = super(DistributedOptimizerBase, self)
+            return base.step(closure)
         loss = closure() if closure is not None else None
         self._hvd_sync_for_step()
         return loss

@@ -57,12 +57,14 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
     _hvd_buckets: list[Bucket]
     _hvd_bucket_of: dict[torch.Tensor, Bucket]
     _hvd_compression: type[Compressor] | Compressor
-    _hvd_op: ReduceOp
+    # Horovod's public attributes, under its names: a script may read them.
+    op: ReduceOp
+    gradient_predivide_factor: float
+    sparse_as_dense: bool
+    process_set: ProcessSet
+    backward_passes_per_step: int
     _hvd_prescale: float
     _hvd_postscale: float
-    _hvd_sparse_as_dense: bool
-    _hvd_process_set: ProcessSet
-    _hvd_passes: int
     _hvd_delay: dict[torch.Tensor, int]
     _hvd_sparse: list[torch.Tensor]
     _hvd_densified: dict[torch.Tensor, int]
@@ -95,16 +97,13 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         self._hvd_params = all_params
         self._hvd_names = parameter_names(named_parameters, self.param_groups, all_params)
         self._hvd_compression = compression
-        self._hvd_op = op
-        if op == ReduceOp.AVERAGE:
-            # Divide by the factor before the sum and by size/factor after: Average's
-            # division by the size is split around the reduction.
-            self._hvd_prescale = 1.0 / gradient_predivide_factor
-            self._hvd_postscale = gradient_predivide_factor
-        else:
-            self._hvd_prescale = self._hvd_postscale = 1.0
-        self._hvd_sparse_as_dense = sparse_as_dense
-        self._hvd_process_set = process_set
+        self.op, self.gradient_predivide_factor = op, gradient_predivide_factor
+        # Average: its division by the size split around the sum (by the factor before it).
+        average = op == ReduceOp.AVERAGE
+        self._hvd_prescale = 1.0 / gradient_predivide_factor if average else 1.0
+        self._hvd_postscale = gradient_predivide_factor if average else 1.0
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
         self._hvd_buckets = self._hvd_plan(groups)
         self._hvd_bucket_of = {p: bucket for bucket in self._hvd_buckets for p in bucket.params}
         self._hvd_sparse = []
@@ -148,13 +147,13 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         """Counts one accumulation of the parameter's gradient; on the last one the
         gradient is ready, and its bucket starts once all of the bucket's are."""
         self._hvd_backward = True
-        delay = self._hvd_delay.get(param, self._hvd_passes) - 1
+        delay = self._hvd_delay.get(param, self.backward_passes_per_step) - 1
         if delay < 0:
             raise AssertionError(  # (Horovod's class for it)
                 f"the gradient of {self._hvd_names[param]!r} was computed more than "
-                f"backward_passes_per_step={self._hvd_passes} times before optimizer.step() "
-                "or optimizer.synchronize(); raise backward_passes_per_step to accumulate "
-                "more passes locally"
+                f"backward_passes_per_step={self.backward_passes_per_step} times before "
+                "optimizer.step() or optimizer.synchronize(); raise backward_passes_per_step to "
+                "accumulate more passes locally"
             )
         self._hvd_delay[param] = delay
         if delay:
@@ -190,7 +189,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
             if grad is None:
                 grad = param.grad = torch.zeros_like(param)
             elif grad.is_sparse:
-                if not self._hvd_sparse_as_dense:
+                if not self.sparse_as_dense:
                     self._hvd_sparse.append(param)
                     continue
                 grad = param.grad = _densify(self._hvd_densified, param, grad)
@@ -203,10 +202,10 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         bucket.handle = ops.submit_allreduce(
             tensors,
             tensors,
-            self._hvd_op,
+            self.op,
             self._hvd_prescale,
             self._hvd_postscale,
-            self._hvd_process_set,
+            self.process_set,
             bucket.name,
             ops.outputs_of,
         )
@@ -224,14 +223,14 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         assert flat is not None
         self._hvd_move_rest(bucket)
         # (Average of float16 gradients: summed, then divided; of others, divided first)
-        half = self._hvd_op == ReduceOp.AVERAGE and flat.dtype is torch.float16
+        half = self.op == ReduceOp.AVERAGE and flat.dtype is torch.float16
         bucket.handle = ops.submit_allreduce(
             [flat],
             [flat],
             ReduceOp.AVERAGE if half else ReduceOp.SUM,
             1.0,
             1.0,
-            self._hvd_process_set,
+            self.process_set,
             bucket.name,
             ops.outputs_of,
         )
@@ -239,7 +238,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
 
     def _hvd_flat_ok(self, bucket: Bucket) -> bool:
         """Whether the bucket reduces as one flat tensor this step (see _hvd_start_flat)."""
-        if self._hvd_compression is not Compression.none or self._hvd_op not in (
+        if self._hvd_compression is not Compression.none or self.op not in (
             ReduceOp.AVERAGE,
             ReduceOp.SUM,
         ):
@@ -253,9 +252,9 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
             return False
         # Average divides each gradient on its way in, so that the Sum is the average; not
         # float16, whose small gradients would flush to zero: its Sum is divided afterwards.
-        average = self._hvd_op == ReduceOp.AVERAGE
+        average = self.op == ReduceOp.AVERAGE
         divide_first = average and bucket.params[0].dtype is not torch.float16
-        bucket.factor = 1.0 / self._hvd_process_set.size() if divide_first else 1.0
+        bucket.factor = 1.0 / self.process_set.size() if divide_first else 1.0
         return True
 
     def _hvd_move(self, bucket: Bucket, param: torch.Tensor) -> None:
@@ -267,7 +266,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         factor = bucket.factor
         grad = param.grad
         if grad is not None and grad.is_sparse:
-            if not self._hvd_sparse_as_dense:
+            if not self.sparse_as_dense:
                 view.zero_()
                 self._hvd_sparse.append(param)
                 self._hvd_sparse_params.add(param)
@@ -327,7 +326,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         """Sets how many backward passes accumulate locally before gradients are reduced."""
         if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be a positive integer, got {passes}")
-        self._hvd_passes = passes
+        self.backward_passes_per_step = passes
         self._hvd_delay.clear()
 
     def synchronize(self) -> None:
@@ -351,9 +350,7 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
             for param in self._hvd_sparse:
                 assert param.grad is not None
                 name = self._hvd_names[param]
-                handle = ops.submit_sparse_allreduce(
-                    param.grad, self._hvd_op, self._hvd_process_set, name
-                )
+                handle = ops.submit_sparse_allreduce(param.grad, self.op, self.process_set, name)
                 sparse.append((param, handle))
             for param, handle in sparse:
                 param.grad = handle.wait()
@@ -410,8 +407,8 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(): the gradients are being "
                 "reduced across ranks (or accumulate over backward_passes_per_step="
-                f"{self._hvd_passes} passes) and clearing them now would race with that; "
-                "call zero_grad() before the backward pass"
+                f"{self.backward_passes_per_step} passes) and clearing them now would race "
+                "with that; call zero_grad() before the backward pass"
             )
         self._hvd_synchronized = False
         super().zero_grad(set_to_none)
@@ -475,7 +472,7 @@ def _agreed(optimizer: DistributedOptimizerBase, loss: Any) -> tuple[Any, bool]:
         loss = loss.detach()  # (float() of a tensor that requires grad warns)
     value = 0.0 if loss is None else float(loss)
     mine = torch.tensor([value, float(optimizer._hvd_backward)], dtype=torch.float64)
-    process_set = optimizer._hvd_process_set
+    process_set = optimizer.process_set
     ops.allreduce_([mine], ReduceOp.SUM, process_set=process_set, name=_AGREEMENT)
     mean = mine[0].item() / process_set.size()
     if isinstance(loss, torch.Tensor):

@@ -305,6 +305,18 @@ def main() -> None:
             for a, b in zip(model.parameters(), reference.parameters(), strict=True)
         )
         c.expect("distributed_optimizer.process_set", diff <= 1e-6, diff)
+        # Rank 1 is outside the Adasum optimizer's process set: it steps on its own
+        # gradient, as outside a set with any other op (it did not step at all).
+        p = torch.nn.Parameter(torch.tensor([1.0, 1.0]))
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD([p], lr=1.0),
+            named_parameters=[("adasum.outside", p)],
+            op=hvd.Adasum,
+            process_set=sets[0],
+        )
+        (p * torch.tensor([1.0, float(r)])).sum().backward()
+        opt.step()
+        c.close("adasum.outside_set", p.detach(), torch.tensor([0.0, 1.0 - r]), 0.0)
 
     def float16_average() -> None:
         # float16 Average sums, then divides, as Horovod does: every rank's gradient of

@@ -95,6 +95,19 @@ def main() -> None:
         hvd.broadcast_optimizer_state(sgd, root_rank=0, model=model)
         grad = emb.weight.grad
         c.expect("dummy.sgd_sparse_embedding", grad is not None and grad.is_sparse)
+        # SGD with momentum on a sparse embedding keeps sparse state: it travels dense and
+        # every rank gets the root's, sparse again (each rank's own step made it differ).
+        emb = torch.nn.Embedding(4, 2, sparse=True)
+        with torch.no_grad():
+            emb.weight.fill_(1.0)
+        sgd = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)
+        emb(torch.tensor([r, 2])).sum().backward()
+        sgd.step()
+        hvd.broadcast_optimizer_state(sgd, root_rank=0)
+        buf = sgd.state[emb.weight]["momentum_buffer"]
+        dense = buf.to_dense() if buf.is_sparse else buf
+        want = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+        c.expect("state.sparse_momentum", buf.is_sparse and torch.equal(dense, want), dense)
         # A rank with state takes no dummy step: its gradients stay as they were. The other
         # rank's dummy step must not be the DistributedOptimizer's (it would allreduce alone).
         model = make_model()
