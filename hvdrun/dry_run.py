@@ -34,10 +34,15 @@ dry_run_option = click.option(
 #: Variable names whose values are never printed.
 SECRET_NAME = re.compile(
     r"SECRET|TOKEN|PASSWORD|PASSWD|PASSPHRASE|CREDENTIAL|PRIVATE|PRIVKEY|COOKIE|"
-    r"(^|_)API_?KEY|ACCESS_KEY|(^|_)AUTH($|_)|(^|_)KEY$|_PWD$|_PASS$|_PAT$|_CREDS$|_DSN$|"
+    r"(^|_)API_?KEY|ACCESS_KEY|(^|_)AUTH($|_)|AUTHORI[SZ]ATION|(^|_)KEYS?$|WRITE_?KEY|"
+    r"_PWD$|_PASS$|SSHPASS|_PAT$|_CREDS$|_DSN$|JWT|(^|_)SALT$|_HEADERS$|"
     r"CONNECTION_?STRING|WEBHOOK",
     re.IGNORECASE,
 )
+#: Credentials in a value, whatever the variable's name (``authorization=Bearer ...``).
+SECRET_VALUE = re.compile(r"\b(?:bearer|basic)\s+\S|authorization\s*[=:]", re.IGNORECASE)
+#: The secret path of a webhook URL (Slack's ``/services/...``, Discord's ``/webhooks/...``).
+URL_WEBHOOK_PATH = re.compile(r"(hooks\.slack\.com/services/|/api/webhooks/)[^\s?#]+")
 #: The password of a URL's ``user:password@`` part (``DATABASE_URL=postgres://u:pw@h/db``).
 URL_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):[^/@\s]*@")
 #: The user part of an http(s) URL without a password, where tokens go
@@ -60,6 +65,9 @@ def masked(name: str, value: str) -> str:
     secret; else with the secret parts of any URL in it masked."""
     if SECRET_NAME.search(name) or PRIVATE_KEY_BLOCK.search(value):
         return MASK
+    if SECRET_VALUE.search(value):
+        return MASK
+    value = URL_WEBHOOK_PATH.sub(rf"\1{MASK}", value)
     value = URL_PASSWORD.sub(rf"\1:{MASK}@", value)
     value = URL_TOKEN_USER.sub(rf"\1{MASK}@", value)
     return URL_SECRET_QUERY.sub(rf"\1{MASK}", value)
@@ -90,7 +98,7 @@ def describe_reach(hostname: str, launch: LaunchOptions) -> str:
     if target.proxy_jump:
         parts.append(f"via ProxyJump {target.proxy_jump}")
     if target.proxy_command:
-        parts.append(f"via ProxyCommand {target.proxy_command!r}")
+        parts.append(f"via ProxyCommand {target.shown_proxy_command!r}")
     parts.append(f"host keys {target.host_key_policy}")
     return ", ".join(part for part in parts if part)
 

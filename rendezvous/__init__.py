@@ -18,8 +18,9 @@ TOKEN_METADATA_KEY = "x-hvdrun-token"
 JOB_METADATA_KEY = "x-hvdrun-job"
 
 #: gRPC's tracers that print every header's value, the job's token included (tried on
-#: gRPC 1.85: ``GRPC_TRACE=all`` printed it in full through these two and no other).
-HEADER_TRACERS = ("api", "chttp2_hpack_parser")
+#: gRPC 1.85: ``GRPC_TRACE=all`` printed it in full through the first two, and over TLS the
+#: first bytes of every decrypted frame, the token's header among them, through the third).
+HEADER_TRACERS = ("api", "chttp2_hpack_parser", "secure_endpoint")
 
 
 def _turn_header_tracers_off() -> None:
@@ -36,9 +37,10 @@ def _turn_header_tracers_off() -> None:
         return
     if "grpc" in sys.modules:
         logging.getLogger(__name__).warning(
-            "GRPC_TRACE is set and gRPC was imported before hvdrun's rendezvous: its %s "
+            "GRPC_TRACE is set and gRPC was imported before hvdrun's rendezvous: its %s and %s "
             "tracers, where on, print the job's token",
-            " and ".join(HEADER_TRACERS),
+            ", ".join(HEADER_TRACERS[:-1]),
+            HEADER_TRACERS[-1],
         )
         return
     os.environ["GRPC_TRACE"] = ",".join([trace, *missing])

@@ -86,7 +86,9 @@ def parse_exports(exports: Iterable[str], caller_env: Mapping[str, str]) -> dict
     for export in exports:
         name, sep, value = export.partition("=")
         if not _NAME.match(name):
-            raise EnvSpecError(f"'{export}' is not VAR or VAR=VALUE")
+            # (named without its value: a value may be a secret, and this lands in logs)
+            shown = f"{name}=..." if sep else name
+            raise EnvSpecError(f"'{shown}' is not VAR or VAR=VALUE: {name!r} is not a name")
         if not sep:
             if name not in caller_env:
                 continue

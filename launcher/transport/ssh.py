@@ -176,7 +176,7 @@ class SSHConnector:
         via = (
             f" via ProxyJump {target.proxy_jump}"
             if target.proxy_jump
-            else f" via ProxyCommand {target.proxy_command!r}"
+            else f" via ProxyCommand {target.shown_proxy_command!r}"
             if target.proxy_command
             else ""
         )

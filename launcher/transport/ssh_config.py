@@ -48,6 +48,13 @@ class SSHConnectError(LauncherError):
     """A host hvdrun could not log in to; the message says why, for the user."""
 
 
+#: An option of a command whose value is a secret: ``--token X``, ``-p=X``, ``--api-key X``.
+_SECRET_OPTION = re.compile(
+    r"(--?[\w-]*(?:secret|token|password|passwd|pass|key|auth)[\w-]*(?:=|\s+))(?!-)\S+",
+    re.IGNORECASE,
+)
+
+
 @dataclass(frozen=True)
 class SSHTarget:
     """One host's connection settings after the config file and the flags are applied."""
@@ -66,6 +73,14 @@ class SSHTarget:
     config_file: str | None = None  # --ssh-config-file, for the ProxyJump hosts' settings
     #: GlobalKnownHostsFile: read, never written (OpenSSH's default first)
     global_known_hosts_files: tuple[str, ...] = (DEFAULT_GLOBAL_KNOWN_HOSTS,)
+
+    @property
+    def shown_proxy_command(self) -> str | None:
+        """The ProxyCommand as logs and plans show it: the value of an option whose name
+        says it is a secret (``--service-token-secret X``, ``--password=X``) masked."""
+        if self.proxy_command is None:
+            return None
+        return _SECRET_OPTION.sub(r"\1****", self.proxy_command)
 
     @property
     def key_name(self) -> str:

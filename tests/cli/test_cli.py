@@ -74,7 +74,10 @@ from tests.processes import with_repo_on_path
         (["--no-such-flag", "true"], "No such option '--no-such-flag'"),
         (["-H", "a:1", "--hostfile", "f", "true"], "give the hosts with -H or with --hostfile"),
         (["--hostfile", "/nonexistent/hosts", "true"], "cannot read hostfile /nonexistent/hosts"),
-        (["-x", "1=2", "-np", "1", "true"], "invalid '-x': '1=2' is not VAR or VAR=VALUE"),
+        (
+            ["-x", "1=2", "-np", "1", "true"],
+            "invalid '-x': '1=...' is not VAR or VAR=VALUE: '1' is not a name",
+        ),
         (["--check-hosts"], "--check-hosts needs the hosts"),
         (["--check-hosts", "-H", "a", "true"], "--check-hosts runs no command"),
         (["--rendezvous-addr", "h:99999", "-np", "1", "true"], "is not ADDR or ADDR:PORT"),

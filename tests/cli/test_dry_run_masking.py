@@ -11,10 +11,19 @@ from hvdrun.dry_run import MASK, masked
 
 @pytest.mark.parametrize(
     "name",
-    ["SMTP_PASS", "GPG_PASSPHRASE", "SENTRY_DSN", "AWS_CREDS", "SSH_PRIVKEY", "SESSION_COOKIE"],
+    [
+        *("SMTP_PASS", "GPG_PASSPHRASE", "SENTRY_DSN", "AWS_CREDS", "SSH_PRIVKEY"),
+        *("SESSION_COOKIE", "HF_AUTHORIZATION", "CI_JOB_JWT", "SSHPASS", "HONEYCOMB_WRITEKEY"),
+        *("APP_KEYS", "ENCRYPTION_SALT", "OTEL_EXPORTER_OTLP_HEADERS"),
+    ],
 )
 def test_more_secret_names(name: str) -> None:
     assert masked(name, "hidden-value") == MASK
+
+
+def test_credentials_in_a_value_whatever_the_name() -> None:
+    assert masked("EXTRA", "authorization=Bearer otelsecret1") == MASK
+    assert masked("CURL_ARGS", "-H 'Authorization: Basic dXNlcjpwdw=='") == MASK
 
 
 def test_key_material_whatever_the_name() -> None:
@@ -36,6 +45,14 @@ def test_key_material_whatever_the_name() -> None:
             "&X-Amz-Date=1",
         ),
         ("https://h/cb?access_token=t0k&page=2", f"https://h/cb?access_token={MASK}&page=2"),
+        (
+            "https://hooks.slack.com/services/T0/B0/slacksecret1",
+            f"https://hooks.slack.com/services/{MASK}",
+        ),
+        (
+            "https://discord.com/api/webhooks/1/hooksecret1",
+            f"https://discord.com/api/webhooks/{MASK}",
+        ),
     ],
 )
 def test_secret_parts_of_urls(value: str, shown: str) -> None:

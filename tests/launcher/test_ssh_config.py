@@ -63,6 +63,21 @@ def test_config_host_name_user_port_identity(home: Path) -> None:
     assert target.key_name == "[gpu-one]:2200"  # how OpenSSH files it in known_hosts
 
 
+def test_a_proxy_command_s_secrets_are_masked_where_shown(home: Path) -> None:
+    # The plan (--dry-run) and the debug log show the ProxyCommand; a credential among its
+    # options must not travel with it (ssh -v prints it, hvdrun does not).
+    (home / ".ssh" / "config").write_text(
+        "Host tunnel\n    ProxyCommand cloudflared access ssh --hostname %h "
+        "--service-token-id abc --service-token-secret S3CRET --password=pw1 -W %h:%p\n"
+    )
+    target = resolve_target("tunnel", SSHOptions())
+    assert target.proxy_command is not None and "S3CRET" in target.proxy_command
+    assert target.shown_proxy_command == (
+        "cloudflared access ssh --hostname tunnel --service-token-id **** "
+        "--service-token-secret **** --password=**** -W tunnel:22"
+    )
+
+
 def test_flags_take_precedence_over_the_config(home: Path) -> None:
     options = SSHOptions(port=2222, identity_files=("~/id_cli",), host_key_policy="off")
     target = resolve_target("admin@gpu7", options)

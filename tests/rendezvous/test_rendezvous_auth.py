@@ -258,10 +258,11 @@ def test_grpc_trace_gets_the_header_tracers_off_once_and_a_late_guard_says_so() 
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
 
     guarded = python(show)
-    amended = "http,-api,-chttp2_hpack_parser"
+    amended = "http,-api,-chttp2_hpack_parser,-secure_endpoint"
     assert guarded.stdout == f"{amended} False\n{amended}\n", guarded.stderr
     late = python("import grpc, rendezvous")
     assert (
-        "GRPC_TRACE is set and gRPC was imported before hvdrun's rendezvous: its api and "
-        "chttp2_hpack_parser tracers, where on, print the job's token" in late.stderr
+        "GRPC_TRACE is set and gRPC was imported before hvdrun's rendezvous: its api, "
+        "chttp2_hpack_parser and secure_endpoint tracers, where on, print the job's token"
+        in late.stderr
     ), late.stderr
