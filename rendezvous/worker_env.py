@@ -102,6 +102,10 @@ TORCH_RANK = "RANK"
 TORCH_WORLD_SIZE = "WORLD_SIZE"
 TORCH_LOCAL_RANK = "LOCAL_RANK"
 TORCH_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+#: The host's index among the job's hosts, for Lightning's DDP (its node rank; without it,
+#: every host's local rank 0 would count itself global rank 0): the cross rank, which is the
+#: host's index where every host runs as many ranks, as Lightning's nodes must.
+NODE_RANK = "NODE_RANK"
 #: Where init_process_group(init_method="env://") meets (fixed jobs; picked on rank 0's host).
 TORCH_MASTER_ADDR = "MASTER_ADDR"
 TORCH_MASTER_PORT = "MASTER_PORT"
@@ -382,6 +386,7 @@ def slot_env(slot: SlotInfo) -> dict[str, str]:
         TORCH_WORLD_SIZE: str(slot.size),
         TORCH_LOCAL_RANK: str(slot.local_rank),
         TORCH_LOCAL_WORLD_SIZE: str(slot.local_size),
+        NODE_RANK: str(slot.cross_rank),
     }
 
 

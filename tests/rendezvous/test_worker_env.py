@@ -94,6 +94,17 @@ def test_slot_env_names_the_place_in_both_vocabularies() -> None:
     assert env["HVDRUN_HOSTNAME"] == "b"
 
 
+def test_lightning_counts_each_host_as_its_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning's DDP makes a rank's global rank from its node rank and local rank: without
+    # NODE_RANK every host's local rank 0 would be global rank 0.
+    environments = pytest.importorskip("lightning.fabric.plugins.environments")
+    for slot in assign_slots([("a", 2), ("b", 2)], 4):
+        for name, value in worker_env.slot_env(slot).items():
+            monkeypatch.setenv(name, value)
+        node = environments.LightningEnvironment().node_rank()
+        assert node * slot.local_size + slot.local_rank == slot.rank
+
+
 def test_fresh_credentials_differ() -> None:
     assert worker_env.new_secret() != worker_env.new_secret()
     assert len(worker_env.new_secret()) >= 43  # 256 bits
