@@ -120,12 +120,14 @@ def derive_slots(hosts: Sequence[str], local_ranks: Sequence[int | None]) -> lis
 def visible_devices(slots: Sequence[SlotInfo], gpus: Sequence[Sequence[str]]) -> list[str]:
     """``CUDA_VISIBLE_DEVICES`` for each slot, given the GPU ids a scheduler gave each slot:
     all the GPUs of the slot's host, in local-rank order, so that local rank ``k`` uses CUDA
-    device ``k`` (one GPU per slot)."""
+    device ``k`` (one GPU per slot). Each GPU is listed once: slots that share one (a
+    fractional GPU each) would otherwise repeat its id, and CUDA takes a list with a
+    repeated id as invalid (no GPU visible at all)."""
     by_host: dict[str, list[tuple[int, Sequence[str]]]] = {}
     for slot, ids in zip(slots, gpus, strict=True):
         by_host.setdefault(slot.hostname, []).append((slot.local_rank, ids))
     joined = {
-        host: ",".join(gpu for _, ids in sorted(pairs) for gpu in ids)
+        host: ",".join(dict.fromkeys(gpu for _, ids in sorted(pairs) for gpu in ids))
         for host, pairs in by_host.items()
     }
     return [joined[slot.hostname] for slot in slots]

@@ -13,7 +13,8 @@ check without a Ray cluster:
   every worker shares the driver's node; otherwise on every interface with the job's TLS
   certificate, as ``hvdrun`` serves a multi-host job;
 * :func:`visible_devices` -- each node's GPUs in local-rank order, so that local rank ``k``
-  finds its own GPU at CUDA index ``k`` (the runtime selects that device).
+  finds its own GPU at CUDA index ``k`` (the runtime selects that device); a GPU that
+  several workers share (fractional ``gpus_per_worker``) is listed once.
 """
 
 from __future__ import annotations

@@ -66,6 +66,12 @@ def test_each_node_sees_its_gpus_in_local_rank_order() -> None:
     assert visible_devices(slot_table(nodes), nodes) == ["3,1", "0", "3,1"]
 
 
+def test_workers_that_share_a_gpu_see_it_once() -> None:
+    # gpus_per_worker=0.5: Ray gives two workers each GPU; CUDA takes "0,0,1,1" as no GPU.
+    nodes = [node("n1", "a", (gpu,)) for gpu in ("0", "0", "1", "1")]
+    assert visible_devices(slot_table(nodes), nodes) == ["0,1"] * 4
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
