@@ -372,11 +372,15 @@ class RayExecutor:
             rank = pending.pop(ready[0])
             try:
                 results[rank] = ray.get(ready[0])
-            except ray.exceptions.RayActorError as error:
-                raise self._died(rank, error, what) from error
             except ray.exceptions.RayTaskError:
+                # First: the user's function raised, maybe an actor error of its own (Ray's
+                # class for it subclasses both), which is not this worker's death.
                 self._blame_dead_peer(pending, what)
                 raise
+            except ray.exceptions.RayActorError as error:
+                if not _worker_died(error):
+                    raise
+                raise self._died(rank, error, what) from error
         return results
 
     def _blame_dead_peer(self, pending: dict[Any, int], what: str) -> None:
@@ -390,10 +394,9 @@ class RayExecutor:
         for ref in ready:
             try:
                 ray.get(ref)
-            except ray.exceptions.RayActorError as error:
-                raise self._died(pending[ref], error, what) from error
-            except ray.exceptions.RayError:
-                continue
+            except ray.exceptions.RayError as error:
+                if _worker_died(error):
+                    raise self._died(pending[ref], error, what) from error
 
     def _died(self, rank: int, error: BaseException, what: str) -> WorkerDiedError:
         node = self._nodes[rank] if rank < len(self._nodes) else None
@@ -430,6 +433,15 @@ class RayExecutor:
         server, self._server = self._server, None
         if server is not None:
             server.stop()
+
+
+def _worker_died(error: BaseException) -> bool:
+    """Whether ``error`` says the worker's own actor died: a RayActorError that the user's
+    function did not raise (a RayTaskError is that, whatever else its class is) and that
+    is not transient (ActorUnavailableError: the actor may still answer)."""
+    return isinstance(error, ray.exceptions.RayActorError) and not isinstance(
+        error, (ray.exceptions.RayTaskError, ray.exceptions.ActorUnavailableError)
+    )
 
 
 def _await_ends(workers: Sequence[Any]) -> None:

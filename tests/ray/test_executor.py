@@ -85,6 +85,20 @@ def pid_and_rank() -> tuple[int, int]:
     return os.getpid(), int(os.environ["HVDRUN_RANK"])
 
 
+def rank_1_calls_a_helper_actor_that_dies() -> str:
+    if os.environ["HVDRUN_RANK"] != "1":
+        return "fine"
+
+    @ray.remote(num_cpus=0)
+    class Helper:
+        def boom(self) -> None:
+            os._exit(1)
+
+    # The helper (not the worker) dies: Ray raises an error whose class is RayTaskError
+    # and RayActorError at once.
+    return ray.get(Helper.remote().boom.remote())  # type: ignore[no-any-return]
+
+
 def rank_1_dies() -> float:
     import torch
 
@@ -148,6 +162,12 @@ def test_run_execute_and_shutdown(cluster: None) -> None:
         assert executor.execute(lambda acc: acc.advance()) == [106.0, 106.0]
         assert executor.execute(lambda acc: acc.advance()) == [112.0, 112.0]
         assert executor.execute_single(lambda acc: (os.getpid(), acc.total)) == (pids[0], 112.0)
+
+        # An actor error the function raises is its failure, not its worker's death.
+        with pytest.raises(ray.exceptions.RayTaskError) as raised:
+            executor.run(rank_1_calls_a_helper_actor_that_dies)
+        assert isinstance(raised.value, ray.exceptions.RayActorError), raised.value
+        assert executor.run(pid_and_rank) == [(pids[0], 0), (pids[1], 1)]
     finally:
         executor.shutdown()
     _assert_nothing_left(pids, results[0]["rendezvous"])
