@@ -221,13 +221,16 @@ class RayExecutor:
                 f"RayExecutor.start(): extra_env_vars may not set {', '.join(clash)}: the "
                 "executor sets them for each worker"
             )
+        initialized = not ray.is_initialized()
+        if initialized:
+            ray.init()  # RAY_ADDRESS=ray://... connects through Ray Client here
         if ray.util.client.ray.is_connected():
+            if initialized:
+                ray.shutdown()
             raise RuntimeError(
                 "RayExecutor: Ray Client (ray://) is not supported; run the driver on a node "
                 "of the Ray cluster (the workers dial the rendezvous it serves)"
             )
-        if not ray.is_initialized():
-            ray.init()
         try:
             self._start(executable_cls, executable_args, executable_kwargs, extra)
         except BaseException:

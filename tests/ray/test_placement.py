@@ -103,3 +103,25 @@ def test_extra_env_vars_cannot_override_the_job_placement() -> None:
         executor.execute(lambda worker: None)
     with pytest.raises(RuntimeError, match=r"RayExecutor\.run\(\): the executor is not started"):
         executor.run(print)
+
+
+def test_ray_client_is_refused_also_when_start_connects_through_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # RAY_ADDRESS=ray://... and no ray.init(): start()'s own ray.init() connects via Ray Client.
+    import ray
+
+    connected: list[str] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(connected))
+    monkeypatch.setattr(ray, "init", lambda *a, **k: connected.append("ray://"))
+    monkeypatch.setattr(ray, "shutdown", lambda *a, **k: connected.clear())
+    monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: bool(connected))
+
+    def not_refused(*args: object) -> None:
+        raise AssertionError("start() went on through Ray Client")
+
+    monkeypatch.setattr(RayExecutor, "_start", not_refused)
+    executor = RayExecutor(RayExecutor.create_settings(), num_workers=2)
+    with pytest.raises(RuntimeError, match=r"Ray Client \(ray://\) is not supported"):
+        executor.start()
+    assert connected == []  # start() disconnects what it connected
