@@ -8,7 +8,9 @@ An actor is a process of its own that lives as long as the executor. It does wha
 2. :meth:`RayWorker.setup` -- the environment a worker started by ``hvdrun`` gets (placement,
    rendezvous address, job id, secret, TLS certificate), set in this process before any user
    code runs, so ``hvd.init()`` joins the job through the rendezvous exactly as under
-   ``hvdrun``. The secret arrives as a call argument, never on a command line;
+   ``hvdrun``; what the actor inherited from the driver that such a worker never gets
+   (another launcher's ``SLURM_PROCID``, an enclosing hvdrun job's variables) goes first.
+   The secret arrives as a call argument, never on a command line;
 3. :meth:`RayWorker.start_executable` -- Horovod's stateful ``executable_cls``, if any.
 
 Then it runs what :meth:`~collectives.ray.RayExecutor.run` and
@@ -18,7 +20,7 @@ Then it runs what :meth:`~collectives.ray.RayExecutor.run` and
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import ray
@@ -26,11 +28,32 @@ import ray
 from collectives.ray.placement import WorkerNode
 from rendezvous import worker_env
 from rendezvous.addresses import interface_facing
+from rendezvous.launchers import is_foreign
 
 __all__ = ["BaseHorovodWorker", "RayWorker"]
 
 #: Gloo's and NCCL's choice of network interface; the rendezvous's when the job set none.
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+#: An enclosing hvdrun job's per-job variables, which an actor may have inherited from the
+#: driver (through its raylet) and which would mislead ``hvd.init()`` here: the placement
+#: and connection ones every launcher sets, the host relay and the elastic ones.
+HVDRUN_JOB_VARIABLES = worker_env.LAUNCHER_SET | {
+    worker_env.RENDEZVOUS_RELAY_ADDR,
+    worker_env.GENERATION,
+    worker_env.WORKER,
+    *worker_env.setting_names(worker_env.ELASTIC),
+}
+
+
+def drop_inherited(environ: MutableMapping[str, str]) -> list[str]:
+    """Removes what an ``hvdrun`` worker never inherits: other launchers' per-process
+    variables (``SLURM_PROCID``, ``OMPI_COMM_WORLD_RANK``, ``MASTER_ADDR``, ...:
+    :data:`rendezvous.launchers.FOREIGN_VARIABLES`) and an enclosing hvdrun job's
+    (:data:`HVDRUN_JOB_VARIABLES`); the names removed."""
+    dropped = [name for name in environ if name in HVDRUN_JOB_VARIABLES or is_foreign(name)]
+    for name in dropped:
+        del environ[name]
+    return dropped
 
 
 class RayWorker:
@@ -52,8 +75,10 @@ class RayWorker:
         )
 
     def setup(self, env: Mapping[str, str]) -> None:
-        """Takes on a launched worker's environment; points Gloo and NCCL at the interface
-        that faces the rendezvous unless the job chose one."""
+        """Takes on a launched worker's environment, without what the actor inherited from
+        the driver that an ``hvdrun`` worker never gets (:func:`drop_inherited`); points
+        Gloo and NCCL at the interface that faces the rendezvous unless the job chose one."""
+        drop_inherited(os.environ)
         os.environ.update(env)
         ifname, _ = interface_facing(env[worker_env.RENDEZVOUS_ADDR])
         for name in IFNAME_VARIABLES:

@@ -23,6 +23,22 @@ from collectives.ray import (  # noqa: E402
 from rendezvous.addresses import split_addr  # noqa: E402
 
 NUM_CPUS = 2
+#: What every Ray worker inherits here, as from a driver started inside an srun task, an
+#: mpirun process or an hvdrun worker: the executor's workers must not keep any of it (the
+#: relay address alone makes hvd.init() fail).
+INHERITED = {
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "OMPI_COMM_WORLD_RANK": "1",
+    "PMI_RANK": "1",
+    "TORCHELASTIC_RUN_ID": "r",
+    "MASTER_ADDR": "10.255.255.1",
+    "MASTER_PORT": "29555",
+    "HVDRUN_RENDEZVOUS_RELAY_ADDR": "unix:/nonexistent/relay.sock",
+    "HVDRUN_GENERATION": "7",
+    "HVDRUN_WORKER": "5",
+    "HVDRUN_ELASTIC": "1",
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +47,9 @@ def cluster() -> Iterator[None]:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ray.init(
         num_cpus=NUM_CPUS,
+        num_gpus=1,  # Ray's bookkeeping only: no CUDA is used
         include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": repo}},
+        runtime_env={"env_vars": {"PYTHONPATH": repo, **INHERITED}},
     )
     try:
         yield
@@ -83,6 +100,13 @@ class Accumulator:
 
 def pid_and_rank() -> tuple[int, int]:
     return os.getpid(), int(os.environ["HVDRUN_RANK"])
+
+
+def launched_env() -> dict[str, Any]:
+    return {
+        "inherited": sorted(name for name in INHERITED if name in os.environ),
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
 
 
 def rank_1_calls_a_helper_actor_that_dies() -> str:
@@ -173,6 +197,17 @@ def test_run_execute_and_shutdown(cluster: None) -> None:
     _assert_nothing_left(pids, results[0]["rendezvous"])
     with pytest.raises(RuntimeError, match="not started"):
         executor.run(pid_and_rank)
+
+
+def test_workers_get_the_environment_of_a_launched_worker(cluster: None) -> None:
+    settings = RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
+    executor = RayExecutor(settings, num_workers=2, use_gpu=True, gpus_per_worker=0.5)
+    executor.start()
+    try:
+        results = executor.run(launched_env)
+    finally:
+        executor.shutdown()
+    assert [r["inherited"] for r in results] == [[], []]
 
 
 def test_a_dead_worker_fails_run_naming_it_and_leaves_nothing(cluster: None) -> None:
