@@ -257,7 +257,7 @@ class RayExecutor:
         self._server = RendezvousServer(slots, secret, job_id, bind_host=plan.bind_host, tls=tls)
         addr = join_addr(plan.dial_host, self._server.start())
         cert = tls.cert_pem.decode("ascii") if tls is not None else ""
-        common = dict(extra)
+        common = {**self._master_env(addr, extra), **extra}
         if self.settings.nics and "GLOO_SOCKET_IFNAME" not in common:
             common["GLOO_SOCKET_IFNAME"] = ",".join(sorted(self.settings.nics))
         common.update(worker_env.connection_env(addr, job_id, secret, cert))
@@ -282,6 +282,16 @@ class RayExecutor:
             ],
             "start()",
         )
+
+    def _master_env(self, rendezvous_addr: str, extra: Mapping[str, str]) -> dict[str, str]:
+        """``MASTER_ADDR``/``MASTER_PORT`` as ``hvdrun`` sets them, picked on rank 0's node;
+        none when ``extra_env_vars`` set both (one set there wins over the picked one)."""
+        names = (worker_env.TORCH_MASTER_ADDR, worker_env.TORCH_MASTER_PORT)
+        if all(name in extra for name in names):
+            return {}
+        picked = self._workers[0].pick_master.remote(rendezvous_addr)
+        address, port = self._gather([picked], "start()", self.settings.timeout_s)[0]
+        return worker_env.master_env(address, port)
 
     def _place(self) -> PlacementGroup:
         """Reserves the job's resources: the current placement group, or a new one."""

@@ -13,6 +13,9 @@ An actor is a process of its own that lives as long as the executor. It does wha
    The secret arrives as a call argument, never on a command line;
 3. :meth:`RayWorker.start_executable` -- Horovod's stateful ``executable_cls``, if any.
 
+Before the second, rank 0's actor picks ``MASTER_ADDR``/``MASTER_PORT`` on its node
+(:meth:`RayWorker.pick_master`), which every worker then gets, as under ``hvdrun``.
+
 Then it runs what :meth:`~collectives.ray.RayExecutor.run` and
 :meth:`~collectives.ray.RayExecutor.execute` send it, one call at a time.
 """
@@ -20,6 +23,7 @@ Then it runs what :meth:`~collectives.ray.RayExecutor.run` and
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -27,7 +31,7 @@ import ray
 
 from collectives.ray.placement import WorkerNode
 from rendezvous import worker_env
-from rendezvous.addresses import interface_facing
+from rendezvous.addresses import interface_facing, is_ipv6
 from rendezvous.launchers import is_foreign
 
 __all__ = ["BaseHorovodWorker", "RayWorker"]
@@ -84,6 +88,20 @@ class RayWorker:
         for name in IFNAME_VARIABLES:
             if ifname is not None and not os.environ.get(name):
                 os.environ[name] = ifname
+
+    def pick_master(self, rendezvous_addr: str) -> tuple[str, int]:
+        """``MASTER_ADDR``/``MASTER_PORT`` for plain ``torch.distributed`` scripts, picked
+        on rank 0's node as hvdrun's agent there picks them: the address through which this
+        node reaches the rendezvous (so other nodes route to it too) and a TCP port free on
+        every interface, as torch's store will bind it."""
+        _, address = interface_facing(rendezvous_addr)
+        if address is None:
+            address = ray.util.get_node_ip_address()
+        family = socket.AF_INET6 if is_ipv6(address) else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+            port: int = probe.getsockname()[1]
+        return address, port
 
     def update_env_vars(self, env_vars: Mapping[str, Any]) -> None:
         """Horovod's name: sets environment variables in this actor's process."""

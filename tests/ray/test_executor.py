@@ -103,10 +103,22 @@ def pid_and_rank() -> tuple[int, int]:
 
 
 def launched_env() -> dict[str, Any]:
-    return {
-        "inherited": sorted(name for name in INHERITED if name in os.environ),
-        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-    }
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    env = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR")}
+    inherited = [name for name, value in INHERITED.items() if os.environ.get(name) == value]
+    # A plain torch.distributed script meets at MASTER_ADDR:MASTER_PORT, as under hvdrun.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    try:
+        summed = torch.ones(1)
+        dist.all_reduce(summed)
+        ddp = (dist.get_rank(), dist.get_world_size(), summed.item())
+    finally:
+        dist.destroy_process_group()
+    return {"inherited": sorted(set(inherited) - {"MASTER_PORT"}), "ddp": ddp, **env}
 
 
 def rank_1_calls_a_helper_actor_that_dies() -> str:
@@ -208,6 +220,8 @@ def test_workers_get_the_environment_of_a_launched_worker(cluster: None) -> None
     finally:
         executor.shutdown()
     assert [r["inherited"] for r in results] == [[], []]
+    assert [r["ddp"] for r in results] == [(0, 2, 2.0), (1, 2, 2.0)]
+    assert [r["MASTER_ADDR"] for r in results] == ["127.0.0.1"] * 2  # rank 0's node, local
 
 
 def test_a_dead_worker_fails_run_naming_it_and_leaves_nothing(cluster: None) -> None:
