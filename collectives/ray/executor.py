@@ -267,6 +267,7 @@ class RayExecutor:
             env = {**common, **worker_env.slot_env(slot)}
             if self.use_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = device
+            env.update(extra)  # last: the user's win, as in horovod.ray (none is reserved)
             calls.append(worker.setup.remote(env))
         self._gather(calls, "start()", timeout)
         logger.info(

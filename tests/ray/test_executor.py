@@ -214,12 +214,13 @@ def test_run_execute_and_shutdown(cluster: None) -> None:
 def test_workers_get_the_environment_of_a_launched_worker(cluster: None) -> None:
     settings = RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
     executor = RayExecutor(settings, num_workers=2, use_gpu=True, gpus_per_worker=0.5)
-    executor.start()
+    executor.start(extra_env_vars={"CUDA_VISIBLE_DEVICES": "1"})
     try:
         results = executor.run(launched_env)
     finally:
         executor.shutdown()
     assert [r["inherited"] for r in results] == [[], []]
+    assert [r["CUDA_VISIBLE_DEVICES"] for r in results] == ["1", "1"]  # extra_env_vars win
     assert [r["ddp"] for r in results] == [(0, 2, 2.0), (1, 2, 2.0)]
     assert [r["MASTER_ADDR"] for r in results] == ["127.0.0.1"] * 2  # rank 0's node, local
 
