@@ -68,6 +68,12 @@ class FakeServer:
     def registered_count(self) -> int:
         return 0
 
+    def present_workers(self, roll: int) -> set[int]:
+        return set()
+
+    def call_roll(self) -> int:
+        raise AssertionError("nobody waits to rejoin in these tests")
+
     def publish(self, slots: list[SlotInfo]) -> int:
         raise AssertionError("no generation is published in these tests")
 
