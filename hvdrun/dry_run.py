@@ -63,9 +63,7 @@ MASK = "****"
 def masked(name: str, value: str) -> str:
     """``value`` as the plan shows it: masked whole when the name or the value says it is a
     secret; else with the secret parts of any URL in it masked."""
-    if SECRET_NAME.search(name) or PRIVATE_KEY_BLOCK.search(value):
-        return MASK
-    if SECRET_VALUE.search(value):
+    if SECRET_NAME.search(name) or PRIVATE_KEY_BLOCK.search(value) or SECRET_VALUE.search(value):
         return MASK
     value = URL_WEBHOOK_PATH.sub(rf"\1{MASK}", value)
     value = URL_PASSWORD.sub(rf"\1:{MASK}@", value)

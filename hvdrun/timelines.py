@@ -280,11 +280,12 @@ def merge_files(output: str, inputs: Iterable[str]) -> list[str]:
     paths = list(inputs)
     if not paths:
         raise TimelineError("no timeline files to merge")
-    for path in paths:
-        if os.path.exists(output) and os.path.exists(path) and os.path.samefile(output, path):
-            raise TimelineError(
-                f"the output {output} is one of the timelines to merge: name a new file"
-            )
+    if os.path.exists(output) and any(
+        os.path.exists(path) and os.path.samefile(output, path) for path in paths
+    ):
+        raise TimelineError(
+            f"the output {output} is one of the timelines to merge: name a new file"
+        )
     ranks = [_load(path, index) for index, path in enumerate(paths)]
     seen: dict[int, str] = {}
     for rank in ranks:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import socket
+from collections.abc import Callable
 
 import psutil
 
@@ -26,6 +27,7 @@ __all__ = [
     "join_addr",
     "local_networks",
     "missing_interfaces",
+    "pick_master",
     "source_address",
     "split_addr",
 ]
@@ -110,6 +112,21 @@ def interface_facing(addr: str) -> tuple[str | None, str | None]:
     if local is None:
         return None, None
     return interface_of(local), local
+
+
+def pick_master(rendezvous_addr: str, fallback: Callable[[], str]) -> tuple[str, int]:
+    """``MASTER_ADDR``/``MASTER_PORT`` on this host, for plain ``torch.distributed``
+    scripts: the address through which it reaches the rendezvous (so other hosts can route
+    to it too; ``fallback()`` where that is unknown) and a TCP port free on every interface,
+    as torch's store will bind it."""
+    _, address = interface_facing(rendezvous_addr)
+    if address is None:
+        address = fallback()
+    family = socket.AF_INET6 if is_ipv6(address) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+        port: int = probe.getsockname()[1]
+    return address, port
 
 
 def local_networks() -> list[ipaddress.IPv4Interface]:

@@ -15,8 +15,9 @@ which runs while its script works (``worker_env.PRESENT_KEY_PREFIX``).
 * When every member waits, nobody is hung: the next generation is due (a transient error).
 
 Both elastic drivers use it (hvdrun's, ``launcher.supervision``, and Spark's,
-``collectives.spark``); a caller says what its members are and calls the roll when
-:attr:`RejoinWindow.roll_due`. Not thread-safe: its driver's thread owns it.
+``collectives.spark``); a caller says what its members are and lets the window call the
+roll when due (:meth:`RejoinWindow.call_roll_if_due`). Not thread-safe: its driver's
+thread owns it.
 """
 
 from __future__ import annotations
@@ -35,11 +36,18 @@ class RejoinWindow(Generic[M]):
     def __init__(self, timeout: float, long_timeout: float) -> None:
         self.timeout = timeout
         self.long_timeout = long_timeout
-        #: The latest roll call's number (the caller calls it when ``roll_due``).
+        #: The latest roll call's number, and whether the next is due (see
+        #: :meth:`call_roll_if_due`).
         self.roll = 0
         self.roll_due = False
         self._since: float | None = None  # when some member began to wait for the others
         self._checked_at = 0.0
+
+    def call_roll_if_due(self, call_roll: Callable[[], int]) -> None:
+        """Calls the roll (``call_roll``: the server's, which returns its number) where
+        :meth:`late` said it is due: workers busy in their own code answer it."""
+        if self.roll_due:
+            self.roll, self.roll_due = call_roll(), False
 
     def close(self) -> None:
         """Nobody waits for the others (any more): the window closes."""

@@ -266,8 +266,9 @@ def number(
     """A numeric setting (default and bounds: :data:`NUMBERS`', unless given); ValueError
     naming the variable that set it when malformed or out of bounds."""
     known = NUMBERS.get(name)
-    maximum = math.inf if known is None else known.maximum
+    maximum = math.inf
     if known is not None:
+        maximum = known.maximum
         default = known.default if default is None else default
         minimum = known.minimum if minimum is None else minimum
         strict = known.strict if strict is None else strict

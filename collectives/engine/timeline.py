@@ -66,6 +66,7 @@ class Timeline:
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         self._rank = rank
+        # Open while recording: None once closed, or once a write failed (see _give_up).
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._end = 0  # where the next events go: over the closing bracket
         try:
@@ -75,7 +76,6 @@ class Timeline:
             raise
         self._end = 1
         self._first = True
-        self._closed = False
         self._start = time.monotonic()
         self._rows: dict[str, int] = {}
         self._next_row = 0
@@ -130,7 +130,7 @@ class Timeline:
 
     def begin(self, name: str, phase: str, when: float) -> None:
         with self._lock:
-            if self._closed:
+            if self._fd is None:
                 return
             row = self._row(name)
             self._open[row].append(phase)
@@ -138,7 +138,7 @@ class Timeline:
 
     def end(self, name: str, phase: str, when: float, **extra: Any) -> None:
         with self._lock:
-            if self._closed:
+            if self._fd is None:
                 return
             row = self._rows.get(name)
             if row is None:
@@ -151,7 +151,7 @@ class Timeline:
     def tick(self, name: str, label: str, when: float) -> None:
         """An instant mark on a row (a rank's announcement under NEGOTIATE_*)."""
         with self._lock:
-            if not self._closed:
+            if self._fd is not None:
                 self._event(label, "i", when, self._row(name), s="t")
 
     def negotiated(
@@ -170,7 +170,7 @@ class Timeline:
     def cycle(self, when: float) -> None:
         if self.mark_cycles:
             with self._lock:
-                if not self._closed:
+                if self._fd is not None:
                     self._event("CYCLE_START", "i", when, 0, s="p")
 
     def _write(self, data: bytes) -> None:
@@ -198,7 +198,6 @@ class Timeline:
         """A write failed: the file keeps the events written whole (a valid array, where
         the bracket still fits; cutting the rest frees room for it) and recording ends."""
         fd, self._fd = self._fd, None
-        self._closed = True
         self._pending = []
         assert fd is not None
         with contextlib.suppress(OSError):
@@ -221,14 +220,13 @@ class Timeline:
     def close(self) -> None:
         """Ends every open phase, writes everything and closes the file."""
         with self._lock:
-            if self._closed:
+            if self._fd is None:
                 return
             now = time.monotonic()
             for row, stack in self._open.items():
                 while stack:
                     self._event(stack.pop(), "E", now, row)
             self._flush_locked()
-            self._closed = True
             fd, self._fd = self._fd, None
             if fd is not None:
                 with contextlib.suppress(OSError):

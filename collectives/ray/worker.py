@@ -23,7 +23,6 @@ Then it runs what :meth:`~collectives.ray.RayExecutor.run` and
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -31,7 +30,7 @@ import ray
 
 from collectives.ray.placement import WorkerNode
 from rendezvous import worker_env
-from rendezvous.addresses import interface_facing, is_ipv6
+from rendezvous.addresses import interface_facing, pick_master
 from rendezvous.launchers import is_foreign
 
 __all__ = ["BaseHorovodWorker", "RayWorker"]
@@ -91,17 +90,9 @@ class RayWorker:
 
     def pick_master(self, rendezvous_addr: str) -> tuple[str, int]:
         """``MASTER_ADDR``/``MASTER_PORT`` for plain ``torch.distributed`` scripts, picked
-        on rank 0's node as hvdrun's agent there picks them: the address through which this
-        node reaches the rendezvous (so other nodes route to it too) and a TCP port free on
-        every interface, as torch's store will bind it."""
-        _, address = interface_facing(rendezvous_addr)
-        if address is None:
-            address = ray.util.get_node_ip_address()
-        family = socket.AF_INET6 if is_ipv6(address) else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
-            port: int = probe.getsockname()[1]
-        return address, port
+        on rank 0's node as hvdrun's agent there picks them
+        (:func:`rendezvous.addresses.pick_master`; no route known: the node's Ray address)."""
+        return pick_master(rendezvous_addr, ray.util.get_node_ip_address)
 
     def update_env_vars(self, env_vars: Mapping[str, Any]) -> None:
         """Horovod's name: sets environment variables in this actor's process."""

@@ -236,21 +236,29 @@ def join_elastic(runtime_: RuntimeState) -> None:
         register(runtime_, runtime_.generation + 1)
 
 
-def _answer_roll(runtime_: RuntimeState) -> Callable[[int], None] | None:
-    """Elastic jobs: answers hvdrun's roll calls from the watch thread, which runs while the
-    script is busy in its own code (see ``worker_env.PRESENT_KEY_PREFIX``)."""
+def _report(runtime_: RuntimeState, prefix: str, number: int, what: str) -> bool:
+    """Elastic jobs: a number this worker tells hvdrun, in the rendezvous store under
+    ``prefix`` and its worker number; whether it was told (not when the job is ending)."""
     from rendezvous.client import RendezvousError
 
     worker = os.environ.get(worker_env.WORKER, "")
     client = runtime_.client
-    if client is None or not worker.isdigit():
-        return None
+    if not runtime_.elastic or client is None or not worker.isdigit():
+        return False
+    try:
+        client.set(prefix + worker, str(number).encode())
+    except RendezvousError as error:  # the job is ending; the training goes on regardless
+        logger.debug("could not report %s: %s", what, error)
+        return False
+    return True
+
+
+def _answer_roll(runtime_: RuntimeState) -> Callable[[int], None]:
+    """Answers hvdrun's roll calls from the watch thread, which runs while the script is
+    busy in its own code (see ``worker_env.PRESENT_KEY_PREFIX``)."""
 
     def answer(roll: int) -> None:
-        try:
-            client.set(worker_env.PRESENT_KEY_PREFIX + worker, str(roll).encode())
-        except RendezvousError as error:  # (the job is ending)
-            logger.debug("could not answer roll call %d: %s", roll, error)
+        _report(runtime_, worker_env.PRESENT_KEY_PREFIX, roll, "the roll call")
 
     return answer
 
@@ -258,20 +266,11 @@ def _answer_roll(runtime_: RuntimeState) -> Callable[[int], None] | None:
 def report_state_synced(runtime_: RuntimeState) -> None:
     """Elastic jobs: tells hvdrun that this worker holds the training state as of its
     generation (once per generation), in the rendezvous store under its worker number."""
-    from rendezvous.client import RendezvousError
-
-    worker = os.environ.get(worker_env.WORKER, "")
-    client = runtime_.client
-    if not runtime_.elastic or client is None or not worker.isdigit():
-        return
     if runtime_.state_reported == runtime_.generation:
         return
-    try:
-        client.set(worker_env.STATE_KEY_PREFIX + worker, str(runtime_.generation).encode())
-    except RendezvousError as error:  # the job is ending; the training goes on regardless
-        logger.debug("could not report holding the training state: %s", error)
-        return
-    runtime_.state_reported = runtime_.generation
+    generation = runtime_.generation
+    if _report(runtime_, worker_env.STATE_KEY_PREFIX, generation, "holding the training state"):
+        runtime_.state_reported = generation
 
 
 def init_from_rendezvous(

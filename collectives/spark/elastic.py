@@ -289,8 +289,7 @@ class ElasticDriver(Driver):
             lambda member: [] if member.worker is None else [member.worker],
             self.server.present_workers,
         )
-        if rejoin.roll_due:  # (workers busy in their own code answer it; stopped ones not)
-            rejoin.roll, rejoin.roll_due = self.server.call_roll(), False
+        rejoin.call_roll_if_due(self.server.call_roll)
         if late is None:
             members.need_publish = True
         for member, answered in late or []:

@@ -56,7 +56,7 @@ from launcher.transport.protocol import (
     encode_event,
 )
 from rendezvous import worker_env
-from rendezvous.addresses import interface_facing, is_ipv6, is_loopback, split_addr
+from rendezvous.addresses import interface_facing, is_loopback, pick_master, split_addr
 
 if TYPE_CHECKING:
     from rendezvous.relay import HostRelay
@@ -150,18 +150,9 @@ class AddressedStdin:
         return b""
 
 
-def pick_master(rendezvous_addr: str) -> Prepared:
-    """``MASTER_ADDR``/``MASTER_PORT`` on this host: the address through which it reaches the
-    rendezvous (so other hosts can route to it too) and a TCP port free on every interface,
-    as torch's store will bind it."""
-    _, address = interface_facing(rendezvous_addr)
-    if address is None:
-        address = socket.gethostbyname(socket.gethostname())
-    family = socket.AF_INET6 if is_ipv6(address) else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
-        port = probe.getsockname()[1]
-    return Prepared(address, port)
+def _own_address() -> str:
+    """This host's name's address (where no route to the rendezvous is known)."""
+    return socket.gethostbyname(socket.gethostname())
 
 
 class Emitter:
@@ -362,7 +353,7 @@ def main(shared_stdin: bool = False) -> int:
             return 2
         match request:
             case PrepareRequest(rendezvous_addr):
-                emit(pick_master(rendezvous_addr))
+                emit(Prepared(*pick_master(rendezvous_addr, _own_address)))
                 continue
             case ProbeRequest(connect_back):
                 from launcher.agent.probe import probe_host

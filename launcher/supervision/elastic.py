@@ -450,12 +450,10 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         late = members.rejoin_failures(
             now, self.server.waiting_slots(), self.server.present_workers
         )
-        rejoin = members.rejoin
-        if rejoin.roll_due:  # (workers busy in their own code answer it; stopped ones not)
-            rejoin.roll, rejoin.roll_due = self.server.call_roll(), False
+        members.rejoin.call_roll_if_due(self.server.call_roll)
         for host, answered in late:
             stop = self.stopped_among(host.workers)
-            self._fail_host(host, rejoin.failure(answered, stop.rank if stop else None))
+            self._fail_host(host, members.rejoin.failure(answered, stop.rank if stop else None))
             if host.agent is not None:
                 host.agent.kill()  # a stopped process ignores SIGTERM until it runs
         if members.need_publish:

@@ -85,13 +85,16 @@ class Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     def state_holders(self) -> dict[int, int]:
         """Elastic jobs: worker number -> the generation it last synced the training state
         in, as the workers reported it (see ``worker_env.STATE_KEY_PREFIX``)."""
-        prefix = worker_env.STATE_KEY_PREFIX
-        holders = {}
+        return self._by_worker(worker_env.STATE_KEY_PREFIX)
+
+    def _by_worker(self, prefix: str) -> dict[int, int]:
+        """The workers' numeric reports under ``prefix``: worker number -> its number."""
+        reports = {}
         for key, value in self._store.values_under(prefix).items():
             worker, text = key[len(prefix) :], value.decode("ascii", "replace")
             if worker.isdigit() and text.isdigit():
-                holders[int(worker)] = int(text)
-        return holders
+                reports[int(worker)] = int(text)
+        return reports
 
     def call_roll(self) -> int:
         return self._watches.call_roll()
@@ -99,13 +102,8 @@ class Servicer(rendezvous_pb2_grpc.RendezvousServicer):
     def present_workers(self, roll: int) -> set[int]:
         """Elastic jobs: the workers (by number) that answered roll call ``roll`` or a later
         one (see ``worker_env.PRESENT_KEY_PREFIX``)."""
-        prefix = worker_env.PRESENT_KEY_PREFIX
-        present = set()
-        for key, value in self._store.values_under(prefix).items():
-            worker, text = key[len(prefix) :], value.decode("ascii", "replace")
-            if worker.isdigit() and text.isdigit() and int(text) >= roll:
-                present.add(int(worker))
-        return present
+        answers = self._by_worker(worker_env.PRESENT_KEY_PREFIX)
+        return {worker for worker, answered in answers.items() if answered >= roll}
 
     def watching_ranks(self) -> set[int]:
         return self._watches.watching_ranks()
