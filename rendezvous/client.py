@@ -62,6 +62,11 @@ _DEADLINE_SLACK = 5.0
 _CLOSE_WAIT = 2.0
 # Message size limits: generous, the server enforces the real value limit with a clear error.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The keys and values one MultiSet call carries at most (but for a lone large value), with
+# _ITEM_BYTES for each pair's framing: within every server's message limit (twice its value
+# limit and 1 MiB), whatever that value limit.
+_BATCH_BYTES = 512 * 1024
+_ITEM_BYTES = 16
 
 _Response = TypeVar("_Response")
 
@@ -483,26 +488,49 @@ class RendezvousClient:
             raise
 
     def multi_get(self, keys: Sequence[str], timeout: float) -> list[bytes]:
-        """The keys' values in one call, waiting up to ``timeout`` seconds for all of them."""
+        """The keys' values, waiting up to ``timeout`` seconds for all of them: one call, or,
+        where the values together pass the server's message limit (each within its value
+        limit), the keys in halves, each half asked again."""
         keys = list(keys)
+        deadline = time.monotonic() + min(timeout, _MAX_TIMEOUT)
         timeout_ms = _to_ms(timeout)
-        response = self._call(
-            f"multi_get({keys!r})" if len(keys) <= 5 else f"multi_get({len(keys)} keys)",
-            self._stub.MultiGet,
-            rendezvous_pb2.MultiGetRequest(keys=keys, timeout_ms=timeout_ms),
-            timeout=timeout_ms / 1000 + _DEADLINE_SLACK,
-        )
+        try:
+            response = self._call(
+                f"multi_get({keys!r})" if len(keys) <= 5 else f"multi_get({len(keys)} keys)",
+                self._stub.MultiGet,
+                rendezvous_pb2.MultiGetRequest(keys=keys, timeout_ms=timeout_ms),
+                timeout=timeout_ms / 1000 + _DEADLINE_SLACK,
+            )
+        except RendezvousError as error:
+            if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or len(keys) < 2:
+                raise
+            half = len(keys) // 2
+            first = self.multi_get(keys[:half], deadline - time.monotonic())
+            return first + self.multi_get(keys[half:], deadline - time.monotonic())
         return list(response.values)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
-        """Sets every key in one call."""
+        """Sets every key: one call per batch of about 512 KiB (within any server's message
+        limit; a value is refused or stored whole). The batches are stored in order, each at
+        once; a refused value leaves the batches before it stored."""
         keys = list(keys)
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        start, size = 0, 0
+        for end, (key, value) in enumerate(zip(keys, values, strict=True)):
+            item = len(key) + len(value) + _ITEM_BYTES
+            size += item
+            if size > _BATCH_BYTES and end > start:
+                self._multi_set(keys[start:end], values[start:end])
+                start, size = end, item
+        if start < len(keys) or not keys:
+            self._multi_set(keys[start:], values[start:])
+
+    def _multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
         self._call(
             f"multi_set({len(keys)} keys)",
             self._stub.MultiSet,
-            rendezvous_pb2.MultiSetRequest(keys=keys, values=list(values)),
+            rendezvous_pb2.MultiSetRequest(keys=list(keys), values=list(values)),
         )
 
     def set(self, key: str, value: bytes) -> None:

@@ -100,13 +100,23 @@ def _seconds(timeout: datetime.timedelta | float | None, default: datetime.timed
     return _NO_TIMEOUT_SECONDS if seconds <= 0 else float(seconds)
 
 
-def _siblings(key: str, values: Sequence[bytes]) -> dict[str, bytes]:
-    """``{p/i+1: values[0], p/i+2: values[1], ...}`` for ``key`` = ``p/i``."""
-    last = key.rpartition("/")[2]
+def _siblings(prefix: str, full_key: str, values: Sequence[bytes]) -> dict[str, bytes]:
+    """``{k: value}`` for the store keys ``k`` (under ``prefix``) of the server's read-ahead
+    ``values``: those of ``p/i+1``, ``p/i+2``, ... for ``full_key`` = ``p/i``. Numbered from
+    the full key, as the server numbers them: a prefix that ends in digits (``run/1``) makes
+    the number span prefix and key, and its later siblings (``run/20``) are another prefix's
+    keys, not this store's."""
+    last = full_key.rpartition("/")[2]
     if not values or not (last.isascii() and last.isdigit()):
         return {}
-    base, number = key[: len(key) - len(last)], int(last)
-    return {f"{base}{number + j}": value for j, value in enumerate(values, 1)}
+    base, number, skip = full_key[: len(full_key) - len(last)], int(last), len(prefix)
+    found: dict[str, bytes] = {}
+    for j, value in enumerate(values, 1):
+        sibling = f"{base}{number + j}"
+        if not sibling.startswith(prefix):
+            break  # (the numbers only grow: none after it is this store's either)
+        found[sibling[skip:]] = value
+    return found
 
 
 _DummyThread: type = getattr(threading, "_DummyThread", type(None))
@@ -152,6 +162,7 @@ class RendezvousStore(dist.Store):
         self._prefix = prefix
         self._read = threading.local()  # per thread: see "Gloo's full mesh" above
         self._background_failed = threading.Event()  # (logged once)
+        self._clones: list[RendezvousStore] = []  # (see clone)
         self.set_timeout(timeout)
 
     def __repr__(self) -> str:
@@ -192,8 +203,9 @@ class RendezvousStore(dist.Store):
         value = ahead.pop(key, None)
         read.clear()
         if value is None:
-            value, values = self._client.get_ahead(self._key(key), seconds, _READ_AHEAD)
-            ahead = _siblings(key, values)
+            full_key = self._key(key)
+            value, values = self._client.get_ahead(full_key, seconds, _READ_AHEAD)
+            ahead = _siblings(self._prefix, full_key, values)
         read.update(waited=key, value=value, ahead=ahead)
 
     def _note_background_failure(self, call: str, error: Exception) -> None:
@@ -302,8 +314,13 @@ class RendezvousStore(dist.Store):
         return self.num_keys()
 
     def clone(self) -> RendezvousStore:
-        """A new store object sharing the client, prefix and timeout (for other threads)."""
-        return RendezvousStore(self._client, self._prefix, self._store_timeout())
+        """A new store object sharing the client, prefix and timeout (torch clones a group's
+        store to split the group: ``ProcessGroup.split_group``, ``dist.split_group``). Kept
+        referenced by this store: torch holds only the clone's C++ half, and a Python store
+        whose Python object is gone fails on its first call (see the module docstring)."""
+        clone = RendezvousStore(self._client, self._prefix, self._store_timeout())
+        self._clones.append(clone)
+        return clone
 
     # ---- the extended API, on top of the basic calls -----------------------------------
 
@@ -325,8 +342,8 @@ class RendezvousStore(dist.Store):
     @_neutral_to_torch_threads(None)
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
         self._forget()
-        if len(keys) != len(values):
-            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        if len(keys) != len(values):  # (a DistStoreError, as torch's own stores raise)
+            raise _StoreError(f"multi_set: {len(keys)} keys but {len(values)} values")
         try:
             self._client.multi_set(
                 [self._key(key) for key in keys], [_as_bytes(value) for value in values]

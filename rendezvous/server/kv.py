@@ -29,6 +29,7 @@ callbacks on that loop (the RPC handlers, publish, shutdown), so no lock guards 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,9 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 #: The most numbered siblings one Get reads ahead (GetRequest.read_ahead).
 MAX_READ_AHEAD = 65536
+
+# What ``add`` takes for a number: ASCII digits with an optional sign, as torch writes them.
+_DECIMAL = re.compile(rb"[+-]?[0-9]+")
 
 
 class KeyValueStore:
@@ -86,14 +90,12 @@ class KeyValueStore:
         """Adds ``amount`` to the decimal integer at ``key`` (0 when absent); returns the sum."""
         self._refuse_stale_write(key)
         current = self._data.get(key, b"0")
-        try:
-            number = int(current.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
+        if _DECIMAL.fullmatch(current) is None:  # (int() would take "1_0", " 7" and "٣")
             raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"key {quote(key)} does not hold a decimal integer",
-            ) from None
-        number += amount
+            )
+        number = int(current) + amount
         if not INT64_MIN <= number <= INT64_MAX:
             raise Refusal(
                 grpc.StatusCode.OUT_OF_RANGE,

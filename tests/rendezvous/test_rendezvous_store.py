@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import gc
 import json
 import subprocess
 import sys
@@ -68,6 +69,68 @@ def test_store_through_torch_cpp_trampoline(store: RendezvousStore) -> None:
     assert clone.prefix == "t/" and clone.get("pre/n") == b"5"
     assert clone.timeout == store.timeout
     assert isinstance(wrapped.clone(), dist.Store)
+
+
+def test_a_clone_outlives_the_python_reference_torch_drops(store: RendezvousStore) -> None:
+    """torch clones a group's store to split the group (``ProcessGroup.split_group``) and
+    keeps only the clone's C++ half: the clone must still answer afterwards."""
+    clone = dist.PrefixStore("cl", store).clone()
+    gc.collect()
+    clone.set("k", b"v")
+    assert clone.get("k") == b"v" and store.get("cl/k") == b"v"
+
+
+def test_split_group_of_a_group_on_the_store(
+    server: RendezvousServer, secret: str, job_id: str
+) -> None:
+    script = f"""
+import datetime, torch, torch.distributed as dist
+from rendezvous.client import RendezvousClient
+from rendezvous.store import RendezvousStore
+client = RendezvousClient("127.0.0.1:{server.port}", {secret!r}, {job_id!r})
+store = RendezvousStore(client, prefix="split/", timeout=datetime.timedelta(seconds=10))
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+group = dist.group.WORLD.split_group([0], timeout=datetime.timedelta(seconds=10))
+t = torch.ones(2)
+group.allreduce([t]).wait()
+print("split", t.tolist())
+dist.destroy_process_group()
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "split [1.0, 1.0]" in done.stdout
+
+
+def test_many_values_past_the_message_limit_in_one_multi_call(store: RendezvousStore) -> None:
+    """Each value within the server's value limit (4096 bytes here), together past its
+    message limit (about 1 MiB): multi_set and multi_get still work, as on a TCPStore."""
+    keys = [f"many/{i}" for i in range(300)]
+    values = [bytes([i % 256]) * 4000 for i in range(300)]
+    store.multi_set(keys, values)
+    assert store.multi_get(keys) == values
+    with pytest.raises(StoreError, match="2 keys but 1 values"):
+        store.multi_set(["a", "b"], [b"1"])
+
+
+def test_read_ahead_keeps_to_the_stores_own_keys(
+    server: RendezvousServer, make_client: ClientFactory
+) -> None:
+    """Prefixes that end in digits: the server reads ahead from "run/10" to "run/11", ...
+    "run/19", "run/20", and "run/20" is key "0" of the store "run/2", not key "10" of the
+    store "run/1"."""
+    client = make_client(server)
+    first = RendezvousStore(client, prefix="run/1", timeout=datetime.timedelta(seconds=2))
+    second = RendezvousStore(client, prefix="run/2", timeout=datetime.timedelta(seconds=2))
+    for key in range(12):
+        first.set(str(key), f"A{key}")
+    second.set("0", "B0")
+    swept = []
+    for key in range(12):
+        first.wait([str(key)])
+        swept.append(first.get(str(key)))
+    assert swept == [f"A{key}".encode() for key in range(12)]
 
 
 def test_store_prefixes_isolate_generations(

@@ -93,6 +93,12 @@ def test_writes_check_their_values() -> None:
     store.set("text", b"abc")
     with pytest.raises(Refusal, match="does not hold a decimal integer"):
         store.add("text", 1)
+    for odd in (b"1_0", b" 7", "\u0663".encode()):  # int() would take each of them
+        store.set("odd", odd[:4])
+        with pytest.raises(Refusal, match="does not hold a decimal integer"):
+            store.add("odd", 1)
+    store.set("signed", b"+3")
+    assert store.add("signed", 1) == 4
     counters = KeyValueStore(1024)
     counters.set("max", str(2**63 - 1).encode())
     with pytest.raises(Refusal) as over:
