@@ -87,6 +87,8 @@ def broadcast_object(
     """Pickles obj on root_rank and returns it, unpickled, on every rank of the process set
     (root_rank is a global rank, as in Horovod)."""
     runtime.require("hvd.broadcast_object()")
+    _, group = ops.resolve_process_set(process_set, "hvd.broadcast_object")
+    ops.root_index(root_rank, group, "hvd.broadcast_object")  # (named as what was called)
     base = name or "broadcast_object"  # (see the module docstring)
     size_name, data_name = f"{base}.sz", f"{base}.t"
     if runtime.rank() == root_rank:

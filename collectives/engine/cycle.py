@@ -177,7 +177,6 @@ class CycleRunner:
         self.cycle_no = 0
         self.busy = False  # the current cycle ran ops (alike on every member)
         self.round_bytes = 0
-        self.round_took = 0.0  # seconds this member spent inside the latest full round
         self.ended_by: int | None = None  # the member whose leaving ended the set's rounds
 
     def current_pace(self) -> Pace:
@@ -256,7 +255,6 @@ class CycleRunner:
             want=riders.want,
         )
         ended = time.perf_counter()
-        self.round_took = ended - started
         arrivals.note(started, ended, self._label(new))
         now = time.monotonic()
         results = []
@@ -434,29 +432,31 @@ class CycleRunner:
         key, counter = key_of(entry.kind, entry.process_set_id, entry.name, sig, var)
         self._cache_ran(ordinal(key, counter, unnamed))
 
-    def control(self, entry: Entry) -> Any:
-        """A ready control op: ``hvd.join()`` returns the rank that joined last; process
-        sets are the engine's (``controls``)."""
+    def control(self, entry: Entry, request: Request | None) -> Any:
+        """A ready control op (``request``: this rank's): ``hvd.join()`` returns the rank
+        that joined last; process sets are the engine's (``controls``)."""
         if entry.kind == Kind.JOIN:
-            last = self._last_joined()
+            last = self._last_joined(request)
             self.table.clear_joins()
             return last
         return self._controls(entry)
 
-    def _last_joined(self) -> int:
-        """The rank that joined last, alike on every member. Joins that reached the same
-        round are told apart as arrival accounting tells who arrived last (see
-        :mod:`.insight`): a member whose engine was idle until it joined kept the others
-        waiting inside that round, so the last to join spent the least time in it. Ties
-        (none in practice) go to the highest rank."""
+    def _last_joined(self, request: Request | None) -> int:
+        """The rank that joined last, alike on every member (``request``: this rank's join).
+        Joins that reached the same round are told apart by how long each has waited since
+        its ``hvd.join()`` call: the members leave the round together, so the last to call
+        it waited least. (Not by the time spent inside rounds: with the response cache the
+        early joiners wait in a cache round, and the join then runs in a full round that
+        every member enters together.) Ties (none in practice) go to the highest rank."""
         joiners = self.table.last_joiners()
         if len(joiners) == 1:
             return joiners[0]
-        took = torch.zeros(self.size, dtype=torch.float64)
-        took[self.group.index] = self.round_took
-        self.control_pg.allreduce([took], AllreduceOptions()).wait()  # (a sum)
+        waited = torch.zeros(self.size, dtype=torch.float64)
+        if request is not None:
+            waited[self.group.index] = time.monotonic() - request.submitted
+        self.control_pg.allreduce([waited], AllreduceOptions()).wait()  # (a sum)
         where = self.members.index
-        return min(joiners, key=lambda rank: (float(took[where(rank)]), -rank))
+        return min(joiners, key=lambda rank: (float(waited[where(rank)]), -rank))
 
     # ---- the lanes' bookkeeping (see :mod:`.lanes`) ----------------------------------
 

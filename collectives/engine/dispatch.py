@@ -48,6 +48,8 @@ _PER_RANK = (ALLGATHER, ALLTOALL)  # (ops with a per-rank part)
 
 #: Runs a ready control op (join, process sets; a barrier has none) and returns its result.
 Controls = Callable[[Entry], Any]
+#: The same, also given this rank's request of the op (None if it did not submit it).
+RunControl = Callable[[Entry, Request | None], Any]
 #: A control op that is ready, with this rank's request (None if it did not submit it).
 Control = tuple[Entry | None, Request | None]
 
@@ -60,7 +62,7 @@ class Dispatch:
         group: Group,
         queue: Submissions,
         data_pg: Any,
-        controls: Controls,
+        controls: RunControl,
         config: EngineConfig,
     ) -> None:
         self.group = group
@@ -181,7 +183,7 @@ class Dispatch:
                 if work.remaining == 0 and work.request is not None:
                     self.complete(work.request, event)
         for entry, control in controls:
-            result = self.controls(entry) if entry is not None else None
+            result = self.controls(entry, control) if entry is not None else None
             self.complete(control, None, result)
         self.current = []
 

@@ -27,6 +27,7 @@ EVERY_RANK = [
     "join.returns_last",
     "join.after_all_joined",
     "join.late_low_rank",
+    "join.late_high_rank",
     *(
         f"root.global.{what}"
         for what in (

@@ -184,6 +184,15 @@ def main() -> None:
         lasts = hvd.allgather_object(hvd.join())
         c.expect("join.late_low_rank", lasts == [0] * n, lasts)
 
+    def join_late_high() -> None:
+        # After cached ops, rank 0 joins first and the highest rank last: the early joins
+        # wait in a cached round, and join runs in a full round the ranks enter together.
+        for _ in range(3):
+            hvd.allreduce(torch.ones(1), name="jh.warm")
+        time.sleep(0.3 * r / max(n - 1, 1))
+        lasts = hvd.allgather_object(hvd.join())
+        c.expect("join.late_high_rank", lasts == [n - 1] * n, lasts)
+
     def roots() -> None:
         # root_rank is a global rank inside a process set, as in Horovod.
         if tail.included():
@@ -402,6 +411,7 @@ def main() -> None:
         ("elastic_does_not_retry", elastic_does_not_retry),
         ("join", join),
         ("join_late", join_late),
+        ("join_late_high", join_late_high),
         ("roots", roots),
         ("gradients", gradients),
         ("sparse", sparse),
