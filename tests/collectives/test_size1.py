@@ -198,7 +198,7 @@ def test_allgather_and_objects(hvd: ModuleType) -> None:
 def test_argument_errors(hvd: ModuleType) -> None:
     with pytest.raises(ValueError, match="root_rank 1 is out of range"):
         hvd.broadcast(torch.ones(1), root_rank=1)
-    with pytest.raises(ValueError, match="^hvd.broadcast_object: root_rank 1 is out of range"):
+    with pytest.raises(ValueError, match=r"^hvd\.broadcast_object: root_rank 1 is out of range"):
         hvd.broadcast_object({"a": 1}, root_rank=1)  # (named as called, not as its parts)
     with pytest.raises(TypeError, match="Adasum needs floating-point"):
         hvd.allreduce(torch.ones(1, dtype=torch.int32), op=hvd.Adasum)
