@@ -457,7 +457,7 @@ def cli(
         num_ranks=max(num_proc, (elastic_options.max_np or 0) if elastic_options else 0),
     )
     try:
-        sink = OutputSink(stdout, stderr, options=options)
+        sink = OutputSink(stdout, stderr, options=options, background=True)
         result = run_job(spec, sink, report.options())
         if call is not None:
             call.result = result

@@ -13,6 +13,17 @@ byte-exact copy of the rank's stream, as mpirun's; ``N`` zero-padded to the widt
 of the largest rank, as Horovod does, so that the directories sort in rank order), and
 keeps hvdrun's one-line status ("connected 3/4 hosts, 12/16 workers registered") at the
 bottom of a terminal.
+
+**hvdrun never waits for its own output** (``OutputSink(background=True)``, as hvdrun runs
+it): a reader that is slow or stopped reading (``| less``, a paused pipe) must not hold off a
+Ctrl-C, a failure or the agents' reports. Every write runs, in order, on a thread of its own,
+and the supervising thread only queues. Worker lines may wait there up to
+``BACKLOG_BYTES``; beyond that the agents' readers wait for room before they pass on a
+worker's line (:meth:`OutputSink.wait_for_room`), and so the agents, and the workers'
+own writes, as with a plain pipe: hvdrun's memory stays bounded. Once the job is being
+stopped, lines over that budget are dropped instead (and counted), so that the agents'
+reports get through. At the end, what is queued is written, unless nothing could be written
+for ``STUCK_SECONDS``: then it is dropped, and hvdrun says so and exits.
 """
 
 from __future__ import annotations
@@ -27,6 +38,10 @@ from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
 MAX_LINE = 64 * 1024
+#: The bytes of worker lines that may wait to be written before the agents' readers wait.
+BACKLOG_BYTES = 8 * 1024 * 1024
+#: At the end, how long the queued output may go without a byte written before it is dropped.
+STUCK_SECONDS = 5.0
 
 
 class Piece(NamedTuple):
@@ -136,29 +151,139 @@ def is_terminal(stream: BinaryIO | None) -> bool:
 class _Guarded:
     """One of hvdrun's output streams (or an ``--output-filename`` file) that a failed write
     closes for good instead of raising into the job: a full disk, a reader gone (``| head``),
-    a descriptor closed before hvdrun started. The job runs on; ``on_fail`` says so once."""
+    a descriptor closed before hvdrun started (``stream`` None). The job runs on;
+    ``on_fail`` says so once.
+
+    A stream with a file descriptor is written with ``os.write`` on it, past Python's
+    buffered writer: a write that blocks for good (a reader that stopped reading) then holds
+    no lock of the interpreter's, which would abort hvdrun's exit."""
 
     def __init__(self, stream: BinaryIO | None, what: str, on_fail: Callable[[str], None]):
         self.stream = stream
         self._what = what
         self._on_fail = on_fail
+        self._fd: int | None = None
+        self._missing = stream is None
+        if stream is not None:
+            try:
+                stream.flush()
+                self._fd = stream.fileno()
+            except (OSError, ValueError, AttributeError):
+                self._fd = None  # (an in-memory stream)
 
     def write(self, data: bytes) -> None:
         if self.stream is None:
+            if self._missing:
+                self._missing = False
+                self._on_fail(
+                    f"cannot write {self._what} (the descriptor was closed when hvdrun "
+                    "started): it is dropped"
+                )
             return
         try:
-            self.stream.write(data)
-            self.stream.flush()
+            fd = self._fd
+            if fd is None:
+                self.stream.write(data)
+                self.stream.flush()
+                return
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
         except (OSError, ValueError) as exc:
             self.stream = None
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             self._on_fail(f"cannot write {self._what} ({reason}): it is dropped from now on")
 
 
+class _Backlog:
+    """The writes of a sink in the background: run in order on a thread of their own (see
+    the module docstring). ``pending``: the bytes of worker lines queued."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pending = 0
+        self.dropped = 0  # worker lines dropped over the limit while the job stopped
+        self.overflow = False  # drop lines over the limit instead of waiting for room
+        self._cond = threading.Condition()
+        # (a job, its bytes of worker lines, and the text of hvdrun's message it writes)
+        self._jobs: collections.deque[tuple[Callable[[], None], int, str | None]] = (
+            collections.deque()
+        )
+        self._busy = False
+        self._done = False
+        self._progress = time.monotonic()
+        threading.Thread(target=self._run, name="hvdrun-output", daemon=True).start()
+
+    def put(
+        self, job: Callable[[], None], size: int = 0, line: bool = False, said: str | None = None
+    ) -> bool:
+        """Queues ``job`` (``size`` bytes of a worker's line when ``line``; ``said``: the
+        text of the hvdrun message it writes); False once the backlog finished (the caller
+        writes itself)."""
+        with self._cond:
+            if self._done:
+                return False
+            if line and self.overflow and self.pending + size > self.limit:
+                self.dropped += 1
+                return True
+            self._jobs.append((job, size, said))
+            self.pending += size
+            self._cond.notify_all()
+        return True
+
+    def wait_for_room(self) -> None:
+        with self._cond:
+            while self.pending > self.limit and not (self.overflow or self._done):
+                self._cond.wait(0.2)
+
+    def backed_up(self) -> bool:
+        return self.pending > self.limit
+
+    def stop_waiting(self) -> None:
+        with self._cond:
+            self.overflow = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._done:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job, size, _ = self._jobs.popleft()
+                self._busy = True
+            try:
+                job()
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self.pending -= size
+                    self._progress = time.monotonic()
+                    self._cond.notify_all()
+
+    def finish(self, stuck: float) -> tuple[int, list[str], bool]:
+        """Waits until everything queued is written, or nothing was for ``stuck`` seconds;
+        returns the worker lines left unwritten, the messages left unwritten, and whether a
+        write is still under way (blocked)."""
+        with self._cond:
+            self.overflow = True
+            while (self._jobs or self._busy) and time.monotonic() - self._progress < stuck:
+                self._cond.wait(0.2)
+            said = [text for _, _, text in self._jobs if text is not None]
+            left = len(self._jobs) - len(said)
+            self._jobs.clear()
+            self._done = True
+            self._cond.notify_all()
+            return left, said, self._busy
+
+
 class OutputSink:
     """Writes prefixed worker lines to hvdrun's stdout/stderr; remembers each rank's stderr tail.
     A stream that cannot be written (see :class:`_Guarded`) is dropped, said once on
-    stderr; the job runs on."""
+    stderr; the job runs on. ``background``: the writes run on a thread of their own, and
+    no caller waits for them but a reader that passes on worker lines while too many wait
+    (see the module docstring); otherwise each call writes before it returns."""
 
     def __init__(
         self,
@@ -166,6 +291,8 @@ class OutputSink:
         stderr: BinaryIO | None,
         tail_lines: int = 10,
         options: OutputOptions | None = None,
+        background: bool = False,
+        backlog_bytes: int = BACKLOG_BYTES,
     ) -> None:
         self._streams = {
             "stdout": _Guarded(stdout, "the job's output to stdout", self._dropped),
@@ -177,6 +304,34 @@ class OutputSink:
         self._tail_lines = tail_lines
         self._files: dict[tuple[int, str], _Guarded] = {}
         self._status = b""
+        self._backlog = _Backlog(backlog_bytes) if background else None
+
+    def _run(
+        self, job: Callable[[], None], size: int = 0, line: bool = False, said: str | None = None
+    ) -> None:
+        """Runs a write now, or queues it on the backlog."""
+        backlog = self._backlog
+        if backlog is None or not backlog.put(job, size, line, said):
+            job()
+
+    def wait_for_room(self) -> None:
+        """Blocks while the worker lines queued pass the backlog's limit (the agents' readers
+        call it before they pass on a worker's line); returns at once without a backlog, and
+        once the job is being stopped (:meth:`stop_waiting`)."""
+        if self._backlog is not None:
+            self._backlog.wait_for_room()
+
+    def backed_up(self) -> bool:
+        """Whether the worker lines queued pass the limit: the agents' readers may be
+        waiting, so their silence says nothing about the agents."""
+        return self._backlog is not None and self._backlog.backed_up()
+
+    def stop_waiting(self) -> None:
+        """The job is being stopped: from now on, worker lines over the backlog's limit are
+        dropped (and counted) rather than waited for, so that the agents' reports get
+        through."""
+        if self._backlog is not None:
+            self._backlog.stop_waiting()
 
     def open_files(self, ranks: Iterable[int]) -> None:
         """``--output-filename``: creates DIR/rank.N/{stdout,stderr} for every rank."""
@@ -192,7 +347,33 @@ class OutputSink:
                 handle = open(path, "wb")  # noqa: SIM115
                 self._files[(rank, stream)] = _Guarded(handle, path, self._dropped)
 
-    def close(self) -> None:
+    def close(self, stuck: float = STUCK_SECONDS) -> None:
+        """Writes what is queued (unless nothing could be written for ``stuck`` seconds:
+        then it is dropped, said on stderr), removes the status line and closes the
+        ``--output-filename`` files. Later calls write at once."""
+        backlog, self._backlog = self._backlog, None
+        blocked = False
+        if backlog is not None:
+            left, said, blocked = backlog.finish(stuck)
+            if blocked:
+                # The write under way holds the lock for good, and may still use the files
+                # (they close at exit); the status line's state is unknown.
+                self._lock = threading.Lock()
+                self._status = b""
+            for text in said:  # (hvdrun's own messages go to stderr, which may still work)
+                self.message(text)
+            if left or blocked:
+                self.message(
+                    f"the job's output could not be written for {stuck:g} s (a reader that "
+                    f"stopped reading): {left + blocked} line(s) of it dropped"
+                )
+            if backlog.dropped:
+                self.message(
+                    f"{backlog.dropped} line(s) of the job's output dropped while it stopped: "
+                    f"more than {backlog.limit // 1024} KiB waited to be written"
+                )
+        if blocked:
+            return
         with self._lock:
             self._clear_status()
             self._status = b""
@@ -209,10 +390,7 @@ class OutputSink:
         not ``shown``; copied to the rank's ``--output-filename`` file with its own ``end``."""
         stream = "stderr" if stream == "stderr" else "stdout"
         if not shown:
-            with self._lock:
-                handle = self._files.get((rank, stream))
-                if handle is not None:
-                    handle.write(end)
+            self._run(lambda: self._copy(rank, stream, end), len(end), line=True)
             return
         out = self._streams[stream]
         prefix = b"[%d]<%s>:" % (rank, stream.encode())
@@ -225,16 +403,30 @@ class OutputSink:
         if stream == "stderr":
             tail = self._tails.setdefault(rank, collections.deque(maxlen=self._tail_lines))
             tail.append(text.decode("utf-8", "replace"))
+        shown_line = prefix + text + b"\n"
+
+        def write() -> None:
+            with self._lock:
+                self._clear_status()
+                out.write(shown_line)
+                handle = self._files.get((rank, stream))
+                if handle is not None:
+                    handle.write(text + end)
+                self._draw_status()
+
+        self._run(write, len(shown_line), line=True)
+
+    def _copy(self, rank: int, stream: str, data: bytes) -> None:
         with self._lock:
-            self._clear_status()
-            out.write(prefix + text + b"\n")
             handle = self._files.get((rank, stream))
             if handle is not None:
-                handle.write(text + end)
-            self._draw_status()
+                handle.write(data)
 
     def message(self, text: str) -> None:
         """One of hvdrun's own messages, on stderr."""
+        self._run(lambda: self._message(text), said=text)
+
+    def _message(self, text: str) -> None:
         with self._lock:
             self._clear_status()
             self._streams["stderr"].write(f"hvdrun: {text}\n".encode())
@@ -242,8 +434,10 @@ class OutputSink:
 
     def status(self, text: str | None) -> None:
         """Shows (or with None removes) the status line; only when stderr is a terminal."""
-        if not self._options.status_line:
-            return
+        if self._options.status_line:
+            self._run(lambda: self._show_status(text))
+
+    def _show_status(self, text: str | None) -> None:
         status = f"hvdrun: {text}".encode() if text else b""
         with self._lock:
             if status == self._status:

@@ -286,6 +286,20 @@ class Supervised(Protocol):
 E = TypeVar("E")
 
 
+class Events(queue.Queue[E]):
+    """A supervisor's queue of events (its agents' and its own). An agent's reader that
+    passes on a worker's line first waits for room in hvdrun's output
+    (:meth:`OutputSink.wait_for_room`), so that the supervising thread never waits for a
+    slow terminal or pipe (see :mod:`launcher.output`)."""
+
+    def __init__(self, sink: OutputSink) -> None:
+        super().__init__()
+        self._sink = sink
+
+    def room_for_output(self) -> None:
+        self._sink.wait_for_room()
+
+
 class Supervision(ABC, Generic[E]):
     """One job's supervision loop over events of type ``E``; see the module docstring.
 
@@ -433,6 +447,10 @@ class Supervision(ABC, Generic[E]):
                 "silent for --heartbeat-timeout"
             )
             self._grace_until = now + LOOP_STALL_SECONDS
+        if self.sink.backed_up():
+            # The agents' readers wait for room in hvdrun's output (a slow reader of it):
+            # their silence is hvdrun's own again, and their lines wait in the pipes.
+            self._grace_until = now + LOOP_STALL_SECONDS
         if now < self._grace_until:
             return
         for agent in self.watched_agents():
@@ -525,6 +543,7 @@ class Supervision(ABC, Generic[E]):
         if self.stopping:
             return
         self.stopping = True
+        self.sink.stop_waiting()  # (the agents' reports must not wait behind the output)
         if self.insight is not None:
             self.insight.stop()
         self.sink.status(None)

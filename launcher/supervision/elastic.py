@@ -72,6 +72,7 @@ from launcher.spec.hosts import HostSpec, is_local_host
 from launcher.spec.job import JobSpec
 from launcher.spec.options import ElasticOptions
 from launcher.supervision.core import (
+    Events,
     JobResult,
     Signals,
     Supervised,
@@ -170,7 +171,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         initial: list[HostSpec],
         cert_pem: str = "",
     ) -> None:
-        super().__init__(sink, queue.Queue(), spec.term_grace, signals)
+        super().__init__(sink, Events(sink), spec.term_grace, signals)
         self.cert_pem = cert_pem  # the rendezvous's TLS certificate, "" on loopback
         self.spec = spec
         self.options = options
@@ -551,7 +552,7 @@ def _start_agent(
     name: str,
     order: int,
     spec: JobSpec,
-    events: queue.Queue[HostEvent | DriverEvent],
+    events: Events[HostEvent | DriverEvent],
     done: threading.Event,
 ) -> None:
     """Starts host ``name``'s agent, saying how it went on ``events`` (AgentCreated, then

@@ -18,7 +18,6 @@ and a status line counts the workers registered at the rendezvous. Elastic jobs
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Callable, Sequence
 
@@ -26,6 +25,7 @@ from launcher.output import OutputSink
 from launcher.spec.job import JobSpec
 from launcher.supervision.core import (
     STOP_BLAME_SHARE,
+    Events,
     JobResult,
     Signals,
     Supervised,
@@ -81,7 +81,7 @@ class Supervisor(Supervision[HostEvent]):
         agents: Sequence[Supervised],
         slots: Sequence[SlotInfo],
         sink: OutputSink,
-        events: queue.Queue[HostEvent],
+        events: Events[HostEvent],
         term_grace: float,
         signals: Signals,
         server: RendezvousServer | None = None,
@@ -280,7 +280,7 @@ def run_fixed_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     hostnames = list(dict.fromkeys(slot.hostname for slot in slots))
     secret = worker_env.new_secret()
     job_id = worker_env.new_job_id()
-    events: queue.Queue[HostEvent] = queue.Queue()
+    events: Events[HostEvent] = Events(sink)
     options = spec.launch
     sink.open_files(range(spec.num_proc))
     try:
@@ -330,7 +330,7 @@ def _supervise(
     agents: list[AgentConnection],
     slots: Sequence[SlotInfo],
     sink: OutputSink,
-    events: queue.Queue[HostEvent],
+    events: Events[HostEvent],
     signals: Signals,
     secret: str,
     job_id: str,

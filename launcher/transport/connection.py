@@ -26,6 +26,7 @@ from launcher.transport.protocol import (
     Exit,
     Hello,
     KillRequest,
+    Output,
     PingRequest,
     Prepared,
     PrepareRequest,
@@ -87,6 +88,10 @@ class EventQueue(Protocol):
     """Where a launched agent's events go: the supervisor's queue (which may carry more)."""
 
     def put(self, item: HostEvent, /) -> None: ...
+
+    def room_for_output(self) -> None:
+        """Blocks while hvdrun's output is backed up (the reader calls it before it passes
+        on a worker's line, holding no lock: see ``OutputSink.wait_for_room``)."""
 
 
 class AgentConnection:
@@ -288,6 +293,11 @@ class AgentConnection:
                     self._running[event.rank] = event.pid
                 elif isinstance(event, Exit):
                     self._running.pop(event.rank, None)
+                elif isinstance(event, Output) and self._events is not None:
+                    # (hvdrun's output is slower than the job: stop reading this agent, and
+                    # so the agent its workers, until there is room)
+                    self._events.room_for_output()
+                    self.last_heard = time.monotonic()
                 self._deliver(event)
         try:
             self.exit_code = self._exit_code()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -151,6 +152,47 @@ def test_signal_to_hvdrun_stops_all_workers(signum: int) -> None:
     assert_all_gone(pids)
 
 
+def test_a_stdout_nobody_reads_holds_off_neither_a_signal_nor_hvdrun_s_memory(
+    tmp_path: Path,
+) -> None:
+    """Workers flood a pipe whose reader stopped reading (``| less``, a paused pipe): the
+    workers wait on their writes, as with a plain pipe, hvdrun's memory stays bounded, and
+    Ctrl-C stops the job; what could not be written is dropped at the end, said on stderr."""
+    flood = (
+        "import sys\nline = b'x' * 100 + b'\\n'\nwhile True:\n    sys.stdout.buffer.write(line)\n"
+    )
+    reader, writer = os.pipe()  # (never read)
+    errors = tmp_path / "stderr"
+    with errors.open("wb") as err:
+        proc = subprocess.Popen(
+            [*HVDRUN, "-np", "2", sys.executable, "-c", flood], stdout=writer, stderr=err
+        )
+    os.close(writer)
+    hvdrun_process = psutil.Process(proc.pid)
+    pids: list[int] = []
+    try:
+        time.sleep(6)  # (the pipe, then hvdrun's backlog, filled long ago)
+        before = hvdrun_process.memory_info().rss
+        time.sleep(3)
+        grew = hvdrun_process.memory_info().rss - before
+        pids = [p.pid for p in hvdrun_process.children(recursive=True)]
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:  # (it did not stop: nothing of it may outlive the test)
+            for pid in [proc.pid, *pids]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+        os.close(reader)
+    said = errors.read_text()
+    assert code == 130, said
+    assert grew < 16 * 1024 * 1024, f"hvdrun grew by {grew} bytes in 3 s"
+    assert "received SIGINT; stopping all workers" in said, said
+    assert "could not be written for 5 s (a reader that stopped reading)" in said, said
+    assert_all_gone(pids)
+
+
 @pytest.mark.parametrize("stdout", [">&-", ">/dev/full"])
 def test_hvdrun_whose_stdout_cannot_be_written_runs_the_job(stdout: str) -> None:
     """stdout closed before hvdrun starts, or a full disk: the job runs and succeeds, as a
@@ -161,8 +203,9 @@ def test_hvdrun_whose_stdout_cannot_be_written_runs_the_job(stdout: str) -> None
     )
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
-    if stdout == ">/dev/full":
-        assert result.stderr.count("cannot write the job's output to stdout") == 1
+    assert result.stderr.count("cannot write the job's output to stdout") == 1
+    if stdout == ">&-":
+        assert "the descriptor was closed when hvdrun started" in result.stderr
 
 
 def test_sigusr1_to_hvdrun_reaches_every_worker_and_the_job_goes_on() -> None:

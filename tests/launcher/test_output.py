@@ -2,6 +2,7 @@ import errno
 import io
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,56 @@ def test_a_stream_that_cannot_be_written_is_dropped_once_said(tmp_path: Path) ->
     closed = OutputSink(None, None)  # hvdrun started with both descriptors closed
     closed.line(0, "stdout", b"lost")
     closed.message("lost too")
+
+
+class _Stalled(io.BytesIO):
+    """A stream whose writes block until ``flowing`` is set (a reader that stopped reading)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flowing = threading.Event()
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.flowing.wait()
+        return super().write(data)
+
+
+def test_a_background_sink_writes_in_order_and_never_makes_its_callers_wait() -> None:
+    out, err = _Stalled(), io.BytesIO()
+    sink = OutputSink(out, err, background=True, backlog_bytes=100)
+    for i in range(20):  # far past the backlog's limit: queued, none written yet
+        sink.line(i % 2, "stdout", b"line %d" % i)
+    assert sink.backed_up() and out.getvalue() == b""
+
+    waited = threading.Thread(target=sink.wait_for_room)  # (an agent's reader)
+    waited.start()
+    waited.join(0.3)
+    assert waited.is_alive()  # it waits for room...
+    out.flowing.set()
+    waited.join(10)
+    assert not waited.is_alive()  # ... until the lines are written
+    sink.close()
+    assert out.getvalue() == b"".join(b"[%d]<stdout>:line %d\n" % (i % 2, i) for i in range(20))
+
+
+def test_a_stopping_job_drops_what_a_stuck_stdout_cannot_take() -> None:
+    """Once the job stops, the agents' readers no longer wait (their reports must come
+    through); what cannot be written is dropped, and said, at the end, in bounded time."""
+    out, err = _Stalled(), io.BytesIO()
+    sink = OutputSink(out, err, background=True, backlog_bytes=100)
+    for _ in range(5):
+        sink.line(0, "stdout", b"x" * 40)
+    sink.message("received SIGINT; stopping all workers")
+    sink.stop_waiting()
+    sink.wait_for_room()  # returns at once
+    for _ in range(5):
+        sink.line(0, "stdout", b"y" * 40)  # over the limit while stopping: dropped
+    sink.close(stuck=0.3)
+    said = err.getvalue().decode()
+    # hvdrun's own messages still reach stderr, first
+    assert said.startswith("hvdrun: received SIGINT; stopping all workers\n"), said
+    assert "could not be written for 0.3 s (a reader that stopped reading)" in said, said
+    assert "5 line(s) of the job's output dropped while it stopped" in said, said
+    sink.message("after the end")  # (written at once from now on)
+    assert err.getvalue().endswith(b"hvdrun: after the end\n")
+    out.flowing.set()
