@@ -1,7 +1,8 @@
 """The ``hvdrun`` command's entry point, apart from the CLI it imports.
 
-A Ctrl-C while the CLI is still being imported ends the command as a Ctrl-C later does
-(exit 130), with no traceback.
+A Ctrl-C while the CLI is still being imported, or before hvdrun's own signal handlers are
+in place (reading the command line; nothing is started yet), ends the command as a Ctrl-C
+later does (exit 130), with no traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sys
 def main() -> None:
     try:
         from hvdrun.cli import run_cli
+
+        code = run_cli()
     except KeyboardInterrupt:
         sys.exit(130)
-    sys.exit(run_cli())
+    sys.exit(code)

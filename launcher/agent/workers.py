@@ -158,8 +158,11 @@ class Worker:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         code = exit_code_of(self.proc.wait())
+        # The last output, for at most 2 s in all: a descendant outside the group (setsid)
+        # may hold the pipes open for good.
+        deadline = time.monotonic() + 2.0
         for reader in self._readers:
-            reader.join(timeout=2.0)
+            reader.join(timeout=max(deadline - time.monotonic(), 0.0))
         # Reported before it counts as exited: the agent's "done" must come after every exit.
         self._emit(Exit(self.rank, code))
         self.exited.set()
