@@ -122,6 +122,21 @@ def _to_ms(timeout: float) -> int:
     return max(0, round(timeout * 1000))
 
 
+def _batches(keys: list[str], values: list[bytes]) -> Iterator[Any]:
+    """The MultiSet requests of ``keys`` and ``values``: consecutive batches of about
+    ``_BATCH_BYTES`` (a larger value alone), within any server's message limit (one
+    request when there is nothing to set)."""
+    start, size = 0, 0
+    for end, (key, value) in enumerate(zip(keys, values, strict=True)):
+        item = len(key) + len(value) + _ITEM_BYTES
+        size += item
+        if size > _BATCH_BYTES and end > start:
+            yield rendezvous_pb2.MultiSetRequest(keys=keys[start:end], values=values[start:end])
+            start, size = end, item
+    if start < len(keys) or not keys:
+        yield rendezvous_pb2.MultiSetRequest(keys=keys[start:], values=values[start:])
+
+
 class _Watch:
     """One Watch stream: a reader thread and a watchdog thread sharing a report-once flag."""
 
@@ -510,28 +525,13 @@ class RendezvousClient:
         return list(response.values)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
-        """Sets every key: one call per batch of about 512 KiB (within any server's message
-        limit; a value is refused or stored whole). The batches are stored in order, each at
-        once; a refused value leaves the batches before it stored."""
+        """Sets every key: one call per batch (see :func:`_batches`), stored in order, each
+        at once; a refused value leaves the batches before it stored."""
         keys = list(keys)
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        start, size = 0, 0
-        for end, (key, value) in enumerate(zip(keys, values, strict=True)):
-            item = len(key) + len(value) + _ITEM_BYTES
-            size += item
-            if size > _BATCH_BYTES and end > start:
-                self._multi_set(keys[start:end], values[start:end])
-                start, size = end, item
-        if start < len(keys) or not keys:
-            self._multi_set(keys[start:], values[start:])
-
-    def _multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
-        self._call(
-            f"multi_set({len(keys)} keys)",
-            self._stub.MultiSet,
-            rendezvous_pb2.MultiSetRequest(keys=list(keys), values=list(values)),
-        )
+        for part in _batches(keys, list(values)):
+            self._call(f"multi_set({len(part.keys)} keys)", self._stub.MultiSet, part)
 
     def set(self, key: str, value: bytes) -> None:
         self._call(f"set({key!r})", self._stub.Set, rendezvous_pb2.SetRequest(key=key, value=value))
