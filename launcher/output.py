@@ -42,6 +42,8 @@ MAX_LINE = 64 * 1024
 BACKLOG_BYTES = 8 * 1024 * 1024
 #: At the end, how long the queued output may go without a byte written before it is dropped.
 STUCK_SECONDS = 5.0
+#: What a queued line costs besides its bytes (its objects), counted against BACKLOG_BYTES.
+LINE_COST = 512
 
 
 class Piece(NamedTuple):
@@ -164,12 +166,23 @@ class _Guarded:
         self._on_fail = on_fail
         self._fd: int | None = None
         self._missing = stream is None
+        self.busy = False  # a write is under way
+        #: What the stream writes to (its file's device and inode; for an in-memory stream
+        #: the object): stdout and stderr may be one pipe.
+        self.identity: object = id(stream)
         if stream is not None:
             try:
                 stream.flush()
                 self._fd = stream.fileno()
+                status = os.fstat(self._fd)
+                self.identity = (status.st_dev, status.st_ino)
             except (OSError, ValueError, AttributeError):
                 self._fd = None  # (an in-memory stream)
+
+    def give_up(self) -> None:
+        """Drops the stream without a word (it blocks for good: nobody would read it)."""
+        self.stream = None
+        self._missing = False
 
     def write(self, data: bytes) -> None:
         if self.stream is None:
@@ -187,8 +200,12 @@ class _Guarded:
                 self.stream.flush()
                 return
             view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            self.busy = True
+            try:
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                self.busy = False
         except (OSError, ValueError) as exc:
             self.stream = None
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -253,6 +270,7 @@ class _Backlog:
                     return
                 job, size, _ = self._jobs.popleft()
                 self._busy = True
+                self._progress = time.monotonic()
             try:
                 job()
             finally:
@@ -268,6 +286,7 @@ class _Backlog:
         write is still under way (blocked)."""
         with self._cond:
             self.overflow = True
+            self._progress = max(self._progress, time.monotonic() - stuck / 2)
             while (self._jobs or self._busy) and time.monotonic() - self._progress < stuck:
                 self._cond.wait(0.2)
             said = [text for _, _, text in self._jobs if text is not None]
@@ -303,6 +322,7 @@ class OutputSink:
         self._tails: dict[int, collections.deque[str]] = {}
         self._tail_lines = tail_lines
         self._files: dict[tuple[int, str], _Guarded] = {}
+        self._files_lock = threading.Lock()
         self._status = b""
         self._backlog = _Backlog(backlog_bytes) if background else None
 
@@ -345,7 +365,8 @@ class OutputSink:
             for stream in ("stdout", "stderr"):
                 path = os.path.join(rank_dir, stream)
                 handle = open(path, "wb")  # noqa: SIM115
-                self._files[(rank, stream)] = _Guarded(handle, path, self._dropped)
+                # (a failure is said as hvdrun's messages are: never waiting on stderr here)
+                self._files[(rank, stream)] = _Guarded(handle, path, self.message)
 
     def close(self, stuck: float = STUCK_SECONDS) -> None:
         """Writes what is queued (unless nothing could be written for ``stuck`` seconds:
@@ -356,10 +377,15 @@ class OutputSink:
         if backlog is not None:
             left, said, blocked = backlog.finish(stuck)
             if blocked:
-                # The write under way holds the lock for good, and may still use the files
-                # (they close at exit); the status line's state is unknown.
+                # The write under way holds the lock for good; the status line's state is
+                # unknown; and what it writes to (stderr too, where both go to one pipe) takes
+                # nothing more: a later write there would block hvdrun's exit.
                 self._lock = threading.Lock()
                 self._status = b""
+                stuck_on = {g.identity for g in self._streams.values() if g.busy}
+                for guarded in self._streams.values():
+                    if guarded.identity in stuck_on:
+                        guarded.give_up()
             for text in said:  # (hvdrun's own messages go to stderr, which may still work)
                 self.message(text)
             if left or blocked:
@@ -372,11 +398,11 @@ class OutputSink:
                     f"{backlog.dropped} line(s) of the job's output dropped while it stopped: "
                     f"more than {backlog.limit // 1024} KiB waited to be written"
                 )
-        if blocked:
-            return
         with self._lock:
-            self._clear_status()
+            if not blocked:
+                self._clear_status()
             self._status = b""
+        with self._files_lock:
             for handle in self._files.values():
                 if handle.stream is not None:
                     with contextlib.suppress(OSError):
@@ -389,8 +415,10 @@ class OutputSink:
         """A worker's line (a :class:`Piece` of its stream): printed with its prefix unless
         not ``shown``; copied to the rank's ``--output-filename`` file with its own ``end``."""
         stream = "stderr" if stream == "stderr" else "stdout"
+        # The copy is written at once (a file, not the reader of hvdrun's output: every byte
+        # goes there, whatever happens to the terminal's line).
+        self._copy(rank, stream, text + end)
         if not shown:
-            self._run(lambda: self._copy(rank, stream, end), len(end), line=True)
             return
         out = self._streams[stream]
         prefix = b"[%d]<%s>:" % (rank, stream.encode())
@@ -409,15 +437,12 @@ class OutputSink:
             with self._lock:
                 self._clear_status()
                 out.write(shown_line)
-                handle = self._files.get((rank, stream))
-                if handle is not None:
-                    handle.write(text + end)
                 self._draw_status()
 
-        self._run(write, len(shown_line), line=True)
+        self._run(write, len(shown_line) + LINE_COST, line=True)
 
     def _copy(self, rank: int, stream: str, data: bytes) -> None:
-        with self._lock:
+        with self._files_lock:
             handle = self._files.get((rank, stream))
             if handle is not None:
                 handle.write(data)

@@ -3,6 +3,7 @@ import io
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,34 @@ def test_a_stopping_job_drops_what_a_stuck_stdout_cannot_take() -> None:
     sink.message("after the end")  # (written at once from now on)
     assert err.getvalue().endswith(b"hvdrun: after the end\n")
     out.flowing.set()
+
+
+def test_output_files_get_every_line_while_stdout_is_stuck(tmp_path: Path) -> None:
+    out, err = _Stalled(), io.BytesIO()
+    options = OutputOptions(output_dir=str(tmp_path))
+    sink = OutputSink(out, err, options=options, background=True, backlog_bytes=100)
+    sink.open_files([0])
+    for i in range(50):
+        sink.line(0, "stdout", b"line %d" % i)
+    sink.stop_waiting()  # (lines over the limit are now dropped from the terminal...)
+    sink.line(0, "stdout", b"last", b"")
+    sink.close(stuck=0.2)
+    expected = b"".join(b"line %d\n" % i for i in range(50)) + b"last"
+    assert (tmp_path / "rank.0" / "stdout").read_bytes() == expected  # (... not from the file)
+    out.flowing.set()
+
+
+def test_a_slow_write_after_a_quiet_stretch_is_not_taken_for_a_stuck_reader() -> None:
+    class Slow(io.BytesIO):
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            time.sleep(0.2)
+            return super().write(data)
+
+    out, err = Slow(), io.BytesIO()
+    sink = OutputSink(out, err, background=True)
+    time.sleep(0.5)  # quiet for longer than ``stuck`` below
+    sink.line(0, "stdout", b"one")
+    sink.line(0, "stdout", b"two")
+    sink.close(stuck=0.3)
+    assert out.getvalue() == b"[0]<stdout>:one\n[0]<stdout>:two\n"
+    assert err.getvalue() == b""
