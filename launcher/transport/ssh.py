@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import select
+import shlex
 import socket
 import subprocess
 import threading
@@ -423,7 +424,22 @@ class SSHConnector:
 
 class _ProxyCommand(paramiko.ProxyCommand):
     """paramiko's ProxyCommand, but a command that exited reads as a closed socket: paramiko's
-    own ``recv`` loops on the end of its output until the handshake's timeout."""
+    own ``recv`` loops on the end of its output until the handshake's timeout. The command
+    runs in a session of its own, as the local agents do: a Ctrl-C at the terminal reaches
+    hvdrun's whole process group, and a proxy that died of it first made hvdrun blame the
+    host's lost connection instead of stopping the job for the Ctrl-C."""
+
+    def __init__(self, command_line: str) -> None:  # (no call of paramiko's: it starts one)
+        self.cmd = shlex.split(command_line)
+        self.process = subprocess.Popen(
+            self.cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            bufsize=0,
+            start_new_session=True,
+        )
+        self.timeout = None
 
     def recv(self, size: int) -> bytes:
         stdout = self.process.stdout

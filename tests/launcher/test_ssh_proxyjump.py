@@ -3,6 +3,9 @@ reached through that host, as ``ssh -J`` would (tests/cluster.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,3 +63,45 @@ def test_proxy_jump_reaches_a_host_behind_another(
     )
     # node2 saw the login come from node1
     assert f"Accepted publickey for root from {node1.address}" in node2.sshd_log.read_text()
+
+
+def test_ctrl_c_at_the_terminal_stops_a_job_reached_through_a_proxy_command(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A terminal's Ctrl-C reaches hvdrun's whole process group: the ProxyCommand must not
+    die of it first, or hvdrun takes the Ctrl-C for a lost host (exit 255)."""
+    node1, node2 = cluster.hosts[:2]
+    proxy = (
+        f"ssh -F /dev/null -i {cluster.client_key} -o BatchMode=yes "
+        "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
+        f"-W %h:%p root@{node1.address}"
+    )
+    config = tmp_path / "ssh_config"
+    config.write_text(
+        f"Host via1\n    HostName {node2.address}\n    ProxyCommand {proxy}\n"
+        f"    User root\n    IdentityFile {cluster.client_key}\n    IdentitiesOnly yes\n"
+    )
+    script = "import time; print('ready', flush=True); time.sleep(60)"
+    argv = ["--ssh-config-file", str(config), "-H", "via1:1", PY, "-c", script]
+    proc = subprocess.Popen(
+        cluster.hvdrun_argv(*argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=cluster.env(),
+        start_new_session=True,  # (its own process group, as a terminal's foreground job)
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == "[0]<stdout>:ready\n", proc.stderr.read() if proc.stderr else line
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    assert "received SIGINT; stopping all workers" in stderr
+    assert "lost the connection" not in stderr, stderr
