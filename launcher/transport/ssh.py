@@ -238,10 +238,17 @@ class SSHConnector:
             raise SSHConnectError(message) from None
         except Exception as exc:
             proxy_failure = self._proxy_failure()
+            transport = client.get_transport()
+            # paramiko tries a key file as each kind of key in turn and raises the last kind's
+            # parse error ("encountered RSA key, expected OPENSSH key") where the server
+            # refused the key: past the handshake, unauthenticated, it is the login that failed.
+            refused = (
+                transport is not None and transport.is_active() and not transport.is_authenticated()
+            )
             self.abort()
             if proxy_failure:
                 raise SSHConnectError(proxy_failure) from None
-            if str(exc).startswith("No authentication methods available"):  # no key at all
+            if refused or str(exc).startswith("No authentication methods available"):
                 message = self._auth_message(exc, keys, allow_agent, look_for_keys)
                 raise SSHConnectError(message) from None
             if time.monotonic() >= deadline - 0.2:  # paramiko's own timeouts fired
@@ -380,7 +387,9 @@ class SSHConnector:
                 ": no key to offer (give one with -i or IdentityFile in ~/.ssh/config, "
                 "or load one into ssh-agent)"
             )
-        if isinstance(exc, paramiko.PasswordRequiredException):
+        if isinstance(exc, paramiko.PasswordRequiredException) or any(
+            _needs_passphrase(path) for path in keys
+        ):
             message += "; a key needs its passphrase: load it into ssh-agent"
         missing = [path for path in self.target.identity_files if path not in keys]
         if missing:
@@ -454,6 +463,19 @@ class _ProxyCommand(paramiko.ProxyCommand):
 
 
 DEFAULT_KEYS = ("~/.ssh/id_rsa", "~/.ssh/id_ecdsa", "~/.ssh/id_ed25519", "~/.ssh/id_dsa")
+
+
+def _needs_passphrase(path: str) -> bool:
+    """Whether the key file is encrypted (paramiko's error for it may name another thing)."""
+    try:
+        paramiko.PKey.from_path(path)
+    except paramiko.PasswordRequiredException:
+        return True
+    except TypeError as exc:  # (a PEM key: cryptography's "... private key is encrypted")
+        return "encrypted" in str(exc)
+    except Exception:
+        return False
+    return False
 
 
 def _agent_key_count() -> int:

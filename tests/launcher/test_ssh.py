@@ -699,3 +699,44 @@ def test_keys_from_ssh_agent(cluster: Cluster, tmp_path: Path) -> None:
     finally:
         agent.kill()
         agent.wait()
+
+
+@pytest.mark.parametrize("kind", ["rsa", "ecdsa", "rsa-encrypted"])
+def test_a_refused_key_of_any_kind_says_the_login_failed(
+    cluster: Cluster, tmp_path: Path, kind: str
+) -> None:
+    """paramiko raises its last parse error for a refused RSA or ECDSA key file ("encountered
+    RSA key, expected OPENSSH key"); hvdrun says what happened: the login failed."""
+    node1 = cluster.hosts[0]
+    key = tmp_path / f"{kind}_key"
+    passphrase = "secret words" if kind == "rsa-encrypted" else ""
+    made = subprocess.run(
+        [
+            "ssh-keygen",
+            "-q",
+            "-t",
+            kind.split("-")[0],
+            "-m",
+            "PEM",
+            "-N",
+            passphrase,
+            "-f",
+            str(key),
+        ],
+        capture_output=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    home = tmp_path / "home"  # (no key of its own, no ssh-agent: only -i is offered)
+    (home / ".ssh").mkdir(parents=True)
+    shutil.copy(cluster.known_hosts, home / ".ssh" / "known_hosts")
+    (home / ".ssh" / "config").write_text("Host *\n    User root\n")
+    env = {k: v for k, v in cluster.env(HOME=str(home)).items() if k != "SSH_AUTH_SOCK"}
+    result = cluster.hvdrun("-i", str(key), "-H", f"{node1.address}:1", "true", env=env)
+    assert result.returncode == 255
+    assert (
+        f"authentication failed for user root; the server accepted none of: key {key}"
+    ) in result.stderr, result.stderr
+    assert "expected OPENSSH key" not in result.stderr
+    hint = "a key needs its passphrase: load it into ssh-agent"
+    assert (hint in result.stderr) == (kind == "rsa-encrypted"), result.stderr
