@@ -302,6 +302,23 @@ class Cluster:
                     found.append(proc)
         return found
 
+    def proxied_config(
+        self, path: Path, alias: str, target: ClusterHost, via: ClusterHost, more: str = ""
+    ) -> Path:
+        """Writes an ssh_config at ``path`` whose ``alias`` reaches ``target`` as root through
+        a ProxyCommand on ``via`` (``ssh -W``, the ssh client of openssh-client; ``more``:
+        further option lines); returns ``path``."""
+        proxy = (
+            f"ssh -F /dev/null -i {self.client_key} -o BatchMode=yes "
+            "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR "
+            f"-W %h:%p root@{via.address}"
+        )
+        path.write_text(
+            f"Host {alias}\n    HostName {target.address}\n    User root\n"
+            f"    IdentityFile {self.client_key}\n    ProxyCommand {proxy}\n{more}"
+        )
+        return path
+
     def new_key(self, name: str) -> Path:
         path = self.root / name
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(path))

@@ -433,15 +433,8 @@ def test_ssh_config_port_and_proxy_command(cluster: Cluster, tmp_path: Path) -> 
     if shutil.which("ssh") is None:
         pytest.skip("the ssh client (openssh-client) is needed as ProxyCommand")
     node1, node2 = cluster.hosts[:2]
-    jump = (
-        f"ssh -F /dev/null -i {cluster.client_key} -o BatchMode=yes "
-        "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR "
-        f"-W %h:%p root@{node1.address}"
-    )
-    config = tmp_path / "ssh_config"
-    config.write_text(
-        f"Host behind-node1\n    HostName {node2.address}\n    Port 2222\n"
-        f"    User root\n    IdentityFile {cluster.client_key}\n    ProxyCommand {jump}\n"
+    config = cluster.proxied_config(
+        tmp_path / "ssh_config", "behind-node1", node2, node1, "    Port 2222\n"
     )
     result = cluster.hvdrun(
         "--ssh-config-file",
