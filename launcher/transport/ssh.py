@@ -241,9 +241,13 @@ class SSHConnector:
             transport = client.get_transport()
             # paramiko tries a key file as each kind of key in turn and raises the last kind's
             # parse error ("encountered RSA key, expected OPENSSH key") where the server
-            # refused the key: past the handshake, unauthenticated, it is the login that failed.
+            # refused the key: past the key exchange (a session id), unauthenticated, it is
+            # the login that failed.
             refused = (
-                transport is not None and transport.is_active() and not transport.is_authenticated()
+                transport is not None
+                and transport.session_id is not None
+                and transport.is_active()
+                and not transport.is_authenticated()
             )
             self.abort()
             if proxy_failure:
