@@ -231,16 +231,14 @@ class _Backlog:
         self._progress = time.monotonic()
         threading.Thread(target=self._run, name="hvdrun-output", daemon=True).start()
 
-    def put(
-        self, job: Callable[[], None], size: int = 0, line: bool = False, said: str | None = None
-    ) -> bool:
-        """Queues ``job`` (``size`` bytes of a worker's line when ``line``; ``said``: the
-        text of the hvdrun message it writes); False once the backlog finished (the caller
-        writes itself)."""
+    def put(self, job: Callable[[], None], size: int = 0, said: str | None = None) -> bool:
+        """Queues ``job`` (``size``: what the worker's line it writes counts, 0 for hvdrun's
+        own writes; ``said``: the text of the hvdrun message it writes); False once the
+        backlog finished (the caller writes itself)."""
         with self._cond:
             if self._done:
                 return False
-            if line and self.overflow and self.pending + size > self.limit:
+            if size and self.overflow and self.pending + size > self.limit:
                 self.dropped += 1
                 return True
             self._jobs.append((job, size, said))
@@ -326,12 +324,10 @@ class OutputSink:
         self._status = b""
         self._backlog = _Backlog(backlog_bytes) if background else None
 
-    def _run(
-        self, job: Callable[[], None], size: int = 0, line: bool = False, said: str | None = None
-    ) -> None:
-        """Runs a write now, or queues it on the backlog."""
+    def _run(self, job: Callable[[], None], size: int = 0, said: str | None = None) -> None:
+        """Runs a write now, or queues it on the backlog (see :meth:`_Backlog.put`)."""
         backlog = self._backlog
-        if backlog is None or not backlog.put(job, size, line, said):
+        if backlog is None or not backlog.put(job, size, said):
             job()
 
     def wait_for_room(self) -> None:
@@ -399,8 +395,7 @@ class OutputSink:
                     f"more than {backlog.limit // 1024} KiB waited to be written"
                 )
         with self._lock:
-            if not blocked:
-                self._clear_status()
+            self._clear_status()  # (none left to clear where a write was blocked)
             self._status = b""
         with self._files_lock:
             for handle in self._files.values():
@@ -439,7 +434,7 @@ class OutputSink:
                 out.write(shown_line)
                 self._draw_status()
 
-        self._run(write, len(shown_line) + LINE_COST, line=True)
+        self._run(write, len(shown_line) + LINE_COST)
 
     def _copy(self, rank: int, stream: str, data: bytes) -> None:
         with self._files_lock:

@@ -295,9 +295,9 @@ class AgentConnection:
                     self._running.pop(event.rank, None)
                 elif isinstance(event, Output) and self._events is not None:
                     # (hvdrun's output is slower than the job: stop reading this agent, and
-                    # so the agent its workers, until there is room)
+                    # so the agent its workers, until there is room; the supervisor does not
+                    # judge heartbeats meanwhile, see Supervision.check_heartbeats)
                     self._events.room_for_output()
-                    self.last_heard = time.monotonic()
                 self._deliver(event)
         try:
             self.exit_code = self._exit_code()
