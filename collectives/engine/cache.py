@@ -12,6 +12,14 @@ signature, with the counter left out of the key: the rounds compare counters sep
 The k-th unnamed op alike (kind, process set, signature) of a round has an entry of its own
 (:func:`ordinal`), so a burst of unnamed ops is cached op by op as a named one is.
 
+An op has one entry whatever its per-rank part (an allgather's first dimensions, an
+alltoall's splits): only an op whose part was the same on every member is cached, so a
+ragged op that ran with another part since replaces its entry, and a member whose part
+differs from the entry's finds nothing (the cycle falls back to the full negotiation at
+once). With an entry per part, members whose parts differed this time could each find an
+older entry of their own, at different places, and the op waited as if only some members had
+submitted it (HOLD_SECONDS per op, at every step of a variable-length allgather).
+
 All members update the table from the same information in the same order (the ops that
 ran, in the order they ran), so evictions happen alike everywhere and indices stay valid.
 Only whoever holds the set's cycle lock touches it.
@@ -92,7 +100,7 @@ class ResponseCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._index: dict[Key, int] = {}
+        self._index: dict[tuple[int, int, str, str], int] = {}  # by key less its part
         self.keys: list[Key] = []  # by index
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.evictions = 0
@@ -102,24 +110,32 @@ class ResponseCache:
         return len(self.keys)
 
     def lookup(self, key: Key) -> int | None:
-        return self._index.get(key)
+        """The entry's index, None unless it holds exactly this key (per-rank part too)."""
+        index = self._index.get(key[:4])
+        return index if index is not None and self.keys[index] == key else None
 
     def use(self, key: Key) -> int:
         """Marks the key as just used, adding it (evicting the least recently used entry
-        when full); returns its index."""
-        index = self._index.get(key)
+        when full; replacing the op's entry of another per-rank part); returns its index."""
+        op = key[:4]
+        index = self._index.get(op)
         if index is not None:
             self._lru.move_to_end(index)
+            if self.keys[index] != key:
+                # (counted as an eviction: whatever was derived from the old key is stale)
+                self.keys[index] = key
+                self.evictions += 1
+                self.changes += 1
             return index
         if len(self.keys) < self.capacity:
             index = len(self.keys)
             self.keys.append(key)
         else:
             index, _ = self._lru.popitem(last=False)
-            del self._index[self.keys[index]]
+            del self._index[self.keys[index][:4]]
             self.keys[index] = key
             self.evictions += 1
         self.changes += 1
-        self._index[key] = index
+        self._index[op] = index
         self._lru[index] = None
         return index

@@ -212,6 +212,23 @@ def test_response_cache_evicts_least_recently_used_into_the_same_index() -> None
     assert len(cache) == 2
 
 
+def test_a_ragged_op_has_one_entry_whose_per_rank_part_must_match() -> None:
+    # A variable-length allgather that ran with the same first dimension on every rank at
+    # two steps (3 rows, then 4): one entry, holding the latest part. A rank that now has
+    # 3 rows while another has 4 must find nothing (the cycle negotiates in full at once):
+    # with an entry per part each found one of its own, at different indices, and the op
+    # waited a second as if only some ranks had submitted it.
+    cache = ResponseCache(8)
+    three, _ = key_of(Kind.ALLGATHER, 0, "allgather.ids", "sig", "3")
+    four, _ = key_of(Kind.ALLGATHER, 0, "allgather.ids", "sig", "4")
+    other, _ = key_of(Kind.ALLGATHER, 0, "allgather.other", "sig", "3")
+    assert cache.use(three) == 0 and cache.use(other) == 1
+    assert cache.use(four) == 0 and len(cache) == 2
+    assert cache.lookup(four) == 0 and cache.lookup(three) is None
+    assert cache.evictions == 1  # (what was planned from the old key is stale)
+    assert cache.use(three) == 0 and cache.lookup(four) is None
+
+
 def test_unnamed_ops_share_a_key_and_carry_their_counter() -> None:
     key, counter = key_of(Kind.ALLREDUCE, 0, "allreduce.noname.41", "sig", "")
     other, other_counter = key_of(Kind.ALLREDUCE, 0, "allreduce.noname.42", "sig", "")
