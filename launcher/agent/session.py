@@ -37,6 +37,7 @@ from launcher.spec.environment import worker_base_env
 from launcher.transport.hostinfo import installed_versions
 from launcher.transport.protocol import (
     FORWARDED_SIGNALS,
+    PIECE_BYTES,
     PROTOCOL_VERSION,
     AgentEvent,
     AgentSpec,
@@ -54,6 +55,7 @@ from launcher.transport.protocol import (
     TerminateRequest,
     decode_request,
     encode_event,
+    pieces,
 )
 from rendezvous import worker_env
 from rendezvous.addresses import interface_facing, is_loopback, pick_master, split_addr
@@ -156,15 +158,19 @@ def _own_address() -> str:
 
 
 class Emitter:
-    """Writes events to stdout, whole lines only; notices when nobody reads any more."""
+    """Writes events to stdout, whole lines only; notices when nobody reads any more.
+    ``pieced``: long lines go as pieces (an agent under srun; see ``protocol.pieces``)."""
 
-    def __init__(self, stdout: BinaryIO) -> None:
+    def __init__(self, stdout: BinaryIO, pieced: bool = False) -> None:
         self._stdout = stdout
         self._lock = threading.Lock()
+        self._pieced = pieced
         self.broken = threading.Event()
 
     def __call__(self, event: AgentEvent) -> None:
         data = encode_event(event)
+        if self._pieced and len(data) > PIECE_BYTES:
+            data = b"".join(pieces(data))
         with self._lock:
             try:
                 self._stdout.write(data)
@@ -333,7 +339,7 @@ def main(shared_stdin: bool = False) -> int:
     if shared_stdin:
         task = int(os.environ.get("SLURM_PROCID", "0"))
         stdin = AddressedStdin(stdin, task)
-    emit = Emitter(sys.stdout.buffer)
+    emit = Emitter(sys.stdout.buffer, pieced=shared_stdin)
     # SIGUSR1/SIGUSR2 sent to the agent itself are Slurm's to a step (--signal=USR1@T,
     # scancel --signal): Slurm signals every process of the step, the workers too, so the
     # agent passes nothing on and must not die of them either. (A handler, not SIG_IGN:

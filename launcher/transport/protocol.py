@@ -67,6 +67,43 @@ FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 SHARED_STDIN_FLAG = "--shared-stdin"
 #: The last line such an agent writes, with its exit code (srun reports only failures).
 EXIT_MARKER = "hvdrun-agent-exit"
+#: The longest line such an agent writes, newline included: srun's ``--label`` cuts a task's
+#: output into pieces of 1024 bytes and labels each as a line of its own, so a longer event
+#: goes as pieces (see :func:`pieces`), joined again by :class:`Joiner`.
+PIECE_BYTES = 1000
+_MORE, _LAST = b"+", b"="
+
+
+def pieces(line: bytes, limit: int = PIECE_BYTES) -> list[bytes]:
+    """``line`` (newline-terminated) as lines of at most ``limit`` bytes: itself when short
+    enough; else pieces marked ``+`` (more follow) and ``=`` (the last). An event line starts
+    with ``{`` and the exit marker with ``h``, so neither reads as a piece."""
+    if len(line) <= limit:
+        return [line]
+    body = line[:-1] if line.endswith(b"\n") else line
+    size = limit - 2  # (its mark and its newline)
+    chunks = [body[i : i + size] for i in range(0, len(body), size)]
+    return [_MORE + chunk + b"\n" for chunk in chunks[:-1]] + [_LAST + chunks[-1] + b"\n"]
+
+
+class Joiner:
+    """Joins one task's pieces (see :func:`pieces`) back into its lines."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def feed(self, line: bytes) -> bytes | None:
+        """The whole line ``line`` completes (itself when it is no piece), or None while
+        pieces of it are still to come."""
+        mark = line[:1]
+        if mark == _MORE:
+            self._parts.append(line[1:].rstrip(b"\r\n"))
+            return None
+        if mark == _LAST:
+            self._parts.append(line[1:])
+            whole, self._parts = b"".join(self._parts), []
+            return whole
+        return line
 
 
 @dataclass

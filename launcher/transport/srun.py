@@ -15,7 +15,9 @@ from that one process:
   file (:class:`launcher.agent.session.AddressedStdin` filters them), so the job secret in the
   run request travels on stdin, as over SSH, never in argv.
 * **stdout/stderr**: ``--label`` puts ``TASK: `` before every line; lines are handed to the
-  agent of that task. A task is bound to its host by the node its ``hello`` names
+  agent of that task. It also cuts a line into pieces of 1024 bytes, each labelled as a
+  line, so the agents write long event lines as marked pieces of their own
+  (``protocol.pieces``), joined here. A task is bound to its host by the node its ``hello`` names
   (``SLURMD_NODENAME``): Slurm orders tasks by its own node order, not the list's.
 * **exit codes**: an agent's last line is ``hvdrun-agent-exit CODE``; srun's own
   ``task N: Exited with exit code C``/``Killed`` lines cover agents that die without it.
@@ -44,7 +46,13 @@ from collections.abc import Sequence
 
 from launcher.transport.connection import AgentConnection, AgentStartError, StepCancelled
 from launcher.transport.local import AGENT_MODULE, agent_env
-from launcher.transport.protocol import EXIT_MARKER, SHARED_STDIN_FLAG, Hello, decode_event
+from launcher.transport.protocol import (
+    EXIT_MARKER,
+    SHARED_STDIN_FLAG,
+    Hello,
+    Joiner,
+    decode_event,
+)
 from rendezvous.addresses import source_address
 from rendezvous.launchers import node_address
 
@@ -306,12 +314,16 @@ class SlurmStep:
 
     def _pump_stdout(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
+        joiners: collections.defaultdict[int, Joiner] = collections.defaultdict(Joiner)
         for line in self._proc.stdout:
             match = _LABEL.match(line)
             if match is None:
                 log.info("srun: %s", line.rstrip().decode(errors="replace"))
                 continue
-            task, payload = int(match.group(1)), line[match.end() :]
+            task = int(match.group(1))
+            payload = joiners[task].feed(line[match.end() :])
+            if payload is None:
+                continue  # (a piece of a long event line: more follow)
             agent = self._tasks.get(task)
             if agent is None:
                 agent = self._bind(task, _hello_of(payload))

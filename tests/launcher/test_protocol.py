@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 
 from launcher.transport.protocol import (
+    PIECE_BYTES,
     AgentEvent,
     AgentSpec,
     Done,
     Exit,
     Hello,
+    Joiner,
     KillRequest,
     Network,
     Output,
@@ -29,6 +31,7 @@ from launcher.transport.protocol import (
     decode_request,
     encode_event,
     encode_request,
+    pieces,
 )
 
 EVENT_LINES = [
@@ -132,3 +135,20 @@ def test_an_agent_of_an_srun_step_reads_only_its_own_lines_of_the_shared_stdin()
     task0 = AddressedStdin(io.BytesIO(b'0 {"op": "ping"}\n'), 0)
     assert task0.readline() == b'{"op": "ping"}\n'
     assert task0.readline() == b""  # srun's stdin closed
+
+
+def test_long_event_lines_go_as_pieces_srun_keeps_whole_and_join_back() -> None:
+    # srun --label cuts a task's line into 1024-byte pieces and labels each as a line: an
+    # agent under srun writes a long event as marked pieces of at most PIECE_BYTES.
+    event = Output(0, "stdout", ("█" * 400 + "y" * 3000 + "\n").encode())
+    line = encode_event(event)
+    parts = pieces(line)
+    assert len(parts) > 1 and all(len(p) <= PIECE_BYTES and p.endswith(b"\n") for p in parts)
+    joiner = Joiner()
+    assert [joiner.feed(p) for p in parts[:-1]] == [None] * (len(parts) - 1)
+    whole = joiner.feed(parts[-1])
+    assert whole == line and decode_event(whole) == event
+    # short lines (and the exit marker) pass as they are, before and after a long one
+    short = encode_event(Output(1, "stderr", b"x\n"))
+    assert pieces(short) == [short]
+    assert joiner.feed(short) == short and joiner.feed(b"hvdrun-agent-exit 0\n") is not None

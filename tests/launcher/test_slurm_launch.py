@@ -181,6 +181,17 @@ def test_a_failing_rank_ends_the_job_with_its_code_and_nothing_is_left(
     assert left_on_nodes(slurm, within=10) == []
 
 
+def test_long_output_lines_arrive_whole_through_srun(slurm: SlurmCluster) -> None:
+    # srun --label cuts lines at 1024 bytes; a worker's long line (an event of the agent's,
+    # longer again when JSON escapes non-ASCII text) was lost, with a warning per piece.
+    code = 'print("y" * 3000); print("\\u2588" * 400, flush=True); print("short")'
+    result = slurm.run("salloc", "-N1", *HVDRUN, sys.executable, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert "malformed" not in result.stderr, result.stderr[:600]
+    lines = [line.removeprefix("[0]<stdout>:") for line in result.stdout.splitlines()]
+    assert lines == ["y" * 3000, "\u2588" * 400, "short"], [line[:40] for line in lines]
+
+
 @pytest.mark.parametrize("what", ["job", "step"])
 def test_scancel_ends_hvdrun_and_every_worker_on_every_node(slurm: SlurmCluster, what: str) -> None:
     proc = running_job(slurm)
