@@ -49,8 +49,10 @@ from launcher.transport.protocol import (
     Stopped,
     WorkerLaunch,
 )
+from launcher.transport.startup import RendezvousListenError
 from rendezvous import worker_env
 from rendezvous.insight import RankFigures
+from rendezvous.server.serving import ListenError, RendezvousServer
 from rendezvous.slots import SlotInfo
 
 log = logging.getLogger(__name__)
@@ -554,3 +556,13 @@ class Supervision(ABC, Generic[E]):
     def kill_all(self) -> None:
         for agent in self.live_agents():
             agent.kill()
+
+
+def start_server(server: RendezvousServer, explicit: str | None) -> int:
+    """Starts the job's rendezvous server; a port or address it cannot listen on becomes
+    :class:`RendezvousListenError`, one line for the user."""
+    try:
+        return server.start()
+    except ListenError as exc:
+        where = f"--rendezvous-addr {explicit}: " if explicit else ""
+        raise RendezvousListenError(f"{where}the rendezvous server {exc}") from None

@@ -81,6 +81,7 @@ from launcher.supervision.core import (
     agent_loss_reason,
     agent_spec,
     collective_timeout,
+    start_server,
 )
 from launcher.supervision.discovery import DiscoveryError, FixedHosts
 from launcher.supervision.insight import InsightWatch
@@ -597,7 +598,7 @@ def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     server = RendezvousServer(
         [], secret, job_id, bind_host=bind, port=plan.port, elastic=True, tls=tls
     )
-    server.start()
+    start_server(server, spec.launch.rendezvous_addr)
     try:
         server.put_values(spec.preset)
         with Signals().installed() as signals:

@@ -35,6 +35,7 @@ from launcher.supervision.core import (
     agent_spec,
     collective_timeout,
     rank_list,
+    start_server,
 )
 from launcher.supervision.insight import InsightWatch
 from launcher.supervision.report import report_failure
@@ -342,7 +343,7 @@ def _supervise(
     server = RendezvousServer(
         slots, secret, job_id, bind_host=plan.bind_host, port=plan.port, tls=tls
     )
-    port = server.start()
+    port = start_server(server, spec.launch.rendezvous_addr)
     try:
         server.put_values(spec.preset)
         rank0 = next(slot.hostname for slot in slots if slot.rank == 0)

@@ -35,7 +35,9 @@ servicer itself is used on the loop only.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
+import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -55,6 +57,45 @@ from rendezvous.tls import JobCertificate
 logger = logging.getLogger(LOGGER_NAME)
 
 _T = TypeVar("_T")
+
+
+class ListenError(OSError):
+    """The server cannot listen on the address it was given; the message is for the user."""
+
+
+def _listen_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound here, found by binding a plain socket first (as
+    gRPC would, with SO_REUSEADDR): gRPC itself only says "Failed to bind to address", and
+    logs a line of its own. None when it can be bound (or the name does not resolve: gRPC
+    then says so)."""
+    try:
+        infos = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV
+        )
+    except (OSError, UnicodeError):
+        return None
+    problems: list[str] = []
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(sockaddr)
+        except OSError as error:
+            problems.append(_bind_problem(error, port))
+            continue
+        return None
+    return problems[0] if problems else None
+
+
+def _bind_problem(error: OSError, port: int) -> str:
+    if error.errno == errno.EADDRINUSE:
+        return f"port {port} is in use"
+    if error.errno == errno.EADDRNOTAVAIL:
+        return "it is not an address of this machine"
+    if error.errno == errno.EACCES:
+        return f"port {port} needs privileges to listen on"
+    return error.strerror or str(error)
+
 
 #: How long a question to the server's loop (the supervisor's, about the job's state) waits
 #: for its answer; then it raises TimeoutError, which the supervisors ride out.
@@ -200,15 +241,18 @@ class RendezvousServer:
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         address = f"{host}:{self._requested_port}"
+        problem = _listen_problem(self._bind_host.strip("[]"), self._requested_port)
+        if problem is not None:
+            raise ListenError(f"cannot listen on {address}: {problem}")
         try:
             if self._tls is not None:
                 port = server.add_secure_port(address, self._tls.server_credentials())
             else:
                 port = server.add_insecure_port(address)
         except RuntimeError as error:
-            raise OSError(f"rendezvous server cannot listen on {address}: {error}") from None
+            raise ListenError(f"cannot listen on {address}: {error}") from None
         if port == 0:
-            raise OSError(f"rendezvous server cannot listen on {address}")
+            raise ListenError(f"cannot listen on {address}")
         await server.start()
         self._server = server
         return port
