@@ -58,6 +58,7 @@ class Handle:
             return
         self.result = result
         self.cuda_event = cuda_event
+        self._flush = None  # (a handle kept unsynchronized must not keep its engine alive)
         self._finished = True
         self._done.release()
 
@@ -66,6 +67,7 @@ class Handle:
         if self._finished:
             return
         self.error = error
+        self._flush = None
         self._finished = True
         self._done.release()
 

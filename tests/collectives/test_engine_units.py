@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import itertools
 import threading
 import time
@@ -111,6 +112,25 @@ class _OnDevice:
 
     def get_device(self) -> int:
         return 0
+
+
+def test_a_finished_handle_no_longer_holds_what_it_would_flush() -> None:
+    # A handle keeps its result until hvd.synchronize() (as Horovod's do), but one never
+    # synchronized kept its set's controller through its flush, and with it a shut-down
+    # engine (its cache, its staging buffers): one engine more per hvd.init() round.
+    class Controller:
+        def flush(self) -> None:
+            pass
+
+    for finish in (lambda h: h.complete(1), lambda h: h.fail(RuntimeError("peer died"))):
+        controller = Controller()
+        handle = Handle(controller.flush)
+        alive = weakref.ref(controller)
+        finish(handle)
+        del controller
+        gc.collect()
+        assert alive() is None
+        assert handle.done()
 
 
 def test_a_cuda_result_orders_each_stream_that_waits_for_it_once(
