@@ -43,6 +43,7 @@ from collectives.runtime.adopted import init_adopted
 from collectives.runtime.groups import (
     check_interfaces,
     choose_backend,
+    init_default_group,
     keep_nccl_off_the_store,
     select_cuda_device,
     start_engine,
@@ -135,7 +136,7 @@ def _init_single(backend: str, timeout: datetime.timedelta) -> RuntimeState:
     topology = Topology(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1)
     select_cuda_device(backend, 0)
     store = dist.HashStore()
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    init_default_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return RuntimeState(topology=topology, backend=backend, timeout=timeout, store=store)
 
 

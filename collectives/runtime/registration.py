@@ -34,11 +34,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
-
 from collectives.errors import HorovodInternalError, JobSetupError
 from collectives.runtime import logs
-from collectives.runtime.groups import destroy_groups, select_cuda_device, start_engine
+from collectives.runtime.groups import (
+    destroy_groups,
+    init_default_group,
+    select_cuda_device,
+    start_engine,
+)
 from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import worker_env
 
@@ -200,7 +203,7 @@ def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
         timeout=runtime_.timeout,
     )
     try:
-        dist.init_process_group(
+        init_default_group(
             runtime_.backend,
             store=runtime_.store,
             rank=topology.rank,

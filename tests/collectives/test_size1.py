@@ -6,6 +6,8 @@ Every op must be the identity (or its scaled form) on one rank, and the lifecycl
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -48,6 +50,26 @@ def test_queries_before_init_raise(alone: None) -> None:
         hvd_module.allreduce(torch.ones(2))
     with pytest.raises(ValueError, match=r"hvd\.init\(\)"):
         hvd_module.broadcast_object(1)
+
+
+def test_an_uncaught_error_names_the_rank_once_after_many_init_rounds(alone: None) -> None:
+    # torch wraps sys.excepthook with a "[rankN]:" prefix on every init_process_group: after
+    # many hvd.init() rounds (or elastic resets) each traceback line carried one per round.
+    plain = sys.excepthook
+    try:
+        for _ in range(5):
+            hvd_module.init()
+            hvd_module.shutdown()
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                raise ValueError("the script's own error")
+            except ValueError:
+                sys.excepthook(*sys.exc_info())
+        lines = err.getvalue().splitlines()
+        assert lines and lines[-1] == "[rank0]: ValueError: the script's own error", lines
+    finally:
+        sys.excepthook = plain
 
 
 def test_init_shutdown_init(alone: None) -> None:
