@@ -41,19 +41,59 @@ class HostSpec:
     slots: int
 
 
-def parse_host_entry(entry: str) -> HostSpec:
-    """Parse one ``host`` or ``host:slots`` entry."""
+def parse_host_entry(entry: str, default_slots: int = 1) -> HostSpec:
+    """Parse one ``host`` or ``host:slots`` entry (``default_slots`` when it gives none).
+
+    An IPv6 address goes in brackets, ``[fd00::2]`` or ``[fd00::2]:4``; without them it is
+    taken whole (``fd00::2``) when that is its one reading, and refused when the part before
+    its last ':' is an address too (``fd00::1:2``: the address, or fd00::1 with 2 slots?).
+    """
     text = entry.strip()
     if not text:
         raise HostSpecError("empty host entry")
-    hostname, sep, slots_text = text.rpartition(":")
-    if not sep:
-        hostname, slots_text = text, "1"
+    hostname, slots_text = split_host_entry(text)
+    if slots_text is None:
+        return HostSpec(_check_hostname(hostname, text), default_slots)
     if not hostname:
         raise HostSpecError(f"host name missing in '{text}' (expected host:slots)")
     if not slots_text:
         raise HostSpecError(f"slot count missing in '{text}' (expected host:slots)")
     return HostSpec(_check_hostname(hostname, text), _parse_slots(slots_text, text))
+
+
+_BRACKETED = re.compile(r"^(?P<user>[^@\[\]]*@)?\[(?P<address>[^\[\]]*)\](?P<rest>.*)$")
+
+
+def split_host_entry(text: str) -> tuple[str, str | None]:
+    """``[user@]host[:slots]`` as (``[user@]host``, the slots' text or None), the host of a
+    bracketed IPv6 address without its brackets; raises HostSpecError."""
+    match = _BRACKETED.match(text)
+    if match is not None:
+        user, address, rest = match.group("user") or "", match.group("address"), match["rest"]
+        if not is_ipv6(address):
+            raise HostSpecError(f"'[{address}]' in '{text}' is not an IPv6 address")
+        if rest and not rest.startswith(":"):
+            raise HostSpecError(
+                f"cannot read '{rest}' after ']' in '{text}' (expected [addr]:slots)"
+            )
+        return user + address, rest[1:] if rest else None
+    user, at, host = text.rpartition("@")
+    head, sep, tail = host.rpartition(":")
+    if not sep:
+        return text, None
+    if head.count(":") == 0 and not is_ipv6(host):
+        return user + at + head, tail  # host:slots
+    whole, before = is_ipv6(host), is_ipv6(head) and tail.isdigit()
+    if whole and before:
+        raise HostSpecError(
+            f"'{text}' is ambiguous: write '[{host}]' for that IPv6 address, or "
+            f"'[{head}]:{tail}' for {head} with {tail} slot{'' if tail == '1' else 's'}"
+        )
+    if whole:
+        return text, None
+    if before:
+        return user + at + head, tail
+    return user + at + head, tail  # (refused by _check_hostname, naming the ':')
 
 
 def _parse_slots(slots_text: str, entry: str) -> int:
@@ -82,9 +122,10 @@ def _check_hostname(hostname: str, entry: str) -> str:
     if hostname.startswith("-"):
         # Would read as an option to ssh and friends.
         raise HostSpecError(f"host name '{hostname}' in '{entry}' starts with '-'")
-    if ":" in hostname and not is_ipv6(hostname):
+    if ":" in hostname and not is_ipv6(hostname.rpartition("@")[2]):
         raise HostSpecError(
-            f"host name '{hostname}' in '{entry}' contains ':' (expected host:slots)"
+            f"host name '{hostname}' in '{entry}' contains ':' (expected host:slots, "
+            "or [addr]:slots for an IPv6 address)"
         )
     return hostname
 
@@ -137,7 +178,7 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> list[HostSpec]:
 
 
 def _parse_keyword_line(fields: list[str], line: str) -> HostSpec:
-    hostname, *options = fields
+    field, *options = fields
     slots: int | None = None
     for option in options:
         match = _SLOTS_KEYWORD.match(option)
@@ -145,7 +186,11 @@ def _parse_keyword_line(fields: list[str], line: str) -> HostSpec:
             raise HostSpecError(f"cannot read '{option}' in '{line}' (expected 'host slots=N')")
         if option.startswith("slots="):
             slots = _parse_slots(match.group(1), line)
-    if ":" in hostname and not is_ipv6(hostname):
+    if is_ipv6(field.rpartition("@")[2]):  # (an address, whatever its last ':' might say)
+        hostname, slots_text = field, None
+    else:
+        hostname, slots_text = split_host_entry(field)
+    if slots_text is not None:
         raise HostSpecError(f"'{line}' gives slots twice (use 'host slots=N' or 'host:N')")
     if slots is None:
         raise HostSpecError(f"no slots= in '{line}'")

@@ -48,7 +48,7 @@ def parse_discovery_output(
         if not line:
             continue
         try:
-            entry = parse_host_entry(line if ":" in line else f"{line}:{slots_per_host}")
+            entry = parse_host_entry(line, default_slots=slots_per_host)
         except HostSpecError as exc:
             raise DiscoveryError(f"line {number}: {exc}") from None
         if entry.hostname in hosts and repeated is not None:

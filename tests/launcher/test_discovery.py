@@ -27,6 +27,17 @@ def test_parse_discovery_output() -> None:
         parse_discovery_output("a\nb:0\n", 1)
 
 
+def test_discovery_output_with_ipv6_addresses() -> None:
+    text = "fd00::2\n[fd00::3]\n[fd00::4]:4\n"
+    assert parse_discovery_output(text, slots_per_host=2) == [
+        HostSpec("fd00::2", 2),
+        HostSpec("fd00::3", 2),
+        HostSpec("fd00::4", 4),
+    ]
+    with pytest.raises(DiscoveryError, match=r"line 1: 'fd00::1:2' is ambiguous"):
+        parse_discovery_output("fd00::1:2\n", 1)
+
+
 def test_a_host_printed_twice_takes_its_last_lines_slots() -> None:
     """As in Horovod, which keeps the hosts in a dict: the last line wins."""
     repeated: set[str] = set()

@@ -198,7 +198,58 @@ def test_an_entry_with_two_colons_is_refused_unless_the_host_is_ipv6() -> None:
         parse_hosts("localhost:2:3")
     with pytest.raises(HostSpecError, match="contains ':'"):
         parse_hostfile_text("node1:2:3\n")
-    assert parse_hosts("fe80::1:2") == [HostSpec("fe80::1", 2)]
+    assert parse_hosts("1:2:3:4:5:6:7:8:2") == [HostSpec("1:2:3:4:5:6:7:8", 2)]  # one reading
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[::1]", [HostSpec("::1", 1)]),
+        ("[::1]:2", [HostSpec("::1", 2)]),
+        ("[fd00::1:2]:3,[fd00::1]", [HostSpec("fd00::1:2", 3), HostSpec("fd00::1", 1)]),
+        ("::1", [HostSpec("::1", 1)]),  # the whole is an address; '::' before ':1' is none
+        ("fd00::2", [HostSpec("fd00::2", 1)]),
+        ("root@[fd00::2]:4", [HostSpec("root@fd00::2", 4)]),
+        ("root@fd00::2", [HostSpec("root@fd00::2", 1)]),
+        ("[fe80::1%eth0]:2", [HostSpec("fe80::1%eth0", 2)]),
+    ],
+)
+def test_ipv6_addresses_in_brackets_or_whole(text: str, expected: list[HostSpec]) -> None:
+    assert parse_hosts(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "fd00::1:2",
+            r"'fd00::1:2' is ambiguous: write '\[fd00::1:2\]' for that IPv6 address, "
+            r"or '\[fd00::1\]:2' for fd00::1 with 2 slots",
+        ),
+        ("::1:2", r"'::1:2' is ambiguous"),
+        ("[node1]:2", r"'\[node1\]' in '\[node1\]:2' is not an IPv6 address"),
+        ("[::1]2", r"cannot read '2' after '\]' in '\[::1\]2'"),
+        ("[::1]:x", r"'x' in '\[::1\]:x' is not a number"),
+        ("[::1]:2,::1", "'::1' is listed more than once"),
+    ],
+)
+def test_ambiguous_or_malformed_ipv6_entries_are_refused(text: str, message: str) -> None:
+    with pytest.raises(HostSpecError, match=message):
+        parse_hosts(text)
+
+
+def test_ipv6_addresses_in_a_hostfile() -> None:
+    text = "::1 slots=2\n[fd00::2] slots=3\nfd00::1:2 slots=1\n[fd00::5]:2\n"
+    assert parse_hostfile_text(text) == [
+        HostSpec("::1", 2),
+        HostSpec("fd00::2", 3),
+        HostSpec("fd00::1:2", 1),  # (slots= says the whole is the address)
+        HostSpec("fd00::5", 2),
+    ]
+    with pytest.raises(HostSpecError, match="line 1: '\\[::1\\]:2 slots=2' gives slots twice"):
+        parse_hostfile_text("[::1]:2 slots=2\n")
+    with pytest.raises(HostSpecError, match="line 1: 'fd00::1:2' is ambiguous"):
+        parse_hostfile_text("fd00::1:2\n")
 
 
 @pytest.mark.parametrize(
