@@ -351,6 +351,10 @@ def cli(
         check_rendezvous_addr(rendezvous_addr)
     ifnames = interfaces(network_interface, compat.network_interfaces)
     env, exported = worker_env(exports, ifnames)
+    ifnames_hint = "'--network-interface'"
+    if ifnames is None:
+        ifnames = gloo_iface(env)
+        ifnames_hint = GLOO_IFACE_VARIABLE
     settings = {name: tuning_env(name, value) for name, value in tuning.items()}
     settings.update(compat.settings())
     settings.update(log_settings.settings())
@@ -412,7 +416,7 @@ def cli(
             unused_notes.append(hidden)
     local_only = all(h.hostname in LOCAL_NAMES for h in host_list)
     if local_only and not dry_run:
-        check_local_interfaces(ifnames)
+        check_local_interfaces(ifnames, ifnames_hint)
     if output_filename is not None and not dry_run:
         creatable_directory(output_filename, "--output-filename")
     if not dry_run:
@@ -695,6 +699,24 @@ def check_rendezvous_addr(addr: str) -> None:
         )
     if not addr.strip("[]:"):
         raise click.BadParameter("the address is empty", param_hint="'--rendezvous-addr'")
+
+
+#: Horovod's variable for the interface Gloo uses: read as ``--network-interface`` when
+#: neither ``--network-interface`` nor ``--network-interfaces`` is given.
+GLOO_IFACE_VARIABLE = "HOROVOD_GLOO_IFACE"
+
+
+def gloo_iface(env: dict[str, str]) -> str | None:
+    """``HOROVOD_GLOO_IFACE`` (horovodrun users choose Gloo's interface so) as the workers'
+    ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``, unless they have those already (set
+    here or with ``-x``); the interface names, or None where it does not apply."""
+    value = os.environ.get(GLOO_IFACE_VARIABLE, "")
+    names = interfaces([value])
+    if names is None or "GLOO_SOCKET_IFNAME" in env:
+        return None
+    env["GLOO_SOCKET_IFNAME"] = names
+    env.setdefault("NCCL_SOCKET_IFNAME", names)
+    return names
 
 
 class LaunchFailed(click.ClickException):

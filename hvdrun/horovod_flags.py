@@ -276,15 +276,15 @@ def interfaces(*values: Sequence[str]) -> str | None:
     return ",".join(dict.fromkeys(names)) or None
 
 
-def check_local_interfaces(names: str | None) -> None:
+def check_local_interfaces(names: str | None, hint: str = "'--network-interface'") -> None:
     """``--network-interface`` for a job that runs only on this machine: an interface it
     lacks is a usage error naming those it has (Gloo would fail in every worker's
-    ``hvd.init()``)."""
+    ``hvd.init()``); ``hint`` names where the names came from."""
     missing, have = missing_interfaces(names or "")
     if missing:
         raise click.BadParameter(
             f"this machine has no network interface {', '.join(missing)}; it has {', '.join(have)}",
-            param_hint="'--network-interface'",
+            param_hint=hint,
         )
 
 
