@@ -11,7 +11,8 @@ Why it looks the way it does:
   generation). Once a newer generation is published (:meth:`KeyValueStore.supersede`),
   waiting for such a key fails with ABORTED at once, and so does writing one: a worker stuck
   bootstrapping a generation that can never complete moves on instead of waiting for its
-  timeout, and a late or replaying client cannot pile up keys nobody will read.
+  timeout, and a late or replaying client cannot pile up keys nobody will read. The keys of
+  older generations are dropped then too.
 * When the server stops, every blocked caller fails at once (UNAVAILABLE), instead of
   holding the server's shutdown until its own timeout.
 
@@ -167,8 +168,13 @@ class KeyValueStore:
 
     def supersede(self, generation: int) -> None:
         """Generation ``generation`` is published: callers still waiting on keys of older
-        generations fail with ABORTED, and such keys are refused from now on."""
+        generations fail with ABORTED, such keys are refused from now on, and those set go
+        (no one reads them again: a long elastic job kept every reset's keys)."""
         self._generation = generation
+        for key in list(self._data):
+            old = generation_of(key)
+            if old is not None and old < generation:
+                del self._data[key]
         for key, waiters in list(self._waiters.items()):
             old = generation_of(key)
             if old is not None and old < generation:

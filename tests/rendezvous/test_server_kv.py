@@ -121,6 +121,8 @@ def test_compare_set_follows_tcpstore() -> None:
 def test_a_newer_generation_fails_waits_and_writes_of_older_ones() -> None:
     async def test() -> None:
         store = KeyValueStore(1024)
+        for key in ("hvdrun/g1/addr/1", "hvdrun/g0/count", "hvdrun/g2/early", "user/key"):
+            store.set(key, b"v")
         old = asyncio.create_task(store.get("hvdrun/g1/addr/0", 5000))
         current = asyncio.create_task(store.get("hvdrun/g2/addr/0", 5000))
         other = asyncio.create_task(store.get("plain", 5000))
@@ -133,6 +135,8 @@ def test_a_newer_generation_fails_waits_and_writes_of_older_ones() -> None:
             "membership generation 1 was superseded by generation 2 (hosts joined or left the job)"
         )
         assert not current.done() and not other.done()
+        # the older generations' keys are gone (an elastic job kept every reset's keys)
+        assert store.num_keys() == 2 and store.check(["hvdrun/g2/early", "user/key"])
         with pytest.raises(Refusal, match="generation 1 was superseded"):
             await store.wait(["hvdrun/g1/late"], 5000)  # fails at once, no waiting
         with pytest.raises(Refusal, match="generation 1 was superseded"):
