@@ -298,6 +298,7 @@ class Engine:
         if set_id not in self._sets or set_id == 0:
             return False
         self._sets = {key: group for key, group in self._sets.items() if key != set_id}
+        self._counters.forget(set_id)
         controller = self._controllers.get(set_id)
         if controller is not None:
             self._controllers = {

@@ -63,6 +63,10 @@ class UnnamedCounters:
         found = self._counts.get((process_set_id, kind))
         return next(found if found is not None else self.count(kind, process_set_id))
 
+    def forget(self, process_set_id: int) -> None:
+        """A removed set's counters go (set ids are never used again)."""
+        self._counts = {key: c for key, c in self._counts.items() if key[0] != process_set_id}
+
     def catch_up(self, kind: Kind, process_set_id: int, counter: int) -> None:
         """An unnamed op with ``counter`` ran (or was refused) among the set's members while
         this rank, which had joined, did not submit it: this rank counts it too. Draws up to

@@ -63,6 +63,10 @@ def test_unnamed_counters_are_parsed_from_names_and_caught_up() -> None:
     assert counters.draw(Kind.ALLREDUCE, 0) == 5
     # Per kind and process set.
     assert counters.draw(Kind.ALLGATHER, 0) == 2 and counters.draw(Kind.ALLGATHER, 1) == 0
+    # A removed set's counters go (a loop of add/remove_process_set kept one per set).
+    counters.forget(1)
+    assert (1, Kind.ALLGATHER) not in counters._counts
+    assert counters.draw(Kind.ALLGATHER, 0) == 3
 
 
 # ---- the stall inspector's divergence ----------------------------------------------------
