@@ -569,10 +569,17 @@ def beyond_allocation(allocation: Allocation, num_proc: int) -> list[HostSpec]:
         )
         return [HostSpec(nodes[0], num_proc)]
     more = _MORE_SLOTS.get(allocation.scheduler, "ask the scheduler for more slots")
+    if len(nodes) == 1:
+        # (hvdrun runs elsewhere: salloc's shell on a login node, which is no place for them)
+        example = f"-H {nodes[0]}:{num_proc} to run them all on its node"
+    else:
+        share = -(-num_proc // len(nodes))
+        example = "e.g. -H " + ",".join(f"{node}:{share}" for node in nodes[:3])
+        example += ",..." if len(nodes) > 3 else ""
     raise click.BadParameter(
         f"{num_proc} processes requested but {allocation.source} has only "
         f"{allocation.slots} slot(s) on {len(nodes)} node(s): give the hosts and their slots "
-        f"with -H (-H localhost:{num_proc} for this machine alone), or {more}",
+        f"with -H ({example}), or {more}",
         param_hint="'-np'",
     )
 

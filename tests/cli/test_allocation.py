@@ -61,14 +61,19 @@ def test_np_above_the_slots_is_an_error_naming_the_allocation_and_the_ways_out(
         ["-np", "9", "true"],
         "invalid '-np': 9 processes requested but the Slurm allocation (job 42) "
         "has only 4 slot(s) on 2 node(s): give the hosts and their slots with -H "
-        "(-H localhost:9 for this machine alone), or ask Slurm for more tasks "
-        "(e.g. --ntasks-per-node=N)",
+        "(e.g. -H node1:5,node2:5), or ask Slurm for more tasks (e.g. --ntasks-per-node=N)",
         capsys,
     )
-    # one node that is not this machine: where the workers should go is not clear either
+    # one node that is not this machine (salloc's shell on a login node): the way out names
+    # that node, not this machine, which is no part of the allocation
     monkeypatch.setenv("SLURM_JOB_NODELIST", "elsewhere.invalid")
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1")
-    assert_usage_error(["-np", "2", "true"], "has only 1 slot(s) on 1 node(s)", capsys)
+    assert_usage_error(
+        ["-np", "2", "true"],
+        "has only 1 slot(s) on 1 node(s): give the hosts and their slots with -H "
+        "(-H elsewhere.invalid:2 to run them all on its node), or ask Slurm",
+        capsys,
+    )
 
 
 @pytest.mark.parametrize("node", [socket.gethostname(), "localhost"])
