@@ -53,6 +53,7 @@ from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import launchers, worker_env
 from rendezvous.addresses import (
     interface_facing,
+    interface_of,
     is_loopback,
     join_addr,
     local_networks,
@@ -172,6 +173,11 @@ def _fix(placement: Placement) -> str:
     return "export MASTER_ADDR=<rank 0's host> and MASTER_PORT=<free port> on every rank"
 
 
+def _loopback_name(host: str) -> bool:
+    """Whether ``host`` says loopback itself (127.0.0.1, ::1, localhost), not by resolving."""
+    return is_loopback(host) or host == "localhost"
+
+
 def _wildcard(host: str) -> str:
     if is_loopback(host) or host == "localhost":
         return "::1" if ":" in host else "127.0.0.1"
@@ -215,8 +221,13 @@ def plan_meeting(placement: Placement, round_: int = 1) -> Meeting:
                 f"Slurm knows no NodeAddr for it. Fix: {_fix(placement)}"
             )
         port, port_from = _port_of(placement)
+        bind = _wildcard(address)
+        if is_loopback(address) and spans_hosts(placement):
+            # The first node itself, whose name resolves to loopback here (Debian's
+            # 127.0.1.1): listen for the other nodes too, and meet by the name.
+            address, bind = first, "::" if ":" in address else "0.0.0.0"
         return Meeting(
-            join_addr(address, port), _wildcard(address), port, secret, job_id,
+            join_addr(address, port), bind, port, secret, job_id,
             f"the step's first node {first} ({address}) and port {port} ({port_from})",
             secret_from, unauthenticated,
         )  # fmt: skip
@@ -345,15 +356,69 @@ def _torchrun_store(placement: Placement, timeout: float) -> Any:
 # ---- joining -------------------------------------------------------------------------------
 
 
-def _point_gloo_at(addr: str, before: Sequence[str] = ()) -> list[str]:
+def spans_hosts(placement: Placement) -> bool:
+    """Whether the job may have ranks on other hosts than this one: WORLD_SIZE above
+    LOCAL_WORLD_SIZE (or the launcher's like), or, where the local size is unknown, any
+    other rank at all."""
+    if placement.local_size is not None:
+        return placement.size > placement.local_size
+    return placement.size > 1
+
+
+#: Addresses no host holds (TEST-NET-3, the IPv6 documentation prefix): the route the kernel
+#: picks for them is the default route. A UDP connect sends nothing.
+_NOWHERE = ("203.0.113.1", "2001:db8::1")
+
+
+def outward_interface() -> str | None:
+    """The interface of the default route, else the first non-loopback interface that is up
+    and has an address; None when there is none."""
+    for address in _NOWHERE:
+        local = source_address(address)
+        if local is not None and not is_loopback(local):
+            name = interface_of(local)
+            if name is not None:
+                return name
+    import psutil
+
+    stats = psutil.net_if_stats()
+    for name, entries in psutil.net_if_addrs().items():
+        if name not in stats or not stats[name].isup:
+            continue
+        for entry in entries:
+            if entry.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            address = entry.address.split("%", 1)[0]
+            if not is_loopback(address) and not ipaddress.ip_address(address).is_link_local:
+                return name
+    return None
+
+
+def _point_gloo_at(addr: str, before: Sequence[str] = (), spans: bool = False) -> list[str]:
     """Gloo and NCCL use the interface that faces the rendezvous, unless the user chose;
-    returns the variables it set. ``before``: those a call for another address set."""
+    returns the variables it set. ``before``: those a call for another address set.
+    ``spans``: the job has ranks on other hosts, where loopback would not do: a rendezvous
+    by a name this host resolves to a loopback address (Debian's 127.0.1.1 for its own name)
+    gets the default route's interface instead."""
     for name in before:
         os.environ.pop(name, None)
-    ifname, _ = interface_facing(addr)
+    chosen = [name for name in IFNAME_VARIABLES if not os.environ.get(name)]
+    if not chosen:
+        return []
+    ifname, local = interface_facing(addr)
+    host = addr.rpartition(":")[0].strip("[]")
+    if spans and local is not None and is_loopback(local) and not _loopback_name(host):
+        outward = outward_interface()
+        if outward is not None:
+            logger.warning(
+                "hvd.init(): the rendezvous %s is reached over loopback on this host "
+                "(%s), but the job has ranks on other hosts: Gloo and NCCL use %s, the "
+                "default route's interface, instead (set GLOO_SOCKET_IFNAME to choose)",
+                addr, local, outward,
+            )  # fmt: skip
+            ifname = outward
     if ifname is None:
         return []
-    chosen = [name for name in IFNAME_VARIABLES if not os.environ.get(name)]
     for name in chosen:
         os.environ[name] = ifname
     return chosen
@@ -430,7 +495,8 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                 ) from None
         if rank == 0 and meeting.unauthenticated and round_ == 1:  # (said once a process)
             _say_unauthenticated(meeting)
-        pointed = _point_gloo_at(meeting.addr)
+        spans = spans_hosts(placement)
+        pointed = _point_gloo_at(meeting.addr, spans=spans)
         dial = meeting.addr
         if servers:  # rank 0 reaches its own server on loopback, whatever the address
             loopback = "::1" if ":" in meeting.bind_host else "127.0.0.1"
@@ -463,7 +529,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                         fresh = agent_store.get(published).decode()
                         if fresh != meeting.addr:
                             dial = meeting.addr = fresh
-                            pointed = _point_gloo_at(fresh, pointed)
+                            pointed = _point_gloo_at(fresh, pointed, spans)
                 # A fresh connection: the server there may be the round before's, whose
                 # shutdown is none of this client's business.
                 client.close()
