@@ -7,7 +7,8 @@ process group can be signalled), splits their output into lines and reports them
 exits (and workers stopped or continued, see :mod:`launcher.agent.workers`), as events on
 stdout.
 
-Before starting workers it finds the interface that faces the rendezvous server and sets
+Before starting workers it finds the interface that faces the rendezvous server (or, on a
+host with several, the one its routes to most of the job's other hosts use) and sets
 ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` to it unless they are set: a host's own name
 need not resolve anywhere for Gloo and NCCL to find each other. Unless the job sets
 ``OMP_NUM_THREADS``, each worker gets the host's cores divided by the host's workers (only
@@ -22,6 +23,7 @@ then SIGKILL after the grace period. It imports neither torch nor grpc, so it st
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -30,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from launcher.agent.workers import ADOPTED_GRACE_S, Emit, HostAgent, adopt_orphans
@@ -58,7 +61,14 @@ from launcher.transport.protocol import (
     pieces,
 )
 from rendezvous import worker_env
-from rendezvous.addresses import interface_facing, is_loopback, pick_master, split_addr
+from rendezvous.addresses import (
+    interface_facing,
+    interface_of,
+    is_loopback,
+    pick_master,
+    source_address,
+    split_addr,
+)
 
 if TYPE_CHECKING:
     from rendezvous.relay import HostRelay
@@ -108,16 +118,46 @@ def start_relay(spec: AgentSpec, env: dict[str, str]) -> HostRelay | None:
     return relay
 
 
-def network_env(env: dict[str, str], rendezvous_addr: str, emit: Emit) -> None:
-    """Points Gloo and NCCL at the interface facing the rendezvous, unless the user did."""
+def network_env(
+    env: dict[str, str], rendezvous_addr: str, emit: Emit, peers: Sequence[str] = ()
+) -> None:
+    """Points Gloo and NCCL at the interface facing the rendezvous, unless the user did; a
+    host with several interfaces takes the one its routes to most of the job's other hosts
+    (``peers``) use, since those are whom the workers connect to."""
     if not rendezvous_addr:
         return
     ifname, address = interface_facing(rendezvous_addr)
+    toward = interface_toward(peers, ifname)
+    if toward is not None and toward[0] != ifname:
+        log.info("Gloo and NCCL use %s, which faces most peers, not %s", toward[0], ifname)
+        ifname, address = toward
     emit(Network(ifname, address))
     if ifname is None:
         return
     for name in IFNAME_VARIABLES:
         env.setdefault(name, ifname)
+
+
+def interface_toward(peers: Sequence[str], preferred: str | None) -> tuple[str, str] | None:
+    """(interface, its address) through which the kernel routes to most ``peers`` (a UDP
+    connect: no packet is sent; unroutable peers do not count), ``preferred`` on a tie;
+    None when no peer is routable."""
+    counts: collections.Counter[str] = collections.Counter()
+    addresses: dict[str, str] = {}
+    for peer in peers:
+        local = source_address(peer)
+        name = interface_of(local) if local is not None else None
+        if name is None or local is None:
+            continue
+        counts[name] += 1
+        addresses.setdefault(name, local)
+    if not counts:
+        return None
+    most = max(counts.values())
+    if preferred is not None and counts.get(preferred) == most:
+        return preferred, addresses[preferred]
+    name = next(name for name, count in counts.items() if count == most)
+    return name, addresses[name]
 
 
 class LineSource(Protocol):
@@ -298,7 +338,7 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
         ).start()
 
     env = worker_base_env(os.environ, spec.env)
-    network_env(env, spec.rendezvous_addr, emit)
+    network_env(env, spec.rendezvous_addr, emit, spec.peers)
     omp_default(env, len(spec.workers))
     log.debug(
         "starting %d worker(s) on %s, OMP_NUM_THREADS=%s",

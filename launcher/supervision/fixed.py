@@ -50,6 +50,7 @@ from launcher.transport.protocol import Continued, Done, Exit, Network, Output, 
 from launcher.transport.startup import (
     AGENT_FAILURE_EXIT,
     LaunchError,
+    host_addresses,
     plan_rendezvous,
     rendezvous_addr,
     start_agents,
@@ -348,6 +349,7 @@ def _supervise(
         server.put_values(spec.preset)
         rank0 = next(slot.hostname for slot in slots if slot.rank == 0)
         master = master_env(spec, agents, slots, rendezvous_addr(plan, rank0, port))
+        addresses = host_addresses(agents, plan)
         for agent in agents:
             host = agent.hostname
             addr = rendezvous_addr(plan, host, port)
@@ -355,6 +357,7 @@ def _supervise(
                 spec, host, slots, addr, job_id, secret, agent.heartbeat_timeout, cert_pem
             )
             launch.env.update(master)
+            launch.peers = [address for other, address in addresses.items() if other != host]
             agent.launch(launch, events)
         supervisor = Supervisor(agents, slots, sink, events, spec.term_grace, signals, server)
         supervisor.stop_blame_after = STOP_BLAME_SHARE * collective_timeout(spec.env)

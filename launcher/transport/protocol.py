@@ -132,6 +132,9 @@ class AgentSpec:
     # A logging level name ("DEBUG", ...): the agent logs to its stderr at that level,
     # which hvdrun shows with --verbose/--log-level. Empty: the agent stays quiet.
     log_level: str = ""
+    # The addresses by which hvdrun reaches the job's other hosts: a host with several
+    # interfaces gives Gloo and NCCL the one its routes to most of them use.
+    peers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

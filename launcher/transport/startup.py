@@ -15,6 +15,7 @@ and NCCL sockets face the other hosts too.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -292,6 +293,30 @@ def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> 
         addr_host.setdefault(agent.hostname, first)
     ipv6 = any(is_ipv6(address) for address in addr_host.values())
     return RendezvousPlan("::" if ipv6 else "0.0.0.0", 0, addr_host)
+
+
+def host_addresses(agents: Sequence[AgentConnection], plan: RendezvousPlan) -> dict[str, str]:
+    """The address by which this machine reaches each host of the job: a remote host's SSH
+    target, resolved here; this machine's own, the address it faces the remote hosts with.
+    Loopback and unresolvable ones are left out."""
+    found: dict[str, str] = {}
+    for agent in agents:
+        target = getattr(agent, "target", None)
+        if agent.kind == "local" or target is None:
+            address: str | None = plan.addr_host.get(agent.hostname)
+        else:
+            address = _resolved(target.hostname)
+        if address and not is_loopback(address):
+            found[agent.hostname] = address
+    return found
+
+
+def _resolved(name: str) -> str | None:
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    return str(infos[0][4][0]).split("%", 1)[0] if infos else None
 
 
 def _has_port(text: str) -> bool:

@@ -1,0 +1,71 @@
+"""A host with several interfaces gives Gloo and NCCL the one its routes to most of the
+job's other hosts use (the rendezvous may face another one: the launcher's own network)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.agent import session
+from launcher.transport.protocol import AgentSpec, Network
+from launcher.transport.startup import RendezvousPlan, host_addresses
+
+#: This host: eth1 faces the launcher only (10.9.0.0/24), eth0 the other hosts (10.1.0.0/24).
+ROUTES = {"10.9.0.1": "10.9.0.2", "10.1.0.11": "10.1.0.12", "10.1.0.13": "10.1.0.12"}
+INTERFACES = {"10.9.0.2": "eth1", "10.1.0.12": "eth0"}
+
+
+@pytest.fixture
+def two_interfaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    def facing(addr: str) -> tuple[str | None, str | None]:
+        local = ROUTES.get(addr.rpartition(":")[0])
+        return (INTERFACES[local], local) if local else (None, None)
+
+    monkeypatch.setattr(session, "interface_facing", facing)
+    monkeypatch.setattr(session, "source_address", lambda host: ROUTES.get(host))
+    monkeypatch.setattr(session, "interface_of", lambda address: INTERFACES.get(address))
+
+
+@pytest.mark.usefixtures("two_interfaces")
+@pytest.mark.parametrize(
+    ("peers", "ifname"),
+    [
+        (["10.1.0.11", "10.1.0.13"], "eth0"),  # the peers' network, not the launcher's
+        (["10.1.0.11", "192.0.2.9"], "eth0"),  # an unroutable peer does not count
+        (["10.9.0.1", "10.1.0.11"], "eth1"),  # a tie: the rendezvous-facing one
+        (["192.0.2.9"], "eth1"),  # no routable peer: the rendezvous-facing one
+        ([], "eth1"),
+    ],
+)
+def test_the_interface_facing_most_peers_wins(peers: list[str], ifname: str) -> None:
+    env: dict[str, str] = {}
+    events: list[object] = []
+    session.network_env(env, "10.9.0.1:4000", events.append, peers)
+    assert env == {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
+    address = {"eth0": "10.1.0.12", "eth1": "10.9.0.2"}[ifname]
+    assert events == [Network(ifname, address)]
+
+
+@pytest.mark.usefixtures("two_interfaces")
+def test_network_interface_still_wins() -> None:
+    env = {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1"}
+    session.network_env(env, "10.9.0.1:4000", lambda event: None, ["10.1.0.11"])
+    assert env == {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1"}
+
+
+def test_the_launcher_tells_each_agent_its_peers_addresses() -> None:
+    agents = [
+        SimpleNamespace(hostname="localhost", kind="local"),
+        SimpleNamespace(hostname="n1", kind="ssh", target=SimpleNamespace(hostname="10.1.0.11")),
+        SimpleNamespace(hostname="n2", kind="ssh", target=SimpleNamespace(hostname="10.9.0.2")),
+        SimpleNamespace(hostname="n3", kind="ssh", target=SimpleNamespace(hostname="127.0.0.1")),
+    ]
+    plan = RendezvousPlan("0.0.0.0", 0, {"localhost": "10.1.0.1", "n1": "10.1.0.1"})
+    assert host_addresses(agents, plan) == {  # type: ignore[arg-type]
+        "localhost": "10.1.0.1",
+        "n1": "10.1.0.11",
+        "n2": "10.9.0.2",
+    }
+    spec = AgentSpec("n1", ["true"], "/", {}, peers=["10.1.0.1", "10.9.0.2"])
+    assert AgentSpec.from_dict(spec.to_dict()) == spec
