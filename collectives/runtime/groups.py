@@ -187,23 +187,18 @@ def job_facts(
     return [fact[0] for fact in facts], [fact[1] for fact in facts]
 
 
-#: (the hook before, the one torch's last init_process_group put in its place)
-_wrapped_hook: tuple[Any, Any] | None = None
-
-
 def init_default_group(backend: str, **options: Any) -> None:
-    """``dist.init_process_group``, with one ``[rankN]:`` wrapper of ``sys.excepthook``.
+    """``dist.init_process_group``, leaving ``sys.excepthook`` as it was.
 
-    torch wraps the hook on every call (a prefix on each line of an uncaught traceback):
-    after many ``hvd.init()`` rounds or elastic resets the wrappers piled up, one prefix per
-    round on every line, and deep enough to exhaust the recursion limit. The wrapper of the
-    last call goes before the next, so the prefix names this round's rank."""
-    global _wrapped_hook
-    if _wrapped_hook is not None and sys.excepthook is _wrapped_hook[1]:
-        sys.excepthook = _wrapped_hook[0]
+    torch wraps the hook on every call, to put ``[rankN]:`` before each line of an uncaught
+    traceback: Horovod's tracebacks have no such prefix (hvdrun labels each worker's lines
+    already), and after many ``hvd.init()`` rounds or elastic resets the wrappers piled up,
+    one prefix per round on every line, deep enough to exhaust the recursion limit."""
     before = sys.excepthook
-    dist.init_process_group(backend, **options)
-    _wrapped_hook = (before, sys.excepthook) if sys.excepthook is not before else None
+    try:
+        dist.init_process_group(backend, **options)
+    finally:
+        sys.excepthook = before
 
 
 def destroy_groups() -> None:
