@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import psutil
 
 __all__ = [
     "DIRECT",
+    "interface_addresses",
     "interface_facing",
     "interface_of",
     "is_ipv6",
@@ -27,6 +28,7 @@ __all__ = [
     "join_addr",
     "local_networks",
     "missing_interfaces",
+    "outward_interface",
     "pick_master",
     "source_address",
     "split_addr",
@@ -84,18 +86,51 @@ def source_address(host: str, port: int = 9) -> str | None:
     return None
 
 
+def _ip_addresses() -> Iterator[tuple[str, str]]:
+    """(interface name, address without its %scope) of every IPv4 and IPv6 address here."""
+    for name, entries in psutil.net_if_addrs().items():
+        for entry in entries:
+            if entry.family in (socket.AF_INET, socket.AF_INET6):
+                yield name, entry.address.split("%", 1)[0]
+
+
 def interface_of(address: str) -> str | None:
     """The name of the interface that holds ``address``."""
     try:
         wanted = ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
         return None
-    for name, entries in psutil.net_if_addrs().items():
-        for entry in entries:
-            if entry.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
+    for name, held in _ip_addresses():
+        with contextlib.suppress(ValueError):
+            if ipaddress.ip_address(held) == wanted:
+                return name
+    return None
+
+
+def interface_addresses(name: str) -> list[str]:
+    """The IPv4 and IPv6 addresses of interface ``name`` (none if it has none)."""
+    return [address for owner, address in _ip_addresses() if owner == name]
+
+
+#: Addresses no host holds (TEST-NET-3, the IPv6 documentation prefix): the route the kernel
+#: picks for them is the default route. A UDP connect sends nothing.
+_NOWHERE = ("203.0.113.1", "2001:db8::1")
+
+
+def outward_interface() -> str | None:
+    """The interface of the default route, else the first non-loopback interface that is up
+    and has an address that is not link-local; None when there is none."""
+    for nowhere in _NOWHERE:
+        local = source_address(nowhere)
+        if local is not None and not is_loopback(local):
+            name = interface_of(local)
+            if name is not None:
+                return name
+    stats = psutil.net_if_stats()
+    for name, address in _ip_addresses():
+        if name in stats and stats[name].isup and not is_loopback(address):
             with contextlib.suppress(ValueError):
-                if ipaddress.ip_address(entry.address.split("%", 1)[0]) == wanted:
+                if not ipaddress.ip_address(address).is_link_local:
                     return name
     return None
 

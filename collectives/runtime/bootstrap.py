@@ -28,14 +28,10 @@ next one. ``collectives.torch.elastic.run`` calls it; user code need not.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import datetime
 import logging
 import os
-import re
-import socket
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -188,11 +184,9 @@ def init(comm: Any = None) -> bool:
         if adopting:
             runtime_ = init_adopted(backend)
         elif addr:
-            with _explained_connect_failure():
-                runtime_ = init_from_rendezvous(addr, backend, timeout, _init_count)
+            runtime_ = init_from_rendezvous(addr, backend, timeout, _init_count)
         elif placement is not None and placement.size > 1:
-            with _explained_connect_failure():
-                runtime_ = init_launched(placement, backend, timeout, _init_count)
+            runtime_ = init_launched(placement, backend, timeout, _init_count)
         else:
             runtime_ = _init_single(backend, timeout)
             runtime_.started_by = placement.name if placement is not None else ""
@@ -319,47 +313,3 @@ def _shutdown_at_exit() -> None:
     """The interpreter exits without hvd.shutdown(): the other ranks learn how this rank's
     script ended, when it failed (an uncaught exception: see :mod:`.exits`)."""
     _shutdown(failure=exits.describe())
-
-
-_CONNECT_FAILURE = "hvd.init() could not connect rank "
-#: The peer address in Gloo's connect errors: ``remote=[10.9.51.2]:49055``.
-_GLOO_REMOTE = re.compile(r"remote=\[([^\]]+)\]")
-
-
-@contextlib.contextmanager
-def _explained_connect_failure() -> Iterator[None]:
-    """A rank whose Gloo cannot connect to its peers says what each side advertised and how
-    to choose the interface (Gloo names only the peer's address)."""
-    try:
-        yield
-    except RuntimeError as error:
-        text = str(error)
-        if not text.startswith(_CONNECT_FAILURE):
-            raise
-        raise RuntimeError(f"{text}. {connect_failure_hint(text)}") from None
-
-
-def connect_failure_hint(text: str) -> str:
-    """What this rank and the peers it could not reach advertised to Gloo, and the fix."""
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    own = ", ".join(interface_addresses(ifname.split(",")[0])) if ifname else ""
-    mine = f"{ifname} ({own or 'no address'})" if ifname else "the address of its host name"
-    peers = list(dict.fromkeys(_GLOO_REMOTE.findall(text)))
-    theirs = f"; the peer(s) it could not reach advertised {', '.join(peers)}" if peers else ""
-    return (
-        f"This rank advertised {mine} on {socket.gethostname()}{theirs}. Each host advertises "
-        "the interface GLOO_SOCKET_IFNAME names (by default the one facing the rendezvous): "
-        "where those are not on a network every host reaches, choose one that is with "
-        "hvdrun --network-interface IF (or GLOO_SOCKET_IFNAME=IF on every rank)"
-    )
-
-
-def interface_addresses(name: str) -> list[str]:
-    """The IPv4 and IPv6 addresses of interface ``name`` (none if it has none)."""
-    import psutil
-
-    return [
-        entry.address.split("%", 1)[0]
-        for entry in psutil.net_if_addrs().get(name, [])
-        if entry.family in (socket.AF_INET, socket.AF_INET6)
-    ]

@@ -53,11 +53,12 @@ from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import launchers, worker_env
 from rendezvous.addresses import (
     interface_facing,
-    interface_of,
     is_loopback,
     join_addr,
     local_networks,
+    outward_interface,
     source_address,
+    split_addr,
 )
 from rendezvous.launchers import Placement, derived_port, node_address
 
@@ -179,7 +180,7 @@ def _loopback_name(host: str) -> bool:
 
 
 def _wildcard(host: str) -> str:
-    if is_loopback(host) or host == "localhost":
+    if _loopback_name(host):
         return "::1" if ":" in host else "127.0.0.1"
     return "::" if ":" in host else "0.0.0.0"
 
@@ -365,35 +366,6 @@ def spans_hosts(placement: Placement) -> bool:
     return placement.size > 1
 
 
-#: Addresses no host holds (TEST-NET-3, the IPv6 documentation prefix): the route the kernel
-#: picks for them is the default route. A UDP connect sends nothing.
-_NOWHERE = ("203.0.113.1", "2001:db8::1")
-
-
-def outward_interface() -> str | None:
-    """The interface of the default route, else the first non-loopback interface that is up
-    and has an address; None when there is none."""
-    for address in _NOWHERE:
-        local = source_address(address)
-        if local is not None and not is_loopback(local):
-            name = interface_of(local)
-            if name is not None:
-                return name
-    import psutil
-
-    stats = psutil.net_if_stats()
-    for name, entries in psutil.net_if_addrs().items():
-        if name not in stats or not stats[name].isup:
-            continue
-        for entry in entries:
-            if entry.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            address = entry.address.split("%", 1)[0]
-            if not is_loopback(address) and not ipaddress.ip_address(address).is_link_local:
-                return name
-    return None
-
-
 def _point_gloo_at(addr: str, before: Sequence[str] = (), spans: bool = False) -> list[str]:
     """Gloo and NCCL use the interface that faces the rendezvous, unless the user chose;
     returns the variables it set. ``before``: those a call for another address set.
@@ -406,8 +378,11 @@ def _point_gloo_at(addr: str, before: Sequence[str] = (), spans: bool = False) -
     if not chosen:
         return []
     ifname, local = interface_facing(addr)
-    host = addr.rpartition(":")[0].strip("[]")
-    if spans and local is not None and is_loopback(local) and not _loopback_name(host):
+    # (``local`` is known only for an address that parses)
+    named_loopback = (
+        local is not None and is_loopback(local) and not _loopback_name(split_addr(addr)[0])
+    )
+    if spans and named_loopback:
         outward = outward_interface()
         if outward is not None:
             logger.warning(

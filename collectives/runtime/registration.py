@@ -27,6 +27,7 @@ import contextlib
 import datetime
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -44,6 +45,7 @@ from collectives.runtime.groups import (
 )
 from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import worker_env
+from rendezvous.addresses import interface_addresses
 
 __all__ = [
     "HostRemoved",
@@ -211,10 +213,28 @@ def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
             timeout=runtime_.timeout,
         )
     except (RuntimeError, RendezvousError) as error:
-        raise RuntimeError(
-            f"hvd.init() could not connect rank {topology.rank} to its "
-            f"{topology.size - 1} peers: {error}"
-        ) from None
+        raise connect_failure(topology.rank, topology.size, error) from None
+
+
+#: The peer address in Gloo's connect errors: ``remote=[10.9.51.2]:49055``.
+_GLOO_REMOTE = re.compile(r"remote=\[([^\]]+)\]")
+
+
+def connect_failure(rank: int, size: int, error: BaseException) -> RuntimeError:
+    """hvd.init()'s error when the default group cannot connect: Gloo names only the peer's
+    address, so it says what each side advertised and how to choose the interface."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    own = ", ".join(interface_addresses(ifname.split(",")[0])) if ifname else ""
+    mine = f"{ifname} ({own or 'no address'})" if ifname else "the address of its host name"
+    peers = list(dict.fromkeys(_GLOO_REMOTE.findall(str(error))))
+    theirs = f"; the peer(s) it could not reach advertised {', '.join(peers)}" if peers else ""
+    return RuntimeError(
+        f"hvd.init() could not connect rank {rank} to its {size - 1} peers: {error}. "
+        f"This rank advertised {mine} on {socket.gethostname()}{theirs}. Each host advertises "
+        "the interface GLOO_SOCKET_IFNAME names (by default the one facing the rendezvous): "
+        "where those are not on a network every host reaches, choose one that is with "
+        "hvdrun --network-interface IF (or GLOO_SOCKET_IFNAME=IF on every rank)"
+    )
 
 
 def join_elastic(runtime_: RuntimeState) -> None:

@@ -3,31 +3,27 @@
 
 from __future__ import annotations
 
+import datetime
 import socket
 
 import psutil
 import pytest
 
-from collectives.runtime import bootstrap
+from collectives.runtime import registration
+from collectives.runtime.state import RuntimeState, Topology
 
-GLOO_ERROR = (
-    "hvd.init() could not connect rank 0 to its 1 peers: Gloo connectFullMesh failed with "
-    "[pair.cc:152] timed out connecting: SO_ERROR: Connection timed out, "
-    "remote=[10.9.51.2]:49055$0"
+GLOO_TEXT = (
+    "Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: SO_ERROR: "
+    "Connection timed out, remote=[10.9.51.2]:49055$0"
 )
+GLOO_ERROR = "hvd.init() could not connect rank 0 to its 1 peers: " + GLOO_TEXT
 
 
 def test_a_connect_failure_names_both_sides_and_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     name, entries = next(iter(psutil.net_if_addrs().items()))
     address = next(e.address for e in entries if e.family in (socket.AF_INET, socket.AF_INET6))
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", name)
-
-    def fail() -> None:
-        raise RuntimeError(GLOO_ERROR)
-
-    with pytest.raises(RuntimeError) as raised, bootstrap._explained_connect_failure():
-        fail()
-    message = str(raised.value)
+    message = str(registration.connect_failure(0, 2, RuntimeError(GLOO_TEXT)))
     assert message.startswith(GLOO_ERROR + ". This rank advertised " + f"{name} (")
     assert address.split("%")[0] in message
     assert f"on {socket.gethostname()}; the peer(s) it could not reach advertised 10.9.51.2." in (
@@ -36,21 +32,20 @@ def test_a_connect_failure_names_both_sides_and_the_flag(monkeypatch: pytest.Mon
     assert "hvdrun --network-interface IF" in message
 
 
-def test_other_errors_pass_unchanged() -> None:
-    with (
-        pytest.raises(RuntimeError, match=r"^something else$"),
-        bootstrap._explained_connect_failure(),
-    ):
-        raise RuntimeError("something else")
-
-
 def test_hvd_init_under_hvdrun_explains_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(*args: object) -> None:
-        raise RuntimeError(GLOO_ERROR)
+    # The default group of a registered generation fails to connect (Gloo's error).
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(GLOO_TEXT)
 
-    monkeypatch.setattr(bootstrap, "init_from_rendezvous", fail)
-    monkeypatch.setenv("HVDRUN_RENDEZVOUS_ADDR", "127.0.0.1:1")
-    monkeypatch.setenv("HVDRUN_JOB_ID", "job-test-connect-failure")
+    monkeypatch.setattr(registration, "init_default_group", fail)
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    topology = Topology(rank=0, size=2, local_rank=0, local_size=1, cross_rank=0, cross_size=2)
+    runtime_ = RuntimeState(
+        topology=topology,
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=5),
+        store=None,
+        client=object(),
+    )
     with pytest.raises(RuntimeError, match="This rank advertised the address of its host name"):
-        bootstrap.init()
+        registration._bootstrap(runtime_, 1)
