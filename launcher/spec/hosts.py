@@ -81,8 +81,6 @@ def split_host_entry(text: str) -> tuple[str, str | None]:
     head, sep, tail = host.rpartition(":")
     if not sep:
         return text, None
-    if head.count(":") == 0 and not is_ipv6(host):
-        return user + at + head, tail  # host:slots
     whole, before = is_ipv6(host), is_ipv6(head) and tail.isdigit()
     if whole and before:
         raise HostSpecError(
@@ -91,9 +89,8 @@ def split_host_entry(text: str) -> tuple[str, str | None]:
         )
     if whole:
         return text, None
-    if before:
-        return user + at + head, tail
-    return user + at + head, tail  # (refused by _check_hostname, naming the ':')
+    # host:slots (a name with a ':' left in it is refused by _check_hostname)
+    return user + at + head, tail
 
 
 def _parse_slots(slots_text: str, entry: str) -> int:
