@@ -429,7 +429,7 @@ def cli(
     from launcher.output import OutputOptions, OutputSink, is_terminal, use_colour
     from launcher.run import run_job
     from launcher.spec.job import JobSpec
-    from launcher.transport.startup import LaunchError, LaunchInterrupted
+    from launcher.transport.startup import LaunchError, LaunchInterrupted, RendezvousListenError
 
     call = click.get_current_context().find_object(FunctionCall)  # (from hvdrun.run)
     spec = JobSpec(
@@ -468,7 +468,7 @@ def cli(
         code = result.exit_code
         merge_after_job(env, options.num_ranks)
         return code
-    except LaunchError as exc:
+    except (LaunchError, RendezvousListenError) as exc:
         raise LaunchFailed(str(exc)) from None
     except LaunchInterrupted as exc:
         click.echo("hvdrun: interrupted while starting the job", err=True)

@@ -8,6 +8,7 @@ clauses still work). Their messages are written for the user and shown as they a
 * ``SSHConnectError``: a host hvdrun could not log in to
 * ``AgentStartError``: a host whose agent could not be started
 * ``LaunchError``: hosts that could not be started, each with its reason
+* ``RendezvousListenError``: the rendezvous server cannot listen where it was told to
 * ``LaunchInterrupted``: a signal arrived while the agents were starting
 * ``DiscoveryError``: an elastic job's host discovery script failed
 """

@@ -46,14 +46,9 @@ class LaunchError(LauncherError):
         super().__init__("\n".join(lines))
 
 
-class RendezvousListenError(LaunchError):
+class RendezvousListenError(LauncherError):
     """The rendezvous server cannot listen where it was told to (a busy port, an address that
     is not this machine's); no host is to blame."""
-
-    def __init__(self, message: str) -> None:
-        LauncherError.__init__(self, message)
-        self.failures = {}
-        self.total = 0
 
 
 class LaunchInterrupted(LauncherError):
