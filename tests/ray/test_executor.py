@@ -21,6 +21,7 @@ from collectives.ray import (  # noqa: E402
     WorkerDiedError,
 )
 from rendezvous.addresses import split_addr  # noqa: E402
+from tests.ray.conftest import gcs_log_tail  # noqa: E402
 
 NUM_CPUS = 2
 #: What every Ray worker inherits here, as from a driver started inside an srun task, an
@@ -45,12 +46,16 @@ INHERITED = {
 def cluster() -> Iterator[None]:
     # The workers unpickle this module's functions by reference: they import it from here.
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ray.init(
-        num_cpus=NUM_CPUS,
-        num_gpus=1,  # Ray's bookkeeping only: no CUDA is used
-        include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": repo, **INHERITED}},
-    )
+    try:
+        ray.init(
+            num_cpus=NUM_CPUS,
+            num_gpus=1,  # Ray's bookkeeping only: no CUDA is used
+            include_dashboard=False,
+            runtime_env={"env_vars": {"PYTHONPATH": repo, **INHERITED}},
+        )
+    except RuntimeError as error:
+        ray.shutdown()
+        pytest.fail(f"the local Ray cluster did not start: {error}\n{gcs_log_tail()}")
     try:
         yield
     finally:
