@@ -292,6 +292,16 @@ class Cluster:
         """Cuts (or restores) the host's cable: its veth on the bridge goes down."""
         _run("ip", "link", "set", host.veth, "up" if up else "down")
 
+    def blackhole(self, host: ClusterHost, peer: ClusterHost, on: bool) -> None:
+        """Makes ``host``'s packets to ``peer`` vanish without an error (or undoes it): a
+        neighbour entry points the peer's address at a MAC address no one has, as a firewall
+        that drops silently would. Both still reach this machine (hvdrun, the rendezvous)."""
+        if on:
+            _run("ip", "-n", host.netns, "neigh", "replace", peer.address, "lladdr",
+                 "02:00:00:00:00:99", "dev", "eth0", "nud", "permanent")  # fmt: skip
+        else:
+            _run("ip", "-n", host.netns, "neigh", "del", peer.address, "dev", "eth0", check=False)
+
     def processes_on(self, host: ClusterHost) -> list[psutil.Process]:
         """Every process running in the host's network namespace."""
         inode = host.netns_inode

@@ -43,6 +43,7 @@ from collectives.runtime.groups import (
     select_cuda_device,
     start_engine,
 )
+from collectives.runtime.reach import HostsProbe, exit_unreachable
 from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import worker_env
 from rendezvous.addresses import interface_addresses
@@ -204,6 +205,11 @@ def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
         prefix=f"hvdrun/g{runtime_.generation}/i{counter}/",
         timeout=runtime_.timeout,
     )
+    # (elastic jobs move on to the next generation when a bootstrap fails instead)
+    probe = None
+    if not runtime_.elastic and HostsProbe.wanted(topology):
+        probe = HostsProbe(runtime_.store, topology, runtime_.host, exit_unreachable)
+        probe.start()
     try:
         init_default_group(
             runtime_.backend,
@@ -214,6 +220,9 @@ def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
         )
     except (RuntimeError, RendezvousError) as error:
         raise connect_failure(topology.rank, topology.size, error) from None
+    finally:
+        if probe is not None:
+            probe.stop()
 
 
 #: The peer address in Gloo's connect errors: ``remote=[10.9.51.2]:49055``.

@@ -556,6 +556,34 @@ def test_a_heartbeat_timeout_shorter_than_the_agent_timeout_counts(cluster: Clus
     assert_hosts_clean(cluster, [node1, node2], within=10)
 
 
+def test_hosts_whose_gloo_addresses_drop_packets_are_named_soon(cluster: Cluster) -> None:
+    """node2's packets to node1 vanish (a firewall that drops silently) while both reach
+    hvdrun: hvd.init() fails within about REACH_TIMEOUT_SECONDS, naming the host and the
+    address it could not reach and how to choose another interface (Gloo alone retries its
+    connects for about 7 minutes), and nothing is left running."""
+    node1, node2 = cluster.hosts[:2]
+    cluster.blackhole(node2, node1, on=True)
+    try:
+        start = time.monotonic()
+        result = cluster.hvdrun(
+            "-H", f"{node1.alias}:2,{node2.alias}:1", PY, str(SCRIPTS / "placement.py"),
+            timeout=150,
+        )  # fmt: skip
+        elapsed = time.monotonic() - start
+    finally:
+        cluster.blackhole(node2, node1, on=False)
+    assert result.returncode != 0, result.stdout
+    output = result.stdout + result.stderr
+    assert elapsed < 60, output
+    assert "placement " not in result.stdout
+    # each host's first rank names the other host's address it cannot reach
+    for rank, other in ((0, node2), (2, node1)):
+        said = f"rank {rank} cannot reach host {other.alias} at {other.address} (eth0, "
+        assert said in output, output
+    assert "--network-interface" in output, output
+    assert_hosts_clean(cluster, [node1, node2], within=10)
+
+
 def _venv(path: Path, with_hvdrun: bool) -> Path:
     """A venv of this interpreter's base Python; hvdrun importable through a .pth file."""
     base = getattr(sys, "_base_executable", sys.executable)

@@ -1,0 +1,177 @@
+"""Whether the hosts of a job reach each other at the addresses Gloo will use.
+
+Gloo connects every pair of ranks at the address each advertises (the interface
+``GLOO_SOCKET_IFNAME`` names, else its host name's). Where a firewall drops the packets to
+such an address silently, each of Gloo's connects waits out the kernel's SYN retries (about
+130 s) and Gloo tries again until its own timeout: about 7 minutes before hvd.init() fails,
+with an error that names only the peer's address.
+
+So while the default group connects, the first rank of every host checks the path to every
+other host itself: it listens on its own Gloo address, publishes that in the job's store, and
+connects to the other hosts' within :data:`REACH_TIMEOUT_SECONDS`. A connect that is answered
+(even refused: a listener closed once its host's group was up) proves the path. One that gets
+no answer, or an unreachable network, means Gloo cannot connect either: that rank says which
+host and address it could not reach and how to choose another interface, and exits (as a
+worker that lost its launcher does), so the launcher stops the job within seconds.
+
+The check costs one listening socket per host and a connect per pair of hosts, on a thread
+of its own: hvd.init() does not wait for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from collectives.runtime.state import Topology
+from rendezvous.addresses import interface_addresses, is_ipv6, is_loopback
+
+__all__ = ["REACH_TIMEOUT_SECONDS", "HostsProbe", "exit_unreachable", "gloo_address"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a connect to another host's Gloo address may go unanswered. The kernel answers
+#: a connect to a listening socket by itself, however busy the process is.
+REACH_TIMEOUT_SECONDS = 15.0
+#: Connect errors that mean the path is broken (a refusal means the host answered).
+_UNREACHABLE = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH}
+
+
+def gloo_address() -> tuple[str, str] | None:
+    """(address, where it comes from) that Gloo advertises for this rank: the first IPv4
+    address (else IPv6) of the first interface ``GLOO_SOCKET_IFNAME`` names, else the
+    address of this host's name; None when there is none, or it is loopback."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if ifname:
+        held = interface_addresses(ifname)
+        ordered = [a for a in held if not is_ipv6(a)] + [a for a in held if is_ipv6(a)]
+        address, source = (ordered[0] if ordered else None), ifname
+    else:
+        source = "the host name"
+        try:
+            infos = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            infos = []
+        address = str(infos[0][4][0]) if infos else None
+    if address is None or is_loopback(address):
+        return None
+    return address, source
+
+
+class HostsProbe:
+    """The check of one host's first rank, for the length of one bootstrap (see above)."""
+
+    def __init__(
+        self,
+        store: Any,
+        topology: Topology,
+        host: str,
+        on_unreachable: Callable[[str], None],
+        timeout: float = REACH_TIMEOUT_SECONDS,
+    ) -> None:
+        self._store = store
+        self._topology = topology
+        self._host = host
+        self._on_unreachable = on_unreachable
+        self._timeout = timeout
+        self._done = threading.Event()
+        self._listener: socket.socket | None = None
+
+    @staticmethod
+    def wanted(topology: Topology) -> bool:
+        """Only the first rank of each host of a job that spans hosts checks."""
+        return topology.cross_size > 1 and topology.local_rank == 0
+
+    def start(self) -> None:
+        """Listens on this host's Gloo address and publishes it (an empty entry when there is
+        none to check), then checks the other hosts' on a thread."""
+        found = gloo_address()
+        mine: dict[str, Any] = {"host": self._host, "address": None}
+        if found is not None:
+            address, source = found
+            try:
+                listener = socket.socket(socket.AF_INET6 if is_ipv6(address) else socket.AF_INET)
+                listener.bind((address, 0))
+                listener.listen(max(16, self._topology.cross_size))
+            except OSError as error:
+                logger.debug("no reachability check: cannot listen on %s: %s", address, error)
+            else:
+                self._listener = listener
+                mine.update(address=address, source=source, port=listener.getsockname()[1])
+        try:
+            self._store.set(self._key(self._topology.cross_rank), json.dumps(mine))
+        except Exception as error:  # the bootstrap that follows meets the same problem
+            logger.debug("no reachability check: %s", error)
+            self.stop()
+            return
+        threading.Thread(target=self._check, name="hvdrun-reach", daemon=True).start()
+
+    def stop(self) -> None:
+        """The group is up (or failed otherwise): nothing is reported any more."""
+        self._done.set()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+
+    @staticmethod
+    def _key(cross_rank: int) -> str:
+        return f"hvdrun-reach/{cross_rank}"
+
+    def _check(self) -> None:
+        for other in range(self._topology.cross_size):
+            if other == self._topology.cross_rank or self._done.is_set():
+                continue
+            try:
+                peer = json.loads(self._store.get(self._key(other)))
+            except Exception:  # the store timed out or closed: the bootstrap says why
+                return
+            problem = self._connect(peer)
+            if problem is not None and not self._done.is_set():
+                self._on_unreachable(self._explain(peer, problem))
+                return
+
+    def _connect(self, peer: dict[str, Any]) -> str | None:
+        """None if ``peer`` answered; else what happened."""
+        address = peer["address"]
+        if address is None or is_loopback(address):
+            return None
+        family = socket.AF_INET6 if is_ipv6(address) else socket.AF_INET
+        with socket.socket(family) as probe:
+            probe.settimeout(self._timeout)
+            try:
+                probe.connect((address, int(peer["port"])))
+            except TimeoutError:
+                return f"no answer within {self._timeout:g} s"
+            except OSError as error:
+                if error.errno in _UNREACHABLE:
+                    return os.strerror(error.errno or 0)
+        return None
+
+    def _explain(self, peer: dict[str, Any], problem: str) -> str:
+        where = peer["source"]
+        where = f"{where}, " if where != "the host name" else ""
+        return (
+            f"hvd.init(): rank {self._topology.rank} cannot reach host {peer['host']} at "
+            f"{peer['address']} ({where}the address its ranks advertise to Gloo): {problem}. "
+            "Gloo's connections between the hosts would fail only after minutes: a firewall "
+            "drops the packets, or the hosts do not share a network on that interface. Choose "
+            "an interface every host reaches with hvdrun --network-interface IF (or "
+            "GLOO_SOCKET_IFNAME=IF on every rank)"
+        )
+
+
+def exit_unreachable(message: str) -> None:
+    """What a rank does when another host is unreachable: says so and exits (1) at once, as
+    its group's connects would block this process for minutes."""
+    with contextlib.suppress(Exception):
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    os._exit(1)
