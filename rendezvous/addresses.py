@@ -11,10 +11,11 @@ nor gRPC.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ipaddress
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import psutil
 
@@ -23,6 +24,7 @@ __all__ = [
     "interface_addresses",
     "interface_facing",
     "interface_of",
+    "interface_toward",
     "is_ipv6",
     "is_loopback",
     "join_addr",
@@ -149,12 +151,40 @@ def interface_facing(addr: str) -> tuple[str | None, str | None]:
     return interface_of(local), local
 
 
-def pick_master(rendezvous_addr: str, fallback: Callable[[], str]) -> tuple[str, int]:
+def interface_toward(peers: Sequence[str], preferred: str | None) -> tuple[str, str] | None:
+    """(interface, its address) through which the kernel routes to most ``peers`` (a UDP
+    connect: no packet is sent; unroutable peers do not count), ``preferred`` on a tie;
+    None when no peer is routable."""
+    counts: collections.Counter[str] = collections.Counter()
+    addresses: dict[str, str] = {}
+    for peer in peers:
+        local = source_address(peer)
+        name = interface_of(local) if local is not None else None
+        if name is None or local is None:
+            continue
+        counts[name] += 1
+        addresses.setdefault(name, local)
+    if not counts:
+        return None
+    most = max(counts.values())
+    if preferred is not None and counts.get(preferred) == most:
+        return preferred, addresses[preferred]
+    name = next(name for name, count in counts.items() if count == most)
+    return name, addresses[name]
+
+
+def pick_master(
+    rendezvous_addr: str, fallback: Callable[[], str], peers: Sequence[str] = ()
+) -> tuple[str, int]:
     """``MASTER_ADDR``/``MASTER_PORT`` on this host, for plain ``torch.distributed``
-    scripts: the address through which it reaches the rendezvous (so other hosts can route
-    to it too; ``fallback()`` where that is unknown) and a TCP port free on every interface,
-    as torch's store will bind it."""
-    _, address = interface_facing(rendezvous_addr)
+    scripts: the address through which it reaches most of the job's other hosts (``peers``,
+    as :func:`interface_toward` counts them; with none routable, the one through which it
+    reaches the rendezvous; ``fallback()`` where that is unknown) and a TCP port free on
+    every interface, as torch's store will bind it."""
+    ifname, address = interface_facing(rendezvous_addr)
+    toward = interface_toward(peers, ifname)
+    if toward is not None:
+        address = toward[1]
     if address is None:
         address = fallback()
     family = socket.AF_INET6 if is_ipv6(address) else socket.AF_INET

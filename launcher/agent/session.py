@@ -23,7 +23,6 @@ then SIGKILL after the grace period. It imports neither torch nor grpc, so it st
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -63,10 +62,9 @@ from launcher.transport.protocol import (
 from rendezvous import worker_env
 from rendezvous.addresses import (
     interface_facing,
-    interface_of,
+    interface_toward,
     is_loopback,
     pick_master,
-    source_address,
     split_addr,
 )
 
@@ -136,28 +134,6 @@ def network_env(
         return
     for name in IFNAME_VARIABLES:
         env.setdefault(name, ifname)
-
-
-def interface_toward(peers: Sequence[str], preferred: str | None) -> tuple[str, str] | None:
-    """(interface, its address) through which the kernel routes to most ``peers`` (a UDP
-    connect: no packet is sent; unroutable peers do not count), ``preferred`` on a tie;
-    None when no peer is routable."""
-    counts: collections.Counter[str] = collections.Counter()
-    addresses: dict[str, str] = {}
-    for peer in peers:
-        local = source_address(peer)
-        name = interface_of(local) if local is not None else None
-        if name is None or local is None:
-            continue
-        counts[name] += 1
-        addresses.setdefault(name, local)
-    if not counts:
-        return None
-    most = max(counts.values())
-    if preferred is not None and counts.get(preferred) == most:
-        return preferred, addresses[preferred]
-    name = next(name for name, count in counts.items() if count == most)
-    return name, addresses[name]
 
 
 class LineSource(Protocol):
@@ -398,8 +374,8 @@ def main(shared_stdin: bool = False) -> int:
             note(str(exc))
             return 2
         match request:
-            case PrepareRequest(rendezvous_addr):
-                emit(Prepared(*pick_master(rendezvous_addr, _own_address)))
+            case PrepareRequest(rendezvous_addr, peers):
+                emit(Prepared(*pick_master(rendezvous_addr, _own_address, peers)))
                 continue
             case ProbeRequest(connect_back):
                 from launcher.agent.probe import probe_host

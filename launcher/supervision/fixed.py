@@ -308,16 +308,22 @@ def run_fixed_job(spec: JobSpec, sink: OutputSink) -> JobResult:
 
 
 def master_env(
-    spec: JobSpec, agents: Sequence[AgentConnection], slots: Sequence[SlotInfo], addr: str
+    spec: JobSpec,
+    agents: Sequence[AgentConnection],
+    slots: Sequence[SlotInfo],
+    addr: str,
+    addresses: dict[str, str],
 ) -> dict[str, str]:
     """``MASTER_ADDR``/``MASTER_PORT`` for plain torch.distributed scripts, picked by rank 0's
-    agent on its host, unless the user set both with ``-x``."""
+    agent on its host (facing most of the other hosts, at ``addresses``), unless the user
+    set both with ``-x``."""
     if worker_env.TORCH_MASTER_ADDR in spec.env and worker_env.TORCH_MASTER_PORT in spec.env:
         return {}
     host = next(slot.hostname for slot in slots if slot.rank == 0)
     agent = next(agent for agent in agents if agent.hostname == host)
+    peers = [address for other, address in addresses.items() if other != host]
     try:
-        prepared = agent.request_prepare(addr, timeout=spec.launch.start_timeout)
+        prepared = agent.request_prepare(addr, spec.launch.start_timeout, peers)
     except AgentStartError as exc:
         raise LaunchError({host: str(exc)}, len(agents)) from None
     env = worker_env.master_env(prepared.address, prepared.port)
@@ -348,8 +354,8 @@ def _supervise(
     try:
         server.put_values(spec.preset)
         rank0 = next(slot.hostname for slot in slots if slot.rank == 0)
-        master = master_env(spec, agents, slots, rendezvous_addr(plan, rank0, port))
         addresses = host_addresses(agents, plan)
+        master = master_env(spec, agents, slots, rendezvous_addr(plan, rank0, port), addresses)
         for agent in agents:
             host = agent.hostname
             addr = rendezvous_addr(plan, host, port)

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
@@ -175,11 +176,14 @@ class AgentConnection:
         assert self.probe is not None
         return self.probe.facts
 
-    def request_prepare(self, rendezvous_addr: str, timeout: float) -> Prepared:
-        """Rank 0's host: where plain torch.distributed scripts meet (MASTER_ADDR/PORT)."""
+    def request_prepare(
+        self, rendezvous_addr: str, timeout: float, peers: Sequence[str] = ()
+    ) -> Prepared:
+        """Rank 0's host: where plain torch.distributed scripts meet (MASTER_ADDR/PORT);
+        ``peers``: the addresses of the job's other hosts."""
         self.prepared = None
         self._ask(
-            PrepareRequest(rendezvous_addr),
+            PrepareRequest(rendezvous_addr, tuple(peers)),
             timeout,
             "did not say which port torch.distributed can use there",
         )

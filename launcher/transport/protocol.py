@@ -164,10 +164,12 @@ class ProbeRequest:
 @dataclass(frozen=True)
 class PrepareRequest:
     """Rank 0's host picks the address and a free port for ``MASTER_ADDR``/``MASTER_PORT``:
-    its address on the interface facing ``rendezvous_addr``, a port free there."""
+    its address on the interface facing most of the other hosts (``peers``, the addresses
+    hvdrun reaches them at), else the one facing ``rendezvous_addr``; a port free there."""
 
     op: ClassVar[str] = "prepare"
     rendezvous_addr: str
+    peers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -222,8 +224,8 @@ def encode_request(request: Request) -> bytes:
             return encode({"op": request.op, "spec": spec.to_dict()})
         case ProbeRequest(connect_back=connect_back):
             return encode({"op": request.op, "connect_back": connect_back})
-        case PrepareRequest(rendezvous_addr=addr):
-            return encode({"op": request.op, "rendezvous_addr": addr})
+        case PrepareRequest(rendezvous_addr=addr, peers=peers):
+            return encode({"op": request.op, "rendezvous_addr": addr, "peers": list(peers)})
         case SignalRequest(signum=signum):
             return encode({"op": request.op, "signum": signum})
         case _:
@@ -242,7 +244,8 @@ def decode_request(line: bytes) -> Request:
         if op == "probe":
             return ProbeRequest(raw.get("connect_back"))
         if op == "prepare":
-            return PrepareRequest(str(raw["rendezvous_addr"]))
+            peers = tuple(str(peer) for peer in raw.get("peers", ()))
+            return PrepareRequest(str(raw["rendezvous_addr"]), peers)
         if op == "signal":
             return SignalRequest(int(raw["signum"]))
     except (KeyError, TypeError, AttributeError, ValueError) as exc:

@@ -8,8 +8,15 @@ from types import SimpleNamespace
 import pytest
 
 from launcher.agent import session
-from launcher.transport.protocol import AgentSpec, Network
+from launcher.transport.protocol import (
+    AgentSpec,
+    Network,
+    PrepareRequest,
+    decode_request,
+    encode_request,
+)
 from launcher.transport.startup import RendezvousPlan, host_addresses
+from rendezvous import addresses
 
 #: This host: eth1 faces the launcher only (10.9.0.0/24), eth0 the other hosts (10.1.0.0/24).
 ROUTES = {"10.9.0.1": "10.9.0.2", "10.1.0.11": "10.1.0.12", "10.1.0.13": "10.1.0.12"}
@@ -22,9 +29,10 @@ def two_interfaces(monkeypatch: pytest.MonkeyPatch) -> None:
         local = ROUTES.get(addr.rpartition(":")[0])
         return (INTERFACES[local], local) if local else (None, None)
 
-    monkeypatch.setattr(session, "interface_facing", facing)
-    monkeypatch.setattr(session, "source_address", lambda host: ROUTES.get(host))
-    monkeypatch.setattr(session, "interface_of", lambda address: INTERFACES.get(address))
+    for module in (session, addresses):
+        monkeypatch.setattr(module, "interface_facing", facing)
+    monkeypatch.setattr(addresses, "source_address", lambda host: ROUTES.get(host))
+    monkeypatch.setattr(addresses, "interface_of", lambda address: INTERFACES.get(address))
 
 
 @pytest.mark.usefixtures("two_interfaces")
@@ -45,6 +53,26 @@ def test_the_interface_facing_most_peers_wins(peers: list[str], ifname: str) -> 
     assert env == {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
     address = {"eth0": "10.1.0.12", "eth1": "10.9.0.2"}[ifname]
     assert events == [Network(ifname, address)]
+
+
+@pytest.mark.usefixtures("two_interfaces")
+@pytest.mark.parametrize(
+    ("peers", "address"),
+    [
+        (("10.1.0.11", "10.1.0.13"), "10.1.0.12"),  # where the other hosts can dial it
+        (("192.0.2.9",), "10.9.0.2"),  # none routable: the rendezvous-facing address
+        ((), "10.9.0.2"),
+    ],
+)
+def test_master_addr_of_plain_torch_scripts_faces_most_peers(
+    peers: tuple[str, ...], address: str
+) -> None:
+    """MASTER_ADDR on rank 0's host is the address of the interface Gloo and NCCL get
+    there: a plain DDP script's ranks on the other hosts dial it."""
+    request = decode_request(encode_request(PrepareRequest("10.9.0.1:4000", peers)))
+    assert request == PrepareRequest("10.9.0.1:4000", peers)
+    picked, port = addresses.pick_master(request.rendezvous_addr, lambda: "x", request.peers)
+    assert picked == address and 0 < port < 65536
 
 
 @pytest.mark.usefixtures("two_interfaces")

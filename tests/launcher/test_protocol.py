@@ -105,14 +105,18 @@ def test_requests_travel_as_the_same_lines_and_come_back() -> None:
         (TerminateRequest(), b'{"op": "terminate"}\n'),
         (KillRequest(), b'{"op": "kill"}\n'),
         (
-            PrepareRequest("10.0.0.1:5000"),
-            b'{"op": "prepare", "rendezvous_addr": "10.0.0.1:5000"}\n',
+            PrepareRequest("10.0.0.1:5000", ("10.0.0.2", "fd00::3")),
+            b'{"op": "prepare", "rendezvous_addr": "10.0.0.1:5000", '
+            b'"peers": ["10.0.0.2", "fd00::3"]}\n',
         ),
         (SignalRequest(10), b'{"op": "signal", "signum": 10}\n'),
         (UnknownRequest("dance"), b'{"op": "dance"}\n'),
     ):
         assert encode_request(request) == line
         assert decode_request(line) == request
+    # an older hvdrun's request names no peers
+    older = b'{"op": "prepare", "rendezvous_addr": "10.0.0.1:5000"}\n'
+    assert decode_request(older) == PrepareRequest("10.0.0.1:5000", ())
 
 
 def test_broken_requests_are_refused() -> None:
