@@ -2,7 +2,8 @@
 
 Connects to every host exactly as a job would (same SSH settings, same agent), has each
 agent describe its host (Python, torch, hvdrun, GPUs, NCCL, the interface that faces this
-machine) and open a TCP connection back to this machine, as the workers will to reach the
+machine, or the one a job's Gloo and NCCL get where another faces most of the other hosts)
+and open a TCP connection back to this machine, as the workers will to reach the
 rendezvous. Prints one table row per host, then each host's problems and the versions on
 which hosts disagree. Exits 1 when any host is unusable (unreachable, hvdrun or torch
 missing, versions that differ from this machine's, no route back), else 0.
@@ -22,6 +23,7 @@ from launcher.transport.connection import AgentConnection, AgentStartError
 from launcher.transport.hostinfo import installed_versions
 from launcher.transport.startup import (
     LaunchError,
+    host_addresses,
     open_agents,
     plan_rendezvous,
     stop_agents,
@@ -54,7 +56,10 @@ class HostReport:
         else:
             gpu_text = "0"
         interface = "-"
-        if facts.get("ifname") or facts.get("address"):
+        if facts.get("gloo_ifname"):  # Gloo's interface faces the other hosts, not hvdrun
+            interface = f"{facts['gloo_ifname']} {facts.get('gloo_address') or ''}".strip()
+            interface += f" (hvdrun: {facts.get('ifname') or '?'})"
+        elif facts.get("ifname") or facts.get("address"):
             interface = f"{facts.get('ifname') or '?'} {facts.get('address') or ''}".strip()
         return {
             "HOST": self.hostname,
@@ -111,12 +116,14 @@ def probe_agents(
         plan = plan_rendezvous(agents, explicit_addr)
     listener = _Listener(plan.bind_host)
     try:
+        addresses = host_addresses(agents, plan)
 
         def probe(agent: AgentConnection) -> None:
             report = reports[agent.hostname]
             addr = join_addr(plan.addr_host[agent.hostname], listener.port)
+            peers = [address for host, address in addresses.items() if host != agent.hostname]
             try:
-                report.facts = agent.request_probe(addr, PROBE_TIMEOUT)
+                report.facts = agent.request_probe(addr, PROBE_TIMEOUT, peers)
             except AgentStartError as exc:
                 report.facts = agent.hello.facts() if agent.hello is not None else {}
                 report.problems.append(str(exc))

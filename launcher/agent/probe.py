@@ -13,10 +13,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from launcher.transport.hostinfo import installed_versions
-from rendezvous.addresses import interface_facing, split_addr
+from rendezvous.addresses import interface_facing, interface_toward, split_addr
 
 TORCH_PROBE_TIMEOUT = 120.0
 CONNECT_BACK_TIMEOUT = 5.0
@@ -81,12 +82,23 @@ def _connect_back(addr: str) -> str | None:
     return None
 
 
-def probe_host(connect_back: str | None) -> dict[str, Any]:
+def probe_host(connect_back: str | None, peers: Sequence[str] = ()) -> dict[str, Any]:
     facts: dict[str, Any] = {"hostname": socket.gethostname(), **installed_versions()}
     facts.update(_torch_facts())
     if connect_back:
-        facts["ifname"], facts["address"] = interface_facing(connect_back)
+        facts.update(network_facts(connect_back, peers))
         facts["connect_back_error"] = _connect_back(connect_back)
+    return facts
+
+
+def network_facts(connect_back: str, peers: Sequence[str]) -> dict[str, Any]:
+    """The interface (and address) facing hvdrun, and the one a job's Gloo and NCCL would
+    get here where another faces most of the other hosts (``peers``), as agents choose."""
+    ifname, address = interface_facing(connect_back)
+    facts: dict[str, Any] = {"ifname": ifname, "address": address}
+    toward = interface_toward(peers, ifname)
+    if toward is not None and toward[0] != ifname:
+        facts["gloo_ifname"], facts["gloo_address"] = toward
     return facts
 
 

@@ -377,10 +377,10 @@ def main(shared_stdin: bool = False) -> int:
             case PrepareRequest(rendezvous_addr, peers):
                 emit(Prepared(*pick_master(rendezvous_addr, _own_address, peers)))
                 continue
-            case ProbeRequest(connect_back):
+            case ProbeRequest(connect_back, peers):
                 from launcher.agent.probe import probe_host
 
-                emit(Probe(probe_host(connect_back)))
+                emit(Probe(probe_host(connect_back, peers)))
                 emit(Done())
                 return 0
             case RunRequest(spec):

@@ -170,9 +170,12 @@ class AgentConnection:
             every = min(t for t in (self.heartbeat_timeout, spec.lost_after) if t > 0) / 4
             threading.Thread(target=self._ping, args=(every,), daemon=True).start()
 
-    def request_probe(self, connect_back: str | None, timeout: float) -> dict[str, Any]:
-        """``--check-hosts``: the agent's description of its host."""
-        self._ask(ProbeRequest(connect_back), timeout, "did not answer the probe")
+    def request_probe(
+        self, connect_back: str | None, timeout: float, peers: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """``--check-hosts``: the agent's description of its host; ``peers``: the addresses
+        of the other hosts checked."""
+        self._ask(ProbeRequest(connect_back, tuple(peers)), timeout, "did not answer the probe")
         assert self.probe is not None
         return self.probe.facts
 

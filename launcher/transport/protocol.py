@@ -159,6 +159,7 @@ class RunRequest:
 class ProbeRequest:
     op: ClassVar[str] = "probe"
     connect_back: str | None  # ADDR:PORT of a listener on hvdrun's machine
+    peers: tuple[str, ...] = ()  # the addresses of the other hosts checked
 
 
 @dataclass(frozen=True)
@@ -222,14 +223,19 @@ def encode_request(request: Request) -> bytes:
     match request:
         case RunRequest(spec=spec):
             return encode({"op": request.op, "spec": spec.to_dict()})
-        case ProbeRequest(connect_back=connect_back):
-            return encode({"op": request.op, "connect_back": connect_back})
+        case ProbeRequest(connect_back=connect_back, peers=peers):
+            return encode({"op": request.op, "connect_back": connect_back, "peers": list(peers)})
         case PrepareRequest(rendezvous_addr=addr, peers=peers):
             return encode({"op": request.op, "rendezvous_addr": addr, "peers": list(peers)})
         case SignalRequest(signum=signum):
             return encode({"op": request.op, "signum": signum})
         case _:
             return encode({"op": request.op})
+
+
+def _peers(raw: dict[str, Any]) -> tuple[str, ...]:
+    """A request's ``peers`` (an older hvdrun sends none)."""
+    return tuple(str(peer) for peer in raw.get("peers", ()))
 
 
 def decode_request(line: bytes) -> Request:
@@ -242,10 +248,9 @@ def decode_request(line: bytes) -> Request:
         if op == "run":
             return RunRequest(AgentSpec.from_dict(raw["spec"]))
         if op == "probe":
-            return ProbeRequest(raw.get("connect_back"))
+            return ProbeRequest(raw.get("connect_back"), _peers(raw))
         if op == "prepare":
-            peers = tuple(str(peer) for peer in raw.get("peers", ()))
-            return PrepareRequest(str(raw["rendezvous_addr"]), peers)
+            return PrepareRequest(str(raw["rendezvous_addr"]), _peers(raw))
         if op == "signal":
             return SignalRequest(int(raw["signum"]))
     except (KeyError, TypeError, AttributeError, ValueError) as exc:

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.agent import session
+from launcher.agent import probe, session
+from launcher.check_hosts import HostReport
 from launcher.transport.protocol import (
     AgentSpec,
     Network,
@@ -29,7 +30,7 @@ def two_interfaces(monkeypatch: pytest.MonkeyPatch) -> None:
         local = ROUTES.get(addr.rpartition(":")[0])
         return (INTERFACES[local], local) if local else (None, None)
 
-    for module in (session, addresses):
+    for module in (session, addresses, probe):
         monkeypatch.setattr(module, "interface_facing", facing)
     monkeypatch.setattr(addresses, "source_address", lambda host: ROUTES.get(host))
     monkeypatch.setattr(addresses, "interface_of", lambda address: INTERFACES.get(address))
@@ -73,6 +74,24 @@ def test_master_addr_of_plain_torch_scripts_faces_most_peers(
     assert request == PrepareRequest("10.9.0.1:4000", peers)
     picked, port = addresses.pick_master(request.rendezvous_addr, lambda: "x", request.peers)
     assert picked == address and 0 < port < 65536
+
+
+@pytest.mark.usefixtures("two_interfaces")
+def test_check_hosts_shows_the_interface_a_job_would_use() -> None:
+    """--check-hosts' INTERFACE column: Gloo's interface where it is not the one facing
+    hvdrun (as the agents of a job choose), with the hvdrun-facing one beside it."""
+    peers = ["10.1.0.11", "10.1.0.13"]
+    facts = probe.network_facts("10.9.0.1:4000", peers)
+    assert facts == {
+        "ifname": "eth1",
+        "address": "10.9.0.2",
+        "gloo_ifname": "eth0",
+        "gloo_address": "10.1.0.12",
+    }
+    assert HostReport("n2", facts).cells()["INTERFACE"] == "eth0 10.1.0.12 (hvdrun: eth1)"
+    alone = probe.network_facts("10.9.0.1:4000", [])
+    assert alone == {"ifname": "eth1", "address": "10.9.0.2"}
+    assert HostReport("n2", alone).cells()["INTERFACE"] == "eth1 10.9.0.2"
 
 
 @pytest.mark.usefixtures("two_interfaces")

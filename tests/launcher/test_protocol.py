@@ -97,9 +97,10 @@ def test_requests_travel_as_the_same_lines_and_come_back() -> None:
     run = encode_request(RunRequest(spec))
     assert run.startswith(b'{"op": "run", "spec": {"hostname": "h", "command": ["python"')
     assert decode_request(run) == RunRequest(spec)
-    probe = ProbeRequest("10.0.0.1:5000")
-    assert encode_request(probe) == b'{"op": "probe", "connect_back": "10.0.0.1:5000"}\n'
-    assert decode_request(encode_request(probe)) == probe
+    probe = ProbeRequest("10.0.0.1:5000", ("10.0.0.2",))
+    line = b'{"op": "probe", "connect_back": "10.0.0.1:5000", "peers": ["10.0.0.2"]}\n'
+    assert encode_request(probe) == line
+    assert decode_request(line) == probe
     for request, line in (
         (PingRequest(), b'{"op": "ping"}\n'),
         (TerminateRequest(), b'{"op": "terminate"}\n'),
@@ -114,9 +115,11 @@ def test_requests_travel_as_the_same_lines_and_come_back() -> None:
     ):
         assert encode_request(request) == line
         assert decode_request(line) == request
-    # an older hvdrun's request names no peers
+    # an older hvdrun's requests name no peers
     older = b'{"op": "prepare", "rendezvous_addr": "10.0.0.1:5000"}\n'
     assert decode_request(older) == PrepareRequest("10.0.0.1:5000", ())
+    older = b'{"op": "probe", "connect_back": "10.0.0.1:5000"}\n'
+    assert decode_request(older) == ProbeRequest("10.0.0.1:5000", ())
 
 
 def test_broken_requests_are_refused() -> None:
