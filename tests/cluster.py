@@ -264,7 +264,7 @@ class Cluster:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # (ends once it listens; CI hosts may be loaded)
         while time.monotonic() < deadline:
             if host.sshd.poll() is not None:
                 error = host.sshd.stderr.read().decode() if host.sshd.stderr else ""

@@ -151,7 +151,7 @@ class SlurmCluster:
         for job in self.jobs():
             self.run("scancel", job, timeout=30)
 
-    def wait_idle(self, within: float = 20.0) -> None:
+    def wait_idle(self, within: float = 60.0) -> None:
         """Waits until no job is left running (a test's jobs must not delay the next)."""
         deadline = time.monotonic() + within
         while self.jobs():
@@ -285,7 +285,8 @@ def start_slurm(hosts: Cluster, nodes: Sequence[ClusterHost], cpus: int = 4) -> 
             ],
             "munged.log",
         )
-        deadline = time.monotonic() + 10
+        # (generous: daemons start slowly on a loaded CI host; the waits end once they are up)
+        deadline = time.monotonic() + 60
         while not (root / "munge.socket").exists():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"munged did not start: {slurm._logs()}")
@@ -301,7 +302,7 @@ def start_slurm(hosts: Cluster, nodes: Sequence[ClusterHost], cpus: int = 4) -> 
                 f"slurmd-{name}.out.log",
                 netns=host.netns,
             )
-        slurm._wait_nodes_idle(within=30)
+        slurm._wait_nodes_idle(within=90)
     except BaseException:
         slurm.close()
         raise
