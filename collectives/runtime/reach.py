@@ -12,7 +12,8 @@ connects to the other hosts' within :data:`REACH_TIMEOUT_SECONDS`. A connect tha
 (even refused: a listener closed once its host's group was up) proves the path. One that gets
 no answer, or an unreachable network, means Gloo cannot connect either: that rank says which
 host and address it could not reach and how to choose another interface, and exits (as a
-worker that lost its launcher does), so the launcher stops the job within seconds.
+worker that lost its launcher does), so the launcher stops the job within seconds; in an
+elastic job it only warns (see :func:`warn_unreachable`).
 
 The check costs one listening socket per host and a connect per pair of hosts, on a thread
 of its own: hvd.init() does not wait for it.
@@ -34,7 +35,13 @@ from typing import Any
 from collectives.runtime.state import Topology
 from rendezvous.addresses import interface_addresses, is_ipv6, is_loopback
 
-__all__ = ["REACH_TIMEOUT_SECONDS", "HostsProbe", "exit_unreachable", "gloo_address"]
+__all__ = [
+    "REACH_TIMEOUT_SECONDS",
+    "HostsProbe",
+    "exit_unreachable",
+    "gloo_address",
+    "warn_unreachable",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -169,9 +176,16 @@ class HostsProbe:
 
 
 def exit_unreachable(message: str) -> None:
-    """What a rank does when another host is unreachable: says so and exits (1) at once, as
-    its group's connects would block this process for minutes."""
+    """What a rank of a fixed job does when another host is unreachable: says so and exits
+    (1) at once, as its group's connects would block this process for minutes."""
     with contextlib.suppress(Exception):
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
     os._exit(1)
+
+
+def warn_unreachable(message: str) -> None:
+    """What a rank of an elastic job does: says so and goes on. Its exit would make the
+    launcher drop its own host, and each side of a cut sees the other as unreachable, so
+    the generation fails as Gloo's connects do, and the launcher decides from there."""
+    logger.warning("%s (this elastic job goes on until Gloo gives up)", message)

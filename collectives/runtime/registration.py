@@ -43,7 +43,7 @@ from collectives.runtime.groups import (
     select_cuda_device,
     start_engine,
 )
-from collectives.runtime.reach import HostsProbe, exit_unreachable
+from collectives.runtime.reach import HostsProbe, exit_unreachable, warn_unreachable
 from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import worker_env
 from rendezvous.addresses import interface_addresses
@@ -205,10 +205,10 @@ def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
         prefix=f"hvdrun/g{runtime_.generation}/i{counter}/",
         timeout=runtime_.timeout,
     )
-    # (elastic jobs move on to the next generation when a bootstrap fails instead)
     probe = None
-    if not runtime_.elastic and HostsProbe.wanted(topology):
-        probe = HostsProbe(runtime_.store, topology, runtime_.host, exit_unreachable)
+    if HostsProbe.wanted(topology):
+        unreachable = warn_unreachable if runtime_.elastic else exit_unreachable
+        probe = HostsProbe(runtime_.store, topology, runtime_.host, unreachable)
         probe.start()
     try:
         init_default_group(

@@ -377,3 +377,31 @@ def test_a_stopped_agent_does_not_fail_its_host(elastic_cluster: Cluster, tmp_pa
     assert " failed (" not in output, output
     check_finished_exactly(output, steps, size=2)
     assert_hosts_clean(elastic_cluster, [node1, node2], within=10)
+
+
+def test_hosts_whose_gloo_addresses_drop_packets_are_named_in_an_elastic_job(
+    elastic_cluster: Cluster, tmp_path: Path
+) -> None:
+    """node2's packets to node1 vanish while both reach hvdrun: in an elastic job each host's
+    first rank warns within about 15 s which host and address it cannot reach (Gloo alone
+    says nothing for minutes) and goes on, leaving the launcher to handle the failed
+    generation; stopping hvdrun then leaves nothing running."""
+    node1, node2, _ = elastic_cluster.hosts
+    discovery = hosts_file(tmp_path, node1, node2)
+    elastic_cluster.blackhole(node2, node1, on=True)
+    try:
+        warned = threading.Event()
+        said = f"rank 1 cannot reach host {node1.alias} at {node1.address} (eth0, "
+        job = Job(elastic_cluster, "-np", "2", "--min-np", "2", *elastic_args(discovery, 5))
+        job.when(lambda line: said in line, warned.set)
+        started = time.monotonic()
+        seen = warned.wait(60)
+        elapsed = time.monotonic() - started
+        job.proc.terminate()
+        _, output = job.wait(60)
+    finally:
+        elastic_cluster.blackhole(node2, node1, on=False)
+    assert seen, output
+    assert elapsed < 45, output
+    assert "this elastic job goes on until Gloo gives up" in output, output
+    assert_hosts_clean(elastic_cluster, [node1, node2], within=15)
