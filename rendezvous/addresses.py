@@ -21,6 +21,7 @@ import psutil
 
 __all__ = [
     "DIRECT",
+    "gloo_interface",
     "interface_addresses",
     "interface_facing",
     "interface_of",
@@ -173,18 +174,24 @@ def interface_toward(peers: Sequence[str], preferred: str | None) -> tuple[str, 
     return name, addresses[name]
 
 
+def gloo_interface(
+    facing: tuple[str | None, str | None], peers: Sequence[str]
+) -> tuple[str | None, str | None]:
+    """(interface, its address) a host's Gloo and NCCL get, of ``facing`` (what
+    :func:`interface_facing` says of the rendezvous) and the interface toward most of the
+    job's other hosts (``peers``): the latter where it is another one."""
+    toward = interface_toward(peers, facing[0])
+    return toward if toward is not None and toward[0] != facing[0] else facing
+
+
 def pick_master(
     rendezvous_addr: str, fallback: Callable[[], str], peers: Sequence[str] = ()
 ) -> tuple[str, int]:
     """``MASTER_ADDR``/``MASTER_PORT`` on this host, for plain ``torch.distributed``
-    scripts: the address through which it reaches most of the job's other hosts (``peers``,
-    as :func:`interface_toward` counts them; with none routable, the one through which it
-    reaches the rendezvous; ``fallback()`` where that is unknown) and a TCP port free on
-    every interface, as torch's store will bind it."""
-    ifname, address = interface_facing(rendezvous_addr)
-    toward = interface_toward(peers, ifname)
-    if toward is not None:
-        address = toward[1]
+    scripts: its address on the interface its Gloo and NCCL get (:func:`gloo_interface`, so
+    the other hosts can route to it; ``fallback()`` where that is unknown) and a TCP port
+    free on every interface, as torch's store will bind it."""
+    _, address = gloo_interface(interface_facing(rendezvous_addr), peers)
     if address is None:
         address = fallback()
     family = socket.AF_INET6 if is_ipv6(address) else socket.AF_INET

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from launcher.transport.hostinfo import installed_versions
-from rendezvous.addresses import interface_facing, interface_toward, split_addr
+from rendezvous.addresses import gloo_interface, interface_facing, split_addr
 
 TORCH_PROBE_TIMEOUT = 120.0
 CONNECT_BACK_TIMEOUT = 5.0
@@ -94,11 +94,11 @@ def probe_host(connect_back: str | None, peers: Sequence[str] = ()) -> dict[str,
 def network_facts(connect_back: str, peers: Sequence[str]) -> dict[str, Any]:
     """The interface (and address) facing hvdrun, and the one a job's Gloo and NCCL would
     get here where another faces most of the other hosts (``peers``), as agents choose."""
-    ifname, address = interface_facing(connect_back)
-    facts: dict[str, Any] = {"ifname": ifname, "address": address}
-    toward = interface_toward(peers, ifname)
-    if toward is not None and toward[0] != ifname:
-        facts["gloo_ifname"], facts["gloo_address"] = toward
+    facing = interface_facing(connect_back)
+    facts: dict[str, Any] = {"ifname": facing[0], "address": facing[1]}
+    gloo = gloo_interface(facing, peers)
+    if gloo[0] != facing[0]:
+        facts["gloo_ifname"], facts["gloo_address"] = gloo
     return facts
 
 

@@ -61,8 +61,8 @@ from launcher.transport.protocol import (
 )
 from rendezvous import worker_env
 from rendezvous.addresses import (
+    gloo_interface,
     interface_facing,
-    interface_toward,
     is_loopback,
     pick_master,
     split_addr,
@@ -124,11 +124,10 @@ def network_env(
     (``peers``) use, since those are whom the workers connect to."""
     if not rendezvous_addr:
         return
-    ifname, address = interface_facing(rendezvous_addr)
-    toward = interface_toward(peers, ifname)
-    if toward is not None and toward[0] != ifname:
-        log.info("Gloo and NCCL use %s, which faces most peers, not %s", toward[0], ifname)
-        ifname, address = toward
+    facing = interface_facing(rendezvous_addr)
+    ifname, address = gloo_interface(facing, peers)
+    if ifname != facing[0]:
+        log.info("Gloo and NCCL use %s, which faces most peers, not %s", ifname, facing[0])
     emit(Network(ifname, address))
     if ifname is None:
         return
