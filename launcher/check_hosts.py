@@ -25,6 +25,7 @@ from launcher.transport.startup import (
     LaunchError,
     host_addresses,
     open_agents,
+    peer_addresses,
     plan_rendezvous,
     stop_agents,
     version_problems,
@@ -121,7 +122,7 @@ def probe_agents(
         def probe(agent: AgentConnection) -> None:
             report = reports[agent.hostname]
             addr = join_addr(plan.addr_host[agent.hostname], listener.port)
-            peers = [address for host, address in addresses.items() if host != agent.hostname]
+            peers = peer_addresses(addresses, agent.hostname)
             try:
                 report.facts = agent.request_probe(addr, PROBE_TIMEOUT, peers)
             except AgentStartError as exc:

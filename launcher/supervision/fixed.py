@@ -51,6 +51,7 @@ from launcher.transport.startup import (
     AGENT_FAILURE_EXIT,
     LaunchError,
     host_addresses,
+    peer_addresses,
     plan_rendezvous,
     rendezvous_addr,
     start_agents,
@@ -321,9 +322,10 @@ def master_env(
         return {}
     host = next(slot.hostname for slot in slots if slot.rank == 0)
     agent = next(agent for agent in agents if agent.hostname == host)
-    peers = [address for other, address in addresses.items() if other != host]
     try:
-        prepared = agent.request_prepare(addr, spec.launch.start_timeout, peers)
+        prepared = agent.request_prepare(
+            addr, spec.launch.start_timeout, peer_addresses(addresses, host)
+        )
     except AgentStartError as exc:
         raise LaunchError({host: str(exc)}, len(agents)) from None
     env = worker_env.master_env(prepared.address, prepared.port)
@@ -363,7 +365,7 @@ def _supervise(
                 spec, host, slots, addr, job_id, secret, agent.heartbeat_timeout, cert_pem
             )
             launch.env.update(master)
-            launch.peers = [address for other, address in addresses.items() if other != host]
+            launch.peers = peer_addresses(addresses, host)
             agent.launch(launch, events)
         supervisor = Supervisor(agents, slots, sink, events, spec.term_grace, signals, server)
         supervisor.stop_blame_after = STOP_BLAME_SHARE * collective_timeout(spec.env)

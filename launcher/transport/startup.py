@@ -306,6 +306,11 @@ def host_addresses(agents: Sequence[AgentConnection], plan: RendezvousPlan) -> d
     return found
 
 
+def peer_addresses(addresses: dict[str, str], host: str) -> list[str]:
+    """Of :func:`host_addresses`' answer, the addresses of the hosts other than ``host``."""
+    return [address for other, address in addresses.items() if other != host]
+
+
 def _resolved(name: str) -> str | None:
     try:
         infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
