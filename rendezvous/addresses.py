@@ -33,6 +33,7 @@ __all__ = [
     "missing_interfaces",
     "outward_interface",
     "pick_master",
+    "resolve",
     "source_address",
     "split_addr",
 ]
@@ -87,6 +88,16 @@ def source_address(host: str, port: int = 9) -> str | None:
             sock.connect(sockaddr)
             return str(sock.getsockname()[0]).split("%", 1)[0]
     return None
+
+
+def resolve(name: str) -> str | None:
+    """The first address ``name`` resolves to, without its %scope; None if it resolves to
+    none."""
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    return str(infos[0][4][0]).split("%", 1)[0] if infos else None
 
 
 def _ip_addresses() -> Iterator[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""Whether the hosts of a job reach each other at the addresses Gloo will use.
+"""What a rank advertises to Gloo, and whether the hosts of a job reach each other there.
 
 Gloo connects every pair of ranks at the address each advertises (the interface
 ``GLOO_SOCKET_IFNAME`` names, else its host name's). Where a firewall drops the packets to
@@ -12,8 +12,9 @@ connects to the other hosts' within :data:`REACH_TIMEOUT_SECONDS`. A connect tha
 (even refused: a listener closed once its host's group was up) proves the path. One that gets
 no answer, or an unreachable network, means Gloo cannot connect either: that rank says which
 host and address it could not reach and how to choose another interface, and exits (as a
-worker that lost its launcher does), so the launcher stops the job within seconds; in an
-elastic job it only warns (see :func:`warn_unreachable`).
+worker that lost its launcher does: the caller's ``on_unreachable``), so the launcher stops
+the job within seconds; in an elastic job it only warns (see :func:`warn_unreachable`).
+Where Gloo's connects fail by themselves, :func:`connect_failure` explains them.
 
 The check costs one listening socket per host and a connect per pair of hosts, on a thread
 of its own: hvd.init() does not wait for it.
@@ -21,24 +22,23 @@ of its own: hvd.init() does not wait for it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import os
+import re
 import socket
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from collectives.runtime.state import Topology
-from rendezvous.addresses import interface_addresses, is_ipv6, is_loopback
+from rendezvous.addresses import interface_addresses, is_ipv6, is_loopback, resolve
 
 __all__ = [
     "REACH_TIMEOUT_SECONDS",
     "HostsProbe",
-    "exit_unreachable",
+    "connect_failure",
     "gloo_address",
     "warn_unreachable",
 ]
@@ -50,27 +50,48 @@ logger = logging.getLogger(__name__)
 REACH_TIMEOUT_SECONDS = 15.0
 #: Connect errors that mean the path is broken (a refusal means the host answered).
 _UNREACHABLE = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH}
+#: The fix both explanations end with.
+_HOW_TO_CHOOSE = "hvdrun --network-interface IF (or GLOO_SOCKET_IFNAME=IF on every rank)"
+#: The peer address in Gloo's connect errors: ``remote=[10.9.51.2]:49055``.
+_GLOO_REMOTE = re.compile(r"remote=\[([^\]]+)\]")
+
+
+def _advertised_interface() -> str:
+    """The interface Gloo advertises: the first ``GLOO_SOCKET_IFNAME`` names ("" if none)."""
+    return os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
 
 
 def gloo_address() -> tuple[str, str] | None:
     """(address, where it comes from) that Gloo advertises for this rank: the first IPv4
-    address (else IPv6) of the first interface ``GLOO_SOCKET_IFNAME`` names, else the
+    address (else IPv6) of the interface :func:`_advertised_interface` names, else the
     address of this host's name; None when there is none, or it is loopback."""
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    ifname = _advertised_interface()
     if ifname:
         held = interface_addresses(ifname)
         ordered = [a for a in held if not is_ipv6(a)] + [a for a in held if is_ipv6(a)]
         address, source = (ordered[0] if ordered else None), ifname
     else:
-        source = "the host name"
-        try:
-            infos = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError):
-            infos = []
-        address = str(infos[0][4][0]) if infos else None
+        address, source = resolve(socket.gethostname()), "the host name"
     if address is None or is_loopback(address):
         return None
     return address, source
+
+
+def connect_failure(rank: int, size: int, error: BaseException) -> RuntimeError:
+    """hvd.init()'s error when the default group cannot connect: Gloo names only the peer's
+    address, so it says what each side advertised and how to choose the interface."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    own = ", ".join(interface_addresses(_advertised_interface())) if ifname else ""
+    mine = f"{ifname} ({own or 'no address'})" if ifname else "the address of its host name"
+    peers = list(dict.fromkeys(_GLOO_REMOTE.findall(str(error))))
+    theirs = f"; the peer(s) it could not reach advertised {', '.join(peers)}" if peers else ""
+    return RuntimeError(
+        f"hvd.init() could not connect rank {rank} to its {size - 1} peers: {error}. "
+        f"This rank advertised {mine} on {socket.gethostname()}{theirs}. Each host advertises "
+        "the interface GLOO_SOCKET_IFNAME names (by default the one facing the rendezvous): "
+        f"where those are not on a network every host reaches, choose one that is with "
+        + _HOW_TO_CHOOSE
+    )
 
 
 class HostsProbe:
@@ -134,7 +155,9 @@ class HostsProbe:
 
     def _check(self) -> None:
         for other in range(self._topology.cross_size):
-            if other == self._topology.cross_rank or self._done.is_set():
+            if self._done.is_set():
+                return
+            if other == self._topology.cross_rank:
                 continue
             try:
                 peer = json.loads(self._store.get(self._key(other)))
@@ -170,18 +193,8 @@ class HostsProbe:
             f"{peer['address']} ({where}the address its ranks advertise to Gloo): {problem}. "
             "Gloo's connections between the hosts would fail only after minutes: a firewall "
             "drops the packets, or the hosts do not share a network on that interface. Choose "
-            "an interface every host reaches with hvdrun --network-interface IF (or "
-            "GLOO_SOCKET_IFNAME=IF on every rank)"
+            "an interface every host reaches with " + _HOW_TO_CHOOSE
         )
-
-
-def exit_unreachable(message: str) -> None:
-    """What a rank of a fixed job does when another host is unreachable: says so and exits
-    (1) at once, as its group's connects would block this process for minutes."""
-    with contextlib.suppress(Exception):
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-    os._exit(1)
 
 
 def warn_unreachable(message: str) -> None:

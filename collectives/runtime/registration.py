@@ -27,7 +27,6 @@ import contextlib
 import datetime
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -43,10 +42,9 @@ from collectives.runtime.groups import (
     select_cuda_device,
     start_engine,
 )
-from collectives.runtime.reach import HostsProbe, exit_unreachable, warn_unreachable
+from collectives.runtime.reach import HostsProbe, connect_failure, warn_unreachable
 from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import worker_env
-from rendezvous.addresses import interface_addresses
 
 __all__ = [
     "HostRemoved",
@@ -101,22 +99,28 @@ def _terminate_own_process_group() -> None:
             continue
 
 
+def _exit_saying(message: str) -> None:
+    """Ends this worker at once, from any thread: says ``message``, stops the processes of
+    its own process group and exits (1)."""
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    except Exception:  # stderr may be gone with the launcher
+        pass
+    try:
+        _terminate_own_process_group()
+    finally:
+        os._exit(1)
+
+
 def _make_on_lost(runtime: RuntimeState) -> Any:
     def on_lost(reason: str) -> None:
         if runtime.closed.is_set():
             return
-        try:
-            sys.stderr.write(
-                f"hvdrun: rank {runtime.topology.rank} lost its job's rendezvous at "
-                f"{runtime.rendezvous_addr} ({reason}); exiting\n"
-            )
-            sys.stderr.flush()
-        except Exception:  # stderr may be gone with the launcher
-            pass
-        try:
-            _terminate_own_process_group()
-        finally:
-            os._exit(1)
+        _exit_saying(
+            f"hvdrun: rank {runtime.topology.rank} lost its job's rendezvous at "
+            f"{runtime.rendezvous_addr} ({reason}); exiting"
+        )
 
     return on_lost
 
@@ -207,7 +211,7 @@ def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
     )
     probe = None
     if HostsProbe.wanted(topology):
-        unreachable = warn_unreachable if runtime_.elastic else exit_unreachable
+        unreachable = warn_unreachable if runtime_.elastic else _exit_saying
         probe = HostsProbe(runtime_.store, topology, runtime_.host, unreachable)
         probe.start()
     try:
@@ -223,27 +227,6 @@ def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
     finally:
         if probe is not None:
             probe.stop()
-
-
-#: The peer address in Gloo's connect errors: ``remote=[10.9.51.2]:49055``.
-_GLOO_REMOTE = re.compile(r"remote=\[([^\]]+)\]")
-
-
-def connect_failure(rank: int, size: int, error: BaseException) -> RuntimeError:
-    """hvd.init()'s error when the default group cannot connect: Gloo names only the peer's
-    address, so it says what each side advertised and how to choose the interface."""
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    own = ", ".join(interface_addresses(ifname.split(",")[0])) if ifname else ""
-    mine = f"{ifname} ({own or 'no address'})" if ifname else "the address of its host name"
-    peers = list(dict.fromkeys(_GLOO_REMOTE.findall(str(error))))
-    theirs = f"; the peer(s) it could not reach advertised {', '.join(peers)}" if peers else ""
-    return RuntimeError(
-        f"hvd.init() could not connect rank {rank} to its {size - 1} peers: {error}. "
-        f"This rank advertised {mine} on {socket.gethostname()}{theirs}. Each host advertises "
-        "the interface GLOO_SOCKET_IFNAME names (by default the one facing the rendezvous): "
-        "where those are not on a network every host reaches, choose one that is with "
-        "hvdrun --network-interface IF (or GLOO_SOCKET_IFNAME=IF on every rank)"
-    )
 
 
 def join_elastic(runtime_: RuntimeState) -> None:

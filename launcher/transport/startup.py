@@ -15,7 +15,6 @@ and NCCL sockets face the other hosts too.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +27,7 @@ from launcher.transport.connection import AgentConnection, AgentStartError
 from launcher.transport.hostinfo import installed_versions
 from launcher.transport.local import LocalAgent
 from launcher.transport.protocol import PROTOCOL_VERSION, Hello
-from rendezvous.addresses import is_ipv6, is_loopback, join_addr, source_address
+from rendezvous.addresses import is_ipv6, is_loopback, join_addr, resolve, source_address
 
 #: hvdrun's exit code when it cannot start (or loses) an agent; ssh uses the same.
 AGENT_FAILURE_EXIT = 255
@@ -300,7 +299,7 @@ def host_addresses(agents: Sequence[AgentConnection], plan: RendezvousPlan) -> d
         if agent.kind == "local" or target is None:
             address: str | None = plan.addr_host.get(agent.hostname)
         else:
-            address = _resolved(target.hostname)
+            address = resolve(target.hostname)
         if address and not is_loopback(address):
             found[agent.hostname] = address
     return found
@@ -309,14 +308,6 @@ def host_addresses(agents: Sequence[AgentConnection], plan: RendezvousPlan) -> d
 def peer_addresses(addresses: dict[str, str], host: str) -> list[str]:
     """Of :func:`host_addresses`' answer, the addresses of the hosts other than ``host``."""
     return [address for other, address in addresses.items() if other != host]
-
-
-def _resolved(name: str) -> str | None:
-    try:
-        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return None
-    return str(infos[0][4][0]).split("%", 1)[0] if infos else None
 
 
 def _has_port(text: str) -> bool:

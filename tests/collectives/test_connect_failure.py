@@ -9,7 +9,7 @@ import socket
 import psutil
 import pytest
 
-from collectives.runtime import registration
+from collectives.runtime import reach, registration
 from collectives.runtime.state import RuntimeState, Topology
 
 GLOO_TEXT = (
@@ -23,7 +23,7 @@ def test_a_connect_failure_names_both_sides_and_the_flag(monkeypatch: pytest.Mon
     name, entries = next(iter(psutil.net_if_addrs().items()))
     address = next(e.address for e in entries if e.family in (socket.AF_INET, socket.AF_INET6))
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", name)
-    message = str(registration.connect_failure(0, 2, RuntimeError(GLOO_TEXT)))
+    message = str(reach.connect_failure(0, 2, RuntimeError(GLOO_TEXT)))
     assert message.startswith(GLOO_ERROR + ". This rank advertised " + f"{name} (")
     assert address.split("%")[0] in message
     assert f"on {socket.gethostname()}; the peer(s) it could not reach advertised 10.9.51.2." in (
