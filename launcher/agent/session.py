@@ -53,6 +53,7 @@ from launcher.transport.protocol import (
     Probe,
     ProbeRequest,
     RunRequest,
+    Signalled,
     SignalRequest,
     TerminateRequest,
     decode_request,
@@ -207,6 +208,8 @@ class Control:
         self.stop = threading.Event()
         self.kill = False
         self.reason = ""
+        #: The signal from outside hvdrun that stopped the workers (reported to hvdrun).
+        self.signum: int | None = None
         self.last_heard = time.monotonic()
         #: Signals hvdrun forwards to the workers (SIGUSR1, SIGUSR2), taken by the run loop.
         self.forward: list[int] = []
@@ -300,6 +303,8 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
     control = Control()
 
     def on_signal(signum: int, frame: object) -> None:
+        if control.signum is None:
+            control.signum = signum
         control.request_stop(f"received {signal.Signals(signum).name}")
 
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
@@ -333,6 +338,8 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
             if agent.wait(timeout=0.1):
                 break
         stopped = control.stop.is_set() or emit.broken.is_set()
+        if control.signum is not None:  # (hvdrun tells the job's end from a worker's fault)
+            emit.try_emit(Signalled(control.signum), timeout=1.0)
         if stopped:
             reason = control.reason or "hvdrun stopped reading"
             note(f"stopping workers: {reason}")

@@ -72,6 +72,11 @@ STOP_AFTERMATH_SECONDS = 2.0
 #: that failed sooner failed for its own reasons (a stop to look at a rank with a debugger
 #: while another raises is not the cause of that).
 STOP_BLAME_SHARE = 0.5
+#: A worker that died of a signal at most this long before hvdrun learnt that the job was
+#: signalled from outside (hvdrun's own signal, an agent's, Slurm cancelling the agents'
+#: step) died of that signal: the same delivery reached it first (Slurm signals a whole
+#: step or job at once), so it did not fail first.
+SIGNALLED_WINDOW = 2.0
 
 
 def collective_timeout(env: Mapping[str, str], default: float | None = None) -> float:
@@ -213,6 +218,18 @@ def agent_loss_reason(event: Done | AgentExit) -> str:
     return why
 
 
+def signalled_message(host: str, signum: int, elastic: bool = False) -> str:
+    """What hvdrun says when ``host``'s agent received ``signum`` from outside hvdrun: a
+    fixed job stops; an elastic one loses the host."""
+    name = signal.Signals(signum).name
+    if elastic:
+        return f"host {host}: its agent received {name} from outside hvdrun; its workers stop"
+    return (
+        f"the agent on {host} received {name} from outside hvdrun (scancel, a time limit, "
+        "kill); stopping all workers"
+    )
+
+
 #: A signal that comes again within this many seconds is one signal sent twice: ``timeout``
 #: (and a ``kill`` of the process group) sends hvdrun's SIGTERM to it and to its group.
 REPEAT_SECONDS = 0.25
@@ -336,6 +353,7 @@ class Supervision(ABC, Generic[E]):
         # how long a stop must have lasted before a failure to be its cause (set from the
         # workers' collective timeout: STOP_BLAME_SHARE)
         self.stop_blame_after = 0.0
+        self._failed_at = 0.0  # (clock) when result.failure was recorded
 
     # ---- what differs between supervisors ----------------------------------------------
 
@@ -419,23 +437,32 @@ class Supervision(ABC, Generic[E]):
                     agent.signal(signum)
         for before, signum in self.signals.take():
             if before == 0:
-                self.sink.message(f"received {signal.Signals(signum).name}; stopping all workers")
-                if self.result.failure is None:
-                    self.result.interrupted_by = signum
-                    self.result.exit_code = 128 + signum
-                self.stop_all()
+                name = signal.Signals(signum).name
+                self.interrupt(signum, f"received {name}; stopping all workers")
             else:
                 self.sink.message("second signal: killing all workers now")
                 self.kill_all()
 
-    def cancel(self, message: str) -> None:
-        """The job was cancelled under hvdrun (``scancel``): stop it as a SIGTERM would."""
-        if self.stopping and self.result.interrupted_by is not None:
+    def interrupt(self, signum: int, message: str) -> None:
+        """The job was signalled from outside: hvdrun itself, an agent (its host's workers
+        got the signal too, as a rule), or Slurm cancelling the agents' step. It stops and
+        exits with 128+``signum``, unless a worker failed first: one that died of this
+        signal just before (:data:`SIGNALLED_WINDOW`) was not the first to fail."""
+        if self.result.interrupted_by is not None:
             return
         self.sink.message(message)
-        if self.result.failure is None and self.result.interrupted_by is None:
-            self.result.interrupted_by = signal.SIGTERM
-            self.result.exit_code = 128 + signal.SIGTERM
+        failure = self.result.failure
+        if (
+            failure is not None
+            and failure.code == 128 + signum
+            and failure.error is None
+            and failure.stop is None
+            and self.clock() - self._failed_at <= SIGNALLED_WINDOW
+        ):
+            self.result.failure = None
+        if self.result.failure is None:
+            self.result.interrupted_by = signum
+            self.result.exit_code = 128 + signum
         self.stop_all()
 
     def check_heartbeats(self, now: float) -> None:
@@ -538,6 +565,7 @@ class Supervision(ABC, Generic[E]):
             return
         self.result.failure = failure
         self.result.exit_code = failure.code
+        self._failed_at = self.clock()
         self.stop_all()
 
     def stop_all(self) -> None:

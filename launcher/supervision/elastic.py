@@ -81,6 +81,7 @@ from launcher.supervision.core import (
     agent_loss_reason,
     agent_spec,
     collective_timeout,
+    signalled_message,
     start_server,
 )
 from launcher.supervision.discovery import DiscoveryError, FixedHosts
@@ -89,7 +90,7 @@ from launcher.supervision.membership import HostRecord, Membership, Publish, Sto
 from launcher.supervision.report import describe_exit, report_failure
 from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
 from launcher.transport.hostinfo import installed_versions
-from launcher.transport.protocol import Continued, Done, Exit, Output, Stopped
+from launcher.transport.protocol import Continued, Done, Exit, Output, Signalled, Stopped
 from launcher.transport.startup import (
     dial_host,
     make_agent,
@@ -342,6 +343,8 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                         self._on_exit(host, worker, code, message)
                     case Stopped() | Continued():
                         self.record_stop(host.name, event)
+                    case Signalled(signum) if not self.stopping:  # (fails as they exit)
+                        self.sink.message(signalled_message(host.name, signum, elastic=True))
                     case Done() | AgentExit():
                         self._on_agent_gone(host, event)
 

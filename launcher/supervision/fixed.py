@@ -6,7 +6,9 @@ names the rank, its host and the last lines of its stderr, with a table of every
 worker that fails while another is stopped (SIGSTOP, a debugger) names the stopped one as
 the cause, with the failed worker's exit code.
 SIGINT/SIGTERM to hvdrun stop the job the same way and exit with 128+signal; a second signal
-kills without grace. A host that cannot be started, or whose agent is lost mid-job (SSH
+kills without grace. So does a signal that reaches an agent from outside hvdrun (``scancel``
+of the job, its time limit, a ``kill``), and the workers that the same signal killed are
+not named as the first failure. A host that cannot be started, or whose agent is lost mid-job (SSH
 connection dropped, no heartbeat), makes hvdrun exit with 255, like ssh.
 
 The loop, signals, deadlines and heartbeats are :mod:`launcher.supervision.core`'s; this
@@ -18,6 +20,7 @@ and a status line counts the workers registered at the rendezvous. Elastic jobs
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,6 +38,7 @@ from launcher.supervision.core import (
     agent_spec,
     collective_timeout,
     rank_list,
+    signalled_message,
     start_server,
 )
 from launcher.supervision.insight import InsightWatch
@@ -46,7 +50,15 @@ from launcher.transport.connection import (
     HostEvent,
     StepCancelled,
 )
-from launcher.transport.protocol import Continued, Done, Exit, Network, Output, Stopped
+from launcher.transport.protocol import (
+    Continued,
+    Done,
+    Exit,
+    Network,
+    Output,
+    Signalled,
+    Stopped,
+)
 from launcher.transport.startup import (
     AGENT_FAILURE_EXIT,
     LaunchError,
@@ -194,7 +206,9 @@ class Supervisor(Supervision[HostEvent]):
                 log.info("workers on %s use interface %s", host, ifname)
             case StepCancelled(message):
                 self._step_cancelled = True
-                self.cancel(message)
+                self.interrupt(signal.SIGTERM, message)
+            case Signalled(signum):
+                self.interrupt(signum, signalled_message(host, signum))
             case Done() | AgentExit():
                 if host in self._pending_hosts:
                     self._lose_host(host, agent_loss_reason(event))

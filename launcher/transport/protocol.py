@@ -31,6 +31,8 @@ The agent answers with one JSON event per line on stdout:
 * ``{"ev": "stopped", "rank": R, "pid": P, "signum": N?, "traced": B?}`` - the worker is
   stopped: by signal N (SIGSTOP, SIGTSTP, ...), or held by a debugger (``traced``, ptrace)
 * ``{"ev": "continued", "rank": R}`` - a worker reported stopped runs again
+* ``{"ev": "signalled", "signum": N}`` - the agent received signal N (SIGTERM, SIGINT,
+  SIGHUP) from outside hvdrun (``scancel``, a time limit, ``kill``) and stops its workers
 * ``{"ev": "ping"}`` - the agent is alive
 * ``{"ev": "probe", ...}`` - the answer to a probe
 * ``{"ev": "prepared", "address": A, "port": P}`` - the answer to a prepare
@@ -344,6 +346,15 @@ class Continued:
 
 
 @dataclass(frozen=True)
+class Signalled:
+    """The agent received ``signum`` (SIGTERM, SIGINT, SIGHUP) from outside hvdrun, which
+    reached its host's workers too as a rule (Slurm signals a whole step; ``kill`` of a
+    process group): it stops its workers."""
+
+    signum: int
+
+
+@dataclass(frozen=True)
 class Ping:
     pass
 
@@ -361,7 +372,18 @@ class Done:
 
 
 AgentEvent = (
-    Hello | Network | Prepared | Started | Output | Exit | Stopped | Continued | Ping | Probe | Done
+    Hello
+    | Network
+    | Prepared
+    | Started
+    | Output
+    | Exit
+    | Stopped
+    | Continued
+    | Signalled
+    | Ping
+    | Probe
+    | Done
 )
 
 
@@ -405,6 +427,8 @@ def encode_event(event: AgentEvent) -> bytes:
             return encode(stop)
         case Continued(rank):
             return encode({"ev": "continued", "rank": rank})
+        case Signalled(signum):
+            return encode({"ev": "signalled", "signum": signum})
         case Ping():
             return encode({"ev": "ping"})
         case Probe(facts):
@@ -448,6 +472,7 @@ _EVENT_DECODERS: dict[str, Callable[[dict[str, Any]], AgentEvent]] = {
         bool(raw.get("traced", False)),
     ),
     "continued": lambda raw: Continued(int(raw["rank"])),
+    "signalled": lambda raw: Signalled(int(raw["signum"])),
     "ping": lambda raw: Ping(),
     "probe": lambda raw: Probe({k: v for k, v in raw.items() if k != "ev"}),
     "done": lambda raw: Done(),

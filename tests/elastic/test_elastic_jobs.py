@@ -7,13 +7,18 @@ whatever failed or changed on the way (a step lost, or applied twice, would show
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
+import pytest
 
 from tests.cluster import Cluster, ClusterHost, assert_hosts_clean, kill_host, write_hosts
 from tests.collectives.conftest import REPO, clean_env
@@ -171,14 +176,27 @@ def check_steps_never_go_back(output: str) -> None:
     assert steps and steps[0] == 1, f"rank 0 committed {steps}"
 
 
+def terminate_job_on(cluster: Cluster, host: ClusterHost) -> None:
+    """SIGTERM to the job's processes on ``host`` (its agent and workers) at once, not to
+    sshd: a ``pkill`` of the job there, a node's clean-up script."""
+    for proc in cluster.processes_on(host):
+        with contextlib.suppress(psutil.Error):
+            if not proc.name().startswith("sshd"):
+                proc.send_signal(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("how", ["killed", "terminated"])
 def test_killed_host_training_finishes_on_the_rest(
-    elastic_cluster: Cluster, tmp_path: Path
+    elastic_cluster: Cluster, tmp_path: Path, how: str
 ) -> None:
     node1, node2, node3 = elastic_cluster.hosts
     discovery = hosts_file(tmp_path, node1, node2, node3)
     steps = 50
     job = Job(elastic_cluster, "-np", "3", "--min-np", "2", *elastic_args(discovery, steps))
-    job.when(after_step(10), lambda: kill_host(elastic_cluster, node3, sshd=True))
+    if how == "killed":
+        job.when(after_step(10), lambda: kill_host(elastic_cluster, node3, sshd=True))
+    else:
+        job.when(after_step(10), lambda: terminate_job_on(elastic_cluster, node3))
     try:
         code, output = job.wait()
     finally:
@@ -186,6 +204,8 @@ def test_killed_host_training_finishes_on_the_rest(
         elastic_cluster.start_sshd(node3)
     assert code == 0, output
     assert f"host {node3.alias} failed" in output, output
+    said = f"host {node3.alias}: its agent received SIGTERM from outside hvdrun; its workers stop"
+    assert (said in output) == (how == "terminated"), output
     check_finished_exactly(output, steps, size=2)
     sizes = {c[2] for c in committed(output)}
     assert sizes == {3, 2}, output

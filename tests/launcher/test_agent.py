@@ -144,6 +144,26 @@ def test_silence_from_hvdrun_stops_the_workers(
     assert f"stopping workers: heard nothing from hvdrun for over {said:g} s" in stderr
 
 
+@pytest.mark.parametrize("how", ["signal", "request"])
+def test_a_signal_from_outside_is_reported_to_hvdrun(how: str) -> None:
+    # (scancel, a time limit: hvdrun must tell the job's end from a worker's own failure;
+    # a stop it asked for itself is not reported so)
+    agent = Agent()
+    agent.event()
+    agent.send(encode_request(RunRequest(spec("print('ready'); import time; time.sleep(60)"))))
+    while agent.event().get("data") != "ready":
+        pass
+    if how == "signal":
+        agent.proc.send_signal(signal.SIGTERM)
+    else:
+        agent.send(encode_request(TerminateRequest()))
+    events = agent.events_until_done()
+    assert {"ev": "exit", "rank": 0, "code": 143} in events
+    signalled = [e for e in events if e["ev"] == "signalled"]
+    assert signalled == ([{"ev": "signalled", "signum": 15}] if how == "signal" else [])
+    agent.close()
+
+
 @pytest.mark.parametrize("terminated_first", [False, True])
 def test_kill_skips_the_grace_period(terminated_first: bool) -> None:
     # A kill request at once, or during the grace period of a stop (hvdrun's second

@@ -210,6 +210,31 @@ def test_scancel_ends_hvdrun_and_every_worker_on_every_node(slurm: SlurmCluster,
     assert left_on_nodes(slurm, within=10) == []
 
 
+def test_a_cancelled_batch_job_is_not_blamed_on_a_rank(slurm: SlurmCluster, tmp_path: Path) -> None:
+    # scancel -b -s TERM ends the batch shell, and with it the job: Slurm signals every
+    # step, the agents and their workers at once, and a worker's exit used to reach hvdrun
+    # first ("rank 2 on host hvdh2 failed first: killed by SIGTERM").
+    script = tmp_path / "job.sh"
+    code = "import time; print('up', flush=True); time.sleep(120)"
+    script.write_text(f'#!/bin/sh\n{" ".join(HVDRUN)} {sys.executable} -c "{code}"\n')
+    log = tmp_path / "job.log"
+    submitted = slurm.run(
+        "sbatch", "--parsable", "-o", str(log), *SALLOC[1:], str(script), cwd=tmp_path
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 60
+    while not (log.exists() and log.read_text().count("<stdout>:up") == 4):
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no output"
+        time.sleep(0.2)
+    assert slurm.run("scancel", "-b", "-s", "TERM", job).returncode == 0
+    slurm.wait_idle(within=60)
+    output = log.read_text()
+    assert "received SIGTERM from outside hvdrun" in output, output
+    assert "failed first" not in output and "Horovod detected" not in output, output
+    assert left_on_nodes(slurm, within=10) == []
+
+
 def test_ctrl_c_on_hvdrun_cancels_its_step(slurm: SlurmCluster) -> None:
     proc = running_job(slurm)
     hvdrun = next(

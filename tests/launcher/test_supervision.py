@@ -16,6 +16,7 @@ from launcher.output import OutputSink
 from launcher.supervision.core import (
     AGENT_REPORT_SLACK,
     EVENT_BATCH,
+    SIGNALLED_WINDOW,
     Signals,
     Supervised,
     Supervision,
@@ -23,8 +24,9 @@ from launcher.supervision.core import (
     rank_list,
 )
 from launcher.supervision.fixed import ENDED_BY_WAIT, Supervisor
+from launcher.supervision.report import report_failure
 from launcher.transport.connection import AgentExit, HostEvent
-from launcher.transport.protocol import Done, Exit, Output
+from launcher.transport.protocol import Done, Exit, Output, Signalled
 from rendezvous import worker_env
 from rendezvous.slots import assign_slots
 
@@ -397,6 +399,57 @@ def test_fixed_job_first_failure_stops_every_host() -> None:
     assert result.exit_code == 3
     assert result.failure == WorkerFailure(2, "b", 3, None)
     assert result.stopped == {0, 1, 3}
+
+
+@pytest.mark.parametrize(
+    ("after", "code", "blamed"),
+    [
+        (0.5, 143, False),  # the agent's news came just behind the worker's death: no blame
+        (SIGNALLED_WINDOW + 1, 143, True),  # long after: the worker had failed by then
+        (0.5, 137, True),  # a death by another signal is the worker's own failure
+    ],
+)
+def test_a_signal_from_outside_that_reached_the_workers_first_is_not_their_failure(
+    after: float, code: int, blamed: bool
+) -> None:
+    """``scancel`` of a job (or its time limit) signals the agents and the workers at once;
+    the worker's exit may reach hvdrun before its agent's word that a SIGTERM came from
+    outside, and that rank must not be named as the job's first failure."""
+    a, b = FakeAgent("a"), FakeAgent("b")
+    clock = Clock()
+    supervisor, _, err = fixed(a, b, clock=clock)
+    put(supervisor, "b", Exit(2, code))
+    supervisor.step()
+    clock.now += after
+    supervisor.events.put(HostEvent("b", Signalled(signal.SIGTERM)))
+    put(supervisor, "a", Exit(0, 143), Exit(1, 143), Done())
+    put(supervisor, "b", Exit(3, 143), Done())
+    result = supervisor.run()
+    report_failure(result, supervisor.sink)  # (what hvdrun says at the end)
+    said = err.getvalue().decode()
+    assert "the agent on b received SIGTERM from outside hvdrun" in said
+    if blamed:
+        assert result.failure is not None and result.failure.rank == 2
+        assert (result.exit_code, result.interrupted_by) == (code, None)
+        assert "rank 2 on host b failed first" in said
+    else:
+        assert (result.failure, result.interrupted_by) == (None, signal.SIGTERM)
+        assert result.exit_code == 143
+        assert "failed first" not in said and "Horovod detected" not in said
+    assert a.calls == b.calls == ["terminate"]
+
+
+def test_a_signal_from_outside_on_one_host_stops_the_job() -> None:
+    a, b = FakeAgent("a"), FakeAgent("b")
+    supervisor, _, err = fixed(a, b)
+    supervisor.events.put(HostEvent("a", Signalled(signal.SIGHUP)))
+    supervisor.step()
+    assert a.calls == b.calls == ["terminate"]
+    assert "the agent on a received SIGHUP from outside hvdrun" in err.getvalue().decode()
+    put(supervisor, "a", Exit(0, 129), Exit(1, 129), Done())
+    put(supervisor, "b", Exit(2, 143), Exit(3, 143), Done())
+    result = supervisor.run()
+    assert (result.exit_code, result.interrupted_by, result.failure) == (129, signal.SIGHUP, None)
 
 
 @pytest.mark.parametrize(
