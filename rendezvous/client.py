@@ -89,6 +89,28 @@ class RendezvousTimeout(RendezvousError):
 class RendezvousUnavailable(RendezvousError):
     """The rendezvous server cannot be reached or has gone away."""
 
+    def not_grpc(self) -> tuple[str, bool] | None:
+        """What the connection showed of the program at the address when it is not a gRPC
+        server (another program holds the port): what it does, and whether that is certain
+        at once (it spoke another protocol) or only once it lasts (it accepted and closed
+        the connection, or said nothing: a server that is stopping or starting does that for
+        a moment). None when nothing answered (refused: rank 0 does not serve yet)."""
+        text = str(self)
+        for sign, what, certain in _NOT_GRPC:
+            if sign in text:
+                return what, certain
+        return None
+
+
+#: What gRPC's connect errors say of a listener that is not a gRPC server, what that means,
+#: and whether it is certain at once.
+_NOT_GRPC = (
+    ("Failed parsing HTTP/2", "answers in another protocol", True),
+    ("http1.x server", "answers in HTTP/1", True),
+    ("Socket closed", "accepts connections and closes them", False),
+    ("before receiving SETTINGS frame", "accepts connections but answers nothing", False),
+)
+
 
 class RendezvousRemoved(RendezvousError):
     """Elastic jobs: the newest membership generation no longer contains this worker's slot."""

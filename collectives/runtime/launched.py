@@ -16,7 +16,9 @@ rank meets it at an address all of them can work out on their own:
   over MPI when mpi4py is importable, and a fresh secret with it.
 
 Rank 0 listens on every interface; the others dial the address and retry until rank 0
-serves or ``HVDRUN_START_TIMEOUT`` passes. Each rank then points Gloo and NCCL at the
+serves or ``HVDRUN_START_TIMEOUT`` passes (a program there that is not a gRPC server holds
+the port rank 0 needed: they say so at once, or after ``NOT_GRPC_SECONDS`` when it is
+silent). Each rank then points Gloo and NCCL at the
 interface that faces the rendezvous (unless ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` are
 set): a host's name need not resolve for its peers to reach it.
 
@@ -80,6 +82,9 @@ RENDEZVOUS_PORT = "RENDEZVOUS_PORT"
 DEFAULT_START_TIMEOUT_SECONDS = 120.0
 #: How often a rank retries a rendezvous that does not answer yet.
 RETRY_SECONDS = 0.2
+#: A listener at the rendezvous's address that is not a gRPC server (it closes connections,
+#: or answers nothing) for this long holds the port: rank 0 could not serve there.
+NOT_GRPC_SECONDS = 10.0
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
@@ -479,6 +484,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
         client = RendezvousClient(dial, meeting.secret, meeting.job_id)
         local_rank = placement.local_rank if placement.local_rank is not None else -1
         peers = launchers.local_peers(placement.host or host, placement.agent)
+        foreign_since: float | None = None  # (see NOT_GRPC_SECONDS)
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -487,6 +493,19 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                 )
                 break
             except RendezvousUnavailable as error:
+                foreign = error.not_grpc()
+                foreign_since = None if foreign is None else foreign_since or time.monotonic()
+                if foreign is not None and (
+                    foreign[1] or time.monotonic() - (foreign_since or 0) >= NOT_GRPC_SECONDS
+                ):
+                    client.close()
+                    raise JoinError(
+                        f"hvd.init(): rank {rank} of {placement.size} ({placement.name}) "
+                        f"reached {meeting.addr} ({meeting.how}), but the program there is "
+                        f"not hvdrun's rendezvous: it {foreign[0]}. Another program holds "
+                        "that port, so rank 0 cannot serve the job there: give every rank a "
+                        "free port with HVDRUN_RENDEZVOUS_PORT (or MASTER_PORT)"
+                    ) from None
                 if time.monotonic() + RETRY_SECONDS >= deadline:
                     client.close()
                     raise JoinError(

@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -448,6 +449,48 @@ def test_peers_that_never_arrive() -> None:
     assert codes == [1], output
     assert "the RANK/WORLD_SIZE/MASTER_ADDR environment started 2 processes" in output, output
     assert re.search(r"1 of 2 ranks did not register within [0-9.]+ s: ranks 1\n", output), output
+
+
+@pytest.mark.parametrize("speaks", [True, False])
+def test_a_port_held_by_another_program_is_named_on_every_rank(speaks: bool) -> None:
+    # Rank 0 cannot serve the rendezvous on a port another program holds, and says so at
+    # once; the other ranks reach that program instead and used to wait out
+    # HVDRUN_START_TIMEOUT (120 s) for a rank 0 that would never serve. One that speaks
+    # (an sshd, a web server) is named at once, a silent one (another job's TCPStore)
+    # after 10 s.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    port = listener.getsockname()[1]
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            held.append(conn)
+            if speaks:
+                conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    started = time.monotonic()
+    try:
+        codes, output = finish(start_pods(2, port=port), timeout=90)
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert codes == [1, 1], output
+    assert f"rank 0 cannot serve the rendezvous on port {port}" in output, output
+    what = "answers in another protocol" if speaks else "accepts connections but answers nothing"
+    assert (
+        f"rank 1 of 2 (the RANK/WORLD_SIZE/MASTER_ADDR environment) reached 127.0.0.1:{port} "
+        f"(MASTER_ADDR=127.0.0.1 and port {port} (MASTER_PORT)), but the program there is not "
+        f"hvdrun's rendezvous: it {what}. Another program holds that port"
+    ) in output, output
+    assert time.monotonic() - started < 60, output
 
 
 def test_ranks_given_different_job_sizes_are_told_so() -> None:
