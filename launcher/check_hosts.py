@@ -4,15 +4,15 @@ Connects to every host exactly as a job would (same SSH settings, same agent), h
 agent describe its host (Python, torch, hvdrun, GPUs, NCCL, the interface that faces this
 machine, or the one a job's Gloo and NCCL get where another faces most of the other hosts)
 and open a TCP connection back to this machine, as the workers will to reach the
-rendezvous. Prints one table row per host, then each host's problems and the versions on
-which hosts disagree. Exits 1 when any host is unusable (unreachable, hvdrun or torch
-missing, versions that differ from this machine's, no route back), else 0.
+rendezvous. With several hosts, every host then tries a TCP connection to every other one's
+Gloo address, as the ranks of a job will. Prints one table row per host, then each host's
+problems and the versions on which hosts disagree. Exits 1 when any host is unusable
+(unreachable, hvdrun or torch missing, versions that differ from this machine's, no route
+back, another host it cannot reach), else 0.
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +21,7 @@ from typing import Any
 from launcher.spec.options import LaunchOptions
 from launcher.transport.connection import AgentConnection, AgentStartError
 from launcher.transport.hostinfo import installed_versions
+from launcher.transport.reachability import PEER_TIMEOUT, Listener
 from launcher.transport.startup import (
     LaunchError,
     host_addresses,
@@ -33,6 +34,9 @@ from launcher.transport.startup import (
 from rendezvous.addresses import join_addr
 
 PROBE_TIMEOUT = 180.0
+#: How long hvdrun waits for a host to say which others it reached (each try gets
+#: reachability.PEER_TIMEOUT; the tries run at once).
+REACH_TIMEOUT = PEER_TIMEOUT + 20.0
 COLUMNS = ("HOST", "STATUS", "PYTHON", "TORCH", "HVDRUN", "GPUS", "NCCL", "INTERFACE")
 
 
@@ -74,32 +78,6 @@ class HostReport:
         }
 
 
-class _Listener:
-    """Accepts (and drops) the agents' test connections back to this machine."""
-
-    def __init__(self, bind_host: str) -> None:
-        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((bind_host, 0))
-        self.sock.listen(128)
-        self.port = int(self.sock.getsockname()[1])
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            conn.close()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-
-
 def probe_agents(
     agents: Sequence[AgentConnection], explicit_addr: str | None
 ) -> dict[str, HostReport]:
@@ -115,16 +93,17 @@ def probe_agents(
         if not agents:
             return reports
         plan = plan_rendezvous(agents, explicit_addr)
-    listener = _Listener(plan.bind_host)
+    listener = Listener(plan.bind_host)
     try:
         addresses = host_addresses(agents, plan)
+        mesh = len(agents) > 1
 
         def probe(agent: AgentConnection) -> None:
             report = reports[agent.hostname]
             addr = join_addr(plan.addr_host[agent.hostname], listener.port)
             peers = peer_addresses(addresses, agent.hostname)
             try:
-                report.facts = agent.request_probe(addr, PROBE_TIMEOUT, peers)
+                report.facts = agent.request_probe(addr, PROBE_TIMEOUT, peers, mesh)
             except AgentStartError as exc:
                 report.facts = agent.hello.facts() if agent.hello is not None else {}
                 report.problems.append(str(exc))
@@ -137,14 +116,55 @@ def probe_agents(
                     f"{report.facts['connect_back_error']} (firewall? try --rendezvous-addr)"
                 )
 
-        threads = [threading.Thread(target=probe, args=(agent,)) for agent in agents]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        each_at_once(probe, agents)
+        if mesh:
+            reach_each_other([a for a in agents if a.probe is not None], reports)
     finally:
         listener.close()
     return reports
+
+
+def each_at_once(
+    work: Callable[[AgentConnection], None], agents: Sequence[AgentConnection]
+) -> None:
+    threads = [threading.Thread(target=work, args=(agent,)) for agent in agents]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def reach_each_other(agents: Sequence[AgentConnection], reports: dict[str, HostReport]) -> None:
+    """Every host tries a TCP connection to every other one's Gloo address (the listener
+    its mesh probe opened there), as a job's ranks will: a firewall between two hosts that
+    both reach this machine shows here, not as a job that stops in hvd.init()."""
+    listening = {a.hostname: reports[a.hostname].facts.get("gloo_listen") for a in agents}
+    targets = {host: addr for host, addr in listening.items() if addr}
+    for agent in agents:
+        error = reports[agent.hostname].facts.get("gloo_listen_error")
+        if error:
+            reports[agent.hostname].problems.append(f"the other hosts cannot be checked: {error}")
+
+    def reach(agent: AgentConnection) -> None:
+        others = {host: addr for host, addr in targets.items() if host != agent.hostname}
+        if not others:
+            return
+        try:
+            results = agent.request_reach(others, REACH_TIMEOUT)
+        except AgentStartError as exc:
+            reports[agent.hostname].problems.append(str(exc))
+            return
+        for host, why in sorted(results.items()):
+            if why is not None:
+                facts = reports[host].facts
+                interface = facts.get("gloo_ifname") or facts.get("ifname") or "?"
+                reports[agent.hostname].problems.append(
+                    f"cannot reach host {host} at the address its workers give Gloo "
+                    f"({interface}): {why} (a firewall between the hosts? "
+                    "--network-interface chooses the interface)"
+                )
+
+    each_at_once(reach, [a for a in agents if listening[a.hostname]])
 
 
 def disagreements(reports: Sequence[HostReport]) -> list[str]:

@@ -3,7 +3,10 @@
 The agent itself never imports torch, so the torch facts (version, CUDA, GPUs, NCCL, Gloo)
 come from ``python -m launcher.agent.probe``, a child process that does. The agent adds its
 versions, the interface that faces hvdrun and whether a TCP connection back to hvdrun works,
-which is what a job's workers need to reach the rendezvous server.
+which is what a job's workers need to reach the rendezvous server. With several hosts it
+also listens on the address its ranks would give Gloo (:func:`gloo_listener`) and, once
+every host has said where, tries the others' (``reachability.reach_peers``): what the
+workers of a job need to reach each other.
 """
 
 from __future__ import annotations
@@ -12,15 +15,14 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from launcher.transport.hostinfo import installed_versions
-from rendezvous.addresses import gloo_interface, interface_facing, split_addr
+from launcher.transport.reachability import CONNECT_BACK_TIMEOUT, Listener, connect_error
+from rendezvous.addresses import gloo_interface, interface_facing, join_addr
 
 TORCH_PROBE_TIMEOUT = 120.0
-CONNECT_BACK_TIMEOUT = 5.0
 
 
 def describe_torch() -> dict[str, Any]:
@@ -67,28 +69,29 @@ def _torch_facts() -> dict[str, Any]:
         return {"torch_error": f"torch probe failed: {tail[0]}"}
 
 
-def _connect_back(addr: str) -> str | None:
-    """None when a TCP connection to hvdrun's ``addr`` works, else why not."""
-    try:
-        host, port = split_addr(addr)
-        start = time.monotonic()
-        with socket.create_connection((host, port), timeout=CONNECT_BACK_TIMEOUT):
-            pass
-    except TimeoutError:
-        return f"timed out after {time.monotonic() - start:.0f} s connecting to {addr}"
-    except (OSError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return f"cannot connect to {addr}: {reason}"
-    return None
-
-
 def probe_host(connect_back: str | None, peers: Sequence[str] = ()) -> dict[str, Any]:
     facts: dict[str, Any] = {"hostname": socket.gethostname(), **installed_versions()}
     facts.update(_torch_facts())
     if connect_back:
         facts.update(network_facts(connect_back, peers))
-        facts["connect_back_error"] = _connect_back(connect_back)
+        facts["connect_back_error"] = connect_error(connect_back, CONNECT_BACK_TIMEOUT)
     return facts
+
+
+def gloo_listener(facts: dict[str, Any]) -> Listener | None:
+    """A mesh probe's listener on the address this host's ranks would give Gloo (the
+    facts' ``gloo_address``, else ``address``), which the facts then name (``gloo_listen``);
+    None where there is no such address or it cannot be listened on."""
+    address = facts.get("gloo_address") or facts.get("address")
+    if not address:
+        return None
+    try:
+        listener = Listener(address)
+    except OSError as exc:
+        facts["gloo_listen_error"] = f"cannot listen on {address}: {exc.strerror or exc}"
+        return None
+    facts["gloo_listen"] = join_addr(address, listener.port)
+    return listener
 
 
 def network_facts(connect_back: str, peers: Sequence[str]) -> dict[str, Any]:

@@ -52,6 +52,8 @@ from launcher.transport.protocol import (
     PrepareRequest,
     Probe,
     ProbeRequest,
+    Reached,
+    ReachRequest,
     RunRequest,
     Signalled,
     SignalRequest,
@@ -354,6 +356,33 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
     return 0
 
 
+def answer_probe(request: ProbeRequest, stdin: LineSource, emit: Emitter) -> int:
+    """``--check-hosts``: the host's facts; for a mesh probe, also a listener on the address
+    its ranks would give Gloo, kept open until hvdrun is done (end of file, or any request
+    after the :class:`ReachRequest` it answers), so that every other host can try it."""
+    from launcher.agent.probe import gloo_listener, probe_host
+    from launcher.transport.reachability import reach_peers
+
+    facts = probe_host(request.connect_back, request.peers)
+    listener = gloo_listener(facts) if request.mesh else None
+    emit(Probe(facts))
+    try:
+        while request.mesh:
+            line = stdin.readline()
+            if not line:
+                break
+            with contextlib.suppress(ValueError):
+                asked = decode_request(line)
+                if not isinstance(asked, ReachRequest):
+                    break
+                emit(Reached(reach_peers(asked.targets)))
+    finally:
+        if listener is not None:
+            listener.close()
+    emit(Done())
+    return 0
+
+
 def main(shared_stdin: bool = False) -> int:
     """The agent; ``shared_stdin``: one task of an srun step, reading :class:`AddressedStdin`."""
     stdin: LineSource = sys.stdin.buffer
@@ -383,12 +412,8 @@ def main(shared_stdin: bool = False) -> int:
             case PrepareRequest(rendezvous_addr, peers):
                 emit(Prepared(*pick_master(rendezvous_addr, _own_address, peers)))
                 continue
-            case ProbeRequest(connect_back, peers):
-                from launcher.agent.probe import probe_host
-
-                emit(Probe(probe_host(connect_back, peers)))
-                emit(Done())
-                return 0
+            case ProbeRequest():
+                return answer_probe(request, stdin, emit)
             case RunRequest(spec):
                 return run(spec, stdin, emit)
             case TerminateRequest() | KillRequest():

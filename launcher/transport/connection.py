@@ -33,6 +33,8 @@ from launcher.transport.protocol import (
     PrepareRequest,
     Probe,
     ProbeRequest,
+    Reached,
+    ReachRequest,
     Request,
     RunRequest,
     SignalRequest,
@@ -107,6 +109,7 @@ class AgentConnection:
         self.hello: Hello | None = None
         self.probe: Probe | None = None
         self.prepared: Prepared | None = None
+        self.reached: Reached | None = None
         self.rendezvous_host: str | None = None  # where this host can reach hvdrun
         self.exit_code: int | None = None
         self.worker_pids: list[int] = []
@@ -171,13 +174,27 @@ class AgentConnection:
             threading.Thread(target=self._ping, args=(every,), daemon=True).start()
 
     def request_probe(
-        self, connect_back: str | None, timeout: float, peers: Sequence[str] = ()
+        self,
+        connect_back: str | None,
+        timeout: float,
+        peers: Sequence[str] = (),
+        mesh: bool = False,
     ) -> dict[str, Any]:
         """``--check-hosts``: the agent's description of its host; ``peers``: the addresses
-        of the other hosts checked."""
-        self._ask(ProbeRequest(connect_back, tuple(peers)), timeout, "did not answer the probe")
+        of the other hosts checked; ``mesh``: listen for them too (then
+        :meth:`request_reach`)."""
+        self._ask(
+            ProbeRequest(connect_back, tuple(peers), mesh), timeout, "did not answer the probe"
+        )
         assert self.probe is not None
         return self.probe.facts
+
+    def request_reach(self, targets: dict[str, str], timeout: float) -> dict[str, str | None]:
+        """After a mesh probe: per host of ``targets``, None when this host reached it."""
+        self.reached = None
+        self._ask(ReachRequest(targets), timeout, "did not say which hosts it reached")
+        assert self.reached is not None
+        return self.reached.results
 
     def request_prepare(
         self, rendezvous_addr: str, timeout: float, peers: Sequence[str] = ()
@@ -193,14 +210,20 @@ class AgentConnection:
         assert self.prepared is not None
         return self.prepared
 
-    def _ask(self, request: ProbeRequest | PrepareRequest, timeout: float, silent: str) -> None:
+    def _ask(
+        self, request: ProbeRequest | PrepareRequest | ReachRequest, timeout: float, silent: str
+    ) -> None:
         """Sends a request the agent answers before the job; AgentStartError without one."""
         self._answered.clear()
         if self.hello is None:
             raise AgentStartError("the agent is not running")
         self._send(request)
         answered = self._answered.wait(timeout)
-        answer = self.probe if isinstance(request, ProbeRequest) else self.prepared
+        answer: object = self.prepared
+        if isinstance(request, ProbeRequest):
+            answer = self.probe
+        elif isinstance(request, ReachRequest):
+            answer = self.reached
         if not answered or answer is None:
             last = f": {self.stderr_tail[-1]}" if self.stderr_tail else ""
             raise AgentStartError(f"the agent {silent}{last}")
@@ -293,6 +316,9 @@ class AgentConnection:
                 self._answered.set()
             elif isinstance(event, Prepared):
                 self.prepared = event
+                self._answered.set()
+            elif isinstance(event, Reached):
+                self.reached = event
                 self._answered.set()
             else:
                 if isinstance(event, Started):

@@ -9,7 +9,9 @@ writes one JSON line per request to the agent's stdin:
 
 * ``{"op": "run", "spec": AgentSpec}`` - command, working directory, environment, the host's
   ranks and with them the job secret, which therefore never appears in any process's argv
-* ``{"op": "probe", "connect_back": "ADDR:PORT"}`` - describe the host (``--check-hosts``)
+* ``{"op": "probe", "connect_back": "ADDR:PORT", "peers": [...], "mesh": true?}`` - describe
+  the host (``--check-hosts``); with ``mesh``, also listen where its ranks' Gloo would and
+  wait for ``{"op": "reach", "targets": {HOST: "ADDR:PORT"}}``: try the other hosts' listeners
 * ``{"op": "prepare", "rendezvous_addr": "ADDR:PORT"}`` - before ``run``, on rank 0's host:
   pick the ``MASTER_ADDR``/``MASTER_PORT`` of plain torch.distributed scripts there
 * ``{"op": "ping"}`` - hvdrun is alive (remote hosts; see ``AgentSpec.heartbeat_timeout``)
@@ -35,6 +37,7 @@ The agent answers with one JSON event per line on stdout:
   SIGHUP) from outside hvdrun (``scancel``, a time limit, ``kill``) and stops its workers
 * ``{"ev": "ping"}`` - the agent is alive
 * ``{"ev": "probe", ...}`` - the answer to a probe
+* ``{"ev": "reached", "results": {HOST: null | WHY}}`` - the answer to a reach
 * ``{"ev": "prepared", "address": A, "port": P}`` - the answer to a prepare
 * ``{"ev": "done"}`` - every worker has been reported; the agent exits
 
@@ -162,6 +165,18 @@ class ProbeRequest:
     op: ClassVar[str] = "probe"
     connect_back: str | None  # ADDR:PORT of a listener on hvdrun's machine
     peers: tuple[str, ...] = ()  # the addresses of the other hosts checked
+    #: Also listen on the address the host's ranks give Gloo (``gloo_listen`` in the
+    #: answer) and wait for a :class:`ReachRequest`; an older agent answers without it.
+    mesh: bool = False
+
+
+@dataclass(frozen=True)
+class ReachRequest:
+    """``--check-hosts``, after a mesh probe: try a TCP connection to each other host's
+    ``gloo_listen`` (``targets``: host -> ADDR:PORT), answered by :class:`Reached`."""
+
+    op: ClassVar[str] = "reach"
+    targets: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -208,6 +223,7 @@ class UnknownRequest:
 Request = (
     RunRequest
     | ProbeRequest
+    | ReachRequest
     | PrepareRequest
     | PingRequest
     | TerminateRequest
@@ -225,8 +241,11 @@ def encode_request(request: Request) -> bytes:
     match request:
         case RunRequest(spec=spec):
             return encode({"op": request.op, "spec": spec.to_dict()})
-        case ProbeRequest(connect_back=connect_back, peers=peers):
-            return encode({"op": request.op, "connect_back": connect_back, "peers": list(peers)})
+        case ProbeRequest(connect_back=connect_back, peers=peers, mesh=mesh):
+            probe = {"op": request.op, "connect_back": connect_back, "peers": list(peers)}
+            return encode({**probe, "mesh": True} if mesh else probe)
+        case ReachRequest(targets=targets):
+            return encode({"op": request.op, "targets": targets})
         case PrepareRequest(rendezvous_addr=addr, peers=peers):
             return encode({"op": request.op, "rendezvous_addr": addr, "peers": list(peers)})
         case SignalRequest(signum=signum):
@@ -250,7 +269,9 @@ def decode_request(line: bytes) -> Request:
         if op == "run":
             return RunRequest(AgentSpec.from_dict(raw["spec"]))
         if op == "probe":
-            return ProbeRequest(raw.get("connect_back"), _peers(raw))
+            return ProbeRequest(raw.get("connect_back"), _peers(raw), bool(raw.get("mesh")))
+        if op == "reach":
+            return ReachRequest({str(h): str(a) for h, a in dict(raw["targets"]).items()})
         if op == "prepare":
             return PrepareRequest(str(raw["rendezvous_addr"]), _peers(raw))
         if op == "signal":
@@ -367,6 +388,14 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class Reached:
+    """The answer to a :class:`ReachRequest`: per host, None when the connection worked,
+    else why not."""
+
+    results: dict[str, str | None]
+
+
+@dataclass(frozen=True)
 class Done:
     """Every worker has been reported; the agent exits."""
 
@@ -383,6 +412,7 @@ AgentEvent = (
     | Signalled
     | Ping
     | Probe
+    | Reached
     | Done
 )
 
@@ -433,6 +463,8 @@ def encode_event(event: AgentEvent) -> bytes:
             return encode({"ev": "ping"})
         case Probe(facts):
             return encode({"ev": "probe", **facts})
+        case Reached(results):
+            return encode({"ev": "reached", "results": results})
         case Done():
             return encode({"ev": "done"})
 
@@ -475,6 +507,9 @@ _EVENT_DECODERS: dict[str, Callable[[dict[str, Any]], AgentEvent]] = {
     "signalled": lambda raw: Signalled(int(raw["signum"])),
     "ping": lambda raw: Ping(),
     "probe": lambda raw: Probe({k: v for k, v in raw.items() if k != "ev"}),
+    "reached": lambda raw: Reached(
+        {str(h): None if e is None else str(e) for h, e in dict(raw["results"]).items()}
+    ),
     "done": lambda raw: Done(),
 }
 

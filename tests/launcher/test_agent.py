@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,8 @@ from launcher.transport.protocol import (
     AgentSpec,
     KillRequest,
     PrepareRequest,
+    ProbeRequest,
+    ReachRequest,
     RunRequest,
     SignalRequest,
     TerminateRequest,
@@ -26,6 +29,7 @@ from launcher.transport.protocol import (
     encode,
     encode_request,
 )
+from rendezvous.addresses import split_addr
 
 AGENT = [sys.executable, "-m", "launcher.agent"]
 
@@ -216,6 +220,38 @@ def test_a_stop_before_the_job_is_answered_with_done() -> None:
     assert agent.event()["ev"] == "done"
     code, stderr = agent.close()
     assert (code, stderr) == (0, "")
+
+
+def test_a_mesh_probe_listens_where_gloo_would_until_hvdrun_is_done() -> None:
+    # --check-hosts with several hosts: each agent listens on its Gloo address, tries the
+    # others' when asked, and keeps listening until hvdrun has heard from every host.
+    back = socket.socket()
+    back.bind(("127.0.0.1", 0))
+    back.listen(4)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # (bound, not listening: refused)
+    agent = Agent()
+    agent.event()
+    connect_back = f"127.0.0.1:{back.getsockname()[1]}"
+    agent.send(encode_request(ProbeRequest(connect_back, (), mesh=True)))
+    facts = agent.event()
+    assert facts["ev"] == "probe" and facts["connect_back_error"] is None, facts
+    listen = facts["gloo_listen"]
+    assert listen.startswith("127.0.0.1:"), facts
+    refused = f"127.0.0.1:{closed.getsockname()[1]}"
+    agent.send(encode_request(ReachRequest({"itself": listen, "nobody": refused})))
+    reached = agent.event()
+    assert reached == {
+        "ev": "reached",
+        "results": {"itself": None, "nobody": f"cannot connect to {refused}: Connection refused"},
+    }
+    socket.create_connection(split_addr(listen), timeout=5).close()  # still listening
+    code, _ = agent.close()
+    assert code == 0
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(split_addr(listen), timeout=5)
+    back.close()
+    closed.close()
 
 
 def test_unknown_request_is_refused() -> None:

@@ -21,6 +21,8 @@ from launcher.transport.protocol import (
     PrepareRequest,
     Probe,
     ProbeRequest,
+    Reached,
+    ReachRequest,
     RunRequest,
     Signalled,
     SignalRequest,
@@ -73,6 +75,10 @@ EVENT_LINES = [
     (Signalled(15), b'{"ev": "signalled", "signum": 15}\n'),
     (Ping(), b'{"ev": "ping"}\n'),
     (Probe({"hostname": "n", "gpus": []}), b'{"ev": "probe", "hostname": "n", "gpus": []}\n'),
+    (
+        Reached({"n1": None, "n2": "timed out"}),
+        b'{"ev": "reached", "results": {"n1": null, "n2": "timed out"}}\n',
+    ),
     (Done(), b'{"ev": "done"}\n'),
 ]
 
@@ -113,6 +119,14 @@ def test_requests_travel_as_the_same_lines_and_come_back() -> None:
             b'"peers": ["10.0.0.2", "fd00::3"]}\n',
         ),
         (SignalRequest(10), b'{"op": "signal", "signum": 10}\n'),
+        (
+            ProbeRequest("10.0.0.1:5000", (), mesh=True),
+            b'{"op": "probe", "connect_back": "10.0.0.1:5000", "peers": [], "mesh": true}\n',
+        ),
+        (
+            ReachRequest({"n2": "10.0.0.2:4000"}),
+            b'{"op": "reach", "targets": {"n2": "10.0.0.2:4000"}}\n',
+        ),
         (UnknownRequest("dance"), b'{"op": "dance"}\n'),
     ):
         assert encode_request(request) == line

@@ -560,7 +560,8 @@ def test_hosts_whose_gloo_addresses_drop_packets_are_named_soon(cluster: Cluster
     """node2's packets to node1 vanish (a firewall that drops silently) while both reach
     hvdrun: hvd.init() fails within about REACH_TIMEOUT_SECONDS, naming the host and the
     address it could not reach and how to choose another interface (Gloo alone retries its
-    connects for about 7 minutes), and nothing is left running."""
+    connects for about 7 minutes), and nothing is left running; --check-hosts names it
+    before any job."""
     node1, node2 = cluster.hosts[:2]
     cluster.blackhole(node2, node1, on=True)
     try:
@@ -570,8 +571,17 @@ def test_hosts_whose_gloo_addresses_drop_packets_are_named_soon(cluster: Cluster
             timeout=150,
         )  # fmt: skip
         elapsed = time.monotonic() - start
+        # --check-hosts finds it before any job: each host tries the other's Gloo address
+        checked = cluster.hvdrun("--check-hosts", "-H", f"{node1.alias},{node2.alias}")
     finally:
         cluster.blackhole(node2, node1, on=False)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    for host, other in ((node1, node2), (node2, node1)):
+        assert (
+            f"  {host.alias}: cannot reach host {other.alias} at the address its workers give "
+            f"Gloo (eth0): timed out after 10 s connecting to {other.address}:"
+        ) in checked.stdout, checked.stdout
+    assert checked.stdout.splitlines()[-1] == "0 of 2 host(s) usable", checked.stdout
     assert result.returncode != 0, result.stdout
     output = result.stdout + result.stderr
     assert elapsed < 60, output
