@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from collectives import runtime
 from collectives.adasum import adasum_tree
@@ -146,10 +147,17 @@ def unit_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def check_writable(outputs: Sequence[torch.Tensor], what: str) -> None:
-    """A tensor written in place may not have elements that share memory (an expanded view):
+def written_in_place(outputs: Sequence[torch.Tensor], what: str) -> None:
+    """Checks the tensors an op will write in place and marks them modified, as torch's own
+    in-place ops (``dist.broadcast`` among them) do at the call.
+
+    A tensor written in place may not have elements that share memory (an expanded view):
     torch refuses the write, which inside the engine would stop every collective of the
-    job on this rank; refused here, at the call, the job stays usable."""
+    job on this rank; refused here, at the call, the job stays usable. Marking bumps
+    autograd's version counter: a tensor that autograd saved for backward and a collective
+    then overwrote makes ``backward()`` raise, instead of computing gradients from values
+    it never saw (the engine writes some outputs by the collective itself, which torch does
+    not count)."""
     for tensor in outputs:
         # (a contiguous tensor has no such elements: one flag read, a quarter of the check)
         if not tensor.is_contiguous() and torch._debug_has_internal_overlap(tensor) == 1:
@@ -158,6 +166,7 @@ def check_writable(outputs: Sequence[torch.Tensor], what: str) -> None:
                 "expanded or broadcast view, stride 0); write into a tensor of its own "
                 "(.clone()), or use the out-of-place op"
             )
+    increment_version(outputs)
 
 
 def check_devices(tensors: Sequence[torch.Tensor], what: str) -> None:
@@ -352,6 +361,7 @@ def allreduce_in_place(
     which checks the tensor and the op against the alike op that ran before."""
     if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided:
         tensor = unit_stride(tensor)
+        increment_version(tensor)  # (see written_in_place; the hot lane checks the rest)
     if (process_set is None or process_set is global_process_set) and op is not _ADASUM:
         engine = runtime.engine(_ALLREDUCE)
         full = None if name is None else f"{_ALLREDUCE}.{_check_name(name)}"
@@ -414,7 +424,7 @@ def submit_allreduce(
             outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
         return submit(ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking)
     outs = inputs if _same(outputs, tensors) else [unit_stride(t) for t in outputs]
-    check_writable(outs, "allreduce")
+    written_in_place(outs, "allreduce")
     return submit(ALLREDUCE, name, process_set, inputs, outs, common, "", finish, blocking)
 
 
@@ -575,7 +585,7 @@ def submit_broadcast(
         outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
     else:
         outs = inputs if _same(outputs, tensors) else list(outputs)
-        check_writable(outs, "broadcast")
+        written_in_place(outs, "broadcast")
     # The engine broadcasts from the root's position in the set (every member computes it
     # alike from the same global rank).
     return submit(

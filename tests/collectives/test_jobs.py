@@ -110,6 +110,17 @@ OPS_CHECKS = [
     "objects.unpicklable_allgather",
     "objects.after_unpicklable",
     "objects.after_unpicklable_gather",
+    *(
+        f"autograd.{op}.{size}"
+        for op in (
+            "broadcast_",
+            "broadcast_async_",
+            "allreduce_",
+            "allreduce_async_",
+            "grouped_allreduce_",
+        )
+        for size in (4, 1 << 20)
+    ),
     "lifecycle.reinit_allreduce",
     "lifecycle.init_process_sets",
     "lifecycle.init_process_sets_op",

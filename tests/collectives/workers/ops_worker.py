@@ -210,6 +210,28 @@ def main() -> None:
         c.equal(
             "overlap.after", hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n))
         )
+        # A tensor that autograd saved for backward and a collective then overwrote in place:
+        # backward() raises, as after torch's own in-place ops (dist.broadcast among them),
+        # instead of computing gradients from values it never saw (the 1M-element tensor is
+        # written by the collective itself, not through a copy).
+        for label_, call in (
+            ("broadcast_", lambda t: hvd.broadcast_(t, root_rank=0)),
+            ("broadcast_async_", lambda t: hvd.synchronize(hvd.broadcast_async_(t, 0))),
+            ("allreduce_", lambda t: hvd.allreduce_(t, op=hvd.Sum)),
+            ("allreduce_async_", lambda t: hvd.synchronize(hvd.allreduce_async_(t, op=hvd.Sum))),
+            ("grouped_allreduce_", lambda t: hvd.grouped_allreduce_([t], op=hvd.Sum)),
+        ):
+            for size in (4, 1 << 20):
+                x = torch.ones(size, requires_grad=True)
+                y = x * (r + 1)
+                z = y.sin()  # (saves y)
+                call(y)
+                try:
+                    z.sum().backward()
+                    c.expect(f"autograd.{label_}.{size}", False, "backward() did not notice")
+                except RuntimeError as error:
+                    noticed = "modified by an inplace operation" in str(error)
+                    c.expect(f"autograd.{label_}.{size}", noticed, error)
 
     def allgather() -> None:
         for label, ps, ranks in sets:
