@@ -361,7 +361,6 @@ def allreduce_in_place(
     which checks the tensor and the op against the alike op that ran before."""
     if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided:
         tensor = unit_stride(tensor)
-        increment_version(tensor)  # (see written_in_place; the hot lane checks the rest)
     if (process_set is None or process_set is global_process_set) and op is not _ADASUM:
         engine = runtime.engine(_ALLREDUCE)
         full = None if name is None else f"{_ALLREDUCE}.{_check_name(name)}"
@@ -386,6 +385,7 @@ def allreduce_in_place(
             ),
         )
         if handle is not None:
+            increment_version(tensor)  # (as written_in_place does; the hot lane checked it)
             return handle
     return submit_allreduce(
         [tensor], [tensor], op, prescale, postscale, process_set, name, first_output, True

@@ -115,10 +115,14 @@ def probe_agents(
                     "its workers could not reach this machine: "
                     f"{report.facts['connect_back_error']} (firewall? try --rendezvous-addr)"
                 )
+            if report.facts.get("gloo_listen_error"):
+                report.problems.append(
+                    f"the other hosts cannot be checked: {report.facts['gloo_listen_error']}"
+                )
 
         each_at_once(probe, agents)
         if mesh:
-            reach_each_other([a for a in agents if a.probe is not None], reports)
+            reach_each_other(agents, reports)
     finally:
         listener.close()
     return reports
@@ -135,20 +139,15 @@ def each_at_once(
 
 
 def reach_each_other(agents: Sequence[AgentConnection], reports: dict[str, HostReport]) -> None:
-    """Every host tries a TCP connection to every other one's Gloo address (the listener
-    its mesh probe opened there), as a job's ranks will: a firewall between two hosts that
-    both reach this machine shows here, not as a job that stops in hvd.init()."""
-    listening = {a.hostname: reports[a.hostname].facts.get("gloo_listen") for a in agents}
-    targets = {host: addr for host, addr in listening.items() if addr}
-    for agent in agents:
-        error = reports[agent.hostname].facts.get("gloo_listen_error")
-        if error:
-            reports[agent.hostname].problems.append(f"the other hosts cannot be checked: {error}")
+    """Every host that listens on its Gloo address (its mesh probe's ``gloo_listen``) tries
+    a TCP connection to every other one's, as a job's ranks will: a firewall between two
+    hosts that both reach this machine shows here, not as a job that stops in hvd.init()."""
+    facts = {agent.hostname: reports[agent.hostname].facts for agent in agents}
+    targets = {host: f["gloo_listen"] for host, f in facts.items() if f.get("gloo_listen")}
+    listening = [agent for agent in agents if agent.hostname in targets]
 
     def reach(agent: AgentConnection) -> None:
         others = {host: addr for host, addr in targets.items() if host != agent.hostname}
-        if not others:
-            return
         try:
             results = agent.request_reach(others, REACH_TIMEOUT)
         except AgentStartError as exc:
@@ -156,15 +155,14 @@ def reach_each_other(agents: Sequence[AgentConnection], reports: dict[str, HostR
             return
         for host, why in sorted(results.items()):
             if why is not None:
-                facts = reports[host].facts
-                interface = facts.get("gloo_ifname") or facts.get("ifname") or "?"
+                interface = facts[host].get("gloo_ifname") or facts[host].get("ifname") or "?"
                 reports[agent.hostname].problems.append(
                     f"cannot reach host {host} at the address its workers give Gloo "
                     f"({interface}): {why} (a firewall between the hosts? "
                     "--network-interface chooses the interface)"
                 )
 
-    each_at_once(reach, [a for a in agents if listening[a.hostname]])
+    each_at_once(reach, listening if len(listening) > 1 else [])
 
 
 def disagreements(reports: Sequence[HostReport]) -> list[str]:

@@ -21,6 +21,7 @@ import psutil
 
 __all__ = [
     "DIRECT",
+    "connect_error",
     "gloo_interface",
     "interface_addresses",
     "interface_facing",
@@ -29,6 +30,7 @@ __all__ = [
     "is_ipv6",
     "is_loopback",
     "join_addr",
+    "listening_socket",
     "local_networks",
     "missing_interfaces",
     "outward_interface",
@@ -210,6 +212,30 @@ def pick_master(
         probe.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
         port: int = probe.getsockname()[1]
     return address, port
+
+
+def listening_socket(address: str, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on ``address`` at a free port (the kernel completes the
+    handshake of a connect to it, up to ``backlog`` at a time, whether or not anyone
+    accepts): what a connection to this host is tried with. Raises OSError."""
+    listener = socket.socket(socket.AF_INET6 if is_ipv6(address) else socket.AF_INET)
+    try:
+        listener.bind((address, 0))
+        listener.listen(backlog)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def connect_error(host: str, port: int, timeout: float) -> OSError | None:
+    """None when a TCP connection to ``host``:``port`` is made within ``timeout`` s, else
+    the error (a ``TimeoutError`` when nothing answered)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as error:
+        return error
 
 
 def local_networks() -> list[ipaddress.IPv4Interface]:

@@ -105,8 +105,8 @@ class RendezvousUnavailable(RendezvousError):
 #: What gRPC's connect errors say of a listener that is not a gRPC server, what that means,
 #: and whether it is certain at once.
 _NOT_GRPC = (
+    ("http1.x server", "answers in HTTP/1", True),  # (first: gRPC says both of HTTP/1)
     ("Failed parsing HTTP/2", "answers in another protocol", True),
-    ("http1.x server", "answers in HTTP/1", True),
     ("Socket closed", "accepts connections and closes them", False),
     ("before receiving SETTINGS frame", "accepts connections but answers nothing", False),
 )

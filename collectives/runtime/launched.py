@@ -494,18 +494,20 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                 break
             except RendezvousUnavailable as error:
                 foreign = error.not_grpc()
-                foreign_since = None if foreign is None else foreign_since or time.monotonic()
-                if foreign is not None and (
-                    foreign[1] or time.monotonic() - (foreign_since or 0) >= NOT_GRPC_SECONDS
-                ):
-                    client.close()
-                    raise JoinError(
-                        f"hvd.init(): rank {rank} of {placement.size} ({placement.name}) "
-                        f"reached {meeting.addr} ({meeting.how}), but the program there is "
-                        f"not hvdrun's rendezvous: it {foreign[0]}. Another program holds "
-                        "that port, so rank 0 cannot serve the job there: give every rank a "
-                        "free port with HVDRUN_RENDEZVOUS_PORT (or MASTER_PORT)"
-                    ) from None
+                if foreign is None:
+                    foreign_since = None
+                else:
+                    what, certain = foreign
+                    foreign_since = foreign_since or time.monotonic()
+                    if certain or time.monotonic() - foreign_since >= NOT_GRPC_SECONDS:
+                        client.close()
+                        raise JoinError(
+                            f"hvd.init(): rank {rank} of {placement.size} ({placement.name}) "
+                            f"reached {meeting.addr} ({meeting.how}), but the program there "
+                            f"is not hvdrun's rendezvous: it {what}. Another program holds "
+                            "that port, so rank 0 cannot serve the job there: give every "
+                            "rank a free port with HVDRUN_RENDEZVOUS_PORT (or MASTER_PORT)"
+                        ) from None
                 if time.monotonic() + RETRY_SECONDS >= deadline:
                     client.close()
                     raise JoinError(

@@ -33,7 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 from collectives.runtime.state import Topology
-from rendezvous.addresses import interface_addresses, is_ipv6, is_loopback, resolve
+from rendezvous.addresses import (
+    connect_error,
+    interface_addresses,
+    is_ipv6,
+    is_loopback,
+    listening_socket,
+    resolve,
+)
 
 __all__ = [
     "REACH_TIMEOUT_SECONDS",
@@ -126,9 +133,7 @@ class HostsProbe:
         if found is not None:
             address, source = found
             try:
-                listener = socket.socket(socket.AF_INET6 if is_ipv6(address) else socket.AF_INET)
-                listener.bind((address, 0))
-                listener.listen(max(16, self._topology.cross_size))
+                listener = listening_socket(address, max(16, self._topology.cross_size))
             except OSError as error:
                 logger.debug("no reachability check: cannot listen on %s: %s", address, error)
             else:
@@ -173,16 +178,11 @@ class HostsProbe:
         address = peer["address"]
         if address is None or is_loopback(address):
             return None
-        family = socket.AF_INET6 if is_ipv6(address) else socket.AF_INET
-        with socket.socket(family) as probe:
-            probe.settimeout(self._timeout)
-            try:
-                probe.connect((address, int(peer["port"])))
-            except TimeoutError:
-                return f"no answer within {self._timeout:g} s"
-            except OSError as error:
-                if error.errno in _UNREACHABLE:
-                    return os.strerror(error.errno or 0)
+        error = connect_error(address, int(peer["port"]), self._timeout)
+        if isinstance(error, TimeoutError):
+            return f"no answer within {self._timeout:g} s"
+        if error is not None and error.errno in _UNREACHABLE:
+            return os.strerror(error.errno or 0)
         return None
 
     def _explain(self, peer: dict[str, Any], problem: str) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from launcher.transport.hostinfo import installed_versions
-from launcher.transport.reachability import CONNECT_BACK_TIMEOUT, Listener, connect_error
+from launcher.transport.reachability import CONNECT_BACK_TIMEOUT, Listener, connect_problem
 from rendezvous.addresses import gloo_interface, interface_facing, join_addr
 
 TORCH_PROBE_TIMEOUT = 120.0
@@ -74,7 +74,7 @@ def probe_host(connect_back: str | None, peers: Sequence[str] = ()) -> dict[str,
     facts.update(_torch_facts())
     if connect_back:
         facts.update(network_facts(connect_back, peers))
-        facts["connect_back_error"] = connect_error(connect_back, CONNECT_BACK_TIMEOUT)
+        facts["connect_back_error"] = connect_problem(connect_back, CONNECT_BACK_TIMEOUT)
     return facts
 
 

@@ -367,15 +367,14 @@ def answer_probe(request: ProbeRequest, stdin: LineSource, emit: Emitter) -> int
     listener = gloo_listener(facts) if request.mesh else None
     emit(Probe(facts))
     try:
-        while request.mesh:
-            line = stdin.readline()
-            if not line:
-                break
-            with contextlib.suppress(ValueError):
+        for line in iter(stdin.readline, b"") if request.mesh else ():
+            try:
                 asked = decode_request(line)
-                if not isinstance(asked, ReachRequest):
-                    break
-                emit(Reached(reach_peers(asked.targets)))
+            except ValueError:
+                continue
+            if not isinstance(asked, ReachRequest):
+                break
+            emit(Reached(reach_peers(asked.targets)))
     finally:
         if listener is not None:
             listener.close()

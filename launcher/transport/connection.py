@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, TypeVar
 
 from launcher.errors import LauncherError
 from launcher.transport.protocol import (
@@ -46,6 +46,8 @@ from launcher.transport.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+_A = TypeVar("_A", Probe, Prepared, Reached)
 
 #: Exit code of the remote start-up command when the working directory is missing there.
 NO_CWD_EXIT = 200
@@ -107,9 +109,8 @@ class AgentConnection:
         self.cwd = cwd
         self.stage = "starting the agent"
         self.hello: Hello | None = None
-        self.probe: Probe | None = None
-        self.prepared: Prepared | None = None
-        self.reached: Reached | None = None
+        #: The agent's answer to the latest request that has one (see :meth:`_ask`).
+        self._answer: Probe | Prepared | Reached | None = None
         self.rendezvous_host: str | None = None  # where this host can reach hvdrun
         self.exit_code: int | None = None
         self.worker_pids: list[int] = []
@@ -183,50 +184,36 @@ class AgentConnection:
         """``--check-hosts``: the agent's description of its host; ``peers``: the addresses
         of the other hosts checked; ``mesh``: listen for them too (then
         :meth:`request_reach`)."""
-        self._ask(
-            ProbeRequest(connect_back, tuple(peers), mesh), timeout, "did not answer the probe"
-        )
-        assert self.probe is not None
-        return self.probe.facts
+        request = ProbeRequest(connect_back, tuple(peers), mesh)
+        return self._ask(request, Probe, timeout, "did not answer the probe").facts
 
     def request_reach(self, targets: dict[str, str], timeout: float) -> dict[str, str | None]:
         """After a mesh probe: per host of ``targets``, None when this host reached it."""
-        self.reached = None
-        self._ask(ReachRequest(targets), timeout, "did not say which hosts it reached")
-        assert self.reached is not None
-        return self.reached.results
+        silent = "did not say which hosts it reached"
+        return self._ask(ReachRequest(targets), Reached, timeout, silent).results
 
     def request_prepare(
         self, rendezvous_addr: str, timeout: float, peers: Sequence[str] = ()
     ) -> Prepared:
         """Rank 0's host: where plain torch.distributed scripts meet (MASTER_ADDR/PORT);
         ``peers``: the addresses of the job's other hosts."""
-        self.prepared = None
-        self._ask(
-            PrepareRequest(rendezvous_addr, tuple(peers)),
-            timeout,
-            "did not say which port torch.distributed can use there",
-        )
-        assert self.prepared is not None
-        return self.prepared
+        silent = "did not say which port torch.distributed can use there"
+        return self._ask(PrepareRequest(rendezvous_addr, tuple(peers)), Prepared, timeout, silent)
 
-    def _ask(
-        self, request: ProbeRequest | PrepareRequest | ReachRequest, timeout: float, silent: str
-    ) -> None:
-        """Sends a request the agent answers before the job; AgentStartError without one."""
+    def _ask(self, request: Request, kind: type[_A], timeout: float, silent: str) -> _A:
+        """Sends a request the agent answers (with a ``kind`` event) before the job, and
+        returns the answer; AgentStartError without one."""
+        self._answer = None
         self._answered.clear()
         if self.hello is None:
             raise AgentStartError("the agent is not running")
         self._send(request)
         answered = self._answered.wait(timeout)
-        answer: object = self.prepared
-        if isinstance(request, ProbeRequest):
-            answer = self.probe
-        elif isinstance(request, ReachRequest):
-            answer = self.reached
-        if not answered or answer is None:
+        answer = self._answer
+        if not answered or not isinstance(answer, kind):
             last = f": {self.stderr_tail[-1]}" if self.stderr_tail else ""
             raise AgentStartError(f"the agent {silent}{last}")
+        return answer
 
     def terminate(self) -> None:
         """Ask the agent to stop its workers (SIGTERM, then SIGKILL after the grace period)."""
@@ -311,14 +298,8 @@ class AgentConnection:
             if isinstance(event, Hello) and self.hello is None:
                 self.hello = event
                 self._answered.set()
-            elif isinstance(event, Probe):
-                self.probe = event
-                self._answered.set()
-            elif isinstance(event, Prepared):
-                self.prepared = event
-                self._answered.set()
-            elif isinstance(event, Reached):
-                self.reached = event
+            elif isinstance(event, (Probe, Prepared, Reached)):
+                self._answer = event
                 self._answered.set()
             else:
                 if isinstance(event, Started):

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Mapping
 
-from rendezvous.addresses import split_addr
+from rendezvous.addresses import connect_error, listening_socket, split_addr
 
 #: How long an agent's connection back to hvdrun's machine may take.
 CONNECT_BACK_TIMEOUT = 5.0
@@ -21,28 +21,28 @@ CONNECT_BACK_TIMEOUT = 5.0
 PEER_TIMEOUT = 10.0
 
 
-def connect_error(addr: str, timeout: float) -> str | None:
+def connect_problem(addr: str, timeout: float) -> str | None:
     """None when a TCP connection to ``addr`` works within ``timeout`` s, else why not."""
-    start = time.monotonic()
     try:
         host, port = split_addr(addr)
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
-    except TimeoutError:
+    except ValueError as exc:
+        return f"cannot connect to {addr}: {exc}"
+    start = time.monotonic()
+    error = connect_error(host, port, timeout)
+    if isinstance(error, TimeoutError):
         return f"timed out after {time.monotonic() - start:.0f} s connecting to {addr}"
-    except (OSError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return f"cannot connect to {addr}: {reason}"
+    if error is not None:
+        return f"cannot connect to {addr}: {error.strerror or error}"
     return None
 
 
 def reach_peers(targets: Mapping[str, str]) -> dict[str, str | None]:
-    """Per host, :func:`connect_error` for its address in ``targets`` (all at once, each
+    """Per host, :func:`connect_problem` for its address in ``targets`` (all at once, each
     within :data:`PEER_TIMEOUT`)."""
     results: dict[str, str | None] = {}
 
     def reach(host: str, addr: str) -> None:
-        results[host] = connect_error(addr, PEER_TIMEOUT)
+        results[host] = connect_problem(addr, PEER_TIMEOUT)
 
     threads = [threading.Thread(target=reach, args=item) for item in targets.items()]
     for thread in threads:
@@ -53,15 +53,12 @@ def reach_peers(targets: Mapping[str, str]) -> dict[str, str | None]:
 
 
 class Listener:
-    """Accepts (and drops) TCP connections on ``bind_host`` (port ``port``, any free one by
-    default): what hvdrun's machine and the hosts' Gloo addresses are tried with."""
+    """Accepts (and drops) TCP connections on ``bind_host``, at a free port: what hvdrun's
+    machine and the hosts' Gloo addresses are tried with (accepted, so that any number of
+    hosts can connect)."""
 
-    def __init__(self, bind_host: str, port: int = 0) -> None:
-        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((bind_host, port))
-        self.sock.listen(128)
+    def __init__(self, bind_host: str) -> None:
+        self.sock = listening_socket(bind_host)
         self.port = int(self.sock.getsockname()[1])
         threading.Thread(target=self._accept, daemon=True).start()
 
