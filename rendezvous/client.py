@@ -461,6 +461,7 @@ class RendezvousClient:
         *,
         rank: int | None = None,
         size: int | None = None,
+        deadline: float | None = None,
     ) -> RankInfo:
         """Announces this worker's slot and returns its place in the job.
 
@@ -471,6 +472,10 @@ class RendezvousClient:
         Workers another launcher started pass the ``rank`` it gave them (and its local
         rank, or -1) and the job size it gave them: the call waits up to ``timeout`` seconds
         for every rank to register, and fails on every rank if one's size differs.
+
+        ``deadline``: how long the call may go unanswered (default: ``timeout`` and a
+        margin, at least the client's ``rpc_timeout``); a shorter one lets a caller that
+        asks again give up sooner on a server that never answers.
         """
         timeout_ms = _to_ms(timeout)
         request = rendezvous_pb2.RegisterRequest(
@@ -482,7 +487,7 @@ class RendezvousClient:
             request.size = size
         what = f"rank={rank}, host={host!r}" if rank is not None else f"host={host!r}"
         info = self._register_call(
-            f"register({what}, local_rank={local_rank})", self._stub.Register, request
+            f"register({what}, local_rank={local_rank})", self._stub.Register, request, deadline
         )
         return _rank_info(info)
 
@@ -509,16 +514,19 @@ class RendezvousClient:
         )
         return [_rank_info(info) for info in response.ranks]
 
-    def _register_call(self, name: str, method: Callable[..., _Response], request: Any) -> Any:
+    def _register_call(
+        self,
+        name: str,
+        method: Callable[..., _Response],
+        request: Any,
+        deadline: float | None = None,
+    ) -> Any:
         """A Register or RegisterHost call, which may block up to the request's own timeout;
         NOT_FOUND for a later generation means the host was removed from the job."""
+        if deadline is None:
+            deadline = max(request.timeout_ms / 1000 + _DEADLINE_SLACK, self._rpc_timeout)
         try:
-            return self._call(
-                name,
-                method,
-                request,
-                timeout=max(request.timeout_ms / 1000 + _DEADLINE_SLACK, self._rpc_timeout),
-            )
+            return self._call(name, method, request, timeout=deadline)
         except RendezvousError as error:
             if request.min_generation > 0 and error.code == grpc.StatusCode.NOT_FOUND:
                 raise RendezvousRemoved(str(error), error.code) from None

@@ -18,7 +18,9 @@ rank meets it at an address all of them can work out on their own:
 Rank 0 listens on every interface; the others dial the address and retry until rank 0
 serves or ``HVDRUN_START_TIMEOUT`` passes (a program there that is not a gRPC server holds
 the port rank 0 needed: they say so at once, or after ``NOT_GRPC_SECONDS`` when it is
-silent). Each rank then points Gloo and NCCL at the
+silent). A rank whose Register stays unanswered asks again on a fresh connection every
+``REGISTER_ATTEMPT_SECONDS`` (the call may have reached the round before's server as it
+stopped, which answers it never). Each rank then points Gloo and NCCL at the
 interface that faces the rendezvous (unless ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` are
 set): a host's name need not resolve for its peers to reach it.
 
@@ -85,6 +87,13 @@ RETRY_SECONDS = 0.2
 #: A listener at the rendezvous's address that is not a gRPC server (it closes connections,
 #: or answers nothing) for this long holds the port: rank 0 could not serve there.
 NOT_GRPC_SECONDS = 10.0
+#: How long one Register waits for the other ranks before the rank asks again, on a fresh
+#: connection: a call that reached a server as it stopped (the round before's, after an
+#: ``hvd.shutdown()`` and ``hvd.init()``) can go unanswered while that connection stays
+#: open, and would otherwise hold the rank until ``HVDRUN_START_TIMEOUT``.
+REGISTER_ATTEMPT_SECONDS = 10.0
+#: How much longer than its wait such a Register may go unanswered.
+ATTEMPT_SLACK_SECONDS = 2.0
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
@@ -487,10 +496,13 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
         foreign_since: float | None = None  # (see NOT_GRPC_SECONDS)
         while True:
             remaining = deadline - time.monotonic()
+            last = remaining <= REGISTER_ATTEMPT_SECONDS + ATTEMPT_SLACK_SECONDS
+            wait = max(remaining, 0.1) if last else REGISTER_ATTEMPT_SECONDS
             try:
                 info = client.register(
-                    peers, local_rank, timeout=max(remaining, 0.1), rank=rank, size=placement.size
-                )
+                    peers, local_rank, timeout=wait, rank=rank, size=placement.size,
+                    deadline=None if last else wait + ATTEMPT_SLACK_SECONDS,
+                )  # fmt: skip
                 break
             except RendezvousUnavailable as error:
                 foreign = error.not_grpc()
@@ -532,6 +544,9 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                 client = RendezvousClient(dial, meeting.secret, meeting.job_id)
             except RendezvousTimeout as error:
                 client.close()
+                if not last:  # (the others still coming, or a call lost: see the constant)
+                    client = RendezvousClient(dial, meeting.secret, meeting.job_id)
+                    continue
                 raise JoinError(
                     f"hvd.init(): {placement.name} started {placement.size} processes, but "
                     f"not all of them joined within {timeout:g} s (HVDRUN_START_TIMEOUT): "

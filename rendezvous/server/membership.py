@@ -25,7 +25,8 @@ loop (:class:`rendezvous.server.serving.RendezvousServer` does). By group:
 
 * the table: ``_slots``, ``_generation`` -- loop-only; ``_elastic`` never changes;
 * who registered: ``_registered``, ``_registered_generation``, ``_waiting`` -- loop-only;
-* placed jobs: ``_placed``, ``_placed_slots``, ``_placed_error`` -- loop-only;
+* placed jobs: ``_placed``, ``_placed_since``, ``_placed_slots``, ``_placed_error`` --
+  loop-only;
   ``_placed_size`` never changes;
 * waking: ``_wake``, ``_shutdown`` -- loop-only; ``_on_table`` (a loop callback) never
   changes.
@@ -93,6 +94,9 @@ class Membership:
         # registered, and the table derived from those once every rank has.
         self._placed_size = placed_size
         self._placed: dict[int, tuple[str, int | None]] = {}
+        # (when each rank first registered: a rank asks again while it waits, see
+        # collectives.runtime.launched.join, and is told how long it has waited in all)
+        self._placed_since: dict[int, float] = {}
         self._placed_slots: list[SlotInfo] | None = None
         self._placed_error = ""
         self._wake: asyncio.Event | None = None  # set (and replaced) by _wake_all()
@@ -281,11 +285,12 @@ class Membership:
                 f"rank {rank} registered from host {quote(earlier[0])} and again from "
                 f"{quote(host)}: the launcher started two processes with that rank",
             )
+        loop = asyncio.get_running_loop()
+        since = self._placed_since.setdefault(rank, loop.time())
         if self._placed_slots is None:
             self._placed[rank] = (host, local_rank if local_rank >= 0 else None)
             if len(self._placed) == size:
                 self._complete_placed()
-        loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
         while self._placed_slots is None:
             if self._shutdown is not None:
@@ -296,7 +301,7 @@ class Membership:
                 raise Refusal(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"{len(missing)} of {size} ranks did not register within "
-                    f"{seconds(timeout_ms)}: ranks {list_ranks(missing)}",
+                    f"{loop.time() - since:.3g} s: ranks {list_ranks(missing)}",
                 )
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake_event().wait(), remaining)

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -491,6 +492,85 @@ def test_a_port_held_by_another_program_is_named_on_every_rank(speaks: bool) -> 
         f"hvdrun's rendezvous: it {what}. Another program holds that port"
     ) in output, output
     assert time.monotonic() - started < 60, output
+
+
+class _Forwarder:
+    """A TCP port whose first connection goes to ``first`` and every later one to ``rest``
+    (ports on loopback), bytes passed on unchanged both ways."""
+
+    def __init__(self, first: int, rest: int) -> None:
+        self.targets = [first, rest]
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.connections = 0
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            target = self.targets[min(self.connections, 1)]
+            self.connections += 1
+            upstream = socket.create_connection(("127.0.0.1", target))
+            self.sockets += [conn, upstream]
+            for src, dst in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_a_register_that_is_never_answered_is_made_again() -> None:
+    # A Register can reach a gRPC server that takes the call and never answers it (the
+    # round before's, as it stops after hvd.shutdown(): the flaky failure of
+    # test_init_again_after_shutdown). Rank 1's first connection goes to such a server: it
+    # registers again on a fresh connection after 10 s (launched.REGISTER_ATTEMPT_SECONDS)
+    # and the job forms, instead of both ranks failing at HVDRUN_START_TIMEOUT.
+    import grpc  # (the test's own server; the workers import it themselves)
+
+    release = threading.Event()
+
+    class Hang(grpc.GenericRpcHandler):
+        def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(lambda req, ctx: release.wait(60) and b"")
+
+    executor = ThreadPoolExecutor(4)
+    stuck = grpc.server(executor, handlers=[Hang()])
+    stuck_port = stuck.add_insecure_port("127.0.0.1:0")
+    stuck.start()
+    real_port = free_port()
+    forwarder = _Forwarder(stuck_port, real_port)
+    master_port = str(free_port())  # (the job's key: the same on both ranks)
+    started = time.monotonic()
+    try:
+        procs = [
+            start_pod(rank, 2, port=int(master_port), HVDRUN_START_TIMEOUT="30",
+                      HVDRUN_RENDEZVOUS_PORT=str(real_port if rank == 0 else forwarder.port))
+            for rank in range(2)
+        ]  # fmt: skip
+        codes, output = finish(procs, timeout=90)
+    finally:
+        release.set()
+        stuck.stop(0)
+        executor.shutdown(wait=False)
+        forwarder.close()
+    assert codes == [0, 0], output
+    assert sorted(identities(output)) == [0, 1], output
+    assert forwarder.connections >= 2, output  # (the first call did go to the silent one)
+    assert time.monotonic() - started < 28, output
 
 
 def test_ranks_given_different_job_sizes_are_told_so() -> None:

@@ -3,6 +3,7 @@ and the server derives local and cross ranks from the hosts they came from."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -98,6 +99,19 @@ def test_missing_ranks_are_named_after_the_timeout(
     client = make_client(placed)
     with pytest.raises(RendezvousTimeout, match=r"3 of 4 ranks did not register within .*1, 2, 3"):
         client.register("n1", 0, timeout=0.5, rank=0)
+
+
+def test_a_rank_that_registers_again_is_told_how_long_it_has_waited(
+    placed: RendezvousServer, make_client: ClientFactory
+) -> None:
+    # A rank registers again every few seconds while it waits (collectives.runtime.launched);
+    # what it is told at the end is the whole wait, not its last call's.
+    client = make_client(placed)
+    for _ in range(3):
+        with pytest.raises(RendezvousTimeout) as caught:
+            client.register("n1", 0, timeout=0.4, rank=0)
+    found = re.search(r"3 of 4 ranks did not register within ([0-9.]+) s", str(caught.value))
+    assert found is not None and float(found[1]) >= 1.2, caught.value
 
 
 def test_the_same_rank_from_two_hosts_is_refused(
