@@ -472,10 +472,8 @@ class RendezvousClient:
         Workers another launcher started pass the ``rank`` it gave them (and its local
         rank, or -1) and the job size it gave them: the call waits up to ``timeout`` seconds
         for every rank to register, and fails on every rank if one's size differs.
-
         ``deadline``: how long the call may go unanswered (default: ``timeout`` and a
-        margin, at least the client's ``rpc_timeout``); a shorter one lets a caller that
-        asks again give up sooner on a server that never answers.
+        margin, at least ``rpc_timeout``), shorter for a caller that asks again.
         """
         timeout_ms = _to_ms(timeout)
         request = rendezvous_pb2.RegisterRequest(
@@ -500,13 +498,10 @@ class RendezvousClient:
     ) -> list[RankInfo]:
         """:meth:`register` for several local ranks of one host in one call (what a host's
         agent sends for its workers); the places come back in the order asked."""
-        timeout_ms = _to_ms(timeout)
         request = rendezvous_pb2.RegisterHostRequest(
-            host=host,
-            local_ranks=list(local_ranks),
-            min_generation=min_generation,
-            timeout_ms=timeout_ms,
-        )
+            host=host, local_ranks=list(local_ranks), min_generation=min_generation,
+            timeout_ms=_to_ms(timeout),
+        )  # fmt: skip
         response = self._register_call(
             f"register_host(host={host!r}, {len(request.local_ranks)} local ranks)",
             self._stub.RegisterHost,
@@ -523,10 +518,9 @@ class RendezvousClient:
     ) -> Any:
         """A Register or RegisterHost call, which may block up to the request's own timeout;
         NOT_FOUND for a later generation means the host was removed from the job."""
-        if deadline is None:
-            deadline = max(request.timeout_ms / 1000 + _DEADLINE_SLACK, self._rpc_timeout)
+        longest = max(request.timeout_ms / 1000 + _DEADLINE_SLACK, self._rpc_timeout)
         try:
-            return self._call(name, method, request, timeout=deadline)
+            return self._call(name, method, request, timeout=deadline or longest)
         except RendezvousError as error:
             if request.min_generation > 0 and error.code == grpc.StatusCode.NOT_FOUND:
                 raise RendezvousRemoved(str(error), error.code) from None
