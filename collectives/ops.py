@@ -31,15 +31,22 @@ Semantics follow Horovod:
 from __future__ import annotations
 
 import operator
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.autograd.graph import increment_version
 
 from collectives import runtime
-from collectives.adasum import adasum_tree
+from collectives.adasum import (
+    adasum_tree,
+    combine_range,
+    halving_ranges,
+    partial_dots,
+    work_dtype,
+)
 from collectives.common import ProcessSet, ReduceOp, global_process_set
 from collectives.engine import streams
 from collectives.engine.execute import Group, split_rows
@@ -455,6 +462,8 @@ def submit_adasum_allreduce(
     targets = list(outputs) if outputs is not None else None
     shapes = [t.shape for t in inputs]
     scale = float(prescale) * float(postscale)
+    if by_halving(group.size, inputs):
+        return _adasum_by_halving(inputs, targets, scale, process_set, group, name, finish)
 
     def combine(request: Request) -> Any:
         results: list[torch.Tensor] = []
@@ -472,6 +481,113 @@ def submit_adasum_allreduce(
     # One row per rank, in the tensor's own shape: the allgather checks the ranks' shapes.
     rows = [t.detach().reshape(1, *t.shape) for t in inputs]
     return submit_allgather(rows, process_set, f"adasum.{name}", Computing(combine))
+
+
+#: Adasum by vector halving (see collectives.adasum) from this many ranks (a power of two)
+#: and once the gathering way would bring each rank at least this many bytes: with fewer,
+#: the one allgather costs less than the halving's 2 log2(size) + 2 collectives in a row
+#: (two ranks send as much either way). See docs/engine.md for the figures.
+HALVING_MIN_RANKS = 4
+HALVING_MIN_BYTES = 32 << 20
+
+
+def by_halving(size: int, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether an Adasum op over ``size`` ranks runs by vector halving: a power of two of at
+    least :data:`HALVING_MIN_RANKS`, CPU tensors (CUDA ones keep the gathering way until the
+    halving is measured on GPUs), and enough bytes (:data:`HALVING_MIN_BYTES`)."""
+    if size < max(HALVING_MIN_RANKS, 2) or size & (size - 1):
+        return False
+    if not all(t.is_cpu for t in tensors):
+        return False
+    return (size - 1) * sum(t.numel() * t.element_size() for t in tensors) >= HALVING_MIN_BYTES
+
+
+class _Outputs:
+    """What a ``finish`` reads of an op that ran as several of the engine's: its outputs."""
+
+    __slots__ = ("outputs",)
+
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        self.outputs = outputs
+
+
+def _adasum_by_halving(
+    inputs: list[torch.Tensor],
+    targets: list[torch.Tensor] | None,
+    scale: float,
+    process_set: ProcessSet | None,
+    group: Group,
+    name: str,
+    finish: Callable[[Request], Any],
+) -> Handle:
+    """Adasum of ``inputs`` by vector halving: its collectives (a check that the ranks agree,
+    an alltoall with the partner and an allreduce of the dot products per level, an
+    allgather of the parts) run one after another on a thread of the op's own, which
+    completes the returned handle."""
+    work = work_dtype([t.dtype for t in inputs])
+    bounds = [0]
+    for tensor in inputs:
+        bounds.append(bounds[-1] + tensor.numel())
+    with torch.no_grad():  # (the vector as it is at the call, as the engine would read it)
+        flat = torch.cat([t.detach().reshape(-1).to(work) for t in inputs])
+    handle = Handle()
+    prefix = f"adasum.{name}"
+
+    def step(level: int, held: torch.Tensor, lo: int, keep: tuple[int, int]) -> torch.Tensor:
+        distance = 1 << level
+        partner, index = group.index ^ distance, group.index
+        kept = held[keep[0] - lo : keep[1] - lo]
+        send = held[keep[1] - lo :] if keep[0] == lo else held[: keep[0] - lo]
+        splits = [0] * group.size
+        splits[partner] = send.numel()
+        theirs = submit_alltoall(
+            send.contiguous(), splits, process_set, f"{prefix}.{level}", first_output
+        ).wait()
+        a, b = (theirs, kept) if index & distance else (kept, theirs)
+        block = index >> (level + 1)
+        dots = torch.zeros(group.size >> (level + 1), len(inputs), 3, dtype=work)
+        dots[block] = partial_dots(a, b, bounds, keep[0])
+        summed = submit_allreduce(
+            [dots], None, ReduceOp.SUM, 1.0, 1.0, process_set, f"{prefix}.{level}",
+            first_output,
+        ).wait()  # fmt: skip
+        return combine_range(a, b, summed[block], bounds, keep[0])
+
+    def run() -> None:
+        try:
+            with torch.no_grad():
+                # First the ranks check that they agree on the tensors (nothing moves): the
+                # allgather a gathering Adasum runs under the same name, which rows of none
+                # make a check, so ranks with other shapes, dtypes or devices (which may not
+                # have chosen this way) get the allreduce's mismatch error, not a stall.
+                rows = [t.new_empty((0, *t.shape)) for t in inputs]
+                submit_allgather(rows, process_set, prefix, first_output).wait()
+                held = flat
+                for level, (lo, _, *keep) in enumerate(
+                    halving_ranges(flat.numel(), group.size, group.index)
+                ):
+                    held = step(level, held, lo, (keep[0], keep[1]))
+                parts = submit_allgather([held], process_set, f"{prefix}.parts", first_output)
+                parts = parts.wait()
+                whole, offset = torch.empty_like(flat), 0
+                for rank in range(group.size):
+                    _, _, lo, hi = halving_ranges(flat.numel(), group.size, rank)[-1]
+                    whole[lo:hi] = parts[offset : offset + hi - lo]
+                    offset += hi - lo
+                if scale != 1.0:
+                    whole = whole * scale
+                results = []
+                for i, tensor in enumerate(inputs):
+                    result = whole[bounds[i] : bounds[i + 1]].view(tensor.shape).to(tensor.dtype)
+                    if targets is not None:
+                        result = targets[i].copy_(result)
+                    results.append(result)
+            handle.complete(finish(cast(Request, _Outputs(results))))
+        except BaseException as error:  # (the op's error, raised where it is waited on)
+            handle.fail(error)
+
+    threading.Thread(target=run, name=f"hvd {prefix}", daemon=True).start()
+    return handle
 
 
 def submit_reducescatter(

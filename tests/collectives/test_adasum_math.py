@@ -1,8 +1,10 @@
 """Adasum's combination rule and tree order, against a direct formula (no processes)."""
 
+import itertools
+
 import torch
 
-from collectives.adasum import adasum_pair, adasum_tree
+from collectives.adasum import adasum_pair, adasum_tree, combine_range, halving_ranges, partial_dots
 
 
 def reference_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -51,3 +53,63 @@ def test_never_reads_a_value_on_the_host() -> None:
     assert adasum_tree([a, b, a]).shape == (5,)
     zero = torch.zeros(3)
     assert torch.equal(adasum_pair(zero, zero), zero)
+
+
+def halving_in_one_process(per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Vector halving over len(per_rank) simulated ranks (each a list of tensors), with the
+    exchanges and the dot products' sums done here as the engine's collectives would."""
+    size = len(per_rank)
+    shapes = [t.shape for t in per_rank[0]]
+    bounds = [0]
+    for t in per_rank[0]:
+        bounds.append(bounds[-1] + t.numel())
+    held = [torch.cat([t.reshape(-1) for t in tensors]).double() for tensors in per_rank]
+    plans = [halving_ranges(bounds[-1], size, index) for index in range(size)]
+    for level in range(size.bit_length() - 1):
+        distance = 1 << level
+        pairs = []
+        for index in range(size):
+            lo, _, keep_lo, keep_hi = plans[index][level]
+            partner = index ^ distance
+            mine = held[index][keep_lo - lo : keep_hi - lo]
+            theirs = held[partner][keep_lo - lo : keep_hi - lo]
+            a, b = (theirs, mine) if index & distance else (mine, theirs)
+            pairs.append((a, b, keep_lo))
+        sums: dict[int, torch.Tensor] = {}
+        for index, (a, b, keep_lo) in enumerate(pairs):
+            block = index >> (level + 1)
+            sums[block] = sums.get(block, 0) + partial_dots(a, b, bounds, keep_lo)
+        held = [
+            combine_range(a, b, sums[index >> (level + 1)], bounds, keep_lo)
+            for index, (a, b, keep_lo) in enumerate(pairs)
+        ]
+    whole = torch.empty(bounds[-1], dtype=torch.float64)
+    for index in range(size):
+        _, _, keep_lo, keep_hi = plans[index][-1]
+        whole[keep_lo:keep_hi] = held[index]
+    return [whole[bounds[i] : bounds[i + 1]].view(shapes[i]) for i in range(len(shapes))]
+
+
+def test_vector_halving_gives_the_trees_result_for_each_tensor() -> None:
+    # Three tensors of odd sizes, so halves cut through tensors and some ranks hold no part
+    # of the smallest one; a zero gradient on one rank; 2, 4 and 8 ranks.
+    gen = torch.Generator().manual_seed(2)
+    for size in (2, 4, 8):
+        per_rank = [
+            [torch.randn(5, 3, generator=gen), torch.randn(2, generator=gen),
+             torch.randn(11, generator=gen)]
+            for _ in range(size)
+        ]  # fmt: skip
+        per_rank[1][0] = torch.zeros(5, 3)
+        got = halving_in_one_process(per_rank)
+        for i in range(3):
+            want = adasum_tree([tensors[i].double() for tensors in per_rank])
+            assert torch.allclose(got[i], want, atol=1e-12), (size, i)
+
+
+def test_halving_ranges_split_the_vector_among_the_ranks() -> None:
+    for length, size in ((10, 4), (3, 4), (1000, 8), (7, 2)):
+        finals = sorted(halving_ranges(length, size, index)[-1][2:] for index in range(size))
+        assert finals[0][0] == 0 and finals[-1][1] == length
+        assert all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(finals))
+        assert max(hi - lo for lo, hi in finals) <= -(-length // size)

@@ -86,6 +86,16 @@ CHECKS = [
         for what in ("allreduce", "grouped", "inplace")
         for dtype in ("float32", "float64")
     ),
+    *(
+        f"adasum.halving.{what}.{dtype}"
+        for what in ("grouped", "inplace")
+        for dtype in ("float32", "float64")
+    ),
+    "adasum.halving.process_set",
+    "adasum.halving.mismatch",
+    "adasum.halving.chosen",
+    "adasum.halving.big",
+    "adasum.halving.big.identical",
     "adasum.allreduce.float32.identical",
     "adasum.allreduce.float64.identical",
     "adasum.parallel_averaged",

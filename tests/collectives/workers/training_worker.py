@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks, states_equal
 
 import collectives.torch as hvd
+from collectives import ops
 
 STEPS = 20
 BATCH = 24  # divisible by 2, 3 and 4 ranks, and by two passes per rank
@@ -505,6 +506,58 @@ def main() -> None:
             inplace = mine_t[1].clone()
             hvd.synchronize(hvd.allreduce_async_(inplace, op=hvd.Adasum))
             c.close(f"adasum.inplace.{tag}", inplace, expected[1], 1e-5)
+        # Vector halving (2 and 4 ranks; 3 gathers): small tensors forced through it, then
+        # one large enough to take it by itself at 4 ranks (ops.HALVING_MIN_BYTES).
+        threshold, min_ranks = ops.HALVING_MIN_BYTES, ops.HALVING_MIN_RANKS
+        ops.HALVING_MIN_BYTES, ops.HALVING_MIN_RANKS = 0, 2
+        try:
+            for dtype in (torch.float32, torch.float64):
+                mine_t = [t.to(dtype) for t in every[r]]
+                expected = [
+                    reference_adasum([every[k][i].to(dtype) for k in range(n)]).to(dtype)
+                    for i in range(len(shapes))
+                ]
+                tag = str(dtype).split(".")[-1]
+                grouped = hvd.grouped_allreduce(mine_t, op=hvd.Adasum, postscale_factor=0.5)
+                c.expect(
+                    f"adasum.halving.grouped.{tag}",
+                    all(
+                        torch.allclose(g, 0.5 * e, rtol=0, atol=1e-5)
+                        for g, e in zip(grouped, expected, strict=True)
+                    )
+                    and all(same_on_all_ranks(g) for g in grouped),
+                )
+                inplace = mine_t[2].clone()
+                hvd.synchronize(hvd.allreduce_async_(inplace, op=hvd.Adasum))
+                c.close(f"adasum.halving.inplace.{tag}", inplace, expected[2], 1e-5)
+            # On a process set: the set's own ranks pair up (ranks n-2 and n-1; the global
+            # set at 2 ranks).
+            pair = hvd.add_process_set([n - 2, n - 1]) if n > 2 else hvd.global_process_set
+            if r >= n - 2:
+                got = hvd.allreduce(every[r][1], op=hvd.Adasum, process_set=pair)
+                want = reference_adasum([every[k][1] for k in (n - 2, n - 1)]).float()
+                c.close("adasum.halving.process_set", got, want, 1e-5)
+            else:
+                c.expect("adasum.halving.process_set", True)
+            if n > 2:
+                hvd.remove_process_set(pair)
+            # Ranks that disagree on the tensor, rank 0 taking the halving and the others
+            # the gathering way (at 3 ranks both gather): the allreduce's mismatch error.
+            ops.HALVING_MIN_BYTES = (n - 1) * 4 * 75
+            try:
+                odd = torch.ones(100 if r == 0 else 50)
+                hvd.allreduce(odd, op=hvd.Adasum, name="adasum.odd")
+                c.expect("adasum.halving.mismatch", False, "no error")
+            except hvd.TensorMismatchError as error:
+                c.expect("adasum.halving.mismatch", "'adasum.odd' (op=Adasum)" in str(error), error)
+        finally:
+            ops.HALVING_MIN_BYTES, ops.HALVING_MIN_RANKS = threshold, min_ranks
+        numel, ranks = -(-threshold // (4 * max(n - 1, 1))), range(n)
+        big = [torch.randn(numel, generator=torch.Generator().manual_seed(70 + k)) for k in ranks]
+        c.expect("adasum.halving.chosen", ops.by_halving(n, big[:1]) == (n == 4), n)
+        out = hvd.allreduce(big[r], op=hvd.Adasum, name="adasum.big")
+        c.close("adasum.halving.big", out, reference_adasum(big).float(), 1e-4)
+        c.expect("adasum.halving.big.identical", same_on_all_ranks(out))
         # Parallel gradients are averaged, orthogonal ones summed (the defining property).
         same = hvd.allreduce(torch.tensor([1.0, 2.0, 3.0]), op=hvd.Adasum)
         c.close("adasum.parallel_averaged", same, torch.tensor([1.0, 2.0, 3.0]), 1e-6)
