@@ -17,7 +17,8 @@ Two ways to evaluate that tree, both giving every rank bit-identical results:
   :func:`combine_range`). The dot products of a pair of blocks are summed over every rank of
   the two blocks (one small allreduce per level); at the end each rank holds ``1/size`` of
   the result, and an allgather hands every rank the whole. About twice the tensors'
-  size sent per rank whatever the rank count, the memory of one copy, one combination's work.
+  size sent per rank whatever the rank count, the memory of about two copies, one
+  combination's work.
   Results equal the gathering way's up to the order of the dot products' sums.
 
 This module is the math only, a leaf: :func:`collectives.ops.submit_adasum_allreduce` runs an

@@ -569,13 +569,13 @@ def _adasum_by_halving(
                     held = step(level, held, lo, (keep[0], keep[1]))
                 parts = submit_allgather([held], process_set, f"{prefix}.parts", first_output)
                 parts = parts.wait()
-                whole, offset = torch.empty_like(flat), 0
+                whole, offset = flat, 0  # (torch.cat's own copy, read no more)
                 for rank in range(group.size):
                     _, _, lo, hi = halving_ranges(flat.numel(), group.size, rank)[-1]
                     whole[lo:hi] = parts[offset : offset + hi - lo]
                     offset += hi - lo
                 if scale != 1.0:
-                    whole = whole * scale
+                    whole.mul_(scale)
                 results = []
                 for i, tensor in enumerate(inputs):
                     result = whole[bounds[i] : bounds[i + 1]].view(tensor.shape).to(tensor.dtype)
