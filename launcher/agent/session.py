@@ -57,6 +57,7 @@ from launcher.transport.protocol import (
     RunRequest,
     Signalled,
     SignalRequest,
+    Stopping,
     TerminateRequest,
     decode_request,
     encode_event,
@@ -222,7 +223,7 @@ class Control:
         self.kill = self.kill or kill
         self.stop.set()
 
-    def watch_stdin(self, stdin: LineSource) -> None:
+    def watch_stdin(self, stdin: LineSource, emit: Emitter) -> None:
         while True:
             line = stdin.readline()
             if not line:
@@ -235,6 +236,7 @@ class Control:
                 continue
             if isinstance(request, TerminateRequest):
                 self.request_stop("asked to terminate")
+                emit.try_emit(Stopping(), 1.0)  # (at once: hvdrun waits for this answer)
             elif isinstance(request, KillRequest):
                 self.request_stop("asked to kill", kill=True)
             elif isinstance(request, SignalRequest) and request.signum in FORWARDED_SIGNALS:
@@ -311,7 +313,7 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, on_signal)
-    threading.Thread(target=control.watch_stdin, args=(stdin,), daemon=True).start()
+    threading.Thread(target=control.watch_stdin, args=(stdin, emit), daemon=True).start()
     if spec.heartbeat_timeout > 0:
         threading.Thread(
             target=control.heartbeat,

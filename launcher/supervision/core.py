@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 
 #: How long agents get, beyond the workers' grace period, to report before they are killed.
 AGENT_REPORT_SLACK = 10.0
+#: An agent answers a stop at once; one that has not within this long after hvdrun's stop is
+#: taken for cut off (its host unreachable) and given up on, instead of waited for until the
+#: stop deadline (the workers' grace and AGENT_REPORT_SLACK).
+STOP_ANSWER_SECONDS = 5.0
 #: At most this many events are handled between two rounds of signal and deadline checks.
 EVENT_BATCH = 1000
 #: The loop steps every poll interval; a gap this long means hvdrun itself was stopped or
@@ -293,6 +297,9 @@ class Supervised(Protocol):
     @property
     def last_heard(self) -> float: ...  # clock time of the agent's latest line
 
+    @property
+    def stop_answered(self) -> bool: ...  # whether it answered the latest terminate
+
     def terminate(self) -> None: ...
 
     def kill(self) -> None: ...
@@ -346,6 +353,7 @@ class Supervision(ABC, Generic[E]):
         self.result = JobResult(exit_code=0)
         self.stopping = False  # every agent has been told to stop its workers
         self.stop_deadline: float | None = None  # then agents that have not reported are killed
+        self.answer_due: float | None = None  # then those that did not answer it are given up
         self._last_check: float | None = None  # when this loop last judged heartbeats
         self._grace_until = 0.0  # after this loop itself stalled, silence is its own
         self.insight: InsightWatch | None = None  # watches the workers' arrival figures
@@ -421,6 +429,18 @@ class Supervision(ABC, Generic[E]):
             for agent in late:
                 agent.kill()
                 self.abandon(agent)
+        if self.answer_due is not None and now > self.answer_due:
+            self.answer_due = None
+            for agent in self.live_agents():
+                if not agent.stop_answered:
+                    self.sink.message(
+                        f"host {agent.hostname}: its agent did not answer the stop within "
+                        f"{STOP_ANSWER_SECONDS:g} s (is the host cut off?); giving up on it "
+                        "(the agent stops its workers itself once it has heard nothing from "
+                        "hvdrun for --heartbeat-timeout)"
+                    )
+                    agent.abort()  # (a kill request would not reach it either)
+                    self.abandon(agent)
         self.check_heartbeats(now)
         self.drain_events()
         self.after_events(self.clock())
@@ -578,6 +598,7 @@ class Supervision(ABC, Generic[E]):
             self.insight.stop()
         self.sink.status(None)
         self.stop_deadline = self.clock() + self.term_grace + AGENT_REPORT_SLACK
+        self.answer_due = self.clock() + STOP_ANSWER_SECONDS
         for agent in self.live_agents():
             self.stop_agent(agent)
 

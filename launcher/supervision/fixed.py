@@ -206,7 +206,10 @@ class Supervisor(Supervision[HostEvent]):
                 log.info("workers on %s use interface %s", host, ifname)
             case StepCancelled(message):
                 self._step_cancelled = True
+                if self.result.interrupted_by is not None:  # (an agent's SIGTERM came first)
+                    self.sink.message(message)
                 self.interrupt(signal.SIGTERM, message)
+                self.answer_due = None  # (Slurm ends the agents: none is cut off)
             case Signalled(signum):
                 self.interrupt(signum, signalled_message(host, signum))
             case Done() | AgentExit():

@@ -39,6 +39,7 @@ from launcher.transport.protocol import (
     RunRequest,
     SignalRequest,
     Started,
+    Stopping,
     TerminateRequest,
     decode_event,
     encode_request,
@@ -116,6 +117,8 @@ class AgentConnection:
         self.worker_pids: list[int] = []
         self._running: dict[int, int] = {}  # rank -> pid of the workers not reported exited
         self.last_heard = time.monotonic()  # when the agent last wrote anything
+        #: Whether the agent answered the latest terminate (see Supervision.step).
+        self.stop_answered = True
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self._events: EventQueue | None = None
         self._early: list[HostEvent] = []
@@ -216,7 +219,9 @@ class AgentConnection:
         return answer
 
     def terminate(self) -> None:
-        """Ask the agent to stop its workers (SIGTERM, then SIGKILL after the grace period)."""
+        """Ask the agent to stop its workers (SIGTERM, then SIGKILL after the grace period);
+        it answers at once (an agent that has not said hello yet is not expected to)."""
+        self.stop_answered = self.hello is None
         self._send(TerminateRequest())
 
     def signal(self, signum: int) -> None:
@@ -301,6 +306,8 @@ class AgentConnection:
             elif isinstance(event, (Probe, Prepared, Reached)):
                 self._answer = event
                 self._answered.set()
+            elif isinstance(event, Stopping):
+                self.stop_answered = True
             else:
                 if isinstance(event, Started):
                     self.worker_pids.append(event.pid)

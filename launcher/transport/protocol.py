@@ -35,6 +35,7 @@ The agent answers with one JSON event per line on stdout:
 * ``{"ev": "continued", "rank": R}`` - a worker reported stopped runs again
 * ``{"ev": "signalled", "signum": N}`` - the agent received signal N (SIGTERM, SIGINT,
   SIGHUP) from outside hvdrun (``scancel``, a time limit, ``kill``) and stops its workers
+* ``{"ev": "stopping"}`` - the answer to a terminate, at once (its workers are told to stop)
 * ``{"ev": "ping"}`` - the agent is alive
 * ``{"ev": "probe", ...}`` - the answer to a probe
 * ``{"ev": "reached", "results": {HOST: null | WHY}}`` - the answer to a reach
@@ -49,7 +50,8 @@ and :func:`encode_event`/:func:`decode_event`; both sides dispatch on their type
 of a kind this side does not know (a newer agent) decodes to None and is skipped: new
 kinds of events (``stopped``, ``continued``) need no new protocol version, and an older agent
 simply never sends them. New fields whose absence an older side would misread do need one
-(protocol 3: the ``end`` and ``shown`` of ``out``).
+(protocol 3: the ``end`` and ``shown`` of ``out``), and so do new kinds that hvdrun relies
+on (protocol 4: ``stopping``, without which hvdrun takes a host for cut off).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 #: The signals hvdrun passes on to the workers, as mpirun does: a job's own (Slurm's
 #: ``--signal=USR1@60`` before its time limit, say). An agent that gets one itself passes
@@ -376,6 +378,12 @@ class Signalled:
 
 
 @dataclass(frozen=True)
+class Stopping:
+    """The agent got hvdrun's terminate and is stopping its workers: said at once, so that
+    hvdrun tells a host that answers nothing (cut off) from one whose workers take long."""
+
+
+@dataclass(frozen=True)
 class Ping:
     pass
 
@@ -410,6 +418,7 @@ AgentEvent = (
     | Stopped
     | Continued
     | Signalled
+    | Stopping
     | Ping
     | Probe
     | Reached
@@ -459,6 +468,8 @@ def encode_event(event: AgentEvent) -> bytes:
             return encode({"ev": "continued", "rank": rank})
         case Signalled(signum):
             return encode({"ev": "signalled", "signum": signum})
+        case Stopping():
+            return encode({"ev": "stopping"})
         case Ping():
             return encode({"ev": "ping"})
         case Probe(facts):
@@ -505,6 +516,7 @@ _EVENT_DECODERS: dict[str, Callable[[dict[str, Any]], AgentEvent]] = {
     ),
     "continued": lambda raw: Continued(int(raw["rank"])),
     "signalled": lambda raw: Signalled(int(raw["signum"])),
+    "stopping": lambda raw: Stopping(),
     "ping": lambda raw: Ping(),
     "probe": lambda raw: Probe({k: v for k, v in raw.items() if k != "ev"}),
     "reached": lambda raw: Reached(

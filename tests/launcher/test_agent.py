@@ -168,6 +168,27 @@ def test_a_signal_from_outside_is_reported_to_hvdrun(how: str) -> None:
     agent.close()
 
 
+def test_a_stop_is_answered_at_once_while_the_workers_take_their_grace() -> None:
+    # hvdrun tells a cut-off host (no answer) from workers slow to stop (an answer, then
+    # their exits within the grace period) by this answer.
+    agent = Agent()
+    agent.event()
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready'); time.sleep(60)"
+    )
+    agent.send(encode_request(RunRequest(spec(stubborn, term_grace=60))))
+    while agent.event().get("data") != "ready":
+        pass
+    start = time.monotonic()
+    agent.send(encode_request(TerminateRequest()))
+    assert agent.event() == {"ev": "stopping"}
+    assert time.monotonic() - start < 3
+    agent.send(encode_request(KillRequest()))
+    assert {"ev": "exit", "rank": 0, "code": 137} in agent.events_until_done()
+    agent.close()
+
+
 @pytest.mark.parametrize("terminated_first", [False, True])
 def test_kill_skips_the_grace_period(terminated_first: bool) -> None:
     # A kill request at once, or during the grace period of a stop (hvdrun's second

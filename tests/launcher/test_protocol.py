@@ -27,6 +27,7 @@ from launcher.transport.protocol import (
     Signalled,
     SignalRequest,
     Started,
+    Stopping,
     TerminateRequest,
     UnknownRequest,
     WorkerLaunch,
@@ -73,6 +74,7 @@ EVENT_LINES = [
         b'{"ev": "exit", "rank": 2, "code": 127, "error": "cannot run \'x\'"}\n',
     ),
     (Signalled(15), b'{"ev": "signalled", "signum": 15}\n'),
+    (Stopping(), b'{"ev": "stopping"}\n'),
     (Ping(), b'{"ev": "ping"}\n'),
     (Probe({"hostname": "n", "gpus": []}), b'{"ev": "probe", "hostname": "n", "gpus": []}\n'),
     (

@@ -533,6 +533,36 @@ def test_cut_network_stops_the_cut_off_host_and_the_job(cluster: Cluster) -> Non
     assert_hosts_clean(cluster, [node2], within=10)
 
 
+def test_ctrl_c_while_a_host_is_cut_off_ends_soon(cluster: Cluster) -> None:
+    """Ctrl-C right after node2's cable was cut: its agent cannot answer the stop, and
+    hvdrun gives up on it after 5 s instead of waiting out the workers' grace and the slack
+    (17.7 s before); node2's agent stops its worker on its own."""
+    node1, node2 = cluster.hosts[:2]
+    proc = start_job(
+        cluster, "--heartbeat-timeout", "4", "-H", f"{node1.alias}:1,{node2.alias}:1",
+        PY, str(SCRIPTS / "fail_rank.py"),
+    )  # fmt: skip
+    try:
+        pids = wait_for_pids(proc, 2)
+        cluster.set_link(node2, up=False)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - start
+        assert proc.returncode == 130, stderr
+        assert took < 10, (took, stderr)
+        assert (
+            "host hvd-node2: its agent did not answer the stop within 5 s (is the host cut off?)"
+        ) in stderr, stderr
+        assert_gone(pids, within=10)  # node2's agent, on its own
+        assert_hosts_clean(cluster, [node1], within=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cluster.set_link(node2, up=True)
+    assert_hosts_clean(cluster, [node2], within=10)
+
+
 def test_a_heartbeat_timeout_shorter_than_the_agent_timeout_counts(cluster: Cluster) -> None:
     """--heartbeat-timeout 2 with the default --agent-timeout 30: hvdrun pings often enough
     for a healthy job to run on (8 s), and an agent cut off from hvdrun stops its workers

@@ -17,6 +17,7 @@ from launcher.supervision.core import (
     AGENT_REPORT_SLACK,
     EVENT_BATCH,
     SIGNALLED_WINDOW,
+    STOP_ANSWER_SECONDS,
     Signals,
     Supervised,
     Supervision,
@@ -25,7 +26,7 @@ from launcher.supervision.core import (
 )
 from launcher.supervision.fixed import ENDED_BY_WAIT, Supervisor
 from launcher.supervision.report import report_failure
-from launcher.transport.connection import AgentExit, HostEvent
+from launcher.transport.connection import AgentExit, HostEvent, StepCancelled
 from launcher.transport.protocol import Done, Exit, Output, Signalled
 from rendezvous import worker_env
 from rendezvous.slots import assign_slots
@@ -36,14 +37,19 @@ GRACE = 5.0
 class FakeAgent:
     """Just what supervision uses of an agent; records what it was asked to do."""
 
-    def __init__(self, hostname: str, heartbeat_timeout: float = 0.0) -> None:
+    def __init__(
+        self, hostname: str, heartbeat_timeout: float = 0.0, answers_stop: bool = True
+    ) -> None:
         self.hostname = hostname
         self.heartbeat_timeout = heartbeat_timeout
         self.last_heard = 0.0
+        self.answers_stop = answers_stop  # (a cut-off host's agent answers nothing)
+        self.stop_answered = True
         self.calls: list[str] = []
 
     def terminate(self) -> None:
         self.calls.append("terminate")
+        self.stop_answered = self.answers_stop
 
     def kill(self) -> None:
         self.calls.append("kill")
@@ -230,6 +236,31 @@ def test_stop_deadline_escalates_to_kill_for_agents_that_have_not_reported() -> 
     clock.now += 100
     job.step()
     assert b.calls == ["terminate", "kill"]  # killed once
+
+
+def test_an_agent_that_does_not_answer_the_stop_is_given_up_on_soon() -> None:
+    # Ctrl-C while host b is cut off: its agent never hears the stop. hvdrun gives it up
+    # after STOP_ANSWER_SECONDS instead of waiting out the workers' grace and the slack
+    # (17.7 s in all on a real cluster before); an agent that answered is waited for.
+    a, b = FakeAgent("a"), FakeAgent("b", answers_stop=False)
+    clock = Clock()
+    job = Hosts(a, b, clock=clock)
+    job.signals.record(signal.SIGINT)
+    job.step()
+    clock.now = STOP_ANSWER_SECONDS
+    job.step()
+    assert b.calls == ["terminate"]  # (not before the time)
+    clock.now += 0.1
+    job.step()
+    assert a.calls == ["terminate"]
+    assert b.calls == ["terminate", "abort"]
+    said = "hvdrun: host b: its agent did not answer the stop within 5 s (is the host cut off?)"
+    assert any(line.startswith(said) for line in job.messages()), job.messages()
+    job.put("a", Done())
+    job.put("b", Done())  # (as the end of b's aborted connection ends it)
+    job.step()
+    assert job.finished() and clock.now < GRACE + AGENT_REPORT_SLACK
+    assert b.calls == ["terminate", "abort"]  # given up once
 
 
 def test_rank_lists_in_messages_give_runs_as_ranges() -> None:
@@ -450,6 +481,26 @@ def test_a_signal_from_outside_on_one_host_stops_the_job() -> None:
     put(supervisor, "b", Exit(2, 143), Exit(3, 143), Done())
     result = supervisor.run()
     assert (result.exit_code, result.interrupted_by, result.failure) == (129, signal.SIGHUP, None)
+
+
+def test_a_cancelled_step_is_said_after_an_agents_signal_and_no_agent_is_cut_off() -> None:
+    # scancel of the job: an agent's word of its SIGTERM may come before srun's of the
+    # cancelled step; both are said. The agents, which Slurm ends, answer no stop (srun
+    # forwards nothing any more): hvdrun does not take their hosts for cut off.
+    a, b = FakeAgent("a", answers_stop=False), FakeAgent("b", answers_stop=False)
+    clock = Clock()
+    supervisor, _, err = fixed(a, b, clock=clock)
+    supervisor.events.put(HostEvent("b", Signalled(signal.SIGTERM)))
+    supervisor.step()
+    supervisor.events.put(HostEvent("a", StepCancelled("the Slurm job step was cancelled")))
+    supervisor.step()
+    clock.now += 2 * STOP_ANSWER_SECONDS
+    supervisor.step()
+    said = err.getvalue().decode()
+    assert "the agent on b received SIGTERM from outside hvdrun" in said
+    assert "hvdrun: the Slurm job step was cancelled" in said
+    assert "did not answer the stop" not in said
+    assert a.calls == b.calls == ["terminate"]
 
 
 @pytest.mark.parametrize(
