@@ -168,9 +168,8 @@ def test_a_signal_from_outside_is_reported_to_hvdrun(how: str) -> None:
     agent.close()
 
 
-def test_a_stop_is_answered_at_once_while_the_workers_take_their_grace() -> None:
-    # hvdrun tells a cut-off host (no answer) from workers slow to stop (an answer, then
-    # their exits within the grace period) by this answer.
+def stubborn_worker() -> Agent:
+    """An agent running one worker that ignores SIGTERM (a grace period of 60 s), ready."""
     agent = Agent()
     agent.event()
     stubborn = (
@@ -180,6 +179,13 @@ def test_a_stop_is_answered_at_once_while_the_workers_take_their_grace() -> None
     agent.send(encode_request(RunRequest(spec(stubborn, term_grace=60))))
     while agent.event().get("data") != "ready":
         pass
+    return agent
+
+
+def test_a_stop_is_answered_at_once_while_the_workers_take_their_grace() -> None:
+    # hvdrun tells a cut-off host (no answer) from workers slow to stop (an answer, then
+    # their exits within the grace period) by this answer.
+    agent = stubborn_worker()
     start = time.monotonic()
     agent.send(encode_request(TerminateRequest()))
     assert agent.event() == {"ev": "stopping"}
@@ -193,15 +199,7 @@ def test_a_stop_is_answered_at_once_while_the_workers_take_their_grace() -> None
 def test_kill_skips_the_grace_period(terminated_first: bool) -> None:
     # A kill request at once, or during the grace period of a stop (hvdrun's second
     # Ctrl-C while the workers ignore the first one's SIGTERM).
-    agent = Agent()
-    agent.event()
-    stubborn = (
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-        "print('ready'); time.sleep(60)"
-    )
-    agent.send(encode_request(RunRequest(spec(stubborn, term_grace=60))))
-    while agent.event().get("data") != "ready":
-        pass
+    agent = stubborn_worker()
     if terminated_first:
         agent.send(encode_request(TerminateRequest()))
         time.sleep(0.3)

@@ -485,13 +485,16 @@ def main() -> None:
             [torch.randn(s, generator=torch.Generator().manual_seed(7 + k)) for s in shapes]
             for k in range(n)
         ]
-        for dtype in (torch.float32, torch.float64):
-            mine_t = [t.to(dtype) for t in every[r]]
+
+        def mine_and_expected(dtype: torch.dtype) -> tuple[list, list, str]:
             expected = [
                 reference_adasum([every[k][i].to(dtype) for k in range(n)]).to(dtype)
                 for i in range(len(shapes))
             ]
-            tag = str(dtype).split(".")[-1]
+            return [t.to(dtype) for t in every[r]], expected, str(dtype).split(".")[-1]
+
+        for dtype in (torch.float32, torch.float64):
+            mine_t, expected, tag = mine_and_expected(dtype)
             out = hvd.allreduce(mine_t[0], op=hvd.Adasum, name=f"adasum.{tag}")
             c.close(f"adasum.allreduce.{tag}", out, expected[0], 1e-5)
             c.expect(f"adasum.allreduce.{tag}.identical", same_on_all_ranks(out))
@@ -512,12 +515,7 @@ def main() -> None:
         ops.HALVING_MIN_BYTES, ops.HALVING_MIN_RANKS = 0, 2
         try:
             for dtype in (torch.float32, torch.float64):
-                mine_t = [t.to(dtype) for t in every[r]]
-                expected = [
-                    reference_adasum([every[k][i].to(dtype) for k in range(n)]).to(dtype)
-                    for i in range(len(shapes))
-                ]
-                tag = str(dtype).split(".")[-1]
+                mine_t, expected, tag = mine_and_expected(dtype)
                 grouped = hvd.grouped_allreduce(mine_t, op=hvd.Adasum, postscale_factor=0.5)
                 c.expect(
                     f"adasum.halving.grouped.{tag}",
