@@ -12,6 +12,7 @@ OUTPUT FILE...`` does the same for files gathered by hand (:mod:`hvdrun.timeline
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -125,8 +126,11 @@ def creatable_directory(path: str, option: str, file: str | None = None) -> None
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
+        why = exc.strerror or str(exc)
+        if exc.errno == errno.ENOENT and os.path.isdir(path):  # (not "no such file": /proc)
+            why = "this directory takes no new files"
         raise click.BadParameter(
-            f"cannot write in {path}: {exc.strerror or exc}", param_hint=f"'{option}'"
+            f"cannot write in {path}: {why}", param_hint=f"'{option}'"
         ) from None
 
 

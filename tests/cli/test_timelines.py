@@ -218,7 +218,7 @@ def test_an_output_directory_that_exists_but_takes_no_file_is_a_usage_error(
     path = "/proc" if option == "--output-filename" else "/proc/out.json"
     assert_usage_error(
         [option, path, "--autotune", "-np", "1", "true"],
-        f"invalid '{option}': cannot write in /proc",
+        f"invalid '{option}': cannot write in /proc: this directory takes no new files",
         capsys,
     )
 
