@@ -545,7 +545,7 @@ def _adasum_by_halving(
         ).wait()
         a, b = (theirs, kept) if index & distance else (kept, theirs)
         block = index >> (level + 1)
-        dots = torch.zeros(group.size >> (level + 1), len(inputs), 3, dtype=work)
+        dots = torch.zeros(group.size >> (level + 1), len(inputs), 3, dtype=work, device=a.device)
         dots[block] = partial_dots(a, b, bounds, keep[0])
         summed = submit_allreduce(
             [dots], None, ReduceOp.SUM, 1.0, 1.0, process_set, f"{prefix}.{level}",

@@ -429,7 +429,10 @@ class Supervision(ABC, Generic[E]):
             for agent in late:
                 agent.kill()
                 self.abandon(agent)
-        if self.answer_due is not None and now > self.answer_due:
+        self.check_heartbeats(now)
+        # (after a stall of this loop, the answers may wait unread in the pipes: see
+        # check_heartbeats)
+        if self.answer_due is not None and now > max(self.answer_due, self._grace_until):
             self.answer_due = None
             for agent in self.live_agents():
                 if not agent.stop_answered:
@@ -441,7 +444,6 @@ class Supervision(ABC, Generic[E]):
                     )
                     agent.abort()  # (a kill request would not reach it either)
                     self.abandon(agent)
-        self.check_heartbeats(now)
         self.drain_events()
         self.after_events(self.clock())
         if self.insight is not None and not self.stopping:

@@ -247,8 +247,9 @@ def test_an_agent_that_does_not_answer_the_stop_is_given_up_on_soon() -> None:
     job = Hosts(a, b, clock=clock)
     job.signals.record(signal.SIGINT)
     job.step()
-    clock.now = STOP_ANSWER_SECONDS
-    job.step()
+    while clock.now < STOP_ANSWER_SECONDS:
+        clock.now += 0.5
+        job.step()
     assert b.calls == ["terminate"]  # (not before the time)
     clock.now += 0.1
     job.step()
@@ -261,6 +262,24 @@ def test_an_agent_that_does_not_answer_the_stop_is_given_up_on_soon() -> None:
     job.step()
     assert job.finished() and clock.now < GRACE + AGENT_REPORT_SLACK
     assert b.calls == ["terminate", "abort"]  # given up once
+
+
+def test_after_hvdrun_itself_stalled_the_stops_answers_get_time_to_be_read() -> None:
+    # hvdrun was stopped (Ctrl-Z) or starved right after its stop: the agents' answers wait
+    # unread in the pipes, and no host is given up on before they could be read.
+    a = FakeAgent("a", answers_stop=False)
+    clock = Clock()
+    job = Hosts(a, clock=clock)
+    job.signals.record(signal.SIGINT)
+    job.step()
+    clock.now = STOP_ANSWER_SECONDS + 3  # (this loop did not run meanwhile)
+    job.step()
+    assert a.calls == ["terminate"]
+    a.stop_answered = True  # (its reader, running again, reads the answer)
+    clock.now += 2.5
+    job.step()
+    assert a.calls == ["terminate"]
+    assert not any("did not answer the stop" in line for line in job.messages())
 
 
 def test_rank_lists_in_messages_give_runs_as_ranges() -> None:
