@@ -34,7 +34,7 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
@@ -495,20 +495,9 @@ def by_halving(size: int, tensors: Sequence[torch.Tensor]) -> bool:
     """Whether an Adasum op over ``size`` ranks runs by vector halving: a power of two of at
     least :data:`HALVING_MIN_RANKS`, CPU tensors (CUDA ones keep the gathering way until the
     halving is measured on GPUs), and enough bytes (:data:`HALVING_MIN_BYTES`)."""
-    if size < max(HALVING_MIN_RANKS, 2) or size & (size - 1):
-        return False
-    if not all(t.is_cpu for t in tensors):
+    if size < max(HALVING_MIN_RANKS, 2) or size & (size - 1) or not all(t.is_cpu for t in tensors):
         return False
     return (size - 1) * sum(t.numel() * t.element_size() for t in tensors) >= HALVING_MIN_BYTES
-
-
-class _Outputs:
-    """What a ``finish`` reads of an op that ran as several of the engine's: its outputs."""
-
-    __slots__ = ("outputs",)
-
-    def __init__(self, outputs: list[torch.Tensor]) -> None:
-        self.outputs = outputs
 
 
 def _adasum_by_halving(
@@ -533,11 +522,11 @@ def _adasum_by_halving(
     handle = Handle()
     prefix = f"adasum.{name}"
 
-    def step(level: int, held: torch.Tensor, lo: int, keep: tuple[int, int]) -> torch.Tensor:
+    def step(level: int, held: torch.Tensor, lo: int, keep_lo: int, keep_hi: int) -> torch.Tensor:
         distance = 1 << level
         partner, index = group.index ^ distance, group.index
-        kept = held[keep[0] - lo : keep[1] - lo]
-        send = held[keep[1] - lo :] if keep[0] == lo else held[: keep[0] - lo]
+        kept = held[keep_lo - lo : keep_hi - lo]
+        send = held[keep_hi - lo :] if keep_lo == lo else held[: keep_lo - lo]
         splits = [0] * group.size
         splits[partner] = send.numel()
         theirs = submit_alltoall(
@@ -546,12 +535,12 @@ def _adasum_by_halving(
         a, b = (theirs, kept) if index & distance else (kept, theirs)
         block = index >> (level + 1)
         dots = torch.zeros(group.size >> (level + 1), len(inputs), 3, dtype=work, device=a.device)
-        dots[block] = partial_dots(a, b, bounds, keep[0])
+        dots[block] = partial_dots(a, b, bounds, keep_lo)
         summed = submit_allreduce(
             [dots], None, ReduceOp.SUM, 1.0, 1.0, process_set, f"{prefix}.{level}",
             first_output,
         ).wait()  # fmt: skip
-        return combine_range(a, b, summed[block], bounds, keep[0])
+        return combine_range(a, b, summed[block], bounds, keep_lo)
 
     def run() -> None:
         try:
@@ -563,12 +552,14 @@ def _adasum_by_halving(
                 rows = [t.new_empty((0, *t.shape)) for t in inputs]
                 submit_allgather(rows, process_set, prefix, first_output).wait()
                 held = flat
-                for level, (lo, _, *keep) in enumerate(
-                    halving_ranges(flat.numel(), group.size, group.index)
-                ):
-                    held = step(level, held, lo, (keep[0], keep[1]))
-                parts = submit_allgather([held], process_set, f"{prefix}.parts", first_output)
-                parts = parts.wait()
+                plan = halving_ranges(flat.numel(), group.size, group.index)
+                for level, (lo, _, keep_lo, keep_hi) in enumerate(plan):
+                    held = step(level, held, lo, keep_lo, keep_hi)
+                # (the allgather's request itself, which finish() is then handed as the
+                # gathering way's combine hands it)
+                request = submit_allgather([held], process_set, f"{prefix}.parts", lambda r: r)
+                request = request.wait()
+                parts = request.outputs[0]
                 whole, offset = flat, 0  # (torch.cat's own copy, read no more)
                 for rank in range(group.size):
                     _, _, lo, hi = halving_ranges(flat.numel(), group.size, rank)[-1]
@@ -582,7 +573,8 @@ def _adasum_by_halving(
                     if targets is not None:
                         result = targets[i].copy_(result)
                     results.append(result)
-            handle.complete(finish(cast(Request, _Outputs(results))))
+                request.outputs = results
+            handle.complete(finish(request))
         except BaseException as error:  # (the op's error, raised where it is waited on)
             handle.fail(error)
 

@@ -429,7 +429,6 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
     ``hvd.init()`` and registers; raises :class:`JoinError`."""
     logs.load_grpc()
     from rendezvous.client import (
-        RendezvousAuthError,
         RendezvousClient,
         RendezvousError,
         RendezvousTimeout,
@@ -490,11 +489,13 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
         if servers:  # rank 0 reaches its own server on loopback, whatever the address
             loopback = "::1" if ":" in meeting.bind_host else "127.0.0.1"
             dial = join_addr(loopback, servers[0].port)
-        client = RendezvousClient(dial, meeting.secret, meeting.job_id)
         local_rank = placement.local_rank if placement.local_rank is not None else -1
         peers = launchers.local_peers(placement.host or host, placement.agent)
         foreign_since: float | None = None  # (see NOT_GRPC_SECONDS)
         while True:
+            # Each try on a fresh connection: the server there may be the round before's,
+            # whose shutdown (and a call it took but never answers) is none of this one's.
+            client = RendezvousClient(dial, meeting.secret, meeting.job_id)
             remaining = deadline - time.monotonic()
             last = remaining <= REGISTER_ATTEMPT_SECONDS + ATTEMPT_SLACK_SECONDS
             wait = max(remaining, 0.1) if last else REGISTER_ATTEMPT_SECONDS
@@ -504,7 +505,21 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                     deadline=None if last else wait + ATTEMPT_SLACK_SECONDS,
                 )  # fmt: skip
                 break
-            except RendezvousUnavailable as error:
+            except RendezvousError as error:
+                client.close()
+                if isinstance(error, RendezvousTimeout):
+                    if not last:  # (the others still coming, or a call lost: see above)
+                        continue
+                    raise JoinError(
+                        f"hvd.init(): {placement.name} started {placement.size} processes, "
+                        f"but not all of them joined within {timeout:g} s "
+                        f"(HVDRUN_START_TIMEOUT): {error}"
+                    ) from None
+                if not isinstance(error, RendezvousUnavailable):
+                    raise JoinError(
+                        f"hvd.init(): rank {rank} ({placement.name}) could not join the job "
+                        f"at {meeting.addr}: {error}"
+                    ) from None
                 foreign = error.not_grpc()
                 if foreign is None:
                     foreign_since = None
@@ -512,7 +527,6 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                     what, certain = foreign
                     foreign_since = foreign_since or time.monotonic()
                     if certain or time.monotonic() - foreign_since >= NOT_GRPC_SECONDS:
-                        client.close()
                         raise JoinError(
                             f"hvd.init(): rank {rank} of {placement.size} ({placement.name}) "
                             f"reached {meeting.addr} ({meeting.how}), but the program there "
@@ -521,7 +535,6 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                             "rank a free port with HVDRUN_RENDEZVOUS_PORT (or MASTER_PORT)"
                         ) from None
                 if time.monotonic() + RETRY_SECONDS >= deadline:
-                    client.close()
                     raise JoinError(
                         f"hvd.init(): rank {rank} of {placement.size} ({placement.name}) could "
                         f"not reach the rendezvous that rank 0 serves at {meeting.addr} "
@@ -538,26 +551,6 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                         if fresh != meeting.addr:
                             dial = meeting.addr = fresh
                             pointed = _point_gloo_at(fresh, pointed, spans)
-                # A fresh connection: the server there may be the round before's, whose
-                # shutdown is none of this client's business.
-                client.close()
-                client = RendezvousClient(dial, meeting.secret, meeting.job_id)
-            except RendezvousTimeout as error:
-                client.close()
-                if not last:  # (the others still coming, or a call lost: see the constant)
-                    client = RendezvousClient(dial, meeting.secret, meeting.job_id)
-                    continue
-                raise JoinError(
-                    f"hvd.init(): {placement.name} started {placement.size} processes, but "
-                    f"not all of them joined within {timeout:g} s (HVDRUN_START_TIMEOUT): "
-                    f"{error}"
-                ) from None
-            except (RendezvousAuthError, RendezvousError) as error:
-                client.close()
-                raise JoinError(
-                    f"hvd.init(): rank {rank} ({placement.name}) could not join the job at "
-                    f"{meeting.addr}: {error}"
-                ) from None
     except BaseException:
         for server in servers:
             server.stop()
