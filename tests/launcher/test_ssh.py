@@ -7,6 +7,7 @@ every check below is made from inside the hosts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,13 +16,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
 from launcher.output import RANK_COLOURS
-from tests.cluster import Cluster, assert_hosts_clean
+from tests.cluster import Cluster, ClusterHost, assert_hosts_clean
 from tests.launcher.reports import placements
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -502,6 +504,21 @@ def test_check_hosts_table(cluster: Cluster) -> None:
     assert "disagree" not in result.stdout
 
 
+@contextlib.contextmanager
+def cut_off(cluster: Cluster, proc: subprocess.Popen, host: ClusterHost) -> Iterator[list[int]]:
+    """Once the job's two workers run, cuts ``host``'s cable and yields their pids; then
+    stops hvdrun if it still runs, mends the cable and checks the host was left clean."""
+    try:
+        pids = wait_for_pids(proc, 2)
+        cluster.set_link(host, up=False)
+        yield pids
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cluster.set_link(host, up=True)
+    assert_hosts_clean(cluster, [host], within=10)
+
+
 def test_cut_network_stops_the_cut_off_host_and_the_job(cluster: Cluster) -> None:
     node1, node2 = cluster.hosts[:2]
     proc = start_job(
@@ -515,9 +532,7 @@ def test_cut_network_stops_the_cut_off_host_and_the_job(cluster: Cluster) -> Non
         PY,
         str(SCRIPTS / "fail_rank.py"),
     )
-    try:
-        pids = wait_for_pids(proc, 2)
-        cluster.set_link(node2, up=False)
+    with cut_off(cluster, proc, node2) as pids:
         start = time.monotonic()
         _, stderr = proc.communicate(timeout=30)
         assert proc.returncode == 255, stderr
@@ -526,11 +541,6 @@ def test_cut_network_stops_the_cut_off_host_and_the_job(cluster: Cluster) -> Non
         # node2's agent noticed on its own, while still cut off
         assert_gone(pids, within=10)
         assert_hosts_clean(cluster, [node1], within=5)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        cluster.set_link(node2, up=True)
-    assert_hosts_clean(cluster, [node2], within=10)
 
 
 def test_ctrl_c_while_a_host_is_cut_off_ends_soon(cluster: Cluster) -> None:
@@ -542,9 +552,7 @@ def test_ctrl_c_while_a_host_is_cut_off_ends_soon(cluster: Cluster) -> None:
         cluster, "--heartbeat-timeout", "4", "-H", f"{node1.alias}:1,{node2.alias}:1",
         PY, str(SCRIPTS / "fail_rank.py"),
     )  # fmt: skip
-    try:
-        pids = wait_for_pids(proc, 2)
-        cluster.set_link(node2, up=False)
+    with cut_off(cluster, proc, node2) as pids:
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
@@ -556,11 +564,6 @@ def test_ctrl_c_while_a_host_is_cut_off_ends_soon(cluster: Cluster) -> None:
         ) in stderr, stderr
         assert_gone(pids, within=10)  # node2's agent, on its own
         assert_hosts_clean(cluster, [node1], within=5)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        cluster.set_link(node2, up=True)
-    assert_hosts_clean(cluster, [node2], within=10)
 
 
 def test_a_heartbeat_timeout_shorter_than_the_agent_timeout_counts(cluster: Cluster) -> None:
