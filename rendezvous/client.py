@@ -101,6 +101,17 @@ class RendezvousUnavailable(RendezvousError):
                 return what, certain
         return None
 
+    def tls_refusal(self) -> str | None:
+        """How the TLS handshake failed, when this client speaks TLS and that is why it
+        could not connect: the server's certificate is not one this client trusts (a job
+        certificate or secret of another job), or the server speaks no TLS. None otherwise."""
+        text = str(self)
+        if "Tls handshake failed" not in text:
+            return None
+        if "WRONG_VERSION_NUMBER" in text:
+            return "the program there speaks no TLS"
+        return "its TLS certificate is not one this rank trusts"
+
 
 #: What gRPC's connect errors say of a listener that is not a gRPC server, what that means,
 #: and whether it is certain at once.
@@ -118,6 +129,11 @@ class RendezvousRemoved(RendezvousError):
 
 class RendezvousAuthError(RendezvousError):
     """The server rejected the job secret (UNAUTHENTICATED) or the job id (FAILED_PRECONDITION)."""
+
+    @property
+    def refused_secret(self) -> bool:
+        """The server refused the secret this client sent (not the job id)."""
+        return self.code == grpc.StatusCode.UNAUTHENTICATED
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,21 @@ Why it looks the way it does:
   address faces them (an IP most of the time), so the certificate names a fixed
   :data:`TARGET_NAME` and clients check the server against that name instead of the
   address they dialled.
+* Jobs started without hvdrun (srun, mpirun, torchrun, Kubernetes) have no launcher to hand
+  a certificate round, but every rank holds the job secret: each derives the same
+  certificate authority from it (:func:`authority_from_secret`), rank 0 serves with a
+  certificate that authority signs for its own fresh key, and the others trust that
+  authority alone. A rank with another secret derives another authority, and its handshake
+  fails before any call, and so before its secret is sent.
 * ``cryptography`` is imported only when a certificate is made: the CLI must start fast.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -29,6 +37,8 @@ from rendezvous.addresses import is_loopback
 __all__ = [
     "TARGET_NAME",
     "JobCertificate",
+    "SecretAuthority",
+    "authority_from_secret",
     "certificate_for",
     "channel_credentials",
     "make_job_certificate",
@@ -51,32 +61,115 @@ class JobCertificate:
 
 def make_job_certificate(job_id: str, days: int = 365) -> JobCertificate:
     """A fresh EC P-256 key and a self-signed certificate for :data:`TARGET_NAME`."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name(
-        [
-            x509.NameAttribute(NameOID.COMMON_NAME, TARGET_NAME),
-            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, f"hvdrun job {job_id}"),
-        ]
+    name = _name(TARGET_NAME, f"hvdrun job {job_id}")
+    return _issue(key, name, key, name, _from_now(days), ca=True)
+
+
+#: The name of the authority derived from a job's secret (the issuer of rank 0's certificate).
+AUTHORITY_NAME = "hvdrun rendezvous authority"
+#: HKDF's salt for that derivation: the secret serves no other key than this one.
+_AUTHORITY_SALT = b"hvdrun: the rendezvous authority of a job secret, v1"
+#: The order of P-256's group (a private key is an integer in [1, order - 1]).
+_P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+
+
+@dataclass(frozen=True)
+class SecretAuthority:
+    """The certificate authority every rank of a job derives alike from its secret.
+
+    ``root_pem`` (public) is what clients trust, and nothing else; rank 0 serves with
+    :meth:`server_certificate`. Only holders of the secret can derive the authority's key, so
+    only they can serve a certificate that the others accept."""
+
+    root_pem: bytes
+    key: Any = field(repr=False)  # its EllipticCurvePrivateKey
+
+    def server_certificate(self, days: int = 365) -> JobCertificate:
+        """A certificate for :data:`TARGET_NAME` on a fresh key, signed by this authority."""
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        leaf = ec.generate_private_key(ec.SECP256R1())
+        return _issue(
+            leaf, _name(TARGET_NAME), self.key, _name(AUTHORITY_NAME), _from_now(days), ca=False
+        )
+
+
+def authority_from_secret(secret: str) -> SecretAuthority:
+    """The authority of ``secret``: its key derived by HKDF-SHA256, its certificate valid
+    from 2000 to 9999 (whatever a rank's clock says). Each rank makes its own copy of that
+    certificate; the copies differ only in their signature, which nobody checks (a root
+    is trusted as it is), so rank 0 need not send it."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    # 48 bytes reduced modulo the order: as good as uniform (bias below 2**-128).
+    raw = HKDF(hashes.SHA256(), 48, _AUTHORITY_SALT, b"P-256 key").derive(secret.encode())
+    key = ec.derive_private_key(int.from_bytes(raw, "big") % (_P256_ORDER - 1) + 1, ec.SECP256R1())
+    name = _name(AUTHORITY_NAME)
+    utc = datetime.timezone.utc
+    always = (
+        datetime.datetime(2000, 1, 1, tzinfo=utc),
+        datetime.datetime(9999, 12, 31, tzinfo=utc),
     )
+    root = _issue(key, name, key, name, always, ca=True, target=False)
+    return SecretAuthority(root.cert_pem, key)
+
+
+def _name(common_name: str, unit: str = "") -> Any:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    attributes = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    if unit:
+        attributes.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, unit))
+    return x509.Name(attributes)
+
+
+def _from_now(days: int) -> tuple[datetime.datetime, datetime.datetime]:
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        # A little slack for clocks of other hosts that run behind.
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(TARGET_NAME)]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(key, hashes.SHA256())
+    # A little slack for clocks of other hosts that run behind.
+    return now - datetime.timedelta(hours=1), now + datetime.timedelta(days=days)
+
+
+def _issue(
+    key: Any,
+    subject: Any,
+    signer: Any,
+    issuer: Any,
+    valid: tuple[datetime.datetime, datetime.datetime],
+    *,
+    ca: bool,
+    target: bool = True,
+) -> JobCertificate:
+    """A certificate of ``key`` for ``subject`` signed by ``signer`` as ``issuer``
+    (``target``: it names :data:`TARGET_NAME`, as a server's must)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    public = key.public_key()
+    der = public.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public)
+        # Derived from the key: every rank's copy of the authority's certificate agrees.
+        .serial_number(int.from_bytes(hashlib.sha256(der).digest()[:16], "big") >> 1)
+        .not_valid_before(valid[0])
+        .not_valid_after(valid[1])
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+    )
+    if target:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(TARGET_NAME)]), critical=False
+        )
+    cert = builder.sign(signer, hashes.SHA256())
     return JobCertificate(
         cert_pem=cert.public_bytes(serialization.Encoding.PEM),
         key_pem=key.private_bytes(

@@ -27,7 +27,11 @@ set): a host's name need not resolve for its peers to reach it.
 Authentication: ``HVDRUN_SECRET`` when set (srun and ``mpirun -x`` pass it on); under MPI a
 fresh one from rank 0. Otherwise calls carry a token derived from the job's id, which keeps
 out anyone who does not know the job, no weaker than torch's own TCPStore (which checks
-nothing), and rank 0 says once that the rendezvous is unauthenticated.
+nothing), and rank 0 says once that the rendezvous is unauthenticated. With a secret, a
+rendezvous that other hosts reach speaks TLS: every rank derives the same certificate
+authority from the secret (``rendezvous.tls.authority_from_secret``), so the secret never
+crosses the network in clear text, and a rank with another secret fails its handshake and
+says so at once.
 
 The job ends as under hvdrun: when a rank dies the others' collectives fail within the Gloo
 timeout, and when rank 0 (and with it the rendezvous) disappears the others notice on their
@@ -49,7 +53,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from collectives.runtime import logs
 from collectives.runtime.registration import watch_and_join
@@ -65,6 +69,9 @@ from rendezvous.addresses import (
     split_addr,
 )
 from rendezvous.launchers import Placement, derived_port, node_address
+
+if TYPE_CHECKING:
+    from rendezvous.tls import SecretAuthority
 
 __all__ = [
     "JoinError",
@@ -117,6 +124,17 @@ class Meeting:
     secret_from: str
     #: The secret is only a token derived from the job's id.
     unauthenticated: bool = False
+
+    def authority(self) -> SecretAuthority | None:
+        """Where the rendezvous speaks TLS, the certificate authority every rank derives
+        from the secret (see :mod:`rendezvous.tls`): where other hosts reach it and the
+        secret is one (``HVDRUN_SECRET``, or sent over MPI), not a token that anyone who
+        knows the job id can make. None for plain gRPC. Every rank decides alike."""
+        if self.unauthenticated or is_loopback(self.bind_host):
+            return None
+        from rendezvous.tls import authority_from_secret
+
+        return authority_from_secret(self.secret)
 
 
 @dataclass
@@ -347,12 +365,13 @@ def _exchange_over_mpi(placement: Placement, meeting: Meeting, serve: Any) -> Me
         secret = meeting.secret
         if meeting.unauthenticated:
             secret = worker_env.new_secret()
-        port = serve(_wildcard(address), 0, secret)
+        bind = _wildcard(address)
+        port = serve(Meeting("", bind, 0, secret, meeting.job_id, "", ""))
         sent = (join_addr(address, port), secret, meeting.job_id)
     addr, secret, job_id = comm.bcast(sent, root=0)
     from_env = not meeting.unauthenticated
     return Meeting(
-        addr, meeting.bind_host, 0, secret, job_id, "sent by rank 0 over MPI",
+        addr, _wildcard(split_addr(addr)[0]), 0, secret, job_id, "sent by rank 0 over MPI",
         meeting.secret_from if from_env else "sent by rank 0 over MPI",
     )  # fmt: skip
 
@@ -413,6 +432,35 @@ def _point_gloo_at(addr: str, before: Sequence[str] = (), spans: bool = False) -
     return chosen
 
 
+def _other_secret(placement: Placement, meeting: Meeting, refusal: str) -> str:
+    """A rank that reached the rendezvous but whose secret or TLS differs from rank 0's."""
+    if meeting.authority() is None:
+        what = f"this rank sent {meeting.secret_from}"
+    else:
+        what = (
+            "this rank speaks TLS to it, trusting only the certificate authority derived "
+            f"from {meeting.secret_from}"
+        )
+    return (
+        f"hvd.init(): rank {placement.rank} of {placement.size} ({placement.name}) reached "
+        f"{meeting.addr} ({meeting.how}), but {refusal} ({what}): rank 0 "
+        "has another HVDRUN_SECRET, or none. Give every rank the same HVDRUN_SECRET (or "
+        "another program holds that port: then give every rank a free one with "
+        "HVDRUN_RENDEZVOUS_PORT or MASTER_PORT)"
+    )
+
+
+def _tls_hint(meeting: Meeting, certain: bool) -> str:
+    """Where a rank without a secret finds its connections closed: rank 0 may be one with
+    a secret, whose rendezvous speaks TLS only."""
+    if certain or not meeting.unauthenticated or is_loopback(meeting.bind_host):
+        return ""
+    return (
+        ". Or rank 0 has HVDRUN_SECRET and this rank has none: then rank 0's rendezvous "
+        "speaks TLS only, and every rank needs the same HVDRUN_SECRET"
+    )
+
+
 def _say_unauthenticated(meeting: Meeting) -> None:
     with contextlib.suppress(Exception):  # stderr may be closed
         sys.stderr.write(
@@ -429,6 +477,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
     ``hvd.init()`` and registers; raises :class:`JoinError`."""
     logs.load_grpc()
     from rendezvous.client import (
+        RendezvousAuthError,
         RendezvousClient,
         RendezvousError,
         RendezvousTimeout,
@@ -443,16 +492,18 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
     servers: list[RendezvousServer] = []
     published = f"hvdrun/{placement.job_key}/rendezvous/{round_}"  # (torchrun's store)
 
-    def serve(bind_host: str, port: int, secret: str) -> int:
+    def serve(served: Meeting) -> int:
+        authority = served.authority()
         server = RendezvousServer(
-            [], secret, meeting.job_id, bind_host=bind_host, port=port,
+            [], served.secret, served.job_id, bind_host=served.bind_host, port=served.port,
             placed_size=placement.size,
+            tls=authority.server_certificate() if authority is not None else None,
         )  # fmt: skip
         try:
             bound = server.start()
         except OSError as error:
             raise JoinError(
-                f"hvd.init(): rank 0 cannot serve the rendezvous on port {port} "
+                f"hvd.init(): rank 0 cannot serve the rendezvous on port {served.port} "
                 f"({meeting.how}): {error}. Choose a free port with HVDRUN_RENDEZVOUS_PORT "
                 "(or MASTER_PORT) on every rank"
             ) from None
@@ -464,7 +515,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
         if placement.launcher == "mpi" and not meeting.addr:
             meeting = _over_mpi(placement, meeting, serve)
         elif rank == 0:
-            port = serve(meeting.bind_host, meeting.port, meeting.secret)
+            port = serve(meeting)
             if agent_store is not None:
                 host_part = placement.master_addr or "127.0.0.1"
                 if not is_loopback(host_part) and host_part != "localhost":
@@ -491,11 +542,13 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
             dial = join_addr(loopback, servers[0].port)
         local_rank = placement.local_rank if placement.local_rank is not None else -1
         peers = launchers.local_peers(placement.host or host, placement.agent)
+        authority = meeting.authority()
+        root_pem = authority.root_pem if authority is not None else None
         foreign_since: float | None = None  # (see NOT_GRPC_SECONDS)
         while True:
             # Each try on a fresh connection: the server there may be the round before's,
             # whose shutdown (and a call it took but never answers) is none of this one's.
-            client = RendezvousClient(dial, meeting.secret, meeting.job_id)
+            client = RendezvousClient(dial, meeting.secret, meeting.job_id, cert_pem=root_pem)
             remaining = deadline - time.monotonic()
             last = remaining <= REGISTER_ATTEMPT_SECONDS + ATTEMPT_SLACK_SECONDS
             wait = max(remaining, 0.1) if last else REGISTER_ATTEMPT_SECONDS
@@ -515,11 +568,18 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                         f"but not all of them joined within {timeout:g} s "
                         f"(HVDRUN_START_TIMEOUT): {error}"
                     ) from None
+                if isinstance(error, RendezvousAuthError) and error.refused_secret:
+                    raise JoinError(
+                        _other_secret(placement, meeting, "it refused this rank's secret")
+                    ) from None
                 if not isinstance(error, RendezvousUnavailable):
                     raise JoinError(
                         f"hvd.init(): rank {rank} ({placement.name}) could not join the job "
                         f"at {meeting.addr}: {error}"
                     ) from None
+                refusal = error.tls_refusal()
+                if refusal is not None:
+                    raise JoinError(_other_secret(placement, meeting, refusal)) from None
                 foreign = error.not_grpc()
                 if foreign is None:
                     foreign_since = None
@@ -533,6 +593,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                             f"is not hvdrun's rendezvous: it {what}. Another program holds "
                             "that port, so rank 0 cannot serve the job there: give every "
                             "rank a free port with HVDRUN_RENDEZVOUS_PORT (or MASTER_PORT)"
+                            + _tls_hint(meeting, certain)
                         ) from None
                 if time.monotonic() + RETRY_SECONDS >= deadline:
                     raise JoinError(

@@ -45,7 +45,18 @@ def report() -> list[str]:
         )
     else:
         lines.append("authentication: HVDRUN_SECRET")
+    lines.append(f"encryption: {_encryption(placement, meeting)}")
     return lines
+
+
+def _encryption(placement: launchers.Placement, meeting: launched.Meeting) -> str:
+    if placement.launcher == "mpi" and not meeting.addr:
+        return "TLS unless every rank runs on rank 0's host (the address rank 0 sends decides)"
+    if meeting.unauthenticated:
+        return "none (TLS needs HVDRUN_SECRET)"
+    if meeting.authority() is None:
+        return "none (the ranks meet on loopback)"
+    return "TLS, with a certificate authority every rank derives from HVDRUN_SECRET"
 
 
 def main() -> int:

@@ -108,3 +108,21 @@ def test_batch_script_without_srun(monkeypatch: pytest.MonkeyPatch) -> None:
         launched.detect_placement()
     monkeypatch.setenv("HVDRUN_LAUNCHER", "none")
     assert launched.detect_placement() is None
+
+
+def test_tls_where_other_hosts_reach_rank_0_and_the_ranks_share_a_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A token derived from the job id protects nothing a certificate could: plain gRPC.
+    assert launched.plan_meeting(placement(master_addr="10.1.2.3")).authority() is None
+    monkeypatch.setenv("HVDRUN_SECRET", "s3cret")
+    # On loopback every rank is on rank 0's host: nothing crosses a network.
+    assert launched.plan_meeting(placement(master_addr="127.0.0.1")).authority() is None
+    ranks = [launched.plan_meeting(placement(rank=r, master_addr="10.1.2.3")) for r in (0, 1)]
+    authorities = [meeting.authority() for meeting in ranks]
+    assert None not in authorities
+    keys = {a.key.private_numbers().private_value for a in authorities if a is not None}
+    assert len(keys) == 1  # every rank derives the same authority
+    monkeypatch.setenv("HVDRUN_SECRET", "another")
+    other = launched.plan_meeting(placement(master_addr="10.1.2.3")).authority()
+    assert other is not None and other.key.private_numbers().private_value not in keys

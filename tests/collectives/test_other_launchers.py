@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from tests.collectives.conftest import REPO, WORKERS, clean_env
+from tests.forwarding import Forwarder
 from tests.slurm import SlurmCluster, mpi_unavailable_reason, mpirun_argv, slurm_for_tests
 
 WORKER = str(WORKERS / "joined_worker.py")
@@ -494,43 +495,14 @@ def test_a_port_held_by_another_program_is_named_on_every_rank(speaks: bool) -> 
     assert time.monotonic() - started < 60, output
 
 
-class _Forwarder:
-    """A TCP port whose first connection goes to ``first`` and every later one to ``rest``
-    (ports on loopback), bytes passed on unchanged both ways."""
-
-    def __init__(self, first: int, rest: int) -> None:
-        self.targets = [first, rest]
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self.listener.getsockname()[1]
-        self.connections = 0
-        self.sockets: list[socket.socket] = [self.listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            target = self.targets[min(self.connections, 1)]
-            self.connections += 1
-            upstream = socket.create_connection(("127.0.0.1", target))
-            self.sockets += [conn, upstream]
-            for src, dst in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        for sock in self.sockets:
-            sock.close()
+def relayed_pods(real_port: int, relay: Forwarder, **extra: str) -> list[subprocess.Popen[str]]:
+    """A job of two pods: rank 0 serves on ``real_port``, rank 1 dials ``relay``'s port."""
+    master_port = free_port()  # (the job's key: the same on both ranks)
+    return [
+        start_pod(rank, 2, port=master_port, **extra,
+                  HVDRUN_RENDEZVOUS_PORT=str(real_port if rank == 0 else relay.port))
+        for rank in range(2)
+    ]  # fmt: skip
 
 
 def test_a_register_that_is_never_answered_is_made_again() -> None:
@@ -552,16 +524,10 @@ def test_a_register_that_is_never_answered_is_made_again() -> None:
     stuck_port = stuck.add_insecure_port("127.0.0.1:0")
     stuck.start()
     real_port = free_port()
-    forwarder = _Forwarder(stuck_port, real_port)
-    master_port = str(free_port())  # (the job's key: the same on both ranks)
+    forwarder = Forwarder([stuck_port, real_port])
     started = time.monotonic()
     try:
-        procs = [
-            start_pod(rank, 2, port=int(master_port), HVDRUN_START_TIMEOUT="30",
-                      HVDRUN_RENDEZVOUS_PORT=str(real_port if rank == 0 else forwarder.port))
-            for rank in range(2)
-        ]  # fmt: skip
-        codes, output = finish(procs, timeout=90)
+        codes, output = finish(relayed_pods(real_port, forwarder, HVDRUN_START_TIMEOUT="30"), 90)
     finally:
         release.set()
         stuck.stop(0)
@@ -571,6 +537,56 @@ def test_a_register_that_is_never_answered_is_made_again() -> None:
     assert sorted(identities(output)) == [0, 1], output
     assert forwarder.connections >= 2, output  # (the first call did go to the silent one)
     assert time.monotonic() - started < 28, output
+
+
+def test_pods_with_a_secret_meet_over_tls(slurm: SlurmCluster) -> None:
+    """Rank 0 reached at a network address (this machine's on the test cluster's bridge) by
+    ranks that share HVDRUN_SECRET: its rendezvous speaks TLS, every rank deriving the same
+    certificate authority from the secret, so rank 1's connections (through a recording
+    relay) open with a TLS handshake and the secret never crosses in clear text."""
+    gateway = slurm.hosts.gateway
+    real_port = free_port()
+    relay = Forwarder([real_port], host=gateway)
+    secret = "the-pods-share-this-secret-0123456789"
+    try:
+        procs = relayed_pods(real_port, relay, MASTER_ADDR=gateway, HVDRUN_SECRET=secret)
+        codes, output = finish(procs, timeout=90)
+    finally:
+        relay.close()
+    assert codes == [0, 0], output
+    assert sorted(identities(output)) == [0, 1], output
+    assert relay.openings, output
+    assert all(opening.startswith(b"\x16\x03") for opening in relay.openings), relay.openings
+    assert secret.encode() not in relay.captured
+
+
+@pytest.mark.parametrize("where", ["network", "loopback"])
+def test_a_rank_with_another_secret_says_so_at_once(slurm: SlurmCluster, where: str) -> None:
+    """Rank 1 was given another HVDRUN_SECRET than rank 0 (a pod's spec): it fails at once,
+    saying so, whether its handshake failed (TLS, off loopback) or rank 0 refused its
+    secret (loopback), instead of waiting for HVDRUN_START_TIMEOUT."""
+    master = slurm.hosts.gateway if where == "network" else "127.0.0.1"
+    port = free_port()
+    procs = [
+        start_pod(rank, 2, port=port, MASTER_ADDR=master, HVDRUN_START_TIMEOUT="40",
+                  HVDRUN_SECRET=f"secret-of-rank-{rank}")
+        for rank in range(2)
+    ]  # fmt: skip
+    started = time.monotonic()
+    try:
+        out, _ = procs[1].communicate(timeout=30)
+    finally:
+        for proc in procs:
+            proc.kill()
+        procs[0].communicate()
+    assert procs[1].returncode == 1, out
+    assert time.monotonic() - started < 30, out
+    refusal = {
+        "network": "but its TLS certificate is not one this rank trusts (this rank speaks TLS",
+        "loopback": "but it refused this rank's secret (this rank sent HVDRUN_SECRET)",
+    }[where]
+    assert refusal in out, out
+    assert "rank 0 has another HVDRUN_SECRET, or none. Give every rank the same" in out, out
 
 
 def test_ranks_given_different_job_sizes_are_told_so() -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,49 +17,12 @@ from rendezvous import worker_env
 from rendezvous.client import RendezvousClient, RendezvousUnavailable
 from rendezvous.server import RendezvousServer
 from rendezvous.slots import assign_slots
-from rendezvous.tls import certificate_for, make_job_certificate
+from rendezvous.tls import authority_from_secret, certificate_for, make_job_certificate
+from tests.forwarding import Forwarder
 
 SECRET = "tls-test-secret-0123456789abcdef"
 JOB_ID = "job-tls"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class RecordingProxy:
-    """A TCP relay between a client and the server that keeps every byte it forwards."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.captured = bytearray()
-        self._lock = threading.Lock()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                downstream, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            for a, b in ((downstream, upstream), (upstream, downstream)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                with self._lock:
-                    self.captured += data
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._listener.close()
 
 
 def _server(tls: bool) -> RendezvousServer:
@@ -82,10 +43,22 @@ def _cert(server: RendezvousServer) -> bytes:
     return tls.cert_pem
 
 
+def _refused(port: int, cert_pem: bytes | None) -> RendezvousUnavailable:
+    """The error of a client (trusting ``cert_pem``, plaintext when None) whose register
+    call to ``port`` cannot connect."""
+    client = RendezvousClient(f"127.0.0.1:{port}", SECRET, JOB_ID, cert_pem=cert_pem, rpc_timeout=5)
+    try:
+        with pytest.raises(RendezvousUnavailable) as refused:
+            client.register("host-a", 0)
+    finally:
+        client.close()
+    return refused.value
+
+
 def test_pinned_client_works_and_wire_never_shows_the_secret(
     tls_server: RendezvousServer,
 ) -> None:
-    proxy = RecordingProxy(tls_server.port)
+    proxy = Forwarder([tls_server.port])
     client = RendezvousClient(f"127.0.0.1:{proxy.port}", SECRET, JOB_ID, cert_pem=_cert(tls_server))
     try:
         info = client.register("host-a", 1)
@@ -103,7 +76,7 @@ def test_pinned_client_works_and_wire_never_shows_the_secret(
 def test_plaintext_server_shows_the_secret_on_the_wire() -> None:
     """The control for the test above: without TLS the recording does hold the secret."""
     with _server(tls=False) as server:
-        proxy = RecordingProxy(server.port)
+        proxy = Forwarder([server.port])
         client = RendezvousClient(f"127.0.0.1:{proxy.port}", SECRET, JOB_ID)
         try:
             client.register("host-a", 0)
@@ -115,12 +88,8 @@ def test_plaintext_server_shows_the_secret_on_the_wire() -> None:
 
 def test_client_pinning_another_certificate_is_refused(tls_server: RendezvousServer) -> None:
     other = make_job_certificate("another-job").cert_pem
-    client = RendezvousClient(f"127.0.0.1:{tls_server.port}", SECRET, JOB_ID, cert_pem=other)
-    try:
-        with pytest.raises(RendezvousUnavailable):
-            client.register("host-a", 0)
-    finally:
-        client.close()
+    refused = _refused(tls_server.port, other)
+    assert refused.tls_refusal() == "its TLS certificate is not one this rank trusts"
     # The server still serves its own clients.
     good = RendezvousClient(
         f"127.0.0.1:{tls_server.port}", SECRET, JOB_ID, cert_pem=_cert(tls_server)
@@ -132,12 +101,45 @@ def test_client_pinning_another_certificate_is_refused(tls_server: RendezvousSer
 
 
 def test_plaintext_client_cannot_talk_to_a_tls_server(tls_server: RendezvousServer) -> None:
-    client = RendezvousClient(f"127.0.0.1:{tls_server.port}", SECRET, JOB_ID, rpc_timeout=5)
-    try:
-        with pytest.raises(RendezvousUnavailable):
-            client.register("host-a", 0)
-    finally:
-        client.close()
+    refused = _refused(tls_server.port, None)
+    assert refused.tls_refusal() is None  # (it speaks none: it only sees closed sockets)
+
+
+def test_ranks_with_one_secret_trust_each_other_and_no_other() -> None:
+    """Jobs started without hvdrun: rank 0 serves with a certificate signed by the authority
+    it derives from the job secret; another rank derives its own copy of that authority
+    and trusts it (the wire never shows the secret); a rank whose secret differs derives
+    another authority, and its handshake fails, saying why, before its secret is sent."""
+    served = authority_from_secret(SECRET).server_certificate()
+    slots = assign_slots([("host-a", 2)], 2)
+    with RendezvousServer(slots, SECRET, JOB_ID, bind_host="127.0.0.1", tls=served) as server:
+        proxy = Forwarder([server.port])
+        own = authority_from_secret(SECRET)  # (as another rank derives it)
+        client = RendezvousClient(f"127.0.0.1:{proxy.port}", SECRET, JOB_ID, cert_pem=own.root_pem)
+        try:
+            assert client.register("host-a", 1).rank == 1
+        finally:
+            client.close()
+            proxy.close()
+        other = authority_from_secret(SECRET + "-another").root_pem
+        stranger = Forwarder([server.port])
+        try:
+            refused = _refused(stranger.port, other)
+        finally:
+            stranger.close()
+    assert refused.tls_refusal() == "its TLS certificate is not one this rank trusts"
+    assert proxy.captured and stranger.captured
+    assert SECRET.encode() not in proxy.captured + stranger.captured
+    assert "PRIVATE" not in repr(own) and "key" not in repr(own)
+    # Derived, not drawn: the same secret gives the same key on every rank.
+    same = authority_from_secret(SECRET).key.private_numbers()
+    assert same == own.key.private_numbers()
+
+
+def test_a_tls_client_says_when_the_server_speaks_no_tls() -> None:
+    with _server(tls=False) as server:
+        refused = _refused(server.port, authority_from_secret(SECRET).root_pem)
+    assert refused.tls_refusal() == "the program there speaks no TLS"
 
 
 def test_certificate_only_off_loopback_and_key_never_shown() -> None:
