@@ -478,27 +478,23 @@ class RendezvousClient:
         rank: int | None = None,
         size: int | None = None,
         deadline: float | None = None,
+        process: str = "",
     ) -> RankInfo:
         """Announces this worker's slot and returns its place in the job.
 
         Elastic jobs: waits up to ``timeout`` seconds for membership generation
         ``min_generation`` (or a newer one) and returns the slot's place in the newest;
         raises :class:`RendezvousRemoved` when that generation does not contain the slot.
-
-        Workers another launcher started pass the ``rank`` it gave them (and its local
-        rank, or -1) and the job size it gave them: the call waits up to ``timeout`` seconds
-        for every rank to register, and fails on every rank if one's size differs.
+        Workers another launcher started pass the ``rank`` and job ``size`` it gave them
+        (and its local rank, or -1) and who they are (``process``): the call waits up to
+        ``timeout`` s for every rank, and fails on every rank if one's size differs.
         ``deadline``: how long the call may go unanswered (default: ``timeout`` and a
         margin, at least ``rpc_timeout``), shorter for a caller that asks again.
         """
-        timeout_ms = _to_ms(timeout)
         request = rendezvous_pb2.RegisterRequest(
-            host=host, local_rank=local_rank, min_generation=min_generation, timeout_ms=timeout_ms
-        )
-        if rank is not None:
-            request.rank = rank
-        if size is not None:
-            request.size = size
+            host=host, local_rank=local_rank, min_generation=min_generation,
+            timeout_ms=_to_ms(timeout), rank=rank, size=size, process=process,
+        )  # fmt: skip
         what = f"rank={rank}, host={host!r}" if rank is not None else f"host={host!r}"
         info = self._register_call(
             f"register({what}, local_rank={local_rank})", self._stub.Register, request, deadline

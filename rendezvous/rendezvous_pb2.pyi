@@ -12,20 +12,22 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("host", "local_rank", "min_generation", "timeout_ms", "rank", "size")
+    __slots__ = ("host", "local_rank", "min_generation", "timeout_ms", "rank", "size", "process")
     HOST_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     MIN_GENERATION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
     host: str
     local_rank: int
     min_generation: int
     timeout_ms: int
     rank: int
     size: int
-    def __init__(self, host: _Optional[str] = ..., local_rank: _Optional[int] = ..., min_generation: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    process: str
+    def __init__(self, host: _Optional[str] = ..., local_rank: _Optional[int] = ..., min_generation: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., process: _Optional[str] = ...) -> None: ...
 
 class RankInfo(_message.Message):
     __slots__ = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "generation")

@@ -46,6 +46,7 @@ import hashlib
 import ipaddress
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -544,6 +545,9 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
         peers = launchers.local_peers(placement.host or host, placement.agent)
         authority = meeting.authority()
         root_pem = authority.root_pem if authority is not None else None
+        # Who registers: the server refuses this rank to another process while this one
+        # holds it (two jobs meeting at one address), but lets this one ask again.
+        process = f"pid {os.getpid()} on host {placement.host or host!r}, {secrets.token_hex(3)}"
         foreign_since: float | None = None  # (see NOT_GRPC_SECONDS)
         while True:
             # Each try on a fresh connection: the server there may be the round before's,
@@ -555,7 +559,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
             try:
                 info = client.register(
                     peers, local_rank, timeout=wait, rank=rank, size=placement.size,
-                    deadline=None if last else wait + ATTEMPT_SLACK_SECONDS,
+                    deadline=None if last else wait + ATTEMPT_SLACK_SECONDS, process=process,
                 )  # fmt: skip
                 break
             except RendezvousError as error:

@@ -25,9 +25,8 @@ loop (:class:`rendezvous.server.serving.RendezvousServer` does). By group:
 
 * the table: ``_slots``, ``_generation`` -- loop-only; ``_elastic`` never changes;
 * who registered: ``_registered``, ``_registered_generation``, ``_waiting`` -- loop-only;
-* placed jobs: ``_placed``, ``_placed_since``, ``_placed_slots``, ``_placed_error`` --
-  loop-only;
-  ``_placed_size`` never changes;
+* placed jobs: ``_placed``, ``_placed_since``, ``_placed_by``, ``_placed_calls``,
+  ``_placed_slots``, ``_placed_error`` -- loop-only; ``_placed_size`` never changes;
 * waking: ``_wake``, ``_shutdown`` -- loop-only; ``_on_table`` (a loop callback) never
   changes.
 """
@@ -37,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple, NoReturn
 
 import grpc
@@ -97,6 +96,10 @@ class Membership:
         # (when each rank first registered: a rank asks again while it waits, see
         # collectives.runtime.launched.join, and is told how long it has waited in all)
         self._placed_since: dict[int, float] = {}
+        # (the process holding each rank, and how many of its Registers are open: another
+        # process may take a rank over only from one that is neither in the job nor waiting)
+        self._placed_by: dict[int, str] = {}
+        self._placed_calls: dict[int, int] = {}
         self._placed_slots: list[SlotInfo] | None = None
         self._placed_error = ""
         self._wake: asyncio.Event | None = None  # set (and replaced) by _wake_all()
@@ -164,13 +167,15 @@ class Membership:
         min_generation: int,
         timeout_ms: int,
         size: int | None = None,
+        process: str = "",
     ) -> Place:
         """One worker's Register: ``rank`` (and ``size``) are what another launcher gave it
-        (placed jobs); else it waits up to ``timeout_ms`` for ``min_generation`` to be
-        published."""
+        (placed jobs; ``process`` says which process registers); else it waits up to
+        ``timeout_ms`` for ``min_generation`` to be published."""
         check_timeout(timeout_ms)
         if rank is not None or self._placed_size is not None:
-            slot = await self._register_placed(host, local_rank, rank, timeout_ms, size)
+            with self._holding(rank, process):
+                slot = await self._register_placed(host, local_rank, rank, timeout_ms, size)
             return Place(slot, self._generation)
         if self._generation < min_generation:
             await self._wait_for_generation([(host, local_rank)], min_generation, timeout_ms)
@@ -311,6 +316,35 @@ class Membership:
         self._registered.add((slots[rank].hostname, slots[rank].local_rank))
         self._registered_generation.add((slots[rank].hostname, slots[rank].local_rank))
         return slots[rank]
+
+    @contextlib.contextmanager
+    def _holding(self, rank: int | None, process: str) -> Iterator[None]:
+        """A Register of ``rank`` by ``process``, open while inside: refused while another
+        process holds the rank, one whose Register is open or that is in the job already
+        (the table is made). A rank whose holder gave up (it died while waiting, a
+        restarted pod) goes to the newcomer."""
+        if rank is None:
+            yield
+            return
+        holder = self._placed_by.get(rank, "")
+        in_job = self._placed_slots is not None
+        taken = in_job or self._placed_calls.get(rank, 0) > 0
+        if process and holder not in ("", process) and taken:
+            raise Refusal(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"rank {rank} is held by another process ({holder}), which "
+                f"{'is in the job' if in_job else 'waits for it'}; this one ({process}) "
+                "was started with the same rank: two jobs meet at one rendezvous address "
+                "(give each its own MASTER_PORT or HVDRUN_RENDEZVOUS_PORT), or the launcher "
+                "started two processes with that rank",
+            )
+        if process:
+            self._placed_by[rank] = process
+        self._placed_calls[rank] = self._placed_calls.get(rank, 0) + 1
+        try:
+            yield
+        finally:
+            self._placed_calls[rank] -= 1
 
     def _refuse_sizes(self, host: str, rank: int, given: int, size: int) -> NoReturn:
         """Ranks that disagree on the job's size cannot make one job: unless the table is

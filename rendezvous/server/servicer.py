@@ -135,6 +135,7 @@ class Servicer(rendezvous_pb2_grpc.RendezvousServicer):
                 request.min_generation,
                 request.timeout_ms,
                 size=size,
+                process=request.process,
             )
         except Refusal as refusal:
             await _refuse(context, refusal)

@@ -589,6 +589,20 @@ def test_a_rank_with_another_secret_says_so_at_once(slurm: SlurmCluster, where: 
     assert "rank 0 has another HVDRUN_SECRET, or none. Give every rank the same" in out, out
 
 
+def test_two_processes_with_one_rank_are_told_so() -> None:
+    """Two processes started as rank 1 of the same job (two jobs started with one
+    MASTER_ADDR:MASTER_PORT, a copied pod spec): one joins and the job trains, the other
+    fails at once naming both processes, instead of both taking rank 1 and hanging the job
+    in its process group."""
+    port = free_port()
+    procs = [start_pod(0, 2, port=port), start_pod(1, 2, port=port), start_pod(1, 2, port=port)]
+    codes, output = finish(procs, timeout=60)
+    assert codes[0] == 0 and sorted(codes[1:]) == [0, 1], output
+    assert "rank 1 is held by another process (pid " in output, output
+    assert "was started with the same rank: two jobs meet at one rendezvous address" in output
+    assert sorted(identities(output)) == [0, 1], output
+
+
 def test_ranks_given_different_job_sizes_are_told_so() -> None:
     # Rank 0 was told the job has 2 processes, rank 1 that it has 3 (a wrong WORLD_SIZE in
     # one pod's spec): both fail at once, naming the sizes, instead of making a job of 2 or

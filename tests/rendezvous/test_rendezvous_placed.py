@@ -131,6 +131,52 @@ def test_the_same_rank_from_two_hosts_is_refused(
     first.join()
 
 
+def test_a_rank_held_by_another_process_is_refused_until_that_one_gives_up(
+    placed: RendezvousServer, make_client: ClientFactory
+) -> None:
+    # Two processes started with rank 2 on one host (two jobs meeting at one address): the
+    # second is refused while the first waits for the others, and may have the rank once
+    # the first has given up (it died while waiting, a restarted pod).
+    def first_waits() -> None:
+        with pytest.raises(RendezvousTimeout):
+            make_client(placed).register("n1", 0, timeout=1, rank=2, process="pid 1 (a)")
+
+    first = threading.Thread(target=first_waits)
+    first.start()
+    time.sleep(0.3)
+    with pytest.raises(
+        RendezvousError,
+        match=r"rank 2 is held by another process \(pid 1 \(a\)\), which waits for it; "
+        r"this one \(pid 2 \(b\)\) was started with the same rank: two jobs meet",
+    ):
+        make_client(placed).register("n1", 0, timeout=1, rank=2, process="pid 2 (b)")
+    first.join()
+    with pytest.raises(RendezvousTimeout):  # (the first gave up: the second has it now)
+        make_client(placed).register("n1", 0, timeout=0.3, rank=2, process="pid 2 (b)")
+
+
+def test_a_rank_in_the_job_is_refused_to_another_process_but_not_to_itself(
+    placed: RendezvousServer, make_client: ClientFactory
+) -> None:
+    results: dict[int, RankInfo | BaseException] = {}
+
+    def register(rank: int) -> None:
+        client = make_client(placed)
+        results[rank] = client.register("n1", rank, timeout=10, rank=rank, process=f"p{rank}")
+
+    threads = [threading.Thread(target=register, args=(r,)) for r in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    again = make_client(placed).register("n1", 1, timeout=1, rank=1, process="p1")
+    assert again == results[1]  # a lost answer asked again
+    with pytest.raises(
+        RendezvousError, match=r"rank 1 is held by another process \(p1\), which is in the job"
+    ):
+        make_client(placed).register("n1", 1, timeout=1, rank=1, process="another job's")
+
+
 def test_rank_outside_the_job(placed: RendezvousServer, make_client: ClientFactory) -> None:
     with pytest.raises(RendezvousError, match=r"rank 4 is outside this job's ranks \[0, 4\)"):
         make_client(placed).register("n1", 0, timeout=1, rank=4)
