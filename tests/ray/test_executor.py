@@ -21,7 +21,7 @@ from collectives.ray import (  # noqa: E402
     WorkerDiedError,
 )
 from rendezvous.addresses import split_addr  # noqa: E402
-from tests.ray.conftest import gcs_log_tail  # noqa: E402
+from tests.ray.conftest import head_log_tail  # noqa: E402
 
 NUM_CPUS = 2
 #: What every Ray worker inherits here, as from a driver started inside an srun task, an
@@ -46,16 +46,20 @@ INHERITED = {
 def cluster() -> Iterator[None]:
     # The workers unpickle this module's functions by reference: they import it from here.
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        ray.init(
-            num_cpus=NUM_CPUS,
-            num_gpus=1,  # Ray's bookkeeping only: no CUDA is used
-            include_dashboard=False,
-            runtime_env={"env_vars": {"PYTHONPATH": repo, **INHERITED}},
-        )
-    except RuntimeError as error:
-        ray.shutdown()
-        pytest.fail(f"the local Ray cluster did not start: {error}\n{gcs_log_tail()}")
+    for attempt in (1, 2):  # (Ray's start-up on a loaded 2-core host: see conftest.py)
+        try:
+            ray.init(
+                num_cpus=NUM_CPUS,
+                num_gpus=1,  # Ray's bookkeeping only: no CUDA is used
+                include_dashboard=False,
+                runtime_env={"env_vars": {"PYTHONPATH": repo, **INHERITED}},
+            )
+            break
+        except Exception as error:  # (Ray raises a bare Exception for a late raylet)
+            why = f"{error}\n{head_log_tail()}"
+            ray.shutdown()
+            if attempt == 2:
+                pytest.fail(f"the local Ray cluster did not start, twice: {why}")
     try:
         yield
     finally:
