@@ -1,11 +1,13 @@
 """Joining a job another launcher started: process start -> init returned, 2 nodes x 2 tasks.
 
 On the Slurm test cluster (tests/slurm.py: slurmctld and two slurmd hosts in network
-namespaces; needs root and Debian's slurm packages) the same 4-process job is started three
+namespaces; needs root and Debian's slurm packages) the same 4-process job is started four
 ways, round-robin, and every process reports how long it took from its own start (the
 kernel's clock, so Python's and torch's imports count) until its init returned:
 
 * ``srun`` + ``hvd.init()``: rank 0 serves the rendezvous, the others find it on their own;
+* the same with ``HVDRUN_SECRET`` exported, so that the rendezvous speaks TLS (every rank
+  derives the certificate authority from the secret): what TLS costs;
 * ``srun`` + ``torch.distributed.init_process_group("gloo", "env://")``, the baseline, given
   ``MASTER_ADDR``/``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME`` the way an sbatch script must;
 * ``hvdrun -H a:2,b:2`` over SSH + ``hvd.init()``.
@@ -45,10 +47,14 @@ def variants(slurm: SlurmCluster) -> dict[str, Callable[[], list[float]]]:
     first = slurm.nodes[0]
     srun = ["srun", "-N2", "--ntasks-per-node=2", sys.executable, SCRIPT]
     dist_env = slurm.env(MASTER_ADDR=first.address, MASTER_PORT="29555", GLOO_SOCKET_IFNAME="eth0")
+    tls_env = slurm.env(HVDRUN_SECRET="bench-secret-0123456789abcdef")
     hosts = ",".join(f"{host.address}:2" for host in slurm.nodes)
     hvdrun = [sys.executable, "-m", "hvdrun", "-H", hosts, sys.executable, SCRIPT, "hvd"]
     return {
         "srun + hvd.init()": lambda: stamps(slurm.run(*srun, "hvd")),
+        "srun + hvd.init(), HVDRUN_SECRET (TLS)": lambda: stamps(
+            slurm.run(*srun, "hvd", env=tls_env)
+        ),
         "srun + init_process_group(env://)": lambda: stamps(slurm.run(*srun, "dist", env=dist_env)),
         "hvdrun over SSH + hvd.init()": lambda: stamps(slurm.run(*hvdrun)),
     }
