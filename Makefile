@@ -37,7 +37,10 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/hvdrun -np $(NP) $(PY) examples/pytorch_digits.py
 
+# Byte-compiled once first: where PYTHONDONTWRITEBYTECODE is set (as on some CI images), each
+# of the hundreds of processes the tests start would compile the project's modules again.
 test: setup
+	$(PY) -m compileall -q -j 0 collectives rendezvous launcher hvdrun tests
 	$(PY) -m pytest -q tests
 
 # ruff, mypy, and the import layers (tests/test_layers.py: no cycles, nothing imports upward).
