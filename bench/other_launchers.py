@@ -12,8 +12,8 @@ kernel's clock, so Python's and torch's imports count) until its init returned:
   ``MASTER_ADDR``/``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME`` the way an sbatch script must;
 * ``hvdrun -H a:2,b:2`` over SSH + ``hvd.init()``.
 
-The table shows the median over runs of the slowest rank (when the job could start) and of
-all ranks. Without root or Slurm it prints why and exits 0.
+The table shows the median over runs of the slowest rank (when the job could start), its range,
+and the median of all ranks. Without root or Slurm it prints why and exits 0.
 """
 
 from __future__ import annotations
@@ -84,11 +84,12 @@ def main() -> int:
         "other_launchers: 2 nodes x 2 tasks, process start -> init returned, "
         f"median of {args.rounds} round-robin runs"
     )
-    print(f"{'how':<36}{'slowest rank s':>15}{'all ranks s':>13}{'vs env://':>11}")
+    print(f"{'how':<40}{'slowest rank s':>15}{'range s':>12}{'all ranks s':>13}{'vs env://':>11}")
     for name in jobs:
         median = statistics.median(slowest[name])
+        spread = f"{min(slowest[name]):.2f}-{max(slowest[name]):.2f}"
         print(
-            f"{name:<36}{median:>15.3f}{statistics.median(every[name]):>13.3f}"
+            f"{name:<40}{median:>15.3f}{spread:>12}{statistics.median(every[name]):>13.3f}"
             f"{median / baseline:>10.2f}x"
         )
     return 0

@@ -11,8 +11,8 @@ three ways, round-robin:
 
 Launch time is from the moment the command starts in the allocation until the last rank's
 init returned (wall clock, all processes on this machine); total is until the command exited.
-The table shows medians and the ratio against bare srun. Without root or Slurm it prints why
-and exits 0.
+The table shows medians (and the range of the launch times) and the ratio against bare
+srun. Without root or Slurm it prints why and exits 0.
 """
 
 from __future__ import annotations
@@ -91,11 +91,12 @@ def main() -> int:
         "slurm_launch: 2 nodes x 2 tasks inside salloc, command start -> last init returned "
         f"(and -> command exited), median of {args.rounds} round-robin runs"
     )
-    print(f"{'how':<26}{'launch s':>10}{'total s':>10}{'vs bare srun':>14}")
+    print(f"{'how':<26}{'launch s':>10}{'range s':>12}{'total s':>10}{'vs bare srun':>14}")
     for name in jobs:
         median = statistics.median(launch[name])
+        spread = f"{min(launch[name]):.2f}-{max(launch[name]):.2f}"
         print(
-            f"{name:<26}{median:>10.3f}{statistics.median(total[name]):>10.3f}"
+            f"{name:<26}{median:>10.3f}{spread:>12}{statistics.median(total[name]):>10.3f}"
             f"{median / baseline:>13.2f}x"
         )
     return 0

@@ -5,7 +5,8 @@ network namespaces with their own sshd, so this needs root and openssh-server) w
 ``hvdrun -np 4`` on this host. Workers either register with the bare rendezvous client
 (what the launcher costs: SSH, agents, worker start) or call ``hvd.init()`` (plus importing
 torch and building the Gloo group). Runs are round-robin so that machine noise hits every
-variant alike; the table shows medians. Without root or sshd it prints why and exits 0.
+variant alike; the table shows medians (and the range of the registration times). Without
+root or sshd it prints why and exits 0.
 """
 
 from __future__ import annotations
@@ -88,13 +89,18 @@ def main() -> int:
         f"ssh_launch: hvdrun start -> all 4 workers registered, "
         f"median of {args.rounds} round-robin runs"
     )
-    print(f"{'where':<28}{'workers use':<20}{'registered s':>13}{'job s':>8}{'vs here':>9}")
+    print(
+        f"{'where':<28}{'workers use':<20}{'registered s':>13}{'range s':>12}{'job s':>8}"
+        f"{'vs here':>9}"
+    )
     medians = {key: statistics.median(values) for key, values in registered.items()}
     for where, worker in jobs:
         median = medians[(where, worker)]
         ratio = median / medians[(LOCAL, worker)]
         job_s = statistics.median(total[(where, worker)])
-        print(f"{where:<28}{worker:<20}{median:>13.3f}{job_s:>8.3f}{ratio:>8.2f}x")
+        runs = registered[(where, worker)]
+        spread = f"{min(runs):.2f}-{max(runs):.2f}"
+        print(f"{where:<28}{worker:<20}{median:>13.3f}{spread:>12}{job_s:>8.3f}{ratio:>8.2f}x")
     return 0
 
 
