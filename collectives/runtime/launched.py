@@ -451,6 +451,14 @@ def _other_secret(placement: Placement, meeting: Meeting, refusal: str) -> str:
     )
 
 
+#: Rank 0 of a job whose rendezvous speaks TLS, on the ranks that never registered: a rank
+#: whose secret differs fails its handshake, which the server never sees.
+_UNSEEN_OVER_TLS = (
+    ". This rendezvous speaks TLS: a rank whose HVDRUN_SECRET differs from rank 0's cannot "
+    "connect to it at all, and says so in its own output"
+)
+
+
 def _tls_hint(meeting: Meeting, certain: bool) -> str:
     """Where a rank without a secret finds its connections closed: rank 0 may be one with
     a secret, whose rendezvous speaks TLS only."""
@@ -571,6 +579,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                         f"hvd.init(): {placement.name} started {placement.size} processes, "
                         f"but not all of them joined within {timeout:g} s "
                         f"(HVDRUN_START_TIMEOUT): {error}"
+                        + (_UNSEEN_OVER_TLS if servers and authority is not None else "")
                     ) from None
                 if isinstance(error, RendezvousAuthError) and error.refused_secret:
                     raise JoinError(
