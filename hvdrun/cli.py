@@ -57,6 +57,7 @@ from launcher.spec.hosts import (
     is_local_host,
     parse_hostfile,
     parse_hosts,
+    this_machine_named,
 )
 from launcher.spec.options import (
     ELASTIC_FAILURE_TIMEOUT,
@@ -408,6 +409,7 @@ def cli(
     else:
         unused_notes = elastic_flags.unused_notes()
         host_list, num_proc = resolve_hosts(host_list, hosts, num_proc, allocation)
+        unused_notes += same_machine_notes(host_list, num_proc)
     launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic))
     if any(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
         check_command(command)
@@ -582,6 +584,21 @@ def beyond_allocation(allocation: Allocation, num_proc: int) -> list[HostSpec]:
         f"with -H ({example}), or {more}",
         param_hint="'-np'",
     )
+
+
+def same_machine_notes(host_list: Sequence[HostSpec], num_proc: int) -> list[str]:
+    """A note where the hosts name this machine more than once (``-H localhost:1,127.0.0.1:1``):
+    they run as that many hosts, each with local ranks from 0, so their workers pick the same
+    GPUs. A way to stand in for several hosts on one machine, so a note, not an error."""
+    names = this_machine_named(host_list, num_proc)
+    if len(names) < 2:
+        return []
+    return [
+        f"note: the hosts name this machine {len(names)} times ({', '.join(names)}): they run "
+        f"as {len(names)} hosts, as in horovodrun, each with local ranks from 0, so workers "
+        "that choose cuda:<local_rank> share GPUs; name it once (e.g. -H localhost:"
+        f"{num_proc}) unless they stand in for several hosts on purpose"
+    ]
 
 
 def here(num_proc: int) -> int:

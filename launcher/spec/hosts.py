@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from launcher.errors import LauncherError
@@ -229,6 +230,23 @@ def local_addresses() -> set[str]:
             if entry.family in (socket.AF_INET, socket.AF_INET6):
                 addresses.add(entry.address.split("%", 1)[0])
     return addresses
+
+
+def this_machine_named(hosts: Sequence[HostSpec], num_proc: int) -> list[str]:
+    """The hosts that get workers (the first ``num_proc`` slots, in order) whose names say
+    they are this machine without a lookup: ``localhost``, a loopback address, its own host
+    name. Each runs as a host of its own, as in horovodrun."""
+    own = socket.gethostname()
+    names = LOCAL_NAMES | {own, own.split(".", 1)[0]}
+    found: list[str] = []
+    remaining = num_proc
+    for host in hosts:
+        if remaining <= 0:
+            break
+        remaining -= host.slots
+        if host.hostname in names or is_loopback(host.hostname):
+            found.append(host.hostname)
+    return found
 
 
 def is_local_host(hostname: str) -> bool:

@@ -547,3 +547,23 @@ def test_ssh_files_given_with_a_tilde_after_an_equals_sign_are_found(
     argv = ["--dry-run", "-H", "otherhost:1", "-i=~/.ssh/key", "--ssh-config-file=~/.ssh/cfg"]
     assert run_cli([*argv, "true"]) == 0, capsys.readouterr().err
     assert "otherhost" in capsys.readouterr().out
+
+
+def test_hosts_that_name_this_machine_twice_get_a_note() -> None:
+    # -H localhost:1,127.0.0.1:1 runs as two hosts (as in horovodrun; a way to stand in for
+    # two hosts), each with local rank 0: on a GPU machine both workers would take cuda:0.
+    def run(hosts: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "hvdrun", "-np", "2", "-H", hosts, "--no-report", "true"]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    twice = run("localhost:1,127.0.0.1:1")
+    assert twice.returncode == 0, twice.stderr
+    assert (
+        "hvdrun: note: the hosts name this machine 2 times (localhost, 127.0.0.1): they run as "
+        "2 hosts, as in horovodrun, each with local ranks from 0, so workers that choose "
+        "cuda:<local_rank> share GPUs; name it once (e.g. -H localhost:2)"
+    ) in twice.stderr
+    # Only hosts that get workers count: the second one here gets none.
+    for hosts in ("localhost:2", "localhost:2,127.0.0.1:2"):
+        once = run(hosts)
+        assert once.returncode == 0 and "name this machine" not in once.stderr, once.stderr
