@@ -29,6 +29,7 @@ import click
 from hvdrun.values import seconds
 from rendezvous import worker_env
 from rendezvous.addresses import missing_interfaces
+from rendezvous.slots import slots_used
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -307,11 +308,8 @@ def notices(
     if no_effect:
         lines.append(no_effect)
     if not env.get("OMP_NUM_THREADS"):
-        remaining, busiest = num_proc, 0
-        for host in hosts:
-            used = min(host.slots, remaining)
-            busiest, remaining = max(busiest, used), remaining - used
-        if busiest > 1:
+        used = slots_used([(host.hostname, host.slots) for host in hosts], num_proc)
+        if max((workers for _, workers in used), default=0) > 1:
             lines.append(
                 "note: OMP_NUM_THREADS is not set: each worker gets its host's cores divided "
                 "by the host's workers (set it with -x OMP_NUM_THREADS=N)"

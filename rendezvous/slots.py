@@ -28,6 +28,20 @@ class SlotInfo:
     cross_size: int
 
 
+def slots_used(hosts: Sequence[tuple[str, int]], num_proc: int) -> list[tuple[str, int]]:
+    """``(hostname, workers)`` of the hosts that get workers: the first ``num_proc`` slots,
+    filled host by host in the order given."""
+    per_host: list[tuple[str, int]] = []
+    remaining = num_proc
+    for hostname, slots in hosts:
+        if remaining <= 0:
+            break
+        used = min(slots, remaining)
+        per_host.append((hostname, used))
+        remaining -= used
+    return per_host
+
+
 def assign_slots(hosts: Sequence[tuple[str, int]], num_proc: int) -> list[SlotInfo]:
     """Assign ``num_proc`` ranks to ``(hostname, slots)`` pairs; raises ValueError if short."""
     if num_proc < 1:
@@ -36,14 +50,7 @@ def assign_slots(hosts: Sequence[tuple[str, int]], num_proc: int) -> list[SlotIn
     if num_proc > total:
         raise ValueError(f"{num_proc} processes requested but the hosts have only {total} slots")
 
-    per_host: list[tuple[str, int]] = []  # (hostname, slots used)
-    remaining = num_proc
-    for hostname, slots in hosts:
-        if remaining == 0:
-            break
-        used = min(slots, remaining)
-        per_host.append((hostname, used))
-        remaining -= used
+    per_host = slots_used(hosts, num_proc)
 
     # hosts_with_local_rank[l] lists host indices that run a slot with local_rank l.
     max_local = max(used for _, used in per_host)

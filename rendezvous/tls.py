@@ -26,6 +26,7 @@ Why it looks the way it does:
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,11 +98,13 @@ class SecretAuthority:
         )
 
 
+@functools.lru_cache(maxsize=4)
 def authority_from_secret(secret: str) -> SecretAuthority:
     """The authority of ``secret``: its key derived by HKDF-SHA256, its certificate valid
     from 2000 to 9999 (whatever a rank's clock says). Each rank makes its own copy of that
     certificate; the copies differ only in their signature, which nobody checks (a root
-    is trusted as it is), so rank 0 need not send it."""
+    is trusted as it is), so rank 0 need not send it. Made once per secret in a process
+    (rank 0 serves with it and dials its own server trusting it)."""
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF

@@ -126,12 +126,17 @@ class Meeting:
     #: The secret is only a token derived from the job's id.
     unauthenticated: bool = False
 
+    @property
+    def encrypted(self) -> bool:
+        """Whether the rendezvous speaks TLS: where other hosts reach it and the secret is
+        one (``HVDRUN_SECRET``, or sent over MPI), not a token that anyone who knows the job
+        id can make. Every rank decides alike."""
+        return not self.unauthenticated and not is_loopback(self.bind_host)
+
     def authority(self) -> SecretAuthority | None:
         """Where the rendezvous speaks TLS, the certificate authority every rank derives
-        from the secret (see :mod:`rendezvous.tls`): where other hosts reach it and the
-        secret is one (``HVDRUN_SECRET``, or sent over MPI), not a token that anyone who
-        knows the job id can make. None for plain gRPC. Every rank decides alike."""
-        if self.unauthenticated or is_loopback(self.bind_host):
+        from the secret (see :mod:`rendezvous.tls`); None for plain gRPC."""
+        if not self.encrypted:
             return None
         from rendezvous.tls import authority_from_secret
 
@@ -435,7 +440,7 @@ def _point_gloo_at(addr: str, before: Sequence[str] = (), spans: bool = False) -
 
 def _other_secret(placement: Placement, meeting: Meeting, refusal: str) -> str:
     """A rank that reached the rendezvous but whose secret or TLS differs from rank 0's."""
-    if meeting.authority() is None:
+    if not meeting.encrypted:
         what = f"this rank sent {meeting.secret_from}"
     else:
         what = (

@@ -54,7 +54,7 @@ def _encryption(placement: launchers.Placement, meeting: launched.Meeting) -> st
         return "TLS unless every rank runs on rank 0's host (the address rank 0 sends decides)"
     if meeting.unauthenticated:
         return "none (TLS needs HVDRUN_SECRET)"
-    if meeting.authority() is None:
+    if not meeting.encrypted:
         return "none (the ranks meet on loopback)"
     return "TLS, with a certificate authority every rank derives from HVDRUN_SECRET"
 

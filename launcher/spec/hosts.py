@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from launcher.errors import LauncherError
 from rendezvous.addresses import is_ipv6, is_loopback
+from rendezvous.slots import slots_used
 
 #: The most slots one host may have: no machine runs more workers than this, and a count
 #: beyond it is a typo (hvdrun would otherwise build slot lists of that size, and hang).
@@ -233,20 +234,19 @@ def local_addresses() -> set[str]:
 
 
 def this_machine_named(hosts: Sequence[HostSpec], num_proc: int) -> list[str]:
-    """The hosts that get workers (the first ``num_proc`` slots, in order) whose names say
-    they are this machine without a lookup: ``localhost``, a loopback address, its own host
-    name. Each runs as a host of its own, as in horovodrun."""
+    """The hosts that get workers whose names say they are this machine without a lookup
+    (:func:`names_this_machine`). Each runs as a host of its own, as in horovodrun."""
+    used = slots_used([(host.hostname, host.slots) for host in hosts], num_proc)
+    return [hostname for hostname, _ in used if names_this_machine(hostname)]
+
+
+def names_this_machine(hostname: str) -> bool:
+    """Whether the name says it is this machine without a lookup: ``localhost``, a loopback
+    address, this machine's own host name (or its short form, as schedulers give it)."""
+    if hostname in LOCAL_NAMES or is_loopback(hostname):
+        return True
     own = socket.gethostname()
-    names = LOCAL_NAMES | {own, own.split(".", 1)[0]}
-    found: list[str] = []
-    remaining = num_proc
-    for host in hosts:
-        if remaining <= 0:
-            break
-        remaining -= host.slots
-        if host.hostname in names or is_loopback(host.hostname):
-            found.append(host.hostname)
-    return found
+    return hostname in (own, own.split(".", 1)[0])
 
 
 def is_local_host(hostname: str) -> bool:
@@ -255,12 +255,9 @@ def is_local_host(hostname: str) -> bool:
     A name that does not resolve is not local (SSH will report it). ``user@host`` always
     goes through SSH, since the user asked to log in as someone.
     """
-    if hostname in LOCAL_NAMES:
-        return True
     if "@" in hostname:
         return False
-    own = socket.gethostname()
-    if hostname in (own, own.split(".", 1)[0]):  # (a scheduler's short node name, too)
+    if names_this_machine(hostname):
         return True
     try:
         infos = socket.getaddrinfo(hostname, None, proto=socket.IPPROTO_TCP)

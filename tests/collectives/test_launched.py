@@ -7,6 +7,7 @@ import pytest
 
 from collectives.runtime import launched
 from rendezvous.launchers import Placement, derived_port
+from rendezvous.tls import authority_from_secret
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +120,10 @@ def test_tls_where_other_hosts_reach_rank_0_and_the_ranks_share_a_secret(
     # On loopback every rank is on rank 0's host: nothing crosses a network.
     assert launched.plan_meeting(placement(master_addr="127.0.0.1")).authority() is None
     ranks = [launched.plan_meeting(placement(rank=r, master_addr="10.1.2.3")) for r in (0, 1)]
-    authorities = [meeting.authority() for meeting in ranks]
+    authorities = []
+    for meeting in ranks:  # (each rank derives it in its own process: no cached copy)
+        authority_from_secret.cache_clear()
+        authorities.append(meeting.authority())
     assert None not in authorities
     keys = {a.key.private_numbers().private_value for a in authorities if a is not None}
     assert len(keys) == 1  # every rank derives the same authority

@@ -114,7 +114,7 @@ def test_ranks_with_one_secret_trust_each_other_and_no_other() -> None:
     slots = assign_slots([("host-a", 2)], 2)
     with RendezvousServer(slots, SECRET, JOB_ID, bind_host="127.0.0.1", tls=served) as server:
         proxy = Forwarder([server.port])
-        own = authority_from_secret(SECRET)  # (as another rank derives it)
+        own = authority_from_secret.__wrapped__(SECRET)  # (as another rank derives it)
         client = RendezvousClient(f"127.0.0.1:{proxy.port}", SECRET, JOB_ID, cert_pem=own.root_pem)
         try:
             assert client.register("host-a", 1).rank == 1
@@ -132,7 +132,7 @@ def test_ranks_with_one_secret_trust_each_other_and_no_other() -> None:
     assert SECRET.encode() not in proxy.captured + stranger.captured
     assert "PRIVATE" not in repr(own) and "key" not in repr(own)
     # Derived, not drawn: the same secret gives the same key on every rank.
-    same = authority_from_secret(SECRET).key.private_numbers()
+    same = authority_from_secret.__wrapped__(SECRET).key.private_numbers()
     assert same == own.key.private_numbers()
 
 
