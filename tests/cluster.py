@@ -3,8 +3,9 @@
 As root, :func:`start_cluster` creates a bridge in this machine's network namespace (it
 plays the launching host, at ``.1`` of a private /24 under 10.213.0.0/16 used nowhere
 else) and K hosts, each a network namespace with a veth on the bridge (``.11``, ``.12``,
-...), a UTS hostname of its own that resolves nowhere, and an ``sshd`` listening on ports
-22 and 2222 that accepts one test key (no PAM, no DNS). The filesystem is shared, so the
+...; :meth:`Cluster.side_link` adds a second link to one host, under 10.212.0.0/16), a UTS
+hostname of its own that resolves nowhere, and an ``sshd`` listening on ports 22 and 2222
+that accepts one test key (no PAM, no DNS). The filesystem is shared, so the
 hosts run this checkout's Python, as a cluster with a shared home directory would, except
 for :attr:`Cluster.local_only`, a directory that is empty on the hosts (each host mounts a
 tmpfs of its own there) to test what hvdrun says about a host that lacks an installation.
@@ -301,6 +302,26 @@ class Cluster:
                  "02:00:00:00:00:99", "dev", "eth0", "nud", "permanent")  # fmt: skip
         else:
             _run("ip", "-n", host.netns, "neigh", "del", peer.address, "dev", "eth0", check=False)
+
+    @contextlib.contextmanager
+    def side_link(self, host: ClusterHost) -> Iterator[tuple[str, str]]:
+        """A second cable between this machine and ``host`` alone, a /30 of its own under
+        10.212.0.0/16 (a management network the other hosts are not on, and no route leads
+        from them to it; its addresses sort below the cluster's own); yields (this
+        machine's address on it, the host's); removed on exit. The host's end is its
+        interface ``side0``."""
+        net = f"10.212.{self.subnet.rsplit('.', 1)[1]}"
+        mine, theirs = f"{net}.{4 * host.index + 1}", f"{net}.{4 * host.index + 2}"
+        link = f"{host.veth.removesuffix(f'v{host.index}')}s{host.index}"
+        _run("ip", "link", "add", link, "type", "veth", "peer", "side0", "netns", host.netns)
+        try:
+            _run("ip", "addr", "add", f"{mine}/30", "dev", link)
+            _run("ip", "link", "set", link, "up")
+            _run("ip", "-n", host.netns, "addr", "add", f"{theirs}/30", "dev", "side0")
+            _run("ip", "-n", host.netns, "link", "set", "side0", "up")
+            yield mine, theirs
+        finally:
+            _run("ip", "link", "delete", link, check=False)
 
     def processes_on(self, host: ClusterHost) -> list[psutil.Process]:
         """Every process running in the host's network namespace."""

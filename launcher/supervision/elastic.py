@@ -94,6 +94,7 @@ from launcher.transport.protocol import Continued, Done, Exit, Output, Signalled
 from launcher.transport.startup import (
     dial_host,
     make_agent,
+    member_peers,
     plan_rendezvous,
     stop_agents,
     version_problems,
@@ -202,7 +203,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         finally:
             self._done.set()
             stop_agents([h.agent for h in self.members.all_hosts() if h.agent is not None])
-            self._abort_unclaimed_agents()
+            _abort_unclaimed_agents(self.events)
 
     def finished(self) -> bool:
         hosts = self.members.all_hosts()
@@ -277,18 +278,6 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             self._reconcile(now)
         except TimeoutError as error:  # (the server's loop starved: the next step decides)
             log.warning("%s; deciding at the next step", error)
-
-    def _abort_unclaimed_agents(self) -> None:
-        """Aborts agents whose AgentCreated the loop never handled (it ended first): nobody
-        else would stop their start-up. A start thread that posts one after this checks
-        ``_done`` itself."""
-        while True:
-            try:
-                event = self.events.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(event, AgentCreated):
-                event.agent.abort()
 
     def _record_of(self, agent: Supervised) -> HostRecord:
         return next(host for host in self.members.all_hosts() if host.agent is agent)
@@ -511,16 +500,23 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
     def _publish(self, decision: Publish) -> None:
         generation = self.server.publish(decision.slots)
         self.members.published(generation)
+        agents = [host.agent for host in decision.members if host.agent is not None]
         for host in decision.members:
             if host.state == "ready":
-                self._launch(host, decision.slots, generation)
+                self._launch(host, decision.slots, generation, agents)
         names = ", ".join(h.name for h in decision.members)
         self.sink.message(
             f"generation {generation}: {len(decision.slots)} worker(s) on "
             f"{len(decision.members)} host(s): {names}"
         )
 
-    def _launch(self, host: HostRecord, slots: list[SlotInfo], generation: int) -> None:
+    def _launch(
+        self,
+        host: HostRecord,
+        slots: list[SlotInfo],
+        generation: int,
+        members: list[AgentConnection],
+    ) -> None:
         agent = host.agent
         assert agent is not None
         spec = agent_spec(
@@ -535,6 +531,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         )
         timeouts = self.options.elastic_timeout, self.options.failure_timeout
         spec.env.update(worker_env.elastic_env(self.spec.env, *timeouts))
+        spec.peers = member_peers(agent, members, self.spec.launch.rendezvous_addr)
         for worker in spec.workers:
             number = next(self._worker_ids)
             worker.rank = number
@@ -550,6 +547,19 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         agents = [h.agent for h in self.members.all_hosts() if h.agent is not None]
         host = dial_host(agent, agents, self.spec.launch.rendezvous_addr)
         return join_addr(host, self.server.port)
+
+
+def _abort_unclaimed_agents(events: queue.Queue[HostEvent | DriverEvent]) -> None:
+    """Aborts agents whose AgentCreated the driver's loop never handled (it ended first):
+    nobody else would stop their start-up. A start thread that posts one after this checks
+    the driver's ``_done`` itself."""
+    while True:
+        try:
+            event = events.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(event, AgentCreated):
+            event.agent.abort()
 
 
 def _start_agent(

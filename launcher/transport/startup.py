@@ -310,6 +310,18 @@ def peer_addresses(addresses: dict[str, str], host: str) -> list[str]:
     return [address for other, address in addresses.items() if other != host]
 
 
+def member_peers(
+    agent: AgentConnection, members: Sequence[AgentConnection], explicit: str | None
+) -> list[str]:
+    """The addresses of the other hosts of an elastic job's generation (``members``, whose
+    agents run) as this machine reaches them (:func:`host_addresses`, this machine's own
+    being where its workers dial the rendezvous): whom ``agent``'s workers connect to, so
+    that its host chooses the interface toward them (the ``peers`` of a fixed job)."""
+    dialled = {member.hostname: dial_host(member, members, explicit) for member in members}
+    addresses = host_addresses(members, RendezvousPlan("", 0, dialled))
+    return peer_addresses(addresses, agent.hostname)
+
+
 def _has_port(text: str) -> bool:
     if text.startswith("["):
         return "]:" in text

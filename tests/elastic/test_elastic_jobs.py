@@ -425,3 +425,24 @@ def test_hosts_whose_gloo_addresses_drop_packets_are_named_in_an_elastic_job(
     assert elapsed < 45, output
     assert "this elastic job goes on until Gloo gives up" in output, output
     assert_hosts_clean(elastic_cluster, [node1, node2], within=15)
+
+
+def test_a_host_reached_over_another_network_gives_gloo_the_one_its_peers_share(
+    elastic_cluster: Cluster, tmp_path: Path
+) -> None:
+    """hvdrun reaches node1 over a link of its own that node2 has no route to (a management
+    network), and node2 over the network both share: node1's workers give Gloo the shared
+    network's interface, the one toward the other hosts of their generation, not the one
+    facing hvdrun (before: node2's rank could not connect to node1's and the job stopped
+    after the elastic timeout). The side link's addresses sort below the shared network's,
+    so that it is node2's rank that dials node1's (Gloo's lower address dials)."""
+    _, node2, node1 = elastic_cluster.hosts
+    with elastic_cluster.side_link(node1) as (_, side_address):
+        discovery = tmp_path / "hosts"
+        discovery.write_text(f"{node2.alias}:1\n{side_address}:1\n")
+        key = str(elastic_cluster.client_key)
+        args = ["-np", "2", "--min-np", "2", "--elastic-timeout", "20", "-i", key]
+        code, output = Job(elastic_cluster, *args, *elastic_args(discovery, 3)).wait(90)
+    assert code == 0, output
+    assert "cannot reach host" not in output, output
+    check_finished_exactly(output, 3, size=2)

@@ -16,7 +16,7 @@ from launcher.transport.protocol import (
     decode_request,
     encode_request,
 )
-from launcher.transport.startup import RendezvousPlan, host_addresses
+from launcher.transport.startup import RendezvousPlan, host_addresses, member_peers
 from rendezvous import addresses
 
 #: This host: eth1 faces the launcher only (10.9.0.0/24), eth0 the other hosts (10.1.0.0/24).
@@ -116,3 +116,22 @@ def test_the_launcher_tells_each_agent_its_peers_addresses() -> None:
     }
     spec = AgentSpec("n1", ["true"], "/", {}, peers=["10.1.0.1", "10.9.0.2"])
     assert AgentSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_an_elastic_generations_hosts_are_each_others_peers() -> None:
+    """Each host of an elastic job's generation is told the others' addresses as this
+    machine reaches them; this machine's own is where its workers dial the rendezvous."""
+
+    def remote(name: str, target: str, local: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            hostname=name, kind="ssh", target=SimpleNamespace(hostname=target), local_address=local
+        )
+
+    here = SimpleNamespace(hostname="localhost", kind="local")
+    n1, n2 = remote("n1", "10.1.0.11", "10.1.0.1"), remote("n2", "10.9.0.2", "10.9.0.1")
+    members = [here, n1, n2]
+    assert member_peers(n1, members, None) == ["10.1.0.1", "10.9.0.2"]  # type: ignore[arg-type]
+    assert member_peers(here, members, None) == ["10.1.0.11", "10.9.0.2"]  # type: ignore[arg-type]
+    assert member_peers(n2, members, "10.5.0.1:4000") == ["10.5.0.1", "10.1.0.11"]  # type: ignore[arg-type]
+    assert member_peers(n2, members, "127.0.0.1") == ["10.1.0.11"]  # type: ignore[arg-type]
+    assert member_peers(n1, [n1], None) == []  # type: ignore[arg-type]

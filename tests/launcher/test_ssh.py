@@ -113,6 +113,29 @@ def test_this_machine_and_a_remote_host_in_one_job(cluster: Cluster) -> None:
     assert found[0]["sum"] == found[1]["sum"] == 3
 
 
+def test_a_host_reached_over_another_network_gives_gloo_the_one_its_peers_share(
+    cluster: Cluster,
+) -> None:
+    """hvdrun reaches node1 over a link of its own that node2 has no route to (a management
+    network), and node2 over the network both share: node1's workers dial the rendezvous
+    over the side link but give Gloo and NCCL the shared network's interface, so node2's
+    rank connects to them (the side link's addresses sort below the shared network's:
+    Gloo's lower address dials)."""
+    node1, node2 = cluster.hosts[:2]
+    with cluster.side_link(node1) as (side_gateway, side_address):
+        result = cluster.hvdrun(
+            *("-H", f"{node2.alias}:1,{side_address}:1", "-i", str(cluster.client_key)),
+            *(PY, str(SCRIPTS / "placement.py")),
+        )
+    assert result.returncode == 0, result.stderr
+    found = placements(result.stdout)
+    assert found[1]["hostname"] == node1.uts_hostname
+    assert found[1]["address"] == side_address  # (what it dials the rendezvous from)
+    assert found[1]["rendezvous"].startswith(f"{side_gateway}:")
+    assert found[0]["gloo_ifname"] == found[1]["gloo_ifname"] == "eth0"
+    assert found[0]["sum"] == found[1]["sum"] == 3
+
+
 def test_hvdrun_run_calls_a_function_on_two_hosts(cluster: Cluster, tmp_path: Path) -> None:
     """hvdrun.run from a script: the function (by value, with an argument over the store's
     value limit) reaches the hosts over the job's connections; results come back by rank."""
