@@ -434,8 +434,9 @@ def test_a_host_reached_over_another_network_gives_gloo_the_one_its_peers_share(
     network), and node2 over the network both share: node1's workers give Gloo the shared
     network's interface, the one toward the other hosts of their generation, not the one
     facing hvdrun (before: node2's rank could not connect to node1's and the job stopped
-    after the elastic timeout). The side link's addresses sort below the shared network's,
-    so that it is node2's rank that dials node1's (Gloo's lower address dials)."""
+    after the elastic timeout). Gloo's pairs choose by address which side dials: with the
+    side link's addresses above the shared network's, node1's rank would dial node2's and
+    the job would pass either way, so they sort below."""
     _, node2, node1 = elastic_cluster.hosts
     with elastic_cluster.side_link(node1) as (_, side_address):
         discovery = tmp_path / "hosts"

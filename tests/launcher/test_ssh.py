@@ -119,8 +119,8 @@ def test_a_host_reached_over_another_network_gives_gloo_the_one_its_peers_share(
     """hvdrun reaches node1 over a link of its own that node2 has no route to (a management
     network), and node2 over the network both share: node1's workers dial the rendezvous
     over the side link but give Gloo and NCCL the shared network's interface, so node2's
-    rank connects to them (the side link's addresses sort below the shared network's:
-    Gloo's lower address dials)."""
+    rank connects to them (Gloo's pairs choose by address which side dials: the side
+    link's addresses sort below the shared network's, so that node2's rank dials)."""
     node1, node2 = cluster.hosts[:2]
     with cluster.side_link(node1) as (side_gateway, side_address):
         result = cluster.hvdrun(
