@@ -171,6 +171,7 @@ class JobResult:
     # what the workers left in the rendezvous store under JobSpec.collect (hvdrun.run's results)
     collected: dict[str, bytes] = field(default_factory=dict)
     reason: str | None = None  # why the job was given up where no rank failed (elastic jobs)
+    own_stall: float = 0.0  # the longest time hvdrun's own loop did not run (Ctrl-Z, starved)
 
 
 def agent_spec(
@@ -490,14 +491,7 @@ class Supervision(ABC, Generic[E]):
     def check_heartbeats(self, now: float) -> None:
         last, self._last_check = self._last_check, now
         if last is not None and now - last > LOOP_STALL_SECONDS:
-            # This loop did not run (hvdrun was stopped or starved of CPU): the agents'
-            # silence was hvdrun's own, and their lines wait in the pipes to be read.
-            self.sink.message(
-                f"hvdrun itself was stopped or starved of CPU for {now - last:.1f} s (Ctrl-Z "
-                "stops hvdrun, not the job): its agents stop their workers once it has been "
-                "silent for --heartbeat-timeout"
-            )
-            self._grace_until = now + LOOP_STALL_SECONDS
+            self.own_stall(last, now)
         if self.sink.backed_up():
             # The agents' readers wait for room in hvdrun's output (a slow reader of it):
             # their silence is hvdrun's own again, and their lines wait in the pipes.
@@ -514,11 +508,28 @@ class Supervision(ABC, Generic[E]):
             ):
                 agent.abort()  # its agent stops its workers on its own heartbeat timeout
 
+    def own_stall(self, since: float, now: float) -> None:
+        """This loop did not run from ``since`` to ``now`` (hvdrun was stopped or starved of
+        CPU): the agents' silence was hvdrun's own, and their lines wait in the pipes to be
+        read. Said at once, and in the failure's report."""
+        self.sink.message(
+            f"hvdrun itself was stopped or starved of CPU for {now - since:.1f} s (Ctrl-Z "
+            "stops hvdrun, not the job): its agents stop their workers once it has been "
+            "silent for --heartbeat-timeout"
+        )
+        self._grace_until = now + LOOP_STALL_SECONDS
+        self._last_check = now
+        self.result.own_stall = max(self.result.own_stall, now - since)
+
     def drain_events(self) -> None:
+        waiting_since = self.clock()
         try:
             event = self.events.get(timeout=self.poll_interval)
         except queue.Empty:
             return
+        now = self.clock()
+        if now - waiting_since > LOOP_STALL_SECONDS:  # (stopped while it waited: the events
+            self.own_stall(waiting_since, now)  # of that time may end the job in this batch)
         self.on_event(event)
         for _ in range(EVENT_BATCH - 1):
             try:

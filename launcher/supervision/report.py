@@ -144,6 +144,12 @@ def report_failure(
     # Horovod's sentence first: scripts and CI logs match on it.
     sink.message(HOROVOD_FAILED)
     sink.message(f"rank {failure.rank} on host {failure.hostname} failed first: {what}")
+    if result.own_stall:  # (its workers give the job up when it is silent that long)
+        sink.message(
+            f"hvdrun itself was stopped or starved of CPU for {result.own_stall:.1f} s while "
+            "the job ran (Ctrl-Z stops hvdrun, not the job): workers that hear nothing from "
+            "it for --heartbeat-timeout give the job up, saying they lost its rendezvous"
+        )
     early = [] if elastic else _exited_before(result, failure.rank)
     if early:  # (a peer that left unannounced fails the others' next collective: os._exit)
         sink.message(f"before it, rank(s) {rank_list(early)} had exited with code 0")

@@ -115,6 +115,49 @@ class Hosts(Supervision[HostEvent]):
         return self.err.getvalue().decode().splitlines()
 
 
+class StoppedWhileWaiting(queue.Queue[HostEvent]):
+    """An event queue whose first wait for an event lasts ``stall`` seconds of ``clock``:
+    hvdrun was stopped (Ctrl-Z) while its loop waited, and what happened meanwhile (every
+    worker gave the job up) is queued all at once."""
+
+    def __init__(self, clock: Clock, stall: float) -> None:
+        super().__init__()
+        self.clock, self.stall = clock, stall
+
+    def get(self, block: bool = True, timeout: float | None = None) -> HostEvent:
+        self.clock.now, self.stall = self.clock.now + self.stall, 0.0
+        return super().get(block, timeout)
+
+
+def test_a_job_lost_while_hvdrun_itself_was_stopped_says_so() -> None:
+    """Both workers gave the job up while hvdrun was stopped, and the loop ends in the batch
+    that reads their exits: hvdrun still says it was stopped, and its failure report names
+    that stop beside the rank that failed first."""
+    clock = Clock()
+    job = Hosts(FakeAgent("a"), clock=clock)
+    job.events = StoppedWhileWaiting(clock, 12.0)
+    job.put("a", Exit(1, 1), Exit(0, 1), Done())
+    job.run()
+    report_failure(job.result, job.output)
+    said = job.messages()
+    assert said[0].startswith("hvdrun: hvdrun itself was stopped or starved of CPU for 12.0 s")
+    assert said[2] == "hvdrun: rank 1 on host a failed first: exit code 1", said
+    assert said[3].startswith(
+        "hvdrun: hvdrun itself was stopped or starved of CPU for 12.0 s while the job ran "
+        "(Ctrl-Z stops hvdrun, not the job): workers that hear nothing from it for "
+        "--heartbeat-timeout give the job up"
+    ), said
+    assert sum("stopped or starved" in line for line in said) == 2, said
+
+
+def test_a_failure_without_a_stop_of_hvdrun_does_not_mention_one() -> None:
+    job = Hosts(FakeAgent("a"), clock=Clock())
+    job.put("a", Exit(1, 1), Exit(0, 1), Done())
+    job.run()
+    report_failure(job.result, job.output)
+    assert not any("stopped or starved" in line for line in job.messages())
+
+
 def test_first_signal_stops_every_agent_and_exits_128_plus_signal() -> None:
     a, b = FakeAgent("a"), FakeAgent("b")
     clock = Clock()
