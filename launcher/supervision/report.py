@@ -25,6 +25,11 @@ HOROVOD_FAILED = (
     "Horovod detected that one or more processes exited with non-zero status, thus causing "
     "the job to be terminated."
 )
+#: Its first words, where the rank that failed first exited 0 (never joining the job).
+HOROVOD_FAILED_AT_ZERO = (
+    "Horovod detected that one or more processes exited (with status 0) while the others "
+    "still needed them, thus causing the job to be terminated."
+)
 #: Up to this many ranks the table lists every rank.
 FULL_TABLE_RANKS = 32
 LAST_LINE_WIDTH = 60
@@ -135,14 +140,15 @@ def report_failure(
     if failure is None:
         return
     what = describe_exit(failure.code)
-    if failure.error and result.exits.get(failure.rank) == 0:  # (it failed by exiting 0)
+    exited_zero = result.exits.get(failure.rank) == 0  # (a rank that never joined the job)
+    if failure.error and exited_zero:
         what = failure.error
     if failure.rank in result.lost:
         what = f"{result.lost[failure.rank]} (exit code {failure.code})"
     if failure.stop is not None and failure.error:
         what = failure.error
     # Horovod's sentence first: scripts and CI logs match on it.
-    sink.message(HOROVOD_FAILED)
+    sink.message(HOROVOD_FAILED_AT_ZERO if exited_zero else HOROVOD_FAILED)
     sink.message(f"rank {failure.rank} on host {failure.hostname} failed first: {what}")
     if result.own_stall:  # (its workers give the job up when it is silent that long)
         sink.message(

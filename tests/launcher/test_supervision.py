@@ -158,6 +158,20 @@ def test_a_failure_without_a_stop_of_hvdrun_does_not_mention_one() -> None:
     assert not any("stopped or starved" in line for line in job.messages())
 
 
+def test_a_rank_that_failed_by_exiting_0_is_not_said_to_exit_non_zero() -> None:
+    """Horovod's sentence opens every failure report; where the rank that failed first
+    exited 0 (it never joined the job), it does not claim a non-zero status."""
+    job = Hosts(FakeAgent("a"), clock=Clock())
+    job.record_exit(1, 0)
+    job.fail(WorkerFailure(1, "a", 1, "it exited (code 0) without joining the job"))
+    report_failure(job.result, job.output)
+    assert job.messages()[:2] == [
+        "hvdrun: Horovod detected that one or more processes exited (with status 0) while the "
+        "others still needed them, thus causing the job to be terminated.",
+        "hvdrun: rank 1 on host a failed first: it exited (code 0) without joining the job",
+    ]
+
+
 def test_first_signal_stops_every_agent_and_exits_128_plus_signal() -> None:
     a, b = FakeAgent("a"), FakeAgent("b")
     clock = Clock()
