@@ -190,10 +190,17 @@ class StallInspector:
         clashes = [c for c in name_clashes(table) if all(id(e) in shown for e in c)]
         for clash in clashes:
             ops = "; ".join(f"{label(e.kind, e.name)} on ranks {sorted(e.sigs)}" for e in clash)
-            lines.append(
-                f"  one name, different ops: {ops}; these never meet (give different ops "
-                "different names)"
-            )
+            if unnamed_counter(clash[0].kind, clash[0].name) is None:
+                lines.append(
+                    f"  one name, different ops: {ops}; these never meet (give different "
+                    "ops different names)"
+                )
+            else:  # (each rank's unnamed op number N of its own kind: they may yet meet)
+                lines.append(
+                    f"  different unnamed ops, each rank one of them: {ops}; each waits until "
+                    "every rank submits it too, so ranks whose scripts run different "
+                    "collectives at this point wait for each other for good"
+                )
         if aborting and any(unnamed_counter(c[0].kind, c[0].name) is None for c in clashes):
             head = (
                 f"rank {self._rank}: ranks submitted different ops under one name, so these "

@@ -224,6 +224,24 @@ def test_one_name_given_to_different_ops_stops_the_job_at_the_stall_check_time()
     assert not StallInspector(config, rank=0, inspects=True).check(alone, lambda e: [0, 1], 200.0)
 
 
+def test_different_unnamed_ops_on_different_ranks_are_not_called_one_name() -> None:
+    # Rank 0 runs an unnamed allreduce where rank 1 runs an unnamed broadcast: both are
+    # number 0 of their kinds, not one name, and naming them would not help.
+    table = Table(size=2)
+    table.add(0, FIELD.join(["0", "0", "allreduce.noname.0", _sum(torch.ones(3)), ""]).encode(), 1, 100.0)  # fmt: skip
+    cast = signature(Kind.BROADCAST, (0,), [torch.ones(3)])
+    table.add(1, FIELD.join(["2", "0", "broadcast.noname.0", cast, ""]).encode(), 1, 100.0)
+    config = EngineConfig(stall_warning_seconds=1.0, stall_shutdown_seconds=0.0)
+    inspector = StallInspector(config, rank=0, inspects=True)
+    assert not inspector.check(table, lambda entry: [0, 1], 101.5)  # a stall: warned of
+    report = inspector.report(table, lambda entry: [0, 1], 101.5)
+    assert "one name" not in report and "different names" not in report, report
+    assert (
+        "  different unnamed ops, each rank one of them: allreduce 'noname.0' on ranks [0]; "
+        "broadcast 'noname.0' on ranks [1]; each waits until every rank submits it too"
+    ) in report, report
+
+
 def test_rank_that_shuts_down_ends_the_collectives(
     make_harness: Callable[[int], Harness],
 ) -> None:
