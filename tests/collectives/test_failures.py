@@ -228,7 +228,8 @@ def test_different_unnamed_ops_on_different_ranks_are_not_called_one_name() -> N
     # Rank 0 runs an unnamed allreduce where rank 1 runs an unnamed broadcast: both are
     # number 0 of their kinds, not one name, and naming them would not help.
     table = Table(size=2)
-    table.add(0, FIELD.join(["0", "0", "allreduce.noname.0", _sum(torch.ones(3)), ""]).encode(), 1, 100.0)  # fmt: skip
+    reduce = FIELD.join(["0", "0", "allreduce.noname.0", _sum(torch.ones(3)), ""])
+    table.add(0, reduce.encode(), 1, 100.0)
     cast = signature(Kind.BROADCAST, (0,), [torch.ones(3)])
     table.add(1, FIELD.join(["2", "0", "broadcast.noname.0", cast, ""]).encode(), 1, 100.0)
     config = EngineConfig(stall_warning_seconds=1.0, stall_shutdown_seconds=0.0)
