@@ -148,6 +148,57 @@ def _name(spelling: str) -> str:
     return spelling.lstrip("-")
 
 
+_MPIRUN = (
+    "an mpirun option: hvdrun starts its workers itself, as many on a host as -H gives it "
+    "slots (-np N in all), without mpirun"
+)
+_TORCHRUN = (
+    "a torchrun option: hvdrun takes -np N (the processes of the whole job) and -H "
+    "host1:N,host2:N (each host's share), and serves the rendezvous itself"
+)
+#: torchrun's options, as it spells them (each also with underscores).
+_TORCHRUN_OPTIONS = (
+    "--nproc-per-node",
+    "--nnodes",
+    "--standalone",
+    "--rdzv-backend",
+    "--rdzv-endpoint",
+    "--rdzv-id",
+    "--master-addr",
+    "--master-port",
+    "--node-rank",
+    "--max-restarts",
+)
+#: Other launchers' options typed here out of habit (those that are not a prefix of one of
+#: hvdrun's own: ``--host`` is ``--hosts``), and what to use instead.
+FOREIGN_OPTIONS: Mapping[str, str] = {
+    "-n": "mpirun's and srun's count: hvdrun takes -np N",
+    "--np": "mpirun's spelling: hvdrun takes -np N",
+    "--ntasks": "srun's count: hvdrun takes -np N",
+    **dict.fromkeys(
+        (
+            "--oversubscribe",
+            "--bind-to",
+            "--map-by",
+            "--rank-by",
+            "--mca",
+            "--tag-output",
+            "--allow-run-as-root",
+            "--report-bindings",
+            "--display-map",
+        ),
+        _MPIRUN,
+    ),
+    **dict.fromkeys(_TORCHRUN_OPTIONS, _TORCHRUN),
+    **dict.fromkeys(("--" + name[2:].replace("-", "_") for name in _TORCHRUN_OPTIONS), _TORCHRUN),
+}
+
+
+def foreign_hint(word: str) -> str | None:
+    """What to use for another launcher's option ``word`` (``--oversubscribe``), if known."""
+    return FOREIGN_OPTIONS.get(word.split("=", 1)[0])
+
+
 def _one_of(spellings: list[str]) -> str:
     return (
         spellings[0] if len(spellings) == 1 else f"{', '.join(spellings[:-1])} or {spellings[-1]}"
@@ -159,7 +210,11 @@ class _AbbreviatingParser(_ClickParser):
     ``-X value``, and naming a whole single-dash word that is no option in its error."""
 
     def _match_long_opt(self, opt: str, explicit_value: str | None, state: Any) -> None:
-        super()._match_long_opt(expand(opt, self._long_opt), explicit_value, state)
+        try:
+            super()._match_long_opt(expand(opt, self._long_opt), explicit_value, state)
+        except click.NoSuchOption:
+            self._foreign(opt)
+            raise
 
     def _match_short_opt(self, arg: str, state: Any) -> None:
         option = self._short_opt.get(arg[:2])
@@ -174,6 +229,7 @@ class _AbbreviatingParser(_ClickParser):
         try:
             super()._match_short_opt(arg, state)
         except click.NoSuchOption:
+            self._foreign(arg)
             if len(arg) <= 2:
                 raise
             self._no_such_word(arg.split("=", 1)[0])
@@ -186,6 +242,13 @@ class _AbbreviatingParser(_ClickParser):
         except click.BadParameter:
             if suggestions(arg, {**self._short_opt, **self._long_opt}):
                 self._no_such_word(arg)
+
+    def _foreign(self, word: str) -> None:
+        """Raises the error for another launcher's option, saying what to use instead."""
+        hint = foreign_hint(word)
+        if hint is not None:
+            name = word.split("=", 1)[0]
+            raise click.NoSuchOption(name, message=f"no such option: {name} ({hint})", ctx=self.ctx)
 
     def _no_such_word(self, word: str) -> None:
         offered = suggestions(word, {**self._short_opt, **self._long_opt})

@@ -195,6 +195,31 @@ def test_a_mistyped_single_dash_word_is_named_whole(
     assert_usage_error([word, "2", "python", "w.py"], message, capsys)
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-n", "2"], "no such option: -n (mpirun's and srun's count: hvdrun takes -np N)"),
+        (["--np", "2"], "no such option: --np (mpirun's spelling: hvdrun takes -np N)"),
+        (["--oversubscribe"], "no such option: --oversubscribe (an mpirun option: hvdrun "),
+        (["--bind-to", "none"], "no such option: --bind-to (an mpirun option: "),
+        (
+            ["--nproc_per_node=2"],
+            "no such option: --nproc_per_node (a torchrun option: hvdrun takes -np N (the "
+            "processes of the whole job) and -H host1:N,host2:N",
+        ),
+        (["--nproc-per-node", "2"], "no such option: --nproc-per-node (a torchrun option: "),
+        (["--standalone"], "no such option: --standalone (a torchrun option: "),
+    ],
+)
+def test_another_launchers_option_says_what_to_use_instead(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """mpirun's, srun's and torchrun's options typed out of habit: the error says whose
+    option it is and what hvdrun takes, not the nearest spelling (--oversubscribe was
+    "did you mean '--verbose'?")."""
+    assert_usage_error([*args, "python", "w.py"], message, capsys)
+
+
 def test_single_dash_spellings_work_and_a_near_miss_names_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
