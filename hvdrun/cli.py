@@ -761,7 +761,8 @@ def run_cli(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except click.exceptions.Exit as exc:
         return exc.exit_code
-    except click.Abort:
+    except click.Abort:  # (Ctrl-C before the job's start: click has ended the ^C line)
+        click.echo("hvdrun: interrupted before the job started", err=True)
         return 130
     return result if isinstance(result, int) else 0
 

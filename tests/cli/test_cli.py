@@ -244,6 +244,9 @@ def test_a_script_whose_interpreter_is_missing_is_a_bad_interpreter(
         (["-u", "-X", "dev", "nonexist.py"], 2, "script not found: nonexist.py"),
         (["-Xutf8", "nonexist.py"], 2, "script not found: nonexist.py"),
         (["-u", "--", "nonexist.py"], 2, "script not found: nonexist.py"),
+        # Whatever its name: python runs any file (or a directory, a zip) given to it.
+        (["nonexist"], 2, "script not found: nonexist"),
+        (["-u", "nonexist.py.bak"], 2, "script not found: nonexist.py.bak"),
         # No script runs: code, a module; nothing is checked (stdin: refused, below).
         (["-c", "print('code ran')", "nonexist.py"], 0, "[0]<stdout>:code ran"),
         (["-uc", "print('code ran')", "nonexist.py"], 0, "[0]<stdout>:code ran"),
@@ -263,7 +266,7 @@ def test_script_check_reads_python_options_as_python_does(
     out, err = capsys.readouterr()
     assert message in out + err
     if exit_code == 2:  # refused before anything started
-        assert err == f"hvdrun: error: script not found: nonexist.py (in {tmp_path})\n"
+        assert err == f"hvdrun: error: {message} (in {tmp_path})\n"
         assert out == ""
     else:
         assert "script not found" not in err
@@ -431,7 +434,7 @@ def test_check_hosts_on_this_machine() -> None:
 
 
 def test_a_ctrl_c_while_the_cli_is_imported_exits_130_without_a_traceback(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import importlib.abc
 
@@ -448,6 +451,22 @@ def test_a_ctrl_c_while_the_cli_is_imported_exits_130_without_a_traceback(
     with pytest.raises(SystemExit) as exited:
         command.main()
     assert exited.value.code == 130
+    assert capsys.readouterr().err == "\nhvdrun: interrupted before the job started\n"
+
+
+def test_a_ctrl_c_while_the_command_line_is_read_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C before hvdrun's own handlers are in place (reading the command line): exit
+    130 and a line that says nothing started, not click's bare newline alone."""
+    from hvdrun import cli as cli_module
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "read_hosts", interrupted)
+    assert cli_module.run_cli(["-np", "1", "true"]) == 130
+    assert capsys.readouterr().err == "\nhvdrun: interrupted before the job started\n"
 
 
 def test_check_build_marks_a_keras_backend_collectives_keras_cannot_run_on(
