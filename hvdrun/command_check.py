@@ -3,8 +3,9 @@
 A program that does not exist ends hvdrun as a shell ends (``command not found``, exit 127);
 one that exists but cannot be run (a file without the execute bit, a directory, a script
 whose ``#!`` interpreter does not exist) as a shell does too (``permission denied``, ``bad
-interpreter``, exit 126). For ``python [OPTIONS] script.py`` a missing
-script is refused (exit 2, what python exits with), wherever python's own options put it.
+interpreter``, exit 126). For ``python [OPTIONS] SCRIPT`` a missing script (whatever its
+name: python runs any file, directory or zip given to it) is refused (exit 2, what python
+exits with), wherever python's own options put it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def check_command(command: Sequence[str]) -> None:
                 "/dev/null (hvdrun passes its own to no worker): give the script as a file "
                 "(python train.py)"
             )
-        if script is not None and script.endswith(".py") and not os.path.exists(script):
+        if script is not None and not os.path.exists(script):
             raise ScriptNotFound(f"script not found: {script} (in {os.getcwd()})")
 
 
