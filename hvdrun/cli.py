@@ -18,7 +18,7 @@ import click
 from hvdrun.abbreviations import AbbreviatingCommand
 from hvdrun.calls import FunctionCall
 from hvdrun.command_check import check_command, hidden_packages_note
-from hvdrun.config_file import config_env, config_file_option
+from hvdrun.config_file import config_env, config_file_option, config_key
 from hvdrun.dry_run import dry_run_option
 from hvdrun.elastic_flags import (
     PROCESSES,
@@ -768,6 +768,9 @@ def run_cli(argv: Sequence[str] | None = None) -> int:
 
 
 def usage_message(exc: click.UsageError) -> str:
+    key = config_key(exc)
+    if key is not None and isinstance(exc, click.BadParameter):
+        return f"{key}: {exc.message}"
     message = exc.format_message()
     variable = _from_environment(exc)
     if variable is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import click
@@ -119,6 +119,8 @@ class ConfigValues:
     """A checked config file: the value of each click parameter it sets."""
 
     defaults: dict[str, Any]
+    #: The key that set each of them (``library_options.gloo_timeout_seconds``), for errors.
+    keys: dict[str, str] = field(default_factory=dict)
 
 
 def _suggest(name: str, known: list[str]) -> str:
@@ -160,6 +162,7 @@ def parse_config(data: Any, source: str) -> ConfigValues:
     if not isinstance(data, dict):
         raise ConfigFileError(f"config file {source}: expected sections such as 'params:'")
     defaults: dict[str, Any] = {}
+    keys_of: dict[str, str] = {}
     for section, body in data.items():
         where = f"config file {source}: {section}"
         if section == "controller":
@@ -168,7 +171,8 @@ def parse_config(data: Any, source: str) -> ConfigValues:
             if body.lower() == "mpi":
                 from hvdrun.horovod_flags import REFUSED
 
-                raise ConfigFileError(f"{where}: mpi: {REFUSED['--mpi']}")
+                advice = REFUSED["--mpi"].replace("drop --mpi", "set controller: gloo")
+                raise ConfigFileError(f"{where}: mpi: {advice}")
             continue
         if section not in SECTIONS:
             raise ConfigFileError(
@@ -189,7 +193,8 @@ def parse_config(data: Any, source: str) -> ConfigValues:
             spec = keys[key]
             checked = _check(value, spec.kind, f"config file {source}: {section}.{key}")
             defaults[spec.param] = (not checked) if spec.invert else checked
-    return ConfigValues(defaults)
+            keys_of[spec.param] = f"{section}.{key}"
+    return ConfigValues(defaults, keys_of)
 
 
 def load_config(path: str) -> ConfigValues:
@@ -235,10 +240,27 @@ def _apply(ctx: click.Context, param: click.Parameter, value: str | None) -> str
             env[keys[name].variable] = _variable_value(setting, keys[name])
     ctx.default_map = default_map
     ctx.meta[ENV_META] = env
+    ctx.meta[KEYS_META] = {name: f"config file {value}: {key}" for name, key in config.keys.items()}
     return value
 
 
 ENV_META = "hvdrun.config_file.env"
+KEYS_META = "hvdrun.config_file.keys"
+
+
+def config_key(exc: click.UsageError) -> str | None:
+    """Where a bad value came from when the config file gave it (``config file F:
+    library_options.gloo_timeout_seconds``): a flag's own check of it names the key, not
+    the flag the user never typed."""
+    param = getattr(exc, "param", None)
+    ctx = exc.ctx
+    if param is None or ctx is None or not param.name:
+        return None
+    if ctx.get_parameter_source(param.name) != click.core.ParameterSource.DEFAULT_MAP:
+        return None
+    where: str | None = ctx.meta.get(KEYS_META, {}).get(param.name)
+    return where
+
 
 config_file_option = click.option(
     "--config-file",

@@ -265,8 +265,18 @@ def test_empty_file_and_empty_sections_are_fine(
         ("params: 3\n", "params: expected 'key: value' lines under it"),
         ("- a\n- b\n", "expected sections such as 'params:'"),
         ("params:\n  cycle_time_ms: [1\n", "line 3: expected ',' or ']'"),
-        ("controller: mpi\n", "controller: mpi: hvdrun does not drive MPI"),
+        (
+            "controller: mpi\n",
+            "controller: mpi: hvdrun does not drive MPI: it starts the workers itself (Gloo on "
+            "CPU, NCCL on GPU); set controller: gloo, or run mpirun",
+        ),
         ("controller: nccl\n", "controller: must be gloo, got 'nccl'"),
+        # A value the file's own checks pass and the flag's refuses names the key, not a
+        # flag nobody typed ("Invalid value for '--gloo-timeout-seconds'").
+        (
+            "library_options:\n  gloo_timeout_seconds: 0\n",
+            "library_options.gloo_timeout_seconds: 0 is not in the range x>0",
+        ),
     ],
 )
 def test_mistakes_are_one_line_naming_the_key(
