@@ -105,6 +105,17 @@ class LineSplitter:
             del self._buf[: self._max_line]
         return pieces
 
+    def split_run(self, chunk: bytes) -> tuple[bytes, list[Piece]]:
+        """:meth:`split` where the chunk's whole lines may travel as they are: the bytes of
+        its ``\n``-ended lines (the first completing the line pending from earlier chunks)
+        in one run, when the chunk holds no ``\r``; and the pieces of the rest."""
+        cut = chunk.rfind(b"\n") + 1
+        if not cut or self._skip_lf or b"\r" in chunk:
+            return b"", self.split(chunk)
+        run = bytes(self._buf) + chunk[:cut]
+        self._buf.clear()
+        return run, self.split(chunk[cut:]) if cut < len(chunk) else []
+
     def tail(self) -> list[Piece]:
         """The unterminated tail at end of stream, if any, as a piece."""
         if not self._buf:
@@ -212,6 +223,22 @@ class _Guarded:
             self._on_fail(f"cannot write {self._what} ({reason}): it is dropped from now on")
 
 
+class _Lines:
+    """Worker lines to write to one of a sink's streams, in one write (with the status
+    line cleared and drawn again around it)."""
+
+    def __init__(self, sink: OutputSink, out: _Guarded, parts: list[bytes], count: int) -> None:
+        self.sink, self.out, self.parts = sink, out, parts
+        self.count = count  # the lines in parts
+
+    def __call__(self) -> None:
+        sink = self.sink
+        with sink._lock:
+            sink._clear_status()
+            self.out.write(b"".join(self.parts))
+            sink._draw_status()
+
+
 class _Backlog:
     """The writes of a sink in the background: run in order on a thread of their own (see
     the module docstring). ``pending``: the bytes of worker lines queued."""
@@ -234,15 +261,23 @@ class _Backlog:
     def put(self, job: Callable[[], None], size: int = 0, said: str | None = None) -> bool:
         """Queues ``job`` (``size``: what the worker's line it writes counts, 0 for hvdrun's
         own writes; ``said``: the text of the hvdrun message it writes); False once the
-        backlog finished (the caller writes itself)."""
+        backlog finished (the caller writes itself). Worker lines (:class:`_Lines`) for the
+        stream of the job queued last join it: a flood of lines goes out in few writes."""
         with self._cond:
             if self._done:
                 return False
             if size and self.overflow and self.pending + size > self.limit:
-                self.dropped += 1
+                self.dropped += job.count if isinstance(job, _Lines) else 1
                 return True
-            self._jobs.append((job, size, said))
             self.pending += size
+            if self._jobs and isinstance(job, _Lines):
+                last, last_size, _ = self._jobs[-1]
+                if isinstance(last, _Lines) and last.out is job.out:
+                    last.parts += job.parts
+                    last.count += job.count
+                    self._jobs[-1] = (last, last_size + size, None)
+                    return True
+            self._jobs.append((job, size, said))
             self._cond.notify_all()
         return True
 
@@ -288,7 +323,8 @@ class _Backlog:
             while (self._jobs or self._busy) and time.monotonic() - self._progress < stuck:
                 self._cond.wait(0.2)
             said = [text for _, _, text in self._jobs if text is not None]
-            left = len(self._jobs) - len(said)
+            left = sum(job.count if isinstance(job, _Lines) else 1 for job, _, _ in self._jobs)
+            left -= len(said)
             self._jobs.clear()
             self._done = True
             self._cond.notify_all()
@@ -415,7 +451,27 @@ class OutputSink:
         self._copy(rank, stream, text + end)
         if not shown:
             return
-        out = self._streams[stream]
+        if stream == "stderr":
+            self._tail(rank).append(text.decode("utf-8", "replace"))
+        shown_line = self._prefix(rank, stream) + text + b"\n"
+        self._run(_Lines(self, self._streams[stream], [shown_line], 1), len(shown_line) + LINE_COST)
+
+    def lines(self, rank: int, stream: str, data: bytes) -> None:
+        """A worker's whole lines (a :class:`~launcher.transport.protocol.Lines` run: each
+        ends in ``\\n``), as :meth:`line` would show each, in one go."""
+        stream = "stderr" if stream == "stderr" else "stdout"
+        self._copy(rank, stream, data)
+        if stream == "stderr":
+            last = data[:-1].rsplit(b"\n", self._tail_lines)[-self._tail_lines :]
+            self._tail(rank).extend(text.decode("utf-8", "replace") for text in last)
+        prefix = self._prefix(rank, stream)
+        shown = prefix + data[:-1].replace(b"\n", b"\n" + prefix) + b"\n"
+        count = data.count(b"\n")
+        self._run(
+            _Lines(self, self._streams[stream], [shown], count), len(shown) + LINE_COST * count
+        )
+
+    def _prefix(self, rank: int, stream: str) -> bytes:
         prefix = b"[%d]<%s>:" % (rank, stream.encode())
         colour = self._options.colour_stderr if stream == "stderr" else self._options.colour_stdout
         if colour:
@@ -423,18 +479,10 @@ class OutputSink:
             prefix = b"\x1b[%dm%s\x1b[0m" % (code, prefix)
         if self._options.prefix_timestamp:
             prefix = time.strftime(TIMESTAMP_FORMAT).encode() + prefix
-        if stream == "stderr":
-            tail = self._tails.setdefault(rank, collections.deque(maxlen=self._tail_lines))
-            tail.append(text.decode("utf-8", "replace"))
-        shown_line = prefix + text + b"\n"
+        return prefix
 
-        def write() -> None:
-            with self._lock:
-                self._clear_status()
-                out.write(shown_line)
-                self._draw_status()
-
-        self._run(write, len(shown_line) + LINE_COST)
+    def _tail(self, rank: int) -> collections.deque[str]:
+        return self._tails.setdefault(rank, collections.deque(maxlen=self._tail_lines))
 
     def _copy(self, rank: int, stream: str, data: bytes) -> None:
         with self._files_lock:

@@ -90,7 +90,15 @@ from launcher.supervision.membership import HostRecord, Membership, Publish, Sto
 from launcher.supervision.report import describe_exit, report_failure
 from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
 from launcher.transport.hostinfo import installed_versions
-from launcher.transport.protocol import Continued, Done, Exit, Output, Signalled, Stopped
+from launcher.transport.protocol import (
+    Continued,
+    Done,
+    Exit,
+    Lines,
+    Output,
+    Signalled,
+    Stopped,
+)
 from launcher.transport.startup import (
     dial_host,
     make_agent,
@@ -323,6 +331,8 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
                         self._fail_host(host, f"could not start its agent: {reason}")
             case HostEvent(_, Output(rank, stream, data, end, shown)):
                 self.sink.line(rank, stream, data, end, shown)
+            case HostEvent(_, Lines(rank, stream, data)):
+                self.sink.lines(rank, stream, data)
             case HostEvent(name, event, source):
                 host = self.members.find_agent(name, source)
                 if host is None:

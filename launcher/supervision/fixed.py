@@ -54,6 +54,7 @@ from launcher.transport.protocol import (
     Continued,
     Done,
     Exit,
+    Lines,
     Network,
     Output,
     Signalled,
@@ -188,6 +189,8 @@ class Supervisor(Supervision[HostEvent]):
         match event:
             case Output(rank, stream, data, end, shown):
                 self.sink.line(rank, stream, data, end, shown)
+            case Lines(rank, stream, data):
+                self.sink.lines(rank, stream, data)
             case Exit(rank, code, error):
                 self.record_exit(rank, code)
                 if error:

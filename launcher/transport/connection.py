@@ -27,6 +27,7 @@ from launcher.transport.protocol import (
     Exit,
     Hello,
     KillRequest,
+    Lines,
     Output,
     PingRequest,
     Prepared,
@@ -314,7 +315,7 @@ class AgentConnection:
                     self._running[event.rank] = event.pid
                 elif isinstance(event, Exit):
                     self._running.pop(event.rank, None)
-                elif isinstance(event, Output) and self._events is not None:
+                elif isinstance(event, (Output, Lines)) and self._events is not None:
                     # (hvdrun's output is slower than the job: stop reading this agent, and
                     # so the agent its workers, until there is room; the supervisor does not
                     # judge heartbeats meanwhile, see Supervision.check_heartbeats)

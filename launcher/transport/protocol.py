@@ -29,6 +29,10 @@ The agent answers with one JSON event per line on stdout:
   "shown": false?}`` - one whole line (or a piece of one longer than 64 KiB), and the
   terminator that followed it (``end``, when not ``\\n``; empty for a cut or an unterminated
   line); ``shown: false`` marks a ``\\n`` that completes the ``\\r`` ending the previous piece
+* ``{"ev": "lines", "rank": R, "stream": "stdout"|"stderr", "data": TEXT}`` - whole lines,
+  each ending in ``\n`` and none holding a ``\r``: what one read of a worker's pipe got up
+  to its last ``\n``, after the start of its first line that earlier reads got (a flood of
+  lines costs an event per read, not one per line; reads with a ``\r`` go as ``out``)
 * ``{"ev": "exit", "rank": R, "code": C, "error": MESSAGE?}`` - 128+N for signal N
 * ``{"ev": "stopped", "rank": R, "pid": P, "signum": N?, "traced": B?}`` - the worker is
   stopped: by signal N (SIGSTOP, SIGTSTP, ...), or held by a debugger (``traced``, ptrace)
@@ -51,7 +55,8 @@ of a kind this side does not know (a newer agent) decodes to None and is skipped
 kinds of events (``stopped``, ``continued``) need no new protocol version, and an older agent
 simply never sends them. New fields whose absence an older side would misread do need one
 (protocol 3: the ``end`` and ``shown`` of ``out``), and so do new kinds that hvdrun relies
-on (protocol 4: ``stopping``, without which hvdrun takes a host for cut off).
+on (protocol 4: ``stopping``, without which hvdrun takes a host for cut off; protocol 5:
+``lines``, which an older hvdrun would skip, and the output with it).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 #: The signals hvdrun passes on to the workers, as mpirun does: a job's own (Slurm's
 #: ``--signal=USR1@60`` before its time limit, say). An agent that gets one itself passes
@@ -341,6 +346,16 @@ class Output:
 
 
 @dataclass(frozen=True)
+class Lines:
+    """Whole lines of a worker's stdout or stderr, as they were written: each ends in
+    ``\n``, none holds a ``\r`` (see the module docstring's ``lines``)."""
+
+    rank: int
+    stream: str  # "stdout" or "stderr"
+    data: bytes
+
+
+@dataclass(frozen=True)
 class Exit:
     """A worker's exit code (128+N for signal N); ``error`` when it could not be started."""
 
@@ -414,6 +429,7 @@ AgentEvent = (
     | Prepared
     | Started
     | Output
+    | Lines
     | Exit
     | Stopped
     | Continued
@@ -452,6 +468,8 @@ def encode_event(event: AgentEvent) -> bytes:
             if not shown:
                 out["shown"] = False
             return encode(out)
+        case Lines(rank, stream, data):
+            return encode({"ev": "lines", "rank": rank, "stream": stream, "data": text_of(data)})
         case Exit(rank, code, error):
             message: dict[str, Any] = {"ev": "exit", "rank": rank, "code": code}
             if error is not None:
@@ -507,6 +525,7 @@ _EVENT_DECODERS: dict[str, Callable[[dict[str, Any]], AgentEvent]] = {
         bytes_of(raw.get("end", "\n")),
         bool(raw.get("shown", True)),
     ),
+    "lines": lambda raw: Lines(int(raw["rank"]), str(raw["stream"]), bytes_of(raw["data"])),
     "exit": lambda raw: Exit(int(raw["rank"]), int(raw["code"]), raw.get("error")),
     "stopped": lambda raw: Stopped(
         int(raw["rank"]),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -14,11 +16,14 @@ from typing import Any
 import psutil
 import pytest
 
-from launcher.agent.workers import REAP_INTERVAL
+from launcher.agent.session import Emitter
+from launcher.agent.workers import REAP_INTERVAL, HostAgent
 from launcher.transport.protocol import (
     PROTOCOL_VERSION,
     AgentSpec,
     KillRequest,
+    Lines,
+    Output,
     PrepareRequest,
     ProbeRequest,
     ReachRequest,
@@ -26,6 +31,7 @@ from launcher.transport.protocol import (
     SignalRequest,
     TerminateRequest,
     WorkerLaunch,
+    decode_event,
     encode,
     encode_request,
 )
@@ -35,10 +41,14 @@ AGENT = [sys.executable, "-m", "launcher.agent"]
 
 
 class Agent:
+    """``python -m launcher.agent`` with its events read back one at a time; a run of whole
+    lines (a ``lines`` event) reads as the ``out`` event each of its lines would be."""
+
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
             AGENT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
+        self._lines: list[dict[str, Any]] = []
 
     def send(self, data: bytes) -> None:
         assert self.proc.stdin is not None
@@ -46,10 +56,20 @@ class Agent:
         self.proc.stdin.flush()
 
     def event(self) -> dict[str, Any]:
+        if self._lines:
+            return self._lines.pop(0)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         assert line, "the agent closed its stdout"
-        return json.loads(line)
+        event: dict[str, Any] = json.loads(line)
+        if event["ev"] != "lines":
+            return event
+        place = {"rank": event["rank"], "stream": event["stream"]}
+        assert event["data"].endswith("\n"), event
+        self._lines = [
+            {"ev": "out", **place, "data": text} for text in event["data"][:-1].split("\n")
+        ]
+        return self._lines.pop(0)
 
     def events_until_done(self) -> list[dict[str, Any]]:
         events = []
@@ -438,3 +458,27 @@ def test_what_a_worker_left_outside_its_process_group_ends_with_the_host_s_worke
     assert not psutil.pid_exists(kept_pid)  # (ended and reaped before the agent said done)
     assert said.read_text() == "terminated\n"
     agent.close()
+
+
+def test_the_lines_of_one_read_leave_the_agent_in_one_write() -> None:
+    """A worker's burst of lines (what one read of its pipe gets) goes to hvdrun as one
+    ``lines`` event in one write, not an event, a write and a flush per line."""
+
+    class Counted(io.BytesIO):
+        writes = 0
+
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            self.writes += 1
+            return super().write(data)
+
+    stream = Counted()
+    script = "import os; os.write(1, b''.join(b'line %d\\n' % i for i in range(1000)))"
+    spec = AgentSpec("h", [sys.executable, "-c", script], os.getcwd(), {}, [WorkerLaunch(0, {})])
+    agent = HostAgent(spec, os.environ, Emitter(stream))
+    agent.start()
+    assert agent.wait(timeout=30)
+    events = [decode_event(line) for line in stream.getvalue().splitlines()]
+    written = b"".join(event.data for event in events if isinstance(event, Lines))
+    assert written == b"".join(b"line %d\n" % i for i in range(1000))
+    assert not any(isinstance(event, Output) for event in events)
+    assert stream.writes < 10, stream.writes  # (started, the lines, the exit)

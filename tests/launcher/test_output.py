@@ -49,6 +49,67 @@ def test_the_pieces_put_back_together_are_the_stream(chunks: list[bytes]) -> Non
     assert [text for text, _, shown in pieces if shown] == lines
 
 
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [b"one\ntwo\n", b"three\nfour", b" and more\nfive\n"],  # (a line across two reads)
+        [b"a\nb\r\n", b"c\n\n", b"\rd\n"],  # (carriage returns: pieces, as before)
+        [b"x\r", b"\ny\n"],  # (a CR LF cut between two chunks)
+        [b"\xff\n\x00\n", b"abcdefghij\n", b"tail"],
+    ],
+)
+def test_runs_of_whole_lines_and_pieces_put_back_together_are_the_stream(
+    chunks: list[bytes],
+) -> None:
+    """split_run gives a chunk's whole lines as one run where it can, the rest as split's
+    pieces: together, in order, the stream's bytes, and the lines shown are feed()'s."""
+    splitter = LineSplitter(4)
+    shown: list[bytes] = []
+    stream = b""
+    for chunk in chunks:
+        run, pieces = splitter.split_run(chunk)
+        assert run == b"" or (run.endswith(b"\n") and b"\r" not in run)
+        shown += run.splitlines()
+        shown += [text for text, _, visible in pieces if visible]
+        stream += run + b"".join(text + end for text, end, _ in pieces)
+    tail = splitter.tail()
+    stream += b"".join(text for text, _, _ in tail)
+    shown += [text for text, _, _ in tail]
+    assert stream == b"".join(chunks)
+    again = LineSplitter(4)
+    assert shown == [line for chunk in chunks for line in again.feed(chunk)] + again.flush()
+
+
+def test_a_run_of_lines_is_shown_as_each_line_would_be(tmp_path: Path) -> None:
+    """OutputSink.lines prints, copies and remembers a run of whole lines exactly as
+    OutputSink.line does each of them (prefix, colour, timestamp, stderr tail, files)."""
+    texts = [b"first", b"", b"caf\xc3\xa9", b"last"]
+    streams, sinks = {}, {}
+    for way in ("run", "each"):
+        streams[way] = (io.BytesIO(), io.BytesIO())
+        options = OutputOptions(
+            prefix_timestamp=True, colour_stderr=True, output_dir=str(tmp_path / way)
+        )
+        sinks[way] = OutputSink(*streams[way], tail_lines=3, options=options)
+        sinks[way].open_files([1])
+    sinks["run"].lines(1, "stderr", b"".join(text + b"\n" for text in texts))
+    sinks["run"].lines(1, "stdout", b"out\n")
+    for text in texts:
+        sinks["each"].line(1, "stderr", text)
+    sinks["each"].line(1, "stdout", b"out")
+    stamp = re.compile(rb"^[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}", re.M)
+    (run_out, run_err), each_err = streams["run"], streams["each"][1]
+    assert stamp.sub(b"T", run_err.getvalue()) == stamp.sub(b"T", each_err.getvalue())
+    assert b"\x1b[" in run_err.getvalue() and b"caf\xc3\xa9" in run_err.getvalue()
+    assert stamp.sub(b"T", run_out.getvalue()) == b"T[1]<stdout>:out\n"
+    assert sinks["run"].stderr_tail(1) == sinks["each"].stderr_tail(1) == ["", "café", "last"]
+    for sink in sinks.values():
+        sink.close()
+    for name in ("stdout", "stderr"):
+        copied = (tmp_path / "run" / "rank.1" / name).read_bytes()
+        assert copied == (tmp_path / "each" / "rank.1" / name).read_bytes() != b""
+
+
 def test_empty_lines_kept() -> None:
     assert split_all([b"\n\nz\n"]) == [b"", b"", b"z"]
 
@@ -228,6 +289,39 @@ def test_a_background_sink_writes_in_order_and_never_makes_its_callers_wait() ->
     assert not waited.is_alive()  # ... until the lines are written
     sink.close()
     assert out.getvalue() == b"".join(b"[%d]<stdout>:line %d\n" % (i % 2, i) for i in range(20))
+
+
+def test_lines_that_wait_to_be_written_go_out_in_few_writes_and_in_order() -> None:
+    """A flood of worker lines (a reader slower than the workers) costs a write per run of
+    waiting lines of one stream, not one per line; hvdrun's messages and the other stream's
+    lines keep their places among them (here both streams are one terminal)."""
+
+    class Counted(_Stalled):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes = 0
+
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            self.writes += 1
+            return super().write(data)
+
+    terminal = Counted()
+    sink = OutputSink(terminal, terminal, background=True)
+    expected = []
+    for i in range(500):
+        sink.line(0, "stdout", b"out %d" % i)
+        expected.append(b"[0]<stdout>:out %d" % i)
+        if i == 250:
+            sink.message("halfway")
+            expected.append(b"hvdrun: halfway")
+    for i in range(100):
+        sink.line(1, "stderr", b"err %d" % i)
+        expected.append(b"[1]<stderr>:err %d" % i)
+    terminal.flowing.set()
+    sink.close()
+    assert terminal.getvalue().splitlines() == expected
+    # (the first line alone, lines 1-250, the message, lines 251-499, the stderr lines)
+    assert terminal.writes <= 5, terminal.writes
 
 
 def test_a_stopping_job_drops_what_a_stuck_stdout_cannot_take() -> None:

@@ -13,6 +13,7 @@ from launcher.transport.protocol import (
     Hello,
     Joiner,
     KillRequest,
+    Lines,
     Network,
     Output,
     Ping,
@@ -67,6 +68,10 @@ EVENT_LINES = [
     (
         Output(1, "stdout", b"", b"\n", shown=False),
         b'{"ev": "out", "rank": 1, "stream": "stdout", "data": "", "shown": false}\n',
+    ),
+    (  # (a run of whole lines, as one read got them)
+        Lines(2, "stdout", b"one\ncaf\xc3\xa9 \xff\n"),
+        b'{"ev": "lines", "rank": 2, "stream": "stdout", "data": "one\\ncaf\\u00e9 \\udcff\\n"}\n',
     ),
     (Exit(1, 137), b'{"ev": "exit", "rank": 1, "code": 137}\n'),
     (
