@@ -18,7 +18,7 @@ import click
 from hvdrun.abbreviations import AbbreviatingCommand
 from hvdrun.calls import FunctionCall
 from hvdrun.command_check import check_command, hidden_packages_note
-from hvdrun.config_file import config_env, config_file_option, config_key
+from hvdrun.config_file import config_env, config_file_option, config_key, config_keys
 from hvdrun.dry_run import dry_run_option
 from hvdrun.elastic_flags import (
     PROCESSES,
@@ -359,7 +359,7 @@ def cli(
     settings = {name: tuning_env(name, value) for name, value in tuning.items()}
     settings.update(compat.settings())
     settings.update(log_settings.settings())
-    apply_settings(env, exported, settings)
+    origins = apply_settings(env, exported, settings)
     if explicit("heartbeat_timeout"):
         env[variable(RENDEZVOUS_LOST_AFTER_SECONDS)] = f"{heartbeat_timeout:g}"
     for name, value in config_env(click.get_current_context()).items():
@@ -449,7 +449,7 @@ def cli(
     if dry_run:
         from hvdrun.dry_run import print_plan
 
-        print_plan(spec, click.echo)
+        print_plan(spec, click.echo, origins)
         return 0
     # (None where hvdrun started with the descriptor closed: the sink drops that stream)
     stdout = call.stdout if call else getattr(sys.stdout, "buffer", None)
@@ -692,18 +692,38 @@ _BELOW_EXPORTS = (click.core.ParameterSource.DEFAULT_MAP, click.core.ParameterSo
 
 def apply_settings(
     env: dict[str, str], exported: Mapping[str, str], settings: Mapping[str, Mapping[str, str]]
-) -> None:
+) -> dict[str, str]:
     """Writes the worker variables of hvdrun's flags, by parameter, into ``env``. One rule
     for all: a flag given on the command line wins over ``-x``; ``-x`` (of either spelling,
     ``HVDRUN_*`` or ``HOROVOD_*``) wins over the config file's value and over the flag's own
-    environment variable."""
+    environment variable. Returns where each variable written came from (``--dry-run``
+    says it): the flag, the config file's key, or the flag's variable in hvdrun's own
+    environment."""
     ctx = click.get_current_context()
+    origins: dict[str, str] = {}
     for param, variables in settings.items():
-        below = ctx.get_parameter_source(param) in _BELOW_EXPORTS
+        source = ctx.get_parameter_source(param)
+        below = source in _BELOW_EXPORTS
         for name, value in variables.items():
             if below and any(spelling in exported for spelling in _spellings(name)):
                 continue
             env[name] = value
+            origins[name] = _origin(ctx, param, source)
+    return origins
+
+
+def _origin(ctx: click.Context, name: str, source: click.core.ParameterSource | None) -> str:
+    """Where parameter ``name``'s value came from, in words."""
+    option = next((p for p in ctx.command.params if p.name == name), None)
+    if source == click.core.ParameterSource.DEFAULT_MAP:
+        return config_keys(ctx).get(name, "the config file")
+    if source == click.core.ParameterSource.ENVIRONMENT and option is not None and option.envvar:
+        names = [option.envvar] if isinstance(option.envvar, str) else list(option.envvar)
+        given = next((n for n in names if os.environ.get(n)), names[0])
+        return f"{given} in hvdrun's environment"
+    if option is None or not option.opts:
+        return name
+    return max(option.opts, key=len)  # (the flag, spelled out: --fusion-threshold-mb)
 
 
 def _spellings(name: str) -> tuple[str, ...]:

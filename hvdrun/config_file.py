@@ -248,6 +248,11 @@ ENV_META = "hvdrun.config_file.env"
 KEYS_META = "hvdrun.config_file.keys"
 
 
+def config_keys(ctx: click.Context) -> dict[str, str]:
+    """Parameter -> the config file's key that set it (``config file F: params.x``)."""
+    return dict(ctx.meta.get(KEYS_META, {}))
+
+
 def config_key(exc: click.UsageError) -> str | None:
     """Where a bad value came from when the config file gave it (``config file F:
     library_options.gloo_timeout_seconds``): a flag's own check of it names the key, not
@@ -258,8 +263,7 @@ def config_key(exc: click.UsageError) -> str | None:
         return None
     if ctx.get_parameter_source(param.name) != click.core.ParameterSource.DEFAULT_MAP:
         return None
-    where: str | None = ctx.meta.get(KEYS_META, {}).get(param.name)
-    return where
+    return config_keys(ctx).get(param.name)
 
 
 config_file_option = click.option(

@@ -161,14 +161,19 @@ AUTOTUNE: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
-def tuning_lines(env: Mapping[str, str], elastic: bool) -> list[str]:
+def tuning_lines(
+    env: Mapping[str, str], elastic: bool, origins: Mapping[str, str] | None = None
+) -> list[str]:
+    """The tuning the workers run with, each value with where it came from: ``origins``
+    (variable -> the flag or config key that wrote it), else the variable itself."""
+    origins = origins or {}
     lines = []
     rows = TUNING + AUTOTUNE if we.flag(we.AUTOTUNE, env) else TUNING
     for name, label, default, unit in rows:
         found = we.spelled(name, env)
         if found is not None:
             spelling, value = found
-            source = f"from {spelling}"
+            source = f"from {origins.get(spelling, spelling)}"
         else:
             value = "5" if elastic and name == we.GLOO_TIMEOUT_SECONDS else default
             source = "elastic default" if elastic and name == we.GLOO_TIMEOUT_SECONDS else "default"
@@ -195,8 +200,9 @@ def omp_threads(hostname: str, local_workers: int, env: Mapping[str, str]) -> st
     return f"the host's cores / {local_workers} workers"
 
 
-def print_plan(spec: JobSpec, echo: Echo) -> None:
-    """Prints the plan of ``spec``; starts nothing and connects to nothing."""
+def print_plan(spec: JobSpec, echo: Echo, origins: Mapping[str, str] | None = None) -> None:
+    """Prints the plan of ``spec``; starts nothing and connects to nothing. ``origins``:
+    where hvdrun's flags' worker variables came from (the flag, the config file)."""
     elastic = spec.elastic
     discovered = sum(h.slots for h in spec.hosts)
     # An elastic job's first discovery may offer fewer slots than -np: plan those.
@@ -244,7 +250,7 @@ def print_plan(spec: JobSpec, echo: Echo) -> None:
         echo(line)
     echo("")
     echo("tuning the workers run with:")
-    for line in tuning_lines(spec.env, elastic is not None):
+    for line in tuning_lines(spec.env, elastic is not None, origins):
         echo(line)
 
 

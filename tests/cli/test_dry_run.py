@@ -71,14 +71,14 @@ def test_the_tuning_shows_the_cache_and_under_autotune_the_autotuner(
         dry_run(["-np", "1", "--cache-capacity", "0", "true"], capsys),
         "tuning the workers run with",
     )
-    assert "response cache          0 ops (no cache)  (from HVDRUN_CACHE_CAPACITY)" in tuning
+    assert "response cache          0 ops (no cache)  (from --cache-capacity)" in tuning
     assert "autotune                0  (default)" in tuning
     assert not any(line.startswith("autotune sample") for line in tuning)
     argv = ["-np", "1", "--autotune", "--autotune-steps-per-sample", "4", "true"]
     tuning = section(dry_run(argv, capsys), "tuning the workers run with")
     assert "response cache          1024 ops  (default)" in tuning
-    assert "autotune                1  (from HVDRUN_AUTOTUNE)" in tuning
-    assert "autotune sample         4 steps  (from HVDRUN_AUTOTUNE_STEPS_PER_SAMPLE)" in tuning
+    assert "autotune                1  (from --autotune)" in tuning
+    assert "autotune sample         4 steps  (from --autotune-steps-per-sample)" in tuning
     assert "autotune warm-up        3 samples  (default)" in tuning
 
 
@@ -87,7 +87,7 @@ def test_cuda_backend_flag_reaches_the_workers(capsys: pytest.CaptureFixture[str
     assert "CUDA tensors through    nccl where there are GPUs  (default)" in tuning
     out = dry_run(["-np", "2", "--cuda-backend", "gloo", "true"], capsys)
     tuning = section(out, "tuning the workers run with")
-    assert "CUDA tensors through    gloo  (from HVDRUN_CUDA_BACKEND)" in tuning
+    assert "CUDA tensors through    gloo  (from --cuda-backend)" in tuning
     assert run_cli(["--dry-run", "-np", "2", "--cuda-backend", "mpi", "true"]) == 2
     assert "'mpi' is not one of 'nccl', 'gloo'" in capsys.readouterr().err
 
@@ -227,4 +227,23 @@ def test_a_fusion_threshold_that_was_set_is_cudas_too(capsys: pytest.CaptureFixt
         dry_run(["-np", "1", "--fusion-threshold-mb", "2", "true"], capsys),
         "tuning the workers run with",
     )
-    assert "fusion threshold        2097152 bytes (2 MiB)  (from HVDRUN_FUSION_THRESHOLD)" in tuning
+    assert "fusion threshold        2097152 bytes (2 MiB)  (from --fusion-threshold-mb)" in tuning
+
+
+def test_the_tuning_says_where_each_value_came_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flag, the config file's key, the flag's variable in hvdrun's environment, or a
+    variable given to the workers (-x, or forwarded): each value says which."""
+    config = tmp_path / "c.yaml"
+    config.write_text("params:\n  cycle_time_ms: 2\n")
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "90")
+    argv = ["-np", "1", "--config-file", str(config), "--cache-capacity", "7"]
+    argv += ["-x", "HVDRUN_FUSION_THRESHOLD=1048576", "true"]
+    tuning = section(dry_run(argv, capsys), "tuning the workers run with")
+    assert (
+        f"cycle time              2 ms  (from config file {config}: params.cycle_time_ms)" in tuning
+    )
+    assert "response cache          7 ops  (from --cache-capacity)" in tuning
+    assert "stall warning after     90 s  (from HOROVOD_STALL_CHECK_TIME_SECONDS)" in tuning
+    assert "fusion threshold        1048576 bytes (1 MiB)  (from HVDRUN_FUSION_THRESHOLD)" in tuning
