@@ -339,17 +339,26 @@ def elastic_env(
     return extra
 
 
+#: Horovod's log level variable, and the levels the workers take (any case).
+LOG_LEVEL = "HOROVOD_LOG_LEVEL"
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "FATAL", "CRITICAL")
+
+
 def check_settings(env: Mapping[str, str], *, elastic: bool = True) -> None:
-    """Parses every setting of :data:`NUMBERS`, :data:`FLAGS` and the CUDA backend in
-    ``env`` as the workers will: ValueError naming the first variable they would refuse.
-    A fixed-size job's workers never read :data:`ELASTIC_TIMEOUT` (``elastic`` False): any
-    value may stand there, as horovodrun lets it."""
+    """Parses every setting of :data:`NUMBERS`, :data:`FLAGS`, the CUDA backend and the
+    log level in ``env`` as the workers will: ValueError naming the first variable they
+    would refuse (or, for the log level, warn of on every rank and ignore). A fixed-size
+    job's workers never read :data:`ELASTIC_TIMEOUT` (``elastic`` False): any value may
+    stand there, as horovodrun lets it."""
     for name in NUMBERS:
         if elastic or name != ELASTIC_TIMEOUT:
             number(name, env=env)
     for name in FLAGS:
         flag(name, env)
     choice(CUDA_BACKEND, CUDA_BACKENDS, env)
+    level = env.get(LOG_LEVEL, "").strip()
+    if level and level.upper() not in LOG_LEVELS:
+        raise ValueError(f"{LOG_LEVEL} must be one of {', '.join(LOG_LEVELS)}; got {level!r}")
 
 
 def integer(variable: str, default: int, env: Mapping[str, str] | None = None) -> int:

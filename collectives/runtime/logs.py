@@ -15,7 +15,9 @@ import logging
 import os
 import sys
 
-LEVEL_VARIABLE = "HOROVOD_LOG_LEVEL"
+from rendezvous import worker_env
+
+LEVEL_VARIABLE = worker_env.LOG_LEVEL
 HIDE_TIME_VARIABLE = "HOROVOD_LOG_HIDE_TIME"
 LEVELS = {
     "TRACE": logging.DEBUG,

@@ -46,6 +46,8 @@ def test_number_errors_name_the_variable() -> None:
         ({"HOROVOD_ELASTIC_TIMEOUT": "0"}, "HOROVOD_ELASTIC_TIMEOUT must be greater than 0"),
         ({"HOROVOD_AUTOTUNE": "sure"}, "HOROVOD_AUTOTUNE must be 0 or 1, got 'sure'"),
         ({"HOROVOD_CUDA_BACKEND": "mpi"}, "HOROVOD_CUDA_BACKEND must be one of nccl, gloo"),
+        # (-x HOROVOD_LOG_LEVEL=bogus: every rank would warn of it and ignore it)
+        ({"HOROVOD_LOG_LEVEL": "bogus"}, "HOROVOD_LOG_LEVEL must be one of TRACE, DEBUG, "),
     ],
 )
 def test_check_settings_names_the_variable_the_user_set(env: dict[str, str], message: str) -> None:
@@ -61,6 +63,14 @@ def test_check_settings_takes_good_values_and_the_defaults() -> None:
     # The winning spelling is the one checked: a bad HOROVOD_ value under a good HVDRUN_ one
     # never reaches a worker.
     worker_env.check_settings({"HVDRUN_CYCLE_TIME": "2", "HOROVOD_CYCLE_TIME": "x"})
+    for level in ("warn", "Trace", "CRITICAL", ""):
+        worker_env.check_settings({"HOROVOD_LOG_LEVEL": level})
+
+
+def test_the_log_levels_checked_are_those_the_workers_take() -> None:
+    from collectives.runtime import logs
+
+    assert set(logs.LEVELS) == set(worker_env.LOG_LEVELS)
     assert worker_env.number(worker_env.FUSION_THRESHOLD, env={}) == 128 * 1024 * 1024
 
 
