@@ -190,15 +190,33 @@ def tuning_env(name: str, value: Any) -> dict[str, str]:
 _TIMELINE_SWITCHES = ("timeline_mark_cycles", "timeline_all_ranks")
 
 
+#: The autotuner's settings: with autotune off they do nothing.
+_AUTOTUNE_SETTINGS = (
+    "autotune_log_file",
+    "autotune_warmup_samples",
+    "autotune_steps_per_sample",
+    "autotune_bayes_opt_max_samples",
+    "autotune_gaussian_process_noise",
+)
+
+
 def tuning_notes(tuning: Mapping[str, Any], env: Mapping[str, str]) -> list[str]:
-    """The notes for tuning flags that will do nothing: a timeline switch turned on while
-    no timeline file is set (by ``--timeline-filename``, the config file or the
-    environment), which the workers would ignore without a word."""
-    if we.setting(we.TIMELINE, env) is not None:
-        return []
-    return [
-        f"note: --{name.replace('_', '-')} has no effect without a timeline file "
-        "(--timeline-filename FILE)"
-        for name in _TIMELINE_SWITCHES
-        if tuning.get(name)
-    ]
+    """The notes for tuning flags that will do nothing, which the workers would ignore
+    without a word: a timeline switch turned on while no timeline file is set (by
+    ``--timeline-filename``, the config file or the environment), an autotune setting
+    while autotune is off."""
+    notes = []
+    if we.setting(we.TIMELINE, env) is None:
+        notes += [
+            f"note: --{name.replace('_', '-')} has no effect without a timeline file "
+            "(--timeline-filename FILE)"
+            for name in _TIMELINE_SWITCHES
+            if tuning.get(name)
+        ]
+    if not we.flag(we.AUTOTUNE, env):
+        notes += [
+            f"note: --{name.replace('_', '-')} has no effect without --autotune"
+            for name in _AUTOTUNE_SETTINGS
+            if tuning.get(name) is not None
+        ]
+    return notes

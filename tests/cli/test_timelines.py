@@ -295,3 +295,22 @@ def test_timeline_switches_without_a_timeline_file_are_named(
     monkeypatch.setenv("HOROVOD_TIMELINE", "t.json")
     assert run_cli(argv) == 0
     assert "timeline file" not in capsys.readouterr().err
+
+
+def test_autotune_settings_without_autotune_are_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--autotune-log-file (or another of the autotuner's settings) without --autotune would
+    write no log and tune nothing: hvdrun says so before the job starts."""
+    monkeypatch.delenv("HOROVOD_AUTOTUNE", raising=False)
+    argv = ["--dry-run", "-np", "1", "--autotune-log-file", "at.csv"]
+    assert run_cli([*argv, "--autotune-warmup-samples", "2", "true"]) == 0
+    err = capsys.readouterr().err
+    for flag in ("--autotune-log-file", "--autotune-warmup-samples"):
+        assert f"hvdrun: note: {flag} has no effect without --autotune" in err
+    # autotune on, from the command line or the environment: no note
+    assert run_cli([*argv, "--autotune", "true"]) == 0
+    assert "without --autotune" not in capsys.readouterr().err
+    monkeypatch.setenv("HOROVOD_AUTOTUNE", "1")
+    assert run_cli([*argv, "true"]) == 0
+    assert "without --autotune" not in capsys.readouterr().err
