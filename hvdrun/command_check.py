@@ -108,9 +108,25 @@ def _not_runnable(program: str) -> None:
         raise CommandNotExecutable(f"permission denied: {program} is not executable ({how})")
     if os.sep not in program and os.path.isfile(program):
         # A shell does not look in the working directory for a bare name either; say so.
-        how = f"python {program}" if program.endswith(".py") else f"./{program}"
-        raise CommandNotFound(f"command not found: {program} (a file here: run it as {how})")
+        if program.endswith(".py"):
+            how = f"run it as python {program}"
+        elif os.access(program, os.X_OK):
+            how = f"run it as ./{program}"
+        else:  # (./name would be refused too: permission denied)
+            how = f"chmod +x {program} and run it as ./{program}, or run it with its interpreter"
+        raise CommandNotFound(f"command not found: {program} (a file here: {how})")
+    if program in _SHELL_BUILTINS:
+        raise CommandNotFound(
+            f"command not found: {program} (a shell builtin: run the command through a shell, "
+            f"sh -c '{program} ...')"
+        )
     raise CommandNotFound(f"command not found: {program}")
+
+
+#: Shell builtins that are no program (``cd``, ``source``): a shell runs them, not exec.
+_SHELL_BUILTINS = frozenset(
+    {"cd", "source", ".", "export", "alias", "ulimit", "umask", "set", "unset", "eval", "exec"}
+)
 
 
 def _check_interpreter(program: str, path: str) -> None:

@@ -105,9 +105,18 @@ def test_missing_command_and_script(capsys: pytest.CaptureFixture[str]) -> None:
     assert "hvdrun: error: script not found: missing_script.py" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("name", "how"), [("train.py", "python train.py"), ("train", "./train")])
+@pytest.mark.parametrize(
+    ("name", "mode", "how"),
+    [
+        ("train.py", 0o755, "run it as python train.py"),
+        ("train", 0o755, "run it as ./train"),
+        # (./run.sh would be refused as well: not executable)
+        ("run.sh", 0o644, "chmod +x run.sh and run it as ./run.sh, or run it with its interpreter"),
+    ],
+)
 def test_a_bare_name_of_a_file_here_is_not_found_with_the_way_to_run_it(
     name: str,
+    mode: int,
     how: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -115,10 +124,20 @@ def test_a_bare_name_of_a_file_here_is_not_found_with_the_way_to_run_it(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / name).write_text("print('ran')\n")
-    (tmp_path / name).chmod(0o755)
+    (tmp_path / name).chmod(mode)
     assert run_cli(["-np", "2", name]) == 127  # as a shell exits: PATH has no "."
     assert capsys.readouterr().err == (
-        f"hvdrun: error: command not found: {name} (a file here: run it as {how})\n"
+        f"hvdrun: error: command not found: {name} (a file here: {how})\n"
+    )
+
+
+def test_a_shell_builtin_is_not_found_and_said_to_be_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_cli(["-np", "1", "cd", "/tmp"]) == 127
+    assert capsys.readouterr().err == (
+        "hvdrun: error: command not found: cd (a shell builtin: run the command through a "
+        "shell, sh -c 'cd ...')\n"
     )
 
 
