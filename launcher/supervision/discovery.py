@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass, field
 
 from launcher.errors import LauncherError
@@ -66,6 +67,10 @@ class HostDiscovery:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def stop(self) -> None:
+        """The job is over: end whatever a run under way started (no process outlives
+        hvdrun); later runs find nothing."""
+
 
 @dataclass
 class FixedHosts(HostDiscovery):
@@ -90,29 +95,43 @@ class ScriptDiscovery(HostDiscovery):
     cwd: str | None = None
     #: The hosts already warned about for being printed more than once (warned once each).
     warned: set[str] = field(default_factory=set, repr=False)
+    #: The run under way (its session's leader), and whether the job is over (:meth:`stop`).
+    _running: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _stopped: bool = field(default=False, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def describe(self) -> str:
         return f"host discovery script {self.script!r}"
 
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            if self._running is not None:
+                _kill_session(self._running)
+
     def find(self) -> list[HostSpec]:
-        try:
-            # A session of its own, so that a timeout stops whatever the script started.
-            proc = subprocess.Popen(
-                ["/bin/sh", "-c", self.script],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL,
-                cwd=self.cwd,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise DiscoveryError(f"cannot run it: {exc.strerror or exc}") from None
+        with self._lock:
+            if self._stopped:
+                raise DiscoveryError("the job is over")
+            try:
+                # A session of its own, so that a timeout (or the job's end) stops whatever
+                # the script started.
+                proc = subprocess.Popen(
+                    ["/bin/sh", "-c", self.script],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    stdin=subprocess.DEVNULL,
+                    cwd=self.cwd,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise DiscoveryError(f"cannot run it: {exc.strerror or exc}") from None
+            self._running = proc
         try:
             stdout, stderr = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
             exited = proc.poll() is not None  # (a child it left holds the output open)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            _kill_session(proc)
             proc.communicate()
             if exited:
                 raise DiscoveryError(
@@ -121,6 +140,12 @@ class ScriptDiscovery(HostDiscovery):
                     "redirected (cmd >/dev/null 2>&1 &)"
                 ) from None
             raise DiscoveryError(f"did not finish within {self.timeout:g} s") from None
+        except BaseException:  # (a Ctrl-C while hvdrun waits for the first run)
+            _kill_session(proc)
+            raise
+        finally:
+            with self._lock:
+                self._running = None
         if proc.returncode != 0:
             lines = stderr.decode("utf-8", "replace").strip().splitlines()
             last = f": {lines[-1]}" if lines else ""
@@ -138,6 +163,12 @@ class ScriptDiscovery(HostDiscovery):
             )
         self.warned |= repeated
         return hosts
+
+
+def _kill_session(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to the session (and process group) a discovery run leads."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 class Blacklist:

@@ -210,6 +210,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
             return super().run()
         finally:
             self._done.set()
+            self.options.discovery.stop()  # (a run under way outlives no job)
             stop_agents([h.agent for h in self.members.all_hosts() if h.agent is not None])
             _abort_unclaimed_agents(self.events)
 

@@ -145,6 +145,37 @@ def test_a_finished_worker_ends_the_job_and_later_discovery_failures_do_not(
     ), output
 
 
+def test_a_discovery_run_under_way_when_the_job_ends_is_stopped(tmp_path: Path) -> None:
+    """The discovery script hangs (its scheduler does not answer) from some point on, and
+    the job finishes while a run of it waits: the run and what it started end with hvdrun
+    (before, they were left running, orphaned)."""
+    hang = tmp_path / "hang"
+    pids = tmp_path / "pids"
+    script = f"if [ -f {hang} ]; then echo $$ >> {pids}; sleep 60; fi; {TWO_HOSTS}"
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        f"import pathlib, time\npathlib.Path({str(hang)!r}).touch()\ntime.sleep(2.5)\n"
+    )
+    code, output = run_hvdrun(
+        2, worker, options=["--min-np", "1", "--host-discovery-script", script], timeout=60
+    )
+    assert code == 0, output
+    started = [int(pid) for pid in pids.read_text().split()]
+    assert started, output  # (a run was under way: the job ends within its 10 s)
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in started), started
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_elastic_digits_example_with_its_discovery_script() -> None:
     example = REPO / "examples" / "pytorch_elastic_digits.py"
     code, output = run_hvdrun(

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -90,3 +94,67 @@ def test_blacklist_cooldown_grows_exponentially_up_to_the_maximum() -> None:
     assert cooling.blocked("a", now=4.9)
     assert not cooling.blocked("a", now=5.0)
     assert cooling.failures("a") == 4
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _started(pidfile: Path) -> int:
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < deadline, "the discovery script never started"
+        time.sleep(0.02)
+    return int(pidfile.read_text())
+
+
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not _alive(pid)
+
+
+def test_stop_ends_the_run_under_way_and_every_later_one(tmp_path: Path) -> None:
+    """The job is over while a run waits on its scheduler: stop() ends it at once (and what
+    it started); no run starts after it."""
+    pidfile = tmp_path / "pid"
+    discovery = ScriptDiscovery(f"echo $$ > {pidfile}; sleep 60; echo late")
+    failed: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _catch(discovery.find, failed))
+    thread.start()
+    pid = _started(pidfile)
+    discovery.stop()
+    thread.join(5)
+    assert not thread.is_alive() and _gone(pid)
+    assert isinstance(failed[0], DiscoveryError), failed
+    with pytest.raises(DiscoveryError, match="the job is over"):
+        discovery.find()
+
+
+def test_an_interrupted_run_leaves_nothing_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while hvdrun waits for the first run (a session of its own, which the
+    terminal's SIGINT does not reach) ends the run too."""
+    pidfile = tmp_path / "pid"
+
+    def interrupted(self: subprocess.Popen[bytes], timeout: float | None = None) -> None:
+        _started(pidfile)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess.Popen, "communicate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ScriptDiscovery(f"echo $$ > {pidfile}; sleep 60").find()
+    assert _gone(int(pidfile.read_text()))
+
+
+def _catch(call: Callable[[], object], into: list[BaseException]) -> None:
+    try:
+        call()
+    except BaseException as error:
+        into.append(error)
