@@ -35,6 +35,7 @@ from collectives import ops, runtime
 from collectives.common import ReduceOp, global_process_set
 from collectives.errors import HorovodInternalError, HostsUpdatedInterrupt
 from collectives.objects import allgather_object, broadcast_object
+from collectives.runtime.exits import exception_text
 
 __all__ = ["HostMessages", "HostUpdateResult", "ObjectState", "State", "VariablesState", "run"]
 
@@ -299,11 +300,11 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> _R:
-        reset_needed = False
+        why = ""  # (what made the last reset, which the peers still in it are told)
         skip_sync = False
         while True:
-            if reset_needed:
-                runtime.reset()
+            if why:
+                runtime.reset(why)
                 state.on_reset()
             try:
                 if not skip_sync:
@@ -316,8 +317,9 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
                 if not runtime.is_elastic():
                     raise  # (nothing replaces the peer: see the docstring)
                 skip_sync = False
+                why = f"hvd.elastic.run restored its last commit after {exception_text(error)}"
             except HostsUpdatedInterrupt as interrupt:
                 skip_sync = interrupt.skip_sync
-            reset_needed = True
+                why = "the job's hosts changed"
 
     return wrapper

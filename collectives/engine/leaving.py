@@ -13,8 +13,18 @@ from __future__ import annotations
 
 from collectives.engine import eager
 
-__all__ = ["MAX_FAILURE_BYTES", "culprit", "failure_of", "left_message", "payload"]
+__all__ = [
+    "MAX_FAILURE_BYTES",
+    "NEXT_GENERATION",
+    "culprit",
+    "failure_of",
+    "left_message",
+    "payload",
+]
 
+#: How a rank of an elastic job that leaves for the next membership generation (a reset)
+#: starts its description: it left the generation, not the job.
+NEXT_GENERATION = "it left for the job's next membership generation"
 #: At most this many bytes of a failure's description travel (a description is short: see
 #: :mod:`collectives.runtime.exits`; this bounds what a peer must hold).
 MAX_FAILURE_BYTES = 1024
@@ -45,6 +55,11 @@ def left_message(rank: int, leavers: list[int], failures: dict[int, str]) -> str
             how = failures[peer] or "its script failed"
         else:
             how = "it called hvd.shutdown() or its script ended (its last line or sys.exit)"
+        if how.startswith(NEXT_GENERATION):
+            return (
+                f"rank {rank}: rank {peer} left this membership generation: {how}, which "
+                "ended the generation's collectives"
+            )
         cause = f"rank {peer} left the job: {how}, which ended hvdrun's collectives"
     return f"rank {rank}: {cause}, so no more collectives can run in this job"
 

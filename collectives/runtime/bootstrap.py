@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from collectives.engine import config as config_module
 from collectives.engine.cycle import FINAL_CYCLE_SECONDS
+from collectives.engine.leaving import NEXT_GENERATION
 from collectives.runtime import exits, insight, logs, state
 from collectives.runtime.adopted import init_adopted
 from collectives.runtime.groups import (
@@ -247,8 +248,9 @@ def _say_who_ended(runtime_: RuntimeState, engine_: Any) -> None:
         logger.debug("could not say which rank ended the collectives: %s", error)
 
 
-def reset() -> None:
-    """Elastic jobs: leaves this membership generation and joins the next one.
+def reset(why: str = "") -> None:
+    """Elastic jobs: leaves this membership generation and joins the next one (``why``: what
+    made it, which peers still in the generation's collectives are told).
 
     Does not wait on dead peers: after a failure the engine has stopped already, and after
     a host update every rank calls this together. Raises
@@ -264,7 +266,8 @@ def reset() -> None:
             )
         # Shorter than at shutdown: a peer that is gone must not delay the recovery.
         engine_ = runtime_.engine
-        stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 1.0)
+        leaving = f"{NEXT_GENERATION} ({why})" if why else NEXT_GENERATION
+        stop_collectives(runtime_, FINAL_CYCLE_SECONDS + 1.0, leaving)
         if engine_ is not None and runtime_.insight is not None:
             runtime_.insight.engine_stopped(engine_)  # (the next engine's figures add up)
         try:

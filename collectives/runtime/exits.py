@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["describe"]
+__all__ = ["describe", "exception_text"]
 
 #: At most this many characters of an exception's message are told.
 MAX_SHOWN = 200
@@ -25,10 +25,12 @@ def describe() -> str:
     error = getattr(sys, "last_value", None)
     if error is None or isinstance(error, KeyboardInterrupt):  # (an interrupt: no rank's fault)
         return ""
-    return f"its script ended with an uncaught exception ({_exception(error)})"
+    return f"its script ended with an uncaught exception ({exception_text(error)})"
 
 
-def _exception(error: BaseException) -> str:
+def exception_text(error: BaseException) -> str:
+    """``module.Type: message`` of ``error``, on one line of at most MAX_SHOWN characters
+    of message (as peers are told of it)."""
     kind = type(error)
     name = kind.__qualname__
     if kind.__module__ not in ("builtins", "__main__"):

@@ -21,6 +21,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 from collectives.engine.config import EngineConfig
 from collectives.engine.core import Engine
 from collectives.engine.handles import Handle
+from collectives.engine.leaving import NEXT_GENERATION
 from collectives.engine.negotiation import FIELD, Table
 from collectives.engine.reduction import PLAIN_SUM
 from collectives.engine.requests import Kind, Request, TensorSpec, signature
@@ -92,6 +93,14 @@ def _two_rank_engines() -> list[Engine]:
             "rank 0: rank 1 left the job: it called hvd.shutdown() or its script ended (its "
             "last line or sys.exit), which ended hvdrun's collectives, so no more collectives "
             "can run in this job",
+        ),
+        (  # (an elastic reset: hvd.elastic.run caught HorovodInternalError on rank 1)
+            f"{NEXT_GENERATION} (hvd.elastic.run restored its last commit after "
+            "collectives.errors.HorovodInternalError: again)",
+            "rank 0: rank 1 left this membership generation: it left for the job's next "
+            "membership generation (hvd.elastic.run restored its last commit after "
+            "collectives.errors.HorovodInternalError: again), which ended the generation's "
+            "collectives",
         ),
     ],
 )

@@ -73,6 +73,24 @@ def test_more_resets_than_the_limit_end_the_job() -> None:
     ), output
 
 
+def test_a_peer_that_resets_is_said_to_leave_the_generation_not_the_job() -> None:
+    """A worker's own HorovodInternalError inside hvd.elastic.run makes it reset: its peer's
+    collectives fail saying that it left for the next generation and why (before: "left the
+    job: it called hvd.shutdown() or its script ended"), and both train on."""
+    code, output = run_steps(
+        ["--host-discovery-script", TWO_HOSTS], 8, fail_host="127.0.0.1", fail_at_step=3,
+        FAIL_MODE="reset",
+    )  # fmt: skip
+    assert code == 0, output
+    assert (
+        "left this membership generation: it left for the job's next membership generation "
+        "(hvd.elastic.run restored its last commit after collectives.errors."
+        "HorovodInternalError: resetting on purpose after step 3), which ended the "
+        "generation's collectives); restoring the last commit" in output
+    ), output
+    assert "left the job" not in output, output
+
+
 def test_hung_worker_is_dropped_after_the_rejoin_timeout_and_a_busy_one_is_not() -> None:
     # Three hosts: 127.0.0.1's worker hangs (stops itself) after step 5, while this
     # machine's own name's worker spends 8 s in its own code then, twice the rejoin window:

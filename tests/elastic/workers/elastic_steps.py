@@ -22,7 +22,8 @@ STEPS = int(os.environ.get("STEPS", "40"))
 INTERVAL = float(os.environ.get("STEP_INTERVAL", "0.1"))
 # FAIL_HOST=h FAIL_AT_STEP=n: the workers on host h ("*": every host) exit 1 after
 # committing step n (with
-# FAIL_MODE=hang: stop themselves with SIGSTOP instead; with FAIL_MODE=finish: exit 0).
+# FAIL_MODE=hang: stop themselves with SIGSTOP instead; with FAIL_MODE=finish: exit 0; with
+# FAIL_MODE=reset: raise HorovodInternalError, which hvd.elastic.run resets on).
 FAIL_AT_STEP = int(os.environ.get("FAIL_AT_STEP", "0"))
 FAIL_HOST = os.environ.get("FAIL_HOST")
 # STOP_FILE=path: every rank stops after the first step that follows the file's creation
@@ -89,6 +90,8 @@ def train(state: elastic.TorchState) -> None:
             if os.environ.get("FAIL_MODE") == "finish":
                 print(f"finishing early after step {state.step}", flush=True)
                 raise SystemExit(0)
+            if os.environ.get("FAIL_MODE") == "reset":  # (as a script's own check may)
+                raise hvd.HorovodInternalError(f"resetting on purpose after step {state.step}")
             if os.environ.get("FAIL_MODE") == "hang":
                 print(f"hanging on purpose after step {state.step}", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
