@@ -8,6 +8,7 @@ engine whichever frontend called ``hvd.init()`` first.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -18,6 +19,8 @@ from collectives.process_sets import add_process_set
 
 __all__ = ["barrier", "handle_average_backwards_compatibility", "init", "join"]
 
+logger = logging.getLogger("collectives")
+
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Initializes the runtime: joins the job started by ``hvdrun`` (or by another launcher,
@@ -25,13 +28,26 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
     ``process_sets``: a list of :class:`ProcessSet` to register right away (the same on
     every rank), or ``"dynamic"`` (accepted for Horovod compatibility; sets can always be
-    added later with ``hvd.add_process_set``).
+    added later with ``hvd.add_process_set``). A set that cannot be registered fails the
+    whole call: the rank is not initialized afterwards (the other ranks' registration of
+    that set then fails, saying it left).
     """
+    sets = [] if process_sets is None or process_sets == "dynamic" else list(process_sets)
     if not runtime.init(comm):
+        unregistered = [s for s in sets if getattr(s, "process_set_id", None) is None]
+        if unregistered:
+            logger.warning(
+                "hvd.init() was called again while initialized: it registers none of its "
+                "process_sets (%s); register them with hvd.add_process_set()",
+                ", ".join(map(repr, unregistered)),
+            )
         return
-    if process_sets is not None and process_sets != "dynamic":
-        for process_set in process_sets:
+    try:
+        for process_set in sets:
             add_process_set(process_set)
+    except BaseException:
+        runtime.shutdown()
+        raise
 
 
 def handle_average_backwards_compatibility(op: Any, average: Any) -> ReduceOp:

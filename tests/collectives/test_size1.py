@@ -101,6 +101,29 @@ def test_init_shutdown_init(alone: None) -> None:
         hvd_module.shutdown()
 
 
+def test_init_with_a_process_set_it_cannot_register_leaves_nothing_initialized(
+    alone: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """init() is all or nothing: a set that cannot be registered fails it and the rank is
+    not initialized, so a corrected init() registers its sets (before, the first call left
+    the rank initialized and the next one did nothing, without a word)."""
+    with pytest.raises(ValueError, match=r"process set ranks \[5\] are not ranks of this job"):
+        hvd_module.init(process_sets=[hvd_module.ProcessSet([0, 5])])
+    assert not hvd_module.is_initialized() and not dist.is_initialized()
+    good = hvd_module.ProcessSet([0])
+    with pytest.raises(ValueError, match="already registered"):
+        hvd_module.init(process_sets=[good])  # (the global set has ranks [0] already)
+    assert not hvd_module.is_initialized()
+    hvd_module.init()
+    try:
+        late = hvd_module.ProcessSet([0])
+        hvd_module.init(process_sets=[late])  # initialized: registers nothing, and says so
+        assert late.process_set_id is None
+        assert "registers none of its process_sets" in caplog.text
+    finally:
+        hvd_module.shutdown()
+
+
 def test_init_joins_an_existing_default_group(alone: None) -> None:
     # A framework made the default group first: hvd.init() joins it and leaves it be.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
