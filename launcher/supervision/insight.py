@@ -86,7 +86,10 @@ def report_insight(
     reported figures (none: nothing to say, no file)."""
     if not figures:
         if options.file:
-            sink.message(f"no worker reported figures (no hvd.init()?): {options.file} not written")
+            sink.message(
+                "no worker published figures (a worker publishes them about once a second "
+                f"after its hvd.init(), and as it shuts down): {options.file} not written"
+            )
         return
     result = analyse(figures.values(), size)
     if options.table:
