@@ -6,7 +6,8 @@ stopped for a while in the middle.
 object's buffer are skipped: a test that waits for one line and then communicates loses
 whatever came with that line's read, now and then. Read the rest through the file objects.
 
-Also: the ``PYTHONPATH`` of a child that runs the checkout's code without an install.
+Also: the ``PYTHONPATH`` of a child that runs the checkout's code without an install, and
+whether a process (not one's own child, perhaps) still runs.
 """
 
 from __future__ import annotations
@@ -83,3 +84,12 @@ def run_stopped_for_a_while(
             job.kill()
             job.wait()
     return job.returncode, output
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

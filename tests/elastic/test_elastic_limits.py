@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tests.collectives.conftest import REPO, clean_env, run_hvdrun
-from tests.processes import run_stopped_for_a_while
+from tests.processes import alive, run_stopped_for_a_while
 
 WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
 TWO_HOSTS = "printf 'localhost\\n127.0.0.1\\n'"  # a discovery script
@@ -181,17 +181,9 @@ def test_a_discovery_run_under_way_when_the_job_ends_is_stopped(tmp_path: Path) 
     started = [int(pid) for pid in pids.read_text().split()]
     assert started, output  # (a run was under way: the job ends within its 10 s)
     deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in started), started
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not any(alive(pid) for pid in started), started
 
 
 def test_elastic_digits_example_with_its_discovery_script() -> None:

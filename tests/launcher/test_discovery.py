@@ -17,6 +17,7 @@ from launcher.supervision.discovery import (
     ScriptDiscovery,
     parse_discovery_output,
 )
+from tests.processes import alive
 
 
 def test_parse_discovery_output() -> None:
@@ -96,14 +97,6 @@ def test_blacklist_cooldown_grows_exponentially_up_to_the_maximum() -> None:
     assert cooling.failures("a") == 4
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _started(pidfile: Path) -> int:
     deadline = time.monotonic() + 10
     while not pidfile.exists() or not pidfile.read_text().strip():
@@ -114,9 +107,9 @@ def _started(pidfile: Path) -> int:
 
 def _gone(pid: int) -> bool:
     deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return not _alive(pid)
+    return not alive(pid)
 
 
 def test_stop_ends_the_run_under_way_and_every_later_one(tmp_path: Path) -> None:
