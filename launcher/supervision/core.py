@@ -514,8 +514,8 @@ class Supervision(ABC, Generic[E]):
         read. Said at once, and in the failure's report."""
         self.sink.message(
             f"hvdrun itself was stopped or starved of CPU for {now - since:.1f} s (Ctrl-Z "
-            "stops hvdrun, not the job): its agents stop their workers once it has been "
-            "silent for --heartbeat-timeout"
+            "stops hvdrun, not the job): its workers give the job up once it has been "
+            "silent for --heartbeat-timeout and does not answer them"
         )
         self._grace_until = now + LOOP_STALL_SECONDS
         self._last_check = now
