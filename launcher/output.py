@@ -323,8 +323,7 @@ class _Backlog:
             while (self._jobs or self._busy) and time.monotonic() - self._progress < stuck:
                 self._cond.wait(0.2)
             said = [text for _, _, text in self._jobs if text is not None]
-            left = sum(job.count if isinstance(job, _Lines) else 1 for job, _, _ in self._jobs)
-            left -= len(said)
+            left = sum(job.count for job, _, _ in self._jobs if isinstance(job, _Lines))
             self._jobs.clear()
             self._done = True
             self._cond.notify_all()
@@ -449,24 +448,25 @@ class OutputSink:
         # The copy is written at once (a file, not the reader of hvdrun's output: every byte
         # goes there, whatever happens to the terminal's line).
         self._copy(rank, stream, text + end)
-        if not shown:
-            return
-        if stream == "stderr":
-            self._tail(rank).append(text.decode("utf-8", "replace"))
-        shown_line = self._prefix(rank, stream) + text + b"\n"
-        self._run(_Lines(self, self._streams[stream], [shown_line], 1), len(shown_line) + LINE_COST)
+        if shown:
+            self._show(rank, stream, text)
 
     def lines(self, rank: int, stream: str, data: bytes) -> None:
         """A worker's whole lines (a :class:`~launcher.transport.protocol.Lines` run: each
         ends in ``\\n``), as :meth:`line` would show each, in one go."""
         stream = "stderr" if stream == "stderr" else "stdout"
         self._copy(rank, stream, data)
+        self._show(rank, stream, data[:-1])
+
+    def _show(self, rank: int, stream: str, body: bytes) -> None:
+        """Prints ``body``'s lines (joined by ``\\n``, the last without it) with their
+        prefix, and keeps the last of stderr's as the rank's tail."""
         if stream == "stderr":
-            last = data[:-1].rsplit(b"\n", self._tail_lines)[-self._tail_lines :]
+            last = body.rsplit(b"\n", self._tail_lines)[-self._tail_lines :]
             self._tail(rank).extend(text.decode("utf-8", "replace") for text in last)
         prefix = self._prefix(rank, stream)
-        shown = prefix + data[:-1].replace(b"\n", b"\n" + prefix) + b"\n"
-        count = data.count(b"\n")
+        shown = prefix + body.replace(b"\n", b"\n" + prefix) + b"\n"
+        count = body.count(b"\n") + 1
         self._run(
             _Lines(self, self._streams[stream], [shown], count), len(shown) + LINE_COST * count
         )

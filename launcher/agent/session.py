@@ -187,19 +187,9 @@ class Emitter:
         self.broken = threading.Event()
 
     def __call__(self, event: AgentEvent) -> None:
-        self._write(self._encoded(event))
-
-    def many(self, events: Sequence[AgentEvent]) -> None:
-        """Emits ``events`` in order, in one write (a worker's lines read at once)."""
-        self._write(b"".join(map(self._encoded, events)))
-
-    def _encoded(self, event: AgentEvent) -> bytes:
         data = encode_event(event)
         if self._pieced and len(data) > PIECE_BYTES:
             data = b"".join(pieces(data))
-        return data
-
-    def _write(self, data: bytes) -> None:
         with self._lock:
             try:
                 self._stdout.write(data)

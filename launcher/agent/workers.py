@@ -28,7 +28,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
 import psutil
@@ -47,19 +47,6 @@ from launcher.transport.protocol import (
 )
 
 Emit = Callable[[AgentEvent], None]
-
-
-def emit_all(emit: Emit, events: Sequence[AgentEvent]) -> None:
-    """Emits ``events`` in order: in one write where ``emit`` can (the agent's
-    :class:`~launcher.agent.session.Emitter`), else one by one."""
-    many = getattr(emit, "many", None)
-    if many is not None:
-        many(events)
-        return
-    for event in events:
-        emit(event)
-
-
 READ_CHUNK = 65536
 #: How often the agent looks for workers that were stopped or continued.
 STOP_CHECK_INTERVAL = 0.5
@@ -138,9 +125,10 @@ class Worker:
             except OSError:
                 chunk = b""
             run, pieces = splitter.split_run(chunk) if chunk else (b"", splitter.tail())
-            events: list[AgentEvent] = [Lines(self.rank, stream, run)] if run else []
-            events += [Output(self.rank, stream, *piece) for piece in pieces]
-            emit_all(self._emit, events)
+            if run:  # (the read's whole lines: one event)
+                self._emit(Lines(self.rank, stream, run))
+            for piece in pieces:
+                self._emit(Output(self.rank, stream, *piece))
             if not chunk:
                 pipe.close()
                 return
