@@ -7,7 +7,7 @@ object's buffer are skipped: a test that waits for one line and then communicate
 whatever came with that line's read, now and then. Read the rest through the file objects.
 
 Also: the ``PYTHONPATH`` of a child that runs the checkout's code without an install, and
-whether a process (not one's own child, perhaps) still runs.
+a wait for processes to be gone.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,10 +88,20 @@ def run_stopped_for_a_while(
     return job.returncode, output
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, dead but not reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+def assert_gone(pids: Sequence[int], within: float) -> None:
+    """Waits up to ``within`` seconds until none of ``pids`` runs (a zombie, dead but not
+    reaped, does not); AssertionError naming those that still do."""
+    deadline = time.monotonic() + within
+    alive = list(pids)
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes still running: {alive}")

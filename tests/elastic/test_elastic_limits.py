@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tests.collectives.conftest import REPO, clean_env, run_hvdrun
-from tests.processes import alive, run_stopped_for_a_while
+from tests.processes import assert_gone, run_stopped_for_a_while
 
 WORKER = Path(__file__).parent / "workers" / "elastic_steps.py"
 TWO_HOSTS = "printf 'localhost\\n127.0.0.1\\n'"  # a discovery script
@@ -180,10 +180,7 @@ def test_a_discovery_run_under_way_when_the_job_ends_is_stopped(tmp_path: Path) 
     assert code == 0, output
     started = [int(pid) for pid in pids.read_text().split()]
     assert started, output  # (a run was under way: the job ends within its 10 s)
-    deadline = time.monotonic() + 5
-    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(pid) for pid in started), started
+    assert_gone(started, within=5)
 
 
 def test_elastic_digits_example_with_its_discovery_script() -> None:

@@ -17,7 +17,7 @@ from launcher.supervision.discovery import (
     ScriptDiscovery,
     parse_discovery_output,
 )
-from tests.processes import alive
+from tests.processes import assert_gone
 
 
 def test_parse_discovery_output() -> None:
@@ -105,13 +105,6 @@ def _started(pidfile: Path) -> int:
     return int(pidfile.read_text())
 
 
-def _gone(pid: int) -> bool:
-    deadline = time.monotonic() + 5
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return not alive(pid)
-
-
 def test_stop_ends_the_run_under_way_and_every_later_one(tmp_path: Path) -> None:
     """The job is over while a run waits on its scheduler: stop() ends it at once (and what
     it started); no run starts after it."""
@@ -123,7 +116,8 @@ def test_stop_ends_the_run_under_way_and_every_later_one(tmp_path: Path) -> None
     pid = _started(pidfile)
     discovery.stop()
     thread.join(5)
-    assert not thread.is_alive() and _gone(pid)
+    assert not thread.is_alive()
+    assert_gone([pid], within=5)
     assert isinstance(failed[0], DiscoveryError), failed
     with pytest.raises(DiscoveryError, match="the job is over"):
         discovery.find()
@@ -143,7 +137,7 @@ def test_an_interrupted_run_leaves_nothing_running(
     monkeypatch.setattr(subprocess.Popen, "communicate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ScriptDiscovery(f"echo $$ > {pidfile}; sleep 60").find()
-    assert _gone(int(pidfile.read_text()))
+    assert_gone([int(pidfile.read_text())], within=5)
 
 
 def _catch(call: Callable[[], object], into: list[BaseException]) -> None:

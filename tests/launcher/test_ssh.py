@@ -25,6 +25,7 @@ import pytest
 from launcher.output import RANK_COLOURS
 from tests.cluster import Cluster, ClusterHost, assert_hosts_clean
 from tests.launcher.reports import placements
+from tests.processes import assert_gone
 
 SCRIPTS = Path(__file__).parent / "scripts"
 PY = sys.executable
@@ -45,23 +46,6 @@ def wait_for_pids(proc: subprocess.Popen[str], count: int) -> list[int]:
             raise AssertionError(f"hvdrun ended early ({proc.wait()}): {stderr}")
         pids += worker_pids(line)
     return pids
-
-
-def assert_gone(pids: list[int], within: float) -> None:
-    deadline = time.monotonic() + within
-    alive = pids
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"processes still running: {alive}")
 
 
 def start_job(cluster: Cluster, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
