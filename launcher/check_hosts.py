@@ -95,7 +95,7 @@ def probe_agents(
         plan = plan_rendezvous(agents, explicit_addr)
     listener = Listener(plan.bind_host)
     try:
-        addresses = host_addresses(agents, plan)
+        addresses = host_addresses(agents, plan.addr_host)
         mesh = len(agents) > 1
 
         def probe(agent: AgentConnection) -> None:

@@ -376,7 +376,7 @@ def _supervise(
     try:
         server.put_values(spec.preset)
         rank0 = next(slot.hostname for slot in slots if slot.rank == 0)
-        addresses = host_addresses(agents, plan)
+        addresses = host_addresses(agents, plan.addr_host)
         master = master_env(spec, agents, slots, rendezvous_addr(plan, rank0, port), addresses)
         for agent in agents:
             host = agent.hostname

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from launcher.errors import LauncherError
@@ -289,15 +289,18 @@ def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> 
     return RendezvousPlan("::" if ipv6 else "0.0.0.0", 0, addr_host)
 
 
-def host_addresses(agents: Sequence[AgentConnection], plan: RendezvousPlan) -> dict[str, str]:
+def host_addresses(
+    agents: Sequence[AgentConnection], addr_host: Mapping[str, str]
+) -> dict[str, str]:
     """The address by which this machine reaches each host of the job: a remote host's SSH
-    target, resolved here; this machine's own, the address it faces the remote hosts with.
-    Loopback and unresolvable ones are left out."""
+    target, resolved here; this machine's own, the address it faces the remote hosts with
+    (``addr_host``: a :class:`RendezvousPlan`'s, by host). Loopback and unresolvable ones
+    are left out."""
     found: dict[str, str] = {}
     for agent in agents:
         target = getattr(agent, "target", None)
         if agent.kind == "local" or target is None:
-            address: str | None = plan.addr_host.get(agent.hostname)
+            address: str | None = addr_host.get(agent.hostname)
         else:
             address = resolve(target.hostname)
         if address and not is_loopback(address):
@@ -318,8 +321,7 @@ def member_peers(
     being where its workers dial the rendezvous): whom ``agent``'s workers connect to, so
     that its host chooses the interface toward them (the ``peers`` of a fixed job)."""
     dialled = {member.hostname: dial_host(member, members, explicit) for member in members}
-    addresses = host_addresses(members, RendezvousPlan("", 0, dialled))
-    return peer_addresses(addresses, agent.hostname)
+    return peer_addresses(host_addresses(members, dialled), agent.hostname)
 
 
 def _has_port(text: str) -> bool:

@@ -109,7 +109,7 @@ def test_the_launcher_tells_each_agent_its_peers_addresses() -> None:
         SimpleNamespace(hostname="n3", kind="ssh", target=SimpleNamespace(hostname="127.0.0.1")),
     ]
     plan = RendezvousPlan("0.0.0.0", 0, {"localhost": "10.1.0.1", "n1": "10.1.0.1"})
-    assert host_addresses(agents, plan) == {  # type: ignore[arg-type]
+    assert host_addresses(agents, plan.addr_host) == {  # type: ignore[arg-type]
         "localhost": "10.1.0.1",
         "n1": "10.1.0.11",
         "n2": "10.9.0.2",
