@@ -19,7 +19,7 @@ from collectives.process_sets import add_process_set
 
 __all__ = ["barrier", "handle_average_backwards_compatibility", "init", "join"]
 
-logger = logging.getLogger("collectives")
+logger = logging.getLogger(__name__)
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:

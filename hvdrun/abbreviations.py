@@ -194,11 +194,6 @@ FOREIGN_OPTIONS: Mapping[str, str] = {
 }
 
 
-def foreign_hint(word: str) -> str | None:
-    """What to use for another launcher's option ``word`` (``--oversubscribe``), if known."""
-    return FOREIGN_OPTIONS.get(word.split("=", 1)[0])
-
-
 def _one_of(spellings: list[str]) -> str:
     return (
         spellings[0] if len(spellings) == 1 else f"{', '.join(spellings[:-1])} or {spellings[-1]}"
@@ -245,9 +240,9 @@ class _AbbreviatingParser(_ClickParser):
 
     def _foreign(self, word: str) -> None:
         """Raises the error for another launcher's option, saying what to use instead."""
-        hint = foreign_hint(word)
+        name = word.split("=", 1)[0]
+        hint = FOREIGN_OPTIONS.get(name)
         if hint is not None:
-            name = word.split("=", 1)[0]
             raise click.NoSuchOption(name, message=f"no such option: {name} ({hint})", ctx=self.ctx)
 
     def _no_such_word(self, word: str) -> None:

@@ -190,16 +190,6 @@ def tuning_env(name: str, value: Any) -> dict[str, str]:
 _TIMELINE_SWITCHES = ("timeline_mark_cycles", "timeline_all_ranks")
 
 
-#: The autotuner's settings: with autotune off they do nothing.
-_AUTOTUNE_SETTINGS = (
-    "autotune_log_file",
-    "autotune_warmup_samples",
-    "autotune_steps_per_sample",
-    "autotune_bayes_opt_max_samples",
-    "autotune_gaussian_process_noise",
-)
-
-
 def tuning_notes(tuning: Mapping[str, Any], env: Mapping[str, str]) -> list[str]:
     """The notes for tuning flags that will do nothing, which the workers would ignore
     without a word: a timeline switch turned on while no timeline file is set (by
@@ -216,7 +206,7 @@ def tuning_notes(tuning: Mapping[str, Any], env: Mapping[str, str]) -> list[str]
     if not we.flag(we.AUTOTUNE, env):
         notes += [
             f"note: --{name.replace('_', '-')} has no effect without --autotune"
-            for name in _AUTOTUNE_SETTINGS
-            if tuning.get(name) is not None
+            for name in _SETTINGS
+            if name.startswith("autotune_") and tuning.get(name) is not None
         ]
     return notes
