@@ -696,9 +696,8 @@ def apply_settings(
     """Writes the worker variables of hvdrun's flags, by parameter, into ``env``. One rule
     for all: a flag given on the command line wins over ``-x``; ``-x`` (of either spelling,
     ``HVDRUN_*`` or ``HOROVOD_*``) wins over the config file's value and over the flag's own
-    environment variable. Returns where each variable written came from (``--dry-run``
-    says it): the flag, the config file's key, or the flag's variable in hvdrun's own
-    environment."""
+    environment variable. Returns where the variables written came from (``--dry-run``
+    says it), where that is the flag or the config file's key."""
     ctx = click.get_current_context()
     origins: dict[str, str] = {}
     for param, variables in settings.items():
@@ -708,22 +707,22 @@ def apply_settings(
             if below and any(spelling in exported for spelling in _spellings(name)):
                 continue
             env[name] = value
-            origins[name] = _origin(ctx, param, source)
+            origin = _origin(ctx, param, source)
+            if origin is not None:
+                origins[name] = origin
     return origins
 
 
-def _origin(ctx: click.Context, name: str, source: click.core.ParameterSource | None) -> str:
-    """Where parameter ``name``'s value came from, in words."""
-    option = next((p for p in ctx.command.params if p.name == name), None)
+def _origin(ctx: click.Context, name: str, source: click.core.ParameterSource | None) -> str | None:
+    """Where parameter ``name``'s value came from, in words: the config file's key, or the
+    flag spelled out (``--fusion-threshold-mb``); None otherwise (a flag's variable in
+    hvdrun's environment: the variable itself says it)."""
     if source == click.core.ParameterSource.DEFAULT_MAP:
         return config_keys(ctx).get(name, "the config file")
-    if source == click.core.ParameterSource.ENVIRONMENT and option is not None and option.envvar:
-        names = [option.envvar] if isinstance(option.envvar, str) else list(option.envvar)
-        given = next((n for n in names if os.environ.get(n)), names[0])
-        return f"{given} in hvdrun's environment"
-    if option is None or not option.opts:
-        return name
-    return max(option.opts, key=len)  # (the flag, spelled out: --fusion-threshold-mb)
+    option = next((p for p in ctx.command.params if p.name == name), None)
+    if source != click.core.ParameterSource.COMMANDLINE or option is None or not option.opts:
+        return None
+    return max(option.opts, key=len)
 
 
 def _spellings(name: str) -> tuple[str, ...]:
