@@ -2,7 +2,8 @@
 
 Splitting happens where the worker runs (in its host's agent), so a line always travels
 whole and two ranks can never interleave inside one line. ``\\n``, ``\\r\\n`` and a bare
-``\\r`` (progress bars) each end a line; an unterminated tail is flushed at end of stream,
+``\\r`` (progress bars) each end a line (a bare ``\\r`` that ends nothing, as a progress
+bar's first, shows no empty line); an unterminated tail is flushed at end of stream,
 and the part of a line that stays buffered across reads is cut every ``max_line`` bytes
 rather than buffered forever (a line within one read may be longer).
 
@@ -50,7 +51,8 @@ class Piece(NamedTuple):
     """A piece of a stream: a line's ``text``, and the ``end`` that followed it there
     (``\\n``, ``\\r\\n``, ``\\r``, or nothing for a cut or unterminated line), so that the
     pieces put back together are the stream's bytes. A ``\\n`` that completes the ``\\r``
-    ending the previous chunk comes alone, not ``shown`` (it ends no line of its own)."""
+    ending the previous chunk comes alone, not ``shown`` (it ends no line of its own);
+    nor is an empty piece that a bare ``\\r`` ends."""
 
     text: bytes
     end: bytes = b"\n"
@@ -65,6 +67,7 @@ class LineSplitter:
         self._buf = bytearray()
         self._max_line = max_line
         self._skip_lf = False  # the last chunk ended in '\r'; a leading '\n' belongs to it
+        self._skipped_cr = False  # and that '\r' ended nothing, so was not shown
 
     def feed(self, chunk: bytes) -> list[bytes]:
         return [piece.text for piece in self.split(chunk) if piece.shown]
@@ -77,8 +80,9 @@ class LineSplitter:
         pieces: list[Piece] = []
         if self._skip_lf and chunk.startswith(b"\n"):
             chunk = chunk[1:]
-            pieces.append(Piece(b"", b"\n", shown=False))
-        self._skip_lf = False
+            # (an empty line's CR LF, cut between two chunks, is a line after all)
+            pieces.append(Piece(b"", b"\n", shown=self._skipped_cr))
+        self._skip_lf = self._skipped_cr = False
         start = 0
         n = len(chunk)
         while start < n:
@@ -97,7 +101,11 @@ class LineSplitter:
                     terminator = b"\r\n"
                 elif start == n:
                     self._skip_lf = True
-            pieces.append(Piece(bytes(self._buf), terminator))
+            # A bare '\r' that ends nothing (a progress bar's first '\r', or one after a
+            # line's end) is no line of its own to show.
+            shown = bool(self._buf) or terminator != b"\r"
+            self._skipped_cr = not shown
+            pieces.append(Piece(bytes(self._buf), terminator, shown))
             self._buf.clear()
         self._buf += chunk[start:]
         while len(self._buf) >= self._max_line:

@@ -30,6 +30,15 @@ def test_carriage_returns_end_lines_and_crlf_is_one_terminator() -> None:
     assert split_all([b"x\r", b"\r", b"\n"]) == [b"x", b""]
 
 
+def test_a_bare_carriage_return_that_ends_nothing_shows_no_empty_line() -> None:
+    """A progress bar writes '\\r' before each state: its first (after a line's end, or at
+    the stream's start) is no line, while an empty CR LF line still is one."""
+    bar = [b"\r 0%", b"\r 50%", b"\r100%", b"\n"]
+    assert split_all(bar) == [b" 0%", b" 50%", b"100%"]
+    assert split_all([b"epoch 1\n\r\r 0%\r", b"\r100%\n"]) == [b"epoch 1", b" 0%", b"100%"]
+    assert split_all([b"a\r", b"\r", b"\nb\n"]) == split_all([b"a\r\r\nb\n"]) == [b"a", b"", b"b"]
+
+
 @pytest.mark.parametrize(
     "chunks",
     [
@@ -37,6 +46,7 @@ def test_carriage_returns_end_lines_and_crlf_is_one_terminator() -> None:
         [b"x\r", b"\r", b"\n", b"\n"],
         [b"\xff\xfe binary\x00\n", b"abcdefghij", b"klm"],  # (cut lines, an unterminated tail)
         [b"a\r\n\r\n\n\rb"],
+        [b"\r0%\r", b"\r50%\r\r", b"\n\r", b"\n"],
     ],
 )
 def test_the_pieces_put_back_together_are_the_stream(chunks: list[bytes]) -> None:
