@@ -39,6 +39,7 @@ from collectives.engine.requests import (
     KIND_BY_TEXT,
     RECORD,
     Kind,
+    adasum_name,
     check_alltoall,
     describe_mismatch,
     label,
@@ -300,16 +301,15 @@ def check(entry: Entry, members: list[int], joined: dict[int, int]) -> Collectiv
         gone = [r for r in members if r in joined]
         if gone:
             kind = entry.kind.label
-            article = "an" if kind[0] in "aeiou" else "a"
-            hint = (  # (sparse gradients are reduced by allgathers)
-                "; with sparse gradients pass sparse_as_dense=True to DistributedOptimizer"
-                if entry.kind == Kind.ALLGATHER
-                else ""
-            )
+            what = f"as in Horovod {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+            hint = "only allreduce can"
+            if adasum_name(entry.kind, entry.name) is not None:  # (travels as an allgather)
+                what, hint = "an Adasum allreduce", "allreduces with another op can"
+            elif entry.kind == Kind.ALLGATHER:  # (sparse gradients are reduced by allgathers)
+                hint += "; with sparse gradients pass sparse_as_dense=True to DistributedOptimizer"
             return NotSupportedWithJoinError(
-                f"{label(entry.kind, entry.name)}: rank(s) {gone} called hvd.join(), and as "
-                f"in Horovod {article} {kind} cannot run while a rank has joined (only "
-                f"allreduce can){hint}"
+                f"{label(entry.kind, entry.name)}: rank(s) {gone} called hvd.join(), and "
+                f"{what} cannot run while a rank has joined ({hint})"
             )
     if entry.kind == Kind.ALLTOALL:
         error = check_alltoall(entry.name, members, entry.vars)

@@ -219,6 +219,15 @@ def test_ops_join_does_not_support_are_refused_while_a_rank_has_joined() -> None
         # A set without the joined rank is not affected.
         assert check(entry, [1, 2], table.joined) is None
         table.pop(entry)
+    # An Adasum allreduce travels as an allgather, and is named as what the script called.
+    signature = sig(Kind.ALLGATHER, (), torch.ones(2))
+    record = "\x1f".join(["1", "0", "allgather.adasum.allreduce.g", signature, "2"])
+    touched, _ = table.add(1, record.encode(), cycle=2, now=0.0)
+    error = check(touched[0], [0, 1, 2], table.joined)
+    assert isinstance(error, NotSupportedWithJoinError)
+    assert "Adasum allreduce cannot run" in str(error) and "allgather" not in str(error), error
+    assert "'g'" in str(error) and "sparse" not in str(error)
+    table.pop(touched[0])
     record = "\x1f".join(["0", "0", "allreduce.y", sig(Kind.ALLREDUCE, (1, 1.0, 1.0),
                                                           torch.ones(2)), ""])  # fmt: skip
     touched, _ = table.add(1, record.encode(), cycle=2, now=0.0)

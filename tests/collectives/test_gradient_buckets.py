@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from collectives.torch.optim.gradient_buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, plan_buckets
+from collectives.torch.optim.gradient_buckets import (
+    BUCKET_BYTES,
+    FIRST_BUCKET_BYTES,
+    parameter_names,
+    plan_buckets,
+)
 
 
 def _named(
@@ -49,3 +54,18 @@ def test_horovod_groups() -> None:
     assert _plan(names, 9) == [[n] for n in ("p0", "p1", "p2", "p3", "p4")]
     assert _plan(names, [[params[3], params[0]]]) == [["p3", "p0"], ["p1"], ["p2"], ["p4"]]
     assert plan_buckets(params, names, [[params[1]]])[0].name == "p1"
+
+
+def test_a_tied_weight_listed_under_two_names_keeps_one_name() -> None:
+    """named_parameters(remove_duplicate=False) lists a tied weight under each of its
+    names: accepted, as by Horovod, and every rank picks the same name (the last in sorted
+    order), so that the gradient is reduced once under one name."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight  # tied
+    named = list(model.named_parameters(remove_duplicate=False))
+    assert [name for name, _ in named] == ["0.weight", "1.weight"]
+    groups = [{"params": list(model.parameters())}]
+    assert parameter_names(named, groups, groups[0]["params"]) == {model[0].weight: "1.weight"}
+    assert parameter_names(named[::-1], groups, groups[0]["params"]) == {
+        model[0].weight: "1.weight"
+    }

@@ -54,7 +54,6 @@ CHECKS = [
     "sampler.made_before_init",
     "names.missing",
     "names.duplicate",
-    "names.twice",
     "names.not_pairs",
     "names.groups_twice",
     "sparse.allgather",

@@ -189,7 +189,8 @@ def parameter_names(
     param_groups: list[dict[str, Any]],
     all_params: list[torch.Tensor],
 ) -> dict[torch.Tensor, str]:
-    """Each parameter's name, checked as Horovod does (no duplicates, none missing)."""
+    """Each parameter's name, checked as Horovod does (no name twice, no parameter
+    missing; a parameter under two names is allowed and keeps one)."""
     if named_parameters is not None:
         named = list(named_parameters)
         if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
@@ -216,12 +217,11 @@ def parameter_names(
                 f"named_parameters must hold (str, tensor) pairs, got "
                 f"({type(name).__name__}, {type(param).__name__})"
             )
-        if param in by_param:
-            raise ValueError(
-                f"parameter {name!r} appears in named_parameters twice (also as "
-                f"{by_param[param]!r})"
-            )
-        by_param[param] = name
+        # A parameter listed under two names (tied weights, with
+        # named_parameters(remove_duplicate=False)) keeps one, the same on every rank: as
+        # in Horovod, the last in sorted order.
+        known = by_param.get(param)
+        by_param[param] = name if known is None else max(name, known)
     unnamed = [param for param in all_params if param not in by_param]
     if unnamed:
         shapes = ", ".join(str(tuple(p.shape)) for p in unnamed[:5])

@@ -379,7 +379,6 @@ def main() -> None:
         for label, bad, text in (
             ("missing", named[:-1], "are not in it"),
             ("duplicate", [*named[:-1], (named[0][0], named[-1][1])], "unique"),
-            ("twice", [*named, ("again", named[0][1])], "twice"),
             ("not_pairs", [p for _, p in named], "tuples"),
         ):
             try:
