@@ -5,8 +5,9 @@ ranks submitting different names, or of one rank skipping a step. Every member o
 set holds the same negotiation table, so the set's first member alone inspects it (as
 Horovod's coordinator does): after
 ``HVDRUN_STALL_CHECK_TIME_SECONDS`` (60) it logs which ops wait for which ranks, again every
-such period; after ``HVDRUN_STALL_SHUTDOWN_TIME_SECONDS`` (0 = never) it asks the engine to
-stop the job's collectives, which every rank then does in the same cycle.
+such period; after ``HVDRUN_STALL_SHUTDOWN_TIME_SECONDS`` (0 = never; as in Horovod, a
+time below the check time is never too) it asks the engine to stop the job's collectives,
+which every rank then does in the same cycle.
 
 One stall is certain to be a deadlock: unnamed ops whose counters diverged across ranks
 (:func:`diverged`). An unnamed op that waits for a rank which has already submitted a later
@@ -121,6 +122,20 @@ class StallInspector:
         )
         self._rank = rank
         self._last_check = 0.0
+        # As in Horovod, a shutdown time below the check time means no shutdown (a job that
+        # ran under Horovod with one must not be stopped here).
+        self._shutdown = config.stall_shutdown_seconds
+        if 0 < self._shutdown < config.stall_warning_seconds:
+            if self._active and process_set_id == 0:
+                logger.warning(
+                    "HVDRUN_STALL_SHUTDOWN_TIME_SECONDS=%g is less than "
+                    "HVDRUN_STALL_CHECK_TIME_SECONDS=%g: as in Horovod, a stall will not "
+                    "shut the job down (set it above %g s)",
+                    self._shutdown,
+                    config.stall_warning_seconds,
+                    config.stall_warning_seconds,
+                )
+            self._shutdown = 0.0
         # The ranks waiting in hvd.join() (the global set's, which the engine sets for
         # the inspectors of other sets): an op of another set waits for such a member.
         self.joined: Callable[[], Collection[int]] = frozenset
@@ -139,7 +154,7 @@ class StallInspector:
             for entry in table.entries.values()
             if entry.kind != Kind.JOIN
         ]
-        warning, shutdown = cfg.stall_warning_seconds, cfg.stall_shutdown_seconds
+        warning, shutdown = cfg.stall_warning_seconds, self._shutdown
         limit = min(t for t in (warning, shutdown) if t > 0)
         old = {id(entry) for w, entry in waited if w >= limit}
         if old and (

@@ -199,6 +199,28 @@ def test_mismatch_errors_say_what_the_script_submitted() -> None:
     assert "missing ranks [2]" in report and "one name, different ops" not in report, report
 
 
+def test_a_shutdown_time_below_the_check_time_never_shuts_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As in Horovod: a job that ran there with such a setting must not be stopped here."""
+    table = Table(size=2)
+    table.add(0, FIELD.join(["0", "0", "allreduce.y", _sum(torch.ones(3)), ""]).encode(), 1, 100.0)
+    config = EngineConfig(stall_warning_seconds=5.0, stall_shutdown_seconds=2.0)
+    with caplog.at_level("WARNING", logger="collectives.engine"):
+        inspector = StallInspector(config, rank=0, inspects=True)
+        assert not inspector.check(table, lambda entry: [0, 1], 103.0)
+        assert not inspector.check(table, lambda entry: [0, 1], 500.0)  # warns only
+    said = [record.getMessage() for record in caplog.records]
+    assert said[0].startswith(
+        "HVDRUN_STALL_SHUTDOWN_TIME_SECONDS=2 is less than HVDRUN_STALL_CHECK_TIME_SECONDS=5: "
+        "as in Horovod, a stall will not shut the job down"
+    ), said
+    assert "missing ranks [1]" in said[1], said
+    # At or above the check time it shuts down.
+    config = EngineConfig(stall_warning_seconds=5.0, stall_shutdown_seconds=5.0)
+    assert StallInspector(config, rank=0, inspects=True).check(table, lambda e: [0, 1], 105.5)
+
+
 def test_one_name_given_to_different_ops_stops_the_job_at_the_stall_check_time() -> None:
     # Horovod refuses such ops (mismatched operations); here they waited forever, warned of
     # every 60 s, since no shutdown time is set by default.

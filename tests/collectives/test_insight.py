@@ -573,7 +573,11 @@ def test_a_deadlock_names_no_rank_and_counts_no_waiting(tmp_path: Path) -> None:
     # Each rank waits on an op the other never submits: the engines go on with rounds that
     # make nothing ready, and which rank comes last in them is chance; the stall inspector
     # ends the job. No rank held the others back.
-    code, output, report = _job(tmp_path, DEADLOCK, "--stall-check-shutdown-time-seconds", "8")
+    code, output, report = _job(
+        tmp_path,
+        DEADLOCK,
+        *("--stall-check-warning-time-seconds", "4", "--stall-check-shutdown-time-seconds", "8"),
+    )
     assert code == 1 and "the stall inspector stopped the job's collectives" in output, output
     assert "holding the job back" not in output, output
     document = _report(report)

@@ -16,7 +16,12 @@ WORKER = WORKERS / "torch_semantics_worker.py"
 def test_broadcast_optimizer_state_takes_horovods_dummy_step() -> None:
     # A dummy step that reduced (a DistributedOptimizer's own step) would wait for a rank
     # that takes none: the stall shutdown turns that into a failure instead of a hang.
-    options = ["--stall-check-shutdown-time-seconds", "20"]
+    options = [
+        "--stall-check-warning-time-seconds",
+        "10",
+        "--stall-check-shutdown-time-seconds",
+        "20",
+    ]
     code, output = run_hvdrun(2, WORKER, "state", options=options)
     checks = [
         f"dummy.{label}.{check}"

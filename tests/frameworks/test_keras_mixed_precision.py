@@ -20,7 +20,7 @@ WORKER = Path(__file__).parent / "workers" / "keras_mixed_worker.py"
 def test_an_overflow_on_one_rank_is_skipped_by_every_rank(keras: str) -> None:
     # (the stall shutdown ends a job whose ranks stopped agreeing, instead of a hang;
     # own-scale: the script wraps a LossScaleOptimizer of its own)
-    env = {"HVDRUN_STALL_SHUTDOWN_TIME_SECONDS": "20"}
+    env = {"HVDRUN_STALL_CHECK_TIME_SECONDS": "10", "HVDRUN_STALL_SHUTDOWN_TIME_SECONDS": "20"}
     if keras.startswith("tf_keras"):
         env.update(TF_USE_LEGACY_KERAS="1", OPTIMIZER_V2="1" if keras.endswith("v2") else "")
         env.update(OWN_LOSS_SCALE="1" if keras.endswith("own-scale") else "")
