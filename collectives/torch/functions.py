@@ -4,8 +4,10 @@
 fused buffer per device rather than one collective per tensor.
 
 ``broadcast_optimizer_state`` sends root's ``optimizer.state_dict()`` as a picklable skeleton
-(hyper-parameters, step counts, the structure) plus all its tensors in one fused broadcast;
-the other ranks rebuild the state dict and ``load_state_dict`` it. That way the result is
+(hyper-parameters, step counts, the structure), in one allgather that also carries every
+rank's outline of its optimizer (so ranks whose optimizers differ all fail alike, first),
+plus all its tensors in one fused broadcast; the other ranks rebuild the state dict and
+``load_state_dict`` it. That way the result is
 exactly root's state, whatever the optimizer keeps (scalars, tensors, nested lists) and
 whatever state the other ranks had.
 
@@ -136,20 +138,68 @@ def broadcast_optimizer_state(
         )
     if not optimizer.state_dict()["state"]:
         _dummy_step(optimizer, model)
-    skeleton_name = "broadcast_optimizer_state.skeleton"
-    if runtime.rank() == root_rank:
-        tensors: list[torch.Tensor] = []
-        skeleton = _strip(optimizer.state_dict(), tensors)
-        broadcast_object(skeleton, root_rank, name=skeleton_name, process_set=process_set)
+    # One allgather carries every rank's outline of its optimizer and root's skeleton: ranks
+    # whose optimizers differ (class, parameter groups, shapes) all fail alike, before any
+    # state moves, instead of one rank failing in load_state_dict while the others go on.
+    what = "hvd.broadcast_optimizer_state()"
+    _, group = ops.resolve_process_set(process_set, what)
+    members = list(group.ranks)
+    root_index = ops.root_index(root_rank, group, what)
+    root = runtime.rank() == root_rank
+    tensors: list[torch.Tensor] = []
+    mine = (_outline(optimizer), _strip(optimizer.state_dict(), tensors) if root else None)
+    gathered = allgather_object(mine, name="broadcast_optimizer_state", process_set=process_set)
+    outlines = {rank: outline for rank, (outline, _) in zip(members, gathered, strict=True)}
+    differ = _differences(outlines, root_rank)
+    if differ:
+        raise ValueError(
+            f"{what}: the ranks' optimizers differ, so root "
+            f"{root_rank}'s state fits no other: {differ}; build the same optimizer over "
+            "the same model on every rank"
+        )
+    if root:
         _broadcast_by_device(tensors, [t.device.type for t in tensors], root_rank, process_set)
         return
-    skeleton = broadcast_object(None, root_rank, name=skeleton_name, process_set=process_set)
+    skeleton = gathered[root_index][1]
     slots: list[_TensorSlot] = []
     _strip_slots(skeleton, slots)
     ordered = sorted(slots, key=lambda s: s.index)
     received = [_empty_for(slot) for slot in ordered]
     _broadcast_by_device(received, [slot.device_type for slot in ordered], root_rank, process_set)
     optimizer.load_state_dict(_fill(skeleton, received))
+
+
+def _outline(optimizer: torch.optim.Optimizer) -> tuple[str, list[list[tuple[int, ...]]]]:
+    """What must be alike on every rank for root's state to fit: the optimizer's own class
+    (a DistributedOptimizer's wrapped one) and its parameter groups' shapes."""
+    own = type(optimizer).__bases__[-1] if _distributed(optimizer) else type(optimizer)
+    return own.__name__, [[tuple(p.shape) for p in g["params"]] for g in optimizer.param_groups]
+
+
+def _differences(outlines: dict[int, Any], root_rank: int) -> str:
+    """How each rank's outline differs from root's ('' if none does)."""
+    kind, groups = outlines[root_rank]
+    said: list[str] = []
+    for rank, (other_kind, other_groups) in sorted(outlines.items()):
+        if other_kind != kind:
+            said.append(f"rank {rank} has {other_kind} where rank {root_rank} has {kind}")
+        elif [len(g) for g in other_groups] != [len(g) for g in groups]:
+            said.append(
+                f"rank {rank}'s parameter groups hold {[len(g) for g in other_groups]} "
+                f"parameters where rank {root_rank}'s hold {[len(g) for g in groups]}"
+            )
+        elif other_groups != groups:
+            g, i, theirs, ours = next(
+                (g, i, a, b)
+                for g, (xs, ys) in enumerate(zip(other_groups, groups, strict=True))
+                for i, (a, b) in enumerate(zip(xs, ys, strict=True))
+                if a != b
+            )
+            said.append(
+                f"rank {rank}'s parameter {i} of group {g} has shape {list(theirs)} where "
+                f"rank {root_rank}'s has {list(ours)}"
+            )
+    return "; ".join(said)
 
 
 def _broadcast_by_device(
@@ -190,11 +240,15 @@ def _own_step(optimizer: torch.optim.Optimizer) -> None:
     """The wrapped optimizer's own step. ``hvd.DistributedOptimizer`` returns an instance of
     a class made from (its mixin, the optimizer's class), with the optimizer's class last
     among its bases; its step() would reduce the gradients (and Adasum's does not step)."""
-    if hasattr(optimizer, "skip_synchronize") and hasattr(optimizer, "synchronize"):
+    if _distributed(optimizer):
         own: Any = type(optimizer).__bases__[-1]
         own.step(optimizer)
     else:
         optimizer.step()
+
+
+def _distributed(optimizer: torch.optim.Optimizer) -> bool:
+    return hasattr(optimizer, "skip_synchronize") and hasattr(optimizer, "synchronize")
 
 
 def _strip_slots(obj: Any, slots: list[_TensorSlot]) -> None:

@@ -76,6 +76,9 @@ CHECKS = [
         for what in ("equal_root", "same_after_steps")
     ),
     "state.lbfgs_raises",
+    "state.differ.class",
+    "state.differ.groups",
+    "state.differ.goes_on",
     "broadcast_parameters.pairs",
     "objects.broadcast",
     "objects.allgather",

@@ -459,6 +459,26 @@ def main() -> None:
             c.expect("state.lbfgs_raises", False, "no error")
         except ValueError as error:
             c.expect("state.lbfgs_raises", "LBFGS" in str(error), error)
+        # Optimizers that differ across ranks: every rank fails alike, naming the difference,
+        # and the job goes on.
+        for label, build, text in (
+            (
+                "class",
+                lambda m: torch.optim.Adam(m.parameters()) if r == 0 else sgd(m.parameters()),
+                "rank 1 has SGD where rank 0 has Adam",
+            ),
+            (
+                "groups",
+                lambda m: sgd(list(m.parameters())[: 2 if r == 0 else 1]),
+                "rank 1's parameter groups hold [1] parameters where rank 0's hold [2]",
+            ),
+        ):
+            try:
+                hvd.broadcast_optimizer_state(build(make_model()), root_rank=0)
+                c.expect(f"state.differ.{label}", False, "no error")
+            except ValueError as error:
+                c.expect(f"state.differ.{label}", text in str(error), error)
+        c.expect("state.differ.goes_on", float(hvd.allreduce(torch.ones(1), op=hvd.Sum)) == n)
         # broadcast_parameters takes a list of (name, tensor) pairs as well as a dict.
         model = make_model(r)
         hvd.broadcast_parameters(list(model.named_parameters()), root_rank=n - 1)
