@@ -172,7 +172,6 @@ _TORCHRUN_OPTIONS = (
 #: Other launchers' options typed here out of habit (those that are not a prefix of one of
 #: hvdrun's own: ``--host`` is ``--hosts``), and what to use instead.
 FOREIGN_OPTIONS: Mapping[str, str] = {
-    "-n": "mpirun's and srun's count: hvdrun takes -np N",
     "--np": "mpirun's spelling: hvdrun takes -np N",
     "--ntasks": "srun's count: hvdrun takes -np N",
     **dict.fromkeys(

@@ -18,7 +18,13 @@ import click
 from hvdrun.abbreviations import AbbreviatingCommand
 from hvdrun.calls import FunctionCall
 from hvdrun.command_check import check_command, hidden_packages_note
-from hvdrun.config_file import config_env, config_file_option, config_key, config_keys
+from hvdrun.config_file import (
+    config_env,
+    config_file_option,
+    config_key,
+    config_keys,
+    config_warnings,
+)
 from hvdrun.dry_run import dry_run_option
 from hvdrun.elastic_flags import (
     PROCESSES,
@@ -34,6 +40,7 @@ from hvdrun.horovod_flags import (
     check_local_interfaces,
     horovod_options,
     interfaces,
+    named_interfaces,
     notices,
 )
 from hvdrun.logging_setup import LogSettings, configure_logging, logging_options
@@ -117,6 +124,7 @@ def _check_build(ctx: click.Context, param: click.Parameter, value: bool) -> Non
 @click.command(cls=HvdrunCommand, context_settings=CONTEXT_SETTINGS)
 @click.option(
     "-np",
+    "-n",
     "--num-proc",
     "num_proc",
     type=PROCESSES,
@@ -202,6 +210,7 @@ def _check_build(ctx: click.Context, param: click.Parameter, value: bool) -> Non
 @click.option(
     "--network-interface",
     multiple=True,
+    callback=named_interfaces,
     metavar="IFNAME[,IFNAME]",
     help="Interface(s) for Gloo and NCCL on every host (default: the one facing the "
     "rendezvous); sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME.",
@@ -424,7 +433,8 @@ def cli(
     if not dry_run:
         report.check(env, local_only)
     unused_notes += tuning_notes(tuning, env)
-    for notice in [*unused_notes, *notices(compat, env, host_list, num_proc)]:
+    ignored = config_warnings(click.get_current_context())
+    for notice in [*ignored, *unused_notes, *notices(compat, env, host_list, num_proc)]:
         click.echo(f"hvdrun: {notice}", err=True)
 
     # Imported here so that --version, --help and input errors stay instant.

@@ -17,8 +17,9 @@
 Sections ``params``, ``autotune``, ``timeline``, ``stall_check``, ``library_options`` and
 ``logging`` (and Horovod's top-level ``controller: gloo``), with Horovod's key names. A
 flag on the command line wins over the file, and so does the flag's ``HOROVOD_*`` variable
-where it has one. Unknown sections and keys and values of the wrong kind are one-line
-errors that name the key, so a misspelt setting never goes unnoticed.
+where it has one. Values of the wrong kind are one-line errors that name the key. Unknown
+sections and keys are ignored, as horovodrun ignores them, each with a warning that names it
+(and the known name it is closest to), so a misspelt setting never goes unnoticed.
 
 The file's values become the defaults of the command's own flags (click's ``default_map``);
 a key whose flag this command does not have reaches the workers as its ``HOROVOD_*``
@@ -96,8 +97,9 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "mpi_threads_disable": Key("mpi_threads_disable", BOOL, "HOROVOD_MPI_THREADS_DISABLE"),
         "num_nccl_streams": Key("num_nccl_streams", INTEGER, "HOROVOD_NUM_NCCL_STREAMS"),
         "thread_affinity": Key("thread_affinity", INTEGER, "HOROVOD_THREAD_AFFINITY"),
-        # Horovod 0.28's file also spells it ccl_bgt_affinity.
+        # Horovod 0.28's file also spells it ccl_bgt_affinity, older ones mlsl_bgt_affinity.
         "ccl_bgt_affinity": Key("thread_affinity", INTEGER, "HOROVOD_THREAD_AFFINITY"),
+        "mlsl_bgt_affinity": Key("thread_affinity", INTEGER, "HOROVOD_THREAD_AFFINITY"),
         "gloo_timeout_seconds": Key("gloo_timeout_seconds", NUMBER, "HOROVOD_GLOO_TIMEOUT_SECONDS"),
     },
     "logging": {
@@ -121,6 +123,8 @@ class ConfigValues:
     defaults: dict[str, Any]
     #: The key that set each of them (``library_options.gloo_timeout_seconds``), for errors.
     keys: dict[str, str] = field(default_factory=dict)
+    #: A warning for each unknown section or key, which is ignored.
+    ignored: list[str] = field(default_factory=list)
 
 
 def _suggest(name: str, known: list[str]) -> str:
@@ -163,6 +167,7 @@ def parse_config(data: Any, source: str) -> ConfigValues:
         raise ConfigFileError(f"config file {source}: expected sections such as 'params:'")
     defaults: dict[str, Any] = {}
     keys_of: dict[str, str] = {}
+    ignored: list[str] = []
     for section, body in data.items():
         where = f"config file {source}: {section}"
         if section == "controller":
@@ -175,10 +180,8 @@ def parse_config(data: Any, source: str) -> ConfigValues:
                 raise ConfigFileError(f"{where}: mpi: {advice}")
             continue
         if section not in SECTIONS:
-            raise ConfigFileError(
-                f"config file {source}: unknown section '{section}'"
-                + _suggest(str(section), list(TOP_LEVEL))
-            )
+            ignored.append(_unknown(source, f"section '{section}'", str(section), list(TOP_LEVEL)))
+            continue
         if body is None:
             continue
         if not isinstance(body, dict):
@@ -186,15 +189,21 @@ def parse_config(data: Any, source: str) -> ConfigValues:
         keys = SECTIONS[section]
         for key, value in body.items():
             if key not in keys:
-                raise ConfigFileError(
-                    f"config file {source}: unknown key '{section}.{key}'"
-                    + _suggest(str(key), list(keys))
-                )
+                ignored.append(_unknown(source, f"key '{section}.{key}'", str(key), list(keys)))
+                continue
             spec = keys[key]
             checked = _check(value, spec.kind, f"config file {source}: {section}.{key}")
             defaults[spec.param] = (not checked) if spec.invert else checked
             keys_of[spec.param] = f"{section}.{key}"
-    return ConfigValues(defaults, keys_of)
+    return ConfigValues(defaults, keys_of, ignored)
+
+
+def _unknown(source: str, what: str, name: str, known: list[str]) -> str:
+    """The warning for an unknown section or key, which is ignored as horovodrun ignores it."""
+    return (
+        f"warning: config file {source}: unknown {what}{_suggest(name, known)}: ignored, as "
+        "horovodrun ignores it"
+    )
 
 
 def load_config(path: str) -> ConfigValues:
@@ -241,11 +250,13 @@ def _apply(ctx: click.Context, param: click.Parameter, value: str | None) -> str
     ctx.default_map = default_map
     ctx.meta[ENV_META] = env
     ctx.meta[KEYS_META] = {name: f"config file {value}: {key}" for name, key in config.keys.items()}
+    ctx.meta[IGNORED_META] = config.ignored
     return value
 
 
 ENV_META = "hvdrun.config_file.env"
 KEYS_META = "hvdrun.config_file.keys"
+IGNORED_META = "hvdrun.config_file.ignored"
 
 
 def config_keys(ctx: click.Context) -> dict[str, str]:
@@ -281,3 +292,8 @@ config_file_option = click.option(
 def config_env(ctx: click.Context) -> dict[str, str]:
     """Worker variables from config keys whose flag the command does not have."""
     return dict(ctx.meta.get(ENV_META, {}))
+
+
+def config_warnings(ctx: click.Context) -> list[str]:
+    """The warnings for the config file's unknown sections and keys, which are ignored."""
+    return list(ctx.meta.get(IGNORED_META, []))

@@ -6,7 +6,8 @@ A command line copied from Horovod's documentation must work unchanged. Three ki
   collective waits for a peer), ``--disable-cache`` (horovodrun caches its host checks for an
   hour unless given; hvdrun never caches them, so the flag asks for what already happens).
 * **Passed on, no effect yet**: ``--hierarchical-allreduce``, ``--hierarchical-allgather``,
-  ``--torus-allreduce``, ``--num-nccl-streams``, ``--thread-affinity``,
+  ``--torus-allreduce``, ``--num-nccl-streams``, ``--thread-affinity`` (and its older
+  spellings ``--ccl-bgt-affinity``, ``--mlsl-bgt-affinity``, hidden),
   ``--mpi-threads-disable`` reach every worker under Horovod's ``HOROVOD_*`` names, and
   hvdrun says once that the runtime ignores them.
 * **Real here**, too: ``--tcp``, which (as horovodrun does for Gloo jobs as well) sets
@@ -63,6 +64,19 @@ def _refuse(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     return value
 
 
+def named_interfaces(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+) -> tuple[str, ...]:
+    """Checks ``--network-interface`` and ``--network-interfaces``: a value that names no
+    interface (``""``, ``,``) is a usage error, not a flag that silently sets nothing."""
+    for value in values:
+        if not any(name.strip() for name in value.split(",")):
+            raise click.BadParameter(
+                f"{value!r} names no interface (give IFNAME[,IFNAME], e.g. eth0)", ctx, param
+            )
+    return values
+
+
 _REFUSED_HELP = "Refused: hvdrun does not drive MPI or jsrun; it says what to do instead."
 
 
@@ -85,6 +99,9 @@ NO_EFFECT_VARIABLES: dict[str, str] = {
     "torus_allreduce": "HOROVOD_TORUS_ALLREDUCE",
     "num_nccl_streams": "HOROVOD_NUM_NCCL_STREAMS",
     "thread_affinity": "HOROVOD_THREAD_AFFINITY",
+    # horovodrun's older spellings of --thread-affinity (hidden); given, they win over it.
+    "ccl_bgt_affinity": "HOROVOD_THREAD_AFFINITY",
+    "mlsl_bgt_affinity": "HOROVOD_THREAD_AFFINITY",
     "mpi_threads_disable": "HOROVOD_MPI_THREADS_DISABLE",
 }
 
@@ -145,6 +162,10 @@ _OPTIONS = [
         metavar="CORE",
         help="Passed on as HOROVOD_THREAD_AFFINITY; no effect yet.",
     ),
+    *(
+        click.option(name, type=click.IntRange(min=0), metavar="CORE", hidden=True)
+        for name in ("--ccl-bgt-affinity", "--mlsl-bgt-affinity")
+    ),
     click.option(
         "--mpi-threads-disable/--no-mpi-threads-disable",
         default=None,
@@ -153,6 +174,7 @@ _OPTIONS = [
     click.option(
         "--network-interfaces",
         multiple=True,
+        callback=named_interfaces,
         metavar="IFNAME,IFNAME",
         help="Same as --network-interface (horovodrun's spelling); the two are merged.",
     ),
@@ -195,6 +217,8 @@ class HorovodFlags:
     torus_allreduce: bool | None = None
     num_nccl_streams: int | None = None
     thread_affinity: int | None = None
+    ccl_bgt_affinity: int | None = None
+    mlsl_bgt_affinity: int | None = None
     mpi_threads_disable: bool | None = None
     network_interfaces: tuple[str, ...] = ()
     stall_check: bool = False
@@ -257,7 +281,8 @@ def no_effect_notice(flags: list[str]) -> str | None:
     """The one line hvdrun prints about accepted flags that do nothing yet."""
     if not flags:
         return None
-    variables = ", ".join(NO_EFFECT_VARIABLES[flag[2:].replace("-", "_")] for flag in flags)
+    names = (NO_EFFECT_VARIABLES[flag[2:].replace("-", "_")] for flag in flags)
+    variables = ", ".join(dict.fromkeys(names))
     return (
         f"note: {', '.join(flags)} accepted for Horovod compatibility but no effect yet "
         f"(the workers get {variables})"

@@ -31,6 +31,20 @@ _PYTHON_LEVELS = {
     "FATAL": logging.CRITICAL,
 }
 
+
+class _HorovodSwitch(click.types.BoolParamType):
+    """A switch's variable read as Horovod reads it: any whole number too, on above 0
+    (``HOROVOD_LOG_HIDE_TIME=2`` hides the time, ``-1`` does not)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            try:
+                return int(value) > 0
+            except ValueError:
+                pass
+        return super().convert(value, param, ctx)
+
+
 _OPTIONS = [
     click.option(
         "--verbose",
@@ -47,6 +61,7 @@ _OPTIONS = [
     click.option(
         "--log-without-timestamp/--log-with-timestamp",
         "log_without_timestamp",
+        type=_HorovodSwitch(),
         default=None,
         envvar="HOROVOD_LOG_HIDE_TIME",
         help="Leave the time out of log messages (HOROVOD_LOG_HIDE_TIME for the workers).",

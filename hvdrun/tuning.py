@@ -81,8 +81,8 @@ _OPTIONS = [
         "--stall-check-shutdown-time-seconds",
         type=seconds(positive=False),
         metavar="SECONDS",
-        help="Fail every rank's collectives after a stall this long; 0 never "
-        "(HVDRUN_STALL_SHUTDOWN_TIME_SECONDS; default 0).",
+        help="Fail every rank's collectives after a stall this long; 0 never, nor does a time "
+        "below the warning time, as in Horovod (HVDRUN_STALL_SHUTDOWN_TIME_SECONDS; default 0).",
     ),
     click.option(
         "--cache-capacity",
@@ -194,7 +194,9 @@ def tuning_notes(tuning: Mapping[str, Any], env: Mapping[str, str]) -> list[str]
     """The notes for tuning flags that will do nothing, which the workers would ignore
     without a word: a timeline switch turned on while no timeline file is set (by
     ``--timeline-filename``, the config file or the environment), an autotune setting
-    while autotune is off."""
+    while autotune is off, a stall shutdown time below the stall warning time (the stall
+    inspector then never shuts the job down, as Horovod's does not), wherever they were
+    set."""
     notes = []
     if we.setting(we.TIMELINE, env) is None:
         notes += [
@@ -209,4 +211,13 @@ def tuning_notes(tuning: Mapping[str, Any], env: Mapping[str, str]) -> list[str]
             for name in _SETTINGS
             if name.startswith("autotune_") and tuning.get(name) is not None
         ]
+    if not we.flag(we.STALL_CHECK_DISABLE, env):
+        warning = we.number(we.STALL_CHECK_TIME_SECONDS, env=env)
+        shutdown = we.number(we.STALL_SHUTDOWN_TIME_SECONDS, env=env)
+        if 0 < shutdown < warning:
+            notes.append(
+                f"note: --stall-check-shutdown-time-seconds {shutdown:g} is below the stall "
+                f"warning time ({warning:g} s): as in Horovod, a stall will not shut the job "
+                f"down; set it to at least {warning:g} s"
+            )
     return notes

@@ -293,7 +293,9 @@ def number(
 
 
 def flag(name: str, env: Mapping[str, str] | None = None) -> bool:
-    """A 0/1 setting (also true/false, yes/no, on/off); ValueError naming it when neither."""
+    """A 0/1 setting (also true/false, yes/no, on/off); any other whole number counts as
+    Horovod counts it (``strtol(value) > 0``: ``2`` is on, ``-1`` off); ValueError naming
+    it when none of these."""
     found = spelled(name, env)
     if found is None:
         return False
@@ -303,7 +305,10 @@ def flag(name: str, env: Mapping[str, str] | None = None) -> bool:
         return True
     if lowered in _FALSE:
         return False
-    raise ValueError(f"{spelling} must be 0 or 1, got {raw!r}")
+    try:
+        return int(lowered) > 0
+    except ValueError:
+        raise ValueError(f"{spelling} must be 0 or 1, got {raw!r}") from None
 
 
 def choice(name: str, choices: tuple[str, ...], env: Mapping[str, str] | None = None) -> str | None:

@@ -53,7 +53,10 @@ def configure_from_environment(rank: int | None = None) -> int | None:
         logging.getLogger(name).setLevel(level)
     if logging.getLogger().handlers or _handler is not None:
         return level  # the script's own handlers (or ours, from an earlier init) get them
-    hide_time = os.environ.get(HIDE_TIME_VARIABLE, "").strip().lower() in ("1", "true", "yes")
+    try:  # (read as Horovod reads a switch: any whole number above 0 is on)
+        hide_time = worker_env.flag(HIDE_TIME_VARIABLE.removeprefix(worker_env.HOROVOD_PREFIX))
+    except ValueError:
+        hide_time = False
     who = "hvd" if rank is None else f"hvd rank {rank}"
     fmt = f"{who} %(levelname)s %(name)s: %(message)s"
     if not hide_time:

@@ -130,12 +130,30 @@ def _check_hostname(hostname: str, entry: str) -> str:
 
 
 def parse_hosts(text: str) -> list[HostSpec]:
-    """Parse a comma-separated ``-H`` list, e.g. ``a:1,b:2``; raises HostSpecError."""
+    """Parse a comma-separated ``-H`` list, e.g. ``a:1,b:2``; raises HostSpecError. A host
+    listed more than once gets the slots of all its entries, as with mpirun (``a,a,b,b``:
+    two slots on each, the shape of a PBS node file joined by commas)."""
     if not text.strip():
         raise HostSpecError("the host list is empty")
-    hosts = [parse_host_entry(entry) for entry in text.split(",")]
-    check_unique(hosts)
+    hosts: list[HostSpec] = []
+    seen: dict[str, int] = {}
+    for entry in text.split(","):
+        add_host(hosts, seen, parse_host_entry(entry), "entries")
     return hosts
+
+
+def add_host(hosts: list[HostSpec], seen: dict[str, int], host: HostSpec, what: str) -> None:
+    """Appends ``host``, or adds its slots to the entry of the same name (mpirun's rule;
+    ``seen``: each name's index in ``hosts``); ``what`` names the entries in the error of a
+    sum above the cap."""
+    index = seen.get(host.hostname)
+    if index is None:
+        seen[host.hostname] = len(hosts)
+        hosts.append(host)
+        return
+    slots = hosts[index].slots + host.slots
+    check_slot_cap(slots, f"the {what} of host '{host.hostname}' together")
+    hosts[index] = HostSpec(host.hostname, slots)
 
 
 _SLOTS_KEYWORD = re.compile(r"^(?:slots|max_slots|max-slots)=(.*)$")
@@ -160,17 +178,10 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> list[HostSpec]:
                 host = _parse_keyword_line(fields, line)
         except HostSpecError as exc:
             raise HostSpecError(f"{where}: {exc}") from None
-        index = seen.get(host.hostname)
-        if index is not None:  # mpirun's rule: the slots add up
-            slots = hosts[index].slots + host.slots
-            try:
-                check_slot_cap(slots, f"the lines of host '{host.hostname}' together")
-            except HostSpecError as exc:
-                raise HostSpecError(f"{where}: {exc}") from None
-            hosts[index] = HostSpec(host.hostname, slots)
-            continue
-        seen[host.hostname] = len(hosts)
-        hosts.append(host)
+        try:
+            add_host(hosts, seen, host, "lines")
+        except HostSpecError as exc:
+            raise HostSpecError(f"{where}: {exc}") from None
     if not hosts:
         raise HostSpecError(f"{source} lists no hosts")
     return hosts
@@ -206,16 +217,6 @@ def parse_hostfile(path: str) -> list[HostSpec]:
     except UnicodeDecodeError:
         raise HostSpecError(f"hostfile {path} is not UTF-8 text") from None
     return parse_hostfile_text(text, source=path)
-
-
-def check_unique(hosts: list[HostSpec]) -> None:
-    seen: set[str] = set()
-    for host in hosts:
-        if host.hostname in seen:
-            raise HostSpecError(
-                f"host '{host.hostname}' is listed more than once; give its slots in one entry"
-            )
-        seen.add(host.hostname)
 
 
 LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "127.0.0.1", "::1"})

@@ -34,14 +34,22 @@ AGENT_FAILURE_EXIT = 255
 
 
 class LaunchError(LauncherError):
-    """Some hosts could not be started; ``failures`` maps each to the reason."""
+    """Some hosts could not be started; ``failures`` maps each to the reason.
+    ``start_timeout``: the start timeout, where it ran out (the error says how to raise it)."""
 
-    def __init__(self, failures: dict[str, str], total: int) -> None:
+    def __init__(
+        self, failures: dict[str, str], total: int, start_timeout: float | None = None
+    ) -> None:
         self.failures = failures
         self.total = total
         lines = [f"could not start the job on {len(failures)} of {total} host(s):"]
         width = max(len(host) for host in failures)
         lines += [f"  {host:<{width}}  {reason}" for host, reason in failures.items()]
+        if start_timeout is not None:
+            lines.append(
+                f"the start timeout ({start_timeout:g} s) ran out: give the hosts longer with "
+                "--start-timeout SECONDS (or HOROVOD_START_TIMEOUT=SECONDS)"
+            )
         super().__init__("\n".join(lines))
 
 
@@ -156,14 +164,17 @@ def start_agents(
     interrupted: Callable[[], int | None] = lambda: None,
 ) -> list[AgentConnection]:
     """Every host's agent, or LaunchError/LaunchInterrupted with none left running."""
+    started = time.monotonic()
     agents, failures, signum = open_agents(hostnames, cwd, env, options, progress, interrupted)
+    # (open_agents returns before the start timeout unless some host ran out of it)
+    timed_out = time.monotonic() - started >= options.start_timeout
     if signum is None and not failures and options.check_versions:
         failures.update(version_problems(installed_versions(), list(agents.values())))
     if signum is not None or failures:
         stop_agents(list(agents.values()))
         if signum is not None:
             raise LaunchInterrupted(signum)
-        raise LaunchError(failures, len(hostnames))
+        raise LaunchError(failures, len(hostnames), options.start_timeout if timed_out else None)
     return [agents[name] for name in hostnames]
 
 

@@ -181,7 +181,7 @@ def test_a_flag_given_a_value_after_equals_says_so(capsys: pytest.CaptureFixture
         ("-host", "no such option: -host (did you mean -H, --hosts or -hostfile?)"),
         ("-hosts", "no such option: -hosts (did you mean -H or --hosts?)"),
         ("-verbose", "no such option: -verbose (did you mean --verbose?)"),
-        ("-num-proc", "no such option: -num-proc (did you mean -np or --num-proc?)"),
+        ("-num-proc", "no such option: -num-proc (did you mean -n, -np or --num-proc?)"),
         ("-ssh-port", "no such option: -ssh-port (did you mean -p or --ssh-port?)"),
         ("-host=a:1", "no such option: -host (did you mean -H, --hosts or -hostfile?)"),
         # -p takes a port: "ort" is none, so the word was mistyped, not -p's value.
@@ -198,7 +198,6 @@ def test_a_mistyped_single_dash_word_is_named_whole(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["-n", "2"], "no such option: -n (mpirun's and srun's count: hvdrun takes -np N)"),
         (["--np", "2"], "no such option: --np (mpirun's spelling: hvdrun takes -np N)"),
         (["--oversubscribe"], "no such option: --oversubscribe (an mpirun option: hvdrun "),
         (["--bind-to", "none"], "no such option: --bind-to (an mpirun option: "),
@@ -218,6 +217,16 @@ def test_another_launchers_option_says_what_to_use_instead(
     option it is and what hvdrun takes, not the nearest spelling (--oversubscribe was
     "did you mean '--verbose'?")."""
     assert_usage_error([*args, "python", "w.py"], message, capsys)
+
+
+@pytest.mark.parametrize("argv", [["-n", "3"], ["-n3"], ["-n=3"]])
+def test_n_is_np_as_argparse_and_mpirun_read_it(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """horovodrun's argparse takes -n as a prefix of -np alone, and -n is mpirun's count."""
+    out = plan([*argv, "python", "train.py", "-n", "1"], capsys)
+    assert "3 worker(s) on 1 host(s)" in out
+    assert "command: python train.py -n 1\n" in out  # (the script's own -n stays its own)
 
 
 def test_single_dash_spellings_work_and_a_near_miss_names_them(

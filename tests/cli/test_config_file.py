@@ -238,11 +238,6 @@ def test_empty_file_and_empty_sections_are_fine(
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        (
-            "params:\n  fusion_treshold_mb: 1\n",
-            "unknown key 'params.fusion_treshold_mb' (did you mean 'fusion_threshold_mb'?)",
-        ),
-        ("parms:\n  cycle_time_ms: 1\n", "unknown section 'parms' (did you mean 'params'?)"),
         ("params:\n  cycle_time_ms: fast\n", "params.cycle_time_ms: must be a number, got 'fast'"),
         ("params:\n  cycle_time_ms: -1\n", "params.cycle_time_ms: must be at least 0, got -1"),
         (
@@ -287,6 +282,56 @@ def test_mistakes_are_one_line_naming_the_key(
     # the file is named too
     assert run_cli(["--config-file", config, "-np", "1", "true"]) == 2
     assert f"hvdrun: error: config file {config}" in capsys.readouterr().err
+
+
+def test_unknown_sections_and_keys_are_ignored_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Horovod's set_args_from_config ignores keys it does not know, so a Horovod file with
+    extra keys runs; hvdrun says which it ignores, with the key it may have meant."""
+    text = "parms:\n  cycle_time_ms: 1\nparams:\n  fusion_treshold_mb: 1\n  cycle_time_ms: 7\n"
+    config = write(tmp_path, text + "library_options:\n  foo: 1\n")
+    warnings = [
+        f"hvdrun: warning: config file {config}: unknown section 'parms' (did you mean "
+        "'params'?): ignored, as horovodrun ignores it",
+        f"hvdrun: warning: config file {config}: unknown key 'params.fusion_treshold_mb' (did "
+        "you mean 'fusion_threshold_mb'?): ignored, as horovodrun ignores it",
+        f"hvdrun: warning: config file {config}: unknown key 'library_options.foo' (known: "
+        "mpi_threads_disable, num_nccl_streams, thread_affinity, ccl_bgt_affinity, "
+        "mlsl_bgt_affinity, gloo_timeout_seconds): ignored, as horovodrun ignores it",
+    ]
+    assert run_cli(["--dry-run", "--config-file", config, "-np", "1", "true"]) == 0
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if "warning" in line] == warnings
+    assert "  HVDRUN_CYCLE_TIME=7" in out.splitlines()  # (the keys it knows apply)
+    assert "FUSION_THRESHOLD=" not in out
+    # ... and the job runs
+    assert run_cli(["--config-file", config, "-np", "1", "true"]) == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if "warning" in line] == warnings
+
+
+def test_older_spellings_of_thread_affinity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for key in ("ccl_bgt_affinity", "mlsl_bgt_affinity"):
+        config = write(tmp_path, f"library_options:\n  {key}: 5\n")
+        env = environment(["--config-file", config, "-np", "1", "true"], capsys)
+        assert env["HOROVOD_THREAD_AFFINITY"] == "5"
+
+
+def test_switches_take_any_whole_number_as_horovod_reads_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Horovod reads its switches with strtol(value) > 0: HOROVOD_AUTOTUNE=2 is on, -1 off."""
+    for value, on in (("2", True), ("-1", False), ("yes", True)):
+        monkeypatch.setenv("HOROVOD_AUTOTUNE", value)
+        code = run_cli(["--dry-run", "-np", "1", "true"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert ("autotune warm-up" in out) is on, value
+    monkeypatch.delenv("HOROVOD_AUTOTUNE")
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_DISABLE", "3")
+    assert environment(["-np", "1", "true"], capsys)["HOROVOD_STALL_CHECK_DISABLE"] == "3"
 
 
 def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:

@@ -70,6 +70,8 @@ def test_horovod_spellings(name: str, spellings: list[str]) -> None:
         (["--no-torus-allreduce"], ["HOROVOD_TORUS_ALLREDUCE=0"]),
         (["--num-nccl-streams", "2"], ["HOROVOD_NUM_NCCL_STREAMS=2"]),
         (["--thread-affinity", "3"], ["HOROVOD_THREAD_AFFINITY=3"]),
+        (["--ccl-bgt-affinity", "4"], ["HOROVOD_THREAD_AFFINITY=4"]),
+        (["--mlsl-bgt-affinity", "5"], ["HOROVOD_THREAD_AFFINITY=5"]),
         (["--mpi-threads-disable"], ["HOROVOD_MPI_THREADS_DISABLE=1"]),
         (["--no-mpi-threads-disable"], ["HOROVOD_MPI_THREADS_DISABLE=0"]),
         (["--log-level", "INFO"], ["HOROVOD_LOG_LEVEL=INFO"]),
@@ -171,6 +173,94 @@ def test_hidden_opposites_win_over_the_environment(
     out, _ = plan(["-np", "1", "--timeline-filename", "t.json", "true"], capsys)
     assert "stall check disabled    1  (from HOROVOD_STALL_CHECK_DISABLE)" in out
     assert "timeline marks cycles   1  (from HOROVOD_TIMELINE_MARK_CYCLES)" in out
+
+
+@pytest.mark.parametrize("flag", ["--ccl-bgt-affinity", "--mlsl-bgt-affinity"])
+def test_older_spellings_of_thread_affinity_are_hidden_aliases(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Older horovodrun's names of --thread-affinity: its values, its note, out of --help."""
+    _, err = plan(["-np", "1", flag, "3", "true"], capsys)
+    assert (
+        f"hvdrun: note: {flag} accepted for Horovod compatibility but no effect yet (the "
+        "workers get HOROVOD_THREAD_AFFINITY)\n"
+    ) in err
+    _, err = plan(["-np", "1", "--thread-affinity", "1", flag, "3", "true"], capsys)
+    assert f"--thread-affinity, {flag} accepted" in err
+    assert "(the workers get HOROVOD_THREAD_AFFINITY)\n" in err
+    assert_usage_error(
+        ["-np", "1", flag, "-1", "true"], f"Invalid value for '{flag}': -1 is not in the", capsys
+    )
+    assert run_cli(["--help"]) == 0
+    assert "bgt" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--network-interface", ""), ("--network-interface", " "), ("--network-interfaces", ",")],
+)
+def test_an_interface_flag_that_names_no_interface_is_refused(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_usage_error(
+        ["-np", "1", flag, value, "true"],
+        f"Invalid value for '{flag}': {value!r} names no interface (give IFNAME[,IFNAME], "
+        "e.g. eth0)",
+        capsys,
+    )
+
+
+def test_start_timeout_error_names_the_timeout_and_how_to_raise_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_cli(["--start-timeout", "0.001", "-np", "1", "-H", "localhost:1", "true"]) == 255
+    err = capsys.readouterr().err
+    assert "could not start the job on 1 of 1 host(s):\n  localhost  timed out" in err
+    assert err.endswith(
+        "\nthe start timeout (0.001 s) ran out: give the hosts longer with --start-timeout "
+        "SECONDS (or HOROVOD_START_TIMEOUT=SECONDS)\n"
+    )
+
+
+def test_a_stall_shutdown_time_below_the_warning_time_gets_a_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Horovod's stall inspector does not shut the job down at a time below its warning
+    time: hvdrun says so before the job starts, wherever the two times came from."""
+    monkeypatch.delenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", raising=False)
+    monkeypatch.delenv("HOROVOD_STALL_CHECK_TIME_SECONDS", raising=False)
+    shutdown = ["-np", "1", "--stall-check-shutdown-time-seconds"]
+    _, err = plan([*shutdown, "30", "true"], capsys)
+    assert (
+        "hvdrun: note: --stall-check-shutdown-time-seconds 30 is below the stall warning time "
+        "(60 s): as in Horovod, a stall will not shut the job down; set it to at least 60 s\n"
+    ) in err
+    assert run_cli([*shutdown, "30", "true"]) == 0  # (the job runs, with the same note)
+    assert "--stall-check-shutdown-time-seconds 30 is below" in capsys.readouterr().err
+    config = tmp_path / "cfg.yaml"
+    config.write_text("stall_check:\n  warning_time_seconds: 120\n  shutdown_time_seconds: 90\n")
+    _, err = plan(["--config-file", str(config), "-np", "1", "true"], capsys)
+    assert "seconds 90 is below the stall warning time (120 s)" in err
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "5")
+    assert (
+        "seconds 5 is below the stall warning time (60 s)" in plan(["-np", "1", "true"], capsys)[1]
+    )
+    # no note: never (0), at or above the warning time, or the stall check off
+    for argv in (["0"], ["60"], ["9", "--stall-check-warning-time-seconds", "8"]):
+        assert "below the stall" not in plan([*shutdown, *argv, "true"], capsys)[1]
+    assert "below the stall" not in plan([*shutdown, "30", "--no-stall-check", "true"], capsys)[1]
+
+
+@pytest.mark.parametrize(("value", "shown"), [("2", "1"), ("-1", "0"), ("yes", "1")])
+def test_log_hide_time_variable_reads_whole_numbers_as_horovod_does(
+    value: str, shown: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Horovod reads HOROVOD_LOG_HIDE_TIME with strtol(value) > 0."""
+    monkeypatch.setenv("HOROVOD_LOG_HIDE_TIME", value)
+    out, _ = plan(["-np", "1", "true"], capsys)
+    assert f"  HOROVOD_LOG_HIDE_TIME={shown}" in out.splitlines()
+    monkeypatch.setenv("HOROVOD_LOG_HIDE_TIME", "maybe")
+    assert_usage_error(["-np", "1", "true"], "'maybe' is not a valid boolean", capsys)
 
 
 def test_start_and_elastic_timeouts_read_horovod_variables(

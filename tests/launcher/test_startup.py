@@ -164,6 +164,27 @@ def test_open_agents_reports_every_failure_and_times_out(monkeypatch: pytest.Mon
     assert seen[-1] == (1, 3)
 
 
+def test_a_start_that_ran_out_of_time_says_how_to_raise_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fakes = {
+        "refused": FakeAgent("refused", error="connection refused by 10.0.0.9 port 22"),
+        "slow": FakeAgent("slow", start_delay=5),
+    }
+    monkeypatch.setattr(startup, "make_agent", lambda name, *args: fakes[name])
+    with pytest.raises(LaunchError) as caught:
+        startup.start_agents(["refused", "slow"], "/", {}, LaunchOptions(start_timeout=0.3))
+    assert str(caught.value).endswith(
+        "  slow     timed out after 0.3 s in the SSH handshake\n"
+        "the start timeout (0.3 s) ran out: give the hosts longer with --start-timeout SECONDS "
+        "(or HOROVOD_START_TIMEOUT=SECONDS)"
+    )
+    # A host that failed at once leaves the timeout out of it.
+    with pytest.raises(LaunchError) as caught:
+        startup.start_agents(["refused"], "/", {}, LaunchOptions(start_timeout=30))
+    assert "start timeout" not in str(caught.value)
+
+
 def test_launch_error_lists_hosts_aligned() -> None:
     error = LaunchError({"n1": "connection refused", "node-22": "timed out"}, 4)
     assert str(error) == (

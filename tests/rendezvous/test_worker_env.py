@@ -60,6 +60,7 @@ def test_check_settings_takes_good_values_and_the_defaults() -> None:
     worker_env.check_settings(
         {"HOROVOD_FUSION_THRESHOLD": "0", "HVDRUN_CYCLE_TIME": "0.5", "HOROVOD_AUTOTUNE": "1"}
     )
+    worker_env.check_settings({"HOROVOD_AUTOTUNE": "2", "HOROVOD_STALL_CHECK_DISABLE": "-1"})
     # The winning spelling is the one checked: a bad HOROVOD_ value under a good HVDRUN_ one
     # never reaches a worker.
     worker_env.check_settings({"HVDRUN_CYCLE_TIME": "2", "HOROVOD_CYCLE_TIME": "x"})
@@ -75,7 +76,9 @@ def test_the_log_levels_checked_are_those_the_workers_take() -> None:
 
 
 @pytest.mark.parametrize(
-    ("raw", "value"), [("1", True), ("yes", True), ("off", False), ("0", False)]
+    ("raw", "value"),
+    # (and any whole number as Horovod reads it, strtol(value) > 0)
+    [("1", True), ("yes", True), ("off", False), ("0", False), ("2", True), ("-1", False)],
 )
 def test_flag(raw: str, value: bool) -> None:
     assert worker_env.flag("ELASTIC", {"HVDRUN_ELASTIC": raw}) is value
