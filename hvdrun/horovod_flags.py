@@ -326,12 +326,20 @@ def check_hosts_flag(hosts: str) -> None:
 def notices(
     flags: HorovodFlags, env: Mapping[str, str], hosts: Sequence[Any], num_proc: int
 ) -> list[str]:
-    """The one-time notes hvdrun prints before it starts: flags without effect, and the
+    """The one-time notes hvdrun prints before it starts: flags without effect, Horovod's
+    choice of controller or CPU library where it names another than Gloo, and the
     OMP_NUM_THREADS default when a host runs more than one worker."""
     lines = []
     no_effect = no_effect_notice(flags.no_effect())
     if no_effect:
         lines.append(no_effect)
+    for name in ("HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS"):
+        value = env.get(name, "")
+        if value.strip() and value.strip().lower() != "gloo":
+            lines.append(
+                f"note: {name}={value} has no effect: hvdrun's workers run their collectives "
+                "on Gloo (NCCL for CUDA tensors)"
+            )
     if not env.get("OMP_NUM_THREADS"):
         used = slots_used([(host.hostname, host.slots) for host in hosts], num_proc)
         if max((workers for _, workers in used), default=0) > 1:

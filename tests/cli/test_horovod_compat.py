@@ -124,6 +124,22 @@ def test_flags_without_effect_get_one_notice(capsys: pytest.CaptureFixture[str])
     assert "no effect" not in err
 
 
+def test_horovods_choice_of_mpi_or_ccl_in_the_environment_gets_a_note(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--mpi is refused with advice; the variables that ask a Horovod worker for MPI or
+    oneCCL are not hvdrun's to refuse (they may be left in a shell), but they are said."""
+    monkeypatch.setenv("HOROVOD_CONTROLLER", "mpi")
+    _, err = plan(["-np", "1", "-x", "HOROVOD_CPU_OPERATIONS=ccl", "true"], capsys)
+    assert (
+        "hvdrun: note: HOROVOD_CONTROLLER=mpi has no effect: hvdrun's workers run their "
+        "collectives on Gloo (NCCL for CUDA tensors)\n"
+    ) in err
+    assert "hvdrun: note: HOROVOD_CPU_OPERATIONS=ccl has no effect" in err
+    monkeypatch.setenv("HOROVOD_CONTROLLER", "gloo")
+    assert "has no effect" not in plan(["-np", "1", "true"], capsys)[1]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
