@@ -81,6 +81,12 @@ class RendezvousError(Exception):
         super().__init__(message)
         self.code = code
 
+    @property
+    def unknown_call(self) -> bool:
+        """The server does not know the call: a gRPC (or other HTTP/2) server that is not
+        hvdrun's rendezvous holds the address, or one of an hvdrun without that call."""
+        return self.code == grpc.StatusCode.UNIMPLEMENTED
+
 
 class RendezvousTimeout(RendezvousError):
     """A blocking get/wait/barrier did not complete within its timeout."""

@@ -313,6 +313,11 @@ def _first(env: Mapping[str, str], *names: str) -> int | None:
 def _master(env: Mapping[str, str]) -> tuple[str | None, int | None]:
     addr = env.get("MASTER_ADDR") or None
     port = _int(env, "MASTER_PORT")
+    if port is not None and not 0 < port < 65536:
+        # (as torch's env:// refuses it: a socket would take it modulo 65536, or any port)
+        raise DetectionError(
+            f"MASTER_PORT must be a port number from 1 to 65535, got {env['MASTER_PORT']!r}"
+        )
     return addr, port
 
 
@@ -322,7 +327,8 @@ def _checked(placement: Placement) -> Placement:
         raise DetectionError(f"{what} says the job has {placement.size} processes")
     if not 0 <= placement.rank < placement.size:
         raise DetectionError(
-            f"{what} says this is rank {placement.rank} of a job of {placement.size}"
+            f"{what} says this is rank {placement.rank} of a job of {placement.size} (ranks "
+            f"are 0 to {placement.size - 1})"
         )
     local_rank, local_size = placement.local_rank, placement.local_size
     if local_rank is not None and local_size is not None and not 0 <= local_rank < local_size:

@@ -464,6 +464,24 @@ _UNSEEN_OVER_TLS = (
 )
 
 
+#: What a rank says of a server that answered its registration with UNIMPLEMENTED.
+_UNKNOWN_CALL = (
+    "answers as a gRPC (HTTP/2) server without the rendezvous' calls (or is the rendezvous "
+    "of an hvdrun of another version)"
+)
+
+
+def _foreign(rank: int, placement: Placement, meeting: Meeting, what: str, certain: bool) -> str:
+    """The error of a rank that reached another program than rank 0's rendezvous."""
+    return (
+        f"hvd.init(): rank {rank} of {placement.size} ({placement.name}) reached "
+        f"{meeting.addr} ({meeting.how}), but the program there is not hvdrun's rendezvous: "
+        f"it {what}. Another program holds that port, so rank 0 cannot serve the job there: "
+        "give every rank a free port with HVDRUN_RENDEZVOUS_PORT (or MASTER_PORT)"
+        + _tls_hint(meeting, certain)
+    )
+
+
 def _tls_hint(meeting: Meeting, certain: bool) -> str:
     """Where a rank without a secret finds its connections closed: rank 0 may be one with
     a secret, whose rendezvous speaks TLS only."""
@@ -590,6 +608,10 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                     raise JoinError(
                         _other_secret(placement, meeting, "it refused this rank's secret")
                     ) from None
+                if error.unknown_call:
+                    raise JoinError(
+                        _foreign(rank, placement, meeting, _UNKNOWN_CALL, certain=True)
+                    ) from None
                 if not isinstance(error, RendezvousUnavailable):
                     raise JoinError(
                         f"hvd.init(): rank {rank} ({placement.name}) could not join the job "
@@ -605,14 +627,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                     what, certain = foreign
                     foreign_since = foreign_since or time.monotonic()
                     if certain or time.monotonic() - foreign_since >= NOT_GRPC_SECONDS:
-                        raise JoinError(
-                            f"hvd.init(): rank {rank} of {placement.size} ({placement.name}) "
-                            f"reached {meeting.addr} ({meeting.how}), but the program there "
-                            f"is not hvdrun's rendezvous: it {what}. Another program holds "
-                            "that port, so rank 0 cannot serve the job there: give every "
-                            "rank a free port with HVDRUN_RENDEZVOUS_PORT (or MASTER_PORT)"
-                            + _tls_hint(meeting, certain)
-                        ) from None
+                        raise JoinError(_foreign(rank, placement, meeting, what, certain)) from None
                 if time.monotonic() + RETRY_SECONDS >= deadline:
                     raise JoinError(
                         f"hvd.init(): rank {rank} of {placement.size} ({placement.name}) could "

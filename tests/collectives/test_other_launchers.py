@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 
@@ -453,13 +454,16 @@ def test_peers_that_never_arrive() -> None:
     assert re.search(r"1 of 2 ranks did not register within [0-9.]+ s: ranks 1\n", output), output
 
 
-@pytest.mark.parametrize("speaks", [True, False])
-def test_a_port_held_by_another_program_is_named_on_every_rank(speaks: bool) -> None:
+@pytest.mark.parametrize("speaks", [True, False, "grpc"])
+def test_a_port_held_by_another_program_is_named_on_every_rank(speaks: bool | str) -> None:
     # Rank 0 cannot serve the rendezvous on a port another program holds, and says so at
     # once; the other ranks reach that program instead and used to wait out
     # HVDRUN_START_TIMEOUT (120 s) for a rank 0 that would never serve. One that speaks
-    # (an sshd, a web server) is named at once, a silent one (another job's TCPStore)
-    # after 10 s.
+    # (an sshd, a web server, another gRPC server) is named at once, a silent one
+    # (another job's TCPStore) after 10 s.
+    if speaks == "grpc":
+        _grpc_server_holds_the_port()
+        return
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
@@ -487,12 +491,31 @@ def test_a_port_held_by_another_program_is_named_on_every_rank(speaks: bool) -> 
     assert codes == [1, 1], output
     assert f"rank 0 cannot serve the rendezvous on port {port}" in output, output
     what = "answers in another protocol" if speaks else "accepts connections but answers nothing"
+    _assert_named(output, port, what)
+    assert time.monotonic() - started < 60, output
+
+
+def _grpc_server_holds_the_port() -> None:
+    """Another gRPC server (no rendezvous calls: it answers UNIMPLEMENTED) holds the port;
+    rank 1's error used to be gRPC's own 'UNIMPLEMENTED: Method not found!'."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        codes, output = finish(start_pods(2, port=port), timeout=90)
+    finally:
+        server.stop(None)
+    assert codes == [1, 1], output
+    _assert_named(output, port, "answers as a gRPC (HTTP/2) server without the rendezvous' calls")
+
+
+def _assert_named(output: str, port: int, what: str) -> None:
     assert (
         f"rank 1 of 2 (the RANK/WORLD_SIZE/MASTER_ADDR environment) reached 127.0.0.1:{port} "
         f"(MASTER_ADDR=127.0.0.1 and port {port} (MASTER_PORT)), but the program there is not "
-        f"hvdrun's rendezvous: it {what}. Another program holds that port"
+        f"hvdrun's rendezvous: it {what}"
     ) in output, output
-    assert time.monotonic() - started < 60, output
+    assert "Another program holds that port" in output, output
 
 
 def relayed_pods(real_port: int, relay: Forwarder, **extra: str) -> list[subprocess.Popen[str]]:

@@ -255,6 +255,14 @@ def test_rank_and_world_size_with_only_a_port() -> None:
         ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK/WORLD_SIZE environment says this is rank 2"),
         ({"RANK": "0", "WORLD_SIZE": "0"}, "says the job has 0 processes"),
         ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK must be an integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, r"rank 2 of a job of 2 \(ranks are 0 to 1\)"),
+        *(
+            (
+                {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": port},
+                f"MASTER_PORT must be a port number from 1 to 65535, got '{port}'",
+            )
+            for port in ("70000", "0", "-1")
+        ),
     ],
 )
 def test_environment_that_cannot_be_a_job(env: dict[str, str], message: str) -> None:
