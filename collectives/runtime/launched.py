@@ -240,7 +240,8 @@ def plan_meeting(placement: Placement, round_: int = 1) -> Meeting:
         addr = join_addr(placement.master_addr or "127.0.0.1", placement.master_port or 0)
         return Meeting(
             addr, _wildcard(placement.master_addr or ""), 0, secret, job_id,
-            f"published by rank 0 in torchrun's store at {addr}", secret_from, unauthenticated,
+            f"the address rank 0 publishes in torchrun's store at {addr}", secret_from,
+            unauthenticated,
         )  # fmt: skip
     if placement.master_addr:
         port, port_from = _port_of(placement)
@@ -493,14 +494,28 @@ def _tls_hint(meeting: Meeting, certain: bool) -> str:
     )
 
 
-def _say_unauthenticated(meeting: Meeting) -> None:
+#: How each launcher hands a variable exported where it starts to every rank.
+_PASSES_ON = {
+    "slurm": "srun passes it on",
+    "mpi": "with mpirun -x HVDRUN_SECRET",
+    "jsrun": "jsrun passes it on",
+    "torchrun": "torchrun passes it on",
+}
+
+
+def unauthenticated_warning(placement: Placement, meeting: Meeting) -> str:
+    """What rank 0 says of a rendezvous without HVDRUN_SECRET (once a process)."""
+    how = _PASSES_ON.get(placement.launcher, "the same on every rank")
+    return (
+        "hvd.init(): this job's rendezvous is not authenticated (no HVDRUN_SECRET): a process "
+        f"that knows the job id and reaches {meeting.addr} could join it. Export "
+        f"HVDRUN_SECRET=<a random string> to every rank ({how}) to require it."
+    )
+
+
+def _say_unauthenticated(placement: Placement, meeting: Meeting) -> None:
     with contextlib.suppress(Exception):  # stderr may be closed
-        sys.stderr.write(
-            "hvdrun: this job's rendezvous is not authenticated (no HVDRUN_SECRET): a process "
-            f"that knows the job id and reaches {meeting.addr} could join it. Export "
-            "HVDRUN_SECRET=<a random string> to every rank (srun and mpirun -x pass it on) "
-            "to require it.\n"
-        )
+        sys.stderr.write(unauthenticated_warning(placement, meeting) + "\n")
         sys.stderr.flush()
 
 
@@ -565,7 +580,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                     f"({error})"
                 ) from None
         if rank == 0 and meeting.unauthenticated and round_ == 1:  # (said once a process)
-            _say_unauthenticated(meeting)
+            _say_unauthenticated(placement, meeting)
         spans = spans_hosts(placement)
         pointed = _point_gloo_at(meeting.addr, spans=spans)
         dial = meeting.addr

@@ -87,8 +87,9 @@ def test_srun_two_nodes_two_tasks_each(slurm: SlurmCluster) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert_two_by_two(output, "hvdh1", "hvdh2")
-    assert "not authenticated (no HVDRUN_SECRET)" in output  # said once, by rank 0
-    assert output.count("not authenticated") == 1
+    assert "hvd.init(): this job's rendezvous is not authenticated (no HVDRUN_SECRET)" in output
+    assert "to every rank (srun passes it on)" in output
+    assert output.count("not authenticated") == 1  # said once, by rank 0
 
 
 def test_srun_cyclic_with_a_secret(slurm: SlurmCluster) -> None:
