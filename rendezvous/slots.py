@@ -97,6 +97,13 @@ def derive_slots(hosts: Sequence[str], local_ranks: Sequence[int | None]) -> lis
         if all(value is None for value in given):
             local.update({rank: index for index, rank in enumerate(ranks)})
             continue
+        if None in given:
+            without = [rank for rank in ranks if local_ranks[rank] is None]
+            raise ValueError(
+                f"{len(ranks)} ranks registered from host {host!r}, and the launcher gave a "
+                f"local rank (LOCAL_RANK or its like) to some of them but not to rank(s) "
+                f"{without}: set it on every rank, or on none"
+            )
         if sorted(v if v is not None else -1 for v in given) != list(range(len(ranks))):
             pairs = ", ".join(f"rank {r}: {local_ranks[r]}" for r in ranks)
             raise ValueError(

@@ -406,12 +406,15 @@ def spans_hosts(placement: Placement) -> bool:
     return placement.size > 1
 
 
-def _point_gloo_at(addr: str, before: Sequence[str] = (), spans: bool = False) -> list[str]:
+def _point_gloo_at(
+    addr: str, before: Sequence[str] = (), spans: bool = False, guessed: bool = False
+) -> list[str]:
     """Gloo and NCCL use the interface that faces the rendezvous, unless the user chose;
     returns the variables it set. ``before``: those a call for another address set.
     ``spans``: the job has ranks on other hosts, where loopback would not do: a rendezvous
     by a name this host resolves to a loopback address (Debian's 127.0.1.1 for its own name)
-    gets the default route's interface instead."""
+    gets the default route's interface instead. ``guessed``: whether it does is not known
+    (no local size), so it may."""
     for name in before:
         os.environ.pop(name, None)
     chosen = [name for name in IFNAME_VARIABLES if not os.environ.get(name)]
@@ -425,11 +428,17 @@ def _point_gloo_at(addr: str, before: Sequence[str] = (), spans: bool = False) -
     if spans and named_loopback:
         outward = outward_interface()
         if outward is not None:
+            has = (
+                "may have ranks on other hosts (the launcher gives no local size; "
+                "LOCAL_WORLD_SIZE tells)"
+                if guessed
+                else "has ranks on other hosts"
+            )
             logger.warning(
                 "hvd.init(): the rendezvous %s is reached over loopback on this host "
-                "(%s), but the job has ranks on other hosts: Gloo and NCCL use %s, the "
-                "default route's interface, instead (set GLOO_SOCKET_IFNAME to choose)",
-                addr, local, outward,
+                "(%s), but the job %s: Gloo and NCCL use %s, the default route's "
+                "interface, instead (set GLOO_SOCKET_IFNAME to choose)",
+                addr, local, has, outward,
             )  # fmt: skip
             ifname = outward
     if ifname is None:
@@ -581,8 +590,8 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                 ) from None
         if rank == 0 and meeting.unauthenticated and round_ == 1:  # (said once a process)
             _say_unauthenticated(placement, meeting)
-        spans = spans_hosts(placement)
-        pointed = _point_gloo_at(meeting.addr, spans=spans)
+        spans, guessed = spans_hosts(placement), placement.local_size is None
+        pointed = _point_gloo_at(meeting.addr, spans=spans, guessed=guessed)
         dial = meeting.addr
         if servers:  # rank 0 reaches its own server on loopback, whatever the address
             loopback = "::1" if ":" in meeting.bind_host else "127.0.0.1"
@@ -659,7 +668,7 @@ def join(placement: Placement, host: str, round_: int = 1) -> Joined:
                         fresh = agent_store.get(published).decode()
                         if fresh != meeting.addr:
                             dial = meeting.addr = fresh
-                            pointed = _point_gloo_at(fresh, pointed, spans)
+                            pointed = _point_gloo_at(fresh, pointed, spans, guessed)
     except BaseException:
         for server in servers:
             server.stop()

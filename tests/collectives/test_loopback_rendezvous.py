@@ -59,7 +59,16 @@ def test_a_multi_host_job_gets_the_default_routes_interface(
         assert launched._point_gloo_at("node1:29577", spans=True) == list(IFNAMES)
     assert [launched.os.environ[name] for name in IFNAMES] == ["eth9", "eth9"]
     assert "reached over loopback on this host (127.0.1.1)" in caplog.text
-    assert "Gloo and NCCL use eth9" in caplog.text
+    assert "but the job has ranks on other hosts: Gloo and NCCL use eth9" in caplog.text
+    caplog.clear()
+    # Without a local size, a job of one host is told apart from one of several by
+    # nothing: the warning says that it may span hosts, and how to tell.
+    with caplog.at_level(logging.WARNING, logger=launched.logger.name):
+        launched._point_gloo_at("node1:29577", list(IFNAMES), spans=True, guessed=True)
+    assert (
+        "but the job may have ranks on other hosts (the launcher gives no local size; "
+        "LOCAL_WORLD_SIZE tells): Gloo and NCCL use eth9"
+    ) in caplog.text
 
 
 @pytest.mark.usefixtures("debian_hosts")

@@ -48,6 +48,11 @@ def test_derive_slots_rejects_local_ranks_that_do_not_add_up() -> None:
     # Two machines that both call themselves "localhost".
     with pytest.raises(ValueError, match=r"2 ranks registered from host 'localhost'.*share"):
         derive_slots(["localhost", "localhost"], [0, 0])
+    # LOCAL_RANK set on some ranks only: said so, not a guess about shared host names.
+    with pytest.raises(
+        ValueError, match=r"a local rank .* to some of them but not to rank\(s\) \[0\]: set it"
+    ):
+        derive_slots(["localhost", "localhost"], [None, 1])
 
 
 @pytest.fixture
