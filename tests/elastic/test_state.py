@@ -82,7 +82,9 @@ def test_a_reassigned_sampler_is_the_one_a_restore_rolls_back() -> None:
         state.sampler = 3
 
 
-def test_run_retries_after_a_host_update_and_restores_after_a_failure(hvd: ModuleType) -> None:
+def test_run_retries_after_a_host_update_and_restores_after_a_failure(
+    hvd: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
     state = elastic.ObjectState(tries=0, value=0)
     calls: list[tuple[int, int]] = []
 
@@ -101,6 +103,8 @@ def test_run_retries_after_a_host_update_and_restores_after_a_failure(hvd: Modul
     # peer's error ends the worker, as in plain training, after the restore.
     with pytest.raises(hvd.HorovodInternalError, match="a peer died"):
         train(state)
+    # (nor does it say it is restoring the last commit to go on: it does not go on)
+    assert "restoring the last commit" not in caplog.text
     assert calls == [(0, 0)]
     assert (state.tries, state.value) == (1, 10)  # the last commit
 
