@@ -208,9 +208,11 @@ def load_model(
     ``custom_optimizers``: optimizer classes of one's own that the saved model may use (as
     ``custom_objects`` by their names; ``custom_objects`` wins). ``legacy_opts`` is accepted
     for Horovod's scripts: the optimizer is wrapped whatever its kind."""
-    objects = {cls.__name__: cls for cls in custom_optimizers or ()}
+    # (this frontend's own layer too, which Horovod's load_model leaves to custom_objects)
+    objects: dict[str, Any] = {"SyncBatchNormalization": SyncBatchNormalization}
+    objects.update({cls.__name__: cls for cls in custom_optimizers or ()})
     objects.update(custom_objects or {})
-    model = _bridge.keras.models.load_model(filepath, custom_objects=objects or None)
+    model = _bridge.keras.models.load_model(filepath, custom_objects=objects)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not getattr(optimizer, "_hvd_distributed", False):
         DistributedOptimizer(optimizer, compression=compression)

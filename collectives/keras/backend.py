@@ -41,6 +41,24 @@ class KerasBackend:
         which = "tf_keras" if self.legacy else "keras"
         return f"{which} {version} on {self.name}"
 
+    def check_owns(self, obj: Any, what: str) -> None:
+        """Refuses an object of the other Keras (a tf_keras optimizer where Keras 3 is served,
+        or the reverse), which would train without a word of error and without reducing:
+        the hooks this frontend sets are the served Keras's, the other never calls them."""
+        roots = {cls.__module__.split(".")[0] for cls in type(obj).__mro__}
+        ours, other = ("tf_keras", "keras") if self.legacy else ("keras", "tf_keras")
+        if other in roots and ours not in roots:
+            if self.legacy:
+                served, switch = "tf_keras (TF_USE_LEGACY_KERAS is set)", "unset it"
+            else:
+                served = "Keras 3 (TF_USE_LEGACY_KERAS is not set)"
+                switch = "set TF_USE_LEGACY_KERAS=1 before TensorFlow or Keras is imported"
+            raise ValueError(
+                f"{what} is a {other} {type(obj).__name__}, but the Keras that collectives "
+                f"serves in this process is {served}: its gradients would never be reduced. "
+                f"Build it from {ours}, or {switch}"
+            )
+
     # ---- values -----------------------------------------------------------------------
 
     def value(self, variable: Any) -> Any:

@@ -74,6 +74,7 @@ def create_distributed_optimizer(
         raise ValueError("gradient_predivide_factor needs op=hvd.Average")
     groups, num_groups = checked_groups(groups, num_groups), 0
     bridge = keras_backend.current()
+    bridge.check_owns(optimizer, "the optimizer given to DistributedOptimizer")
     settings = _Settings(
         bridge,
         op,

@@ -83,7 +83,6 @@ Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
-barrier = job.barrier
 handle_average_backwards_compatibility = job.handle_average_backwards_compatibility
 
 
@@ -105,6 +104,24 @@ def join() -> tf.Tensor:
         return [torch.tensor(last, dtype=torch.int32)]
 
     return graph.run("join", [], submit, collect, [tf.int32], [tf.TensorShape([])])[0]
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> tf.Tensor | None:
+    """Returns once every rank of the process set has reached the barrier. Eagerly it waits
+    at the call (and returns None); in a ``tf.function`` or a TF1 graph it is an op that
+    waits each time it runs (an int32 scalar, 0: a TF1 session runs it when asked for it),
+    not once while the function is traced."""
+    if not graph.in_graph():
+        job.barrier(process_set)
+        return None
+
+    def submit(views: list[torch.Tensor]) -> Any:
+        return ops.submit(Kind.BARRIER, None, process_set, [], [], blocking=True)
+
+    def collect(_: Any) -> list[torch.Tensor]:
+        return [torch.tensor(0, dtype=torch.int32)]
+
+    return graph.run("barrier", [], submit, collect, [tf.int32], [tf.TensorShape([])])[0]
 
 
 # ---- the job's numbers as ops ---------------------------------------------------------------
@@ -492,9 +509,11 @@ def _broadcast(
 
         def grad(*upstream: tf.Tensor) -> Any:
             reduced = _reduce(upstream, ReduceOp.AVERAGE, 1.0, 1.0, None, process_set, True)
-            if runtime.rank() != root_rank:
-                return [g * 0 for g in reduced]
-            return reduced
+            # The same ops on every rank (zeros but on the root): a graph whose ops differ
+            # across ranks numbers the later ops' default names differently, and unnamed
+            # collectives after this one would never meet.
+            keep = int(runtime.rank() == root_rank)
+            return [g * tf.cast(keep, g.dtype) for g in reduced]
 
         return outputs, grad
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -143,6 +145,41 @@ def main() -> None:
             lambda: _grad(w, lambda x: hvd.reducescatter(tf.tile(x[None], [n, 1]), op=hvd.Sum))
         )()
         c.expect(f"grad.reducescatter.{where}", np.allclose(g, n * n), g)
+
+    # A broadcast's gradient, then an unnamed op, in one tf.function: the gradient builds
+    # the same ops on every rank, so the op after it has the same default name everywhere.
+    @tf.function
+    def after_broadcast_grad() -> Any:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(hvd.broadcast(w, root_rank=0, name="b") * 3.0)
+        return hvd.allreduce(tape.gradient(loss, w) * 2.0)
+
+    g = after_broadcast_grad()
+    c.expect("grad.broadcast.then_unnamed", np.allclose(g, 6.0 / n), g)
+
+    # hvd.barrier() in a graph is an op that waits each time it runs, not once at tracing:
+    # the last rank leaves a mark before it reaches the barrier, which rank 0 then sees.
+    where = hvd.broadcast_object(tempfile.mkdtemp() if r == 0 else None)
+
+    def passes(barrier: Callable[[], Any], label: str) -> bool:
+        mark = Path(where, label)
+        if r == n - 1:
+            time.sleep(0.5)
+            mark.touch()
+        barrier()
+        return r != 0 or mark.exists()
+
+    @tf.function
+    def wait_all(x: tf.Tensor) -> tf.Tensor:
+        hvd.barrier()
+        return x + 1
+
+    wait_all(tf.constant(1))  # (traced here)
+    c.expect("barrier.function", passes(lambda: wait_all(tf.constant(1)), "function"))
+    with tf.Graph().as_default():
+        op = hvd.barrier()
+        with tf.compat.v1.Session() as session:
+            c.expect("barrier.graph", passes(lambda: session.run(op), "graph"))
 
     # ops issued in a different order on each rank inside one tf.function: names match them
     @tf.function
