@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import hashlib
 import ipaddress
 import logging
@@ -308,9 +309,9 @@ def _over_mpi(placement: Placement, meeting: Meeting, serve: Any) -> Meeting:
     """MPI without MASTER_ADDR: rank 0 serves, then sends address and secret to everyone.
 
     MPI's start-up (``MPI_Init`` as mpi4py loads) and the exchange wait for every rank with
-    no timeout of their own, holding Python's lock: a small watchdog process ends this one
-    after :envvar:`HVDRUN_START_TIMEOUT`, saying why, and mpirun then ends the job, as the
-    other launchers' ranks give up by then."""
+    no timeout of their own, holding Python's lock: after :envvar:`HVDRUN_START_TIMEOUT` this
+    process says why and exits with status 1 (see :func:`_watchdog`), and mpirun then ends
+    the job, as the other launchers' ranks give up by then."""
     timeout = start_timeout()
     message = (
         f"hvdrun: hvd.init(): rank {placement.rank} of {placement.size} ({placement.name}) "
@@ -322,29 +323,38 @@ def _over_mpi(placement: Placement, meeting: Meeting, serve: Any) -> Meeting:
         return _exchange_over_mpi(placement, meeting, serve)
 
 
-#: The watchdog: kills its parent (``$3``) after ``$1`` seconds, saying ``$2``, unless its
-#: stdin (a pipe the parent holds) closes first: the parent is done, or gone.
-_WATCHDOG = (
-    'timeout "$1" cat >/dev/null; [ $? -eq 124 ] && printf "%s\\n" "$2" >&2 && kill -KILL "$3"'
-)
+#: The watchdog's voice: says ``$2`` after ``$1`` seconds, unless its stdin (a pipe the
+#: parent holds) closes first: the parent is done, or gone.
+_WATCHDOG = 'timeout "$1" cat >/dev/null; [ $? -eq 124 ] && printf "%s\\n" "$2" >&2'
+
+#: How long after the message the process exits (the message comes first).
+_EXIT_AFTER_MESSAGE = 0.25
 
 
 @contextlib.contextmanager
 def _watchdog(seconds: float, message: str) -> Iterator[None]:
+    """Ends this process with exit status 1 once ``seconds`` have passed inside the block,
+    a small shell process saying ``message`` first. The exit is faulthandler's: a C thread
+    of its own, which needs no Python lock, ``_exit(1)`` after its traceback (which goes to
+    /dev/null) -- a status mpirun reports as an exit, where a SIGKILL read as the OOM
+    killer's."""
     read, write = os.pipe()
     try:
-        watchdog = subprocess.Popen(
-            ["/bin/sh", "-c", _WATCHDOG, "hvdrun-watchdog", f"{seconds:g}", message,
-             str(os.getpid())],
+        voice = subprocess.Popen(
+            ["/bin/sh", "-c", _WATCHDOG, "hvdrun-watchdog", f"{seconds:g}", message],
             stdin=read, stdout=subprocess.DEVNULL, close_fds=True,
         )  # fmt: skip
     finally:
         os.close(read)
+    sink = open(os.devnull, "w")  # noqa: SIM115 (open until the block ends)
+    faulthandler.dump_traceback_later(seconds + _EXIT_AFTER_MESSAGE, exit=True, file=sink)
     try:
         yield
     finally:
+        faulthandler.cancel_dump_traceback_later()
+        sink.close()
         os.close(write)
-        watchdog.wait()
+        voice.wait()
 
 
 def _exchange_over_mpi(placement: Placement, meeting: Meeting, serve: Any) -> Meeting:
