@@ -49,7 +49,7 @@ import shutil
 import socket
 import subprocess
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 __all__ = [
@@ -493,6 +493,34 @@ def _hvdrun(env: Mapping[str, str]) -> Placement | None:
         local_size=_int(env, "HVDRUN_LOCAL_SIZE"),
         job_key=f"hvdrun/{env.get('HVDRUN_JOB_ID', '')}",
     )
+
+
+def beside_hvdrun(env: Mapping[str, str] | None = None) -> str | None:
+    """Where hvdrun's variables are set in a process that another launcher started too,
+    one that never starts hvdrun's workers (torchrun, mpirun, jsrun): a hint that they may
+    be left over from an hvdrun job (hvdrun's variables win), naming that launcher and the
+    ways out. None otherwise (srun may start hvdrun's own agents, whose workers have both)."""
+    source = os.environ if env is None else env
+    if not source.get("HVDRUN_RENDEZVOUS_ADDR"):
+        return None
+    readers: tuple[tuple[Callable[[Mapping[str, str]], Placement | None], str], ...] = (
+        (lambda e: _torchrun(e, True) if e.get("TORCHELASTIC_RUN_ID") else None, "torchrun"),
+        (_open_mpi, "mpi"),
+        (_jsrun, "jsrun"),
+    )
+    for read, choice in readers:
+        try:
+            found = read(source)
+        except DetectionError:
+            continue
+        if found is not None:
+            return (
+                f"this process was started by {found.name} as well, and hvdrun's variables "
+                "(HVDRUN_RENDEZVOUS_ADDR, HVDRUN_RANK, ...), which win, may be left over from "
+                f"an hvdrun job: unset them, or set {LAUNCHER_VARIABLE}={choice} to join "
+                f"{found.name}'s job"
+            )
+    return None
 
 
 def _auto(env: Mapping[str, str]) -> Placement | None:

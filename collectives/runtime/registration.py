@@ -44,7 +44,7 @@ from collectives.runtime.groups import (
 )
 from collectives.runtime.reach import HostsProbe, connect_failure, warn_unreachable
 from collectives.runtime.state import RuntimeState, Topology
-from rendezvous import worker_env
+from rendezvous import launchers, worker_env
 
 __all__ = [
     "HostRemoved",
@@ -153,7 +153,7 @@ def register(runtime_: RuntimeState, min_generation: int) -> Any:
     """Registers with the rendezvous (elastic jobs: for a generation >= ``min_generation``)
     and takes over the place in the job it assigns; raises :class:`HostRemoved` when the
     launcher removed this worker's host."""
-    from rendezvous.client import RendezvousError, RendezvousRemoved
+    from rendezvous.client import RendezvousError, RendezvousRemoved, RendezvousUnavailable
 
     client = runtime_.client
     assert client is not None
@@ -167,7 +167,11 @@ def register(runtime_: RuntimeState, min_generation: int) -> Any:
             sys.stderr.flush()
         raise HostRemoved(message) from None
     except RendezvousError as error:
-        raise RuntimeError(f"hvd.init() could not register with the rendezvous: {error}") from None
+        hint = launchers.beside_hvdrun() if isinstance(error, RendezvousUnavailable) else None
+        raise RuntimeError(
+            f"hvd.init() could not register with the rendezvous: {error}"
+            + (f". Note: {hint}" if hint else "")
+        ) from None
     runtime_.topology = Topology(
         rank=info.rank,
         size=info.size,

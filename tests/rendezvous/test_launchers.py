@@ -6,6 +6,7 @@ import pytest
 
 from rendezvous.launchers import (
     DetectionError,
+    beside_hvdrun,
     derived_port,
     describe,
     detect,
@@ -388,3 +389,17 @@ def test_every_rank_of_an_mpi_job_derives_the_same_job_key() -> None:
     )
     pmix = [{"PMI_RANK": str(rank), "PMI_SIZE": "2", "PMIX_NAMESPACE": "ns7"} for rank in (0, 1)]
     assert keys(*pmix) == {"pmi/ns7"}
+
+
+def test_hvdrun_variables_beside_another_launcher_get_a_hint() -> None:
+    """hvdrun's variables win (its workers may run inside srun's tasks); where torchrun or
+    mpirun started the process too, they may be left over, and a failed registration says
+    so, with the ways out."""
+    left = {"HVDRUN_RENDEZVOUS_ADDR": "127.0.0.1:1", "HVDRUN_RANK": "0", "HVDRUN_SIZE": "2"}
+    hint = beside_hvdrun({**left, **OPEN_MPI})
+    assert hint is not None and "started by Open MPI (mpirun) as well" in hint, hint
+    assert "unset them, or set HVDRUN_LAUNCHER=mpi to join Open MPI (mpirun)'s job" in hint
+    torchrun = {**left, **TORCHRUN, "TORCHELASTIC_RUN_ID": "j"}
+    assert "HVDRUN_LAUNCHER=torchrun" in (beside_hvdrun(torchrun) or "")
+    assert beside_hvdrun({**left, **SLURM_TASK}) is None  # (hvdrun's own agents under srun)
+    assert beside_hvdrun(left) is None and beside_hvdrun(OPEN_MPI) is None
