@@ -259,7 +259,7 @@ def _check_build(ctx: click.Context, param: click.Parameter, value: bool) -> Non
     default=5.0,
     show_default=True,
     metavar="SECONDS",
-    help="After a failure, how long workers get between SIGTERM and SIGKILL.",
+    help="After a failure or a signal, how long workers get between SIGTERM and SIGKILL.",
 )
 @click.option(
     "--check-hosts",
@@ -426,8 +426,15 @@ def cli(
         if hidden:
             unused_notes.append(hidden)
     local_only = all(h.hostname in LOCAL_NAMES for h in host_list)
-    if local_only and not dry_run:
-        check_local_interfaces(ifnames, ifnames_hint)
+    if local_only:
+        try:
+            check_local_interfaces(ifnames, ifnames_hint)
+        except click.BadParameter as error:
+            if not dry_run:
+                raise
+            # (the plan is still shown; it says what a run would stop at)
+            unused_notes.append(f"warning: {error.format_message()}: a run stops here")
+
     if output_filename is not None and not dry_run:
         creatable_directory(output_filename, "--output-filename")
     if not dry_run:

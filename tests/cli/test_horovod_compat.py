@@ -211,6 +211,18 @@ def test_older_spellings_of_thread_affinity_are_hidden_aliases(
     assert "bgt" not in capsys.readouterr().out
 
 
+def test_dry_run_warns_of_an_interface_this_machine_lacks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run stops with a usage error; --dry-run shows the plan and says that it would."""
+    _, err = plan(["-np", "1", "--network-interface", "bogus0", "true"], capsys)
+    assert (
+        "hvdrun: warning: Invalid value for '--network-interface': this machine has no "
+        "network interface bogus0; it has "
+    ) in err, err
+    assert ": a run stops here\n" in err, err
+
+
 @pytest.mark.parametrize(
     ("flag", "value"),
     [("--network-interface", ""), ("--network-interface", " "), ("--network-interfaces", ",")],
