@@ -20,10 +20,19 @@ import tensorflow as tf
 from collectives import elastic
 from collectives.common import ModelVariables
 from collectives.elastic import ObjectState, State, VariablesState
+from collectives.errors import HorovodInternalError, HostsUpdatedInterrupt
 from collectives.tensorflow import graph
 from collectives.tensorflow.functions import broadcast_variables
 
-__all__ = ["ObjectState", "State", "TensorFlowKerasState", "TensorFlowState", "run"]
+__all__ = [
+    "HorovodInternalError",  # (Horovod's module has it too: scripts import it from there)
+    "HostsUpdatedInterrupt",
+    "ObjectState",
+    "State",
+    "TensorFlowKerasState",
+    "TensorFlowState",
+    "run",
+]
 
 
 _R = TypeVar("_R")
