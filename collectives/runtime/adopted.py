@@ -77,6 +77,16 @@ def check_environment(rank: int, size: int, env: Mapping[str, str]) -> str:
     do not matter here: the group exists, so only the rank and size they name are checked.
     """
     group = f"torch.distributed's default process group says this process is {_pair(rank, size)}"
+    started = _env_int(env, worker_env.SIZE) if env.get(worker_env.RENDEZVOUS_ADDR) else None
+    if started is not None and started != size:
+        # (hvdrun's WORLD_SIZE differs too: the group is the script's, or its framework's)
+        raise AdoptionError(
+            f"hvd.init(): {group}, but hvdrun started {started} workers: the script or its "
+            "framework made a group of its own that does not span them. Make it span hvdrun's "
+            "workers (PyTorch Lightning: Trainer(devices=<workers per host>, "
+            "num_nodes=<hosts>), as -np and -H give them), or make no group and let "
+            "hvd.init() make it"
+        )
     for name, expected in (("RANK", rank), ("WORLD_SIZE", size)):
         raw = env.get(name, "").strip()
         if raw and raw != str(expected):

@@ -69,6 +69,12 @@ def test_environment_that_agrees_with_the_group(env: dict[str, str]) -> None:
              "HVDRUN_ELASTIC": "1"},
             "elastic hvdrun job",
         ),
+        # Lightning without devices= under hvdrun -np 8: a group of its own, of 4 here
+        (
+            {"HVDRUN_RENDEZVOUS_ADDR": "10.0.0.1:5", "HVDRUN_RANK": "1", "HVDRUN_SIZE": "8",
+             "RANK": "1", "WORLD_SIZE": "8"},
+            r"rank 1 of 4, but hvdrun started 8 workers: .*Trainer\(devices=<workers per host>",
+        ),
     ],
 )  # fmt: skip
 def test_environment_that_contradicts_the_group(env: dict[str, str], message: str) -> None:
