@@ -105,8 +105,10 @@ class RayExecutorSettings:
 
 
 def _positive(name: str, value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"RayExecutor: {name} must be positive, got {value!r}")
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+    ):
+        raise ValueError(f"RayExecutor: {name} must be a positive number, got {value!r}")
 
 
 class RayExecutor:

@@ -78,13 +78,15 @@ def test_workers_that_share_a_gpu_see_it_once() -> None:
         ({"num_workers": 2, "num_hosts": 1}, ValueError, "give num_workers, or num_hosts"),
         ({}, ValueError, "give num_workers, or num_hosts"),
         ({"num_workers": 0}, ValueError, "num_workers must be a positive integer, got 0"),
-        ({"num_workers": 2, "cpus_per_worker": 0}, ValueError, "cpus_per_worker must be positive"),
+        ({"num_workers": 2, "cpus_per_worker": 0}, ValueError, "cpus_per_worker must be a posi"),
+        # (a string was compared with 0 and raised a TypeError of Python's own)
+        ({"num_workers": 2, "cpus_per_worker": "1"}, ValueError, "positive number, got '1'"),
         ({"min_workers": 1, "max_workers": 4}, NotImplementedError, "ElasticRayExecutor"),
         ({"num_workers": 2, "gpus_per_worker": 1}, ValueError, "gpus_per_worker=1 needs use_gpu"),
         (
             {"num_workers": 2, "use_gpu": True, "gpus_per_worker": 0},
             ValueError,
-            "gpus_per_worker must be positive, got 0",
+            "gpus_per_worker must be a positive number, got 0",
         ),
     ],
 )
