@@ -312,11 +312,12 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
                 runtime.state_synced()  # (hvdrun starts no generation without a holder)
                 return func(state, *args, **kwargs)
             except HorovodInternalError as error:
-                if not runtime.is_elastic():
-                    state.restore()
-                    raise  # (nothing replaces the peer, so nothing to say: see the docstring)
-                logger.warning("a peer failed (%s); restoring the last commit", error)
+                elastic = runtime.is_elastic()
+                if elastic:  # (otherwise nothing replaces the peer: see the docstring)
+                    logger.warning("a peer failed (%s); restoring the last commit", error)
                 state.restore()
+                if not elastic:
+                    raise
                 skip_sync = False
                 why = f"hvd.elastic.run restored its last commit after {exception_text(error)}"
             except HostsUpdatedInterrupt as interrupt:

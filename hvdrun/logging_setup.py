@@ -11,6 +11,7 @@ Horovod's levels are accepted: TRACE (debug here), DEBUG, INFO, WARNING, ERROR, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
+
+from rendezvous import worker_env
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,11 +41,9 @@ class _HorovodSwitch(click.types.BoolParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str):
-            try:
-                return int(value) > 0
-            except ValueError:
-                pass
-        return super().convert(value, param, ctx)
+            with contextlib.suppress(ValueError):
+                return worker_env.switch(value)
+        return super().convert(value, param, ctx)  # (its error names the flag)
 
 
 _OPTIONS = [

@@ -104,7 +104,7 @@ def derive_slots(hosts: Sequence[str], local_ranks: Sequence[int | None]) -> lis
                 f"local rank (LOCAL_RANK or its like) to some of them but not to rank(s) "
                 f"{without}: set it on every rank, or on none"
             )
-        if sorted(v if v is not None else -1 for v in given) != list(range(len(ranks))):
+        if sorted(v for v in given if v is not None) != list(range(len(ranks))):
             pairs = ", ".join(f"rank {r}: {local_ranks[r]}" for r in ranks)
             raise ValueError(
                 f"{len(ranks)} ranks registered from host {host!r}, but their local ranks "

@@ -297,9 +297,11 @@ def flag(name: str, env: Mapping[str, str] | None = None) -> bool:
     Horovod counts it (``strtol(value) > 0``: ``2`` is on, ``-1`` off); ValueError naming
     it when none of these."""
     found = spelled(name, env)
-    if found is None:
-        return False
-    spelling, raw = found
+    return False if found is None else switch(found[1], found[0])
+
+
+def switch(raw: str, spelling: str = "the value") -> bool:
+    """A switch's value as :func:`flag` reads it; ValueError naming ``spelling``."""
     lowered = raw.strip().lower()
     if lowered in _TRUE:
         return True

@@ -18,7 +18,7 @@ import sys
 from rendezvous import worker_env
 
 LEVEL_VARIABLE = worker_env.LOG_LEVEL
-HIDE_TIME_VARIABLE = "HOROVOD_LOG_HIDE_TIME"
+HIDE_TIME_SETTING = "LOG_HIDE_TIME"  # (HOROVOD_LOG_HIDE_TIME, or HVDRUN_'s spelling)
 LEVELS = {
     "TRACE": logging.DEBUG,
     "DEBUG": logging.DEBUG,
@@ -54,7 +54,7 @@ def configure_from_environment(rank: int | None = None) -> int | None:
     if logging.getLogger().handlers or _handler is not None:
         return level  # the script's own handlers (or ours, from an earlier init) get them
     try:  # (read as Horovod reads a switch: any whole number above 0 is on)
-        hide_time = worker_env.flag(HIDE_TIME_VARIABLE.removeprefix(worker_env.HOROVOD_PREFIX))
+        hide_time = worker_env.flag(HIDE_TIME_SETTING)
     except ValueError:
         hide_time = False
     who = "hvd" if rank is None else f"hvd rank {rank}"

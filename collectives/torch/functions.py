@@ -172,8 +172,8 @@ def broadcast_optimizer_state(
 def _outline(optimizer: torch.optim.Optimizer) -> tuple[str, list[list[tuple[int, ...]]]]:
     """What must be alike on every rank for root's state to fit: the optimizer's own class
     (a DistributedOptimizer's wrapped one) and its parameter groups' shapes."""
-    own = type(optimizer).__bases__[-1] if _distributed(optimizer) else type(optimizer)
-    return own.__name__, [[tuple(p.shape) for p in g["params"]] for g in optimizer.param_groups]
+    shapes = [[tuple(p.shape) for p in g["params"]] for g in optimizer.param_groups]
+    return _own_class(optimizer).__name__, shapes
 
 
 def _differences(outlines: dict[int, Any], root_rank: int) -> str:
@@ -240,15 +240,14 @@ def _own_step(optimizer: torch.optim.Optimizer) -> None:
     """The wrapped optimizer's own step. ``hvd.DistributedOptimizer`` returns an instance of
     a class made from (its mixin, the optimizer's class), with the optimizer's class last
     among its bases; its step() would reduce the gradients (and Adasum's does not step)."""
-    if _distributed(optimizer):
-        own: Any = type(optimizer).__bases__[-1]
-        own.step(optimizer)
-    else:
-        optimizer.step()
+    _own_class(optimizer).step(optimizer)
 
 
-def _distributed(optimizer: torch.optim.Optimizer) -> bool:
-    return hasattr(optimizer, "skip_synchronize") and hasattr(optimizer, "synchronize")
+def _own_class(optimizer: torch.optim.Optimizer) -> Any:
+    """The optimizer's own class: a DistributedOptimizer's wrapped one (its last base)."""
+    if hasattr(optimizer, "skip_synchronize") and hasattr(optimizer, "synchronize"):
+        return type(optimizer).__bases__[-1]
+    return type(optimizer)
 
 
 def _strip_slots(obj: Any, slots: list[_TensorSlot]) -> None:
