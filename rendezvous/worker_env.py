@@ -55,6 +55,7 @@ __all__ = [
     "RENDEZVOUS_RELAY_ADDR",
     "RESULT_KEY_PREFIX",
     "SECRET",
+    "STALLED_BY_KEY_PREFIX",
     "STATE_KEY_PREFIX",
     "WORKER",
     "Number",
@@ -144,6 +145,11 @@ INSIGHT_KEY_PREFIX = "hvdrun/insight/"
 #: when both then fail, hvdrun names the one that left as the first failure, whichever exit
 #: it heard of first.
 ENDED_BY_KEY_PREFIX = "hvdrun/ended-by/"
+#: A worker whose collectives the stall inspector stopped, because another rank never
+#: submitted an op it waited for, writes that rank and the op (``"<rank>\n<op>"``) under
+#: this prefix and its own rank, before it exits: hvdrun names the rank that held the job
+#: up as the first failure, not the rank whose error it heard of first.
+STALLED_BY_KEY_PREFIX = "hvdrun/stalled-by/"
 #: ``hvdrun.run(fn, ...)``: the launcher puts ``(fn, args, kwargs)``, pickled, in the store
 #: under this key before any worker starts (in pieces, :mod:`rendezvous.pieces`); each
 #: worker (``python -m collectives.run_task``) reads it, calls ``fn`` and puts what it

@@ -250,6 +250,11 @@ class Engine:
         rank's collectives, when another rank's did."""
         return self._global.runner.ended_by
 
+    def stalled_by(self) -> tuple[int, str] | None:
+        """After the stall inspector stopped the job's collectives: the rank that never
+        submitted an op this rank waited for, and the op."""
+        return self._global.runner.stalled_by
+
     def stop(self, timeout: float | None = None, failure: str = "") -> None:
         """Announces this rank's departure in every set's last cycle and stops them
         (``failure``: how this rank's script failed, which the others are told; "" when

@@ -178,6 +178,8 @@ class CycleRunner:
         self.busy = False  # the current cycle ran ops (alike on every member)
         self.round_bytes = 0
         self.ended_by: int | None = None  # the member whose leaving ended the set's rounds
+        # After a stall shutdown: the member that never submitted an op, and the op.
+        self.stalled_by: tuple[int, str] | None = None
 
     def current_pace(self) -> Pace:
         return self.pace
@@ -301,6 +303,7 @@ class CycleRunner:
             tl.flush()
         if abort:
             message = self.stall.report(self.table, self._members, time.monotonic(), aborting=True)
+            self.stalled_by = self.stall.holdup(self.table, self._members)
             self.queue.fail(message, self.dispatch.current)
             return False
         if leavers:

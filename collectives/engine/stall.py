@@ -174,6 +174,25 @@ class StallInspector:
                 entry.warned_at = now
         return shutdown > 0 and any(w >= shutdown for w, _ in waited)
 
+    def holdup(self, table: Table, members: Callable[[Entry], list[int]]) -> tuple[int, str] | None:
+        """After a stall shutdown, the rank that held this rank up, and the op it never
+        submitted: the first rank missing from the oldest op this rank submitted. None when
+        this rank is among the missing, or ranks submitted different ops (unnamed ops that
+        diverged, one name for two ops): there every rank's script is at fault alike."""
+        if diverged(table, members) or name_clashes(table):
+            return None
+        for entry in sorted(table.entries.values(), key=lambda e: e.order):
+            if entry.kind == Kind.JOIN or self._rank not in entry.sigs:
+                continue
+            missing = table.waiting_for(entry, members(entry))
+            if missing:
+                return (
+                    (missing[0], label(entry.kind, entry.name))
+                    if self._rank not in missing
+                    else None
+                )
+        return None
+
     def report(
         self,
         table: Table,

@@ -236,14 +236,19 @@ def _teardown(runtime_: RuntimeState, failure: str = "") -> None:
 
 def _say_who_ended(runtime_: RuntimeState, engine_: Any) -> None:
     """Tells hvdrun which rank's leaving ended this rank's collectives, if another's did
-    (see ``worker_env.ENDED_BY_KEY_PREFIX``): this rank may now fail because of it, and
-    may be heard of first. Fixed jobs of hvdrun only (elastic jobs recover instead)."""
-    ended_by = engine_.ended_by() if engine_ is not None else None
-    if ended_by is None or runtime_.client is None or runtime_.elastic:
+    (see ``worker_env.ENDED_BY_KEY_PREFIX``), or which rank held them up until the stall
+    inspector stopped them (``STALLED_BY_KEY_PREFIX``): this rank may now fail because of
+    it, and may be heard of first. Fixed jobs of hvdrun only (elastic jobs recover instead)."""
+    if engine_ is None or runtime_.client is None or runtime_.elastic:
         return
-    key = worker_env.ENDED_BY_KEY_PREFIX + str(runtime_.topology.rank)
+    ended_by, stalled_by = engine_.ended_by(), engine_.stalled_by()
+    rank = str(runtime_.topology.rank)
     try:
-        runtime_.client.set(key, str(ended_by).encode())
+        if ended_by is not None:
+            runtime_.client.set(worker_env.ENDED_BY_KEY_PREFIX + rank, str(ended_by).encode())
+        if stalled_by is not None:
+            value = f"{stalled_by[0]}\n{stalled_by[1]}"
+            runtime_.client.set(worker_env.STALLED_BY_KEY_PREFIX + rank, value.encode())
     except Exception as error:  # the rendezvous may be gone with a failed job
         logger.debug("could not say which rank ended the collectives: %s", error)
 

@@ -228,6 +228,11 @@ class Supervisor(Supervision[HostEvent]):
             self.fail(stopped)
             return
         rank = failure.rank
+        stalled = self._stalled_by(failure)
+        if stalled is not None:  # (a rank that never submitted an op the others waited for)
+            self._held.clear()
+            self.fail(stalled)
+            return
         # Failures that waited for this rank: this one (or what it waits for) comes first.
         self._held = {r: held for r, held in self._held.items() if held[1] != rank}
         culprit = self._ended_by(rank)
@@ -266,6 +271,30 @@ class Supervisor(Supervision[HostEvent]):
         except TimeoutError:
             return None
         return int(value) if value is not None and value.isdigit() else None
+
+    def _stalled_by(self, failure: WorkerFailure) -> WorkerFailure | None:
+        """The failure to name when the stall inspector stopped ``failure``'s collectives
+        because another rank, still running, never submitted an op they waited for: that
+        rank's, with ``failure``'s exit code (see ``worker_env.STALLED_BY_KEY_PREFIX``)."""
+        if self.server is None:
+            return None
+        key = worker_env.STALLED_BY_KEY_PREFIX + str(failure.rank)
+        try:
+            value = self.server.values_under(key).get(key)
+        except TimeoutError:
+            return None
+        rank_text, _, op = (value or b"").decode(errors="replace").partition("\n")
+        if not rank_text.isdigit() or not op:
+            return None
+        rank = int(rank_text)
+        if rank not in self.host_of or rank in self.result.exits:
+            return None  # (an exit of its own: heard of, and named, as it came)
+        why = (
+            f"it never submitted {op}, which rank {failure.rank} waited for until the stall "
+            "inspector stopped the job's collectives (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) "
+            f"(rank {failure.rank} exited first, with exit code {failure.code})"
+        )
+        return WorkerFailure(rank, self.host_of[rank], failure.code, why, peer=failure, stalled=op)
 
     def _show_status(self) -> None:
         if self.server is None or self._registered >= len(self.host_of):

@@ -52,7 +52,9 @@ def rank_status(result: JobResult, rank: int) -> str:
     failure = result.failure
     if failure is not None and failure.rank == rank:
         # (a stopped rank's own exit code is hvdrun's stop of it: say what stopped it)
-        return "FAILED FIRST" if failure.stop is None else f"FAILED FIRST ({failure.stop.by()})"
+        if failure.stop is not None:
+            return f"FAILED FIRST ({failure.stop.by()})"
+        return "FAILED FIRST (stalled)" if failure.stalled else "FAILED FIRST"
     if rank in result.lost:
         return "lost"
     if rank not in result.exits:
@@ -145,7 +147,7 @@ def report_failure(
         what = failure.error
     if failure.rank in result.lost:
         what = f"{result.lost[failure.rank]} (exit code {failure.code})"
-    if failure.stop is not None and failure.error:
+    if failure.peer is not None and failure.error:  # (stopped or stalled: why, not its exit)
         what = failure.error
     # Horovod's sentence first: scripts and CI logs match on it.
     sink.message(HOROVOD_FAILED_AT_ZERO if exited_zero else HOROVOD_FAILED)

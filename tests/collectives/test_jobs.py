@@ -363,6 +363,39 @@ def test_the_rank_whose_end_ended_the_others_is_named_first(
     assert said[how] in output, output
 
 
+STALLING_RANK = """
+import time
+import torch
+import collectives.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(1), name="first")
+if hvd.rank() == 1:
+    time.sleep(600)  # (alive, and never submits the next op)
+hvd.allreduce(torch.ones(1), name="next")
+"""
+
+
+def test_the_rank_that_held_the_job_up_is_named_first_after_a_stall_shutdown(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 never submits an op that rank 0 waits for; the stall inspector stops the job's
+    collectives and rank 0 fails. hvdrun names rank 1, the cause, as the rank that failed
+    first (its exit code: the stop's SIGTERM), not rank 0, whose exit it heard of first."""
+    script = tmp_path / "stalling.py"
+    script.write_text(STALLING_RANK)
+    options = ("--stall-check-warning-time-seconds", "1")
+    options += ("--stall-check-shutdown-time-seconds", "2")
+    code, output = run_hvdrun(2, script, options=options, timeout=60)
+    assert code == 1, output
+    assert (
+        "hvdrun: rank 1 on host localhost failed first: it never submitted allreduce 'next', "
+        "which rank 0 waited for until the stall inspector stopped the job's collectives"
+    ) in output, output
+    assert "(rank 0 exited first, with exit code 1)" in output, output
+    assert re.search(r"^hvdrun:   1\s+localhost\s+143\s+FAILED FIRST \(stalled\)", output, re.M)
+    assert "last lines of rank 0's stderr (it exited first):" in output, output
+
+
 NO_INIT_ON_RANK_1 = """
 import os
 if os.environ["HVDRUN_RANK"] != "1":
