@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -86,6 +87,19 @@ class RendezvousError(Exception):
         """The server does not know the call: a gRPC (or other HTTP/2) server that is not
         hvdrun's rendezvous holds the address, or one of an hvdrun without that call."""
         return self.code == grpc.StatusCode.UNIMPLEMENTED
+
+
+#: How the server refuses a call about an older membership generation's keys (a worker that
+#: bootstraps a generation a newer one has replaced: hosts joined or left meanwhile).
+SUPERSEDED = "membership generation {old} was superseded by generation {new}"
+_SUPERSEDED = re.compile(SUPERSEDED.format(old=r"(\d+)", new=r"(\d+)"))
+
+
+def superseded(error: BaseException) -> tuple[int, int] | None:
+    """(old, new) generation when ``error`` (a call's, or torch's around a store call's)
+    says the call's membership generation was superseded by a newer one; None otherwise."""
+    match = _SUPERSEDED.search(str(error))
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 class RendezvousTimeout(RendezvousError):

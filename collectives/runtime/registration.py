@@ -201,7 +201,7 @@ def register(runtime_: RuntimeState, min_generation: int) -> Any:
 
 def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
     """Creates the default process group of the registered generation."""
-    from rendezvous.client import RendezvousError
+    from rendezvous.client import RendezvousError, superseded
     from rendezvous.store import RendezvousStore
 
     topology = runtime_.topology
@@ -227,6 +227,8 @@ def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
             timeout=runtime_.timeout,
         )
     except (RuntimeError, RendezvousError) as error:
+        if superseded(error) is not None:
+            raise  # (hosts joined or left meanwhile, not the network: see join_elastic)
         raise connect_failure(topology.rank, topology.size, error) from None
     finally:
         if probe is not None:
@@ -237,6 +239,8 @@ def join_elastic(runtime_: RuntimeState) -> None:
     """Bootstraps the registered generation and starts the engine; on failure (a peer died,
     or a newer generation superseded this one) registers for the next generation and tries
     again, until the launcher's elastic timeout or a removal ends it."""
+    from rendezvous.client import superseded
+
     while True:
         try:
             _bootstrap(runtime_, 1)  # one bootstrap per generation: the prefix is unique
@@ -245,12 +249,21 @@ def join_elastic(runtime_: RuntimeState) -> None:
         except JobSetupError:
             raise  # the job's set-up: no generation can fix it
         except (RuntimeError, HorovodInternalError) as error:
-            logger.warning(
-                "rank %d could not join generation %d (%s); waiting for the next one",
-                runtime_.topology.rank,
-                runtime_.generation,
-                error,
-            )
+            replaced = superseded(error)
+            if replaced is not None:  # (the job's hosts changed while it started: routine)
+                logger.info(
+                    "rank %d: generation %d was superseded by generation %d "
+                    "(hosts joined or left the job); joining that one",
+                    runtime_.topology.rank,
+                    *replaced,
+                )
+            else:
+                logger.warning(
+                    "rank %d could not join generation %d (%s); waiting for the next one",
+                    runtime_.topology.rank,
+                    runtime_.generation,
+                    error,
+                )
         destroy_groups()
         register(runtime_, runtime_.generation + 1)
 

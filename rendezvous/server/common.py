@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import grpc
 
+from rendezvous.client import SUPERSEDED
+
 #: Every part logs under this one name, the name the server has always logged under: it is
 #: what ``--verbose`` prints in front of each line and what logging filters select on.
 LOGGER_NAME = "rendezvous.server"
@@ -72,8 +74,7 @@ class Superseded(Refusal):
     def __init__(self, old: int, new: int) -> None:
         super().__init__(
             grpc.StatusCode.ABORTED,
-            f"membership generation {old} was superseded by generation {new} "
-            "(hosts joined or left the job)",
+            SUPERSEDED.format(old=old, new=new) + " (hosts joined or left the job)",
         )
 
 

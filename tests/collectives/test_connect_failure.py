@@ -49,3 +49,75 @@ def test_hvd_init_under_hvdrun_explains_it(monkeypatch: pytest.MonkeyPatch) -> N
     )
     with pytest.raises(RuntimeError, match="This rank advertised the address of its host name"):
         registration._bootstrap(runtime_, 1)
+
+
+def test_a_superseded_generation_is_not_called_a_network_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Elastic jobs: hosts joined or left while a generation bootstrapped, and the server
+    refused its keys (torch's error around the store call's). That is routine, not the
+    network: the error stays the server's, without advice on interfaces."""
+    text = (
+        "rendezvous Get of 'hvdrun/g3/i1/rank_1' failed: ABORTED: membership generation 3 "
+        "was superseded by generation 4 (hosts joined or left the job)"
+    )
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(text)
+
+    monkeypatch.setattr(registration, "init_default_group", fail)
+    topology = Topology(rank=0, size=2, local_rank=0, local_size=1, cross_rank=0, cross_size=2)
+    runtime_ = RuntimeState(
+        topology=topology,
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=5),
+        store=None,
+        client=object(),
+    )
+    with pytest.raises(RuntimeError) as raised:
+        registration._bootstrap(runtime_, 1)
+    assert str(raised.value) == text
+
+
+def test_joining_the_generation_that_superseded_one_logs_no_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank whose generation was superseded joins the next one; only a real failure to
+    join is a warning (every rank of every turnover of hosts printed one)."""
+    errors = [
+        RuntimeError("ABORTED: membership generation 3 was superseded by generation 4 (...)"),
+        RuntimeError("Gloo connectFullMesh failed"),
+    ]
+
+    def bootstrap(runtime_: RuntimeState, counter: int) -> None:
+        if errors:
+            raise errors.pop(0)
+
+    def register(runtime_: RuntimeState, generation: int) -> None:
+        runtime_.generation = generation
+
+    monkeypatch.setattr(registration, "_bootstrap", bootstrap)
+    monkeypatch.setattr(registration, "start_engine", lambda runtime_: "engine")
+    monkeypatch.setattr(registration, "destroy_groups", lambda: None)
+    monkeypatch.setattr(registration, "register", register)
+    topology = Topology(rank=1, size=2, local_rank=0, local_size=1, cross_rank=1, cross_size=2)
+    runtime_ = RuntimeState(
+        topology=topology, backend="gloo", timeout=datetime.timedelta(seconds=5), store=None
+    )
+    runtime_.generation = 3
+    with caplog.at_level("INFO", logger="collectives"):
+        registration.join_elastic(runtime_)
+    assert runtime_.engine == "engine" and runtime_.generation == 5
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said == [
+        (
+            "INFO",
+            "rank 1: generation 3 was superseded by generation 4 (hosts joined or left the "
+            "job); joining that one",
+        ),
+        (
+            "WARNING",
+            "rank 1 could not join generation 4 (Gloo connectFullMesh failed); waiting for "
+            "the next one",
+        ),
+    ], said

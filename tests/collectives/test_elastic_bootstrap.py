@@ -61,7 +61,8 @@ def test_a_superseded_bootstrap_does_not_keep_the_next_generation_apart() -> Non
                     worker.kill()
                     worker.communicate()
     (b_out, b_err), (c_out, c_err) = outputs
-    assert "could not join generation 1" in b_err, b_err
+    # (routine when hosts change: no warning, and nothing said of the network)
+    assert "could not join generation 1" not in b_err and "GLOO_SOCKET_IFNAME" not in b_err, b_err
     assert workers[0].returncode == 0, b_out + b_err
     assert workers[1].returncode == 0, c_out + c_err
     assert "joined rank=0 size=2 generation=2 sum=3" in b_out, b_out + b_err
