@@ -300,6 +300,7 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> _R:
+        runtime.require("hvd.elastic.run")  # (not the first collective of state.sync())
         why = ""  # (what made the last reset, which the peers still in it are told)
         skip_sync = False
         while True:
@@ -314,7 +315,7 @@ def run(func: Callable[..., _R]) -> Callable[..., _R]:
             except HorovodInternalError as error:
                 elastic = runtime.is_elastic()
                 if elastic:  # (otherwise nothing replaces the peer: see the docstring)
-                    logger.warning("a peer failed (%s); restoring the last commit", error)
+                    logger.warning("a collective failed (%s); restoring the last commit", error)
                 state.restore()
                 if not elastic:
                     raise

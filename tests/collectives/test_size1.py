@@ -51,6 +51,14 @@ def test_queries_before_init_raise(alone: None) -> None:
     with pytest.raises(ValueError, match=r"hvd\.init\(\)"):
         hvd_module.broadcast_object(1)
 
+    @hvd_module.elastic.run
+    def train(state: object) -> None:
+        raise AssertionError("ran before hvd.init()")
+
+    # (the call the script made, not the first collective inside it)
+    with pytest.raises(ValueError, match=r"call hvd\.init\(\) before using hvd\.elastic\.run$"):
+        train(hvd_module.elastic.ObjectState(epoch=0))
+
 
 def test_an_uncaught_error_is_printed_as_without_hvd_however_many_init_rounds(
     alone: None,
