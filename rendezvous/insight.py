@@ -206,22 +206,29 @@ class JobReport:
             "in all."
         )
 
-    def table(self) -> list[str]:
-        """The short table and the sentence, one line each (hvdrun prefixes them)."""
+    def table(self, at_end: bool = False) -> list[str]:
+        """The short table and the sentence, one line each (hvdrun prefixes them).
+        ``at_end``: the job has ended, and a rank whose figures are not its last (it was
+        stopped or killed before it published them) is marked."""
         if not self.ranks:
             return []
-        rows = [("RANK", "HOST", "IN COLLECTIVES", "BETWEEN", "WAITED FOR OTHERS", "LAST",
-                 "WAIT CAUSED")]  # fmt: skip
-        shown = sorted(self.ranks, key=lambda f: f.rank)
+        generations = len({f.generation for f in self.ranks}) > 1
+        rows = [("RANK", *(("GEN",) if generations else ()), "HOST", "IN COLLECTIVES", "BETWEEN",
+                 "WAITED FOR OTHERS", "LAST", "WAIT CAUSED")]  # fmt: skip
+        shown = sorted(self.ranks, key=_by_rank)
         hidden = 0
         if len(shown) > FULL_TABLE_RANKS:
             keep = sorted(shown, key=lambda f: -f.wait_caused_s)[: FULL_TABLE_RANKS // 2]
             hidden = len(shown) - len(keep)
-            shown = sorted(keep, key=lambda f: f.rank)
+            shown = sorted(keep, key=_by_rank)
+        stale = False
         for f in shown:
+            mark = "*" if at_end and not f.final else ""
+            stale = stale or bool(mark)
             rows.append(
                 (
-                    str(f.rank),
+                    f"{f.rank}{mark}",
+                    *((str(f.generation),) if generations else ()),
                     f.host or "-",
                     f"{seconds(f.in_collectives_s)} ({_percent(f.in_collectives_s, f.elapsed_s)})",
                     seconds(f.between_s),
@@ -239,8 +246,19 @@ class JobReport:
         ]
         if hidden:
             lines.append(f"... and {hidden} more rank(s) that caused less waiting")
+        if stale:
+            lines.append(
+                "* its figures as of its last comparison with the others (about once a "
+                "second): it was stopped or killed before it published its last ones"
+            )
         if self.missing:
-            lines.append(f"no figures from rank(s) {', '.join(map(str, self.missing))}")
+            which = " of the last generation" if generations else ""
+            lines.append(f"no figures from rank(s) {', '.join(map(str, self.missing))}{which}")
+        if generations:
+            lines.append(
+                "(elastic: a row per worker, under its rank in the last generation it was in "
+                "(GEN); its figures cover all its generations)"
+            )
         return [
             f"time in collectives of {self.size} rank(s) (each rank's own clock; LAST: "
             f"collectives that waited at least 1 ms, {self.held_rounds} in all):",
@@ -282,41 +300,46 @@ def _by_rank(figures: RankFigures) -> int:
 
 def analyse(figures: Iterable[RankFigures], size: int | None = None) -> JobReport:
     """What every rank's figures say. Where several workers reported the same rank (the
-    generations of an elastic job) each counts as a row of its own."""
+    generations of an elastic job) each counts as a row of its own, and a rank is missing
+    when no worker of the last generation reported it (``size``, else that generation's
+    size)."""
     ranks = sorted(figures, key=_by_rank)
+    newest = max((f.generation for f in ranks), default=0)
+    current = [f for f in ranks if f.generation == newest]
     if size is None:
-        size = max([f.size for f in ranks] + [f.rank + 1 for f in ranks], default=0)
-    reported = {f.rank for f in ranks}
+        size = max([f.size for f in current] + [f.rank + 1 for f in current], default=0)
+    reported = {f.rank for f in current}
     missing = [rank for rank in range(size) if rank not in reported]
     total = sum(f.waited_s for f in ranks)
     held = max((f.held_rounds for f in ranks), default=0)
     ops = _job_ops(ranks)
-    caused: dict[int, float] = collections.defaultdict(float)
-    repeated: dict[int, float] = collections.defaultdict(float)  # without the longest wait
-    for f in ranks:
-        caused[f.rank] += f.wait_caused_s
-        repeated[f.rank] += max(0.0, f.wait_caused_s - f.largest_wait_caused_s)
+    # By row: a worker's own figures (two workers of one rank number are two rows).
+    repeated = {  # (without the longest late arrival)
+        row: max(0.0, f.wait_caused_s - f.largest_wait_caused_s) for row, f in enumerate(ranks)
+    }
     straggler = None
-    rank = stands_out(repeated)
-    if rank is not None and len(ranks) > 1:
-        mine = [f for f in ranks if f.rank == rank]
-        others = [f for f in ranks if f.rank != rank]
-        per_other = repeated[rank] / max(1, len(others))
-        elapsed = statistics.median([f.elapsed_s for f in others]) if others else 0.0
+    row = stands_out(repeated)
+    if row is not None and len(ranks) > 1:
+        mine = ranks[row]
+        others = [f for f in ranks if f is not mine]
+        per_other = repeated[row] / len(others)
+        elapsed = statistics.median([f.elapsed_s for f in others])
         if per_other >= STANDOUT_SECONDS and per_other >= STANDOUT_FRACTION * elapsed:
-            times_last = sum(f.times_last for f in mine)
             waited_for = [
-                (op["waited_s"] * op["share"], op["op"]) for op in ops if op["mostly_for"] == rank
+                (op["waited_s"] * op["share"], op["op"])
+                for op in ops
+                if op["mostly_for"] == mine.rank
             ]
+            caused = mine.wait_caused_s
             straggler = Straggler(
-                rank=rank,
-                host=mine[0].host,
-                wait_caused_s=caused[rank],
-                share=caused[rank] / total if total > 0 else 1.0,
-                times_last=times_last,
+                rank=mine.rank,
+                host=mine.host,
+                wait_caused_s=caused,
+                share=caused / total if total > 0 else 1.0,
+                times_last=mine.times_last,
                 held_rounds=held,
-                per_time_s=caused[rank] / max(1, times_last) / max(1, len(others)),
-                others_fraction=caused[rank] / max(1, len(others)) / elapsed if elapsed else 0.0,
+                per_time_s=caused / max(1, mine.times_last) / len(others),
+                others_fraction=caused / len(others) / elapsed if elapsed else 0.0,
                 op=max(waited_for)[1] if waited_for else None,
             )
     return JobReport(ranks, size, missing, total, held, straggler, ops)
@@ -369,10 +392,12 @@ class LiveWatch:
 
     def __init__(
         self,
+        details: str = "",
         window: float = LIVE_WINDOW_SECONDS,
         wait_seconds: float = LIVE_WAIT_SECONDS,
         repeat: float = LIVE_REPEAT_SECONDS,
     ) -> None:
+        self.details = details  # where the warning says the details are ("": nowhere)
         self.window = window
         self.wait_seconds = wait_seconds
         self.repeat = repeat
@@ -471,8 +496,8 @@ class LiveWatch:
             self._warned[rank] = now
             warning = (
                 f"{where} is holding the job back: in the last {span:.0f} s the other ranks "
-                f"waited {seconds(per_other)} each for it in {rounds} collectives{share} "
-                "(the end-of-job table has the details)"
+                f"waited {seconds(per_other)} each for it in {rounds} collectives{share}"
+                + (f" ({self.details})" if self.details else "")
             )
         return LiveNews(status, warning)
 

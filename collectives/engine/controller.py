@@ -197,6 +197,7 @@ class Controller:
             return
         runner.arrivals.busy += time.perf_counter() - started
         if not going_on:
+            runner.arrivals.close()
             self._on_stop(self)
         elif runner.pace.awaiting and threading.get_ident() != self.thread_ident:
             self.queue.wake()  # the set's thread must act sooner than it planned
@@ -205,6 +206,7 @@ class Controller:
         """A cycle raised: the engine stops, every pending op fails, the set's groups go.
         Re-raises an interruption (Ctrl-C in a thread that ran the cycle)."""
         logger.debug("collectives engine of rank %d stopped", self.rank, exc_info=True)
+        self.runner.arrivals.close()
         self._on_failure(self, describe_failure(self.rank, error, self._timeout))
         # The failed call's frames still hold process groups in their locals: cleared, and
         # the error gone with this call, only the runner holds them (nothing is chained

@@ -193,6 +193,15 @@ class Arrivals:
         """Makes the set's next round flush (any thread: ``hvd.report()``)."""
         self.want = True
 
+    def close(self) -> None:
+        """The set stopped (this member left it, or a round failed): the snapshot's figures
+        of this member's own clock (time in the set's rounds, time since the start) are
+        brought up to date. Rounds no flush compared (a peer died before the next one) add
+        no waits: those need every member's durations."""
+        self.snapshot = self.snapshot._replace(
+            busy=max(self.busy, self._inside), elapsed=time.perf_counter() - self._started
+        )
+
     # ---- the flush (after a round whose flag was raised) -------------------------------
 
     def flush(self, group: Any, timeout: float | None = None) -> None:

@@ -119,7 +119,7 @@ class Publisher:
         self._folded: weakref.WeakSet[Engine] = weakref.WeakSet()
         self._published = (0, -1)  # (id of the engine, its flushes) last published
         self._stop = threading.Event()
-        self._live = LiveWatch() if self._watches() else None
+        self._live = LiveWatch("hvd.report() has the details") if self._watches() else None
         self._thread = threading.Thread(target=self._run, name="hvdrun-insight", daemon=True)
 
     def _watches(self) -> bool:
@@ -201,7 +201,7 @@ class Publisher:
         }
         news = self._live.update(time.monotonic(), ranks)
         if news.warning:
-            logger.warning("hvdrun: %s", news.warning)
+            logger.warning("%s", news.warning)
 
     def engine_stopped(self, engine_: Engine) -> None:
         """An engine stopped (shutdown, or an elastic reset): its figures are carried."""

@@ -93,7 +93,7 @@ def report_insight(
         return
     result = analyse(figures.values(), size)
     if options.table:
-        for line in result.table():
+        for line in result.table(at_end=True):
             sink.message(line)
     if options.file:
         try:

@@ -139,3 +139,38 @@ def test_the_live_watch_judges_a_worker_from_its_first_figures_in_the_window() -
     assert news.warning is None  # 0.2 s since then: below 1 s in 10 s
     news = watch.update(4.0, {"0": _live(0, 0.0, 0, 99), "1": _live(1, 6.2, 99, 99)})
     assert news.warning is not None and "in the last 3 s" in news.warning
+
+
+def test_a_rank_stopped_before_its_last_figures_is_marked_at_the_end() -> None:
+    ranks = [_rank(0, 0.1, 6.0, 90, final=False, size=2), _rank(1, 6.0, 0.1, 1, final=True, size=2)]
+    live = analyse(ranks).table()
+    assert not any("*" in line for line in live)  # (hvd.report(): no rank's are final yet)
+    ended = analyse(ranks).table(at_end=True)
+    assert ended[2].split()[:2] == ["0*", "host0"] and ended[3].split()[:2] == ["1", "host1"]
+    assert ended[4] == (
+        "  * its figures as of its last comparison with the others (about once a second): it "
+        "was stopped or killed before it published its last ones"
+    )
+
+
+def test_elastic_workers_are_rows_of_their_own_and_missing_from_the_last_generation() -> None:
+    # Generation 1 had 3 ranks; its rank 1 failed, and its rank 2 went on as rank 1 of
+    # generation 2. Every worker reported: no rank is missing, and the two workers that
+    # were rank 1 are told apart (their figures are not added up as one rank's).
+    ranks = [
+        _rank(0, 1.0, 0.1, 1, generation=2, size=2, final=True),
+        _rank(1, 0.2, 0.1, 1, generation=1, size=3, final=True),
+        _rank(1, 1.0, 2.5, 40, generation=2, size=2, largest_wait_caused_s=0.1, final=True),
+    ]
+    ranks[1].host = ranks[2].host = "other"
+    report = analyse(ranks)
+    assert report.size == 2 and report.missing == []
+    lines = report.table(at_end=True)
+    assert lines[1].split()[:3] == ["RANK", "GEN", "HOST"]
+    assert [line.split()[:2] for line in lines[2:5]] == [["0", "2"], ["1", "1"], ["1", "2"]]
+    assert "(elastic: a row per worker" in lines[5]
+    assert report.straggler is not None and report.straggler.wait_caused_s == 2.5
+    # Generation 2's rank 1 never reported: it is missing, though generation 1's did.
+    gone = analyse(ranks[:2])
+    assert gone.missing == [1]
+    assert "no figures from rank(s) 1 of the last generation" in "\n".join(gone.table())

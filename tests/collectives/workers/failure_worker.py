@@ -69,6 +69,8 @@ def main() -> None:
         except hvd.HorovodInternalError as error:
             elapsed = time.monotonic() - started
             print(f"caught HorovodInternalError after {elapsed:.2f} s: {error}", flush=True)
+            figures = runtime.engine().arrivals()  # (the failed set's, up to its stop)
+            print(f"time in collectives {figures.busy:.3f} s of {figures.elapsed:.3f} s")
             sys.exit(3)
         sys.exit("no error although the peer died")
     if mode == "kill-pending":
