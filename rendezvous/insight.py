@@ -66,6 +66,15 @@ LIVE_REPEAT_SECONDS = 300.0
 LIVE_MIN_LAST = 3
 
 
+#: Said of a rank named as holding the job back that writes a timeline where the others do
+#: not: the timeline's cost may be all its lateness.
+TIMELINE_CAVEAT = (
+    "It writes a timeline and the others do not, which slows its collectives (the engine's "
+    "fast paths stay off while a timeline is open): run with --timeline-all-ranks, or "
+    "without the timeline, to tell the two apart."
+)
+
+
 @dataclass
 class RankFigures:
     """One worker's figures, as it publishes them (every duration in seconds)."""
@@ -84,6 +93,7 @@ class RankFigures:
     rounds: int = 0
     flushes: int = 0  # comparisons so far (alike on every rank of a generation)
     final: bool = False  # published at shutdown
+    timeline: bool = False  # it wrote a timeline (which slows its collectives) at some point
     #: op: {"waited_s": s, "for": {rank: s}} (the ops it waited at most)
     ops: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -164,6 +174,7 @@ class Straggler:
     per_time_s: float  # the others' wait per round it was last in
     others_fraction: float  # of the others' run time, on average
     op: str | None  # the op the others waited for it at most
+    timeline: bool = False  # it wrote a timeline and the others did not
 
     def sentence(self) -> str:
         where = f"rank {self.rank}" + (f" on {self.host}" if self.host else "")
@@ -180,7 +191,7 @@ class Straggler:
         )
         if self.op:
             text += f", mostly at {self.op}"
-        return text + "."
+        return text + "." + (f" {TIMELINE_CAVEAT}" if self.timeline else "")
 
 
 @dataclass
@@ -341,6 +352,7 @@ def analyse(figures: Iterable[RankFigures], size: int | None = None) -> JobRepor
                 per_time_s=caused / max(1, mine.times_last) / len(others),
                 others_fraction=caused / len(others) / elapsed if elapsed else 0.0,
                 op=max(waited_for)[1] if waited_for else None,
+                timeline=mine.timeline and not any(f.timeline for f in others),
             )
     return JobReport(ranks, size, missing, total, held, straggler, ops)
 
@@ -453,6 +465,7 @@ class LiveWatch:
         since: dict[int, float] = {}
         covered: dict[int, float] = {}  # the stretch on the worker's own clock
         hosts: dict[int, str] = {}
+        timelines = set()  # the ranks that write a timeline
         for key, f in figures.items():
             if f.generation != newest:
                 continue  # (a worker gone with its generation, or not in the new one yet)
@@ -472,6 +485,8 @@ class LiveWatch:
             since[f.rank] = min(since.get(f.rank, now), when)
             covered[f.rank] = max(covered.get(f.rank, 0.0), f.elapsed_s - before.elapsed_s)
             hosts[f.rank] = f.host
+            if f.timeline:
+                timelines.add(f.rank)
         rank = stands_out(repeated)
         if rank is None or len(caused) < 2:
             return LiveNews()
@@ -499,6 +514,8 @@ class LiveWatch:
                 f"waited {seconds(per_other)} each for it in {rounds} collectives{share}"
                 + (f" ({self.details})" if self.details else "")
             )
+            if timelines == {rank}:
+                warning += f". {TIMELINE_CAVEAT}"
         return LiveNews(status, warning)
 
 

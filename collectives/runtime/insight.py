@@ -118,6 +118,7 @@ class Publisher:
         # engine is gone).
         self._folded: weakref.WeakSet[Engine] = weakref.WeakSet()
         self._published = (0, -1)  # (id of the engine, its flushes) last published
+        self._timeline = False  # this rank has written a timeline (goes True once, any thread)
         self._stop = threading.Event()
         self._live = LiveWatch("hvd.report() has the details") if self._watches() else None
         self._thread = threading.Thread(target=self._run, name="hvdrun-insight", daemon=True)
@@ -153,6 +154,8 @@ class Publisher:
     def figures(self, summary: Summary, final: bool = False) -> RankFigures:
         runtime_ = self._runtime
         topology = runtime_.topology
+        engine_ = runtime_.engine
+        self._timeline = self._timeline or (engine_ is not None and engine_.timeline is not None)
         return RankFigures(
             rank=topology.rank,
             host=runtime_.host or os.uname().nodename,
@@ -168,6 +171,7 @@ class Publisher:
             rounds=summary.rounds,
             flushes=summary.flushes,
             final=final,
+            timeline=self._timeline,
             ops=top_ops(summary.ops),
         )
 

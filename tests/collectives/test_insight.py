@@ -351,11 +351,12 @@ def test_op_labels_put_an_unnamed_ops_calls_together() -> None:
 
 
 class FakeEngine:
-    """An engine as the publisher sees it: its figures."""
+    """An engine as the publisher sees it: its figures, and its timeline (if one is open)."""
 
     def __init__(self, rounds: int, waited: float, ops: dict[str, Any]) -> None:
         self.summary = Summary(1, rounds, rounds // 2, waited, 2 * waited, 10.0 * waited,
                                0.1, 0.1, 1, ops, {}, {})  # fmt: skip
+        self.timeline: object = None
 
     def arrivals(self) -> Summary:
         return self.summary
@@ -374,6 +375,7 @@ def test_a_worker_publishes_its_figures_and_carries_them_from_engine_to_engine(
     published = publisher.publish(only_new=True)
     assert RankFigures.from_json(store.get(INSIGHT_KEY_PREFIX + "1")) == published
     assert published.rank == 1 and published.host == "h1" and published.waited_s == 0.5
+    assert not published.timeline
     store.set(INSIGHT_KEY_PREFIX + "1", "")
     publisher.publish(only_new=True)  # (nothing new: not written again)
     assert store.get(INSIGHT_KEY_PREFIX + "1") == b""
@@ -381,7 +383,11 @@ def test_a_worker_publishes_its_figures_and_carries_them_from_engine_to_engine(
     publisher.engine_stopped(first)  # type: ignore[arg-type]
     publisher.engine_stopped(first)  # type: ignore[arg-type]
     runtime_.engine = FakeEngine(4, 0.25, {"allreduce.g": (0.25, {2: 0.25})})  # type: ignore[assignment]
+    runtime_.engine.timeline = object()  # type: ignore[assignment]  # (hvd.start_timeline())
+    assert publisher.publish().timeline
+    runtime_.engine.timeline = None
     figures = publisher.publish()
+    assert figures.timeline  # (it wrote one: its lateness then may be the timeline's)
     assert (figures.rounds, figures.waited_s, figures.times_last) == (14, 0.75, 2)
     assert figures.ops == {"allreduce.g": {"waited_s": 0.75, "for": {"0": 0.5, "2": 0.25}}}
     # The job's report: rank 0 published, rank 2 never did (its row is missing).

@@ -174,3 +174,26 @@ def test_elastic_workers_are_rows_of_their_own_and_missing_from_the_last_generat
     gone = analyse(ranks[:2])
     assert gone.missing == [1]
     assert "no figures from rank(s) 1 of the last generation" in "\n".join(gone.table())
+
+
+def test_a_straggler_that_alone_writes_a_timeline_is_said_to_do_so() -> None:
+    # A timeline slows its rank's collectives: with the default (rank 0's only), rank 0 can
+    # be named though only its timeline held the job back. The report says so.
+    ranks = [_rank(0, 0.1, 6.1, 92, timeline=True), _rank(1, 3.0, 0.1, 5), _rank(2, 3.0, 0.0, 3)]
+    named = analyse(ranks).summary
+    assert named.startswith("rank 0 on host0 held the job back") and named.endswith(
+        "It writes a timeline and the others do not, which slows its collectives (the engine's "
+        "fast paths stay off while a timeline is open): run with --timeline-all-ranks, or "
+        "without the timeline, to tell the two apart."
+    )
+    for rank in ranks:
+        rank.timeline = True  # (--timeline-all-ranks: every rank alike, nothing to say)
+    assert "timeline" not in analyse(ranks).summary
+    watch = LiveWatch("the end-of-job table has the details")
+    late = {"0": _live(0, 0, 0, 0), "1": _live(1, 0, 0, 0)}
+    late["1"].timeline = True
+    watch.update(0.0, late)
+    late = {"0": _live(0, 0.01, 1, 30), "1": _live(1, 2.9, 29, 30)}
+    late["1"].timeline = True
+    warning = watch.update(3.0, late).warning
+    assert warning is not None and "(the end-of-job table has the details). It writes a" in warning
