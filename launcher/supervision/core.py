@@ -156,6 +156,9 @@ class WorkerFailure:
     #: The rank was stopped while ``peer`` failed: ``code`` is the peer's.
     stop: WorkerStop | None = None
     peer: WorkerFailure | None = None
+    #: The rank whose leaving ended its collectives (its script ended), heard of exiting 0
+    #: only after it.
+    ended_by: int | None = None
     #: The op it never submitted, which ``peer`` waited for until the stall inspector
     #: stopped the job's collectives (``code`` is the peer's).
     stalled: str | None = None

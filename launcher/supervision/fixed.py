@@ -19,6 +19,7 @@ and a status line counts the workers registered at the rendezvous. Elastic jobs
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -259,7 +260,7 @@ class Supervisor(Supervision[HostEvent]):
         for failure, culprit, _ in list(self._held.values()):
             if culprit == rank:
                 self._held.clear()
-                self.fail(failure)
+                self.fail(dataclasses.replace(failure, ended_by=rank))
                 return
 
     def _ended_by(self, rank: int) -> int | None:
@@ -291,7 +292,7 @@ class Supervisor(Supervision[HostEvent]):
             return None  # (an exit of its own: heard of, and named, as it came)
         why = (
             f"it never submitted {op}, which rank {failure.rank} waited for until the stall "
-            "inspector stopped the job's collectives (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) "
+            "inspector stopped the job's collectives (--stall-check-shutdown-time-seconds) "
             f"(rank {failure.rank} exited first, with exit code {failure.code})"
         )
         return WorkerFailure(rank, self.host_of[rank], failure.code, why, peer=failure, stalled=op)

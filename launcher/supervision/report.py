@@ -159,6 +159,8 @@ def report_failure(
             "it for --heartbeat-timeout give the job up, saying they lost its rendezvous"
         )
     early = [] if elastic else _exited_before(result, failure.rank)
+    if failure.ended_by is not None and failure.ended_by not in early:
+        early = sorted([*early, failure.ended_by])  # (it left first, and exited after)
     if early:  # (a peer that left unannounced fails the others' next collective: os._exit)
         sink.message(f"before it, rank(s) {rank_list(early)} had exited with code 0")
     others = sorted(r for r, c in result.exits.items() if c != 0 and r != failure.rank)

@@ -361,6 +361,8 @@ def test_the_rank_whose_end_ended_the_others_is_named_first(
         "last line or sys.exit), which ended hvdrun's collectives, so no more",
     }
     assert said[how] in output, output
+    # Rank 0 left the job before rank 1 failed, though its exit came later.
+    assert ("hvdrun: before it, rank(s) 0 had exited with code 0" in output) == (how == "end")
 
 
 STALLING_RANK = """
