@@ -84,6 +84,27 @@ def gloo_address() -> tuple[str, str] | None:
     return address, source
 
 
+#: A bootstrap that timed out waiting for a peer's address in the store: the server's
+#: message names the key, which Gloo's rendezvous ends with the peer's rank.
+_PEER_NEVER_CAME = re.compile(r"key '[^']*/(\d+)' was not set within")
+
+
+def never_joined(rank: int, error: BaseException, timeout: float) -> RuntimeError | None:
+    """hvd.init()'s error when a peer never published its address (it never reached
+    hvd.init(), or not in time): that peer, not the network, held the bootstrap up. None
+    for other errors."""
+    match = _PEER_NEVER_CAME.search(str(error))
+    if match is None:
+        return None
+    peer = match.group(1)
+    return RuntimeError(
+        f"hvd.init() on rank {rank} waited {timeout:g} s for rank {peer}, which never joined "
+        f"the job: rank {peer} has not called hvd.init(), or failed before it. Every rank must "
+        f"call hvd.init(), each within {timeout:g} s of the first (slow work before it, such "
+        "as loading data, counts against that)"
+    )
+
+
 def connect_failure(rank: int, size: int, error: BaseException) -> RuntimeError:
     """hvd.init()'s error when the default group cannot connect: Gloo names only the peer's
     address, so it says what each side advertised and how to choose the interface."""

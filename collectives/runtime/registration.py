@@ -42,7 +42,12 @@ from collectives.runtime.groups import (
     select_cuda_device,
     start_engine,
 )
-from collectives.runtime.reach import HostsProbe, connect_failure, warn_unreachable
+from collectives.runtime.reach import (
+    HostsProbe,
+    connect_failure,
+    never_joined,
+    warn_unreachable,
+)
 from collectives.runtime.state import RuntimeState, Topology
 from rendezvous import launchers, worker_env
 
@@ -229,7 +234,8 @@ def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
     except (RuntimeError, RendezvousError) as error:
         if superseded(error) is not None:
             raise  # (hosts joined or left meanwhile, not the network: see join_elastic)
-        raise connect_failure(topology.rank, topology.size, error) from None
+        late = never_joined(topology.rank, error, runtime_.timeout.total_seconds())
+        raise (late or connect_failure(topology.rank, topology.size, error)) from None
     finally:
         if probe is not None:
             probe.stop()

@@ -82,6 +82,9 @@ log = logging.getLogger(__name__)
 #: rank's exit, which names the job's first failure when it fails too (see
 #: ``worker_env.ENDED_BY_KEY_PREFIX``).
 ENDED_BY_WAIT = 5.0
+#: A rank that has not called hvd.init() this long after the first rank did is named once:
+#: the ranks in hvd.init() wait for it there (until their bootstrap times out).
+JOIN_NOTICE_SECONDS = 30.0
 #: A worker that fails while another host's agent has been silent for over this share of
 #: its ``--agent-timeout`` (it pings every quarter) is held back until that agent is heard
 #: from again or counts as lost: a host cut off from hvdrun stops its own workers after
@@ -123,6 +126,7 @@ class Supervisor(Supervision[HostEvent]):
         # hvd.init()), and ranks that did may wait for them in hvd.init(). rank -> host
         self._unjoined: dict[int, str] = {}
         self._everyone_registered = False
+        self._first_joined: float | None = None  # (clock) when a rank first registered
         if server is not None:
             self.insight = InsightWatch(server.values_under, sink)
 
@@ -304,6 +308,9 @@ class Supervisor(Supervision[HostEvent]):
             registered = self.server.registered_count()
         except TimeoutError:  # (a status line: the next step asks again)
             return
+        if registered and self._first_joined is None:
+            self._first_joined = self.clock()
+        self._name_late_joiners()
         if registered != self._registered:
             self._registered = registered
             total = len(self.host_of)
@@ -314,6 +321,29 @@ class Supervisor(Supervision[HostEvent]):
                 self.sink.status(
                     f"connected {hosts}/{hosts} hosts, {registered}/{total} workers registered"
                 )
+
+    def _name_late_joiners(self) -> None:
+        """Once, :data:`JOIN_NOTICE_SECONDS` after the first rank registered: the live ranks
+        that have not (a script that calls hvd.init() on some ranks only waits silently)."""
+        first = self._first_joined
+        if first is None or self.stopping or self.clock() - first < JOIN_NOTICE_SECONDS:
+            return
+        self._first_joined = float("inf")  # (said once)
+        registered = self._registered_slots()
+        if registered is None:
+            return
+        late = [
+            rank
+            for rank, slot in self._slot_of.items()
+            if slot not in registered and rank not in self.result.exits
+        ]
+        if late:
+            hosts = ", ".join(sorted({self.host_of[rank] for rank in late}))
+            self.sink.message(
+                f"rank(s) {rank_list(late)} (on {hosts}) have not called hvd.init() "
+                f"{JOIN_NOTICE_SECONDS:g} s after the first rank did: the ranks in hvd.init() "
+                "wait for them there until it times out (every rank must call hvd.init())"
+            )
 
     def _lose_host(self, host: str, why: str) -> None:
         self._pending_hosts.discard(host)

@@ -121,3 +121,36 @@ def test_joining_the_generation_that_superseded_one_logs_no_warning(
             "the next one",
         ),
     ], said
+
+
+def test_a_peer_that_never_called_init_is_named_not_the_network(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 1 never reached hvd.init(): its address never came, and rank 0's bootstrap
+    timed out waiting for that key. The error names rank 1 and hvd.init(); the advice on
+    network interfaces (for peers whose addresses came but cannot be reached) is not given."""
+    text = (
+        "rendezvous store (prefix 'hvdrun/g0/i1/'): rendezvous get('hvdrun/g0/i1/0//cpu//0/1') "
+        "at 127.0.0.1:43127 failed: key 'hvdrun/g0/i1/0//cpu//0/1' was not set within 300 s"
+    )
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(text)
+
+    monkeypatch.setattr(registration, "init_default_group", fail)
+    topology = Topology(rank=0, size=2, local_rank=0, local_size=1, cross_rank=0, cross_size=2)
+    runtime_ = RuntimeState(
+        topology=topology,
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=300),
+        store=None,
+        client=object(),
+    )
+    with pytest.raises(RuntimeError) as raised:
+        registration._bootstrap(runtime_, 1)
+    message = str(raised.value)
+    assert message.startswith(
+        "hvd.init() on rank 0 waited 300 s for rank 1, which never joined the job: rank 1 has "
+        "not called hvd.init(), or failed before it."
+    ), message
+    assert "network-interface" not in message and "GLOO_SOCKET_IFNAME" not in message

@@ -24,7 +24,7 @@ from launcher.supervision.core import (
     WorkerFailure,
     rank_list,
 )
-from launcher.supervision.fixed import ENDED_BY_WAIT, Supervisor
+from launcher.supervision.fixed import ENDED_BY_WAIT, JOIN_NOTICE_SECONDS, Supervisor
 from launcher.supervision.report import report_failure
 from launcher.transport.connection import AgentExit, HostEvent, StepCancelled
 from launcher.transport.protocol import Done, Exit, Output, Signalled
@@ -439,7 +439,7 @@ class FakeServer:
     def registered_count(self) -> int:
         if self.busy:
             raise TimeoutError("the rendezvous server did not answer")
-        return 4
+        return 4 if self.registered is None else len(self.registered)
 
     def registered_slots(self) -> Any:
         if self.busy:
@@ -602,7 +602,8 @@ def test_fixed_job_names_the_rank_whose_leaving_ended_a_failed_ones_collectives(
     else:
         put(supervisor, "a", then)
     supervisor.step()
-    assert supervisor.result.failure == WorkerFailure(first, "a", 1, None)
+    left = 0 if then == Exit(0, 0) else None  # (the report lists it as having exited 0)
+    assert supervisor.result.failure == WorkerFailure(first, "a", 1, None, ended_by=left)
     assert a.calls == b.calls == ["terminate"]
 
 
@@ -624,6 +625,31 @@ def test_a_rank_that_never_joined_stops_a_job_whose_other_ranks_wait(waiting: bo
         assert a.calls == ["terminate"]
     else:
         assert supervisor.result.failure is None and a.calls == []
+
+
+def test_a_live_rank_that_has_not_called_init_long_after_the_first_is_named_once() -> None:
+    """Rank 1 runs on without hvd.init() (a script that calls it on some ranks only): rank
+    0 waits for it in hvd.init() until that times out. hvdrun names rank 1 once, after
+    JOIN_NOTICE_SECONDS, instead of a silent wait."""
+    a = FakeAgent("a")
+    clock = Clock()
+    server = FakeServer({}, registered=frozenset({("a", 0)}))
+    supervisor, _, err = fixed(a, clock=clock, server=server)
+    supervisor.step()  # (rank 0 registered: the wait starts)
+    clock.now += JOIN_NOTICE_SECONDS - 1
+    supervisor.step()
+    assert b"have not called" not in err.getvalue()
+    for _ in range(3):
+        clock.now += 2
+        supervisor.step()
+    said = err.getvalue().decode()
+    line = (
+        "hvdrun: rank(s) 1 (on a) have not called hvd.init() 30 s after the first rank did: "
+        "the ranks in hvd.init() wait for them there until it times out (every rank must "
+        "call hvd.init())\n"
+    )
+    assert said.count(line) == 1, said
+    assert supervisor.result.failure is None and a.calls == []  # (a note: it may come yet)
 
 
 def test_fixed_job_rides_out_a_server_too_busy_to_answer() -> None:
