@@ -95,6 +95,8 @@ def hidden_packages_note(command: Sequence[str]) -> str | None:
 
 def _not_runnable(program: str) -> None:
     """Raises the error a shell gives for ``program``, which ``shutil.which`` did not find."""
+    if not program.strip():
+        raise CommandNotFound(f"command not found: {program!r} (the command's first word is empty)")
     # A bare name is looked up on PATH, where a file without the execute bit counts as found.
     path = program if os.sep in program else shutil.which(program, mode=os.F_OK) or ""
     if path and os.path.isdir(path):

@@ -215,15 +215,22 @@ def agent_spec(
     )
 
 
+def _signal_name(signum: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(signum).name
+    return f"signal {signum}"
+
+
 def agent_loss_reason(event: Done | AgentExit) -> str:
     """Why a host's agent went away, from its ``Done`` (too early) or its ``AgentExit``."""
     if isinstance(event, Done):
         return "its agent finished early"
-    why = (
-        "lost the connection to its agent"
-        if event.code is None
-        else f"its agent exited (code {event.code})"
-    )
+    if event.code is None:
+        why = "lost the connection to its agent"
+    elif event.code < 0:  # (a signal, as subprocess says: -9 is SIGKILL)
+        why = f"its agent was killed by {_signal_name(-event.code)}"
+    else:
+        why = f"its agent exited (code {event.code})"
     if event.reason:
         why += f": {event.reason}"
     return why

@@ -100,6 +100,11 @@ def test_bad_input_is_one_line_exit_2(
 def test_missing_command_and_script(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(["-np", "2", "no-such-program-xyz"]) == 127
     assert "hvdrun: error: command not found: no-such-program-xyz" in capsys.readouterr().err
+    assert run_cli(["-np", "2", ""]) == 127  # (an unset shell variable: hvdrun -np 2 "$PY")
+    assert (
+        "hvdrun: error: command not found: '' (the command's first word is empty)\n"
+        in capsys.readouterr().err
+    )
     assert run_cli(["-np", "2", sys.executable, "missing_script.py"]) == 2
     assert "hvdrun: error: script not found: missing_script.py" in capsys.readouterr().err
 

@@ -706,6 +706,7 @@ def test_fixed_job_reports_a_worker_that_could_not_start() -> None:
     [
         (Done(), "its agent finished early"),
         (AgentExit(3, ""), "its agent exited (code 3)"),
+        (AgentExit(-9, ""), "its agent was killed by SIGKILL"),  # (kill -9 of the agent)
     ],
 )
 def test_fixed_job_says_why_an_agent_went_away(event: Done | AgentExit, why: str) -> None:
