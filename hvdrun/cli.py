@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -414,7 +415,10 @@ def cli(
                 "note: an elastic job's hosts come from --host-discovery-script or -H, not "
                 "from the batch allocation: without either, this one runs on this machine only"
             )
+        given_as = "-H" if hosts is not None else "--hostfile" if hostfile is not None else None
         host_list, num_proc, elastic_options = elastic_flags.resolve(host_list, num_proc)
+        if given_as is not None:
+            unused_notes += single_host_warning(host_list, given_as)
     else:
         unused_notes = elastic_flags.unused_notes()
         host_list, num_proc = resolve_hosts(host_list, hosts, num_proc, allocation)
@@ -481,11 +485,12 @@ def cli(
     )
     try:
         sink = OutputSink(stdout, stderr, options=options, background=True)
+        started = time.time()  # (timelines that began before are an earlier job's)
         result = run_job(spec, sink, report.options())
         if call is not None:
             call.result = result
         code = result.exit_code
-        merge_after_job(env, options.num_ranks)
+        merge_after_job(env, options.num_ranks, started)
         return code
     except (LaunchError, RendezvousListenError) as exc:
         raise LaunchFailed(str(exc)) from None
@@ -615,6 +620,22 @@ def same_machine_notes(host_list: Sequence[HostSpec], num_proc: int) -> list[str
         f"as {len(names)} hosts, as in horovodrun, each with local ranks from 0, so workers "
         "that choose cuda:<local_rank> share GPUs; name it once (e.g. -H localhost:"
         f"{num_proc}) unless they stand in for several hosts on purpose"
+    ]
+
+
+def single_host_warning(host_list: Sequence[HostSpec], given_as: str) -> list[str]:
+    """A warning where an elastic job's fixed host list (``given_as``: -H or --hostfile)
+    names one host: a failed worker fails that host, which is blacklisted, and no worker is
+    left, so the job ends. horovodrun refuses such a job ("Cannot run in fault tolerance mode
+    with fewer than 2 hosts."); hvdrun runs it, as on one machine where an elastic script is
+    tried out, and says so. (A discovery script's list may change: no warning there.)"""
+    names = list(dict.fromkeys(host.hostname for host in host_list))
+    if len(names) != 1:
+        return []
+    return [
+        f"warning: this elastic job has one host ({names[0]}, from {given_as}): a failure "
+        "of any of its workers fails the host and ends the job; list at least 2 hosts (as "
+        "horovodrun requires) or use --host-discovery-script to survive failures"
     ]
 
 

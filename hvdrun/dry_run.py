@@ -4,7 +4,9 @@ The plan lists every rank with its host, local rank and cross rank; how each hos
 (this machine, or SSH with the user, port, keys and proxy that ``~/.ssh/config`` and the
 flags give); the environment every worker gets, with secrets masked; and the tuning values
 the workers will run with and where each comes from. An elastic job shows the plan of its
-first discovery (the discovery script runs once, as it would at start).
+first discovery (the discovery script runs once, as it would at start): its first generation
+as the elastic driver decides it when every host listed comes up in time
+(:func:`launcher.supervision.membership.first_generation`).
 """
 
 from __future__ import annotations
@@ -205,9 +207,13 @@ def print_plan(spec: JobSpec, echo: Echo, origins: Mapping[str, str] | None = No
     where hvdrun's flags' worker variables came from (the flag, the config file)."""
     elastic = spec.elastic
     discovered = sum(h.slots for h in spec.hosts)
-    # An elastic job's first discovery may offer fewer slots than -np: plan those.
-    planned = min(spec.num_proc, discovered) if elastic is not None else spec.num_proc
-    slots = assign_slots([(h.hostname, h.slots) for h in spec.hosts], planned) if planned else []
+    if elastic is not None:
+        from launcher.supervision.membership import first_generation
+
+        slots = first_generation(elastic, spec.num_proc, spec.hosts)
+    else:
+        slots = assign_slots([(h.hostname, h.slots) for h in spec.hosts], spec.num_proc)
+    planned = len(slots)
     hosts = list(dict.fromkeys(slot.hostname for slot in slots))
     echo(f"hvdrun dry run: {planned} worker(s) on {len(hosts)} host(s); nothing was started")
     echo(f"command: {shlex.join(spec.command)}")
@@ -235,6 +241,11 @@ def print_plan(spec: JobSpec, echo: Echo, origins: Mapping[str, str] | None = No
                 f"elastic: the first discovery offers {discovered} slot(s), fewer than -np "
                 f"{spec.num_proc} but at least min-np {elastic.min_np}: the job starts with "
                 f"{planned} worker(s)"
+            )
+        elif planned > spec.num_proc:
+            echo(
+                f"elastic: the job starts on every slot the first discovery offers, up to "
+                f"max-np, as Horovod does: {planned} worker(s), more than -np {spec.num_proc}"
             )
     echo("")
     echo("hosts:")

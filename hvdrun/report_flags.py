@@ -6,8 +6,9 @@ waited for the others, how often it arrived last and what that cost the others, 
 the rank that held the job back when one stands out (:mod:`launcher.supervision.insight`);
 ``--no-report`` leaves the table out and ``--report-file FILE`` writes the full figures as
 JSON. Where every rank wrote its own timeline (``--timeline-all-ranks``, or ``{rank}`` in
-``--timeline-filename``) hvdrun merges them into one trace afterwards; ``--merge-timelines
-OUTPUT FILE...`` does the same for files gathered by hand (:mod:`hvdrun.timelines`).
+``--timeline-filename``) hvdrun merges them into one trace afterwards (leaving out the files
+an earlier job left there); ``--merge-timelines OUTPUT FILE...`` merges files gathered by
+hand (:mod:`hvdrun.timelines`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from hvdrun.timelines import TimelineError, merge_files, merged_path, rank_files
+from hvdrun.timelines import TimelineError, merge_files, merged_path, rank_files, start_time
 from rendezvous import worker_env
 
 if TYPE_CHECKING:
     from launcher.supervision.insight import ReportOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: The files named in one line at most (a job of many ranks).
+_NAMED = 4
 
 _OPTIONS = [
     click.option(
@@ -92,18 +96,38 @@ class ReportFlags:
             setting = worker_env.setting(name, env)
             if not (local and setting):
                 continue
+            given_as = _given_as(name, option, env)
             file = setting
             if name == worker_env.TIMELINE:  # (rank 0's: every rank's own, where each has one)
                 all_ranks = worker_env.flag(worker_env.TIMELINE_ALL_RANKS, env)
                 file = worker_env.timeline_file(file, 0, all_ranks) or file
+                if file != setting and worker_env.device_or_pipe(setting):
+                    raise click.BadParameter(
+                        f"{setting} is a device or a pipe: every rank's own timeline would be "
+                        f"a new file named after it ({file}, ...); name a regular file, or "
+                        "let rank 0 alone write it",
+                        param_hint=f"'{given_as}'",
+                    )
             file = os.path.abspath(file)
-            creatable_directory(os.path.dirname(file), option, file)
+            creatable_directory(os.path.dirname(file), given_as, file)
 
     def options(self) -> ReportOptions:
         from launcher.supervision.insight import ReportOptions
 
         path = os.path.abspath(self.report_file) if self.report_file else None
         return ReportOptions(table=not self.no_report, file=path)
+
+
+def _given_as(name: str, option: str, env: Mapping[str, str]) -> str:
+    """How the user gave the setting ``name`` that ``env`` holds, for its usage errors:
+    ``option`` where hvdrun's flag (or the config file's key for it) set it, else the
+    variable that did (``-x HOROVOD_TIMELINE=...``, hvdrun's own environment)."""
+    found = worker_env.spelled(name, env)
+    ctx = click.get_current_context(silent=True)
+    flag = ctx.params.get(option.lstrip("-").replace("-", "_")) if ctx is not None else None
+    if found is None or (isinstance(flag, str) and os.path.abspath(flag) == found[1]):
+        return option  # (the flag writes its file's absolute path)
+    return found[0]
 
 
 def creatable_directory(path: str, option: str, file: str | None = None) -> None:
@@ -164,13 +188,18 @@ def merge_command(output: str, inputs: Sequence[str], echo: Callable[[str], None
         raise click.ClickException(str(exc)) from None
     for note in notes:
         echo(f"hvdrun: note: {note}")
-    echo(f"hvdrun: merged {len(inputs)} timelines into {output}")
+    merged = f"{len(inputs)} timeline" + ("s" if len(inputs) > 1 else "")
+    echo(f"hvdrun: merged {merged} into {output}")
     return 0
 
 
-def merge_after_job(env: Mapping[str, str], ranks: int, echo: Callable[[str], None] = _say) -> None:
+def merge_after_job(
+    env: Mapping[str, str], ranks: int, since: float, echo: Callable[[str], None] = _say
+) -> None:
     """Merges the job's per-rank timelines, where every rank wrote one that is on this
-    machine (the others are named, for ``--merge-timelines`` by hand)."""
+    machine (the others are named, for ``--merge-timelines`` by hand). A file that began
+    before the job (``since``, a ``time.time()`` taken before it started) is an earlier
+    job's: it is left out, and named."""
     path = worker_env.setting(worker_env.TIMELINE, env)
     if not path or (
         "{rank}" not in path and not worker_env.flag(worker_env.TIMELINE_ALL_RANKS, env)
@@ -178,20 +207,33 @@ def merge_after_job(env: Mapping[str, str], ranks: int, echo: Callable[[str], No
         return
     files = rank_files(path, ranks)
     here = [name for name in files if os.path.exists(name)]
-    if not here:
+    missing = [name for name in files if name not in here]
+    stale = [name for name in here if (began := start_time(name)) is not None and began < since]
+    if stale:
+        echo(
+            f"hvdrun: left out {len(stale)} timeline(s) that an earlier job wrote (they began "
+            f"before this job): {_some(stale)}"
+        )
+    fresh = [name for name in here if name not in stale]
+    if not fresh:
         return
     output = merged_path(path)
     try:
-        notes = merge_files(output, here)
+        notes = merge_files(output, fresh)
     except TimelineError as exc:
         echo(f"hvdrun: the timelines were not merged: {exc}")
         return
     for note in notes:
         echo(f"hvdrun: note: {note}")
-    missing = [name for name in files if name not in here]
-    echo(f"hvdrun: merged the timelines of {len(here)} rank(s) into {output}")
+    echo(f"hvdrun: merged the timelines of {len(fresh)} rank(s) into {output}")
     if missing:
         echo(
             f"hvdrun: {len(missing)} timeline(s) are not on this machine (e.g. {missing[0]}): "
             "copy them here and merge them all with hvdrun --merge-timelines OUTPUT FILE..."
         )
+
+
+def _some(names: Sequence[str]) -> str:
+    """``names`` in one line: the first few, and how many more."""
+    shown = ", ".join(names[:_NAMED])
+    return shown if len(names) <= _NAMED else f"{shown} and {len(names) - _NAMED} more"

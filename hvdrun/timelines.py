@@ -14,7 +14,15 @@ fitted through those ends (the offset and the drift of one host's clock against 
 reference rank's, outliers dropped) maps the host's times onto the reference's.
 
 Each NEGOTIATE phase of the merged trace then says which rank submitted the op last
-(``args.last_rank``) and how long this rank waited for it (``args.waited_ms``).
+(``args.last_rank``) and how long this rank waited for it (``args.waited_ms``): from its own
+submission to the last rank's, on the aligned clocks (at most the phase itself; 0 on the
+last rank). The rest of the phase is the round's own time, which every rank spends.
+
+A file that a process wrote on after opening it again in the job (see
+:mod:`collectives.engine.timeline`) may name a round twice: an elastic job's generations
+qualify their rounds (``2/0:17``), a script's ``hvd.init()`` after ``hvd.shutdown()`` does
+not. The occurrences of a round on a row count in order: the n-th in every rank's file are
+one op occurrence.
 
 This module reads and writes JSON only: the CLI imports it without torch.
 """
@@ -33,10 +41,11 @@ from typing import Any
 
 from rendezvous import worker_env
 
-__all__ = ["TimelineError", "merge", "merge_files", "merged_path", "rank_files"]
+__all__ = ["TimelineError", "merge", "merge_files", "merged_path", "rank_files", "start_time"]
 
-#: Keys of an op occurrence: (op row name, round).
-Key = tuple[str, str]
+#: Keys of an op occurrence: (op row name, round, how many times the row had that round
+#: before in the file: 0 but in a file written on after an ``hvd.init()`` again).
+Key = tuple[str, str, int]
 
 
 class TimelineError(Exception):
@@ -53,6 +62,7 @@ class _Rank:
     rows: dict[int, str] = field(default_factory=dict)  # file pid -> op name
     ends: dict[Key, float] = field(default_factory=dict)  # NEGOTIATE end, by round
     begins: dict[Key, float] = field(default_factory=dict)  # its NEGOTIATE begin
+    keys: dict[int, Key] = field(default_factory=dict)  # NEGOTIATE end's index in events -> key
     # Its times on the reference rank's clock: (ts + local - offset) / (1 + slope), with
     # ``local`` onto its host's first rank's clock, then that clock's fit onto the reference.
     local: float = 0.0
@@ -106,10 +116,37 @@ def _load(path: str, index: int) -> _Rank:
     return found
 
 
+#: What :func:`start_time` reads of a file: its ``hvdrun_rank`` event, with room for a long host.
+_HEAD_BYTES = 4096
+
+
+def start_time(path: str) -> float | None:
+    """When the timeline in ``path`` began, by the wall clock (``time.time()``): its
+    ``hvdrun_rank`` event's ``unix_s`` (the first event of a file a rank writes), else the
+    file's last modification; None when the file cannot be read."""
+    try:
+        with open(path, "rb") as source:
+            head = source.read(_HEAD_BYTES).decode("utf-8", errors="replace")
+        modified = os.stat(path).st_mtime
+    except OSError:
+        return None
+    first: Any = None
+    start = head.find("{")
+    if start >= 0:
+        with contextlib.suppress(ValueError):
+            first, _ = json.JSONDecoder().raw_decode(head, start)
+    if isinstance(first, dict) and first.get("name") == "hvdrun_rank":
+        unix = first.get("args", {}).get("unix_s")
+        if isinstance(unix, (int, float)):
+            return float(unix)
+    return modified
+
+
 def _index(rank: _Rank) -> None:
     """The rows' names, and each op occurrence's NEGOTIATE begin and end (by round)."""
     open_negotiations: dict[int, list[float]] = defaultdict(list)
-    for event in rank.events:
+    seen: dict[tuple[str, str], int] = defaultdict(int)  # how often a row had a round
+    for index, event in enumerate(rank.events):
         if not isinstance(event, dict):
             continue
         pid = event.get("pid", 0)
@@ -126,9 +163,12 @@ def _index(rank: _Rank) -> None:
             began = open_negotiations[pid].pop()
             round_id = event.get("args", {}).get("round")
             if round_id:
-                key = (rank.rows.get(pid, str(pid)), str(round_id))
+                row_round = (rank.rows.get(pid, str(pid)), str(round_id))
+                key = (*row_round, seen[row_round])
+                seen[row_round] += 1
                 rank.ends[key] = float(event["ts"])
                 rank.begins[key] = began
+                rank.keys[index] = key
 
 
 def _fit(pairs: list[tuple[float, float]]) -> tuple[float, float]:
@@ -209,7 +249,7 @@ def merge(ranks: list[_Rank]) -> tuple[list[dict[str, Any]], list[str]]:
                 "args": {"sort_index": rank.rank},
             }
         )
-        for event in rank.events:
+        for index, event in enumerate(rank.events):
             if not isinstance(event, dict):
                 continue
             pid = event.get("pid", 0)
@@ -228,28 +268,33 @@ def merge(ranks: list[_Rank]) -> tuple[list[dict[str, Any]], list[str]]:
             out = {**event, "pid": rank.rank, "tid": pid}
             if "ts" in out:
                 out["ts"] = round(rank.time(float(out["ts"])) - start, 3)
-            if out.get("ph") == "E" and isinstance(name, str) and name.startswith("NEGOTIATE_"):
-                round_id = out.get("args", {}).get("round")
-                key = (rank.rows.get(pid, str(pid)), str(round_id))
-                if round_id and key in lasts and key in rank.begins:  # (paired by _index)
-                    began = round(rank.time(rank.begins[key]) - start, 3)
-                    out["args"] = {
-                        **out.get("args", {}),
-                        "last_rank": lasts[key],
-                        "waited_ms": round((out["ts"] - began) / 1000.0, 3),
-                    }
+            key = rank.keys.get(index)  # (a NEGOTIATE end with its round)
+            if key is not None and key in lasts:
+                last_rank, last_began = lasts[key]
+                began = rank.time(rank.begins[key])
+                waited = min(max(last_began - began, 0.0), rank.time(rank.ends[key]) - began)
+                out["args"] = {
+                    **out.get("args", {}),
+                    "last_rank": last_rank,
+                    "waited_ms": round(waited / 1000.0, 3),
+                }
             merged.append(out)
     return merged, notes
 
 
-def _last_submitters(ranks: Sequence[_Rank]) -> dict[Key, int]:
-    """For every op occurrence that several ranks recorded: the rank that submitted it last
-    (on the aligned clocks)."""
+def _last_submitters(ranks: Sequence[_Rank]) -> dict[Key, tuple[int, float]]:
+    """For every op occurrence that several ranks recorded: the rank that submitted it last,
+    and when (on the aligned clocks)."""
     begins: dict[Key, list[tuple[float, int]]] = defaultdict(list)
     for rank in ranks:
         for key, began in rank.begins.items():
             begins[key].append((rank.time(began), rank.rank))
-    return {key: max(found)[1] for key, found in begins.items() if len(found) > 1}
+    lasts = {}
+    for key, found in begins.items():
+        if len(found) > 1:
+            when, last = max(found)
+            lasts[key] = (last, when)
+    return lasts
 
 
 def _write_whole(output: str, text: str) -> None:

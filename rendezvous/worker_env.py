@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import stat
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ __all__ = [
     "check_settings",
     "choice",
     "connection_env",
+    "device_or_pipe",
     "flag",
     "horovod_placement_env",
     "integer",
@@ -448,6 +450,17 @@ def timeline_file(path: str, rank: int, all_ranks: bool = False) -> str | None:
         root, ext = os.path.splitext(path)
         return f"{root}.{rank}{ext}"
     return path if rank == 0 else None
+
+
+def device_or_pipe(path: str) -> bool:
+    """Whether ``path`` exists and is neither a regular file nor a directory (a device such
+    as ``/dev/null``, a pipe, a socket): a timeline there takes rank 0's events, but every
+    rank's own file named after it (:func:`timeline_file`) would be a new regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def master_env(address: str, port: int) -> dict[str, str]:

@@ -54,6 +54,16 @@ RunControl = Callable[[Entry, Request | None], Any]
 Control = tuple[Entry | None, Request | None]
 
 
+def _rode(tl: Timeline, riders: list[Request], start: float, end: float) -> None:
+    """The timeline of ops whose data rode the round that made them ready (see
+    :mod:`.eager`, :mod:`.rounds`): no queue to wait in, and their reduction from the round's
+    data (``start`` to ``end``) as their collective, REDUCE_FROM_NEGOTIATION."""
+    for request in riders:
+        tl.end(request.row, "QUEUE", start)
+        tl.begin(request.row, "REDUCE_FROM_NEGOTIATION", start)
+        tl.end(request.row, "REDUCE_FROM_NEGOTIATION", end)
+
+
 class Dispatch:
     """Runs one process set's ready ops on this rank."""
 
@@ -92,15 +102,10 @@ class Dispatch:
         if tl is not None:
             self._negotiated(tl, new, now)
         if riders is not None:
-            if tl is not None:
-                for request in riders.requests:
-                    tl.end(request.row, "QUEUE", now)
-                    tl.begin(request.row, "REDUCE_FROM_NEGOTIATION", now)
             eager.reduce_locally(riders, datas)
-            done = time.monotonic()
+            if tl is not None:
+                _rode(tl, riders.requests, now, time.monotonic())
             for request in riders.requests:
-                if tl is not None:
-                    tl.end(request.row, "REDUCE_FROM_NEGOTIATION", done)
                 self.complete(request, None)
             rode = {id(request) for request in riders.requests}
             new = [request for request in new if id(request) not in rode]
@@ -128,10 +133,9 @@ class Dispatch:
         if riders:
             self.queue.finished(riders)
             tl = self.tl
-            if tl is not None:
+            if tl is not None:  # (reduced by the round itself: nothing left to time)
                 self._negotiated(tl, riders, now)
-                for request in riders:  # (reduced with the round: no queue to wait in)
-                    tl.end(request.row, "QUEUE", now)
+                _rode(tl, riders, now, now)
             for request in riders:
                 self.complete(request, None)
             if len(riders) == len(agreed):  # (riders are among the agreed ops)

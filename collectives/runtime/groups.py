@@ -262,12 +262,13 @@ def start_engine(runtime_: RuntimeState) -> Engine:
     )
     if cfg.timeline:
         try:
-            engine.timeline = timeline.open_for_rank(
+            engine.timeline = timeline.open_for_job(
                 cfg.timeline,
                 cfg.timeline_mark_cycles,
                 topo.rank,
                 cfg.timeline_all_ranks,
                 runtime_.host,
+                runtime_.generation,
             )
         except OSError as error:
             # As Horovod: the job runs on without a timeline (the path is a setting of the

@@ -13,7 +13,9 @@ join and leave, without restarting the workers that survive:
   failure timeout: a cut link), or whose workers do not rejoin the survivors of a failed
   collective within twice the Gloo timeout (a hung process) fails its host: it is
   blacklisted, its other workers are stopped, and the next generation is published from
-  the rest at once. The survivors' collectives have failed meanwhile (Gloo notices a dead
+  the rest at once, or, where a discovered host is starting to fill the freed slots, once
+  it is up (for up to :data:`~launcher.supervision.membership.START_WINDOW`), so that both
+  cost one reset. The survivors' collectives have failed meanwhile (Gloo notices a dead
   peer within milliseconds, a silent one after ``HVDRUN_GLOO_TIMEOUT_SECONDS``, 5 s in
   elastic jobs): they restore their last commit and join the new generation.
 * Discovery runs every second; new hosts are started up to ``--max-np`` slots, hosts it no
@@ -26,9 +28,11 @@ join and leave, without restarting the workers that survive:
   than ``--elastic-timeout``, when every worker is gone (their state with them), after
   more than ``--reset-limit`` resets, or when no worker left holds the training state.
 
-A host's slot count is fixed while its agent runs; a changed count applies when the host
-comes back after leaving the job. Output lines are prefixed with a worker number, which is
-the worker's rank in the generation it started with; later workers get new numbers.
+A host's worker count is fixed once its workers start, since its agent starts them once: a
+changed slot count, or slots that ``--max-np`` capped and a failure freed later, apply when
+the host joins again (a host still starting takes them at once). Output lines are prefixed
+with a worker number, which is the worker's rank in the generation it started with; later
+workers get new numbers.
 
 The decisions (which hosts, when a generation is due) live in
 :mod:`launcher.supervision.membership`; this module carries them out with agents, the
@@ -86,7 +90,14 @@ from launcher.supervision.core import (
 )
 from launcher.supervision.discovery import DiscoveryError, FixedHosts
 from launcher.supervision.insight import InsightWatch
-from launcher.supervision.membership import HostRecord, Membership, Publish, Stop, Wait
+from launcher.supervision.membership import (
+    UNLAUNCHED,
+    HostRecord,
+    Membership,
+    Publish,
+    Stop,
+    Wait,
+)
 from launcher.supervision.report import describe_exit, report_failure
 from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
 from launcher.transport.hostinfo import installed_versions
@@ -400,7 +411,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         host.agent_finished = True
         if self.stopping:
             return
-        if host.state in ("starting", "ready"):
+        if host.state in UNLAUNCHED:
             self._fail_host(host, "its agent was lost before its workers started")
             return
         if host.state != "running" or host.all_exited():

@@ -5,6 +5,9 @@ a host, until it is gone) and decides, from discovery's latest answer, the black
 survivors waiting at the rendezvous, which hosts to start, which to drop, and when the next
 membership generation is due (see :mod:`launcher.supervision.elastic` for how the driver
 carries that out). Hosts keep the order in which they joined, so older hosts get the low ranks.
+A host runs as many of the slots discovery lists for it as ``--max-np`` leaves, settled when
+its workers start (its agent starts them once): until then a host capped by ``--max-np``
+takes more of its slots as others free them, oldest first; from then on its count is fixed.
 
 A record's state: ``starting`` (its agent is being started), ``ready`` (agent up, no workers
 yet), ``running`` (its workers belong to the job), then ``removed`` (discovery dropped it),
@@ -27,7 +30,10 @@ Only a generation that replaces one in which the state was synced counts as a re
 generation that never trained cost nothing. The checks come in Horovod's order: every
 worker gone, then the reset limit, then the state. The first generation waits a short start
 window for every host discovery listed, so that hosts that come up a moment apart start
-together.
+together; a later generation, once due, waits as long for a host still starting that would
+join it (a spare started in place of a failed host), so that a failure and the host that
+fills its slots cost one reset, as in Horovod, which starts the spare's workers in that
+reset. Where no host is starting, nothing waits.
 
 Threads: nothing here locks. :class:`Membership` and every :class:`HostRecord` belong to the
 elastic driver's main loop, which alone reads and writes them; the driver's other threads
@@ -51,8 +57,10 @@ from rendezvous.rejoin import RejoinWindow
 from rendezvous.slots import SlotInfo, assign_slots
 
 ACTIVE = ("starting", "ready", "running")
-#: The first generation waits this long (from when it has enough slots) for the hosts
-#: discovery listed that are still starting, so that they start together.
+UNLAUNCHED = ("starting", "ready")  # active, and its workers not started yet
+#: A generation that is due waits this long (from when it has enough slots) for the hosts
+#: still starting that would join it, so that they start together (the first generation) or
+#: join in the same reset (a later one).
 START_WINDOW = 5.0
 #: Horovod's words where users match on them, then hvdrun's own.
 EVERY_WORKER_FAILED = (
@@ -98,7 +106,7 @@ STATE_NOT_HANDED_ON = (
 @dataclass
 class HostRecord:
     name: str
-    slots: int
+    slots: int  # its workers: as many of ``offered`` as --max-np leaves it
     order: int  # when it joined: older hosts get the lower ranks
     state: str = "starting"
     agent: Any = None  # its AgentConnection, from when the main loop hears it was made
@@ -108,6 +116,11 @@ class HostRecord:
     terminated: bool = False
     removed_in: int | None = None  # the last generation it was a member of, once removed
     leave_by: float | None = None  # removed: when its agent is stopped if workers still run
+    #: The slots discovery lists for it (0: ``slots``), followed until its workers start.
+    offered: int = 0
+
+    def __post_init__(self) -> None:
+        self.offered = self.offered or self.slots
 
     @property
     def agent_alive(self) -> bool:
@@ -179,7 +192,7 @@ class Membership:
         #: worker number -> the generation it last synced the training state in (reports)
         self.holders: dict[int, int] = {}
         self.trained = False  # some worker has held the training state
-        self._enough_since: float | None = None  # the first generation had enough slots
+        self._enough_since: float | None = None  # the generation due had enough slots
         self._short_since: float | None = None
         self.rejoin: RejoinWindow[HostRecord] = RejoinWindow(
             rejoin_timeout, options.elastic_timeout
@@ -276,7 +289,7 @@ class Membership:
         """Whether hosts that can take over from the unlisted ones are on their way (started
         and not running yet, or listed and free to start under --max-np), for up to
         :data:`SYNC_WAIT` seconds."""
-        coming = any(h.state in ("starting", "ready") for h in staying)
+        coming = any(h.state in UNLAUNCHED for h in staying)
         if not (coming or (self._capacity() > 0 and self._startable(now))):
             self._replace_since = None
             return False
@@ -287,7 +300,8 @@ class Membership:
     def notices(self, before: float | None, dropped: list[HostRecord]) -> list[str]:
         """What to say after :meth:`drop_undiscovered` (``before``: ``unlisted_since``
         before it): that the job's hosts stay although discovery lists none, or that it lists
-        them again; and, once per count, that a running host is listed with other slots."""
+        them again; and, once per count, that a running host is listed with other slots than
+        when its workers started."""
         said = []
         if before is None and self.unlisted_since is not None:
             said.append(
@@ -299,7 +313,7 @@ class Membership:
             said.append("discovery lists hosts again; the job goes on")
         for spec in self.discovered:
             host = self.hosts.get(spec.hostname)
-            if host is None or host.state not in ACTIVE or spec.slots == host.slots:
+            if host is None or host.state != "running" or spec.slots == host.offered:
                 self._slots_said.pop(spec.hostname, None)
             elif self._slots_said.get(spec.hostname) != spec.slots:
                 self._slots_said[spec.hostname] = spec.slots
@@ -357,8 +371,9 @@ class Membership:
         return (limit if limit is not None else 1 << 30) - used
 
     def hosts_to_start(self, now: float) -> list[HostRecord]:
-        """New records for discovered hosts that fit under --max-np (in discovery's order)."""
-        capacity = self._capacity()
+        """New records for discovered hosts that fit under --max-np (in discovery's order),
+        once the hosts already started have had their share (:meth:`_refit_unlaunched`)."""
+        capacity = self._refit_unlaunched()
         started = []
         for spec in self._startable(now):
             if capacity <= 0:
@@ -366,11 +381,27 @@ class Membership:
             name = spec.hostname
             if any(h.name == name for h in self.retired):
                 continue  # its previous agent is still shutting down
-            host = HostRecord(name=name, slots=min(spec.slots, capacity), order=next(self._orders))
+            slots = min(spec.slots, capacity)
+            host = HostRecord(name, slots, next(self._orders), offered=spec.slots)
             capacity -= host.slots
             self.hosts[name] = host
             started.append(host)
         return started
+
+    def _refit_unlaunched(self) -> int:
+        """Fits the hosts whose workers have not started yet, oldest first, to the slots
+        discovery lists for them now and to what --max-np leaves: one that --max-np capped
+        takes more of its slots once others freed them. (A running host keeps its workers:
+        its agent starts them once.) Returns the slots --max-np still leaves."""
+        listed = {spec.hostname: spec.slots for spec in self.discovered}
+        capacity = self._capacity()
+        for host in sorted(self.hosts.values(), key=lambda h: h.order):
+            if host.state in UNLAUNCHED:
+                host.offered = listed.get(host.name, host.offered)
+                fitted = min(host.offered, host.slots + capacity)
+                capacity -= fitted - host.slots
+                host.slots = fitted
+        return capacity
 
     def rejoin_failures(
         self, now: float, waiting: Iterable[tuple[str, int]], present: Callable[[int], set[int]]
@@ -419,14 +450,15 @@ class Membership:
                 return judged
             if total < min_np:
                 return self._wait(now, total, starting)
-        self._short_since = None
-        self._sync_since = None
+            if starting and self._window(now):
+                return Wait(None)  # (it joins this generation if it is up in time)
+        self._short_since = self._sync_since = self._enough_since = None
         self.resets = self._resets_with_next()
         if self.trained and not self.holds(members[0]):
             # Every rank syncs from rank 0, on the first member: the oldest holder.
             first = next(h for h in members if self.holds(h))
             members = [first, *(h for h in members if h is not first)]
-        return Publish(members, assign_slots([(h.name, h.slots) for h in members], total))
+        return Publish(members, slot_table(members))
 
     def _resets_with_next(self) -> int:
         """The resets once the next generation is published: it is one if it replaces a
@@ -470,8 +502,8 @@ class Membership:
         return Stop(STATE_NOT_HANDED_ON.format(leaving=names, hosts=hosts, received=received))
 
     def _window(self, now: float) -> bool:
-        """Whether the first generation's start window (from when it had enough slots)
-        is still open."""
+        """Whether the start window of the generation that is due (from when it had enough
+        slots) is still open."""
         if self._enough_since is None:
             self._enough_since = now
         return now - self._enough_since < START_WINDOW
@@ -529,3 +561,25 @@ class Membership:
         return any(
             h.state == "removed" and not h.terminated and h.agent_alive for h in self.retired
         )
+
+
+def slot_table(hosts: list[HostRecord]) -> list[SlotInfo]:
+    """The ranks of a generation of ``hosts`` (in that order), each with its slots."""
+    total = sum(h.slots for h in hosts)
+    return assign_slots([(h.name, h.slots) for h in hosts], total) if total else []
+
+
+def first_generation(
+    options: ElasticOptions, num_proc: int, discovered: list[HostSpec]
+) -> list[SlotInfo]:
+    """The ranks of an elastic job's first generation when every host of discovery's answer
+    comes up in time (what ``--dry-run`` shows): the driver's own decisions, taken on a
+    membership of their own. Where those hosts offer fewer than --min-np slots, the job waits
+    for more; these are the slots it has meanwhile."""
+    members = Membership(options, num_proc, rejoin_timeout=0.0)
+    members.discovered = discovered
+    started = members.hosts_to_start(0.0)
+    for host in started:
+        members.ready(host)
+    decision = members.decide(0.0)
+    return decision.slots if isinstance(decision, Publish) else slot_table(started)

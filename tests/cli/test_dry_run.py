@@ -176,7 +176,8 @@ def test_elastic_job_shows_the_first_discovery(
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     argv = ["-np", "3", "--min-np", "2", "--max-np", "4", "--host-discovery-script", str(script)]
     out = dry_run([*argv, "true"], capsys)
-    assert out.startswith("hvdrun dry run: 3 worker(s) on 2 host(s)")
+    # (a real run starts on every slot up once -np are, up to --max-np: all four)
+    assert out.startswith("hvdrun dry run: 4 worker(s) on 2 host(s)")
     assert (
         "elastic: min-np 2, max-np 4, elastic timeout 600 s; the plan of the first discovery "
         "(localhost:2, 127.0.0.1:2)" in out
@@ -184,6 +185,7 @@ def test_elastic_job_shows_the_first_discovery(
     assert [line.split()[1] for line in section(out, "ranks")[1:]] == [
         "localhost",
         "localhost",
+        "127.0.0.1",
         "127.0.0.1",
     ]
     # elastic workers time out faster on a silent peer
@@ -209,6 +211,37 @@ def test_elastic_headline_counts_the_workers_that_would_start(
     assert (
         "elastic: the first discovery offers 2 slot(s), fewer than -np 4 but at least min-np 2: "
         "the job starts with 2 worker(s)" in out
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "discovered", "planned", "hosts"),
+    [
+        # the first generation takes every slot up, up to --max-np, as the real run does
+        (
+            ["-np", "2", "--max-np", "3"],
+            "localhost:2\n127.0.0.1:2",
+            3,
+            ["localhost"] * 2 + ["127.0.0.1"],
+        ),
+        (["-np", "1", "--min-np", "1"], "localhost:2", 2, ["localhost"] * 2),
+    ],
+)
+def test_elastic_plan_is_the_first_generation_a_real_run_starts(
+    flags: list[str],
+    discovered: str,
+    planned: int,
+    hosts: list[str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    script = f"printf '{discovered}\\n'"
+    out = dry_run([*flags, "--host-discovery-script", script, "echo", "hi"], capsys)
+    count = len(set(hosts))
+    assert out.startswith(f"hvdrun dry run: {planned} worker(s) on {count} host(s);")
+    assert [line.split()[1] for line in section(out, "ranks")[1:]] == hosts
+    assert (
+        "elastic: the job starts on every slot the first discovery offers, up to max-np, as "
+        f"Horovod does: {planned} worker(s), more than -np {flags[1]}" in out
     )
 
 

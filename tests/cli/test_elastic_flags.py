@@ -122,3 +122,33 @@ def test_discovery_script_failing_with_a_message(
         f"hvdrun: error: invalid '--host-discovery-script': {script}: exited with code 1: "
         "cannot reach the scheduler\n"
     )
+
+
+SINGLE_HOST = (
+    "hvdrun: warning: this elastic job has one host (localhost, from {flag}): a failure of any "
+    "of its workers fails the host and ends the job; list at least 2 hosts (as horovodrun "
+    "requires) or use --host-discovery-script to survive failures"
+)
+
+
+def test_an_elastic_job_on_one_fixed_host_is_warned_that_a_failure_ends_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """horovodrun refuses -H with fewer than 2 hosts in elastic mode; hvdrun runs it, with a
+    warning, and none where the list may change (a discovery script) or has 2 hosts."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    for hosts, flag in (
+        (["-H", "localhost:2"], "-H"),
+        (["--hostfile", str(hostfile)], "--hostfile"),
+    ):
+        assert run_cli(["--dry-run", "-np", "2", "--min-np", "1", *hosts, "true"]) == 0
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "one host" in line]
+        assert warnings == [SINGLE_HOST.format(flag=flag)]
+    for argv in (
+        ["--min-np", "1", "-H", "localhost:1,127.0.0.1:1"],
+        ["--min-np", "1", "--host-discovery-script", "echo localhost:2"],
+        ["-H", "localhost:2"],  # (not elastic)
+    ):
+        assert run_cli(["--dry-run", "-np", "2", *argv, "true"]) == 0
+        assert "one host" not in capsys.readouterr().err

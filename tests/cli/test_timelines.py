@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,11 @@ import pytest
 from collectives.engine.timeline import Timeline, open_for_rank
 from hvdrun.cli import run_cli
 from hvdrun.report_flags import creatable_directory, merge_after_job
-from hvdrun.timelines import TimelineError, merge_files, merged_path, rank_files
+from hvdrun.timelines import TimelineError, merge_files, merged_path, rank_files, start_time
 from rendezvous.worker_env import timeline_file
 from tests.cli.conftest import assert_usage_error
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_each_rank_has_its_own_file_with_all_ranks_or_a_rank_pattern(tmp_path: Path) -> None:
@@ -45,14 +48,17 @@ def base() -> float:
 
 
 def _write(path: Path, base: float, rank: int, host: str, submits: list[float],
-           ends: list[float], skew: float = 0.0) -> None:  # fmt: skip
+           ends: list[float], skew: float = 0.0,
+           rounds: list[str] | None = None) -> None:  # fmt: skip
     """A rank's timeline of one op per round: submitted at ``submits``, ready at ``ends``
-    (seconds after ``base``), recorded on a clock ``skew`` seconds ahead."""
+    (seconds after ``base``) in ``rounds`` (by default 0:1, 0:2, ...), recorded on a clock
+    ``skew`` seconds ahead."""
     timeline = Timeline(str(path), rank=rank, host=host)
     base += skew
-    for k, (submit, end) in enumerate(zip(submits, ends, strict=True)):
+    rounds = rounds or [f"0:{k + 1}" for k in range(len(ends))]
+    for submit, end, round_id in zip(submits, ends, rounds, strict=True):
         timeline.begin("allreduce.grad", "NEGOTIATE_ALLREDUCE", base + submit)
-        timeline.negotiated("allreduce.grad", "ALLREDUCE", {}, base + end, f"0:{k + 1}")
+        timeline.negotiated("allreduce.grad", "ALLREDUCE", {}, base + end, round_id)
         timeline.end("allreduce.grad", "QUEUE", base + end + 0.001)
         timeline.end("allreduce.grad", "ALLREDUCE", base + end + 0.002)
     timeline.close()
@@ -86,8 +92,10 @@ def test_merging_aligns_the_clocks_of_other_hosts_and_names_the_last_submitter(
         if mine["ph"] == "E":  # the rounds ended together
             assert abs(mine["ts"] - theirs["ts"]) < 5.0
             assert mine["args"]["last_rank"] == 1 and theirs["args"]["last_rank"] == 1
-            assert mine["args"]["waited_ms"] == pytest.approx(50.0, abs=0.1)
-            assert theirs["args"]["waited_ms"] == pytest.approx(10.0, abs=0.1)
+            # Rank 0 waited for rank 1's submission; rank 1, the last, for nobody (the rest
+            # of either phase, 10 ms, is the round's own time).
+            assert mine["args"]["waited_ms"] == pytest.approx(40.0, abs=0.1)
+            assert theirs["args"]["waited_ms"] == 0.0
 
 
 def test_ranks_of_one_host_align_on_its_clock(tmp_path: Path, base: float) -> None:
@@ -97,6 +105,18 @@ def test_ranks_of_one_host_align_on_its_clock(tmp_path: Path, base: float) -> No
     events, _ = _merged(tmp_path, ["a.json", "b.json"])
     ends = [[e["ts"] for e in _negotiations(events, rank) if e["ph"] == "E"] for rank in (0, 1)]
     assert ends[0] == pytest.approx(ends[1], abs=2.0)
+
+
+def test_a_round_named_again_in_a_file_is_another_occurrence(tmp_path: Path, base: float) -> None:
+    # A process that opened its file again in one generation (hvd.init() after
+    # hvd.shutdown()) names its rounds from 1 again: the n-th of each rank are one op.
+    _write(tmp_path / "a.json", base, 0, "h", [0.0, 0.3], [0.1, 0.4], rounds=["0:1", "0:1"])
+    _write(tmp_path / "b.json", base, 1, "h", [0.09, 0.2], [0.1, 0.4], rounds=["0:1", "0:1"])
+    events, _ = _merged(tmp_path, ["a.json", "b.json"])
+    for rank, waits in ((0, [90.0, 0.0]), (1, [0.0, 100.0])):
+        ends = [e for e in _negotiations(events, rank) if e["ph"] == "E"]
+        assert [e["args"]["last_rank"] for e in ends] == [1, 0]
+        assert [e["args"]["waited_ms"] for e in ends] == pytest.approx(waits, abs=0.1)
 
 
 def _merged(tmp_path: Path, names: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -158,6 +178,8 @@ def test_merge_timelines_on_the_command_line(
                     str(tmp_path / "t.1.json")]) == 0  # fmt: skip
     assert f"merged 2 timelines into {out}" in capsys.readouterr().err
     assert {e["pid"] for e in json.loads(out.read_text())} == {0, 1}
+    assert run_cli(["--merge-timelines", str(out), str(tmp_path / "t.0.json")]) == 0
+    assert f"merged 1 timeline into {out}" in capsys.readouterr().err
     assert_usage_error(["--merge-timelines", str(out)], "needs the timelines to merge", capsys)
     assert run_cli(["--merge-timelines", str(out), str(tmp_path / "none.json")]) == 1
     assert "hvdrun: error: cannot read" in capsys.readouterr().err
@@ -172,16 +194,39 @@ def test_after_a_job_hvdrun_merges_the_timelines_it_can_see(tmp_path: Path, base
     _write(tmp_path / "trace.0.json", base, 0, "h", [0.0], [0.1])
     said: list[str] = []
     env = {"HVDRUN_TIMELINE": path, "HVDRUN_TIMELINE_ALL_RANKS": "1"}
-    merge_after_job(env, 2, said.append)
+    merge_after_job(env, 2, 0.0, said.append)
     assert "merged the timelines of 1 rank(s)" in said[0] and "trace.1.json" in said[1]
     assert json.loads(Path(path).read_text())
     said.clear()
-    merge_after_job({"HVDRUN_TIMELINE": path}, 2, said.append)  # rank 0's file only
+    merge_after_job({"HVDRUN_TIMELINE": path}, 2, 0.0, said.append)  # rank 0's file only
     assert said == []
     os.unlink(path)
     os.mkdir(path)  # the merge cannot be written: the job's end says so, no traceback
-    merge_after_job(env, 2, said.append)
+    merge_after_job(env, 2, 0.0, said.append)
     assert said == [f"hvdrun: the timelines were not merged: cannot write {path}: Is a directory"]
+
+
+def test_after_a_job_the_files_an_earlier_job_left_are_left_out(
+    tmp_path: Path, base: float
+) -> None:
+    path = str(tmp_path / "trace.json")
+    env = {"HVDRUN_TIMELINE": path, "HVDRUN_TIMELINE_ALL_RANKS": "1"}
+    for rank in range(3):  # an earlier job's files: every rank's
+        _write(tmp_path / f"trace.{rank}.json", base, rank, "h", [0.0], [0.1])
+    (tmp_path / "trace.2.json").write_text("[]")  # (no start of its own: its mtime counts)
+    os.utime(tmp_path / "trace.2.json", (1.0, 1.0))
+    since = time.time()
+    began = start_time(str(tmp_path / "trace.0.json"))
+    assert began is not None and began < since
+    _write(tmp_path / "trace.0.json", base, 0, "h", [0.0], [0.1])  # this job's: rank 0 only
+    said: list[str] = []
+    merge_after_job(env, 4, since, said.append)
+    assert said[0] == (
+        "hvdrun: left out 2 timeline(s) that an earlier job wrote (they began before this "
+        f"job): {tmp_path}/trace.1.json, {tmp_path}/trace.2.json"
+    )
+    assert "merged the timelines of 1 rank(s)" in said[1] and "trace.3.json" in said[2]
+    assert {e["pid"] for e in json.loads(Path(path).read_text())} == {0}
 
 
 def test_report_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -276,6 +321,71 @@ def test_an_existing_file_is_taken_as_it_is_wherever_it_lies() -> None:
     creatable_directory("/proc/self/fd", "--report-file", "/proc/self/fd/2")
     with pytest.raises(click.BadParameter, match="cannot write in /proc/self/fd"):
         creatable_directory("/proc/self/fd", "--report-file", "/proc/self/fd/no-such")
+
+
+def test_every_rank_s_own_file_is_not_named_after_a_device_or_a_pipe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # (--timeline-all-ranks beside /dev/null made the regular files /dev/null.0, ...: a
+    # pipe stands for the device, which a test must not touch)
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    assert_usage_error(
+        ["--timeline-filename", str(pipe), "--timeline-all-ranks", "-np", "1", "true"],
+        f"invalid '--timeline-filename': {pipe} is a device or a pipe: every rank's own "
+        f"timeline would be a new file named after it ({pipe}.0, ...)",
+        capsys,
+    )
+    with pytest.raises(OSError, match="every rank's own timeline would be a new file"):
+        open_for_rank(str(pipe), False, 1, all_ranks=True)  # (a worker on another host)
+    assert os.listdir(tmp_path) == ["pipe"]
+
+
+def test_a_setting_given_as_a_variable_is_named_as_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.delenv("HVDRUN_TIMELINE", raising=False)
+    monkeypatch.delenv("HOROVOD_TIMELINE", raising=False)
+    for spelling in ("HOROVOD_TIMELINE", "HVDRUN_TIMELINE"):
+        assert_usage_error(
+            ["-x", f"{spelling}={blocker}/t.json", "-np", "1", "true"],
+            f"invalid '{spelling}': cannot create {blocker}",
+            capsys,
+        )
+    monkeypatch.setenv("HOROVOD_TIMELINE", f"{blocker}/t.json")  # (hvdrun's environment)
+    assert_usage_error(
+        ["-np", "1", "true"], f"invalid 'HOROVOD_TIMELINE': cannot create {blocker}", capsys
+    )
+    # The flag wins over the variable, and is named.
+    assert_usage_error(
+        ["--timeline-filename", f"{blocker}/u.json", "-np", "1", "true"],
+        f"invalid '--timeline-filename': cannot create {blocker}",
+        capsys,
+    )
+
+
+RENDER = REPO / "docs" / "render_timeline.py"
+
+
+def test_render_timeline_says_when_it_has_nothing_to_draw(tmp_path: Path, base: float) -> None:
+    # (before matplotlib, which the tests do without: it draws nothing)
+    _write(tmp_path / "t.0.json", base, 0, "h", [0.0], [0.1])
+    _write(tmp_path / "t.1.json", base, 1, "h", [0.05], [0.1])
+    merge_files(str(tmp_path / "all.json"), [str(tmp_path / f"t.{r}.json") for r in (0, 1)])
+    for trace, options, why in [
+        ("t.0.json", [], "not a merged timeline"),
+        ("all.json", ["--start", "5"], "no allreduce, broadcast or allgather between 5.000 s"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, str(RENDER), str(tmp_path / trace), str(tmp_path / "t.png"),
+             *options],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        assert why in done.stderr and "no " + str(tmp_path / "t.png") in done.stderr
+        assert not (tmp_path / "t.png").exists()
 
 
 def test_timeline_switches_without_a_timeline_file_are_named(

@@ -73,6 +73,32 @@ def test_more_resets_than_the_limit_end_the_job() -> None:
     ), output
 
 
+def test_a_spare_host_fills_a_failed_hosts_slot_in_the_same_reset() -> None:
+    # --max-np 2 leaves this machine's own name out (a spare) until 127.0.0.1 fails: the
+    # spare joins the generation that replaces it, as in Horovod, so one reset (--reset-limit
+    # 1) is enough; a survivors-only generation first would make it two.
+    this = socket.gethostname()
+    code, output = run_steps(
+        [
+            "--max-np",
+            "2",
+            "--reset-limit",
+            "1",
+            "--host-discovery-script",
+            THREE_HOSTS.format(this),
+        ],
+        100,
+        fail_host="127.0.0.1",
+        fail_at_step=3,
+    )
+    assert code == 0, output
+    assert "hvdrun: generation 1: 2 worker(s) on 2 host(s): localhost, 127.0.0.1" in output
+    assert f"hvdrun: generation 2: 2 worker(s) on 2 host(s): localhost, {this}" in output
+    assert "generation 3" not in output and "--reset-limit" not in output, output
+    finals = re.findall(r"final rank=(\d) size=(\d) step=100 weight=-100 ", output)
+    assert sorted(finals) == [("0", "2"), ("1", "2")], output
+
+
 def test_a_peer_that_resets_is_said_to_leave_the_generation_not_the_job() -> None:
     """A worker's own HorovodInternalError inside hvd.elastic.run makes it reset: its peer's
     collectives fail saying that it left for the next generation and why (before: "left the
