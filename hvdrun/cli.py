@@ -464,6 +464,7 @@ def cli(
         term_grace=term_grace,
         launch=launch,
         elastic=elastic_options,
+        report=report.options(),
     )
     if call is not None:
         spec.preset, spec.collect = call.preset, call.collect
@@ -486,7 +487,7 @@ def cli(
     try:
         sink = OutputSink(stdout, stderr, options=options, background=True)
         started = time.time()  # (timelines that began before are an earlier job's)
-        result = run_job(spec, sink, report.options())
+        result = run_job(spec, sink)
         if call is not None:
             call.result = result
         code = result.exit_code

@@ -27,7 +27,7 @@ from hvdrun.timelines import TimelineError, merge_files, merged_path, rank_files
 from rendezvous import worker_env
 
 if TYPE_CHECKING:
-    from launcher.supervision.insight import ReportOptions
+    from launcher.spec.options import ReportOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -112,7 +112,7 @@ class ReportFlags:
             creatable_directory(os.path.dirname(file), given_as, file)
 
     def options(self) -> ReportOptions:
-        from launcher.supervision.insight import ReportOptions
+        from launcher.spec.options import ReportOptions
 
         path = os.path.abspath(self.report_file) if self.report_file else None
         return ReportOptions(table=not self.no_report, file=path)

@@ -13,15 +13,15 @@ from launcher.spec.job import JobSpec
 from launcher.supervision.core import JobResult
 from launcher.supervision.elastic import run_elastic_job
 from launcher.supervision.fixed import run_fixed_job
-from launcher.supervision.insight import ReportOptions, report_insight
+from launcher.supervision.insight import report_insight
 
 
-def run_job(spec: JobSpec, sink: OutputSink, report: ReportOptions | None = None) -> JobResult:
+def run_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     """Starts and supervises the job; raises LaunchError when a host cannot be started.
-    Afterwards, where workers reported their figures, the end-of-job table (``report``)."""
+    Afterwards, where workers reported their figures, the end-of-job table (``spec.report``)."""
     elastic = spec.elastic is not None
     result = run_elastic_job(spec, sink) if elastic else run_fixed_job(spec, sink)
     # (an elastic job's sizes change: its figures say which ranks there were)
     size = None if elastic else spec.num_proc
-    report_insight(result.figures, size, sink, report or ReportOptions())
+    report_insight(result.figures, size, sink, spec.report)
     return result

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from launcher.spec.hosts import HostSpec
-from launcher.spec.options import ElasticOptions, LaunchOptions
+from launcher.spec.options import ElasticOptions, LaunchOptions, ReportOptions
 
 #: A Python interpreter's name: python, python3, python3.11 (not python_job.sh).
 _PYTHON_NAME = re.compile(r"python(\d+(\.\d+)*)?")
@@ -32,6 +32,7 @@ class JobSpec:
     term_grace: float = 5.0  # seconds between SIGTERM and SIGKILL when workers are stopped
     launch: LaunchOptions = field(default_factory=LaunchOptions)
     elastic: ElasticOptions | None = None  # set: an elastic job
+    report: ReportOptions = field(default_factory=ReportOptions)  # the end-of-job report
     # Rendezvous store entries the workers find from the start (hvdrun.run's function), and
     # the prefix of those they leave that the result keeps (JobResult.collected)
     preset: dict[str, bytes] = field(default_factory=dict, repr=False)

@@ -60,3 +60,18 @@ class ElasticOptions:
     cooldown: tuple[float, float] | None = None
     discovery_interval: float = 1.0
     failure_timeout: float = ELASTIC_FAILURE_TIMEOUT
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """``--no-report`` (``table`` False) and ``--report-file``."""
+
+    table: bool = True
+    file: str | None = None
+
+    @property
+    def details(self) -> str:
+        """Where the live warning says the details are ("": nowhere)."""
+        if self.table:
+            return "the end-of-job table has the details"
+        return f"{self.file} will have the details" if self.file else ""

@@ -211,7 +211,7 @@ class ElasticDriver(Supervision[HostEvent | DriverEvent]):
         self._done = threading.Event()
         self._versions = installed_versions() if spec.launch.check_versions else None
         self._discovery_error: str | None = None
-        self.insight = InsightWatch(lambda prefix: self.server.values_under(prefix), sink)
+        self.insight = InsightWatch(lambda p: self.server.values_under(p), sink, spec.report)
 
     # ---- the loop -------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 from launcher.output import OutputSink
 from launcher.spec.job import JobSpec
+from launcher.spec.options import ReportOptions
 from launcher.supervision.core import (
     STOP_BLAME_SHARE,
     Events,
@@ -106,6 +107,7 @@ class Supervisor(Supervision[HostEvent]):
         signals: Signals,
         server: RendezvousServer | None = None,
         clock: Callable[[], float] = time.monotonic,
+        report: ReportOptions | None = None,
     ) -> None:
         super().__init__(sink, events, term_grace, signals, clock)
         self.agents = {agent.hostname: agent for agent in agents}
@@ -128,7 +130,7 @@ class Supervisor(Supervision[HostEvent]):
         self._everyone_registered = False
         self._first_joined: float | None = None  # (clock) when a rank first registered
         if server is not None:
-            self.insight = InsightWatch(server.values_under, sink)
+            self.insight = InsightWatch(server.values_under, sink, report)
 
     def run(self) -> JobResult:
         result = super().run()
@@ -447,7 +449,9 @@ def _supervise(
             launch.env.update(master)
             launch.peers = peer_addresses(addresses, host)
             agent.launch(launch, events)
-        supervisor = Supervisor(agents, slots, sink, events, spec.term_grace, signals, server)
+        supervisor = Supervisor(
+            agents, slots, sink, events, spec.term_grace, signals, server, report=spec.report
+        )
         supervisor.stop_blame_after = STOP_BLAME_SHARE * collective_timeout(spec.env)
         result = supervisor.run()
         if spec.collect is not None:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 from launcher.output import OutputSink
+from launcher.spec.options import ReportOptions
 from rendezvous import worker_env
 from rendezvous.insight import LiveWatch, RankFigures, analyse, decode_all
 
-__all__ = ["InsightWatch", "ReportOptions", "report_insight"]
+__all__ = ["InsightWatch", "report_insight"]
 
 log = logging.getLogger(__name__)
 
@@ -31,22 +31,19 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 1.0
 
 
-@dataclass(frozen=True)
-class ReportOptions:
-    """``--no-report`` (``table`` False) and ``--report-file``."""
-
-    table: bool = True
-    file: str | None = None
-
-
 class InsightWatch:
     """Reads the workers' figures from the rendezvous (``read``: the store's values under a
     prefix) and says when one rank holds the others back."""
 
-    def __init__(self, read: Callable[[str], Mapping[str, bytes]], sink: OutputSink) -> None:
+    def __init__(
+        self,
+        read: Callable[[str], Mapping[str, bytes]],
+        sink: OutputSink,
+        report: ReportOptions | None = None,
+    ) -> None:
         self._read = read
         self._sink = sink
-        self._live = LiveWatch()
+        self._live = LiveWatch((report or ReportOptions()).details)
         self._next = 0.0
         self._status: str | None = None
 

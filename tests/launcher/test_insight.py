@@ -7,8 +7,11 @@ import io
 import json
 from pathlib import Path
 
+import pytest
+
 from launcher.output import OutputOptions, OutputSink
-from launcher.supervision.insight import InsightWatch, ReportOptions, report_insight
+from launcher.spec.options import ReportOptions
+from launcher.supervision.insight import InsightWatch, report_insight
 from rendezvous.insight import RankFigures
 from rendezvous.worker_env import INSIGHT_KEY_PREFIX
 
@@ -28,7 +31,17 @@ def _figures(caused: float) -> dict[str, RankFigures]:
     }  # fmt: skip
 
 
-def test_the_watch_warns_once_and_keeps_the_status_line_while_a_rank_holds_the_job_back() -> None:
+@pytest.mark.parametrize(
+    ("report", "details"),
+    [
+        (ReportOptions(), " (the end-of-job table has the details)"),
+        (ReportOptions(table=False, file="r.json"), " (r.json will have the details)"),
+        (ReportOptions(table=False), ""),  # (--no-report: no table to point at)
+    ],
+)
+def test_the_watch_warns_once_and_keeps_the_status_line_while_a_rank_holds_the_job_back(
+    report: ReportOptions, details: str
+) -> None:
     sink, err = _sink()
     reads: list[str] = []
     values = {"0.0": 0.0, "1.0": 0.5, "2.0": 1.5, "3.0": 2.5}
@@ -39,13 +52,15 @@ def test_the_watch_warns_once_and_keeps_the_status_line_while_a_rank_holds_the_j
         figures = _figures(values[f"{now[0]:.1f}"])
         return {INSIGHT_KEY_PREFIX + key: value.to_json() for key, value in figures.items()}
 
-    watch = InsightWatch(read, sink)
+    watch = InsightWatch(read, sink, report)
     for moment in (0.0, 0.5, 1.0, 2.0, 3.0):  # (looks once a second)
         now[0] = moment if moment != 0.5 else 0.0
         watch.step(moment)
     assert reads == [INSIGHT_KEY_PREFIX] * 4
     text = err.getvalue().decode()
     assert text.count("hvdrun: rank 1 on b is holding the job back") == 1, text
+    warning = next(line for line in text.splitlines() if "is holding the job back" in line)
+    assert warning.endswith("collectives, last at 100% of them" + details), warning
     assert "hvdrun: rank 1 on b holds the others back" in text  # the status line
     watch.stop()
     assert err.getvalue().endswith(b"\r\x1b[K")  # (the status line is cleared)
