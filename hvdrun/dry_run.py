@@ -133,6 +133,12 @@ TUNING: tuple[tuple[str, str, str, str], ...] = (
     (we.GLOO_TIMEOUT_SECONDS, "collective timeout", _default(we.GLOO_TIMEOUT_SECONDS), "s"),
     (we.AUTOTUNE, "autotune", "0", ""),
 )
+#: What 0 means for the settings where it turns something off.
+_ZERO_MEANS = {
+    we.STALL_CHECK_TIME_SECONDS: "no warnings",
+    we.STALL_SHUTDOWN_TIME_SECONDS: "never",
+    we.CACHE_CAPACITY: "no cache",
+}
 #: The autotuner's settings, shown when it is on.
 AUTOTUNE: tuple[tuple[str, str, str, str], ...] = (
     (we.AUTOTUNE_LOG, "autotune log", "none", ""),
@@ -184,10 +190,8 @@ def tuning_lines(
             shown += f" ({int(value) / 2**20:g} MiB)"
             if found is None:  # (a threshold that was set is CUDA's too)
                 shown += f", {we.CUDA_FUSION_THRESHOLD_DEFAULT / 2**20:g} MiB for CUDA reductions"
-        if name == we.STALL_SHUTDOWN_TIME_SECONDS and value in ("0", "0.0"):
-            shown += " (never)"
-        if name == we.CACHE_CAPACITY and value in ("0", "0.0"):
-            shown += " (no cache)"
+        if name in _ZERO_MEANS and value in ("0", "0.0"):
+            shown += f" ({_ZERO_MEANS[name]})"
         lines.append(f"  {label:<24}{shown}  ({source})")
     return lines
 

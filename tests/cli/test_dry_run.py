@@ -72,6 +72,12 @@ def test_the_tuning_shows_the_cache_and_under_autotune_the_autotuner(
         "tuning the workers run with",
     )
     assert "response cache          0 ops (no cache)  (from --cache-capacity)" in tuning
+    argv = ["-np", "1", "--stall-check-warning-time-seconds", "0", "true"]  # (0 turns them off)
+    tuning = section(dry_run(argv, capsys), "tuning the workers run with")
+    assert (
+        "stall warning after     0 s (no warnings)  (from --stall-check-warning-time-seconds)"
+        in tuning
+    )
     assert "autotune                0  (default)" in tuning
     assert not any(line.startswith("autotune sample") for line in tuning)
     argv = ["-np", "1", "--autotune", "--autotune-steps-per-sample", "4", "true"]
