@@ -32,23 +32,32 @@ def test_a_connect_failure_names_both_sides_and_the_flag(monkeypatch: pytest.Mon
     assert "hvdrun --network-interface IF" in message
 
 
-def test_hvd_init_under_hvdrun_explains_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The default group of a registered generation fails to connect (Gloo's error).
+def _bootstrap_failing_with(monkeypatch: pytest.MonkeyPatch, text: str, timeout: float) -> str:
+    """hvd.init()'s error on rank 0 of 2 under hvdrun when creating the default group of its
+    registered generation raised ``text`` (bootstrap timeout ``timeout``)."""
+
     def fail(*args: object, **kwargs: object) -> None:
-        raise RuntimeError(GLOO_TEXT)
+        raise RuntimeError(text)
 
     monkeypatch.setattr(registration, "init_default_group", fail)
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     topology = Topology(rank=0, size=2, local_rank=0, local_size=1, cross_rank=0, cross_size=2)
     runtime_ = RuntimeState(
         topology=topology,
         backend="gloo",
-        timeout=datetime.timedelta(seconds=5),
+        timeout=datetime.timedelta(seconds=timeout),
         store=None,
         client=object(),
     )
-    with pytest.raises(RuntimeError, match="This rank advertised the address of its host name"):
+    with pytest.raises(RuntimeError) as raised:
         registration._bootstrap(runtime_, 1)
+    return str(raised.value)
+
+
+def test_hvd_init_under_hvdrun_explains_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default group of a registered generation fails to connect (Gloo's error).
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    message = _bootstrap_failing_with(monkeypatch, GLOO_TEXT, 5)
+    assert "This rank advertised the address of its host name" in message
 
 
 def test_a_superseded_generation_is_not_called_a_network_failure(
@@ -61,22 +70,7 @@ def test_a_superseded_generation_is_not_called_a_network_failure(
         "rendezvous Get of 'hvdrun/g3/i1/rank_1' failed: ABORTED: membership generation 3 "
         "was superseded by generation 4 (hosts joined or left the job)"
     )
-
-    def fail(*args: object, **kwargs: object) -> None:
-        raise RuntimeError(text)
-
-    monkeypatch.setattr(registration, "init_default_group", fail)
-    topology = Topology(rank=0, size=2, local_rank=0, local_size=1, cross_rank=0, cross_size=2)
-    runtime_ = RuntimeState(
-        topology=topology,
-        backend="gloo",
-        timeout=datetime.timedelta(seconds=5),
-        store=None,
-        client=object(),
-    )
-    with pytest.raises(RuntimeError) as raised:
-        registration._bootstrap(runtime_, 1)
-    assert str(raised.value) == text
+    assert _bootstrap_failing_with(monkeypatch, text, 5) == text
 
 
 def test_joining_the_generation_that_superseded_one_logs_no_warning(
@@ -133,22 +127,7 @@ def test_a_peer_that_never_called_init_is_named_not_the_network(
         "rendezvous store (prefix 'hvdrun/g0/i1/'): rendezvous get('hvdrun/g0/i1/0//cpu//0/1') "
         "at 127.0.0.1:43127 failed: key 'hvdrun/g0/i1/0//cpu//0/1' was not set within 300 s"
     )
-
-    def fail(*args: object, **kwargs: object) -> None:
-        raise RuntimeError(text)
-
-    monkeypatch.setattr(registration, "init_default_group", fail)
-    topology = Topology(rank=0, size=2, local_rank=0, local_size=1, cross_rank=0, cross_size=2)
-    runtime_ = RuntimeState(
-        topology=topology,
-        backend="gloo",
-        timeout=datetime.timedelta(seconds=300),
-        store=None,
-        client=object(),
-    )
-    with pytest.raises(RuntimeError) as raised:
-        registration._bootstrap(runtime_, 1)
-    message = str(raised.value)
+    message = _bootstrap_failing_with(monkeypatch, text, 300)
     assert message.startswith(
         "hvd.init() on rank 0 waited 300 s for rank 1, which never joined the job: rank 1 has "
         "not called hvd.init(), or failed before it."
