@@ -3,6 +3,11 @@
 ``broadcast_parameters`` hands all tensors to the op layer in one call, so they travel as one
 fused buffer per device rather than one collective per tensor.
 
+An op that carries many tensors (``broadcast_parameters``, a bucket of
+``DistributedOptimizer``) fails on ranks whose models differ with a mismatch that names its
+fused buffer or "tensor N": :func:`explain_mismatch` then names the tensors that differ and
+how, after one more collective that only a failed op costs.
+
 ``broadcast_optimizer_state`` sends root's ``optimizer.state_dict()`` as a picklable skeleton
 (hyper-parameters, step counts, the structure), in one allgather that also carries every
 rank's outline of its optimizer (so ranks whose optimizers differ all fail alike, first),
@@ -25,7 +30,8 @@ A public API module (Horovod's ``horovod.torch.functions``), built on the submis
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +39,7 @@ import torch
 
 from collectives import objects, ops, runtime
 from collectives.common import ProcessSet, global_process_set
+from collectives.errors import CollectiveError, HorovodInternalError, TensorMismatchError
 
 __all__ = [
     "allgather_object",
@@ -51,14 +58,16 @@ def broadcast_parameters(
 ) -> None:
     """Overwrites parameters in place with root_rank's (a global rank, also in a process
     set): a state_dict/dict, or a list of tensors or (name, tensor) pairs such as
-    ``model.named_parameters()``."""
+    ``model.named_parameters()``. Ranks whose tensors differ get a ``TensorMismatchError``
+    that names the tensors that differ and each rank's shapes (see :func:`explain_mismatch`).
+    """
     if isinstance(params, Mapping):
         items = sorted(params.items(), key=lambda item: str(item[0]))
     elif isinstance(params, Iterable) and not isinstance(params, (str, bytes, torch.Tensor)):
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
         raise ValueError(f"invalid params of type {type(params).__name__}")
-    tensors: list[torch.Tensor] = []
+    named: list[tuple[str, torch.Tensor]] = []
     for name, tensor in items:
         if tensor is None:
             continue
@@ -66,8 +75,111 @@ def broadcast_parameters(
             raise ValueError(
                 f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor"
             )
-        tensors.append(tensor)
-    ops.broadcast_(tensors, root_rank, process_set, "broadcast_parameters")
+        named.append((f"tensor {len(named)}" if name is None else repr(name), tensor))
+    tensors = [tensor for _, tensor in named]
+    try:
+        ops.broadcast_(tensors, root_rank, process_set, "broadcast_parameters")
+    except TensorMismatchError as error:
+        order = " (sorted by name)" if isinstance(params, Mapping) else ""
+        carried = f"The op broadcasts {_count(len(named), 'tensor')} together{order}"
+        raise explain_mismatch(
+            error, named, carried, process_set, "broadcast_parameters.mismatch"
+        ) from None
+
+
+#: How many of the tensors that differ between ranks a mismatch names at most.
+_SHOWN = 6
+
+
+def explain_mismatch(
+    error: TensorMismatchError,
+    named: Sequence[tuple[str, torch.Tensor]],
+    carried: str,
+    process_set: ProcessSet,
+    name: str,
+    gradients: bool = False,
+) -> TensorMismatchError:
+    """``error``, the mismatch of an op that carried several tensors, again (of its class,
+    its message kept) saying which of the tensors differ between the ranks and how: the
+    engine can only name the op's fused buffer or "tensor N". ``named``: each tensor as
+    messages name it (a parameter's quoted name) and the tensor; ``carried``: a sentence
+    saying what the op carries; ``gradients``: whether ``requires_grad`` counts too (a
+    frozen parameter sends no gradient).
+
+    It costs one ``allgather_object`` (named ``name``) of every member's outline of its
+    tensors, and only once the op has failed: negotiation raises a mismatch on every member
+    that submitted the op, so every member takes this path alike (a rank that did not
+    submit the op, one that has joined, gets no error and takes no part). Where that
+    allgather cannot run (a rank has joined, a peer is gone) the message lists this rank's
+    own tensors instead. The error comes back unchanged where the outlines agree: the ranks
+    disagree on something else (the op, the root)."""
+    mine = [(label, _tensor_fields(tensor, gradients)) for label, tensor in named]
+    _, group = ops.resolve_process_set(process_set, "the explanation of a mismatch")
+    try:
+        gathered = allgather_object(mine, name=name, process_set=process_set)
+    except (CollectiveError, HorovodInternalError) as failed:
+        held = [f"{label} {fields['shape']}" for label, fields in mine]
+        return type(error)(
+            f"{error}. {carried}. Those of rank {runtime.rank()}: {_listed(held, ', ')} (the "
+            f"ranks could not compare theirs: {failed})"
+        )
+    said = _tensor_differences(dict(zip(group.ranks, gathered, strict=True)))
+    if not said:
+        return error
+    return type(error)(f"{error}. {carried}. What differs between the ranks: {_listed(said, '; ')}")
+
+
+def _tensor_fields(tensor: torch.Tensor, gradients: bool) -> dict[str, str]:
+    """What must be alike on every rank for a tensor to travel in an op, as text."""
+    fields = {
+        "shape": str(list(tensor.shape)),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "device type": tensor.device.type,
+    }
+    if gradients:
+        fields["requires_grad"] = str(tensor.requires_grad)
+    return fields
+
+
+def _tensor_differences(outlines: dict[int, list[tuple[str, dict[str, str]]]]) -> list[str]:
+    """How the ranks' tensors differ, a clause per tensor that differs (in the order the
+    ranks listed them): ``'fc.weight' has shape [3, 3] on rank 0, [4, 3] on rank 1``."""
+    held: dict[str, dict[int, dict[str, str]]] = {}
+    for rank, outline in sorted(outlines.items()):
+        for label, fields in outline:
+            held.setdefault(label, {})[rank] = fields
+    said = []
+    for label, by_rank in held.items():
+        missing = [rank for rank in sorted(outlines) if rank not in by_rank]
+        if missing:
+            said.append(f"{label} is missing on {_who(missing)}")
+            continue
+        differ = []
+        for field in next(iter(by_rank.values())):
+            values = {rank: fields.get(field, "?") for rank, fields in by_rank.items()}
+            if len(set(values.values())) > 1:
+                groups: dict[str, list[int]] = {}
+                for rank, value in values.items():
+                    groups.setdefault(value, []).append(rank)
+                ranks = ", ".join(f"{value} on {_who(ranks)}" for value, ranks in groups.items())
+                differ.append(f"{field} {ranks}")
+        if differ:
+            said.append(f"{label} has {' and '.join(differ)}")
+    return said
+
+
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _count(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _listed(items: list[str], separator: str) -> str:
+    """The first items of a list for a message, and how many more there are."""
+    shown = separator.join(items[:_SHOWN])
+    return shown if len(items) <= _SHOWN else f"{shown}{separator}and {len(items) - _SHOWN} more"
 
 
 @dataclass(frozen=True)
@@ -150,7 +262,7 @@ def broadcast_optimizer_state(
     mine = (_outline(optimizer), _strip(optimizer.state_dict(), tensors) if root else None)
     gathered = allgather_object(mine, name="broadcast_optimizer_state", process_set=process_set)
     outlines = {rank: outline for rank, (outline, _) in zip(members, gathered, strict=True)}
-    differ = _differences(outlines, root_rank)
+    differ = _differences(outlines, root_rank, functools.partial(_label, optimizer, model))
     if differ:
         raise ValueError(
             f"{what}: the ranks' optimizers differ, so root "
@@ -176,8 +288,9 @@ def _outline(optimizer: torch.optim.Optimizer) -> tuple[str, list[list[tuple[int
     return _own_class(optimizer).__name__, shapes
 
 
-def _differences(outlines: dict[int, Any], root_rank: int) -> str:
-    """How each rank's outline differs from root's ('' if none does)."""
+def _differences(outlines: dict[int, Any], root_rank: int, label: Callable[[int, int], str]) -> str:
+    """How each rank's outline differs from root's ('' if none does); ``label(group,
+    index)`` names a parameter."""
     kind, groups = outlines[root_rank]
     said: list[str] = []
     for rank, (other_kind, other_groups) in sorted(outlines.items()):
@@ -196,10 +309,23 @@ def _differences(outlines: dict[int, Any], root_rank: int) -> str:
                 if a != b
             )
             said.append(
-                f"rank {rank}'s parameter {i} of group {g} has shape {list(theirs)} where "
+                f"rank {rank}'s {label(g, i)} has shape {list(theirs)} where "
                 f"rank {root_rank}'s has {list(ours)}"
             )
     return "; ".join(said)
+
+
+def _label(optimizer: torch.optim.Optimizer, model: Any, group: int, index: int) -> str:
+    """How a message names parameter ``index`` of parameter group ``group``: by its name
+    where this rank knows one (a DistributedOptimizer's ``named_parameters``, else
+    ``model``'s), else by its place."""
+    param = optimizer.param_groups[group]["params"][index]
+    name = getattr(optimizer, "_parameter_names", {}).get(param)
+    if (name is None or name.startswith("noname.")) and model is not None:
+        name = next((n for n, p in model.named_parameters() if p is param), None)
+    if name is None or name.startswith("noname."):
+        return f"parameter {index} of group {group}"
+    return f"parameter {name!r} ({index} of group {group})"
 
 
 def _broadcast_by_device(

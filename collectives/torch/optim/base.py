@@ -6,7 +6,9 @@ class, that takes over the wrapped optimizer's attributes. The mixin hooks every
 plans the buckets of :mod:`.gradient_buckets` once, starts a bucket's asynchronous in-place
 grouped allreduce as soon as its last gradient is ready (one negotiation per bucket, however
 many tensors it holds), and waits for all of them before the wrapped optimizer's step; dense
-floating gradients without compression travel as views of one flat tensor per bucket.
+floating gradients without compression travel as views of one flat tensor per bucket. The
+mismatch of a bucket whose parameters differ between ranks is raised again naming them
+(``_explained``).
 
 Because the mixin sits in front of the user's optimizer class, everything it adds besides
 Horovod's public methods (and ``_parameter_names``, which scripts read) is named ``_hvd_*``,
@@ -29,7 +31,9 @@ import torch
 
 from collectives import ops, runtime
 from collectives.common import ProcessSet, ReduceOp
+from collectives.errors import TensorMismatchError
 from collectives.torch.compression import Compression, Compressor
+from collectives.torch.functions import explain_mismatch
 from collectives.torch.optim.gradient_buckets import (
     NOTHING,
     Bucket,
@@ -344,7 +348,10 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
                     self._hvd_start(bucket)
             for bucket in self._hvd_buckets:
                 if bucket.handle is not None and bucket.handle is not NOTHING:
-                    self._hvd_finish(bucket)
+                    try:
+                        self._hvd_finish(bucket)
+                    except TensorMismatchError as error:
+                        raise _explained(self, bucket, error) from None
             # Sparse gradients: every rank's indices and values allgathered, all at once.
             sparse = []
             for param in self._hvd_sparse:
@@ -444,6 +451,21 @@ class DistributedOptimizerBase(torch.optim.Optimizer):
         an elastic reset, which restores state this way)."""
         self._hvd_reset()
         super().load_state_dict(state_dict)
+
+
+def _explained(
+    optimizer: DistributedOptimizerBase, bucket: Bucket, error: TensorMismatchError
+) -> TensorMismatchError:
+    """The mismatch of a bucket (ranks whose models differ), which names the bucket's fused
+    buffer (``bias+1``, a flat tensor of all its gradients), again naming the bucket's
+    parameters that differ between ranks and how: one more collective, only once the bucket
+    has failed, on every rank alike (see ``explain_mismatch``)."""
+    named = [(repr(optimizer._hvd_names[param]), param) for param in bucket.params]
+    carried = "The op is a bucket of DistributedOptimizer"
+    if len(named) > 1:
+        carried += f": the gradients of {len(named)} parameters reduced together"
+    name = "DistributedOptimizer.mismatch"
+    return explain_mismatch(error, named, carried, optimizer.process_set, name, gradients=True)
 
 
 def _reduced(optimizer: DistributedOptimizerBase, closure: Callable[[], Any]) -> Any:
