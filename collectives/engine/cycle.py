@@ -178,8 +178,7 @@ class CycleRunner:
         self.busy = False  # the current cycle ran ops (alike on every member)
         self.round_bytes = 0
         self.ended_by: int | None = None  # the member whose leaving ended the set's rounds
-        # After a stall shutdown: the member that never submitted an op, and the op.
-        self.stalled_by: tuple[int, str] | None = None
+        self.stalled_by: tuple[int, str] | None = None  # (stall shutdown) who held it up, how
 
     def current_pace(self) -> Pace:
         return self.pace

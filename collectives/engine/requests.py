@@ -322,10 +322,11 @@ def describe_mismatch(kind: Kind, name: str, sigs: dict[int, str]) -> str:
             f"{message}. Every rank must call hvd.{kind.label}() for the same process sets "
             "in the same order"
         )
-    if name.startswith(NONAME_PREFIXES[kind]):
+    counter = name[len(NONAME_PREFIXES[kind]) :]
+    if name.startswith(NONAME_PREFIXES[kind]) and counter.isdigit():
         message += (
             f". The op has no name: it is each rank's unnamed {kind.label} number "
-            f"{name.rsplit('.', 1)[1]} (counted from 0 per kind and process set), so ranks "
+            f"{counter} (counted from 0 per kind and process set), so ranks "
             "that submit unnamed ops in different orders pair different tensors; give the "
             "ops names (name=...)"
         )

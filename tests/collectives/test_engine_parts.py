@@ -72,6 +72,13 @@ def test_mismatch_messages_name_the_op_the_field_and_the_ranks() -> None:
     assert "device type: rank 0: cpu; rank 1: meta" in describe_mismatch(
         Kind.ALLREDUCE, "x", devices
     )
+    # An unnamed op's says how unnamed ops pair up; a bucket of DistributedOptimizer without
+    # named_parameters (allreduce.noname.0.0+1, as Horovod names it) is no unnamed op.
+    unnamed = describe_mismatch(Kind.ALLREDUCE, "allreduce.noname.7", shapes)
+    assert "it is each rank's unnamed allreduce number 7 (counted from 0" in unnamed
+    assert "The op has no name" not in describe_mismatch(
+        Kind.ALLREDUCE, "allreduce.noname.0.0+1", shapes
+    )
 
 
 def test_alltoall_splits_are_checked_for_every_rank() -> None:
