@@ -55,7 +55,13 @@ from hvdrun.report_flags import (
 from hvdrun.tuning import tuning_env, tuning_notes, tuning_options
 from hvdrun.values import seconds
 from hvdrun.version import __version__
-from launcher.spec.environment import EnvSpecError, forwarded_env, parse_exports, unset_exports
+from launcher.spec.environment import (
+    EnvSpecError,
+    forwarded_env,
+    parse_exports,
+    unset_exports,
+    working_directory,
+)
 from launcher.spec.hosts import (
     LOCAL_NAMES,
     MAX_PROCESSES,
@@ -335,7 +341,7 @@ def cli(
     compat.adjust_tuning(tuning)
     dry_run = bool(tuning.pop("dry_run", False))
     try:
-        os.getcwd()  # (the workers start in it, on every host)
+        cwd = working_directory(os.environ)  # (the workers start in it, on every host)
     except FileNotFoundError:
         raise click.UsageError(
             "the current directory no longer exists (it was deleted or moved): cd to one that does"
@@ -403,7 +409,7 @@ def cli(
         launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic=False))
         from launcher.check_hosts import check_hosts as run_check
 
-        return run_check([h.hostname for h in host_list], os.getcwd(), env, launch, click.echo)
+        return run_check([h.hostname for h in host_list], cwd, env, launch, click.echo)
 
     if not command:
         raise click.UsageError("no command given: hvdrun -np N COMMAND [ARGS...]")
@@ -460,7 +466,7 @@ def cli(
         num_proc=num_proc,
         hosts=host_list,
         env=env,
-        cwd=os.getcwd(),
+        cwd=cwd,
         term_grace=term_grace,
         launch=launch,
         elastic=elastic_options,

@@ -321,7 +321,7 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
             daemon=True,
         ).start()
 
-    env = worker_base_env(os.environ, spec.env)
+    env = worker_base_env(os.environ, spec.env, spec.cwd)
     network_env(env, spec.rendezvous_addr, emit, spec.peers)
     omp_default(env, len(spec.workers))
     log.debug(

@@ -1,11 +1,14 @@
 """Which environment variables travel from hvdrun to the workers on every host.
 
-Workers get hvdrun's environment (as with ``horovodrun``), except variables that describe
-the machine, the login session or the devices of the host hvdrun runs on: copying those to
-another host would be wrong there. For them each worker keeps the value its own host's agent
-has (on a remote host: what the SSH login set; on the local host: hvdrun's own value).
+Workers get their host's agent's environment (on a remote host: what the SSH login set,
+~/.bashrc's exports included; on the local host: hvdrun's own), overlaid with hvdrun's
+environment (as with ``horovodrun``, which runs ``ssh host 'VAR=... command'``, and
+``mpirun``, whose daemons pass the login's environment on), except variables of hvdrun's that
+describe the machine, the login session or the devices of the host hvdrun runs on: copying
+those to another host would be wrong there, so each worker keeps its own host's value.
 ``-x VAR`` forwards such a variable anyway and ``-x VAR=VALUE`` sets one (mpirun's syntax).
-hvdrun then adds ``PYTHONUNBUFFERED=1`` and the ``HVDRUN_*``/torch rank variables.
+hvdrun then adds ``PYTHONUNBUFFERED=1`` and the ``HVDRUN_*``/torch rank variables, and
+``PWD`` is the workers' working directory.
 
 Nor do workers inherit another launcher's per-process variables, from hvdrun's environment or
 from their agent's (an agent that srun started is a Slurm task): ``SLURM_PROCID``,
@@ -18,6 +21,7 @@ size that is not the worker's. ``-x`` forwards one of them all the same.
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from collections.abc import Iterable, Mapping
 
@@ -125,16 +129,32 @@ MALLOC_DEFAULTS: dict[str, str] = {
 }
 
 
-def worker_base_env(agent_env: Mapping[str, str], forwarded: Mapping[str, str]) -> dict[str, str]:
-    """On the worker's host: the agent's own host-specific variables, then what hvdrun sent,
-    then the malloc defaults unless the job set its own. Nothing else of the agent's own
-    environment reaches the workers (in particular no launcher's rank variables)."""
-    env = {
-        name: value
-        for name, value in agent_env.items()
-        if is_host_specific(name) and not is_foreign(name)
-    }
+def worker_base_env(
+    agent_env: Mapping[str, str], forwarded: Mapping[str, str], cwd: str
+) -> dict[str, str]:
+    """On the worker's host: the agent's own environment (what the host's login set), then
+    what hvdrun sent, then the malloc defaults unless the job set its own; ``PWD`` the
+    workers' working directory ``cwd``. No launcher's rank variables of the agent's reach the
+    workers."""
+    env = {name: value for name, value in agent_env.items() if not is_foreign(name)}
     env.update(forwarded)
     if not any(name in env for name in MALLOC_DEFAULTS):
         env.update(MALLOC_DEFAULTS)
+    env["PWD"] = cwd  # (the agent's is /, where it runs)
+    env.pop("OLDPWD", None)
     return env
+
+
+def working_directory(environ: Mapping[str, str]) -> str:
+    """The directory the workers start in: this process's, spelled as ``$PWD`` spells it
+    where that names the same directory (a path through a symbolic link or an automount,
+    which other hosts may have as it is, as OpenMPI does), else the physical path."""
+    here = os.getcwd()
+    logical = environ.get("PWD", "")
+    if logical != here and os.path.isabs(logical):
+        try:
+            if os.path.samefile(logical, here):
+                return logical
+        except OSError:
+            pass
+    return here

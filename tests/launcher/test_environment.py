@@ -1,6 +1,8 @@
 """Which variables reach the workers: the caller's minus host-specific ones, plus -x."""
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ from launcher.spec.environment import (
     parse_exports,
     unset_exports,
     worker_base_env,
+    working_directory,
 )
 
 
@@ -78,23 +81,52 @@ def test_parse_exports_rejects(export: str, message: str) -> None:
     assert "=" not in export or export.partition("=")[2] not in str(raised.value)
 
 
-def test_worker_keeps_its_own_hosts_specific_values() -> None:
-    agent = {"HOME": "/root", "SSH_CONNECTION": "a b c d", "PATH": "/usr/bin", "OTHER": "x"}
+def test_worker_keeps_its_own_hosts_values_under_hvdrun_s() -> None:
+    # The agent's environment is what the host's login set (~/.bashrc's exports: a node's own
+    # NCCL_* settings, modules loaded there); hvdrun's own environment wins where it has
+    # the variable, as with horovodrun (ssh host 'VAR=... command') and mpirun.
+    agent = {
+        "HOME": "/root",
+        "SSH_CONNECTION": "a b c d",
+        "PATH": "/usr/bin",
+        "NCCL_IB_HCA": "mlx5_0",
+        "PWD": "/",
+        "OLDPWD": "/root",
+    }
     forwarded = {"PATH": "/venv/bin", "CUDA_VISIBLE_DEVICES": "0"}
-    assert worker_base_env(agent, forwarded) == {
+    assert worker_base_env(agent, forwarded, "/work") == {
         "HOME": "/root",
         "SSH_CONNECTION": "a b c d",
         "PATH": "/venv/bin",  # the caller's, not the login's
+        "NCCL_IB_HCA": "mlx5_0",  # the login's own: hvdrun's environment has none
         "CUDA_VISIBLE_DEVICES": "0",  # forced with -x: the caller's wins
+        "PWD": "/work",  # the workers' working directory, not the agent's (/)
         **MALLOC_DEFAULTS,
     }
 
 
 def test_malloc_defaults_yield_to_the_jobs_own_setting() -> None:
-    env = worker_base_env({}, {"MALLOC_TRIM_THRESHOLD_": "0"})
+    env = worker_base_env({}, {"MALLOC_TRIM_THRESHOLD_": "0"}, "/")
     assert env["MALLOC_TRIM_THRESHOLD_"] == "0"
     assert "MALLOC_MMAP_THRESHOLD_" not in env  # the job tunes malloc itself: both are its own
-    assert worker_base_env({}, {})["MALLOC_MMAP_THRESHOLD_"] == str(64 << 20)
+    assert worker_base_env({}, {}, "/")["MALLOC_MMAP_THRESHOLD_"] == str(64 << 20)
+
+
+def test_the_working_directory_is_spelled_as_pwd_where_it_names_the_same(tmp_path: Path) -> None:
+    # Other hosts may have the path through a link (or an automount) as it is, and not its
+    # target: as OpenMPI does, $PWD's spelling is kept where it names the same directory.
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    before = os.getcwd()
+    os.chdir(tmp_path / "link")
+    try:
+        assert working_directory({"PWD": str(tmp_path / "link")}) == str(tmp_path / "link")
+        assert working_directory({"PWD": str(tmp_path)}) == str(real)  # (another directory)
+        assert working_directory({"PWD": "link"}) == str(real)  # (not absolute)
+        assert working_directory({}) == str(real)
+    finally:
+        os.chdir(before)
 
 
 # What a process started by srun inside `mpirun`/`torchrun`/a login shell may carry, next to
@@ -157,7 +189,7 @@ def test_an_export_forwards_a_foreign_variable_all_the_same() -> None:
 def test_workers_get_nothing_of_their_agents_launcher() -> None:
     # An agent that srun started is task N of a step; its workers are not.
     agent_env = {**LAUNCHED, "SLURMD_NODENAME": "hvdh2", "HOME": "/home/u", "PATH": "/bin"}
-    env = worker_base_env(agent_env, {"PATH": "/usr/bin"})
+    env = worker_base_env(agent_env, {"PATH": "/usr/bin"}, "/")
     assert not set(env) & set(LAUNCHED)
     assert env["SLURMD_NODENAME"] == "hvdh2"  # the worker's own node, not hvdrun's
     assert env["HOME"] == "/home/u" and env["PATH"] == "/usr/bin"

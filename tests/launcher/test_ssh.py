@@ -287,6 +287,8 @@ def test_environment_forwarding_rules(cluster: Cluster, tmp_path: Path) -> None:
         "USER",
         "PYTHONUNBUFFERED",
         "HVDRUN_HOSTNAME",
+        "PWD",
+        "OLDPWD",
     ]
     env = cluster.env(
         MY_SETTING="from the caller",
@@ -326,6 +328,7 @@ def test_environment_forwarding_rules(cluster: Cluster, tmp_path: Path) -> None:
     assert seen["PYTHONUNBUFFERED"] == "1"
     assert seen["HVDRUN_HOSTNAME"] == node1.alias
     assert seen["cwd"] == str(tmp_path)  # the caller's working directory
+    assert seen["PWD"] == str(tmp_path) and seen["OLDPWD"] == "<unset>"  # (not the agent's /)
 
 
 def test_secret_is_in_no_process_argv_on_any_host(cluster: Cluster) -> None:
