@@ -220,7 +220,8 @@ def _check_build(ctx: click.Context, param: click.Parameter, value: bool) -> Non
     callback=named_interfaces,
     metavar="IFNAME[,IFNAME]",
     help="Interface(s) for Gloo and NCCL on every host (default: the one facing the "
-    "rendezvous); sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME.",
+    "rendezvous); sets GLOO_SOCKET_IFNAME to the first (as horovodrun) and "
+    "NCCL_SOCKET_IFNAME to all.",
 )
 @click.option(
     "--agent-timeout",
@@ -725,7 +726,9 @@ def worker_env(
         )
     env = forwarded_env(os.environ, exported)
     if network_interface:
-        env["GLOO_SOCKET_IFNAME"] = network_interface
+        # As horovodrun: Gloo the first interface, NCCL them all. (torch's Gloo would use
+        # every listed one, in turn, to reach every peer: eth0,lo or eth0,docker0 fails.)
+        env["GLOO_SOCKET_IFNAME"] = network_interface.split(",")[0]
         env["NCCL_SOCKET_IFNAME"] = network_interface
     return env, exported
 

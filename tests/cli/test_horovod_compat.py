@@ -82,11 +82,12 @@ def test_horovod_spellings(name: str, spellings: list[str]) -> None:
         (["--no-log-hide-timestamp"], []),
         (
             ["--network-interfaces", "eth0,eth1", "--network-interface", "eth2"],
-            ["GLOO_SOCKET_IFNAME=eth2,eth0,eth1", "NCCL_SOCKET_IFNAME=eth2,eth0,eth1"],
+            # (Gloo the first, as horovodrun: torch's would use each, lo or docker0 too)
+            ["GLOO_SOCKET_IFNAME=eth2", "NCCL_SOCKET_IFNAME=eth2,eth0,eth1"],
         ),
         (
             ["--network-interface", "eth0", "--network-interface", "eth1,eth0"],
-            ["GLOO_SOCKET_IFNAME=eth0,eth1"],
+            ["GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0,eth1"],
         ),
         (["--fusion-threshold-mb", "32"], ["HVDRUN_FUSION_THRESHOLD=33554432"]),
         (["--cycle-time-ms", "5"], ["HVDRUN_CYCLE_TIME=5"]),
