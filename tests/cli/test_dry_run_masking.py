@@ -14,7 +14,7 @@ from hvdrun.dry_run import MASK, masked
     [
         *("SMTP_PASS", "GPG_PASSPHRASE", "SENTRY_DSN", "AWS_CREDS", "SSH_PRIVKEY"),
         *("SESSION_COOKIE", "HF_AUTHORIZATION", "CI_JOB_JWT", "SSHPASS", "HONEYCOMB_WRITEKEY"),
-        *("APP_KEYS", "ENCRYPTION_SALT", "OTEL_EXPORTER_OTLP_HEADERS"),
+        *("APP_KEYS", "ENCRYPTION_SALT", "OTEL_EXPORTER_OTLP_HEADERS", "PASS"),
     ],
 )
 def test_more_secret_names(name: str) -> None:
@@ -63,6 +63,8 @@ def test_secret_parts_of_urls(value: str, shown: str) -> None:
     ("name", "value"),
     [
         ("NUM_PASSES", "4"),
+        ("PWD", "/home/me/project"),  # (the working directory, not a password)
+        ("BYPASS", "1"),
         ("MONKEY", "banana"),
         ("GIT_REMOTE", "ssh://git@github.com/o/r"),
         ("INDEX", "https://pypi.org/simple?page=2"),
