@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import click
 
+from launcher.spec.environment import file_here_hint
 from launcher.spec.job import is_python
 
 #: python's options that take no value and still run a script (``python -h`` lists them);
@@ -108,15 +109,9 @@ def _not_runnable(program: str) -> None:
             else f"chmod +x {program}, or run it with its interpreter"
         )
         raise CommandNotExecutable(f"permission denied: {program} is not executable ({how})")
-    if os.sep not in program and os.path.isfile(program):
-        # A shell does not look in the working directory for a bare name either; say so.
-        if program.endswith(".py"):
-            how = f"run it as python {program}"
-        elif os.access(program, os.X_OK):
-            how = f"run it as ./{program}"
-        else:  # (./name would be refused too: permission denied)
-            how = f"chmod +x {program} and run it as ./{program}, or run it with its interpreter"
-        raise CommandNotFound(f"command not found: {program} (a file here: {how})")
+    here = file_here_hint(program, os.getcwd())
+    if here is not None:
+        raise CommandNotFound(f"command not found: {program} (a file here: {here})")
     if program in _SHELL_BUILTINS:
         raise CommandNotFound(
             f"command not found: {program} (a shell builtin: run the command through a shell, "

@@ -34,6 +34,7 @@ from typing import BinaryIO
 import psutil
 
 from launcher.output import LineSplitter
+from launcher.spec.environment import file_here_hint
 from launcher.transport.protocol import (
     AgentEvent,
     AgentSpec,
@@ -201,13 +202,13 @@ class HostAgent:
                 try:
                     worker = Worker(launch, self.spec, self.base_env, self._emit)
                 except OSError as exc:
-                    self._emit(
-                        Exit(
-                            launch.rank,
-                            127 if isinstance(exc, FileNotFoundError) else 126,
-                            error=f"cannot run {self.spec.command[0]!r}: {exc.strerror or exc}",
-                        )
-                    )
+                    program = self.spec.command[0]
+                    error = f"cannot run {program!r}: {exc.strerror or exc}"
+                    how = file_here_hint(program, self.spec.cwd)
+                    if isinstance(exc, FileNotFoundError) and how is not None:
+                        error += f" (a file in the working directory: {how})"
+                    code = 127 if isinstance(exc, FileNotFoundError) else 126
+                    self._emit(Exit(launch.rank, code, error=error))
                     continue
                 self.workers.append(worker)
             self._emit(Started(launch.rank, worker.proc.pid))

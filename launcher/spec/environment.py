@@ -158,3 +158,18 @@ def working_directory(environ: Mapping[str, str]) -> str:
         except OSError:
             pass
     return here
+
+
+def file_here_hint(program: str, cwd: str) -> str | None:
+    """How to run ``program``, a bare name that no shell finds on ``PATH`` although a file of
+    that name is in ``cwd`` (a shell does not look there for a bare name either); None
+    where that is not the case."""
+    path = os.path.join(cwd, program)
+    if os.sep in program or not os.path.isfile(path):
+        return None
+    if program.endswith(".py"):
+        return f"run it as python {program}"
+    if os.access(path, os.X_OK):
+        return f"run it as ./{program}"
+    # (./name would be refused too: permission denied)
+    return f"chmod +x {program} and run it as ./{program}, or run it with its interpreter"

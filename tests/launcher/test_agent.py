@@ -21,6 +21,7 @@ from launcher.agent.workers import REAP_INTERVAL, HostAgent
 from launcher.transport.protocol import (
     PROTOCOL_VERSION,
     AgentSpec,
+    Exit,
     KillRequest,
     Lines,
     Output,
@@ -482,3 +483,26 @@ def test_the_lines_of_one_read_leave_the_agent_in_one_write() -> None:
     assert written == b"".join(b"line %d\n" % i for i in range(1000))
     assert not any(isinstance(event, Output) for event in events)
     assert stream.writes < 10, stream.writes  # (started, the lines, the exit)
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [("train.py", "run it as python train.py"), ("run.sh", "run it as ./run.sh"), ("none", None)],
+)
+def test_a_bare_name_of_a_file_in_the_working_directory_gets_the_hint(
+    tmp_path: Path, name: str, hint: str | None
+) -> None:
+    """A remote host's worker cannot run ``train.py`` (a bare name: no shell looks in the
+    working directory for it). hvdrun checks the command before a local job only, so the
+    agent's error says how to run it, as hvdrun's own check does."""
+    if name != "none":
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    events: list[Any] = []
+    spec = AgentSpec("h", [name], str(tmp_path), {}, [WorkerLaunch(0, {})])
+    HostAgent(spec, {"PATH": "/usr/bin:/bin"}, events.append).start()
+    exits = [event for event in events if isinstance(event, Exit)]
+    said = f"cannot run {name!r}: No such file or directory"
+    if hint is not None:
+        said += f" (a file in the working directory: {hint})"
+    assert exits == [Exit(0, 127, said)]
