@@ -5,7 +5,9 @@ style: reading the agent's ``hello``, pumping its events onto the job's queue as
 :class:`HostEvent` (tagged with the host name, ending with the connection's own
 :class:`AgentExit`), writing requests, keeping the tail of the agent's own stderr for error
 messages, heartbeats, and turning an agent that died before its ``hello`` into a message
-that says why (no Python at that path, hvdrun not installed, no such directory).
+that says why (no Python at that path, one the loader cannot start, hvdrun not installed, no
+such directory). What its host prints on its stdout before the ``hello`` (a login shell's
+``~/.bashrc``) is not the agent's: it is skipped, and shown with ``--verbose``.
 Subclasses implement ``_open``, ``_write``, ``_close_stdin``, ``_exit_code`` and ``_abort``.
 """
 
@@ -14,9 +16,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
+import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, Protocol, TypeVar
 
@@ -44,6 +48,7 @@ from launcher.transport.protocol import (
     TerminateRequest,
     decode_event,
     encode_request,
+    find_hello,
     text_of,
 )
 
@@ -53,6 +58,29 @@ _A = TypeVar("_A", Probe, Prepared, Reached)
 
 #: Exit code of the remote start-up command when the working directory is missing there.
 NO_CWD_EXIT = 200
+
+#: What a Python interpreter may need in its environment to start at all, before its agent
+#: can read the job's environment on stdin: where the dynamic loader finds libpython (the
+#: Python of an Lmod or Spack ``module load``) and where Python finds its standard library.
+#: Not ``LD_PRELOAD``: no interpreter needs one to start (the loader only warns about a
+#: preload it cannot find), and a preloaded library (a profiler, an allocator) would run in
+#: the agent too; the workers get it with the rest of the job's environment.
+INTERPRETER_VARIABLES = ("LD_LIBRARY_PATH", "DYLD_LIBRARY_PATH", "PYTHONHOME")
+
+#: What the dynamic loader says when it cannot load an executable's libraries (glibc, musl,
+#: macOS's dyld), up to the end of the line.
+_LOADER_FAILURE = re.compile(
+    r"(?:error while loading shared libraries|Error loading shared library|Library not loaded)"
+    r"\b.*"
+)
+
+#: How much of what a host printed before the agent's hello is shown, with --verbose.
+_SKIPPED_SHOWN = 200
+
+
+def interpreter_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The :data:`INTERPRETER_VARIABLES` that ``environ`` sets (to something)."""
+    return {name: environ[name] for name in INTERPRETER_VARIABLES if environ.get(name)}
 
 
 class AgentStartError(LauncherError):
@@ -104,11 +132,17 @@ class EventQueue(Protocol):
 class AgentConnection:
     kind = "agent"
     heartbeat_timeout = 0.0
+    #: Who may print on the agent's stdout before the agent starts, and from where (a guess
+    #: for the user), for the note about what was skipped there.
+    printed_before = ("Python's start-up", "a sitecustomize or .pth file")
 
     def __init__(self, hostname: str, python: str, cwd: str) -> None:
         self.hostname = hostname
         self.python = python
         self.cwd = cwd
+        #: The :data:`INTERPRETER_VARIABLES` the agent's interpreter starts with (hvdrun's
+        #: own, unless a transport passes others), for explaining one that cannot start.
+        self.interpreter_env = interpreter_env(os.environ)
         self.stage = "starting the agent"
         self.hello: Hello | None = None
         #: The agent's answer to the latest request that has one (see :meth:`_ask`).
@@ -126,6 +160,7 @@ class AgentConnection:
         self._queue_lock = threading.Lock()
         self._answered = threading.Event()  # hello (or probe) arrived, or the agent is gone
         self._finished = threading.Event()
+        self._stderr_ended = threading.Event()  # the agent's stderr is read to its end
         self._write_lock = threading.Lock()
         self._stdin_closed = False
 
@@ -159,8 +194,8 @@ class AgentConnection:
         self.stage = "waiting for the agent's hello"
         if not self._answered.wait(max(deadline - time.monotonic(), 0)):
             raise AgentStartError(f"timed out {self.stage}")
-        if self.hello is None:
-            self._finished.wait(2.0)  # let the stderr reader catch the last lines
+        if self.hello is None:  # it has exited; its last words may be on their way still
+            self._stderr_ended.wait(2.0)
             raise AgentStartError(self._explain_early_exit())
 
     def launch(self, spec: AgentSpec, events: EventQueue) -> None:
@@ -286,6 +321,7 @@ class AgentConnection:
                 self._events.put(tagged)
 
     def _read_events(self, stdout: LineReader) -> None:
+        skipped = bytearray()  # what came before the hello: not the agent's
         while True:
             try:
                 line = stdout.readline()
@@ -294,6 +330,12 @@ class AgentConnection:
             if not line:
                 break
             self.last_heard = time.monotonic()
+            if self.hello is None:  # the agent speaks first: the rest is its host's
+                start = find_hello(line)
+                skipped += (line if start < 0 else line[:start])[: _SKIPPED_SHOWN - len(skipped)]
+                if start < 0:
+                    continue
+                line = line[start:]
             try:
                 event = decode_event(line)
             except ValueError:
@@ -302,6 +344,7 @@ class AgentConnection:
             if event is None:  # a kind this hvdrun does not know: it said something, though
                 continue
             if isinstance(event, Hello) and self.hello is None:
+                self._note_skipped(bytes(skipped))
                 self.hello = event
                 self._answered.set()
             elif isinstance(event, (Probe, Prepared, Reached)):
@@ -321,6 +364,8 @@ class AgentConnection:
                     # judge heartbeats meanwhile, see Supervision.check_heartbeats)
                     self._events.room_for_output()
                 self._deliver(event)
+        if self.hello is None:
+            self._note_skipped(bytes(skipped))
         try:
             self.exit_code = self._exit_code()
         except Exception:
@@ -334,17 +379,33 @@ class AgentConnection:
         self._answered.set()
         self._deliver(AgentExit(self.exit_code, self.exit_reason()))
 
+    def _note_skipped(self, skipped: bytes) -> None:
+        """Says once (with --verbose) what the agent's host printed on its stdout before the
+        agent's hello, which was skipped: harmless, so never a warning."""
+        if skipped:
+            who, where = self.printed_before
+            log.info(
+                "%s on %s printed to stdout before hvdrun's agent started (%s?); ignored: %r",
+                who,
+                self.hostname,
+                where,
+                skipped,
+            )
+
     def _read_stderr(self, stderr: IO[bytes] | LineReader) -> None:
-        while True:
-            try:
-                line = stderr.readline()
-            except Exception:
-                return
-            if not line:
-                return
-            text = text_of(line.rstrip(b"\r\n"))
-            self.stderr_tail.append(text)
-            log.info("agent on %s: %s", self.hostname, text)
+        try:
+            while True:
+                try:
+                    line = stderr.readline()
+                except Exception:
+                    return
+                if not line:
+                    return
+                text = text_of(line.rstrip(b"\r\n"))
+                self.stderr_tail.append(text)
+                log.info("agent on %s: %s", self.hostname, text)
+        finally:
+            self._stderr_ended.set()
 
     def _stop_orphans(self, pids: list[int]) -> None:
         """Kills the process groups (and sessions) of workers whose agent died. Local
@@ -363,6 +424,12 @@ class AgentConnection:
                 f"the working directory {self.cwd} does not exist there (workers start in "
                 f"the directory hvdrun runs in: share or mirror it on every host)"
             )
+        loader = _LOADER_FAILURE.search(text)
+        if loader is not None:
+            return (
+                f"the Python at {self.python} cannot start there: {loader.group(0).strip()} "
+                f"({self._library_path_note(loader.group(0))})"
+            )
         if code == 127 or (self.python in text and "No such file" in text):
             return (
                 f"no Python at {self.python} there: hvdrun must be installed at the same "
@@ -376,3 +443,17 @@ class AgentConnection:
         last = f": {self.stderr_tail[-1].strip()}" if self.stderr_tail else ""
         status = "was lost" if code is None else f"exited with code {code}"
         return f"the agent {status} before it started{last}"
+
+    def _library_path_note(self, loader_said: str) -> str:
+        """Where the interpreter the loader could not start looked for its libraries."""
+        name = "DYLD_LIBRARY_PATH" if "Library not loaded" in loader_said else "LD_LIBRARY_PATH"
+        value = self.interpreter_env.get(name)
+        if value:
+            return (
+                f"it started with hvdrun's {name}={value}: is the library in one of those "
+                "directories on that host?"
+            )
+        return (
+            f"hvdrun has no {name} to pass on: set it to the directory that holds the library "
+            "there, as a `module load` of that Python does"
+        )

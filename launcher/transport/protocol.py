@@ -4,8 +4,9 @@ The agent speaks first, as soon as it starts, with one event::
 
     {"ev": "hello", "protocol": 1, "python": "3.11.7", "hvdrun": "0.1.0", "torch": "2.13.0", ...}
 
-so hvdrun can refuse hosts whose installation differs before any worker starts. hvdrun then
-writes one JSON line per request to the agent's stdin:
+so hvdrun can refuse hosts whose installation differs before any worker starts; anything on
+stdout before it is not the agent's (what a remote login shell printed: :func:`find_hello`)
+and is skipped. hvdrun then writes one JSON line per request to the agent's stdin:
 
 * ``{"op": "run", "spec": AgentSpec}`` - command, working directory, environment, the host's
   ranks and with them the job secret, which therefore never appears in any process's argv
@@ -566,6 +567,18 @@ def decode_event(line: bytes) -> AgentEvent | None:
 def encode(message: dict[str, Any]) -> bytes:
     """One protocol line: compact-enough JSON, ASCII only, newline-terminated."""
     return json.dumps(message, ensure_ascii=True).encode() + b"\n"
+
+
+#: How the agent's hello line begins (:func:`encode_event` puts ``ev`` first).
+_HELLO_START = encode({"ev": "hello"})[: -len(b"}\n")]
+
+
+def find_hello(line: bytes) -> int:
+    """Where the agent's hello begins in ``line``, a line read before it; -1 if it is not
+    there. A login shell may print before the agent starts (``~/.bashrc``), whole lines or
+    text without a newline (a terminal title's escape sequence), which then begins the
+    hello's line."""
+    return line.find(_HELLO_START)
 
 
 def text_of(data: bytes) -> str:

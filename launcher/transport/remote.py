@@ -3,8 +3,13 @@
 The agent runs under the same Python path as hvdrun (hvdrun must be installed at the same
 place on every host, as with Horovod), started through ``/bin/sh`` whatever the login shell
 is. Its stdin, stdout and stderr are the SSH channel's: the job spec (and the secret in it)
-travels on stdin, never on a command line. No pseudo-terminal is requested, so output stays
-byte-exact and a dropped connection reaches the agent as end of file on stdin.
+travels on stdin, never on a command line. The command line sets only what the interpreter
+needs before it can read stdin, from the job's environment, as horovodrun's ssh command line
+does: ``PYTHONPATH``, and the loader's ``LD_LIBRARY_PATH`` and the like
+(``connection.INTERPRETER_VARIABLES``). No pseudo-terminal is requested, so output stays
+byte-exact and a dropped connection reaches the agent as end of file on stdin; what the
+login shell prints on stdout before the agent starts (``~/.bashrc``) is skipped (see
+``AgentConnection``).
 
 Besides end of file, both sides exchange heartbeats (``--agent-timeout``): a cut network
 closes nothing, and neither sshd nor TCP notices it for hours by default.
@@ -16,11 +21,18 @@ import contextlib
 import logging
 import shlex
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import paramiko
 
-from launcher.transport.connection import NO_CWD_EXIT, AgentConnection, AgentStartError, LineReader
+from launcher.transport.connection import (
+    NO_CWD_EXIT,
+    AgentConnection,
+    AgentStartError,
+    LineReader,
+    interpreter_env,
+)
 from launcher.transport.local import AGENT_MODULE, agent_pythonpath
 from launcher.transport.ssh import SSHConnector
 from launcher.transport.ssh_config import SSHConnectError, SSHTarget
@@ -28,33 +40,44 @@ from launcher.transport.ssh_config import SSHConnectError, SSHTarget
 log = logging.getLogger(__name__)
 
 
-def agent_command(python: str, cwd: str, pythonpath: str | None) -> str:
-    """The command line sshd hands to the login shell (nothing secret in it)."""
+def agent_command(python: str, cwd: str, env: Mapping[str, str]) -> str:
+    """The command line sshd hands to the login shell. Of the job's environment ``env`` it
+    sets only ``INTERPRETER_VARIABLES`` and ``PYTHONPATH`` (its entries absolute): the
+    rest, and the secret, travel on stdin."""
     quote = shlex.quote
-    env = f"env PYTHONPATH={quote(pythonpath)} " if pythonpath else ""
+    settings = interpreter_env(env)
+    pythonpath = agent_pythonpath(env.get("PYTHONPATH"), cwd)
+    if pythonpath:
+        settings["PYTHONPATH"] = pythonpath
+    assignments = " ".join(quote(f"{name}={value}") for name, value in settings.items())
+    env_prefix = f"env {assignments} " if assignments else ""
     script = (
         f"if [ ! -d {quote(cwd)} ]; then "
         f"echo 'hvdrun: no directory '{quote(cwd)}' on this host' >&2; exit {NO_CWD_EXIT}; fi; "
-        f"cd / && exec {env}{quote(python)} -m {AGENT_MODULE}"
+        f"cd / && exec {env_prefix}{quote(python)} -m {AGENT_MODULE}"
     )
     return f"exec /bin/sh -c {quote(script)}"
 
 
 class RemoteAgent(AgentConnection):
     kind = "ssh"
+    printed_before = ("the login shell", "~/.bashrc")
 
     def __init__(
         self,
         target: SSHTarget,
         python: str,
         cwd: str,
-        pythonpath: str | None,
+        env: Mapping[str, str],
         heartbeat_timeout: float,
     ) -> None:
+        """``env``: the job's environment (the part its agent needs on the command line,
+        see :func:`agent_command`)."""
         super().__init__(target.alias, python, cwd)
         self.target = target
         self.heartbeat_timeout = heartbeat_timeout
-        self._pythonpath = agent_pythonpath(pythonpath, cwd)
+        self.interpreter_env = interpreter_env(env)
+        self._command = agent_command(python, cwd, env)
         self._connector = SSHConnector(target)
         self._client: paramiko.SSHClient | None = None
         self._channel: paramiko.Channel | None = None
@@ -76,7 +99,7 @@ class RemoteAgent(AgentConnection):
             raise AgentStartError("the SSH connection closed right after login")
         try:
             channel = transport.open_session(timeout=max(deadline - time.monotonic(), 0.1))
-            channel.exec_command(agent_command(self.python, self.cwd, self._pythonpath))
+            channel.exec_command(self._command)
         except Exception as exc:
             raise AgentStartError(f"cannot start the agent over SSH: {exc}") from None
         self._channel = channel

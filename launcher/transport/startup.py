@@ -76,7 +76,7 @@ def make_agent(
     target = resolve_target(hostname, options.ssh)
     if target.hostname != hostname.rpartition("@")[2] and is_local_host(target.hostname):
         return LocalAgent(hostname, cwd)
-    return RemoteAgent(target, options.python, cwd, env.get("PYTHONPATH"), options.agent_timeout)
+    return RemoteAgent(target, options.python, cwd, env, options.agent_timeout)
 
 
 def open_agents(

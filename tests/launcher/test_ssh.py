@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -24,6 +25,7 @@ import pytest
 
 from launcher.output import RANK_COLOURS
 from tests.cluster import Cluster, ClusterHost, assert_hosts_clean
+from tests.launcher.pythons import make_venv, venv_needing_library_path
 from tests.launcher.reports import placements
 from tests.processes import assert_gone
 
@@ -343,7 +345,7 @@ def test_secret_is_in_no_process_argv_on_any_host(cluster: Cluster) -> None:
         env=env,
     )
     try:
-        secrets = []
+        secrets: list[str] = []
         assert proc.stdout is not None
         while len(secrets) < 2:
             line = proc.stdout.readline()
@@ -640,31 +642,22 @@ def test_hosts_whose_gloo_addresses_drop_packets_are_named_soon(cluster: Cluster
     assert_hosts_clean(cluster, [node1, node2], within=10)
 
 
-def _venv(path: Path, with_hvdrun: bool) -> Path:
-    """A venv of this interpreter's base Python; hvdrun importable through a .pth file."""
-    base = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base, "-m", "venv", "--without-pip", str(path)], check=True, timeout=60)
-    if with_hvdrun:
-        import sysconfig
-
-        site = Path(sysconfig.get_paths()["purelib"])
-        (next(path.glob("lib/python*/site-packages")) / "hvdrun-tests.pth").write_text(
-            f"import site; site.addsitedir({str(site)!r})\n"
-        )
-    return path / "bin" / "python"
+def with_python(argv: list[str], python: Path) -> list[str]:
+    """``argv`` (:meth:`Cluster.hvdrun_argv`) run by ``python`` instead of this one."""
+    argv = list(argv)
+    argv[argv.index(sys.executable)] = str(python)
+    return argv
 
 
 def test_a_host_without_the_python_or_hvdrun_is_named(cluster: Cluster) -> None:
     node1, node2 = cluster.hosts[:2]
     venv = cluster.local_only / "venv"
-    python = _venv(venv, with_hvdrun=True)  # here: hvdrun works; on the hosts: no such path
+    python = make_venv(venv, with_hvdrun=True)  # here: hvdrun works; on the hosts: no such path
     # node2 has a Python at that path, but without hvdrun
     base = getattr(sys, "_base_executable", sys.executable)
     cluster.on_host_filesystem(node2, base, "-m", "venv", "--without-pip", str(venv))
-    argv = cluster.hvdrun_argv("-H", f"{node1.alias}:1,{node2.alias}:1", "true")
-    argv[argv.index(sys.executable)] = str(python)
     result = subprocess.run(
-        argv,
+        with_python(cluster.hvdrun_argv("-H", f"{node1.alias}:1,{node2.alias}:1", "true"), python),
         capture_output=True,
         text=True,
         env=cluster.env(),
@@ -678,6 +671,80 @@ def test_a_host_without_the_python_or_hvdrun_is_named(cluster: Cluster) -> None:
     )
     assert f"  {node2.alias}  hvdrun is not installed for {python} there (" in result.stderr
     assert "No module named" in result.stderr
+
+
+def test_a_python_that_needs_ld_library_path_starts_where_its_library_is(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A Python that, like one from an Lmod or Spack module, starts only with LD_LIBRARY_PATH
+    set: hvdrun, run under it, starts its agents with it. node1 has the library there and
+    runs the job; node2 lacks it, and the job and --check-hosts say what the loader said."""
+    node1, node2 = cluster.hosts[:2]
+    shipped = tmp_path / "lib"
+    python = venv_needing_library_path(tmp_path / "venv", shipped)
+    libdir = cluster.local_only / "lib"  # here and on node1 only
+    shutil.copytree(shipped, libdir)
+    cluster.on_host_filesystem(node1, "cp", "-r", str(shipped), str(libdir))
+    env = cluster.env(LD_LIBRARY_PATH=str(libdir))
+    try:
+
+        def hvdrun(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                with_python(cluster.hvdrun_argv(*args), python),
+                capture_output=True, text=True, env=env, timeout=90, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+
+        alone = hvdrun("-H", f"{node1.alias}:1", "true")
+        assert alone.returncode == 0, alone.stderr
+        both = hvdrun("-H", f"{node1.alias}:1,{node2.alias}:1", "true")
+        checked = hvdrun("--check-hosts", "-H", f"{node1.alias},{node2.alias}")
+    finally:
+        shutil.rmtree(libdir)
+        cluster.on_host_filesystem(node1, "rm", "-rf", str(libdir))
+    why = (
+        f"the Python at {python} cannot start there: error while loading shared libraries: "
+        "libhvdtpy"
+    )
+    hint = f"(it started with hvdrun's LD_LIBRARY_PATH={libdir}: is the library in one of"
+    assert both.returncode == 255, both.stderr
+    assert f"  {node2.alias}  {why}" in both.stderr, both.stderr
+    assert hint in both.stderr
+    assert node1.alias not in both.stderr
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert checked.stdout.splitlines()[1].split()[:2] == [node1.alias, "ok"], checked.stdout
+    assert f"  {node2.alias}: {why}" in checked.stdout, checked.stdout
+    assert hint in checked.stdout
+
+
+def test_what_a_login_shell_prints_on_stdout_does_no_harm(cluster: Cluster, tmp_path: Path) -> None:
+    """A ~/.bashrc that sets the terminal's title (an escape sequence, no newline) and says
+    hello: jobs start at once and without a warning; --verbose shows the text once."""
+    login = pwd.getpwnam("root")
+    bashrc = Path(login.pw_dir) / ".bashrc"
+    if not login.pw_shell.endswith("/bash") or not bashrc.is_file():
+        pytest.skip(f"root's login shell is not bash with a {bashrc} to stand in for")
+    node1 = cluster.hosts[0]
+    chatty = tmp_path / "bashrc"
+    chatty.write_text("echo Welcome\nprintf '\\033]0;%s\\007' node1\n")
+    chatty.chmod(0o644)
+    cluster.on_host_filesystem(node1, "mount", "--bind", str(chatty), str(bashrc))  # node1's own
+    try:
+        start = time.monotonic()
+        quiet = cluster.hvdrun("-H", f"{node1.alias}:1", "true")
+        took = time.monotonic() - start
+        verbose = cluster.hvdrun("--verbose", "-H", f"{node1.alias}:1", "true")
+    finally:
+        cluster.on_host_filesystem(node1, "umount", str(bashrc))
+    assert quiet.returncode == 0, quiet.stderr
+    assert "warning" not in quiet.stderr and "login shell" not in quiet.stderr, quiet.stderr
+    assert took < 20, took  # (not after the start timeout, 30 s)
+    assert verbose.returncode == 0, verbose.stderr
+    assert "warning" not in verbose.stderr, verbose.stderr
+    said = (
+        f"the login shell on {node1.alias} printed to stdout before hvdrun's agent started "
+        "(~/.bashrc?); ignored: b'Welcome\\n\\x1b]0;node1\\x07'"
+    )
+    assert verbose.stderr.count(said) == 1, verbose.stderr
 
 
 def run_on_terminal(argv: list[str], env: dict[str, str], timeout: float = 60) -> tuple[int, str]:
