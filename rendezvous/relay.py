@@ -230,7 +230,7 @@ class HostRelay:
             self._dir = ""
 
     async def _stop(self) -> None:
-        self._end("the host's rendezvous relay stopped")
+        self._end("the host's rendezvous relay stopped", expected=True)
         if self._upstream_task is not None:
             self._upstream_task.cancel()
         if self._server is not None:
@@ -252,10 +252,14 @@ class HostRelay:
         old, self._pulse = self._pulse, asyncio.Event()
         old.set()
 
-    def _end(self, reason: str) -> None:
+    def _end(self, reason: str, expected: bool = False) -> None:
+        """Ends the workers' streams for ``reason``; a warning unless the agent stopped the
+        relay (``expected``: the end of every job)."""
         if self._ended is None:
             self._ended = reason
-            logger.warning("rendezvous relay: %s", reason)
+            logger.log(
+                logging.DEBUG if expected else logging.WARNING, "rendezvous relay: %s", reason
+            )
         self._beat()
 
     async def _watch_upstream(self) -> None:

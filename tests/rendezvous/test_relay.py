@@ -271,3 +271,18 @@ def test_a_relay_under_a_long_tmpdir_puts_its_socket_in_tmp(
             client.close()
     finally:
         relay.stop()
+
+
+def test_a_relay_stopped_by_its_agent_logs_no_warning(
+    served: RendezvousServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # (every job's end stops it: hvdrun --verbose showed a warning from each host's agent)
+    relay = HostRelay(
+        f"127.0.0.1:{served.port}", SECRET, JOB_ID, [0, 1], heartbeat_interval=0.2, lost_after=2
+    )
+    relay.start()
+    with caplog.at_level("DEBUG", logger="rendezvous.relay"):
+        relay.stop()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "rendezvous.relay"]
+    assert ("DEBUG", "rendezvous relay: the host's rendezvous relay stopped") in said, said
+    assert not [level for level, _ in said if level == "WARNING"], said
