@@ -69,6 +69,7 @@ from launcher.transport.startup import (
     peer_addresses,
     plan_rendezvous,
     rendezvous_addr,
+    shared_machines,
     start_agents,
     stop_agents,
 )
@@ -380,6 +381,8 @@ def run_fixed_job(spec: JobSpec, sink: OutputSink) -> JobResult:
                 ),
                 interrupted=signals.first,
             )
+            for note in shared_machines(agents):
+                sink.message(f"note: {note}")
             try:
                 result = _supervise(spec, agents, slots, sink, events, signals, secret, job_id)
             finally:

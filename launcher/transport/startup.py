@@ -178,6 +178,26 @@ def start_agents(
     return [agents[name] for name in hostnames]
 
 
+def shared_machines(agents: Sequence[AgentConnection]) -> list[str]:
+    """A note for each machine that several of the job's hosts reach, by their agents' host
+    names (``-H node1:1,10.0.0.11:1``, one machine under two names): their workers run as
+    if on two hosts, each with local rank 0 (the same GPU) and all the machine's cores.
+    Names that all name this machine are left out: hvdrun notes those before it starts."""
+    by_machine: dict[str, list[str]] = {}
+    for agent in agents:
+        machine = agent.hello.hostname if agent.hello is not None else None
+        if machine:
+            by_machine.setdefault(machine, []).append(agent.hostname)
+    return [
+        f"hosts {', '.join(names)} are one machine ({machine}, as their agents say): their "
+        "workers run as if on separate hosts, each host's first worker with local rank 0 (the "
+        "same GPU) and each given all the machine's cores; list the machine once, with all "
+        "its slots"
+        for machine, names in by_machine.items()
+        if len(names) > 1 and not all(is_local_host(name) for name in names)
+    ]
+
+
 def stop_agents(agents: Sequence[AgentConnection], timeout: float = 2.0) -> None:
     """Closes every agent's stdin, waits a little for them to finish, then drops them."""
     for agent in agents:

@@ -277,6 +277,25 @@ def test_worker_failing_on_host_2_stops_every_host(cluster: Cluster) -> None:
     assert_hosts_clean(cluster, [node1, node2], within=10)
 
 
+def test_one_host_under_two_names_is_noted(cluster: Cluster, tmp_path: Path) -> None:
+    # Its alias and its address: two hosts to -H, one machine (each host's first worker takes
+    # local rank 0, the same GPU).
+    node1 = cluster.hosts[0]
+    result = subprocess.run(
+        cluster.hvdrun_argv("-H", f"{node1.alias}:1,{node1.address}:1", PY, "-c", "pass"),
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        f"hvdrun: note: hosts {node1.alias}, {node1.address} are one machine "
+        f"({node1.uts_hostname}, as their agents say)"
+    ) in result.stderr, result.stderr
+
+
 def test_environment_forwarding_rules(cluster: Cluster, tmp_path: Path) -> None:
     node1 = cluster.hosts[0]
     names = [

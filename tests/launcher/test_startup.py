@@ -17,6 +17,7 @@ from launcher.transport.startup import (
     open_agents,
     plan_rendezvous,
     rendezvous_addr,
+    shared_machines,
     version_problems,
 )
 
@@ -84,6 +85,25 @@ def test_versions_that_differ_are_named() -> None:
     assert "torch not installed (here 2.13.0+cpu)" in problems["no-torch"]
     assert "Python 3.10.14 (here 3.11.7), hvdrun 0.0.9 (here 0.1.0)" in problems["py310"]
     assert "speaks protocol 0" in problems["ancient"]
+
+
+def test_one_machine_under_two_names_is_noted() -> None:
+    # (-H node1:1,10.0.0.11:1: both workers take local rank 0, the same GPU, and all cores)
+    agents = [
+        FakeAgent("node1", hello=hello(hostname="n1.cluster")),
+        FakeAgent("10.0.0.11", hello=hello(hostname="n1.cluster")),
+        FakeAgent("node2", hello=hello(hostname="n2.cluster")),
+        FakeAgent("localhost", kind="local", hello=hello(hostname="here")),
+        FakeAgent("127.0.0.1", kind="local", hello=hello(hostname="here")),  # (noted already)
+    ]
+    for agent in agents:
+        agent.start(0)
+    assert shared_machines(agents) == [
+        "hosts node1, 10.0.0.11 are one machine (n1.cluster, as their agents say): their "
+        "workers run as if on separate hosts, each host's first worker with local rank 0 (the "
+        "same GPU) and each given all the machine's cores; list the machine once, with all "
+        "its slots"
+    ]
 
 
 def test_local_only_jobs_use_loopback() -> None:
