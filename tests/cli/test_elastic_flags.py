@@ -125,7 +125,7 @@ def test_discovery_script_failing_with_a_message(
 
 
 SINGLE_HOST = (
-    "hvdrun: warning: this elastic job has one host (localhost, from {flag}): a failure of any "
+    "hvdrun: warning: this elastic job has one host (localhost, {given}): a failure of any "
     "of its workers fails the host and ends the job; list at least 2 hosts (as horovodrun "
     "requires) or use --host-discovery-script to survive failures"
 )
@@ -138,13 +138,14 @@ def test_an_elastic_job_on_one_fixed_host_is_warned_that_a_failure_ends_it(
     warning, and none where the list may change (a discovery script) or has 2 hosts."""
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=2\n")
-    for hosts, flag in (
-        (["-H", "localhost:2"], "-H"),
-        (["--hostfile", str(hostfile)], "--hostfile"),
+    for hosts, given in (
+        (["-H", "localhost:2"], "from -H"),
+        (["--hostfile", str(hostfile)], "from --hostfile"),
+        ([], "no -H given"),  # (this machine)
     ):
         assert run_cli(["--dry-run", "-np", "2", "--min-np", "1", *hosts, "true"]) == 0
         warnings = [line for line in capsys.readouterr().err.splitlines() if "one host" in line]
-        assert warnings == [SINGLE_HOST.format(flag=flag)]
+        assert warnings == [SINGLE_HOST.format(given=given)]
     for argv in (
         ["--min-np", "1", "-H", "localhost:1,127.0.0.1:1"],
         ["--min-np", "1", "--host-discovery-script", "echo localhost:2"],
