@@ -206,11 +206,14 @@ def tuning_notes(tuning: Mapping[str, Any], env: Mapping[str, str]) -> list[str]
             if tuning.get(name)
         ]
     if not we.flag(we.AUTOTUNE, env):
-        notes += [
-            f"note: --{name.replace('_', '-')} has no effect without --autotune"
-            for name in _SETTINGS
-            if name.startswith("autotune_") and tuning.get(name) is not None
-        ]
+        for name, (setting, _) in _SETTINGS.items():
+            if not name.startswith("autotune_"):
+                continue
+            given = we.spelled(setting, env)  # (a flag's, -x's, or hvdrun's environment's)
+            if tuning.get(name) is not None:
+                notes.append(f"note: --{name.replace('_', '-')} has no effect without --autotune")
+            elif given is not None:
+                notes.append(f"note: {given[0]} has no effect without --autotune")
     if not we.flag(we.STALL_CHECK_DISABLE, env):
         warning = we.number(we.STALL_CHECK_TIME_SECONDS, env=env)
         shutdown = we.number(we.STALL_SHUTDOWN_TIME_SECONDS, env=env)

@@ -418,6 +418,16 @@ def test_autotune_settings_without_autotune_are_named(
     err = capsys.readouterr().err
     for flag in ("--autotune-log-file", "--autotune-warmup-samples"):
         assert f"hvdrun: note: {flag} has no effect without --autotune" in err
+    assert err.count("without --autotune") == 2  # (each said once, by the flag's name)
+    # The variable, with -x or in hvdrun's environment: named as given.
+    monkeypatch.setenv("HOROVOD_AUTOTUNE_LOG", "at.csv")
+    assert (
+        run_cli(["--dry-run", "-np", "1", "-x", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE=3", "true"]) == 0
+    )
+    err = capsys.readouterr().err
+    for name in ("HOROVOD_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"):
+        assert f"hvdrun: note: {name} has no effect without --autotune" in err, err
+    monkeypatch.delenv("HOROVOD_AUTOTUNE_LOG")
     # autotune on, from the command line or the environment: no note
     assert run_cli([*argv, "--autotune", "true"]) == 0
     assert "without --autotune" not in capsys.readouterr().err
