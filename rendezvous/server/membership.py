@@ -306,7 +306,9 @@ class Membership:
                 raise Refusal(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"{len(missing)} of {size} ranks did not register within "
-                    f"{loop.time() - since:.3g} s: ranks {list_ranks(missing)}",
+                    f"{loop.time() - since:.3g} s: rank{'s' if len(missing) > 1 else ''} "
+                    f"{list_ranks(missing)} (started late, or exited before hvd.init(): "
+                    "the launcher's output says which)",
                 )
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake_event().wait(), remaining)
