@@ -81,7 +81,7 @@ from launcher.spec.options import (
     SSHOptions,
 )
 from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
-from rendezvous.launchers import DetectionError, slurm_allocation
+from rendezvous.launchers import DetectionError, in_slurm_step, slurm_allocation
 from rendezvous.worker_env import (
     HOROVOD_PREFIX,
     LAUNCHER_SET,
@@ -458,7 +458,7 @@ def cli(
         creatable_directory(output_filename, "--output-filename")
     if not dry_run:
         report.check(env, local_only)
-    unused_notes += tuning_notes(tuning, env)
+    unused_notes += tuning_notes(tuning, env) + srun_copies_note(os.environ)
     ignored = config_warnings(click.get_current_context())
     for notice in [*ignored, *unused_notes, *notices(compat, env, host_list, num_proc)]:
         click.echo(f"hvdrun: {notice}", err=True)
@@ -636,6 +636,19 @@ def same_machine_notes(host_list: Sequence[HostSpec], num_proc: int) -> list[str
         f"as {len(names)} hosts, as in horovodrun, each with local ranks from 0, so workers "
         "that choose cuda:<local_rank> share GPUs; name it once (e.g. -H localhost:"
         f"{num_proc}) unless they stand in for several hosts on purpose"
+    ]
+
+
+def srun_copies_note(environ: Mapping[str, str]) -> list[str]:
+    """A note where hvdrun runs as one task of a Slurm step of several (``srun hvdrun ...``,
+    mpirun's habit): each task runs a job of its own, all training the same thing."""
+    tasks = environ.get("SLURM_STEP_NUM_TASKS", "")
+    if not in_slurm_step(environ) or not tasks.isdigit() or int(tasks) < 2:
+        return []
+    return [
+        f"note: this hvdrun is one of the {tasks} tasks of a Slurm step (srun hvdrun ...): each "
+        "runs a job of its own; run hvdrun once, from the batch script or the salloc shell "
+        "(or srun --ntasks=1), and it starts its workers on the allocation's nodes itself"
     ]
 
 

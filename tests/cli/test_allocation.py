@@ -99,6 +99,23 @@ def test_np_above_the_slots_of_this_machine_alone_runs_here(
     assert "more than the" not in capsys.readouterr().err
 
 
+def test_hvdrun_as_one_of_several_srun_tasks_is_told_each_runs_a_job(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """srun hvdrun -np 2 ... on 2 nodes (mpirun's habit): two jobs of their own, silently."""
+    from hvdrun.cli import run_cli
+
+    note = "hvdrun: note: this hvdrun is one of the 2 tasks of a Slurm step (srun hvdrun ...)"
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2")
+    for step, tasks, said in (("0", "2", True), ("0", "1", False), ("batch", "2", False)):
+        monkeypatch.setenv("SLURM_STEP_ID", step)
+        monkeypatch.setenv("SLURM_STEP_NUM_TASKS", tasks)
+        assert run_cli(["--dry-run", "-np", "2", "true"]) == 0
+        assert (note in capsys.readouterr().err) == said, (step, tasks)
+
+
 @pytest.mark.parametrize(
     ("variables", "message"),
     [
