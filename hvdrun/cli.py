@@ -457,7 +457,7 @@ def cli(
     if output_filename is not None and not dry_run:
         creatable_directory(output_filename, "--output-filename")
     if not dry_run:
-        report.check(env, local_only)
+        report.check(env, local_only, origins)
     unused_notes += tuning_notes(tuning, env) + srun_copies_note(os.environ)
     ignored = config_warnings(click.get_current_context())
     for notice in [*ignored, *unused_notes, *notices(compat, env, host_list, num_proc)]:

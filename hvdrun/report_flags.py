@@ -81,22 +81,21 @@ class ReportFlags:
             params.pop("merge_timelines", None),
         )
 
-    def check(self, env: Mapping[str, str], local: bool) -> None:
+    def check(self, env: Mapping[str, str], local: bool, origins: Mapping[str, str]) -> None:
         """A report file's directory must exist or be creatable, before the job starts; so
         must the timeline's and the autotune log's where every rank runs on this machine
         (``local``: elsewhere the ranks' hosts write them, and a rank that cannot says so and
-        writes none)."""
+        writes none). Errors name the setting as the user gave it: the flag or config key
+        that wrote its variable (``origins``), else the variable (``-x``, the environment)."""
         if self.report_file is not None:
             path = os.path.abspath(self.report_file)
             creatable_directory(os.path.dirname(path), "--report-file", path)
-        for name, option in (
-            (worker_env.TIMELINE, "--timeline-filename"),
-            (worker_env.AUTOTUNE_LOG, "--autotune-log-file"),
-        ):
-            setting = worker_env.setting(name, env)
-            if not (local and setting):
+        for name in (worker_env.TIMELINE, worker_env.AUTOTUNE_LOG):
+            found = worker_env.spelled(name, env)
+            if not (local and found):
                 continue
-            given_as = _given_as(name, option, env)
+            spelling, setting = found
+            given_as = origins.get(spelling, spelling)
             file = setting
             if name == worker_env.TIMELINE:  # (rank 0's: every rank's own, where each has one)
                 all_ranks = worker_env.flag(worker_env.TIMELINE_ALL_RANKS, env)
@@ -116,18 +115,6 @@ class ReportFlags:
 
         path = os.path.abspath(self.report_file) if self.report_file else None
         return ReportOptions(table=not self.no_report, file=path)
-
-
-def _given_as(name: str, option: str, env: Mapping[str, str]) -> str:
-    """How the user gave the setting ``name`` that ``env`` holds, for its usage errors:
-    ``option`` where hvdrun's flag (or the config file's key for it) set it, else the
-    variable that did (``-x HOROVOD_TIMELINE=...``, hvdrun's own environment)."""
-    found = worker_env.spelled(name, env)
-    ctx = click.get_current_context(silent=True)
-    flag = ctx.params.get(option.lstrip("-").replace("-", "_")) if ctx is not None else None
-    if found is None or (isinstance(flag, str) and os.path.abspath(flag) == found[1]):
-        return option  # (the flag writes its file's absolute path)
-    return found[0]
 
 
 def creatable_directory(path: str, option: str, file: str | None = None) -> None:
