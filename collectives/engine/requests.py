@@ -19,7 +19,7 @@ import ast
 import enum
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,9 @@ __all__ = [
     "describe_mismatch",
     "noname",
     "parse_signature",
+    "ranks_by_value",
     "signature",
+    "who",
 ]
 
 FIELD = "\x1f"
@@ -296,17 +298,24 @@ def parse_signature(kind: Kind, sig: str) -> Signature:
     return Signature(common, tuple(tensors))
 
 
-def _who(ranks: list[int]) -> str:
+def who(ranks: Sequence[int]) -> str:
+    """Ranks for a message: ``rank 2``, ``ranks 0, 1``."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(map(str, ranks))
 
 
-def _differences(values: dict[int, str]) -> str:
+def ranks_by_value(values: Mapping[int, str]) -> dict[str, list[int]]:
+    """Each value the ranks hold, with the ranks that hold it (in rank order)."""
     groups: dict[str, list[int]] = {}
     for rank_, value in sorted(values.items()):
         groups.setdefault(value, []).append(rank_)
-    return "; ".join(f"{_who(ranks)}: {value}" for value, ranks in groups.items())
+    return groups
+
+
+def _differences(values: dict[int, str]) -> str:
+    groups = ranks_by_value(values)
+    return "; ".join(f"{who(ranks)}: {value}" for value, ranks in groups.items())
 
 
 def describe_mismatch(kind: Kind, name: str, sigs: dict[int, str]) -> str:

@@ -39,6 +39,7 @@ import torch
 
 from collectives import objects, ops, runtime
 from collectives.common import ProcessSet, global_process_set
+from collectives.engine.requests import ranks_by_value, who
 from collectives.errors import CollectiveError, HorovodInternalError, TensorMismatchError
 
 __all__ = [
@@ -152,24 +153,17 @@ def _tensor_differences(outlines: dict[int, list[tuple[str, dict[str, str]]]]) -
     for label, by_rank in held.items():
         missing = [rank for rank in sorted(outlines) if rank not in by_rank]
         if missing:
-            said.append(f"{label} is missing on {_who(missing)}")
+            said.append(f"{label} is missing on {who(missing)}")
             continue
         differ = []
         for field in next(iter(by_rank.values())):
-            values = {rank: fields.get(field, "?") for rank, fields in by_rank.items()}
-            if len(set(values.values())) > 1:
-                groups: dict[str, list[int]] = {}
-                for rank, value in values.items():
-                    groups.setdefault(value, []).append(rank)
-                ranks = ", ".join(f"{value} on {_who(ranks)}" for value, ranks in groups.items())
-                differ.append(f"{field} {ranks}")
+            groups = ranks_by_value({rank: f.get(field, "?") for rank, f in by_rank.items()})
+            if len(groups) > 1:
+                held_by = ", ".join(f"{value} on {who(ranks)}" for value, ranks in groups.items())
+                differ.append(f"{field} {held_by}")
         if differ:
             said.append(f"{label} has {' and '.join(differ)}")
     return said
-
-
-def _who(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _count(count: int, noun: str) -> str:
