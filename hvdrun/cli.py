@@ -422,18 +422,10 @@ def cli(
                 "note: an elastic job's hosts come from --host-discovery-script or -H, not "
                 "from the batch allocation: without either, this one runs on this machine only"
             )
-        given_as = (
-            "from -H"
-            if hosts is not None
-            else "from --hostfile"
-            if hostfile is not None
-            else "no -H given"
-            if elastic_flags.script is None
-            else None  # (a discovery script's list may change)
-        )
+        fixed = elastic_flags.script is None  # (a discovery script's list may change)
         host_list, num_proc, elastic_options = elastic_flags.resolve(host_list, num_proc)
-        if given_as is not None:
-            unused_notes += single_host_warning(host_list, given_as)
+        if fixed:
+            unused_notes += single_host_warning(host_list, hosts, hostfile)
     else:
         unused_notes = elastic_flags.unused_notes()
         host_list, num_proc = resolve_hosts(host_list, hosts, num_proc, allocation)
@@ -652,18 +644,20 @@ def srun_copies_note(environ: Mapping[str, str]) -> list[str]:
     ]
 
 
-def single_host_warning(host_list: Sequence[HostSpec], given_as: str) -> list[str]:
-    """A warning where an elastic job's fixed host list (``given_as``: from -H, from
-    --hostfile, or none given: this machine) names one host: a failed worker fails that
-    host, which is blacklisted, and no worker is left, so the job ends. horovodrun refuses
-    such a job ("Cannot run in fault tolerance mode with fewer than 2 hosts."); hvdrun runs
-    it, as on one machine where an elastic script is tried out, and says so. (A discovery
-    script's list may change: no warning there.)"""
+def single_host_warning(
+    host_list: Sequence[HostSpec], hosts: str | None, hostfile: str | None
+) -> list[str]:
+    """A warning where an elastic job's fixed host list (``-H``, ``--hostfile``, or none:
+    this machine) names one host: a failed worker fails that host, which is blacklisted,
+    and no worker is left, so the job ends. horovodrun refuses such a job ("Cannot run in
+    fault tolerance mode with fewer than 2 hosts."); hvdrun runs it, as on one machine where
+    an elastic script is tried out, and says so."""
     names = list(dict.fromkeys(host.hostname for host in host_list))
     if len(names) != 1:
         return []
+    given = "from -H" if hosts else "from --hostfile" if hostfile else "no -H given"
     return [
-        f"warning: this elastic job has one host ({names[0]}, {given_as}): a failure "
+        f"warning: this elastic job has one host ({names[0]}, {given}): a failure "
         "of any of its workers fails the host and ends the job; list at least 2 hosts (as "
         "horovodrun requires) or use --host-discovery-script to survive failures"
     ]
