@@ -95,6 +95,18 @@ SUPERSEDED = "membership generation {old} was superseded by generation {new}"
 _SUPERSEDED = re.compile(SUPERSEDED.format(old=r"(\d+)", new=r"(\d+)"))
 
 
+#: How the server says a blocking get of one key ran out of time (the key quoted by repr).
+NOT_SET = "key {key} was not set within"
+_NOT_SET = re.compile(NOT_SET.format(key="'([^']*)'"))
+
+
+def unset_key(error: BaseException) -> str | None:
+    """The key whose blocking get ran out of time, when ``error`` (a call's, or torch's
+    around a store call's) says so; None otherwise."""
+    match = _NOT_SET.search(str(error))
+    return match.group(1) if match else None
+
+
 def superseded(error: BaseException) -> tuple[int, int] | None:
     """(old, new) generation when ``error`` (a call's, or torch's around a store call's)
     says the call's membership generation was superseded by a newer one; None otherwise."""

@@ -84,19 +84,14 @@ def gloo_address() -> tuple[str, str] | None:
     return address, source
 
 
-#: A bootstrap that timed out waiting for a peer's address in the store: the server's
-#: message names the key, which Gloo's rendezvous ends with the peer's rank.
-_PEER_NEVER_CAME = re.compile(r"key '[^']*/(\d+)' was not set within")
-
-
-def never_joined(rank: int, error: BaseException, timeout: float) -> RuntimeError | None:
-    """hvd.init()'s error when a peer never published its address (it never reached
-    hvd.init(), or not in time): that peer, not the network, held the bootstrap up. None
-    for other errors."""
-    match = _PEER_NEVER_CAME.search(str(error))
-    if match is None:
+def never_joined(rank: int, key: str, timeout: float) -> RuntimeError | None:
+    """hvd.init()'s error when the bootstrap timed out waiting for ``key`` in the store: a
+    peer's address, under a key that Gloo's rendezvous ends with the peer's rank. That peer
+    never reached hvd.init() (or not in time), and it, not the network, held the bootstrap
+    up. None for a key of another shape."""
+    peer = key.rpartition("/")[2]
+    if not peer.isdigit():
         return None
-    peer = match.group(1)
     return RuntimeError(
         f"hvd.init() on rank {rank} waited {timeout:g} s for rank {peer}, which never joined "
         f"the job: rank {peer} has not called hvd.init(), or failed before it. Every rank must "

@@ -206,7 +206,7 @@ def register(runtime_: RuntimeState, min_generation: int) -> Any:
 
 def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
     """Creates the default process group of the registered generation."""
-    from rendezvous.client import RendezvousError, superseded
+    from rendezvous.client import RendezvousError, superseded, unset_key
     from rendezvous.store import RendezvousStore
 
     topology = runtime_.topology
@@ -234,7 +234,8 @@ def _bootstrap(runtime_: RuntimeState, counter: int) -> None:
     except (RuntimeError, RendezvousError) as error:
         if superseded(error) is not None:
             raise  # (hosts joined or left meanwhile, not the network: see join_elastic)
-        late = never_joined(topology.rank, error, runtime_.timeout.total_seconds())
+        key = unset_key(error)
+        late = key and never_joined(topology.rank, key, runtime_.timeout.total_seconds())
         raise (late or connect_failure(topology.rank, topology.size, error)) from None
     finally:
         if probe is not None:

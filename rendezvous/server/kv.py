@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from rendezvous.client import NOT_SET
 from rendezvous.server.common import (
     Refusal,
     ShuttingDown,
@@ -236,7 +237,7 @@ class KeyValueStore:
             return [await self._wait_for_key(key, deadline) for key in keys]
         except asyncio.TimeoutError:
             if one_key:
-                message = f"key {quote(keys[0])} was not set within {seconds(timeout_ms)}"
+                message = f"{NOT_SET.format(key=quote(keys[0]))} {seconds(timeout_ms)}"
             else:
                 missing = [key for key in keys if key not in self._data]
                 message = f"keys not set within {seconds(timeout_ms)}: {quote_keys(missing)}"
