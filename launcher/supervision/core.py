@@ -112,6 +112,13 @@ def rank_list(ranks: Sequence[int]) -> str:
     return ", ".join(parts)
 
 
+def signal_name(signum: int) -> str | None:
+    """``SIGKILL`` for 9; None for a number that names no signal."""
+    with contextlib.suppress(ValueError):
+        return signal.Signals(signum).name
+    return None
+
+
 @dataclass
 class WorkerStop:
     """A worker its agent reported stopped, from when hvdrun heard of it (``since``) until
@@ -129,10 +136,8 @@ class WorkerStop:
         """What stopped it, in a word: ``SIGSTOP``, ``a debugger``, ``a signal``."""
         if self.traced:
             return "a debugger"
-        if self.signum is not None:
-            with contextlib.suppress(ValueError):
-                return signal.Signals(self.signum).name
-        return "a signal"
+        found = signal_name(self.signum) if self.signum is not None else None
+        return found or "a signal"
 
     def cause(self, peer: WorkerFailure) -> str:
         """Why it, not ``peer`` (a worker that exited while it was stopped), failed first."""
@@ -215,12 +220,6 @@ def agent_spec(
     )
 
 
-def _signal_name(signum: int) -> str:
-    with contextlib.suppress(ValueError):
-        return signal.Signals(signum).name
-    return f"signal {signum}"
-
-
 def agent_loss_reason(event: Done | AgentExit) -> str:
     """Why a host's agent went away, from its ``Done`` (too early) or its ``AgentExit``."""
     if isinstance(event, Done):
@@ -228,7 +227,7 @@ def agent_loss_reason(event: Done | AgentExit) -> str:
     if event.code is None:
         why = "lost the connection to its agent"
     elif event.code < 0:  # (a signal, as subprocess says: -9 is SIGKILL)
-        why = f"its agent was killed by {_signal_name(-event.code)}"
+        why = f"its agent was killed by {signal_name(-event.code) or f'signal {-event.code}'}"
     else:
         why = f"its agent exited (code {event.code})"
     if event.reason:

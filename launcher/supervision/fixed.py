@@ -270,28 +270,27 @@ class Supervisor(Supervision[HostEvent]):
                 self.fail(dataclasses.replace(failure, ended_by=rank))
                 return
 
-    def _ended_by(self, rank: int) -> int | None:
+    def _worker_said(self, prefix: str, rank: int) -> bytes:
+        """What rank ``rank`` left in the store under ``prefix`` before it exited (b"": nothing,
+        or the server too busy to answer)."""
         if self.server is None:
-            return None
-        key = worker_env.ENDED_BY_KEY_PREFIX + str(rank)
+            return b""
+        key = prefix + str(rank)
         try:
-            value = self.server.values_under(key).get(key)
+            return self.server.values_under(key).get(key, b"")
         except TimeoutError:
-            return None
-        return int(value) if value is not None and value.isdigit() else None
+            return b""
+
+    def _ended_by(self, rank: int) -> int | None:
+        value = self._worker_said(worker_env.ENDED_BY_KEY_PREFIX, rank)
+        return int(value) if value.isdigit() else None
 
     def _stalled_by(self, failure: WorkerFailure) -> WorkerFailure | None:
         """The failure to name when the stall inspector stopped ``failure``'s collectives
         because another rank, still running, never submitted an op they waited for: that
         rank's, with ``failure``'s exit code (see ``worker_env.STALLED_BY_KEY_PREFIX``)."""
-        if self.server is None:
-            return None
-        key = worker_env.STALLED_BY_KEY_PREFIX + str(failure.rank)
-        try:
-            value = self.server.values_under(key).get(key)
-        except TimeoutError:
-            return None
-        rank_text, _, op = (value or b"").decode(errors="replace").partition("\n")
+        value = self._worker_said(worker_env.STALLED_BY_KEY_PREFIX, failure.rank)
+        rank_text, _, op = value.decode(errors="replace").partition("\n")
         if not rank_text.isdigit() or not op:
             return None
         rank = int(rank_text)
