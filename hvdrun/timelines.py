@@ -127,7 +127,7 @@ def start_time(path: str) -> float | None:
     try:
         with open(path, "rb") as source:
             head = source.read(_HEAD_BYTES).decode("utf-8", errors="replace")
-        modified = os.stat(path).st_mtime
+            modified = os.fstat(source.fileno()).st_mtime
     except OSError:
         return None
     first: Any = None

@@ -232,13 +232,11 @@ class JobReport:
             keep = sorted(shown, key=lambda f: -f.wait_caused_s)[: FULL_TABLE_RANKS // 2]
             hidden = len(shown) - len(keep)
             shown = sorted(keep, key=_by_rank)
-        stale = False
+        stale = at_end and any(not f.final for f in shown)  # (marked *)
         for f in shown:
-            mark = "*" if at_end and not f.final else ""
-            stale = stale or bool(mark)
             rows.append(
                 (
-                    f"{f.rank}{mark}",
+                    f"{f.rank}{'*' if at_end and not f.final else ''}",
                     *((str(f.generation),) if generations else ()),
                     f.host or "-",
                     f"{seconds(f.in_collectives_s)} ({_percent(f.in_collectives_s, f.elapsed_s)})",
