@@ -27,7 +27,6 @@ the tests did. Without root, ``ip``, ``unshare`` or ``sshd`` the tests skip and 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import os
 import re
@@ -52,15 +51,13 @@ SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 _CLUSTER_NUMBERS = itertools.count()
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """A ``preexec_fn`` for daemons a test starts: SIGKILL when the test process goes away,
-    in a session of its own."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    os.setsid()
+def dying_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` for a daemon a test starts (with ``start_new_session=True``): SIGKILL when the
+    test process goes away. ``setpriv`` sets the parent-death signal rather than a
+    ``preexec_fn``, which would make ``subprocess`` fork() a process whose gRPC threads are
+    running: gRPC's fork handlers can kill the child before it execs, and the test then meets
+    a daemon that never started."""
+    return ["setpriv", "--pdeathsig", "KILL", *argv]
 
 
 def free_port(address: str) -> int:
@@ -74,7 +71,8 @@ def unavailable_reason() -> str | None:
     """Why the cluster cannot be built here, or None."""
     if os.geteuid() != 0:
         return "needs root to create network namespaces (run the tests as root)"
-    tools = (("ip", "iproute2"), ("unshare", "util-linux"), ("nsenter", "util-linux"))
+    linux_tools = (("unshare", "util-linux"), ("nsenter", "util-linux"), ("setpriv", "util-linux"))
+    tools = (("ip", "iproute2"), *linux_tools)
     for tool, package in (*tools, ("ssh-keygen", "openssh-client")):
         if shutil.which(tool) is None:
             return f"'{tool}' is missing (apt-get install {package})"

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster, ClusterHost, cluster_for_tests, die_with_parent, free_port
+from tests.cluster import Cluster, ClusterHost, cluster_for_tests, dying_with_parent, free_port
 
 _FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "salloc", "sbatch", "scancel", "scontrol", "munged")
@@ -167,12 +167,12 @@ class SlurmCluster:
             command = ["ip", "netns", "exec", netns, *command]
         with open(self.root / log, "wb") as out:
             proc = subprocess.Popen(
-                command,
+                dying_with_parent(command),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=self.env(),
-                preexec_fn=die_with_parent,
+                start_new_session=True,
             )
         self.daemons.append(proc)
 

@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.cluster import Cluster, ClusterHost, cluster_for_tests, die_with_parent, free_port
+from tests.cluster import Cluster, ClusterHost, cluster_for_tests, dying_with_parent, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 #: Small and quick JVMs: two cores start six of them.
@@ -102,12 +102,12 @@ class SparkCluster:
     def _spawn(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                argv,
+                dying_with_parent(argv),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
+                start_new_session=True,
             )
         self.daemons.append(proc)
         return proc

@@ -18,9 +18,16 @@ SERVER = Path(__file__).with_name("rdzv_server_process.py")
 SOFT = 128
 
 
-def _low_soft_limit() -> None:
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT, hard))
+#: Starts the server script (argv[1]) under a soft limit of SOFT open files. A
+#: ``preexec_fn`` would do it in the child before exec, but it makes ``subprocess`` fork()
+#: this test process, whose gRPC threads (earlier tests') can kill such a child first.
+UNDER_A_LOW_LIMIT = (
+    "import resource, runpy, sys\n"
+    "_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+    f"resource.setrlimit(resource.RLIMIT_NOFILE, ({SOFT}, hard))\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 
 
 def _soft_limit_of(pid: int) -> int:
@@ -33,11 +40,10 @@ def _soft_limit_of(pid: int) -> int:
 def test_idle_connections_beyond_the_soft_limit_do_not_lock_the_job_out() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     server = subprocess.Popen(
-        [sys.executable, str(SERVER), "job-fds", "1", "1.0"],
+        [sys.executable, "-c", UNDER_A_LOW_LIMIT, str(SERVER), "job-fds", "1", "1.0"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        preexec_fn=_low_soft_limit,
         env={**os.environ, "PYTHONPATH": with_repo_on_path()},
     )
     sockets: list[socket.socket] = []
