@@ -23,8 +23,10 @@ and the supervising thread only queues. Worker lines may wait there up to
 worker's line (:meth:`OutputSink.wait_for_room`), and so the agents, and the workers'
 own writes, as with a plain pipe: hvdrun's memory stays bounded. Once the job is being
 stopped, lines over that budget are dropped instead (and counted), so that the agents'
-reports get through. At the end, what is queued is written, unless nothing could be written
-for ``STUCK_SECONDS``: then it is dropped, and hvdrun says so and exits.
+reports get through. At the end, what is queued is written, however long the reader takes,
+as through a plain pipe or mpirun (``| (sleep 60; cat)`` gets every line); only once hvdrun
+was signalled (a Ctrl-C, also one while it waits there) is what could not be written for
+``STUCK_SECONDS`` dropped, and hvdrun says so and exits.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from typing import BinaryIO, NamedTuple
 MAX_LINE = 64 * 1024
 #: The bytes of worker lines that may wait to be written before the agents' readers wait.
 BACKLOG_BYTES = 8 * 1024 * 1024
-#: At the end, how long the queued output may go without a byte written before it is dropped.
+#: At the end of a job hvdrun was signalled to stop, how long the queued output may go without
+#: a byte written before it is dropped.
 STUCK_SECONDS = 5.0
 #: What a queued line costs besides its bytes (its objects), counted against BACKLOG_BYTES.
 LINE_COST = 512
@@ -321,14 +324,22 @@ class _Backlog:
                     self._progress = time.monotonic()
                     self._cond.notify_all()
 
-    def finish(self, stuck: float) -> tuple[int, list[str], bool]:
-        """Waits until everything queued is written, or nothing was for ``stuck`` seconds;
-        returns the worker lines left unwritten, the messages left unwritten, and whether a
-        write is still under way (blocked)."""
+    def finish(
+        self, stuck: float, interrupted: Callable[[], object] | None
+    ) -> tuple[int, list[str], bool]:
+        """Waits until everything queued is written, or, once ``interrupted()`` holds (at
+        once without it), until nothing was for ``stuck`` seconds; returns the worker lines
+        left unwritten, the messages left unwritten, and whether a write is still under way
+        (blocked)."""
         with self._cond:
             self.overflow = True
-            self._progress = max(self._progress, time.monotonic() - stuck / 2)
-            while (self._jobs or self._busy) and time.monotonic() - self._progress < stuck:
+            limited = False
+            while self._jobs or self._busy:
+                if not limited and (interrupted is None or interrupted()):
+                    limited = True  # (a reader stuck since long ago gets stuck / 2 from now)
+                    self._progress = max(self._progress, time.monotonic() - stuck / 2)
+                if limited and time.monotonic() - self._progress >= stuck:
+                    break
                 self._cond.wait(0.2)
             said = [text for _, _, text in self._jobs if text is not None]
             left = sum(job.count for job, _, _ in self._jobs if isinstance(job, _Lines))
@@ -407,14 +418,18 @@ class OutputSink:
                 # (a failure is said as hvdrun's messages are: never waiting on stderr here)
                 self._files[(rank, stream)] = _Guarded(handle, path, self.message)
 
-    def close(self, stuck: float = STUCK_SECONDS) -> None:
-        """Writes what is queued (unless nothing could be written for ``stuck`` seconds:
-        then it is dropped, said on stderr), removes the status line and closes the
-        ``--output-filename`` files. Later calls write at once."""
+    def close(
+        self, interrupted: Callable[[], object] | None = None, stuck: float = STUCK_SECONDS
+    ) -> None:
+        """Writes what is queued, removes the status line and closes the
+        ``--output-filename`` files; later calls write at once. Given ``interrupted``
+        (whether hvdrun was signalled), it waits for the reader as long as that is false;
+        once it holds (at once without it), what could not be written for ``stuck`` seconds
+        is dropped, said on stderr."""
         backlog, self._backlog = self._backlog, None
         blocked = False
         if backlog is not None:
-            left, said, blocked = backlog.finish(stuck)
+            left, said, blocked = backlog.finish(stuck, interrupted)
             if blocked:
                 # The write under way holds the lock for good; the status line's state is
                 # unknown; and what it writes to (stderr too, where both go to one pipe) takes

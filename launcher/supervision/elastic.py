@@ -98,7 +98,7 @@ from launcher.supervision.membership import (
     Stop,
     Wait,
 )
-from launcher.supervision.report import describe_exit, report_failure
+from launcher.supervision.report import describe_exit
 from launcher.transport.connection import AgentConnection, AgentExit, HostEvent
 from launcher.transport.hostinfo import installed_versions
 from launcher.transport.protocol import (
@@ -634,18 +634,17 @@ def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
         [], secret, job_id, bind_host=bind, port=plan.port, elastic=True, tls=tls
     )
     start_server(server, spec.launch.rendezvous_addr)
-    try:
-        server.put_values(spec.preset)
-        with Signals().installed() as signals:
+    with Signals().installed() as signals:
+        try:
+            server.put_values(spec.preset)
             cert_pem = tls.cert_pem.decode("ascii") if tls is not None else ""
             driver = ElasticDriver(
                 spec, options, sink, signals, server, secret, job_id, initial, cert_pem
             )
             result = driver.run()
-        if spec.collect is not None:
-            result.collected = server.values_under(spec.collect)
-    finally:
-        server.stop()
-        sink.close()
-    report_failure(result, sink, spec.command, elastic=True)
-    return result
+            if spec.collect is not None:
+                result.collected = server.values_under(spec.collect)
+            return result
+        finally:
+            server.stop()
+            sink.close(interrupted=signals.first)  # (a Ctrl-C ends a wait for a slow reader)

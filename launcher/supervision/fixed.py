@@ -44,7 +44,6 @@ from launcher.supervision.core import (
     start_server,
 )
 from launcher.supervision.insight import InsightWatch
-from launcher.supervision.report import report_failure
 from launcher.transport.connection import (
     AgentConnection,
     AgentExit,
@@ -368,8 +367,8 @@ def run_fixed_job(spec: JobSpec, sink: OutputSink) -> JobResult:
     events: Events[HostEvent] = Events(sink)
     options = spec.launch
     sink.open_files(range(spec.num_proc))
-    try:
-        with Signals().installed() as signals:
+    with Signals().installed() as signals:
+        try:
             agents = start_agents(
                 hostnames,
                 spec.cwd,
@@ -383,13 +382,11 @@ def run_fixed_job(spec: JobSpec, sink: OutputSink) -> JobResult:
             for note in shared_machines(agents):
                 sink.message(f"note: {note}")
             try:
-                result = _supervise(spec, agents, slots, sink, events, signals, secret, job_id)
+                return _supervise(spec, agents, slots, sink, events, signals, secret, job_id)
             finally:
                 stop_agents(agents)
-    finally:
-        sink.close()
-    report_failure(result, sink, spec.command)
-    return result
+        finally:
+            sink.close(interrupted=signals.first)  # (a Ctrl-C ends a wait for a slow reader)
 
 
 def master_env(

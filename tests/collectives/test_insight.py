@@ -537,8 +537,9 @@ def test_a_balanced_job_that_fails_at_the_end_names_no_rank(tmp_path: Path) -> N
     assert code == 3, output
     assert "hvdrun: rank 1 on host localhost failed first: exit code 3" in output, output
     assert "holding the job back" not in output, output
-    # The table, after the failure's, for the ranks that reported.
-    assert output.index("failed first") < output.index("hvdrun:   RANK"), output
+    # The table, for the ranks that reported, then the failure: what ends hvdrun's output.
+    table = re.search(r"hvdrun:   RANK +HOST +IN COLLECTIVES", output)
+    assert table is not None and table.start() < output.index("failed first"), output
     assert "hvdrun: no rank stood out: the ranks waited" in output, output
     document = _report(report)
     assert document["straggler"] is None, document

@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from launcher.output import STUCK_SECONDS
+
 SCRIPTS = Path(__file__).parent / "scripts"
 HVDRUN = [sys.executable, "-m", "hvdrun"]
 
@@ -196,6 +198,43 @@ def test_a_stdout_nobody_reads_holds_off_neither_a_signal_nor_hvdrun_s_memory(
         assert "received SIGINT; stopping all workers" in said, said
         assert "could not be written for 5 s (a reader that stopped reading)" in said, said
     assert_all_gone(pids)
+
+
+def test_a_reader_that_reads_late_gets_every_line_then_the_failure() -> None:
+    """``hvdrun ... 2>&1 | (sleep 60; cat)``: a reader that starts reading long after the job
+    ended gets every line of it, then who failed and why (last), as through a plain pipe."""
+    script = (
+        "import os, sys, time\nrank = int(os.environ['HOROVOD_RANK'])\n"
+        "sys.stdout.write(''.join(f'rank {rank} line {i}\\n' for i in range(5000)))\n"
+        "sys.stdout.flush()\nif rank == 1:\n    time.sleep(2)\n    sys.exit(3)\n"
+    )
+    reader, writer = os.pipe()
+    proc = subprocess.Popen(
+        [*HVDRUN, "-np", "2", "--no-report", sys.executable, "-c", script],
+        stdout=writer,
+        stderr=writer,
+    )
+    os.close(writer)
+    try:
+        hvdrun_process = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 60
+        while hvdrun_process.children() and time.monotonic() < deadline:
+            time.sleep(0.2)  # (until the job ended: its agent and workers are gone)
+        time.sleep(STUCK_SECONDS + 2)  # (past the time hvdrun once waited for a reader)
+        with os.fdopen(reader, "rb") as stream:
+            output = stream.read().decode()
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 3, output
+    for rank in (0, 1):
+        lines = re.findall(rf"^\[{rank}\]<stdout>:rank {rank} line (\d+)$", output, re.M)
+        assert lines == [str(i) for i in range(5000)], (rank, len(lines))
+    assert "dropped" not in output, output[-2000:]
+    failed = output.index("hvdrun: rank 1 on host localhost failed first: exit code 3")
+    assert failed > output.index("[0]<stdout>:rank 0 line 4999"), output[-2000:]
 
 
 @pytest.mark.parametrize("stdout", [">&-", ">/dev/full"])

@@ -357,6 +357,31 @@ def test_a_stopping_job_drops_what_a_stuck_stdout_cannot_take() -> None:
     out.flowing.set()
 
 
+def test_a_reader_that_reads_late_gets_everything_unless_hvdrun_is_signalled() -> None:
+    """At the end of a job, hvdrun waits for a reader that reads late (``| (sleep 60; cat)``)
+    however long it takes, as a plain pipe would; a signal, also one that comes while it
+    waits, makes the wait a bounded one."""
+    out, err = _Stalled(), io.BytesIO()
+    sink = OutputSink(out, err, background=True, backlog_bytes=100)
+    for i in range(5):
+        sink.line(0, "stdout", b"line %d" % i)
+    threading.Timer(1.0, out.flowing.set).start()  # (five times ``stuck`` below)
+    sink.close(interrupted=lambda: False, stuck=0.2)
+    assert out.getvalue() == b"".join(b"[0]<stdout>:line %d\n" % i for i in range(5))
+    assert err.getvalue() == b""
+
+    out, err = _Stalled(), io.BytesIO()
+    sink = OutputSink(out, err, background=True, backlog_bytes=100)
+    sink.line(0, "stdout", b"never read")
+    signalled = threading.Event()
+    threading.Timer(0.5, signalled.set).start()  # (a Ctrl-C while hvdrun waits)
+    start = time.monotonic()
+    sink.close(interrupted=signalled.is_set, stuck=0.4)
+    assert 0.5 <= time.monotonic() - start < 5
+    assert b"could not be written for 0.4 s" in err.getvalue()
+    out.flowing.set()
+
+
 def test_output_files_get_every_line_while_stdout_is_stuck(tmp_path: Path) -> None:
     out, err = _Stalled(), io.BytesIO()
     options = OutputOptions(output_dir=str(tmp_path))
