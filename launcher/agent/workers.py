@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import signal
 import subprocess
@@ -61,6 +62,28 @@ ADOPTED_GRACE_S = 1.0
 ADOPTED_KILL_S = 2.0
 #: prctl(2)'s option that makes a process the subreaper of its descendants.
 PR_SET_CHILD_SUBREAPER = 36
+
+
+def _open_files_limit() -> str:
+    try:
+        import resource
+    except ImportError:  # (not on Unix)
+        return "the limit on open files was reached: raise it (ulimit -n)"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    most = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    return (
+        f"this host's limit on open files, {soft}, was reached: raise it (ulimit -n, up to "
+        f"{most} here) or start fewer workers on this host"
+    )
+
+
+#: A worker's start that failed for want of something on its host (errno), and what that is.
+RESOURCE_ERRORS: dict[int, Callable[[], str]] = {
+    errno.EMFILE: _open_files_limit,
+    errno.ENFILE: lambda: "the system's table of open files is full",
+    errno.EAGAIN: lambda: "no more processes: the limit on processes (ulimit -u) or memory",
+    errno.ENOMEM: lambda: "out of memory on this host",
+}
 
 
 def adopt_orphans() -> bool:
@@ -192,26 +215,38 @@ class HostAgent:
         self._next_reap = 0.0
 
     def start(self, stop: threading.Event | None = None) -> None:
-        """Starts the workers in turn; once ``stop`` is set (hvdrun asked, or a signal came)
-        the ones not started yet are reported stopped (143) instead."""
+        """Starts the workers in turn; once ``stop`` is set (hvdrun asked, or a signal came),
+        or once one could not be started (the job fails with it), the ones not started yet
+        are reported stopped (143) instead."""
+        failed = False
         for launch in self.spec.workers:
             with self._lock:
-                if self._terminating or (stop is not None and stop.is_set()):
+                if failed or self._terminating or (stop is not None and stop.is_set()):
                     self._emit(Exit(launch.rank, 143))
                     continue
                 try:
                     worker = Worker(launch, self.spec, self.base_env, self._emit)
                 except OSError as exc:
-                    program = self.spec.command[0]
-                    error = f"cannot run {program!r}: {exc.strerror or exc}"
-                    how = file_here_hint(program, self.spec.cwd)
-                    if isinstance(exc, FileNotFoundError) and how is not None:
-                        error += f" (a file in the working directory: {how})"
-                    code = 127 if isinstance(exc, FileNotFoundError) else 126
+                    failed = True
+                    code, error = self._start_failure(exc)
                     self._emit(Exit(launch.rank, code, error=error))
                     continue
                 self.workers.append(worker)
             self._emit(Started(launch.rank, worker.proc.pid))
+
+    def _start_failure(self, exc: OSError) -> tuple[int, str]:
+        """The exit code and the error of a worker that could not be started: 127 for a
+        program not found, 126 for one that cannot be run, as a shell says; 1 where this
+        host ran out of something (open files, processes, memory), which the error names."""
+        program = self.spec.command[0]
+        short = RESOURCE_ERRORS.get(exc.errno or 0)
+        if short is not None:
+            return 1, f"cannot start {program!r}: {exc.strerror or exc} ({short()})"
+        error = f"cannot run {program!r}: {exc.strerror or exc}"
+        how = file_here_hint(program, self.spec.cwd)
+        if isinstance(exc, FileNotFoundError) and how is not None:
+            error += f" (a file in the working directory: {how})"
+        return (127 if isinstance(exc, FileNotFoundError) else 126), error
 
     def signal(self, signum: int) -> None:
         """Sends ``signum`` to each running worker's process group (forwarded signals)."""

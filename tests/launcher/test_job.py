@@ -237,6 +237,28 @@ def test_a_reader_that_reads_late_gets_every_line_then_the_failure() -> None:
     assert failed > output.index("[0]<stdout>:rank 0 line 4999"), output[-2000:]
 
 
+def test_a_worker_the_host_has_no_open_files_left_for_fails_the_job_in_one_line() -> None:
+    """Under a low limit on open files (``ulimit -n``), the first worker that cannot be
+    started fails the job with one line that names the limit; the others are not tried, and
+    the ones started are stopped."""
+    command = [*HVDRUN, "--no-report", "-np", "32", "sleep", "31.37"]
+    result = subprocess.run(
+        ["sh", "-c", 'ulimit -Sn 40 && exec "$@"', "sh", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stderr
+    said = re.findall(r"hvdrun: rank (\d+) on localhost: cannot start 'sleep': (.*)", result.stderr)
+    assert len(said) == 1, result.stderr
+    rank, why = said[0]
+    assert why.startswith("Too many open files (this host's limit on open files, 40, "), why
+    assert f"rank {rank} on host localhost failed first: exit code 1" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    left = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "31.37"]]
+    assert not left, left
+
+
 @pytest.mark.parametrize("stdout", [">&-", ">/dev/full"])
 def test_hvdrun_whose_stdout_cannot_be_written_runs_the_job(stdout: str) -> None:
     """stdout closed before hvdrun starts, or a full disk: the job runs and succeeds, as a
