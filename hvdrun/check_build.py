@@ -48,8 +48,13 @@ def framework_lines() -> Iterator[str]:
     tf_version = _version("tensorflow", "tensorflow-cpu", "tensorflow_cpu")
     keras_version = _version("keras")
     tf_keras = _version("tf_keras", "tf-keras")
-    tf_line = f"TensorFlow {tf_version}" if tf_version else "TensorFlow (not installed)"
-    yield f"    {_mark(tf_version is not None)} {tf_line} (collectives.tensorflow)"
+    if tf_version:
+        yield f"    [X] TensorFlow {tf_version} (collectives.tensorflow)"
+    else:
+        yield (
+            "    [ ] TensorFlow (not installed: pip install 'hvdrun[tensorflow]', for "
+            "collectives.tensorflow)"
+        )
     if keras_version:
         backend = _keras_backend() if keras_version.split(".")[0] == "3" else "tensorflow"
         where = f"backend {backend}" if keras_version.startswith("3.") else "on TensorFlow"
@@ -61,7 +66,7 @@ def framework_lines() -> Iterator[str]:
         usable = note == "collectives.keras"
         yield f"    {_mark(usable)} Keras {keras_version}, {where} ({note})"
     else:
-        yield "    [ ] Keras (not installed)"
+        yield "    [ ] Keras (not installed: pip install 'hvdrun[keras]', for collectives.keras)"
     if tf_keras:
         yield f"    [X] tf_keras {tf_keras} (Keras 2, with TF_USE_LEGACY_KERAS=1)"
 
@@ -105,6 +110,14 @@ def build_report() -> Iterator[str]:
     yield f"    {_mark(True)} gRPC rendezvous"
     yield f"    {_mark(gloo)} Gloo"
     yield f"    {_mark(mpi)} MPI"
+    mpi4py = _version("mpi4py")
+    if mpi4py:
+        yield f"    [X] mpi4py {mpi4py} (hvd.init() under mpirun without MASTER_ADDR)"
+    else:
+        yield (
+            "    [ ] mpi4py (not installed: hvd.init() under mpirun needs MASTER_ADDR, or "
+            "pip install 'hvdrun[mpi]')"
+        )
     yield ""
     yield "Available Tensor Operations:"
     yield f"    {_mark(nccl)} NCCL{nccl_version}"

@@ -152,3 +152,57 @@ def test_a_users_module_named_as_a_package_of_hvdrun_is_named_as_the_cause(
         cwd=REPO,
     )
     assert done.returncode == 0, done.stderr
+
+
+BUILD = """
+import pathlib, sys
+from setuptools import build_meta
+out = pathlib.Path(sys.argv[1])
+names = [build_meta.build_wheel(str(out)), build_meta.build_sdist(str(out))]
+(out / "built.txt").write_text("\\n".join(names))
+"""
+
+
+def test_the_wheel_and_sdist_carry_the_licence_the_version_and_no_tests(tmp_path: Path) -> None:
+    """What ``pip wheel .`` and an sdist built from a clone hold (built from a copy of the
+    tracked files, as a fresh clone has them): the licence, hvdrun's one version, the
+    generated gRPC code; no tests."""
+    import tarfile
+    import zipfile
+
+    from hvdrun.version import __version__
+
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.decode()
+    if not tracked:
+        pytest.skip("not a git clone: the tracked files are unknown")
+    source = tmp_path / "clone"
+    for name in filter(None, tracked.split("\0")):
+        target = source / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((REPO / name).read_bytes())
+    out = tmp_path / "dist"
+    built = subprocess.run(
+        [sys.executable, "-c", BUILD, str(out)],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    wheel_name, sdist_name = (out / "built.txt").read_text().splitlines()
+    assert wheel_name == f"hvdrun-{__version__}-py3-none-any.whl", wheel_name
+    with zipfile.ZipFile(out / wheel_name) as wheel:
+        names = wheel.namelist()
+        info = f"hvdrun-{__version__}.dist-info"
+        metadata = wheel.read(f"{info}/METADATA").decode()
+    assert f"{info}/licenses/LICENSE" in names, names
+    assert f"\nVersion: {__version__}\n" in metadata
+    assert "\nLicense-Expression: Apache-2.0\n" in metadata
+    assert "rendezvous/rendezvous_pb2.py" in names and "rendezvous/rendezvous_pb2_grpc.py" in names
+    assert not [name for name in names if name.startswith("tests/")], names
+    with tarfile.open(out / sdist_name) as sdist:
+        members = [member.name.split("/", 1)[-1] for member in sdist.getmembers()]
+    assert "LICENSE" in members and "pyproject.toml" in members, members
+    assert not [name for name in members if name.startswith("tests/")], members

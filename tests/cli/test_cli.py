@@ -375,6 +375,8 @@ def test_check_build_lists_what_is_available() -> None:
                 continue
         return None
 
+    mpi4py = installed("mpi4py")  # (what hvd.init() under mpirun without MASTER_ADDR uses)
+    assert (f"[X] mpi4py {mpi4py} (" if mpi4py else "[ ] mpi4py (not installed: ") in out, out
     # (TensorFlow's CPU build is the distribution tensorflow-cpu, the same package)
     tensorflow, keras = installed("tensorflow", "tensorflow-cpu"), installed("keras")
     assert (f"[X] TensorFlow {tensorflow}" if tensorflow else "[ ] TensorFlow") in out, out
@@ -505,6 +507,19 @@ def test_check_build_marks_a_keras_backend_collectives_keras_cannot_run_on(
     assert lines[0].endswith(
         "backend jax (collectives.keras needs its tensorflow or torch backend)"
     ), lines
+
+
+def test_check_build_says_how_to_install_a_missing_framework(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hvdrun import check_build
+
+    monkeypatch.setattr(check_build, "_version", lambda *distributions: None)
+    assert list(check_build.framework_lines()) == [
+        "    [ ] TensorFlow (not installed: pip install 'hvdrun[tensorflow]', for "
+        "collectives.tensorflow)",
+        "    [ ] Keras (not installed: pip install 'hvdrun[keras]', for collectives.keras)",
+    ]
 
 
 def test_a_deleted_current_directory_is_one_line(tmp_path: Path) -> None:
