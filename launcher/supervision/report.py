@@ -82,7 +82,8 @@ def summary_table(result: JobResult, sink: OutputSink, hosts: dict[int, str]) ->
             continue
         code = result.exits.get(rank)
         tail = sink.stderr_tail(rank)
-        last = tail[-1] if tail else result.lost.get(rank, "")
+        # (the last line that says something: TensorFlow ends a traceback with a blank one)
+        last = next((line for line in reversed(tail) if line.strip()), result.lost.get(rank, ""))
         failure = result.failure
         if not tail and failure is not None and failure.stop is not None and failure.rank == rank:
             last = "(stopped, never continued)" if failure.stop.until is None else "(stopped)"
