@@ -330,13 +330,16 @@ class _Watch:
                     self._on_roll_call(event.roll_call)
                 if event.kind == rendezvous_pb2.WatchEvent.SHUTDOWN:
                     detail = event.message or "no reason given"
-                    self._report(f"the rendezvous server shut down the job: {detail}")
+                    lost = detail.startswith(RELAY_LOST)  # (its host's relay's, not the job's)
+                    self._report(
+                        detail if lost else f"the rendezvous server shut down the job: {detail}"
+                    )
                     return None
             return "the rendezvous server closed the watch stream"
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.CANCELLED and self._finished.is_set():
                 return None  # our own cancel()
-            if error.code() not in _TRANSIENT:  # refused: asking again cannot help
+            if error.code() not in TRANSIENT_CODES:  # refused: asking again cannot help
                 self._report(str(self._client._convert("watch", error)))
                 return None
             return str(self._client._convert("watch", error))
@@ -369,8 +372,11 @@ class _Watch:
 PROBE_SECONDS = 5.0
 #: A broken watch stream of a server that still answers is opened again after this long.
 REOPEN_SECONDS = 1.0
+#: How a host's relay ends its workers' streams when it lost the server (SHUTDOWN's message
+#: starts so): the server did not shut the job down, its host lost it.
+RELAY_LOST = "the host's rendezvous relay lost the server"
 #: Stream errors after which the server may still be there (the transport broke).
-_TRANSIENT = (
+TRANSIENT_CODES = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.UNKNOWN,

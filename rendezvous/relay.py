@@ -10,9 +10,10 @@ this relay instead (``launcher.agent``), so the server sees hosts, not ranks:
   the server still authenticates every call), over one connection per host (TLS where
   the server speaks it).
 * Heartbeats: the relay holds one ``WatchHost`` stream for all the host's ranks and beats
-  its workers' ``Watch`` streams locally. When the server's stream ends, fails, or stays
-  silent for ``lost_after`` seconds, every local stream ends with SHUTDOWN at once: a worker
-  notices a lost job within the same bound as with a stream of its own.
+  its workers' ``Watch`` streams locally. A stream that breaks (a reset connection, a
+  network down for a while) is opened again; when the server ends the job or refuses the
+  stream, or stays silent for ``lost_after`` seconds, every local stream ends with SHUTDOWN
+  at once: a worker notices a lost job within the same bound as with a stream of its own.
 * Reads of the same key by several local workers at once (the NCCL unique id, a peer's
   Gloo address) go to the server once; every waiting worker gets that answer. Registers of
   the host's workers that arrive within a few milliseconds go as one ``RegisterHost``.
@@ -41,6 +42,7 @@ import grpc.aio
 
 from rendezvous import JOB_METADATA_KEY, TOKEN_METADATA_KEY, rendezvous_pb2
 from rendezvous.addresses import DIRECT
+from rendezvous.client import RELAY_LOST, REOPEN_SECONDS, TRANSIENT_CODES
 from rendezvous.tls import TARGET_NAME, channel_credentials
 
 __all__ = ["HostRelay"]
@@ -153,6 +155,7 @@ class HostRelay:
         self._tasks: set[asyncio.Future[None]] = set()
         self._pulse = asyncio.Event()
         self._ended: str | None = None  # why the upstream stream ended (then every Watch ends)
+        self._last_heard = 0.0  # loop time of the server's latest event
         self._generation = 0
         self._upstream_task: asyncio.Task[None] | None = None
         #: Calls sent to the server (a coalesced read counts once); for tests and benchmarks.
@@ -252,17 +255,38 @@ class HostRelay:
         old, self._pulse = self._pulse, asyncio.Event()
         old.set()
 
-    def _end(self, reason: str, expected: bool = False) -> None:
-        """Ends the workers' streams for ``reason``; a warning unless the agent stopped the
-        relay (``expected``: the end of every job)."""
+    def _end(self, reason: str, expected: bool = False, by_server: bool = False) -> None:
+        """Ends the workers' streams for ``reason`` (``by_server``: the server's SHUTDOWN
+        message); a warning unless the agent stopped the relay (``expected``: the end of
+        every job)."""
         if self._ended is None:
             self._ended = reason
-            logger.log(
-                logging.DEBUG if expected else logging.WARNING, "rendezvous relay: %s", reason
-            )
+            said = f"the rendezvous server shut down the job: {reason}" if by_server else reason
+            logger.log(logging.DEBUG if expected else logging.WARNING, "rendezvous relay: %s", said)
         self._beat()
 
     async def _watch_upstream(self) -> None:
+        """Holds the host's WatchHost stream; a stream that breaks (a reset connection, a
+        network that was down a while) is opened again, as a worker's own watch does, until
+        the server has been silent for ``lost_after`` seconds: only then, or when the server
+        ends the job or refuses the stream, do the workers' streams end."""
+        self._last_heard = self._loop.time()
+        while self._ended is None:
+            broke = await self._hold_upstream()
+            if broke is None:
+                return
+            silent = self._loop.time() - self._last_heard
+            if silent >= self._lost_after:
+                self._end(
+                    f"{RELAY_LOST} at {self.upstream}: no heartbeat for {silent:.0f} s; "
+                    f"the last stream {broke}"
+                )
+                return
+            logger.warning("rendezvous relay: the host's watch stream %s; opening it again", broke)
+            await asyncio.sleep(min(REOPEN_SECONDS, self._lost_after - silent))
+
+    async def _hold_upstream(self) -> str | None:
+        """One WatchHost stream until it ends: why it broke, or None once the relay ended."""
         assert self._channel is not None
         call = self._channel.unary_stream(
             _PREFIX + "WatchHost",
@@ -272,24 +296,29 @@ class HostRelay:
         self.upstream_calls += 1
         try:
             while True:
+                left = self._lost_after - (self._loop.time() - self._last_heard)
                 try:
-                    event = await asyncio.wait_for(call.read(), self._lost_after)
+                    event = await asyncio.wait_for(call.read(), max(left, 0.0))
                 except asyncio.TimeoutError:
                     self._end(
-                        f"no heartbeat from the rendezvous server at {self.upstream} "
-                        f"for {self._lost_after:g} s"
+                        f"{RELAY_LOST} at {self.upstream}: no heartbeat for {self._lost_after:g} s"
                     )
-                    return
+                    return None
                 if event is grpc.aio.EOF:  # type: ignore[attr-defined]
-                    self._end("the rendezvous server closed the host's watch stream")
-                    return
+                    return "was closed by the server"
+                self._last_heard = self._loop.time()
                 beat: rendezvous_pb2.WatchEvent = event  # type: ignore[assignment]
                 self._generation = beat.generation
                 if beat.kind == rendezvous_pb2.WatchEvent.SHUTDOWN:
-                    self._end(f"the rendezvous server shut down the job: {beat.message}")
-                    return
+                    # (passed on as the server said it: a worker's watch says who ended the job)
+                    self._end(beat.message or "no reason given", by_server=True)
+                    return None
         except grpc.aio.AioRpcError as error:
-            self._end(f"the host's watch stream failed: {error.code().name}: {error.details()}")
+            failed = f"{error.code().name}: {error.details()}"
+            if error.code() not in TRANSIENT_CODES:  # refused: asking again cannot help
+                self._end(f"{RELAY_LOST} at {self.upstream}: it refused the watch stream: {failed}")
+                return None
+            return f"failed: {failed}"
         finally:
             call.cancel()
 

@@ -63,6 +63,15 @@ class Forwarder:
         except OSError:
             pass
 
+    def cut(self) -> None:
+        """Closes every connection made so far (a reset network), and goes on listening."""
+        for sock in self._sockets[1:]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+        del self._sockets[1:]
+
     def close(self) -> None:
         for sock in self._sockets:
             with contextlib.suppress(OSError):

@@ -553,7 +553,6 @@ def test_a_register_that_is_never_answered_is_made_again() -> None:
     stuck.start()
     real_port = free_port()
     forwarder = Forwarder([stuck_port, real_port])
-    started = time.monotonic()
     try:
         codes, output = finish(relayed_pods(real_port, forwarder, HVDRUN_START_TIMEOUT="30"), 90)
     finally:
@@ -563,8 +562,9 @@ def test_a_register_that_is_never_answered_is_made_again() -> None:
         forwarder.close()
     assert codes == [0, 0], output
     assert sorted(identities(output)) == [0, 1], output
-    assert forwarder.connections >= 2, output  # (the first call did go to the silent one)
-    assert time.monotonic() - started < 28, output
+    # (the first call did go to the silent one; had no Register been made again, both ranks
+    # would have failed at HVDRUN_START_TIMEOUT rather than formed the job)
+    assert forwarder.connections >= 2, output
 
 
 def test_pods_with_a_secret_meet_over_tls(slurm: SlurmCluster) -> None:

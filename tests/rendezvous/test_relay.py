@@ -20,6 +20,7 @@ from rendezvous.client import RendezvousAuthError, RendezvousClient
 from rendezvous.relay import HostRelay
 from rendezvous.server import RendezvousServer
 from rendezvous.slots import assign_slots
+from tests.forwarding import Forwarder
 from tests.rendezvous.conftest import JOB_ID, SECRET
 
 
@@ -94,6 +95,48 @@ def test_workers_through_the_relay_meet_workers_without_one(
     finally:
         for client in local + direct:
             client.close()
+
+
+@pytest.mark.parametrize("outage", ["reset", "lost"])
+def test_a_broken_upstream_is_opened_again_and_only_lost_after_silence_ends_the_workers(
+    served: RendezvousServer, outage: str
+) -> None:
+    """The relay's connection to the server resets (a network blip): it opens its stream
+    again and the workers go on. Where the server stays out of reach for ``lost_after``
+    seconds, the workers' streams end, saying the host's relay lost the server (the server
+    did not end the job)."""
+    forwarder = Forwarder([served.port])
+    relay = HostRelay(
+        f"127.0.0.1:{forwarder.port}", SECRET, JOB_ID, [0, 1], heartbeat_interval=0.2,
+        lost_after=3,
+    )  # fmt: skip
+    relay.start()
+    client = RendezvousClient(relay.addr, SECRET, JOB_ID)
+    lost: list[str] = []
+    ended = threading.Event()
+    try:
+        client.watch(0, lambda reason: (lost.append(reason), ended.set()), lost_after=10)
+        time.sleep(0.5)
+        streams = relay.upstream_calls
+        if outage == "reset":
+            forwarder.cut()
+            assert not ended.wait(4), lost  # (longer than lost_after)
+            assert relay.upstream_calls > streams  # its stream was opened again
+            client.set("after", b"the reset")
+            assert client.get("after", timeout=5) == b"the reset"
+        else:
+            forwarder.close()
+            assert ended.wait(10), "the workers never heard that the server was lost"
+            (reason,) = lost
+            assert reason.startswith(
+                f"the host's rendezvous relay lost the server at 127.0.0.1:{forwarder.port}: "
+                "no heartbeat for 3 s"
+            ), reason
+            assert "shut down" not in reason, reason
+    finally:
+        client.close()
+        relay.stop()
+        forwarder.close()
 
 
 def test_wrong_secret_through_the_relay_is_rejected(relay: HostRelay) -> None:
