@@ -226,6 +226,8 @@ def agent_loss_reason(event: Done | AgentExit) -> str:
         return "its agent finished early"
     if event.code is None:
         why = "lost the connection to its agent"
+    elif event.killed_by_hvdrun:
+        why = "hvdrun killed its agent"
     elif event.code < 0:  # (a signal, as subprocess says: -9 is SIGKILL)
         why = f"its agent was killed by {signal_name(-event.code) or f'signal {-event.code}'}"
     else:

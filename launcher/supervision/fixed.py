@@ -224,7 +224,9 @@ class Supervisor(Supervision[HostEvent]):
                 self.interrupt(signum, signalled_message(host, signum))
             case Done() | AgentExit():
                 if host in self._pending_hosts:
-                    self._lose_host(host, agent_loss_reason(event))
+                    # (one hvdrun killed, after a second signal: said already)
+                    quiet = isinstance(event, AgentExit) and event.killed_by_hvdrun
+                    self._lose_host(host, agent_loss_reason(event), quiet)
 
     def _failed(self, failure: WorkerFailure) -> None:
         """A worker failed. When another rank's leaving ended its collectives and that rank
@@ -346,12 +348,12 @@ class Supervisor(Supervision[HostEvent]):
                 "wait for them there until it times out (every rank must call hvd.init())"
             )
 
-    def _lose_host(self, host: str, why: str) -> None:
+    def _lose_host(self, host: str, why: str, quiet: bool = False) -> None:
         self._pending_hosts.discard(host)
         missing = [r for r, h in self.host_of.items() if h == host and r not in self.result.exits]
         if not missing:
             return
-        if not self._step_cancelled:
+        if not (self._step_cancelled or quiet):
             self.sink.message(f"host {host}: {why}; rank(s) {rank_list(missing)} not reported")
         for rank in missing:
             self.result.lost[rank] = why

@@ -98,6 +98,7 @@ class AgentExit:
 
     code: int | None
     reason: str
+    killed_by_hvdrun: bool = False  # (hvdrun gave up on it: a second signal, a silent agent)
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class AgentConnection:
         self._answer: Probe | Prepared | Reached | None = None
         self.rendezvous_host: str | None = None  # where this host can reach hvdrun
         self.exit_code: int | None = None
+        self.aborted = False  # hvdrun killed the agent (abort)
         self.worker_pids: list[int] = []
         self._running: dict[int, int] = {}  # rank -> pid of the workers not reported exited
         self.last_heard = time.monotonic()  # when the agent last wrote anything
@@ -279,6 +281,7 @@ class AgentConnection:
             self._close_stdin()
 
     def abort(self) -> None:
+        self.aborted = True
         with contextlib.suppress(Exception):
             self._abort()
 
@@ -377,7 +380,7 @@ class AgentConnection:
                 self._stop_orphans(sorted(self._running.values()))
         self._finished.set()
         self._answered.set()
-        self._deliver(AgentExit(self.exit_code, self.exit_reason()))
+        self._deliver(AgentExit(self.exit_code, self.exit_reason(), self.aborted))
 
     def _note_skipped(self, skipped: bytes) -> None:
         """Says once (with --verbose) what the agent's host printed on its stdout before the

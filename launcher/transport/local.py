@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping
 from typing import IO
 
+import psutil
+
 from launcher.transport.connection import AgentConnection, LineReader
 
 AGENT_MODULE = "launcher.agent"
@@ -74,12 +76,23 @@ class LocalAgent(AgentConnection):
         return self._proc.wait()
 
     def _abort(self) -> None:
-        # Local workers can be reached directly: nothing of the job may survive a kill.
+        # Local workers can be reached directly: nothing of the job may survive a kill, not
+        # even what the workers left outside their process groups (a double fork, setsid),
+        # which the agent adopted (it is their subreaper) and would have ended itself had it
+        # had the time: the agent's children, found before it dies and they go to init.
+        descendants: list[psutil.Process] = []
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                descendants = psutil.Process(self._proc.pid).children(recursive=True)
         for pid in self.worker_pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
+        for process in descendants:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        if self._proc is not None:
             deadline = time.monotonic() + 1.0
             while self._proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)

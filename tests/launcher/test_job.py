@@ -154,6 +154,57 @@ def test_signal_to_hvdrun_stops_all_workers(signum: int) -> None:
     assert_all_gone(pids)
 
 
+STUBBORN_WITH_A_DAEMON = """
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (saving a checkpoint, say)
+if os.fork() == 0:  # a daemon that keeps the worker's output: the agent adopts it
+    os.setsid()
+    if os.fork() == 0:
+        os.execvp("sleep", ["sleep", "1777.25"])
+    os._exit(0)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_ctrl_c_leaves_nothing_running_not_even_a_worker_s_daemon() -> None:
+    """Workers that ignore SIGTERM, each with a double-forked daemon holding its output:
+    a second Ctrl-C kills everything at once, the daemons too (hvdrun kills the agent that
+    had adopted them, and what it had, before they pass to init)."""
+    proc = subprocess.Popen(
+        [*HVDRUN, "-np", "2", "--term-grace", "20", sys.executable, "-c", STUBBORN_WITH_A_DAEMON],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    try:
+        for _ in range(2):
+            assert "ready" in proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    assert "second signal: killing all workers now" in stderr, stderr
+
+    def daemons() -> list[psutil.Process]:
+        found = psutil.process_iter(["cmdline"])
+        return [p for p in found if p.info["cmdline"] == ["sleep", "1777.25"]]
+
+    deadline = time.monotonic() + 5
+    while daemons() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = daemons()
+    for process in left:
+        process.kill()
+    assert not left, stderr
+
+
 @pytest.mark.parametrize("stderr_too", [False, True])
 def test_a_stdout_nobody_reads_holds_off_neither_a_signal_nor_hvdrun_s_memory(
     tmp_path: Path, stderr_too: bool
