@@ -255,8 +255,10 @@ REPEAT_SECONDS = 0.25
 
 
 class Signals:
-    """Records SIGINT/SIGTERM/SIGHUP for the supervision loop instead of raising mid-cleanup.
-    A SIGHUP that hvdrun started ignoring (``nohup``) stays ignored."""
+    """Records SIGINT/SIGTERM/SIGHUP/SIGQUIT for the supervision loop instead of raising
+    mid-cleanup (SIGQUIT too, as torchrun does: Ctrl-\\ stops the job as a Ctrl-C does,
+    rather than kill hvdrun alone). A SIGHUP that hvdrun started ignoring (``nohup``) stays
+    ignored."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.received: list[int] = []
@@ -288,7 +290,7 @@ class Signals:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Signals]:
-        handled = [signal.SIGINT, signal.SIGTERM]
+        handled = [signal.SIGINT, signal.SIGTERM, signal.SIGQUIT]
         if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # (nohup hvdrun ...)
             handled.append(signal.SIGHUP)
         previous = {s: signal.signal(s, self.record) for s in handled}

@@ -144,7 +144,7 @@ def start_and_wait_ready(np: int) -> tuple[subprocess.Popen[str], list[int]]:
     return proc, pids
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGQUIT])
 def test_signal_to_hvdrun_stops_all_workers(signum: int) -> None:
     proc, pids = start_and_wait_ready(2)
     proc.send_signal(signum)
