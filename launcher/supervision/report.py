@@ -147,7 +147,8 @@ def report_failure(
     if failure.error and exited_zero:
         what = failure.error
     if failure.rank in result.lost:
-        what = f"{result.lost[failure.rank]} (exit code {failure.code})"
+        # (a lost rank has no exit code of its own: the table shows "-")
+        what = f"{result.lost[failure.rank]} (hvdrun exits with code {failure.code})"
     if failure.peer is not None and failure.error:  # (stopped or stalled: why, not its exit)
         what = failure.error
     # Horovod's sentence first: scripts and CI logs match on it.

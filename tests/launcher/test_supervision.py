@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import re
 import signal
 import time
 from typing import Any, cast
@@ -689,6 +690,13 @@ def test_fixed_job_loses_a_silent_host() -> None:
     assert supervisor.result.failure == WorkerFailure(
         2, "b", 255, "heard nothing from its agent for 30 s"
     )
+    report_failure(supervisor.result, supervisor.sink)
+    said = err.getvalue().decode()
+    assert (
+        "rank 2 on host b failed first: heard nothing from its agent for 30 s (hvdrun exits "
+        "with code 255)\n"
+    ) in said, said
+    assert re.search(r"hvdrun: +2 +b +- +FAILED FIRST", said), said  # (no exit code: "-")
 
 
 def test_fixed_job_reports_a_worker_that_could_not_start() -> None:
