@@ -35,7 +35,7 @@ import os
 import re
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +58,7 @@ class _Rank:
     rank: int
     host: str
     origin_us: float | None  # the host's monotonic clock at the file's time 0
-    events: list[dict[str, Any]]
+    first_ts: float | None = None  # its earliest event's time (its own clock)
     rows: dict[int, str] = field(default_factory=dict)  # file pid -> op name
     ends: dict[Key, float] = field(default_factory=dict)  # NEGOTIATE end, by round
     begins: dict[Key, float] = field(default_factory=dict)  # its NEGOTIATE begin
@@ -86,33 +86,89 @@ def merged_path(path: str) -> str:
     return path.replace("{rank}", "all")
 
 
-def _load(path: str, index: int) -> _Rank:
+#: How much of a timeline is read at a time: a long job's files need not fit in memory as
+#: Python objects (each event takes ten times its bytes there), so they are read twice, as
+#: streams: once to index their rounds, once to write the merged trace.
+_CHUNK_BYTES = 1 << 20
+
+
+def _events(path: str) -> Iterator[dict[str, Any]]:
+    """The trace events of the timeline in ``path`` (a JSON array of objects), one at a time.
+    Raises :class:`TimelineError` for a file that cannot be read or is not such an array."""
+    decoder = json.JSONDecoder()
     try:
         with open(path, encoding="utf-8") as source:
-            events = json.load(source)
+            text, at, done = "", 0, False
+
+            def more() -> bool:
+                nonlocal text, at, done
+                chunk = "" if done else source.read(_CHUNK_BYTES)
+                done = done or not chunk
+                text, at = text[at:] + chunk, 0
+                return bool(chunk)
+
+            def skip_space() -> str:
+                nonlocal at
+                while True:
+                    while at < len(text) and text[at].isspace():
+                        at += 1
+                    if at < len(text) or not more():
+                        return text[at] if at < len(text) else ""
+
+            if skip_space() != "[":
+                raise ValueError("it does not start with '['")
+            at += 1
+            expect_value = True  # (at the start: an event or the end of the array)
+            first = True
+            while True:
+                char = skip_space()
+                if not char:
+                    raise ValueError("the array is not closed")
+                if char == "]" and (first or not expect_value):
+                    return
+                if not expect_value:
+                    if char != ",":
+                        raise ValueError(f"expected ',' or ']' at {char!r}")
+                    at += 1
+                    expect_value = True
+                    continue
+                while True:
+                    try:
+                        event, end = decoder.raw_decode(text, at)
+                        break
+                    except ValueError:
+                        if not more():  # (the whole rest of the file: a real error)
+                            raise
+                if not isinstance(event, dict):
+                    raise TimelineError(
+                        f"{path} is not a timeline: not a JSON array of trace events"
+                    )
+                at, first, expect_value = end, False, False
+                yield event
     except OSError as error:
         raise TimelineError(f"cannot read {path}: {error.strerror or error}") from None
     except ValueError as error:
         raise TimelineError(f"{path} is not a timeline (JSON): {error}") from None
-    if not isinstance(events, list) or not all(isinstance(event, dict) for event in events):
-        raise TimelineError(f"{path} is not a timeline: not a JSON array of trace events")
-    rank, host, origin = index, "", None
+
+
+def _load(path: str, index: int) -> _Rank:
+    """A rank's file, indexed (see :func:`_index`) without keeping its events."""
     number = re.findall(r"\d+", os.path.basename(path))
-    if number:
-        rank = int(number[-1])
-    for event in events:
-        if (
-            isinstance(event, dict)
-            and event.get("name") == "hvdrun_rank"
-            and event.get("ph") == "M"
-        ):
+    found = _Rank(path, int(number[-1]) if number else index, "", None)
+    named = False
+    note = _indexer(found)
+    for position, event in enumerate(_events(path)):
+        if not named and event.get("name") == "hvdrun_rank" and event.get("ph") == "M":
+            named = True
             args = event.get("args", {})
-            rank = int(args.get("rank", rank))
-            host = str(args.get("host", ""))
+            found.rank = int(args.get("rank", found.rank))
+            found.host = str(args.get("host", ""))
             origin = args.get("monotonic_us")
-            break
-    found = _Rank(path, rank, host, float(origin) if origin is not None else None, events)
-    _index(found)
+            found.origin_us = float(origin) if origin is not None else None
+        if "ts" in event:
+            ts = float(event["ts"])
+            found.first_ts = ts if found.first_ts is None else min(found.first_ts, ts)
+        note(position, event)
     return found
 
 
@@ -142,21 +198,21 @@ def start_time(path: str) -> float | None:
     return modified
 
 
-def _index(rank: _Rank) -> None:
-    """The rows' names, and each op occurrence's NEGOTIATE begin and end (by round)."""
+def _indexer(rank: _Rank) -> Callable[[int, dict[str, Any]], None]:
+    """What notes, event by event (with its position in the file), the rows' names and each
+    op occurrence's NEGOTIATE begin and end (by round) into ``rank``."""
     open_negotiations: dict[int, list[float]] = defaultdict(list)
     seen: dict[tuple[str, str], int] = defaultdict(int)  # how often a row had a round
-    for index, event in enumerate(rank.events):
-        if not isinstance(event, dict):
-            continue
+
+    def note(index: int, event: dict[str, Any]) -> None:
         pid = event.get("pid", 0)
         phase = event.get("ph")
         name = str(event.get("name", ""))
         if phase == "M" and name == "process_name":
             rank.rows[pid] = str(event.get("args", {}).get("name", pid))
-            continue
+            return
         if not name.startswith("NEGOTIATE_") or "ts" not in event:
-            continue
+            return
         if phase == "B":
             open_negotiations[pid].append(float(event["ts"]))
         elif phase == "E" and open_negotiations[pid]:
@@ -169,6 +225,8 @@ def _index(rank: _Rank) -> None:
                 rank.ends[key] = float(event["ts"])
                 rank.begins[key] = began
                 rank.keys[index] = key
+
+    return note
 
 
 def _fit(pairs: list[tuple[float, float]]) -> tuple[float, float]:
@@ -221,65 +279,51 @@ def _align(ranks: list[_Rank]) -> list[str]:
     return notes
 
 
-def merge(ranks: list[_Rank]) -> tuple[list[dict[str, Any]], list[str]]:
-    """The merged trace's events, and notes for the user."""
+def merge(ranks: list[_Rank]) -> tuple[Iterator[dict[str, Any]], list[str]]:
+    """The merged trace's events (read from the ranks' files again as they are taken), and
+    notes for the user."""
     ranks = sorted(ranks, key=lambda r: r.rank)
     notes = _align(ranks)
     lasts = _last_submitters(ranks)
-    merged: list[dict[str, Any]] = []
-    start = min(
-        (
-            r.time(float(e["ts"]))
-            for r in ranks
-            for e in r.events
-            if isinstance(e, dict) and "ts" in e
-        ),
-        default=0.0,
-    )
-    for rank in ranks:
-        label = f"rank {rank.rank}" + (f" ({rank.host})" if rank.host else "")
-        merged.append(
-            {"name": "process_name", "ph": "M", "pid": rank.rank, "args": {"name": label}}
-        )
-        merged.append(
-            {
-                "name": "process_sort_index",
-                "ph": "M",
-                "pid": rank.rank,
-                "args": {"sort_index": rank.rank},
+    # (a rank's clock maps onto the reference's by an increasing line: its first event
+    # stays its first)
+    starts = [r.time(r.first_ts) for r in ranks if r.first_ts is not None]
+    start = min(starts, default=0.0)
+    return (event for rank in ranks for event in _merged_events(rank, lasts, start)), notes
+
+
+def _merged_events(
+    rank: _Rank, lasts: dict[Key, tuple[int, float]], start: float
+) -> Iterator[dict[str, Any]]:
+    """One rank's events in the merged trace: on the reference clock, from ``start``, as a
+    process of its own whose threads are its op rows."""
+    label = f"rank {rank.rank}" + (f" ({rank.host})" if rank.host else "")
+    yield {"name": "process_name", "ph": "M", "pid": rank.rank, "args": {"name": label}}
+    yield {"name": "process_sort_index", "ph": "M", "pid": rank.rank,
+           "args": {"sort_index": rank.rank}}  # fmt: skip
+    for index, event in enumerate(_events(rank.path)):
+        pid = event.get("pid", 0)
+        if event.get("ph") == "M":
+            if event.get("name") == "process_name":
+                yield {"name": "thread_name", "ph": "M", "pid": rank.rank, "tid": pid,
+                       "args": event.get("args", {})}  # fmt: skip
+                yield {"name": "thread_sort_index", "ph": "M", "pid": rank.rank, "tid": pid,
+                       "args": {"sort_index": pid}}  # fmt: skip
+            continue
+        out = {**event, "pid": rank.rank, "tid": pid}
+        if "ts" in out:
+            out["ts"] = round(rank.time(float(out["ts"])) - start, 3)
+        key = rank.keys.get(index)  # (a NEGOTIATE end with its round)
+        if key is not None and key in lasts:
+            last_rank, last_began = lasts[key]
+            began = rank.time(rank.begins[key])
+            waited = min(max(last_began - began, 0.0), rank.time(rank.ends[key]) - began)
+            out["args"] = {
+                **out.get("args", {}),
+                "last_rank": last_rank,
+                "waited_ms": round(waited / 1000.0, 3),
             }
-        )
-        for index, event in enumerate(rank.events):
-            if not isinstance(event, dict):
-                continue
-            pid = event.get("pid", 0)
-            name = event.get("name")
-            if event.get("ph") == "M":
-                if name == "process_name":
-                    merged.append(
-                        {"name": "thread_name", "ph": "M", "pid": rank.rank, "tid": pid,
-                         "args": event.get("args", {})}
-                    )  # fmt: skip
-                    merged.append(
-                        {"name": "thread_sort_index", "ph": "M", "pid": rank.rank, "tid": pid,
-                         "args": {"sort_index": pid}}
-                    )  # fmt: skip
-                continue
-            out = {**event, "pid": rank.rank, "tid": pid}
-            if "ts" in out:
-                out["ts"] = round(rank.time(float(out["ts"])) - start, 3)
-            key = rank.keys.get(index)  # (a NEGOTIATE end with its round)
-            if key is not None and key in lasts:
-                last_rank, last_began = lasts[key]
-                began = rank.time(rank.begins[key])
-                waited = min(max(last_began - began, 0.0), rank.time(rank.ends[key]) - began)
-                out["args"] = {
-                    **out.get("args", {}),
-                    "last_rank": last_rank,
-                    "waited_ms": round(waited / 1000.0, 3),
-                }
-            merged.append(out)
-    return merged, notes
+        yield out
 
 
 def _last_submitters(ranks: Sequence[_Rank]) -> dict[Key, tuple[int, float]]:
@@ -297,25 +341,35 @@ def _last_submitters(ranks: Sequence[_Rank]) -> dict[Key, tuple[int, float]]:
     return lasts
 
 
-def _write_whole(output: str, text: str) -> None:
+def _write_whole(output: str, parts: Iterable[str]) -> None:
     """Writes ``output`` whole or not at all: a regular file (or a new one) is written beside
     it and replaces it; anything else (a pipe, ``/dev/stdout``) is written as it is."""
     target = os.path.realpath(output)
     if os.path.exists(target) and not os.path.isfile(target):
         with open(output, "w", encoding="utf-8") as out:
-            out.write(text)
+            out.writelines(parts)
         return
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
     partial = os.path.join(directory, f".{os.path.basename(target)}.{os.getpid()}.partial")
     try:
         with open(partial, "w", encoding="utf-8") as out:
-            out.write(text)
+            out.writelines(parts)
         os.replace(partial, target)
-    except OSError:
+    except BaseException:  # (a file that cannot be read midway too: no partial file left)
         with contextlib.suppress(OSError):
             os.unlink(partial)
         raise
+
+
+def _trace_text(events: Iterable[dict[str, Any]]) -> Iterator[str]:
+    """A JSON array of ``events``, one per line."""
+    yield "["
+    separator = "\n"
+    for event in events:
+        yield separator + json.dumps(event, separators=(",", ":"))
+        separator = ",\n"
+    yield "\n]\n"
 
 
 def merge_files(output: str, inputs: Iterable[str]) -> list[str]:
@@ -331,16 +385,22 @@ def merge_files(output: str, inputs: Iterable[str]) -> list[str]:
         raise TimelineError(
             f"the output {output} is one of the timelines to merge: name a new file"
         )
-    ranks = [_load(path, index) for index, path in enumerate(paths)]
-    seen: dict[int, str] = {}
-    for rank in ranks:
-        if rank.rank in seen:
-            raise TimelineError(f"{seen[rank.rank]} and {rank.path} are both rank {rank.rank}'s")
-        seen[rank.rank] = rank.path
-    events, notes = merge(ranks)
-    text = "[\n" + ",\n".join(json.dumps(e, separators=(",", ":")) for e in events) + "\n]\n"
     try:
-        _write_whole(output, text)
+        ranks = [_load(path, index) for index, path in enumerate(paths)]
+        seen: dict[int, str] = {}
+        for rank in ranks:
+            if rank.rank in seen:
+                raise TimelineError(
+                    f"{seen[rank.rank]} and {rank.path} are both rank {rank.rank}'s"
+                )
+            seen[rank.rank] = rank.path
+        events, notes = merge(ranks)
+        _write_whole(output, _trace_text(events))
     except OSError as error:
         raise TimelineError(f"cannot write {output}: {error.strerror or error}") from None
+    except MemoryError:  # (the index of every op occurrence: see _CHUNK_BYTES)
+        raise TimelineError(
+            f"not enough memory to merge {len(paths)} timelines into {output}: merge fewer "
+            "at a time, or on a machine with more (hvdrun --merge-timelines OUTPUT FILE...)"
+        ) from None
     return notes
