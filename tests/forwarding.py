@@ -73,6 +73,10 @@ class Forwarder:
         del self._sockets[1:]
 
     def close(self) -> None:
+        """Stops listening (a thread blocked in accept() would keep a closed listener
+        accepting: shutdown() wakes it) and closes every connection."""
         for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 sock.close()
