@@ -337,7 +337,9 @@ def _allreduce(group: Any, tensor: torch.Tensor, op: Any, timeout: float | None)
 
 def op_label(label: str | None) -> str:
     """The op a round waited on, with an unnamed op's counter left out
-    (``allreduce.noname.7`` -> ``allreduce.noname``), so that a loop's ops add up."""
+    (``allreduce.noname.7`` -> ``allreduce.noname``), so that a loop's ops add up, and a
+    kind named twice once (TensorFlow's graph names an unnamed op after its kind and input:
+    ``allreduce.allreduce.gradient_tape/...`` -> ``allreduce.gradient_tape/...``)."""
     if label is None:
         return "allreduce.noname"
     if not label:
@@ -345,7 +347,8 @@ def op_label(label: str | None) -> str:
     head, dot, tail = label.rpartition(".")
     if dot and tail.isdigit() and head.endswith(".noname"):
         return head
-    return label
+    kind, _, rest = label.partition(".")
+    return rest if rest.startswith(f"{kind}.") else label
 
 
 class Summary(NamedTuple):

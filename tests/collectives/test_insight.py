@@ -344,6 +344,10 @@ def test_op_labels_put_an_unnamed_ops_calls_together() -> None:
     assert op_label("allreduce.noname.12") == "allreduce.noname"
     assert op_label("allreduce.grad.3") == "allreduce.grad.3"
     assert op_label(None) == "allreduce.noname"
+    # (TensorFlow graph ops named after their kind and input: the kind once)
+    assert op_label("allreduce.allreduce.gradient_tape/d/MatMul_0") == (
+        "allreduce.gradient_tape/d/MatMul_0"
+    )
     assert op_label(IDLE) == NO_OP
 
 
