@@ -211,15 +211,16 @@ class Control:
         self.stop = threading.Event()
         self.kill = False
         self.reason = ""
+        self.own = False  # the agent stops the workers of its own accord (hvdrun went silent)
         #: The signal from outside hvdrun that stopped the workers (reported to hvdrun).
         self.signum: int | None = None
         self.last_heard = time.monotonic()
         #: Signals hvdrun forwards to the workers (SIGUSR1, SIGUSR2), taken by the run loop.
         self.forward: list[int] = []
 
-    def request_stop(self, reason: str, kill: bool = False) -> None:
+    def request_stop(self, reason: str, kill: bool = False, own: bool = False) -> None:
         if not self.stop.is_set():
-            self.reason = reason
+            self.reason, self.own = reason, own
         self.kill = self.kill or kill
         self.stop.set()
 
@@ -251,7 +252,11 @@ class Control:
         while not self.stop.wait(interval):
             emit(Ping())
             if time.monotonic() - self.last_heard > limit:
-                self.request_stop(f"heard nothing from hvdrun for over {limit:g} s")
+                self.request_stop(
+                    f"it heard nothing from hvdrun for over {limit:g} s (hvdrun stopped or "
+                    "starved of CPU, or the network between them down that long)",
+                    own=True,
+                )
 
 
 def note(text: str) -> None:
@@ -347,7 +352,9 @@ def run(spec: AgentSpec, stdin: LineSource, emit: Emitter) -> int:
         if stopped:
             reason = control.reason or "hvdrun stopped reading"
             note(f"stopping workers: {reason}")
-            agent.terminate(hurry=lambda: control.kill)  # (no grace once asked to kill)
+            # (no grace once asked to kill)
+            because = reason if control.own else None
+            agent.terminate(hurry=lambda: control.kill, because=because)
         # (stopped: they had their SIGTERM and grace with the workers)
         grace = 0.0 if stopped or control.kill else min(spec.term_grace, ADOPTED_GRACE_S)
         agent.end_adopted(grace, hurry=lambda: control.kill)

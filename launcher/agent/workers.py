@@ -130,6 +130,8 @@ class Worker:
         )
         self.exited = threading.Event()
         self.reported_stop: Stopped | None = None  # (the HostAgent's checks only)
+        #: Why the agent stopped it on its own (not asked by hvdrun), said with its exit.
+        self.stopped_because: str | None = None
         self._ps: psutil.Process | None = None
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._readers = [
@@ -192,7 +194,8 @@ class Worker:
         for reader in self._readers:
             reader.join(timeout=max(deadline - time.monotonic(), 0.0))
         # Reported before it counts as exited: the agent's "done" must come after every exit.
-        self._emit(Exit(self.rank, code))
+        why = self.stopped_because if code != 0 else None
+        self._emit(Exit(self.rank, code, error=why and f"stopped by its host's agent: {why}"))
         self.exited.set()
 
 
@@ -326,15 +329,21 @@ class HostAgent:
         return all(worker.exited.wait(timeout) for worker in list(self.workers))
 
     def terminate(
-        self, grace: float | None = None, hurry: Callable[[], bool] | None = None
+        self,
+        grace: float | None = None,
+        hurry: Callable[[], bool] | None = None,
+        because: str | None = None,
     ) -> None:
         """SIGTERM (and SIGCONT) every worker's process tree, SIGKILL what is left after
         ``grace`` seconds, or as soon as ``hurry()`` says so (hvdrun asked to kill
-        meanwhile)."""
+        meanwhile). ``because``: why the agent stops them on its own (hvdrun did not ask),
+        which their exits say."""
         grace = self.spec.term_grace if grace is None else grace
         with self._lock:
             self._terminating = True
             workers = list(self.workers)
+        for worker in workers:
+            worker.stopped_because = because
         trees = _process_trees([worker.proc.pid for worker in workers])
         adopted = _whole_trees(self.adopted())
         for worker, tree in zip(workers, trees, strict=False):

@@ -35,6 +35,7 @@ FULL_TABLE_RANKS = 32
 LAST_LINE_WIDTH = 60
 
 
+
 def exit_signal(code: int) -> signal.Signals | None:
     """The signal that ended a process which exited with ``code`` (128+N), if any."""
     if code > 128:
@@ -144,8 +145,8 @@ def report_failure(
         return
     what = describe_exit(failure.code)
     exited_zero = result.exits.get(failure.rank) == 0  # (a rank that never joined the job)
-    if failure.error and exited_zero:
-        what = failure.error
+    if failure.error and (exited_zero or failure.code in STOP_CODES):
+        what = failure.error  # (a rank that never joined; one its host's agent stopped)
     if failure.rank in result.lost:
         # (a lost rank has no exit code of its own: the table shows "-")
         what = f"{result.lost[failure.rank]} (hvdrun exits with code {failure.code})"

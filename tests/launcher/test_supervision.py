@@ -709,6 +709,19 @@ def test_fixed_job_reports_a_worker_that_could_not_start() -> None:
     assert supervisor.result.exit_code == 127
 
 
+def test_a_worker_its_agent_stopped_on_its_own_is_named_with_the_agent_s_reason() -> None:
+    """A host's agent that heard nothing from hvdrun for the heartbeat timeout (a network
+    down that long) stops its workers; once hvdrun hears again, the failure is that, not a
+    SIGTERM from nowhere."""
+    supervisor, _, err = fixed(FakeAgent("a"), FakeAgent("b"))
+    why = "stopped by its host's agent: it heard nothing from hvdrun for over 30 s (...)"
+    put(supervisor, "b", Exit(2, 143, why))
+    supervisor.step()
+    report_failure(supervisor.result, supervisor.sink)
+    said = err.getvalue().decode()
+    assert f"hvdrun: rank 2 on host b failed first: {why}\n" in said, said
+
+
 @pytest.mark.parametrize(
     ("event", "why"),
     [
