@@ -35,7 +35,6 @@ FULL_TABLE_RANKS = 32
 LAST_LINE_WIDTH = 60
 
 
-
 def exit_signal(code: int) -> signal.Signals | None:
     """The signal that ended a process which exited with ``code`` (128+N), if any."""
     if code > 128:
