@@ -92,59 +92,67 @@ def merged_path(path: str) -> str:
 _CHUNK_BYTES = 1 << 20
 
 
+class _Reader:
+    """A file's text, read a chunk at a time as its JSON values are taken."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.text = ""
+        self.at = 0
+
+    def more(self) -> bool:
+        """Reads the next chunk (False at the end of the file)."""
+        chunk = self.source.read(_CHUNK_BYTES)
+        self.text, self.at = self.text[self.at :] + chunk, 0
+        return bool(chunk)
+
+    def next_char(self) -> str:
+        """The next character that is not white space, left unread; "" at the end."""
+        while True:
+            while self.at < len(self.text) and self.text[self.at].isspace():
+                self.at += 1
+            if self.at < len(self.text):
+                return self.text[self.at]
+            if not self.more():
+                return ""
+
+    def value(self, decoder: json.JSONDecoder) -> Any:
+        """The JSON value that starts here (ValueError where none does)."""
+        while True:
+            try:
+                value, self.at = decoder.raw_decode(self.text, self.at)
+                return value
+            except ValueError:
+                if not self.more():  # (the whole rest of the file: a real error)
+                    raise
+
+
 def _events(path: str) -> Iterator[dict[str, Any]]:
     """The trace events of the timeline in ``path`` (a JSON array of objects), one at a time.
     Raises :class:`TimelineError` for a file that cannot be read or is not such an array."""
     decoder = json.JSONDecoder()
     try:
         with open(path, encoding="utf-8") as source:
-            text, at, done = "", 0, False
-
-            def more() -> bool:
-                nonlocal text, at, done
-                chunk = "" if done else source.read(_CHUNK_BYTES)
-                done = done or not chunk
-                text, at = text[at:] + chunk, 0
-                return bool(chunk)
-
-            def skip_space() -> str:
-                nonlocal at
-                while True:
-                    while at < len(text) and text[at].isspace():
-                        at += 1
-                    if at < len(text) or not more():
-                        return text[at] if at < len(text) else ""
-
-            if skip_space() != "[":
+            reader = _Reader(source)
+            if reader.next_char() != "[":
                 raise ValueError("it does not start with '['")
-            at += 1
-            expect_value = True  # (at the start: an event or the end of the array)
-            first = True
-            while True:
-                char = skip_space()
+            reader.at += 1
+            char = reader.next_char()
+            while char != "]":
                 if not char:
                     raise ValueError("the array is not closed")
-                if char == "]" and (first or not expect_value):
-                    return
-                if not expect_value:
-                    if char != ",":
-                        raise ValueError(f"expected ',' or ']' at {char!r}")
-                    at += 1
-                    expect_value = True
-                    continue
-                while True:
-                    try:
-                        event, end = decoder.raw_decode(text, at)
-                        break
-                    except ValueError:
-                        if not more():  # (the whole rest of the file: a real error)
-                            raise
+                event = reader.value(decoder)
                 if not isinstance(event, dict):
                     raise TimelineError(
                         f"{path} is not a timeline: not a JSON array of trace events"
                     )
-                at, first, expect_value = end, False, False
                 yield event
+                char = reader.next_char()
+                if char == ",":
+                    reader.at += 1
+                    char = reader.next_char()
+                elif char and char != "]":
+                    raise ValueError(f"expected ',' or ']' at {char!r}")
     except OSError as error:
         raise TimelineError(f"cannot read {path}: {error.strerror or error}") from None
     except ValueError as error:
