@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import resource
 import signal
 import subprocess
 import threading
@@ -64,26 +65,25 @@ ADOPTED_KILL_S = 2.0
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def _open_files_limit() -> str:
-    try:
-        import resource
-    except ImportError:  # (not on Unix)
-        return "the limit on open files was reached: raise it (ulimit -n)"
+#: What a host ran out of, by the errno of a worker's start that failed for want of it.
+RAN_OUT = {
+    errno.ENFILE: "the system's table of open files is full",
+    errno.EAGAIN: "no more processes: the limit on processes (ulimit -u) or memory",
+    errno.ENOMEM: "out of memory on this host",
+}
+
+
+def ran_out(number: int | None) -> str | None:
+    """What the host ran out of where a worker's start failed with errno ``number`` (the
+    limit on open files named with its values); None for other failures."""
+    if number != errno.EMFILE:
+        return RAN_OUT.get(number or 0)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     most = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
     return (
         f"this host's limit on open files, {soft}, was reached: raise it (ulimit -n, up to "
         f"{most} here) or start fewer workers on this host"
     )
-
-
-#: A worker's start that failed for want of something on its host (errno), and what that is.
-RESOURCE_ERRORS: dict[int, Callable[[], str]] = {
-    errno.EMFILE: _open_files_limit,
-    errno.ENFILE: lambda: "the system's table of open files is full",
-    errno.EAGAIN: lambda: "no more processes: the limit on processes (ulimit -u) or memory",
-    errno.ENOMEM: lambda: "out of memory on this host",
-}
 
 
 def adopt_orphans() -> bool:
@@ -242,9 +242,9 @@ class HostAgent:
         program not found, 126 for one that cannot be run, as a shell says; 1 where this
         host ran out of something (open files, processes, memory), which the error names."""
         program = self.spec.command[0]
-        short = RESOURCE_ERRORS.get(exc.errno or 0)
+        short = ran_out(exc.errno)
         if short is not None:
-            return 1, f"cannot start {program!r}: {exc.strerror or exc} ({short()})"
+            return 1, f"cannot start {program!r}: {exc.strerror or exc} ({short})"
         error = f"cannot run {program!r}: {exc.strerror or exc}"
         how = file_here_hint(program, self.spec.cwd)
         if isinstance(exc, FileNotFoundError) and how is not None:
