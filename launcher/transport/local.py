@@ -80,19 +80,19 @@ class LocalAgent(AgentConnection):
         # even what the workers left outside their process groups (a double fork, setsid),
         # which the agent adopted (it is their subreaper) and would have ended itself had it
         # had the time: the agent's children, found before it dies and they go to init.
+        proc = self._proc
         descendants: list[psutil.Process] = []
-        if self._proc is not None and self._proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             with contextlib.suppress(psutil.Error):
-                descendants = psutil.Process(self._proc.pid).children(recursive=True)
+                descendants = psutil.Process(proc.pid).children(recursive=True)
+            proc.kill()
         for pid in self.worker_pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
         for process in descendants:
             with contextlib.suppress(psutil.Error):
                 process.kill()
-        if self._proc is not None:
+        if proc is not None:
             deadline = time.monotonic() + 1.0
-            while self._proc.poll() is None and time.monotonic() < deadline:
+            while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)
