@@ -43,6 +43,11 @@ def reported_pids(stdout: str) -> list[int]:
     ]
 
 
+def running(argv: list[str]) -> list[psutil.Process]:
+    """The processes on this machine whose command line is ``argv`` (a test's own marker)."""
+    return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == argv]
+
+
 def assert_all_gone(pids: list[int], within: float = 10.0) -> None:
     deadline = time.monotonic() + within
     alive = pids
@@ -191,15 +196,10 @@ def test_a_second_ctrl_c_leaves_nothing_running_not_even_a_worker_s_daemon() -> 
             proc.wait()
     assert proc.returncode == 130, stderr
     assert "second signal: killing all workers now" in stderr, stderr
-
-    def daemons() -> list[psutil.Process]:
-        found = psutil.process_iter(["cmdline"])
-        return [p for p in found if p.info["cmdline"] == ["sleep", "1777.25"]]
-
     deadline = time.monotonic() + 5
-    while daemons() and time.monotonic() < deadline:
+    while running(["sleep", "1777.25"]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = daemons()
+    left = running(["sleep", "1777.25"])
     for process in left:
         process.kill()
     assert not left, stderr
@@ -306,7 +306,7 @@ def test_a_worker_the_host_has_no_open_files_left_for_fails_the_job_in_one_line(
     assert why.startswith("Too many open files (this host's limit on open files, 40, "), why
     assert f"rank {rank} on host localhost failed first: exit code 1" in result.stderr
     assert "Traceback" not in result.stderr, result.stderr
-    left = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "31.37"]]
+    left = running(["sleep", "31.37"])
     assert not left, left
 
 
