@@ -428,11 +428,11 @@ def cli(
             unused_notes += single_host_warning(host_list, hosts, hostfile)
     else:
         unused_notes = elastic_flags.unused_notes()
-        host_list, num_proc = resolve_hosts(host_list, hosts, num_proc, allocation)
+        host_list, num_proc = resolve_hosts(host_list, hosts, num_proc, allocation, command)
         unused_notes += same_machine_notes(host_list, num_proc)
     launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic))
     if any(h.hostname in LOCAL_NAMES for h in host_list) and not dry_run:
-        check_command(command)
+        check_command(command, env.get("PATH"))
         hidden = hidden_packages_note(command)
         if hidden:
             unused_notes.append(hidden)
@@ -538,15 +538,31 @@ def current_allocation() -> Allocation | None:
         raise click.UsageError(f"cannot use the batch allocation: {exc}") from None
 
 
+#: hvdrun's options that say how many processes run where.
+_PLACEMENT_OPTIONS = ("-np", "-n", "--num-proc", "-H", "--hosts", "-hostfile", "--hostfile")
+
+
+def _after_the_command(command: Sequence[str]) -> str:
+    """Where a placement option came after the command: that it went to the command."""
+    misplaced = next((word for word in command[1:] if word in _PLACEMENT_OPTIONS), None)
+    if misplaced is None:
+        return ""
+    return (
+        f": the {misplaced} after {command[0]} is the command's own argument (hvdrun's "
+        "options go before the command)"
+    )
+
+
 def resolve_hosts(
     host_list: list[HostSpec] | None,
     hosts: str | None,
     num_proc: int | None,
     allocation: Allocation | None = None,
+    command: Sequence[str] = (),
 ) -> tuple[list[HostSpec], int]:
     """The hosts and process count of a fixed-size job: -H/--hostfile, else the batch
     allocation (its first ``-np`` slots; see :func:`beyond_allocation` for more), else
-    ``localhost:-np``."""
+    ``localhost:-np``. ``command``: the job's, to say where an ``-np`` in it went."""
     if num_proc is not None:
         check_num_proc(num_proc)
     if host_list is None and allocation is not None:
@@ -557,7 +573,10 @@ def resolve_hosts(
         return allocation.first_slots(num_proc), num_proc
     if host_list is None:
         if num_proc is None:
-            raise click.UsageError("give the number of processes with -np N (or hosts with -H)")
+            raise click.UsageError(
+                "give the number of processes with -np N (or hosts with -H)"
+                + _after_the_command(command)
+            )
         return [HostSpec("localhost", here(num_proc))], num_proc
     total = sum(h.slots for h in host_list)
     if num_proc is None:

@@ -11,6 +11,7 @@ exits with), wherever python's own options put it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Sequence
 
@@ -39,12 +40,13 @@ class ScriptNotFound(click.ClickException):
     exit_code = 2  # what python itself exits with for a missing script
 
 
-def check_command(command: Sequence[str]) -> None:
-    """Catch a missing or unrunnable program, or a missing script, before any process starts."""
+def check_command(command: Sequence[str], path: str | None = None) -> None:
+    """Catch a missing or unrunnable program, or a missing script, before any process starts.
+    ``path``: the workers' ``PATH`` (``-x PATH=...`` may give them another than hvdrun's)."""
     program = command[0]
-    found = shutil.which(program)
+    found = shutil.which(program, path=path)
     if found is None:
-        _not_runnable(program)
+        _not_runnable(program, path)
     else:
         _check_interpreter(program, found)
     if is_python(program):
@@ -56,7 +58,7 @@ def check_command(command: Sequence[str]) -> None:
                 "(python train.py)"
             )
         if script is not None and not os.path.exists(script):
-            raise ScriptNotFound(f"script not found: {script} (in {os.getcwd()})")
+            raise ScriptNotFound(f"script not found: {shown(script)} (in {os.getcwd()})")
 
 
 #: hvdrun's packages that a worker's ``import collectives.torch`` (or another frontend) imports.
@@ -94,12 +96,17 @@ def hidden_packages_note(command: Sequence[str]) -> str | None:
     )
 
 
-def _not_runnable(program: str) -> None:
-    """Raises the error a shell gives for ``program``, which ``shutil.which`` did not find."""
+def _not_runnable(program: str, search_path: str | None) -> None:
+    """Raises the error a shell gives for ``program``, which ``shutil.which`` did not find
+    on ``search_path`` (None: this process's ``PATH``)."""
     if not program.strip():
         raise CommandNotFound(f"command not found: {program!r} (the command's first word is empty)")
     # A bare name is looked up on PATH, where a file without the execute bit counts as found.
-    path = program if os.sep in program else shutil.which(program, mode=os.F_OK) or ""
+    path = (
+        program
+        if os.sep in program
+        else shutil.which(program, mode=os.F_OK, path=search_path) or ""
+    )
     if path and os.path.isdir(path):
         raise CommandNotExecutable(f"permission denied: {program} is a directory")
     if path and os.path.exists(path):
@@ -117,7 +124,29 @@ def _not_runnable(program: str) -> None:
             f"command not found: {program} (a shell builtin: run the command through a shell, "
             f"sh -c '{program} ...')"
         )
+    if _ASSIGNMENT.match(program):
+        raise CommandNotFound(
+            f"command not found: {program} (a variable for the workers? give it with "
+            f"-x {program}, before the command)"
+        )
+    if shown(program) != program:
+        raise CommandNotFound(
+            f"command not found: {program!r} (one word with blanks in it: was the whole command "
+            "quoted as one? give its words separately, e.g. hvdrun -np 2 python train.py)"
+        )
     raise CommandNotFound(f"command not found: {program}")
+
+
+def shown(word: str) -> str:
+    """``word`` as an error shows it: quoted, with escapes, where blanks or characters that
+    do not print (a newline) would hide what it is."""
+    if word.isprintable() and not any(ch.isspace() for ch in word):
+        return word
+    return repr(word)
+
+
+#: ``NAME=value`` as a command's first word: a shell's assignment, which exec runs as a program.
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
 #: Shell builtins that are no program (``cd``, ``source``): a shell runs them, not exec.

@@ -92,7 +92,7 @@ def parse_exports(exports: Iterable[str], caller_env: Mapping[str, str]) -> dict
         if not _NAME.match(name):
             # (named without its value: a value may be a secret, and this lands in logs)
             shown = f"{name}=..." if sep else name
-            raise EnvSpecError(f"'{shown}' is not VAR or VAR=VALUE: {name!r} is not a name")
+            raise EnvSpecError(f"{shown!r} is not VAR or VAR=VALUE: {name!r} is not a name")
         if not sep:
             if name not in caller_env:
                 continue

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import socket
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,6 +81,8 @@ def split_host_entry(text: str) -> tuple[str, str | None]:
             )
         return user + address, rest[1:] if rest else None
     user, at, host = text.rpartition("@")
+    if host.startswith("[") and "]" not in host:
+        raise HostSpecError(f"']' missing in {text!r} (expected [addr] or [addr]:slots)")
     head, sep, tail = host.rpartition(":")
     if not sep:
         return text, None
@@ -95,11 +98,13 @@ def split_host_entry(text: str) -> tuple[str, str | None]:
     return user + at + head, tail
 
 
+_WHOLE_NUMBER = re.compile(r"-?[0-9]+")
+
+
 def _parse_slots(slots_text: str, entry: str) -> int:
-    try:
-        slots = int(slots_text)
-    except ValueError:
-        raise HostSpecError(f"slot count '{slots_text}' in '{entry}' is not a number") from None
+    if not _WHOLE_NUMBER.fullmatch(slots_text):  # (not int()'s '+2', '1_0' or '٢')
+        raise HostSpecError(f"slot count '{slots_text}' in '{entry}' is not a number")
+    slots = int(slots_text)
     if slots < 1:
         raise HostSpecError(f"slot count in '{entry}' must be at least 1")
     check_slot_cap(slots, f"'{entry}'")
@@ -117,7 +122,12 @@ def check_slot_cap(slots: int, where: str) -> None:
 
 def _check_hostname(hostname: str, entry: str) -> str:
     if any(ch.isspace() for ch in hostname):
-        raise HostSpecError(f"host name '{hostname}' contains white space")
+        raise HostSpecError(f"host name {hostname!r} contains white space")
+    if any(unicodedata.category(ch) == "Cs" for ch in hostname):  # (from argv's bytes)
+        raise HostSpecError(f"host name {hostname!r} is not UTF-8 text")
+    if any(unicodedata.category(ch) in ("Cc", "Cf") for ch in hostname):
+        # an invisible character (a byte-order mark, a zero-width space) pasted in
+        raise HostSpecError(f"host name {hostname!r} contains an invisible character")
     if hostname.startswith("-"):
         # Would read as an option to ssh and friends.
         raise HostSpecError(f"host name '{hostname}' in '{entry}' starts with '-'")
@@ -126,6 +136,17 @@ def _check_hostname(hostname: str, entry: str) -> str:
             f"host name '{hostname}' in '{entry}' contains ':' (expected host:slots, "
             "or [addr]:slots for an IPv6 address)"
         )
+    name = hostname.rpartition("@")[2]
+    if not is_ipv6(name):
+        try:  # (what resolving and SSH would do with it; an empty or over-long label fails)
+            if not name.removesuffix("."):
+                raise UnicodeError
+            name.removesuffix(".").encode("idna")
+        except UnicodeError:
+            raise HostSpecError(
+                f"host name {hostname!r} in {entry!r} is not a valid host name "
+                "(empty or over-long part between dots)"
+            ) from None
     return hostname
 
 
@@ -172,6 +193,11 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> list[HostSpec]:
         where = f"{source} line {number}"
         fields = _AROUND_EQUALS.sub("=", line).split()  # (horovodrun reads 'a slots = 2' too)
         try:
+            if "," in fields[0]:
+                raise HostSpecError(
+                    f"{fields[0]!r} lists several hosts: a hostfile has one host a line "
+                    "(commas separate hosts in -H)"
+                )
             if len(fields) == 1:
                 host = parse_host_entry(fields[0])
             else:
@@ -195,6 +221,8 @@ def _parse_keyword_line(fields: list[str], line: str) -> HostSpec:
         if match is None:
             raise HostSpecError(f"cannot read '{option}' in '{line}' (expected 'host slots=N')")
         if option.startswith("slots="):
+            if slots is not None:
+                raise HostSpecError(f"'{line}' gives slots= twice")
             slots = _parse_slots(match.group(1), line)
     if is_ipv6(field.rpartition("@")[2]):  # (an address, whatever its last ':' might say)
         hostname, slots_text = field, None
@@ -210,7 +238,7 @@ def _parse_keyword_line(fields: list[str], line: str) -> HostSpec:
 def parse_hostfile(path: str) -> list[HostSpec]:
     """Read and parse a hostfile; raises HostSpecError (also for an unreadable file)."""
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # (a byte-order mark, dropped)
             text = handle.read()
     except OSError as exc:
         raise HostSpecError(f"cannot read hostfile {path}: {exc.strerror or exc}") from None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shlex
 import time
 from collections.abc import Mapping
@@ -99,7 +100,8 @@ class RemoteAgent(AgentConnection):
             raise AgentStartError("the SSH connection closed right after login")
         try:
             channel = transport.open_session(timeout=max(deadline - time.monotonic(), 0.1))
-            channel.exec_command(self._command)
+            # (as bytes: a directory or a path variable need not be UTF-8, sshd takes bytes)
+            channel.exec_command(os.fsencode(self._command))
         except Exception as exc:
             raise AgentStartError(f"cannot start the agent over SSH: {exc}") from None
         self._channel = channel

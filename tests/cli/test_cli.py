@@ -107,6 +107,56 @@ def test_missing_command_and_script(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert run_cli(["-np", "2", sys.executable, "missing_script.py"]) == 2
     assert "hvdrun: error: script not found: missing_script.py" in capsys.readouterr().err
+    assert run_cli(["-np", "2", sys.executable, "no\nsuch.py"]) == 2  # (one line, as typed)
+    assert "hvdrun: error: script not found: 'no\\nsuch.py' (in " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # the whole command quoted as one word (a blank in it, a trailing one unseen)
+        (
+            ["python argv.py"],
+            "command not found: 'python argv.py' (one word with blanks in it: was the whole "
+            "command quoted as one?",
+        ),
+        (["python "], "command not found: 'python ' (one word with blanks"),
+        # a newline shown as one, the message kept to one line
+        (["no\nsuch"], "command not found: 'no\\nsuch' (one word with blanks"),
+        # a shell's assignment, which is no program
+        (["FOO=1", "python", "x.py"], "command not found: FOO=1 (a variable for the workers? "),
+    ],
+)
+def test_a_command_not_found_is_shown_as_typed_with_a_hint(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_cli(["-np", "1", *argv]) == 127
+    err = capsys.readouterr().err
+    assert err.startswith(f"hvdrun: error: {message}") and err.count("\n") == 1, err
+
+
+def test_options_after_the_command_are_said_to_be_the_commands(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_cli(["python", "-np", "2", "train.py"]) == 2
+    assert "the -np after python is the command's own argument (hvdrun's options go before" in (
+        capsys.readouterr().err
+    )
+
+
+def test_the_command_is_looked_up_on_the_workers_path(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # -x PATH=... gives the workers a PATH of their own: the program is found there (and
+    # runs), though hvdrun's own PATH lacks it
+    (tmp_path / "bin dir").mkdir()
+    program = tmp_path / "bin dir" / "only-here-xyz"
+    program.write_text("#!/bin/sh\necho ran from the workers PATH\n")
+    program.chmod(0o755)
+    path = f"{program.parent}:{os.environ['PATH']}"
+    assert run_cli(["-np", "1", "-x", f"PATH={path}", "only-here-xyz"]) == 0
+    assert "ran from the workers PATH" in capfd.readouterr().out
+    assert run_cli(["-np", "1", "only-here-xyz"]) == 127
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,8 @@ def test_parse_exports() -> None:
         ("1A=2", "'1A=...' is not VAR or VAR=VALUE: '1A' is not a name"),
         ("A-B", "'A-B' is not VAR or VAR=VALUE: 'A-B' is not a name"),
         ("MY-TOKEN=supersecret123", "'MY-TOKEN=...' is not VAR or VAR=VALUE"),
+        # a newline shown as one: the error stays on one line
+        ("A\nB=v", "'A\\nB=...' is not VAR or VAR=VALUE: 'A\\nB' is not a name"),
     ],
 )
 def test_parse_exports_rejects(export: str, message: str) -> None:

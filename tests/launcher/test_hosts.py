@@ -51,10 +51,18 @@ def test_parse_hosts(text: str, expected: list[HostSpec]) -> None:
             "of 65536 slots per host",
         ),
         ("a:65537", "above the limit of 65536 slots per host"),
+        # int() reads these, a user who typed them did not mean a number
+        ("a:+2", "'+2' in 'a:+2' is not a number"),
+        ("a:1_0", "'1_0' in 'a:1_0' is not a number"),
+        # names no resolver takes, refused before any host is tried
+        ("a..b:1", "host name 'a..b' in 'a..b:1' is not a valid host name"),
+        (".:1", "host name '.' in '.:1' is not a valid host name"),
+        ("node\u200b1:2", "host name 'node\\u200b1' contains an invisible character"),
+        ("[::1", "']' missing in '[::1'"),
     ],
 )
 def test_parse_hosts_rejects(text: str, message: str) -> None:
-    with pytest.raises(HostSpecError, match=message):
+    with pytest.raises(HostSpecError, match=re.escape(message)):
         parse_hosts(text)
 
 
@@ -135,6 +143,7 @@ def test_assign_slots_rejects_too_many() -> None:
             [HostSpec("localhost", 2), HostSpec("b", 3), HostSpec("c", 4)],
         ),
         ("a:4\nb\n", [HostSpec("a", 4), HostSpec("b", 1)]),
+        ("node_1.example.org. slots=2\n", [HostSpec("node_1.example.org.", 2)]),
         (
             "# cluster\n\n  node-1 slots=8 max_slots=8  # the head\nnode-2:8\n\t\n",
             [HostSpec("node-1", 8), HostSpec("node-2", 8)],
@@ -164,6 +173,9 @@ def test_parse_hostfile(text: str, expected: list[HostSpec]) -> None:
         ("a max_slots=2\n", "hosts line 1: no slots= in 'a max_slots=2'"),
         ("a:2 slots=2\n", "gives slots twice"),
         ("b:1\na:\n", "hosts line 2: slot count missing in 'a:'"),
+        # an -H list pasted into a file, and a line that says its slots twice
+        ("a,b slots=1\n", "hosts line 1: 'a,b' lists several hosts: a hostfile has one host"),
+        ("a slots=2 slots=3\n", "hosts line 1: 'a slots=2 slots=3' gives slots= twice"),
         (
             "a slots=99999999999999999999\n",
             "hosts line 1: slot count 99999999999999999999 in 'a slots=99999999999999999999' "
@@ -187,6 +199,11 @@ def test_parse_hostfile_from_disk(tmp_path: Path) -> None:
     assert parse_hostfile(str(path)) == [HostSpec("x", 3)]
     with pytest.raises(HostSpecError, match=f"cannot read hostfile {tmp_path}/missing"):
         parse_hostfile(str(tmp_path / "missing"))
+    # a byte-order mark (saved so by Windows editors) is not part of the first host's name
+    path.write_bytes("\ufeffx slots=3\r\n".encode())
+    assert parse_hostfile(str(path)) == [HostSpec("x", 3)]
+    path.write_bytes("\ufeff\r\nx:3\r\n".encode())
+    assert parse_hostfile(str(path)) == [HostSpec("x", 3)]
     path.write_bytes(b"\xff\xfe slots=1\n")
     with pytest.raises(HostSpecError, match="is not UTF-8 text"):
         parse_hostfile(str(path))

@@ -352,6 +352,27 @@ def test_environment_forwarding_rules(cluster: Cluster, tmp_path: Path) -> None:
     assert seen["PWD"] == str(tmp_path) and seen["OLDPWD"] == "<unset>"  # (not the agent's /)
 
 
+def test_a_working_directory_whose_name_is_not_utf8_reaches_remote_workers(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # Linux names are bytes: a directory made by a Latin-1 tool is as good a place to run
+    # from as any, and its name goes on the agent's command line byte for byte.
+    odd = tmp_path / os.fsdecode(b"caf\xe9 run")
+    odd.mkdir()
+    result = subprocess.run(
+        cluster.hvdrun_argv(
+            "-H", f"{cluster.hosts[0].alias}:1", PY, "-c", "import os; print(os.getcwdb().hex())"
+        ),
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+        cwd=odd,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split(":")[-1].strip() == bytes(odd).hex()
+
+
 def test_secret_is_in_no_process_argv_on_any_host(cluster: Cluster) -> None:
     node1, node2 = cluster.hosts[:2]
     env = cluster.env(STAY="30")
