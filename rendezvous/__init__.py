@@ -10,6 +10,7 @@ amends ``GRPC_TRACE`` where a user set it, so that gRPC's trace never prints the
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -47,3 +48,26 @@ def _turn_header_tracers_off() -> None:
 
 
 _turn_header_tracers_off()
+
+#: gRPC's own log threshold, which it reads once, when ``grpc`` is first imported.
+GRPC_VERBOSITY_VARIABLE = "GRPC_VERBOSITY"
+
+
+def load_grpc() -> None:
+    """Imports gRPC with its own logging at ERROR unless the job set ``GRPC_VERBOSITY``;
+    every process of a job (hvdrun, its agents, the workers) calls it before gRPC is imported.
+
+    Unset, gRPC logs at INFO: hvdrun's TLS server printed a raw line for every connection
+    that failed its handshake (a port scanner's, a plain HTTP probe's: "Handshake failed with
+    error SSL_ERROR_SSL ..."), as many as anyone on the network cared to cause, and a worker
+    forked while its heartbeat stream is open (every DataLoader worker) printed "Other threads
+    are currently calling into gRPC, skipping fork() handlers". The variable is set only for
+    the import, so the processes started later see the job's environment.
+    """
+    if "grpc" in sys.modules or GRPC_VERBOSITY_VARIABLE in os.environ:
+        return
+    os.environ[GRPC_VERBOSITY_VARIABLE] = "ERROR"
+    try:
+        importlib.import_module("grpc")
+    finally:
+        os.environ.pop(GRPC_VERBOSITY_VARIABLE, None)

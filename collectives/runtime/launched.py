@@ -57,10 +57,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from collectives.runtime import logs
 from collectives.runtime.registration import watch_and_join
 from collectives.runtime.state import RuntimeState, Topology
-from rendezvous import launchers, worker_env
+from rendezvous import launchers, load_grpc, worker_env
 from rendezvous.addresses import (
     interface_facing,
     is_loopback,
@@ -541,7 +540,7 @@ def _say_unauthenticated(placement: Placement, meeting: Meeting) -> None:
 def join(placement: Placement, host: str, round_: int = 1) -> Joined:
     """Meets the job's other ranks (rank 0 serves) in the process's ``round_``-th
     ``hvd.init()`` and registers; raises :class:`JoinError`."""
-    logs.load_grpc()
+    load_grpc()
     from rendezvous.client import (
         RendezvousAuthError,
         RendezvousClient,

@@ -10,7 +10,6 @@ Unset leaves logging alone: warnings still reach Python's last-resort handler.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import sys
@@ -66,26 +65,3 @@ def configure_from_environment(rank: int | None = None) -> int | None:
     for name in PACKAGES:
         logging.getLogger(name).addHandler(_handler)
     return level
-
-
-#: gRPC's own log threshold, which it reads once, when ``grpc`` is first imported.
-GRPC_VERBOSITY_VARIABLE = "GRPC_VERBOSITY"
-
-
-def load_grpc() -> None:
-    """Imports gRPC (the rendezvous client's transport) with its own logging at ERROR unless
-    the job set ``GRPC_VERBOSITY``.
-
-    Unset, gRPC logs at INFO, and a worker forked while its heartbeat stream is open (every
-    DataLoader worker, every ``multiprocessing`` fork) printed "Other threads are currently
-    calling into gRPC, skipping fork() handlers" on stderr: a line per child, harmless, and
-    alarming. The variable is set only for the import, so the worker's own children see
-    the job's environment.
-    """
-    if "grpc" in sys.modules or GRPC_VERBOSITY_VARIABLE in os.environ:
-        return
-    os.environ[GRPC_VERBOSITY_VARIABLE] = "ERROR"
-    try:
-        importlib.import_module("grpc")
-    finally:
-        os.environ.pop(GRPC_VERBOSITY_VARIABLE, None)

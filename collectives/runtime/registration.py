@@ -35,7 +35,6 @@ from collections.abc import Callable
 from typing import Any
 
 from collectives.errors import HorovodInternalError, JobSetupError
-from collectives.runtime import logs
 from collectives.runtime.groups import (
     destroy_groups,
     init_default_group,
@@ -49,7 +48,7 @@ from collectives.runtime.reach import (
     warn_unreachable,
 )
 from collectives.runtime.state import RuntimeState, Topology
-from rendezvous import launchers, worker_env
+from rendezvous import launchers, load_grpc, worker_env
 
 __all__ = [
     "HostRemoved",
@@ -317,7 +316,7 @@ def init_from_rendezvous(
 ) -> RuntimeState:
     """Under hvdrun: registers with the rendezvous at ``addr``, then :func:`watch_and_join`."""
     # Imported here: the size-1 path must work without the rendezvous (and gRPC) loaded.
-    logs.load_grpc()
+    load_grpc()
     from rendezvous.client import RendezvousClient
 
     # Multi-host jobs: the host's relay (a local Unix socket) carries the calls to the server.

@@ -21,13 +21,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from launcher.errors import LauncherError
-from launcher.spec.hosts import is_local_host
+from launcher.spec.hosts import is_local_host, local_addresses
 from launcher.spec.options import LaunchOptions
 from launcher.transport.connection import AgentConnection, AgentStartError
 from launcher.transport.hostinfo import installed_versions
 from launcher.transport.local import LocalAgent
 from launcher.transport.protocol import PROTOCOL_VERSION, Hello
-from rendezvous.addresses import is_ipv6, is_loopback, join_addr, resolve, source_address
+from rendezvous.addresses import is_loopback, join_addr, resolve, source_address
 
 #: hvdrun's exit code when it cannot start (or loses) an agent; ssh uses the same.
 AGENT_FAILURE_EXIT = 255
@@ -293,10 +293,7 @@ def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> 
     remote = [agent for agent in agents if agent.kind != "local"]
     if explicit:
         host, port = split_explicit(explicit)
-        bind = "::" if ":" in host else "0.0.0.0"
-        if is_loopback(host):  # nothing beyond this machine needs it
-            bind = host
-        return RendezvousPlan(bind, port, {agent.hostname: host for agent in agents})
+        return RendezvousPlan(bind_address({host}), port, {a.hostname: host for a in agents})
     if not remote:
         return RendezvousPlan("127.0.0.1", 0, {agent.hostname: "127.0.0.1" for agent in agents})
     failures: dict[str, str] = {}
@@ -316,8 +313,19 @@ def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> 
     first = addr_host[remote[0].hostname]
     for agent in agents:
         addr_host.setdefault(agent.hostname, first)
-    ipv6 = any(is_ipv6(address) for address in addr_host.values())
-    return RendezvousPlan("::" if ipv6 else "0.0.0.0", 0, addr_host)
+    return RendezvousPlan(bind_address(set(addr_host.values())), 0, addr_host)
+
+
+def bind_address(dialled: set[str]) -> str:
+    """Where the server listens, given the addresses the hosts dial: the one address of this
+    machine (or loopback) that they all dial, so that no other network reaches the port;
+    else (a name, an address this machine does not have, as behind NAT, or several) every
+    interface, IPv6 ones too where a dialled address is IPv6."""
+    if len(dialled) == 1:
+        only = next(iter(dialled))
+        if is_loopback(only) or only in local_addresses():
+            return only
+    return "::" if any(":" in address for address in dialled) else "0.0.0.0"
 
 
 def host_addresses(

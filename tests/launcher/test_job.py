@@ -463,6 +463,31 @@ def test_a_grpc_trace_shows_no_token(channel: str) -> None:
     assert "x-hvdrun-token" in output  # (gRPC did trace the headers, the token's among them)
 
 
+def test_connections_that_fail_the_tls_handshake_print_nothing() -> None:
+    # Anyone on the network can open the rendezvous port of a TLS job (a port scanner, a
+    # plain HTTP probe): gRPC, at its default INFO level, printed a raw line on hvdrun's
+    # stderr for each such connection's failed handshake.
+    address = _non_loopback_ipv4()
+    if address is None:
+        pytest.skip("this machine has no IPv4 address but loopback")
+    port = free_port()
+    probe = (
+        "import socket, time\n"
+        "for _ in range(20):\n"
+        f"    with socket.create_connection(({address!r}, {port})) as s:\n"
+        "        s.sendall(b'GET / HTTP/1.1\\r\\n\\r\\n'); s.recv(100)\n"
+        "time.sleep(0.5)\n"
+        "print('probed')\n"
+    )
+    result = hvdrun(
+        "-np", "1", "--rendezvous-addr", f"{address}:{port}", sys.executable, "-c", probe
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0]<stdout>:probed" in result.stdout
+    assert "Handshake failed" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("\n") < 5, result.stderr[-3000:]
+
+
 def test_interface_chosen_and_user_setting_kept() -> None:
     code = "import os; print(os.environ['GLOO_SOCKET_IFNAME'], os.environ['NCCL_SOCKET_IFNAME'])"
     result = hvdrun("-np", "1", sys.executable, "-c", code)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from launcher.spec.hosts import local_addresses
 from launcher.spec.options import LaunchOptions
 from launcher.transport import startup
 from launcher.transport.connection import AgentConnection, AgentStartError
@@ -20,6 +21,7 @@ from launcher.transport.startup import (
     shared_machines,
     version_problems,
 )
+from rendezvous.addresses import is_loopback
 
 HERE = {"python": "3.11.7", "hvdrun": "0.1.0", "torch": "2.13.0+cpu"}
 
@@ -142,6 +144,20 @@ def test_explicit_rendezvous_address_and_port() -> None:
     assert plan_rendezvous(agents, "head-node").port == 0
     assert plan_rendezvous(agents, "[fd00::2]:7").addr_host["a"] == "fd00::2"
     assert plan_rendezvous(agents, "127.0.0.1:9").bind_host == "127.0.0.1"
+
+
+def test_the_server_listens_only_at_the_one_address_of_this_machine_every_host_dials() -> None:
+    # (no network but the one the hosts use reaches the port: a TLS port is still a port)
+    mine = next((a for a in local_addresses() if ":" not in a and not is_loopback(a)), None)
+    if mine is None:
+        pytest.skip("this machine has no IPv4 address but loopback")
+    agents = [FakeAgent("a", local_address=mine), FakeAgent("me", kind="local")]
+    assert plan_rendezvous(agents, None).bind_host == mine
+    assert plan_rendezvous(agents, f"{mine}:29500").bind_host == mine
+    # a name, or an address this machine does not have (NAT): every interface
+    assert plan_rendezvous(agents, "head-node").bind_host == "0.0.0.0"
+    two = [*agents, FakeAgent("b", local_address="192.0.2.77")]
+    assert plan_rendezvous(two, None).bind_host == "0.0.0.0"
 
 
 def test_proxied_host_whose_name_does_not_route_needs_rendezvous_addr(
