@@ -103,15 +103,22 @@ class SettingsMismatchError(JobSetupError):
 
 
 class NotInitializedError(ValueError):
-    """An API that needs the runtime was called before ``hvd.init()``.
+    """An API that needs the runtime was called before ``hvd.init()`` (or after
+    ``hvd.shutdown()``, which ``shut_down`` says).
 
     A ``ValueError`` subclass because Horovod raises ``ValueError`` in this situation.
     """
 
-    def __init__(self, what: str = "this function") -> None:
-        super().__init__(
-            f"hvdrun collectives are not initialized: call hvd.init() before using {what}"
-        )
+    def __init__(self, what: str = "this function", shut_down: bool = False) -> None:
+        if shut_down:  # (an op of a thread the script left running after it, say)
+            super().__init__(
+                f"hvdrun collectives are not initialized: hvd.shutdown() was called; call "
+                f"hvd.init() again before using {what}"
+            )
+        else:
+            super().__init__(
+                f"hvdrun collectives are not initialized: call hvd.init() before using {what}"
+            )
 
 
 def describe(error: BaseException) -> dict[str, str]:

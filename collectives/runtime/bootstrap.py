@@ -31,6 +31,7 @@ import atexit
 import datetime
 import logging
 import os
+import sys
 import threading
 from typing import Any
 
@@ -124,13 +125,34 @@ def _refuse_a_ranks_child(job: str) -> None:
         return  # (a mark left by a process that is gone)
     except PermissionError:
         pass
+    how = (
+        "run the collectives in the parent, or call hvd.shutdown() in the parent before "
+        "starting the child"
+    )
+    if _in_a_spawned_scripts_top_level():
+        how = (
+            "this child runs the script's top level again (multiprocessing's spawn and "
+            "forkserver start methods import it, a DataLoader's with multiprocessing_context="
+            "'spawn' too): put the training under if __name__ == '__main__':"
+        )
     raise RuntimeError(
         f"hvd.init() in process {os.getpid()}, a child of rank {rank_text}'s process "
         f"(pid {pid_text}), which has joined this job already: a child process (a DataLoader "
         "worker, multiprocessing, torch.multiprocessing.spawn, subprocess) cannot join the "
-        "job in its parent's place; run the collectives in the parent, or call "
-        "hvd.shutdown() in the parent before starting the child"
+        f"job in its parent's place; {how}"
     )
+
+
+def _in_a_spawned_scripts_top_level() -> bool:
+    """Whether this call comes from the top level of the job's script that multiprocessing's
+    spawn is importing again (as ``__mp_main__``) in a child, rather than from a function
+    the child was told to run."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _init_single(backend: str, timeout: datetime.timedelta) -> RuntimeState:

@@ -176,7 +176,7 @@ def require(what: str = "this function") -> RuntimeState:
     """The live runtime, or :class:`NotInitializedError` naming ``what`` was called too early."""
     runtime = _current
     if runtime is None:
-        raise NotInitializedError(what)
+        raise NotInitializedError(what, shut_down=_last_place is not None)
     return runtime
 
 

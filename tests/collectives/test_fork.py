@@ -29,3 +29,15 @@ def test_children_of_a_worker_leave_its_job_alone() -> None:
         ],
     )
     assert "fork_posix" not in output  # gRPC's "skipping fork() handlers", once per child
+
+
+def test_a_spawned_child_running_an_unguarded_script_is_told_of_the_main_guard() -> None:
+    code, output = run_hvdrun(
+        1, WORKERS / "spawn_unguarded.py", options=["--no-report"], timeout=120
+    )
+    assert code == 0, output
+    assert "spawned child exit code 1" in output, output
+    assert "cannot join the job in its parent's place; this child runs the script's top level " in (
+        output
+    )
+    assert "put the training under if __name__ == '__main__':" in output

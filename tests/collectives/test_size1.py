@@ -101,6 +101,9 @@ def test_init_shutdown_init(alone: None) -> None:
     assert not dist.is_initialized()
     with pytest.raises(ValueError):
         hvd_module.rank()
+    # an op after shutdown (a thread the script left running) says why it cannot run
+    with pytest.raises(ValueError, match=r"hvd.shutdown\(\) was called; call hvd.init\(\) again"):
+        hvd_module.allreduce(torch.ones(1))
     hvd_module.shutdown()  # harmless when not initialized
     hvd_module.init()
     try:

@@ -210,6 +210,27 @@ def main() -> None:
         c.equal(
             "overlap.after", hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n))
         )
+        # A tensor made under inference_mode (a validation metric) written in place outside
+        # it: torch refuses, so the op does, at the call, and the job goes on; inside
+        # inference_mode the write is allowed and done.
+        with torch.inference_mode():
+            metric = torch.tensor([float(r)])
+        for label_, call in (
+            ("allreduce_", lambda: hvd.allreduce_(metric, op=hvd.Sum)),
+            ("grouped_allreduce_", lambda: hvd.grouped_allreduce_([metric], op=hvd.Sum)),
+            ("allreduce_async_", lambda: hvd.allreduce_async_(metric, op=hvd.Sum)),
+        ):
+            try:
+                call()
+                c.expect(f"inference.{label_}", False, "no error")
+            except RuntimeError as error:
+                c.expect(f"inference.{label_}", "inference_mode" in str(error), error)
+        with torch.inference_mode():
+            hvd.allreduce_(metric, op=hvd.Sum)
+        c.equal("inference.inside", metric, torch.tensor([float(sum(range(n)))]))
+        c.equal(
+            "inference.after", hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(n))
+        )
         # A tensor that autograd saved for backward and a collective then overwrote in place:
         # backward() raises, as after torch's own in-place ops (dist.broadcast among them),
         # instead of computing gradients from values it never saw (the 1M-element tensor is
