@@ -191,6 +191,8 @@ def parse_config(data: Any, source: str) -> ConfigValues:
             if key not in keys:
                 ignored.append(_unknown(source, f"key '{section}.{key}'", str(key), list(keys)))
                 continue
+            if value is None:  # ('key:' with nothing after it sets nothing, as in horovodrun)
+                continue
             spec = keys[key]
             checked = _check(value, spec.kind, f"config file {source}: {section}.{key}")
             defaults[spec.param] = (not checked) if spec.invert else checked

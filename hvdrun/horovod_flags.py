@@ -105,6 +105,14 @@ NO_EFFECT_VARIABLES: dict[str, str] = {
     "mpi_threads_disable": "HOROVOD_MPI_THREADS_DISABLE",
 }
 
+#: Horovod's variables that change nothing in hvdrun's workers and have no flag: GPU copy
+#: batching, XLA ops, fusion of grouped ops kept apart (each group here is one fused op).
+NO_EFFECT_ONLY_VARIABLES = (
+    "HOROVOD_DISABLE_GROUP_FUSION",
+    "HOROVOD_BATCH_D2D_MEMCOPIES",
+    "HOROVOD_ENABLE_XLA_OPS",
+)
+
 _OPTIONS = [
     click.option(
         "--gloo",
@@ -327,12 +335,25 @@ def notices(
     flags: HorovodFlags, env: Mapping[str, str], hosts: Sequence[Any], num_proc: int
 ) -> list[str]:
     """The one-time notes hvdrun prints before it starts: flags without effect, Horovod's
-    choice of controller or CPU library where it names another than Gloo, and the
+    variables without effect set here or with ``-x`` (0, a switch left off, says nothing),
+    Horovod's choice of controller or CPU library where it names another than Gloo, and the
     OMP_NUM_THREADS default when a host runs more than one worker."""
     lines = []
-    no_effect = no_effect_notice(flags.no_effect())
+    given = flags.no_effect()
+    no_effect = no_effect_notice(given)
     if no_effect:
         lines.append(no_effect)
+    by_flags = {NO_EFFECT_VARIABLES[flag[2:].replace("-", "_")] for flag in given}
+    inert = [
+        f"{name}={env[name]}"
+        for name in dict.fromkeys([*NO_EFFECT_VARIABLES.values(), *NO_EFFECT_ONLY_VARIABLES])
+        if name not in by_flags and env.get(name, "").strip() not in ("", "0")
+    ]
+    if inert:  # (from the environment or -x: a job script's exports, a cluster's defaults)
+        lines.append(
+            f"note: {', '.join(inert)} accepted for Horovod compatibility but no effect in "
+            "hvdrun's workers"
+        )
     for name in ("HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS"):
         value = env.get(name, "")
         if value.strip() and value.strip().lower() != "gloo":

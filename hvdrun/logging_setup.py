@@ -35,6 +35,20 @@ _PYTHON_LEVELS = {
 }
 
 
+#: Other names of levels, which the workers take too (Python's): read as the level they name.
+_SYNONYMS = {"WARN": "WARNING", "CRITICAL": "FATAL"}
+
+
+class _Level(click.Choice):
+    """:data:`LOG_LEVELS`, any case, and their :data:`_SYNONYMS` (an exported
+    ``HOROVOD_LOG_LEVEL=WARN`` is a level the workers take; hvdrun must not refuse it)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            value = _SYNONYMS.get(value.strip().upper(), value)
+        return super().convert(value, param, ctx)
+
+
 class _HorovodSwitch(click.types.BoolParamType):
     """A switch's variable read as Horovod reads it: any whole number too, on above 0
     (``HOROVOD_LOG_HIDE_TIME=2`` hides the time, ``-1`` does not)."""
@@ -54,7 +68,7 @@ _OPTIONS = [
     ),
     click.option(
         "--log-level",
-        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        type=_Level(LOG_LEVELS, case_sensitive=False),
         envvar="HOROVOD_LOG_LEVEL",
         help="Level of the messages hvdrun, its agents and the workers log "
         "(HOROVOD_LOG_LEVEL; default WARNING).",

@@ -13,10 +13,13 @@ from typing import Any
 
 import click
 
+from rendezvous import worker_env
+
 __all__ = ["MAX_SECONDS", "Finite", "Seconds", "seconds"]
 
-#: The longest time a flag may give, in seconds (about 31 years: "never" in practice).
-MAX_SECONDS = 1e9
+#: The longest time a flag may give, in seconds (about 31 years: "never" in practice), as
+#: for the variables the workers read.
+MAX_SECONDS = worker_env.LONGEST_SECONDS
 
 
 class Finite(click.FloatRange):

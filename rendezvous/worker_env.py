@@ -238,6 +238,10 @@ class Number:
     maximum: float = math.inf
 
 
+#: The longest time a setting may give, in seconds (about 31 years: "never" in practice);
+#: beyond it (1e10 s, as "never" is often written) Gloo's millisecond timeouts overflow.
+LONGEST_SECONDS = 1e9
+
 #: The fusion threshold of reductions of CUDA tensors where no fusion threshold was set
 #: (see collectives/engine/config.py); a threshold that was set applies to them too.
 CUDA_FUSION_THRESHOLD_DEFAULT = 4 * 1024 * 1024
@@ -247,17 +251,17 @@ CUDA_FUSION_THRESHOLD_DEFAULT = 4 * 1024 * 1024
 #: Horovod's.
 NUMBERS: dict[str, Number] = {
     FUSION_THRESHOLD: Number(128 * 1024 * 1024),
-    CYCLE_TIME: Number(1.0),
-    STALL_CHECK_TIME_SECONDS: Number(60.0),
-    STALL_SHUTDOWN_TIME_SECONDS: Number(0.0),
-    GLOO_TIMEOUT_SECONDS: Number(30.0, strict=True),
+    CYCLE_TIME: Number(1.0, maximum=LONGEST_SECONDS),  # (ms; below the timeout: see check)
+    STALL_CHECK_TIME_SECONDS: Number(60.0, maximum=LONGEST_SECONDS),
+    STALL_SHUTDOWN_TIME_SECONDS: Number(0.0, maximum=LONGEST_SECONDS),
+    GLOO_TIMEOUT_SECONDS: Number(30.0, strict=True, maximum=LONGEST_SECONDS),
     CACHE_CAPACITY: Number(1024),
     AUTOTUNE_WARMUP_SAMPLES: Number(3),
     AUTOTUNE_STEPS_PER_SAMPLE: Number(10, minimum=1),
     AUTOTUNE_BAYES_OPT_MAX_SAMPLES: Number(20, minimum=1),
     AUTOTUNE_GAUSSIAN_PROCESS_NOISE: Number(0.8, maximum=1.0),
-    RENDEZVOUS_LOST_AFTER_SECONDS: Number(30.0, strict=True),
-    ELASTIC_TIMEOUT: Number(600.0, strict=True),
+    RENDEZVOUS_LOST_AFTER_SECONDS: Number(30.0, strict=True, maximum=LONGEST_SECONDS),
+    ELASTIC_TIMEOUT: Number(600.0, strict=True, maximum=LONGEST_SECONDS),
 }
 #: The 0/1 settings hvdrun checks alike.
 FLAGS = (TIMELINE_MARK_CYCLES, TIMELINE_ALL_RANKS, STALL_CHECK_DISABLE, AUTOTUNE)
@@ -370,6 +374,14 @@ def check_settings(env: Mapping[str, str], *, elastic: bool = True) -> None:
             number(name, env=env)
     for name in FLAGS:
         flag(name, env)
+    cycle, timeout = number(CYCLE_TIME, env=env), number(GLOO_TIMEOUT_SECONDS, env=env)
+    if cycle / 1000 >= timeout:
+        cycle_name = (spelled(CYCLE_TIME, env) or (variable(CYCLE_TIME), ""))[0]
+        raise ValueError(
+            f"{cycle_name}={cycle:g} ms is not shorter than the collectives' timeout "
+            f"({timeout:g} s): ranks that wait a cycle for each other would give each other "
+            "up as dead"
+        )
     choice(CUDA_BACKEND, CUDA_BACKENDS, env)
     level = env.get(LOG_LEVEL, "").strip()
     if level and level.upper() not in LOG_LEVELS:

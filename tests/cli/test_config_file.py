@@ -233,6 +233,11 @@ def test_empty_file_and_empty_sections_are_fine(
 ) -> None:
     environment(["--config-file", write(tmp_path, ""), "-np", "1", "true"], capsys)
     environment(["--config-file", write(tmp_path, "params:\n"), "-np", "1", "true"], capsys)
+    # a key with nothing after it sets nothing, as in horovodrun (a value left out for now)
+    text = "params:\n  fusion_threshold_mb:\n  cycle_time_ms: 3\n"
+    env = environment(["--config-file", write(tmp_path, text), "-np", "1", "true"], capsys)
+    assert "HOROVOD_FUSION_THRESHOLD" not in env and "HVDRUN_FUSION_THRESHOLD" not in env
+    assert env["HVDRUN_CYCLE_TIME"] == "3"
 
 
 @pytest.mark.parametrize(

@@ -192,6 +192,26 @@ def test_hidden_opposites_win_over_the_environment(
     assert "timeline marks cycles   1  (from HOROVOD_TIMELINE_MARK_CYCLES)" in out
 
 
+def test_horovod_variables_without_effect_are_noted_wherever_they_were_set(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job script's exports, a cluster's defaults: as the flags are, in one line, unless
+    off (0) or already noted for its flag."""
+    monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "1")
+    monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLGATHER", "0")
+    monkeypatch.setenv("HOROVOD_DISABLE_GROUP_FUSION", "1")
+    _, err = plan(["-np", "1", "-x", "HOROVOD_NUM_NCCL_STREAMS=2", "true"], capsys)
+    assert (
+        "hvdrun: note: HOROVOD_HIERARCHICAL_ALLREDUCE=1, HOROVOD_NUM_NCCL_STREAMS=2, "
+        "HOROVOD_DISABLE_GROUP_FUSION=1 accepted for Horovod compatibility but no effect in "
+        "hvdrun's workers\n"
+    ) in err, err
+    _, err = plan(["-np", "1", "--hierarchical-allreduce", "true"], capsys)
+    assert "note: --hierarchical-allreduce accepted" in err
+    assert "HOROVOD_HIERARCHICAL_ALLREDUCE=1," not in err
+    assert "HOROVOD_DISABLE_GROUP_FUSION=1 accepted" in err
+
+
 @pytest.mark.parametrize("flag", ["--ccl-bgt-affinity", "--mlsl-bgt-affinity"])
 def test_older_spellings_of_thread_affinity_are_hidden_aliases(
     flag: str, capsys: pytest.CaptureFixture[str]
@@ -314,6 +334,15 @@ def test_log_level_from_horovod_variable_configures_hvdrun(
     out, _ = plan(["-np", "1", "true"], capsys)
     assert "  HOROVOD_LOG_LEVEL=DEBUG" in out.splitlines()
     assert logging.getLogger("launcher").getEffectiveLevel() == logging.DEBUG
+    # Python's names of levels, which the workers take too: read as the level they name
+    for exported, level in (("warn", "WARNING"), ("CRITICAL", "FATAL")):
+        monkeypatch.setenv("HOROVOD_LOG_LEVEL", exported)
+        out, _ = plan(["-np", "1", "true"], capsys)
+        assert f"  HOROVOD_LOG_LEVEL={level}" in out.splitlines()
+    assert (
+        "  HOROVOD_LOG_LEVEL=WARNING"
+        in plan(["-np", "1", "--log-level", "Warn", "true"], capsys)[0]
+    )
 
 
 def test_hosts_flag_given_a_file_suggests_hostfile(

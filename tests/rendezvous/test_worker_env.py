@@ -1,5 +1,7 @@
 """The environment contract between the launcher and its workers (rendezvous.worker_env)."""
 
+import re
+
 import pytest
 
 from rendezvous import worker_env
@@ -46,12 +48,28 @@ def test_number_errors_name_the_variable() -> None:
         ({"HOROVOD_ELASTIC_TIMEOUT": "0"}, "HOROVOD_ELASTIC_TIMEOUT must be greater than 0"),
         ({"HOROVOD_AUTOTUNE": "sure"}, "HOROVOD_AUTOTUNE must be 0 or 1, got 'sure'"),
         ({"HOROVOD_CUDA_BACKEND": "mpi"}, "HOROVOD_CUDA_BACKEND must be one of nccl, gloo"),
+        # "never", as often written: beyond what Gloo's millisecond timeouts hold
+        (
+            {"HOROVOD_GLOO_TIMEOUT_SECONDS": "9999999999"},
+            "HOROVOD_GLOO_TIMEOUT_SECONDS must be at most 1e+09, got '9999999999'",
+        ),
+        ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "1e15"}, "must be at most 1e+09, got '1e15'"),
+        ({"HOROVOD_CYCLE_TIME": "1e308"}, "HOROVOD_CYCLE_TIME must be at most 1e+09"),
+        # a cycle as long as the timeout: ranks waiting a cycle would count peers as dead
+        (
+            {"HOROVOD_CYCLE_TIME": "60000"},
+            "HOROVOD_CYCLE_TIME=60000 ms is not shorter than the collectives' timeout (30 s)",
+        ),
+        (
+            {"HOROVOD_CYCLE_TIME": "5000", "HVDRUN_GLOO_TIMEOUT_SECONDS": "5"},
+            "HOROVOD_CYCLE_TIME=5000 ms is not shorter than the collectives' timeout (5 s)",
+        ),
         # (-x HOROVOD_LOG_LEVEL=bogus: every rank would warn of it and ignore it)
         ({"HOROVOD_LOG_LEVEL": "bogus"}, "HOROVOD_LOG_LEVEL must be one of TRACE, DEBUG, "),
     ],
 )
 def test_check_settings_names_the_variable_the_user_set(env: dict[str, str], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         worker_env.check_settings(env)
 
 
