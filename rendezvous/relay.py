@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -87,7 +88,8 @@ def remove_stale_dirs(parent: str) -> list[str]:
             continue
         path = os.path.join(parent, name)
         try:
-            if os.stat(path).st_uid != os.getuid():
+            found = os.lstat(path)  # (a link of that name is no relay's: left alone)
+            if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
                 continue
             os.kill(int(pid_text), 0)
             continue  # its agent still runs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import socket
@@ -265,11 +266,12 @@ def test_agent_starts_a_relay_only_for_a_fixed_job_that_leaves_this_machine(
 
 
 def test_a_relay_removes_the_directories_of_agents_that_died(
-    served: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+    served: RendezvousServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A killed agent cannot remove its relay's socket directory; the next relay on the
     host removes it, and leaves those of live agents, of other hosts (a TMPDIR shared
-    between hosts, where their pids mean nothing) and anything else alone."""
+    between hosts, where their pids mean nothing) and anything else alone: a link named as
+    a dead agent's directory too, which it neither follows nor says it removed."""
     dead = subprocess.Popen(["true"])
     dead.wait()
     tmp_path = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # (short: a socket's path)
@@ -281,13 +283,22 @@ def test_a_relay_removes_the_directories_of_agents_that_died(
     for path in (stale, alive, elsewhere, other):
         path.mkdir()
     (stale / "rendezvous.sock").write_text("")
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "data").write_text("keep")
+    link = tmp_path / f"hvdrun-relay-{host}-{dead.pid}-x4"
+    link.symlink_to(kept)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="rendezvous.relay")
     relay = HostRelay(f"127.0.0.1:{served.port}", SECRET, JOB_ID, [0], heartbeat_interval=0.2)
     relay.start()
     try:
         left = sorted(path.name for path in tmp_path.iterdir())
         own = [name for name in left if name.startswith(f"hvdrun-relay-{host}-{os.getpid()}-")]
         assert not stale.exists() and alive.exists() and elsewhere.exists() and other.exists()
+        assert link.is_symlink() and (kept / "data").read_text() == "keep"
+        said = [r.getMessage() for r in caplog.records if "removed relay" in r.getMessage()]
+        assert len(said) == 1 and str(stale) in said[0] and str(link) not in said[0], said
         assert len(own) == 1 and relay.addr.endswith(f"{own[0]}/rendezvous.sock")
     finally:
         relay.stop()
