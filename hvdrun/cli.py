@@ -18,7 +18,7 @@ import click
 
 from hvdrun.abbreviations import AbbreviatingCommand
 from hvdrun.calls import FunctionCall
-from hvdrun.command_check import check_command, hidden_packages_note
+from hvdrun.command_check import check_command, hidden_packages_note, stdin_note
 from hvdrun.config_file import (
     config_env,
     config_file_option,
@@ -450,7 +450,7 @@ def cli(
         creatable_directory(output_filename, "--output-filename")
     if not dry_run:
         report.check(env, local_only, origins)
-    unused_notes += tuning_notes(tuning, env) + srun_copies_note(os.environ)
+    unused_notes += tuning_notes(tuning, env) + srun_copies_note(os.environ) + stdin_note()
     ignored = config_warnings(click.get_current_context())
     for notice in [*ignored, *unused_notes, *notices(compat, env, host_list, num_proc)]:
         click.echo(f"hvdrun: {notice}", err=True)

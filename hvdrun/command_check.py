@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 from collections.abc import Sequence
 
 import click
@@ -94,6 +95,22 @@ def hidden_packages_note(command: Sequence[str]) -> str | None:
         "the script's directory first on sys.path), so their import collectives.torch (or "
         "another frontend) fails: rename " + ("it" if len(hiding) == 1 else "them")
     )
+
+
+def stdin_note(fd: int = 0) -> list[str]:
+    """A note where hvdrun's stdin is a file with something in it (``hvdrun ... < data``):
+    no worker reads it, where mpirun would give it to rank 0. (A pipe may hold nothing, a
+    scheduler's or a CI's, and says nothing.)"""
+    try:
+        found = os.fstat(fd)
+    except OSError:
+        return []
+    if not stat.S_ISREG(found.st_mode) or found.st_size == 0:
+        return []
+    return [
+        "note: hvdrun's stdin is a file (hvdrun ... < FILE) that no worker reads: their stdin "
+        "is /dev/null (mpirun would give it to rank 0); pass the file's name to the script"
+    ]
 
 
 def _not_runnable(program: str, search_path: str | None) -> None:

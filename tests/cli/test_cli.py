@@ -589,6 +589,26 @@ def test_a_deleted_current_directory_is_one_line(tmp_path: Path) -> None:
     )
 
 
+def test_a_file_on_hvdrun_s_stdin_is_said_to_reach_no_worker(tmp_path: Path) -> None:
+    # (mpirun gives it to rank 0; an empty file, /dev/null or a pipe says nothing)
+    data = tmp_path / "data.txt"
+    data.write_text("some input\n")
+    note = "hvdrun: note: hvdrun's stdin is a file (hvdrun ... < FILE) that no worker reads"
+    for stdin, said in ((data, True), (tmp_path / "empty", False), (Path(os.devnull), False)):
+        stdin.touch()
+        with stdin.open() as handle:
+            result = subprocess.run(
+                [sys.executable, "-m", "hvdrun", "-np", "1", "true"],
+                stdin=handle,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={**os.environ, "PYTHONPATH": with_repo_on_path()},
+            )
+        assert result.returncode == 0, result.stderr
+        assert (note in result.stderr) == said, (stdin, result.stderr)
+
+
 def test_x_of_a_variable_not_set_here_is_a_note_as_with_mpirun(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
