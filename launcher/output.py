@@ -404,19 +404,29 @@ class OutputSink:
             self._backlog.stop_waiting()
 
     def open_files(self, ranks: Iterable[int]) -> None:
-        """``--output-filename``: creates DIR/rank.N/{stdout,stderr} for every rank."""
+        """``--output-filename``: creates DIR/rank.N/{stdout,stderr} for every rank. One that
+        cannot be made (a full disk, a file in the way; an elastic job's rank that joins
+        later too) is said once and left out: the rank's output still shows here, and the
+        job runs on."""
         directory = self._options.output_dir
         if directory is None:
             return
         for rank in ranks:
             name = rank_dir_name(rank, max(self._options.num_ranks, rank + 1))
             rank_dir = os.path.join(directory, name)
-            os.makedirs(rank_dir, exist_ok=True)
-            for stream in ("stdout", "stderr"):
-                path = os.path.join(rank_dir, stream)
-                handle = open(path, "wb")  # noqa: SIM115
-                # (a failure is said as hvdrun's messages are: never waiting on stderr here)
-                self._files[(rank, stream)] = _Guarded(handle, path, self.message)
+            path = rank_dir
+            try:
+                os.makedirs(rank_dir, exist_ok=True)
+                for stream in ("stdout", "stderr"):
+                    path = os.path.join(rank_dir, stream)
+                    handle = open(path, "wb")  # noqa: SIM115
+                    # (a failure is said as hvdrun's messages are: never waiting on stderr)
+                    self._files[(rank, stream)] = _Guarded(handle, path, self.message)
+            except OSError as error:
+                self.message(
+                    f"cannot write {path} ({error.strerror or error}): rank {rank}'s output "
+                    "is not kept in files"
+                )
 
     def close(
         self, interrupted: Callable[[], object] | None = None, stuck: float = STUCK_SECONDS

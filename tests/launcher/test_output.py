@@ -186,6 +186,25 @@ def test_output_files_per_rank(tmp_path: Path) -> None:
     assert out.getvalue() == b"[1]<stdout>:one\n"  # and the terminal still gets the lines
 
 
+def test_a_rank_whose_output_files_cannot_be_made_is_said_and_shown_here(
+    tmp_path: Path,
+) -> None:
+    # (a full disk, a file in the way: hvdrun crashed with a traceback, and an elastic job
+    # whose joining rank met it died mid-run)
+    (tmp_path / "rank.1").write_text("a file where rank 1's directory goes")
+    out, err = io.BytesIO(), io.BytesIO()
+    sink = OutputSink(out, err, options=OutputOptions(output_dir=str(tmp_path), num_ranks=3))
+    sink.open_files(range(3))
+    sink.line(1, "stdout", b"one")
+    sink.line(2, "stdout", b"two")
+    sink.close()
+    assert out.getvalue() == b"[1]<stdout>:one\n[2]<stdout>:two\n"
+    assert (tmp_path / "rank.2" / "stdout").read_bytes() == b"two\n"
+    said = err.getvalue().decode()
+    assert said.count("\n") == 1 and said.startswith(f"hvdrun: cannot write {tmp_path}/rank.1 ")
+    assert said.endswith("rank 1's output is not kept in files\n"), said
+
+
 def test_output_files_keep_each_line_s_own_terminator(tmp_path: Path) -> None:
     out = io.BytesIO()
     sink = OutputSink(out, io.BytesIO(), options=OutputOptions(output_dir=str(tmp_path)))
