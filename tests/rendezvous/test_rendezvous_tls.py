@@ -154,6 +154,19 @@ def test_certificate_only_off_loopback_and_key_never_shown() -> None:
     assert make_job_certificate(JOB_ID).key_pem != tls.key_pem
 
 
+def test_every_certificate_is_valid_whatever_a_hosts_clock_says() -> None:
+    # A host whose clock ran an hour or more behind hvdrun's (a hardware clock kept in local
+    # time) failed its handshake, "certificate is not yet valid": a job's certificates are
+    # trusted by their key (or the secret's authority) alone, and valid from 2000 to 9999.
+    from cryptography import x509
+
+    served = authority_from_secret(SECRET).server_certificate()
+    for pem in (make_job_certificate(JOB_ID).cert_pem, served.cert_pem):
+        certificate = x509.load_pem_x509_certificate(pem)
+        assert certificate.not_valid_before_utc.year == 2000
+        assert certificate.not_valid_after_utc.year == 9999
+
+
 def test_certificate_travels_with_the_secret_in_the_start_message_env() -> None:
     tls = make_job_certificate(JOB_ID)
     pem = tls.cert_pem.decode()
