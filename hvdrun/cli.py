@@ -498,7 +498,7 @@ def cli(
         if call is not None:
             call.result = result
         code = result.exit_code
-        merge_after_job(env, options.num_ranks, started)
+        merge_after_job(env, options.num_ranks, started, result.job_id)
         return code
     except (LaunchError, RendezvousListenError) as exc:
         raise LaunchFailed(str(exc)) from None

@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from hvdrun.timelines import TimelineError, merge_files, merged_path, rank_files, start_time
+from hvdrun.timelines import (
+    TimelineError,
+    job_of,
+    merge_files,
+    merged_path,
+    rank_files,
+    start_time,
+)
 from rendezvous import worker_env
 
 if TYPE_CHECKING:
@@ -180,13 +187,29 @@ def merge_command(output: str, inputs: Sequence[str], echo: Callable[[str], None
     return 0
 
 
+def _another_jobs(path: str, job: str, since: float) -> bool:
+    """Whether the timeline in ``path`` is another job's than ``job`` (see
+    :func:`merge_after_job`)."""
+    written_by = job_of(path)
+    if job and written_by is not None:
+        return written_by != job
+    began = start_time(path)
+    return began is not None and began < since
+
+
 def merge_after_job(
-    env: Mapping[str, str], ranks: int, since: float, echo: Callable[[str], None] = _say
+    env: Mapping[str, str],
+    ranks: int,
+    since: float,
+    job: str = "",
+    echo: Callable[[str], None] = _say,
 ) -> None:
     """Merges the job's per-rank timelines, where every rank wrote one that is on this
-    machine (the others are named, for ``--merge-timelines`` by hand). A file that began
-    before the job (``since``, a ``time.time()`` taken before it started) is an earlier
-    job's: it is left out, and named."""
+    machine (the others are named, for ``--merge-timelines`` by hand). A file that another
+    job wrote is left out, and named: one that says which job wrote it, by that job's id
+    (``job``: this one's); else one that began before the job (``since``, a ``time.time()``
+    taken before it started: a clock behind hvdrun's, another host's on a shared
+    filesystem, would leave this job's own files out by it)."""
     path = worker_env.setting(worker_env.TIMELINE, env)
     if not path or (
         "{rank}" not in path and not worker_env.flag(worker_env.TIMELINE_ALL_RANKS, env)
@@ -195,12 +218,9 @@ def merge_after_job(
     files = rank_files(path, ranks)
     here = [name for name in files if os.path.exists(name)]
     missing = [name for name in files if name not in here]
-    stale = [name for name in here if (began := start_time(name)) is not None and began < since]
+    stale = [name for name in here if _another_jobs(name, job, since)]
     if stale:
-        echo(
-            f"hvdrun: left out {len(stale)} timeline(s) that an earlier job wrote (they began "
-            f"before this job): {_some(stale)}"
-        )
+        echo(f"hvdrun: left out {len(stale)} timeline(s) that an earlier job wrote: {_some(stale)}")
     fresh = [name for name in here if name not in stale]
     if not fresh:
         return

@@ -41,7 +41,15 @@ from typing import Any
 
 from rendezvous import worker_env
 
-__all__ = ["TimelineError", "merge", "merge_files", "merged_path", "rank_files", "start_time"]
+__all__ = [
+    "TimelineError",
+    "job_of",
+    "merge",
+    "merge_files",
+    "merged_path",
+    "rank_files",
+    "start_time",
+]
 
 #: Keys of an op occurrence: (op row name, round, how many times the row had that round
 #: before in the file: 0 but in a file written on after an ``hvd.init()`` again).
@@ -188,6 +196,25 @@ def start_time(path: str) -> float | None:
     """When the timeline in ``path`` began, by the wall clock (``time.time()``): its
     ``hvdrun_rank`` event's ``unix_s`` (the first event of a file a rank writes), else the
     file's last modification; None when the file cannot be read."""
+    head = _head(path)
+    if head is None:
+        return None
+    rank_args, modified = head
+    unix = rank_args.get("unix_s")
+    return float(unix) if isinstance(unix, (int, float)) else modified
+
+
+def job_of(path: str) -> str | None:
+    """The id of the job that wrote the timeline in ``path`` (its ``hvdrun_rank`` event's
+    ``job``, where the job's own timeline has one); None where it does not say."""
+    head = _head(path)
+    job = head[0].get("job") if head is not None else None
+    return job if isinstance(job, str) and job else None
+
+
+def _head(path: str) -> tuple[dict[str, Any], float] | None:
+    """The arguments of the ``hvdrun_rank`` event that starts the file (empty where it has
+    none) and the file's last modification; None when the file cannot be read."""
     try:
         with open(path, "rb") as source:
             head = source.read(_HEAD_BYTES).decode("utf-8", errors="replace")
@@ -200,10 +227,10 @@ def start_time(path: str) -> float | None:
         with contextlib.suppress(ValueError):
             first, _ = json.JSONDecoder().raw_decode(head, start)
     if isinstance(first, dict) and first.get("name") == "hvdrun_rank":
-        unix = first.get("args", {}).get("unix_s")
-        if isinstance(unix, (int, float)):
-            return float(unix)
-    return modified
+        args = first.get("args")
+        if isinstance(args, dict):
+            return args, modified
+    return {}, modified
 
 
 def _indexer(rank: _Rank) -> Callable[[int, dict[str, Any]], None]:

@@ -20,8 +20,10 @@ Every figure is a duration on one rank's own clock; none compares clocks across 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
+import os
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -295,9 +297,29 @@ class JobReport:
         }
 
     def write(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as out:
-            json.dump(self.document(), out, indent=1)
-            out.write("\n")
+        """Writes the report as JSON to ``path``: a regular file (or a new one) whole or not at
+        all, through a file beside it renamed over it, so that a full disk leaves an earlier
+        report as it was rather than empty; anything else (``/dev/stdout``) directly."""
+        text = json.dumps(self.document(), indent=1) + "\n"
+        if os.path.exists(path) and not os.path.isfile(path):
+            with open(path, "w", encoding="utf-8") as out:
+                out.write(text)
+            return
+        partial = f"{path}.{os.getpid()}.partial"
+        try:
+            out = open(partial, "w", encoding="utf-8")  # noqa: SIM115
+        except OSError:  # (a directory this user cannot write in: the file written in place)
+            with open(path, "w", encoding="utf-8") as direct:
+                direct.write(text)
+            return
+        try:
+            with out:
+                out.write(text)
+            os.replace(partial, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
 
     def __str__(self) -> str:
         return "\n".join(self.table()) if self.ranks else self.summary

@@ -41,6 +41,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -149,9 +150,12 @@ class Timeline:
         self._end = 0  # where the next events go: over the closing bracket
         try:
             self._write(b"[" + _CLOSE)
-        except OSError:
+        except OSError as error:  # (a full disk: no empty file left, the file named)
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.fstat(self._fd).st_mode):
+                    os.unlink(path)
             os.close(self._fd)
-            raise
+            raise OSError(error.errno, error.strerror, path) from None
         self._end = 1
         self._first = True
         self._start = time.monotonic()
@@ -166,6 +170,8 @@ class Timeline:
                 "monotonic_us": round(self._start * 1e6, 3),
                 "unix_s": round(time.time(), 6),
             }
+            if job:  # (which job wrote it: hvdrun merges its own job's files alone)
+                args["job"] = job
             self._pending.append({"name": "hvdrun_rank", "ph": "M", "pid": 0, "args": args})
         self._row(".cycles")
 

@@ -183,6 +183,7 @@ class JobResult:
     collected: dict[str, bytes] = field(default_factory=dict)
     reason: str | None = None  # why the job was given up where no rank failed (elastic jobs)
     own_stall: float = 0.0  # the longest time hvdrun's own loop did not run (Ctrl-Z, starved)
+    job_id: str = ""  # the job's id (HVDRUN_JOB_ID), which its timelines carry
 
 
 def agent_spec(

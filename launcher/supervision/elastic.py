@@ -642,6 +642,7 @@ def run_elastic_job(spec: JobSpec, sink: OutputSink) -> JobResult:
                 spec, options, sink, signals, server, secret, job_id, initial, cert_pem
             )
             result = driver.run()
+            result.job_id = job_id
             if spec.collect is not None:
                 result.collected = server.values_under(spec.collect)
             return result

@@ -455,6 +455,7 @@ def _supervise(
         )
         supervisor.stop_blame_after = STOP_BLAME_SHARE * collective_timeout(spec.env)
         result = supervisor.run()
+        result.job_id = job_id
         if spec.collect is not None:
             result.collected = server.values_under(spec.collect)
         return result

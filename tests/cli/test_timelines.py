@@ -49,11 +49,11 @@ def base() -> float:
 
 def _write(path: Path, base: float, rank: int, host: str, submits: list[float],
            ends: list[float], skew: float = 0.0,
-           rounds: list[str] | None = None) -> None:  # fmt: skip
+           rounds: list[str] | None = None, job: str | None = None) -> None:  # fmt: skip
     """A rank's timeline of one op per round: submitted at ``submits``, ready at ``ends``
     (seconds after ``base``) in ``rounds`` (by default 0:1, 0:2, ...), recorded on a clock
-    ``skew`` seconds ahead."""
-    timeline = Timeline(str(path), rank=rank, host=host)
+    ``skew`` seconds ahead; ``job``: the id of the job whose own timeline it is."""
+    timeline = Timeline(str(path), rank=rank, host=host, job=job)
     base += skew
     rounds = rounds or [f"0:{k + 1}" for k in range(len(ends))]
     for submit, end, round_id in zip(submits, ends, rounds, strict=True):
@@ -194,15 +194,15 @@ def test_after_a_job_hvdrun_merges_the_timelines_it_can_see(tmp_path: Path, base
     _write(tmp_path / "trace.0.json", base, 0, "h", [0.0], [0.1])
     said: list[str] = []
     env = {"HVDRUN_TIMELINE": path, "HVDRUN_TIMELINE_ALL_RANKS": "1"}
-    merge_after_job(env, 2, 0.0, said.append)
+    merge_after_job(env, 2, 0.0, echo=said.append)
     assert "merged the timelines of 1 rank(s)" in said[0] and "trace.1.json" in said[1]
     assert json.loads(Path(path).read_text())
     said.clear()
-    merge_after_job({"HVDRUN_TIMELINE": path}, 2, 0.0, said.append)  # rank 0's file only
+    merge_after_job({"HVDRUN_TIMELINE": path}, 2, 0.0, echo=said.append)  # rank 0's file only
     assert said == []
     os.unlink(path)
     os.mkdir(path)  # the merge cannot be written: the job's end says so, no traceback
-    merge_after_job(env, 2, 0.0, said.append)
+    merge_after_job(env, 2, 0.0, echo=said.append)
     assert said == [f"hvdrun: the timelines were not merged: cannot write {path}: Is a directory"]
 
 
@@ -220,13 +220,34 @@ def test_after_a_job_the_files_an_earlier_job_left_are_left_out(
     assert began is not None and began < since
     _write(tmp_path / "trace.0.json", base, 0, "h", [0.0], [0.1])  # this job's: rank 0 only
     said: list[str] = []
-    merge_after_job(env, 4, since, said.append)
+    merge_after_job(env, 4, since, echo=said.append)
     assert said[0] == (
-        "hvdrun: left out 2 timeline(s) that an earlier job wrote (they began before this "
-        f"job): {tmp_path}/trace.1.json, {tmp_path}/trace.2.json"
+        "hvdrun: left out 2 timeline(s) that an earlier job wrote: "
+        f"{tmp_path}/trace.1.json, {tmp_path}/trace.2.json"
     )
     assert "merged the timelines of 1 rank(s)" in said[1] and "trace.3.json" in said[2]
     assert {e["pid"] for e in json.loads(Path(path).read_text())} == {0}
+
+
+def test_after_a_job_its_own_files_are_known_by_its_id_whatever_the_clocks_say(
+    tmp_path: Path, base: float
+) -> None:
+    # A rank whose wall clock runs behind hvdrun's (another host's, on a shared filesystem;
+    # an NTP step back) began "before the job": its file, which says which job wrote it, is
+    # merged all the same, and another job's file is left out whenever it began.
+    path = str(tmp_path / "trace.json")
+    env = {"HVDRUN_TIMELINE": path, "HVDRUN_TIMELINE_ALL_RANKS": "1"}
+    _write(tmp_path / "trace.0.json", base, 0, "h", [0.0], [0.1], job="job-a")
+    _write(tmp_path / "trace.1.json", base, 1, "h", [0.0], [0.1], job="job-a")
+    _write(tmp_path / "trace.2.json", base, 2, "h", [0.0], [0.1], job="job-b")
+    said: list[str] = []
+    merge_after_job(env, 3, time.time() + 60, "job-a", echo=said.append)
+    assert (
+        said[0]
+        == f"hvdrun: left out 1 timeline(s) that an earlier job wrote: {tmp_path}/trace.2.json"
+    )
+    assert "merged the timelines of 2 rank(s)" in said[1]
+    assert {e["pid"] for e in json.loads(Path(path).read_text())} == {0, 1}
 
 
 def test_report_flags(capsys: pytest.CaptureFixture[str]) -> None:

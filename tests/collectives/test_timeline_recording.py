@@ -4,6 +4,8 @@ job's generations), and the phases of ops whose data rode their round."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from collectives.engine.timeline import Timeline, open_for_job, open_for_rank
+from tests.processes import REPO
 
 
 def _op(timeline: Timeline, row: str, round_id: str) -> None:
@@ -120,3 +123,29 @@ def test_every_allreduce_holds_how_its_data_was_reduced(hvd: ModuleType, tmp_pat
     for pid, phases in inside.items():
         assert len(phases) == 30
         assert all(inner - {"QUEUE"} for inner in phases), (names[pid], phases)
+
+
+def test_a_timeline_that_cannot_be_written_names_its_file_and_leaves_none(
+    tmp_path: Path,
+) -> None:
+    # (a full disk: a rank said "writes no timeline: No space left on device" naming the
+    # path's {rank} template, and left an empty file that is no timeline)
+    script = (
+        "import resource, sys\n"
+        "from collectives.engine.timeline import open_for_rank\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    open_for_rank(sys.argv[1], False, 3)\n"
+        "except OSError as error:\n"
+        "    print(error.strerror, error.filename)\n"
+    )
+    template = str(tmp_path / "trace.{rank}.json")
+    result = subprocess.run(
+        [sys.executable, "-c", script, template],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert result.stdout == f"File too large {tmp_path}/trace.3.json\n", result
+    assert list(tmp_path.iterdir()) == []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from rendezvous.insight import (
@@ -14,6 +16,7 @@ from rendezvous.insight import (
     decode_all,
     stands_out,
 )
+from tests.processes import REPO
 
 
 def _rank(rank: int, waited: float, caused: float, last: int, **more: object) -> RankFigures:
@@ -68,6 +71,35 @@ def test_the_rank_that_made_the_others_wait_is_named_in_one_sentence(tmp_path: P
     assert document["ops"] == [
         {"op": "allreduce.grad", "waited_s": 5.8, "mostly_for": 2, "share": 1.0}
     ]
+
+
+def test_a_report_that_cannot_be_written_leaves_the_earlier_one_as_it_was(
+    tmp_path: Path,
+) -> None:
+    # (a full disk truncated an earlier report to nothing)
+    path = tmp_path / "report.json"
+    path.write_text('{"earlier": true}\n')
+    script = (
+        "import resource, sys\n"
+        "from rendezvous.insight import analyse\n"
+        "from tests.rendezvous.test_insight import _rank\n"
+        "report = analyse([_rank(0, 1.0, 1.2, 40), _rank(1, 1.2, 0.6, 30)])\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    report.write(sys.argv[1])\n"
+        "except OSError as error:\n"
+        "    print(error.strerror)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert result.stdout == "File too large\n", result
+    assert path.read_text() == '{"earlier": true}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # (nothing half-written)
 
 
 def test_no_rank_is_named_when_the_waiting_is_spread_or_small() -> None:
