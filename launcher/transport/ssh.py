@@ -96,6 +96,24 @@ def load_known_hosts(host_keys: paramiko.HostKeys, path: str) -> set[bytes]:
     return revoked
 
 
+def append_whole_line(fd: int, line: bytes) -> None:
+    """Appends ``line`` to the file open (to read, and to append) at ``fd`` whole or not at all: a
+    full disk cut it short, and the next host's line then ran on from the fragment
+    (``10.0.0.10.0.0.12 ssh-ed25519 ...``). A file that does not end with a newline gets
+    one first."""
+    size = os.lseek(fd, 0, os.SEEK_END)
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+        line = b"\n" + line
+    try:
+        written = 0
+        while written < len(line):
+            written += os.write(fd, line[written:])
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)
+        raise
+
+
 class _RecordNewKey(paramiko.MissingHostKeyPolicy):
     """accept-new: trust an unseen host once and append its key to known_hosts."""
 
@@ -112,9 +130,9 @@ class _RecordNewKey(paramiko.MissingHostKeyPolicy):
             with _known_hosts_lock:
                 if directory and not os.path.isdir(directory):
                     os.makedirs(directory, mode=0o700, exist_ok=True)
-                with open(self.path, "a", encoding="utf-8") as handle:
+                with open(self.path, "a+b", buffering=0) as handle:
                     fcntl.flock(handle, fcntl.LOCK_EX)  # other hvdrun processes may append
-                    handle.write(line)
+                    append_whole_line(handle.fileno(), line.encode())
         except OSError as error:  # (a read-only home: trusted for this job, as ssh does)
             log.warning(
                 "could not add the host key of %s to %s (%s); trusting it for this job",

@@ -6,6 +6,7 @@ import getpass
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from launcher.spec.options import SSHOptions
 from launcher.transport import ssh_config
-from launcher.transport.ssh import SSHConnector
+from launcher.transport.ssh import SSHConnector, append_whole_line
 from launcher.transport.ssh_config import (
     SSHConnectError,
     jump_target,
@@ -21,6 +22,7 @@ from launcher.transport.ssh_config import (
     resolve_target,
     split_jump,
 )
+from tests.processes import REPO
 
 CONFIG = """
 Host gpu*
@@ -364,3 +366,28 @@ def test_a_user_id_without_a_name_asks_for_the_ssh_user(
         assert "and USER is not set (a container's user, say): export USER=<a name>" in str(
             info.value
         )
+
+
+def test_a_known_hosts_line_is_appended_whole_or_not_at_all(tmp_path: Path) -> None:
+    # A full disk cut a host's line short, and the next host's then ran on from it.
+    known = tmp_path / "known_hosts"
+    known.write_bytes(b"a ssh-ed25519 AAAA\nb ssh-ed25519 BB")  # (an earlier fragment)
+    with known.open("a+b", buffering=0) as handle:
+        append_whole_line(handle.fileno(), b"c ssh-ed25519 CCCC\n")
+    assert known.read_bytes() == b"a ssh-ed25519 AAAA\nb ssh-ed25519 BB\nc ssh-ed25519 CCCC\n"
+    script = (
+        "import os, resource, sys\n"
+        "from launcher.transport.ssh import append_whole_line\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(sys.argv[1]) + 8, -1))\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_APPEND)\n"
+        "try:\n"
+        "    append_whole_line(fd, b'd ssh-ed25519 DDDDDDDDDDDDDDDD\\n')\n"
+        "except OSError as error:\n"
+        "    print(error.strerror)\n"
+    )
+    before = known.read_bytes()
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(known)], capture_output=True, text=True, cwd=REPO
+    )
+    assert result.stdout == "File too large\n", result
+    assert known.read_bytes() == before
