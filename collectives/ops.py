@@ -159,7 +159,9 @@ def written_in_place(outputs: Sequence[torch.Tensor], what: str) -> None:
     in-place ops (``dist.broadcast`` among them) do at the call.
 
     A tensor made under ``torch.inference_mode()`` (a metric computed in a validation step)
-    may be written only inside it: torch refuses the write elsewhere, in the engine too.
+    may be written only inside that mode, which is a thread's own: the engine's thread, which
+    writes the results, is not in it, and torch's refusal there would stop every collective
+    of the job on this rank.
 
     A tensor written in place may not have elements that share memory (an expanded view):
     torch refuses the write, which inside the engine would stop every collective of the
@@ -169,11 +171,11 @@ def written_in_place(outputs: Sequence[torch.Tensor], what: str) -> None:
     it never saw (the engine writes some outputs by the collective itself, which torch does
     not count)."""
     for tensor in outputs:
-        if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        if tensor.is_inference():
             raise RuntimeError(  # (torch's own type for this refusal)
                 f"{what}: the tensor to write in place was made under torch.inference_mode(), "
-                "and torch refuses writes to it outside: call the op inside inference_mode "
-                "too, or use the out-of-place op"
+                "and torch refuses writes to it outside that mode, which the engine's thread "
+                "is not in: use the out-of-place op (hvd.allreduce(t) for hvd.allreduce_(t))"
             )
         # (a contiguous tensor has no such elements: one flag read, a quarter of the check)
         if not tensor.is_contiguous() and torch._debug_has_internal_overlap(tensor) == 1:

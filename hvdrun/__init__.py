@@ -17,9 +17,6 @@ __all__ = ["JobFailed", "__version__", "run"]
 
 def __getattr__(name: str) -> Any:
     if name in ("run", "JobFailed"):
-        from rendezvous import load_grpc
-
-        load_grpc()  # (its server's gRPC, at ERROR, unless the caller imported gRPC before)
         from hvdrun import api
 
         return getattr(api, name)

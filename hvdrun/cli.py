@@ -81,6 +81,7 @@ from launcher.spec.options import (
     SSHOptions,
 )
 from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
+from rendezvous import load_grpc
 from rendezvous.launchers import DetectionError, in_slurm_step, slurm_allocation
 from rendezvous.worker_env import (
     HOROVOD_PREFIX,
@@ -408,6 +409,7 @@ def cli(
         if command:
             raise click.UsageError("--check-hosts runs no command; remove it")
         launch = replace(launch, launcher=choose_launcher(launcher, host_list, elastic=False))
+        load_grpc()  # (its agents' relays: gRPC at ERROR, see rendezvous.load_grpc)
         from launcher.check_hosts import check_hosts as run_check
 
         return run_check([h.hostname for h in host_list], cwd, env, launch, click.echo)
@@ -450,12 +452,16 @@ def cli(
         creatable_directory(output_filename, "--output-filename")
     if not dry_run:
         report.check(env, local_only, origins)
-    unused_notes += tuning_notes(tuning, env) + srun_copies_note(os.environ) + stdin_note()
+    unused_notes += tuning_notes(tuning, env) + srun_copies_note(os.environ)
+    if click.get_current_context().find_object(FunctionCall) is None:  # (not hvdrun.run's)
+        unused_notes += stdin_note()
     ignored = config_warnings(click.get_current_context())
     for notice in [*ignored, *unused_notes, *notices(compat, env, host_list, num_proc)]:
         click.echo(f"hvdrun: {notice}", err=True)
 
-    # Imported here so that --version, --help and input errors stay instant.
+    # Imported here so that --version, --help and input errors stay instant; gRPC first, with
+    # its own logging at ERROR (a TLS server printed a line for every failed handshake).
+    load_grpc()
     from launcher.output import OutputOptions, OutputSink, is_terminal, use_colour
     from launcher.run import run_job
     from launcher.spec.job import JobSpec
@@ -498,7 +504,7 @@ def cli(
         if call is not None:
             call.result = result
         code = result.exit_code
-        merge_after_job(env, options.num_ranks, started, result.job_id)
+        merge_after_job(env, options.num_ranks, started, job=result.job_id)
         return code
     except (LaunchError, RendezvousListenError) as exc:
         raise LaunchFailed(str(exc)) from None

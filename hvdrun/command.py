@@ -2,8 +2,7 @@
 
 A Ctrl-C while the CLI is still being imported, or before hvdrun's own signal handlers are
 in place (reading the command line; nothing is started yet), ends the command as a Ctrl-C
-later does (exit 130), with no traceback: a line that says so. gRPC is imported first,
-with its own logging at ERROR (:func:`rendezvous.load_grpc`).
+later does (exit 130), with no traceback: a line that says so.
 """
 
 from __future__ import annotations
@@ -13,9 +12,6 @@ import sys
 
 def main() -> None:
     try:
-        from rendezvous import load_grpc
-
-        load_grpc()  # (before the CLI's imports bring gRPC in at INFO)
         from hvdrun.cli import run_cli
 
         code = run_cli()

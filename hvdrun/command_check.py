@@ -98,14 +98,17 @@ def hidden_packages_note(command: Sequence[str]) -> str | None:
 
 
 def stdin_note(fd: int = 0) -> list[str]:
-    """A note where hvdrun's stdin is a file with something in it (``hvdrun ... < data``):
-    no worker reads it, where mpirun would give it to rank 0. (A pipe may hold nothing, a
-    scheduler's or a CI's, and says nothing.)"""
+    """A note where hvdrun's stdin is a file with something in it, unread (``hvdrun ... <
+    data``): no worker reads it, where mpirun would give it to rank 0. (A pipe may hold
+    nothing, a scheduler's or a CI's, and says nothing; nor does a file read from already,
+    the script of a shell run as ``bash < job.sh`` that started hvdrun.)"""
     try:
         found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_size == 0:
+            return []
+        if os.lseek(fd, 0, os.SEEK_CUR) != 0:
+            return []
     except OSError:
-        return []
-    if not stat.S_ISREG(found.st_mode) or found.st_size == 0:
         return []
     return [
         "note: hvdrun's stdin is a file (hvdrun ... < FILE) that no worker reads: their stdin "
@@ -146,10 +149,14 @@ def _not_runnable(program: str, search_path: str | None) -> None:
             f"command not found: {program} (a variable for the workers? give it with "
             f"-x {program}, before the command)"
         )
-    if shown(program) != program:
+    if any(ch.isspace() for ch in program):
         raise CommandNotFound(
             f"command not found: {program!r} (one word with blanks in it: was the whole command "
             "quoted as one? give its words separately, e.g. hvdrun -np 2 python train.py)"
+        )
+    if shown(program) != program:
+        raise CommandNotFound(
+            f"command not found: {program!r} (it holds characters that do not print)"
         )
     raise CommandNotFound(f"command not found: {program}")
 

@@ -331,6 +331,23 @@ def check_hosts_flag(hosts: str) -> None:
         )
 
 
+#: Of the variables without effect, those that hold a value rather than a switch.
+_VALUED = frozenset({"HOROVOD_NUM_NCCL_STREAMS", "HOROVOD_THREAD_AFFINITY"})
+
+
+def _set_on(name: str, raw: str) -> bool:
+    """Whether ``raw`` asks something of the variable ``name``: any value of a valued one
+    (thread affinity 0 is core 0), a switch that is on (or that no switch reads)."""
+    if not raw.strip():
+        return False
+    if name in _VALUED:
+        return True
+    try:
+        return worker_env.switch(raw)
+    except ValueError:
+        return True
+
+
 def notices(
     flags: HorovodFlags, env: Mapping[str, str], hosts: Sequence[Any], num_proc: int
 ) -> list[str]:
@@ -347,7 +364,7 @@ def notices(
     inert = [
         f"{name}={env[name]}"
         for name in dict.fromkeys([*NO_EFFECT_VARIABLES.values(), *NO_EFFECT_ONLY_VARIABLES])
-        if name not in by_flags and env.get(name, "").strip() not in ("", "0")
+        if name not in by_flags and _set_on(name, env.get(name, ""))
     ]
     if inert:  # (from the environment or -x: a job script's exports, a cluster's defaults)
         lines.append(

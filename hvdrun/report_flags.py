@@ -201,6 +201,7 @@ def merge_after_job(
     env: Mapping[str, str],
     ranks: int,
     since: float,
+    *,
     job: str = "",
     echo: Callable[[str], None] = _say,
 ) -> None:
@@ -220,7 +221,7 @@ def merge_after_job(
     missing = [name for name in files if name not in here]
     stale = [name for name in here if _another_jobs(name, job, since)]
     if stale:
-        echo(f"hvdrun: left out {len(stale)} timeline(s) that an earlier job wrote: {_some(stale)}")
+        echo(f"hvdrun: left out {len(stale)} timeline(s) that another job wrote: {_some(stale)}")
     fresh = [name for name in here if name not in stale]
     if not fresh:
         return

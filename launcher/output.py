@@ -374,6 +374,7 @@ class OutputSink:
         self._tails: dict[int, collections.deque[str]] = {}
         self._tail_lines = tail_lines
         self._files: dict[tuple[int, str], _Guarded] = {}
+        self._unkept: set[int] = set()  # ranks whose files could not be made (said once)
         self._files_lock = threading.Lock()
         self._status = b""
         self._backlog = _Backlog(backlog_bytes) if background else None
@@ -423,10 +424,16 @@ class OutputSink:
                     # (a failure is said as hvdrun's messages are: never waiting on stderr)
                     self._files[(rank, stream)] = _Guarded(handle, path, self.message)
             except OSError as error:
-                self.message(
-                    f"cannot write {path} ({error.strerror or error}): rank {rank}'s output "
-                    "is not kept in files"
-                )
+                for stream in ("stdout", "stderr"):  # (none of the rank's, not half of them)
+                    opened = self._files.pop((rank, stream), None)
+                    if opened is not None and opened.stream is not None:
+                        opened.stream.close()
+                if rank not in self._unkept:  # (an elastic rank comes back each generation)
+                    self._unkept.add(rank)
+                    self.message(
+                        f"cannot write {path} ({error.strerror or error}): rank {rank}'s "
+                        "output is not kept in files"
+                    )
 
     def close(
         self, interrupted: Callable[[], object] | None = None, stuck: float = STUCK_SECONDS

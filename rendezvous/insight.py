@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -301,6 +302,7 @@ class JobReport:
         all, through a file beside it renamed over it, so that a full disk leaves an earlier
         report as it was rather than empty; anything else (``/dev/stdout``) directly."""
         text = json.dumps(self.document(), indent=1) + "\n"
+        path = os.path.realpath(path)  # (a link's target is the report, not the link)
         if os.path.exists(path) and not os.path.isfile(path):
             with open(path, "w", encoding="utf-8") as out:
                 out.write(text)
@@ -312,14 +314,20 @@ class JobReport:
             with open(path, "w", encoding="utf-8") as direct:
                 direct.write(text)
             return
+        done = False
         try:
             with out:
                 out.write(text)
+                out.flush()
+                os.fsync(out.fileno())
+            if os.path.exists(path):
+                shutil.copymode(path, partial)  # (the earlier report's permissions kept)
             os.replace(partial, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
-            raise
+            done = True
+        finally:
+            if not done:
+                with contextlib.suppress(OSError):
+                    os.unlink(partial)
 
     def __str__(self) -> str:
         return "\n".join(self.table()) if self.ranks else self.summary

@@ -70,12 +70,13 @@ def make_job_certificate(job_id: str) -> JobCertificate:
     return _issue(key, name, key, name, ALWAYS, ca=True)
 
 
-#: The validity of every certificate here: from 2000 to 9999. A job's certificates are
+#: The validity of every certificate here: from 1970 to 9999. A job's certificates are
 #: trusted by their key (or the secret's authority) alone, for that job; a validity from
 #: "now" made a host whose clock runs an hour or more behind hvdrun's (a hardware clock
-#: kept in local time) fail its TLS handshake, "certificate is not yet valid".
+#: kept in local time, a board without one that boots at 1970) fail its TLS handshake,
+#: "certificate is not yet valid".
 ALWAYS = (
-    datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc),
+    datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc),
     datetime.datetime(9999, 12, 31, tzinfo=datetime.timezone.utc),
 )
 
@@ -111,7 +112,7 @@ class SecretAuthority:
 @functools.lru_cache(maxsize=4)
 def authority_from_secret(secret: str) -> SecretAuthority:
     """The authority of ``secret``: its key derived by HKDF-SHA256, its certificate valid
-    from 2000 to 9999 (whatever a rank's clock says). Each rank makes its own copy of that
+    :data:`ALWAYS` (whatever a rank's clock says). Each rank makes its own copy of that
     certificate; the copies differ only in their signature, which nobody checks (a root
     is trusted as it is), so rank 0 need not send it. Made once per secret in a process
     (rank 0 serves with it and dials its own server trusting it)."""

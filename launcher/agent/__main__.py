@@ -7,12 +7,8 @@ and ``launcher.transport.remote`` start it); the agent itself is :mod:`launcher.
 import os
 import sys
 
-from rendezvous import load_grpc
-
-load_grpc()  # (before the relay's imports bring gRPC in at INFO)
-
-from launcher.agent.session import main  # noqa: E402
-from launcher.transport.protocol import EXIT_MARKER, SHARED_STDIN_FLAG  # noqa: E402
+from launcher.agent.session import main
+from launcher.transport.protocol import EXIT_MARKER, SHARED_STDIN_FLAG
 
 if __name__ == "__main__":
     shared = SHARED_STDIN_FLAG in sys.argv[1:]

@@ -63,7 +63,7 @@ from launcher.transport.protocol import (
     encode_event,
     pieces,
 )
-from rendezvous import worker_env
+from rendezvous import load_grpc, worker_env
 from rendezvous.addresses import (
     gloo_interface,
     interface_facing,
@@ -100,7 +100,8 @@ def start_relay(spec: AgentSpec, env: dict[str, str]) -> HostRelay | None:
         lost_after = worker_env.number(worker_env.RENDEZVOUS_LOST_AFTER_SECONDS, env=env)
     except ValueError:
         return None  # the workers report the bad setting themselves
-    from rendezvous.relay import HostRelay  # gRPC: loaded only by agents of multi-host jobs
+    load_grpc()  # gRPC: loaded only by agents of multi-host jobs, at ERROR
+    from rendezvous.relay import HostRelay
 
     relay = HostRelay(
         addr,

@@ -97,8 +97,8 @@ def load_known_hosts(host_keys: paramiko.HostKeys, path: str) -> set[bytes]:
 
 
 def append_whole_line(fd: int, line: bytes) -> None:
-    """Appends ``line`` to the file open (to read, and to append) at ``fd`` whole or not at all: a
-    full disk cut it short, and the next host's line then ran on from the fragment
+    """Appends ``line`` to the file open (to read, and to append) at ``fd``, whole or not
+    at all: a full disk cut it short, and the next host's line then ran on from the fragment
     (``10.0.0.10.0.0.12 ssh-ed25519 ...``). A file that does not end with a newline gets
     one first."""
     size = os.lseek(fd, 0, os.SEEK_END)

@@ -15,6 +15,7 @@ and NCCL sockets face the other hosts too.
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -316,6 +317,16 @@ def plan_rendezvous(agents: Sequence[AgentConnection], explicit: str | None) -> 
     return RendezvousPlan(bind_address(set(addr_host.values())), 0, addr_host)
 
 
+def _link_local(address: str) -> bool:
+    """An IPv6 link-local address (``fe80::...``), which binds only with its interface's
+    zone, which the addresses here have lost."""
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return parsed.version == 6 and parsed.is_link_local
+
+
 def bind_address(dialled: set[str]) -> str:
     """Where the server listens, given the addresses the hosts dial: the one address of this
     machine (or loopback) that they all dial, so that no other network reaches the port;
@@ -323,7 +334,7 @@ def bind_address(dialled: set[str]) -> str:
     interface, IPv6 ones too where a dialled address is IPv6."""
     if len(dialled) == 1:
         only = next(iter(dialled))
-        if is_loopback(only) or only in local_addresses():
+        if is_loopback(only) or (only in local_addresses() and not _link_local(only)):
             return only
     return "::" if any(":" in address for address in dialled) else "0.0.0.0"
 

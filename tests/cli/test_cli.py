@@ -123,6 +123,7 @@ def test_missing_command_and_script(capsys: pytest.CaptureFixture[str]) -> None:
         (["python "], "command not found: 'python ' (one word with blanks"),
         # a newline shown as one, the message kept to one line
         (["no\nsuch"], "command not found: 'no\\nsuch' (one word with blanks"),
+        (["no\x1bsuch"], "command not found: 'no\\x1bsuch' (it holds characters that do not"),
         # a shell's assignment, which is no program
         (["FOO=1", "python", "x.py"], "command not found: FOO=1 (a variable for the workers? "),
     ],
@@ -607,6 +608,19 @@ def test_a_file_on_hvdrun_s_stdin_is_said_to_reach_no_worker(tmp_path: Path) -> 
             )
         assert result.returncode == 0, result.stderr
         assert (note in result.stderr) == said, (stdin, result.stderr)
+    # a shell run as "bash < job.sh" that starts hvdrun: the file is the shell's script
+    job = tmp_path / "job.sh"
+    job.write_text(f"{sys.executable} -m hvdrun -np 1 true\n")
+    with job.open() as handle:
+        result = subprocess.run(
+            ["bash"],
+            stdin=handle,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": with_repo_on_path()},
+        )
+    assert result.returncode == 0 and note not in result.stderr, result.stderr
 
 
 def test_x_of_a_variable_not_set_here_is_a_note_as_with_mpirun(

@@ -199,12 +199,14 @@ def test_horovod_variables_without_effect_are_noted_wherever_they_were_set(
     off (0) or already noted for its flag."""
     monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "1")
     monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLGATHER", "0")
+    monkeypatch.setenv("HOROVOD_TORUS_ALLREDUCE", "false")  # (off, as a switch reads it)
+    monkeypatch.setenv("HOROVOD_THREAD_AFFINITY", "0")  # (a value: core 0)
     monkeypatch.setenv("HOROVOD_DISABLE_GROUP_FUSION", "1")
     _, err = plan(["-np", "1", "-x", "HOROVOD_NUM_NCCL_STREAMS=2", "true"], capsys)
     assert (
         "hvdrun: note: HOROVOD_HIERARCHICAL_ALLREDUCE=1, HOROVOD_NUM_NCCL_STREAMS=2, "
-        "HOROVOD_DISABLE_GROUP_FUSION=1 accepted for Horovod compatibility but no effect in "
-        "hvdrun's workers\n"
+        "HOROVOD_THREAD_AFFINITY=0, HOROVOD_DISABLE_GROUP_FUSION=1 accepted for Horovod "
+        "compatibility but no effect in hvdrun's workers\n"
     ) in err, err
     _, err = plan(["-np", "1", "--hierarchical-allreduce", "true"], capsys)
     assert "note: --hierarchical-allreduce accepted" in err

@@ -222,7 +222,7 @@ def test_after_a_job_the_files_an_earlier_job_left_are_left_out(
     said: list[str] = []
     merge_after_job(env, 4, since, echo=said.append)
     assert said[0] == (
-        "hvdrun: left out 2 timeline(s) that an earlier job wrote: "
+        "hvdrun: left out 2 timeline(s) that another job wrote: "
         f"{tmp_path}/trace.1.json, {tmp_path}/trace.2.json"
     )
     assert "merged the timelines of 1 rank(s)" in said[1] and "trace.3.json" in said[2]
@@ -241,10 +241,9 @@ def test_after_a_job_its_own_files_are_known_by_its_id_whatever_the_clocks_say(
     _write(tmp_path / "trace.1.json", base, 1, "h", [0.0], [0.1], job="job-a")
     _write(tmp_path / "trace.2.json", base, 2, "h", [0.0], [0.1], job="job-b")
     said: list[str] = []
-    merge_after_job(env, 3, time.time() + 60, "job-a", echo=said.append)
+    merge_after_job(env, 3, time.time() + 60, job="job-a", echo=said.append)
     assert (
-        said[0]
-        == f"hvdrun: left out 1 timeline(s) that an earlier job wrote: {tmp_path}/trace.2.json"
+        said[0] == f"hvdrun: left out 1 timeline(s) that another job wrote: {tmp_path}/trace.2.json"
     )
     assert "merged the timelines of 2 rank(s)" in said[1]
     assert {e["pid"] for e in json.loads(Path(path).read_text())} == {0, 1}

@@ -24,6 +24,7 @@ from rendezvous.slots import SlotInfo, assign_slots
         (" a:2 , b ", [HostSpec("a", 2), HostSpec("b", 1)]),
         ("10.0.0.1:8,node-2.cluster:8", [HostSpec("10.0.0.1", 8), HostSpec("node-2.cluster", 8)]),
         ("a:65536", [HostSpec("a", 65536)]),  # the most slots a host may have
+        ("a: 2", [HostSpec("a", 2)]),
         # A host listed more than once gets the slots of all its entries, as with mpirun and
         # a hostfile (a PBS node file joined by commas: one entry per slot).
         ("a,a,b,b,a", [HostSpec("a", 3), HostSpec("b", 2)]),
@@ -55,8 +56,8 @@ def test_parse_hosts(text: str, expected: list[HostSpec]) -> None:
         ("a:+2", "'+2' in 'a:+2' is not a number"),
         ("a:1_0", "'1_0' in 'a:1_0' is not a number"),
         # names no resolver takes, refused before any host is tried
-        ("a..b:1", "host name 'a..b' in 'a..b:1' is not a valid host name"),
-        (".:1", "host name '.' in '.:1' is not a valid host name"),
+        ("a..b:1", "host name 'a..b' in 'a..b:1' has an empty part between dots"),
+        (".:1", "host name '.' in '.:1' has an empty part between dots"),
         ("node\u200b1:2", "host name 'node\\u200b1' contains an invisible character"),
         ("[::1", "']' missing in '[::1'"),
     ],
@@ -144,6 +145,11 @@ def test_assign_slots_rejects_too_many() -> None:
         ),
         ("a:4\nb\n", [HostSpec("a", 4), HostSpec("b", 1)]),
         ("node_1.example.org. slots=2\n", [HostSpec("node_1.example.org.", 2)]),
+        # names no resolver need take: ssh-config aliases, long or not; IDN names
+        (
+            f"{'n' * 70} slots=1\nعربي1.example:2\n",
+            [HostSpec("n" * 70, 1), HostSpec("عربي1.example", 2)],
+        ),
         (
             "# cluster\n\n  node-1 slots=8 max_slots=8  # the head\nnode-2:8\n\t\n",
             [HostSpec("node-1", 8), HostSpec("node-2", 8)],

@@ -192,17 +192,23 @@ def test_a_rank_whose_output_files_cannot_be_made_is_said_and_shown_here(
     # (a full disk, a file in the way: hvdrun crashed with a traceback, and an elastic job
     # whose joining rank met it died mid-run)
     (tmp_path / "rank.1").write_text("a file where rank 1's directory goes")
+    (tmp_path / "rank.0" / "stderr").mkdir(parents=True)  # (its stdout opens, its stderr not)
     out, err = io.BytesIO(), io.BytesIO()
     sink = OutputSink(out, err, options=OutputOptions(output_dir=str(tmp_path), num_ranks=3))
     sink.open_files(range(3))
+    sink.open_files([1])  # (an elastic job's rank, back in its next generation: said once)
+    sink.line(0, "stdout", b"zero")
     sink.line(1, "stdout", b"one")
     sink.line(2, "stdout", b"two")
     sink.close()
-    assert out.getvalue() == b"[1]<stdout>:one\n[2]<stdout>:two\n"
+    assert out.getvalue() == b"[0]<stdout>:zero\n[1]<stdout>:one\n[2]<stdout>:two\n"
     assert (tmp_path / "rank.2" / "stdout").read_bytes() == b"two\n"
-    said = err.getvalue().decode()
-    assert said.count("\n") == 1 and said.startswith(f"hvdrun: cannot write {tmp_path}/rank.1 ")
-    assert said.endswith("rank 1's output is not kept in files\n"), said
+    assert (tmp_path / "rank.0" / "stdout").read_bytes() == b""  # (none of rank 0's kept)
+    said = err.getvalue().decode().splitlines()
+    assert len(said) == 2, said
+    assert said[0].startswith(f"hvdrun: cannot write {tmp_path}/rank.0/stderr ")
+    assert said[1].startswith(f"hvdrun: cannot write {tmp_path}/rank.1 ")
+    assert said[1].endswith("rank 1's output is not kept in files"), said
 
 
 def test_output_files_keep_each_line_s_own_terminator(tmp_path: Path) -> None:

@@ -160,6 +160,15 @@ def test_the_server_listens_only_at_the_one_address_of_this_machine_every_host_d
     assert plan_rendezvous(two, None).bind_host == "0.0.0.0"
 
 
+def test_a_link_local_address_every_host_dials_is_not_bound_without_its_zone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (Linux refuses to bind fe80::... without the interface's zone, which is lost here)
+    monkeypatch.setattr(startup, "local_addresses", lambda: {"fe80::fc:ff:fe00:1"})
+    agents = [FakeAgent("a", local_address="fe80::fc:ff:fe00:1")]
+    assert plan_rendezvous(agents, None).bind_host == "::"
+
+
 def test_proxied_host_whose_name_does_not_route_needs_rendezvous_addr(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

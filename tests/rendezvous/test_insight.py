@@ -102,6 +102,19 @@ def test_a_report_that_cannot_be_written_leaves_the_earlier_one_as_it_was(
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # (nothing half-written)
 
 
+def test_a_report_through_a_link_is_written_to_its_target_with_its_mode(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    target = shared / "report.json"
+    target.write_text("{}")
+    target.chmod(0o664)
+    link = tmp_path / "report.json"
+    link.symlink_to(target)
+    analyse([_rank(0, 1.0, 1.2, 40), _rank(1, 1.2, 0.6, 30)]).write(str(link))
+    assert link.is_symlink() and json.loads(target.read_text())["ranks"]
+    assert target.stat().st_mode & 0o777 == 0o664
+
+
 def test_no_rank_is_named_when_the_waiting_is_spread_or_small() -> None:
     spread = analyse([_rank(0, 1.0, 1.2, 40), _rank(1, 1.2, 0.6, 30), _rank(2, 0.6, 1.0, 30)])
     assert spread.straggler is None and spread.summary.startswith("no rank stood out")

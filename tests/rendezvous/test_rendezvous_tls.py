@@ -157,13 +157,14 @@ def test_certificate_only_off_loopback_and_key_never_shown() -> None:
 def test_every_certificate_is_valid_whatever_a_hosts_clock_says() -> None:
     # A host whose clock ran an hour or more behind hvdrun's (a hardware clock kept in local
     # time) failed its handshake, "certificate is not yet valid": a job's certificates are
-    # trusted by their key (or the secret's authority) alone, and valid from 2000 to 9999.
+    # trusted by their key (or the secret's authority) alone, and valid from 1970 to 9999.
     from cryptography import x509
 
     served = authority_from_secret(SECRET).server_certificate()
-    for pem in (make_job_certificate(JOB_ID).cert_pem, served.cert_pem):
+    root = authority_from_secret(SECRET).root_pem
+    for pem in (make_job_certificate(JOB_ID).cert_pem, served.cert_pem, root):
         certificate = x509.load_pem_x509_certificate(pem)
-        assert certificate.not_valid_before_utc.year == 2000
+        assert certificate.not_valid_before_utc.year == 1970
         assert certificate.not_valid_after_utc.year == 9999
 
 

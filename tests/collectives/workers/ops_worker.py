@@ -210,24 +210,30 @@ def main() -> None:
         c.equal(
             "overlap.after", hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n))
         )
-        # A tensor made under inference_mode (a validation metric) written in place outside
-        # it: torch refuses, so the op does, at the call, and the job goes on; inside
-        # inference_mode the write is allowed and done.
+        # A tensor made under inference_mode (a validation metric) written in place: torch
+        # refuses writes to it outside that mode, which the engine's thread is not in (the
+        # caller's may be), so the op refuses it at the call, and the job goes on; the
+        # out-of-place op reduces it.
         with torch.inference_mode():
             metric = torch.tensor([float(r)])
+        inside = torch.inference_mode
         for label_, call in (
             ("allreduce_", lambda: hvd.allreduce_(metric, op=hvd.Sum)),
             ("grouped_allreduce_", lambda: hvd.grouped_allreduce_([metric], op=hvd.Sum)),
             ("allreduce_async_", lambda: hvd.allreduce_async_(metric, op=hvd.Sum)),
+            ("broadcast_", lambda: hvd.broadcast_(metric, root_rank=0)),
+            ("inside.allreduce_async_", lambda: inside()(hvd.allreduce_async_)(metric)),
         ):
             try:
                 call()
                 c.expect(f"inference.{label_}", False, "no error")
             except RuntimeError as error:
                 c.expect(f"inference.{label_}", "inference_mode" in str(error), error)
-        with torch.inference_mode():
-            hvd.allreduce_(metric, op=hvd.Sum)
-        c.equal("inference.inside", metric, torch.tensor([float(sum(range(n)))]))
+        c.equal(
+            "inference.out_of_place",
+            hvd.allreduce(metric, op=hvd.Sum),
+            torch.tensor([float(sum(range(n)))]),
+        )
         c.equal(
             "inference.after", hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(n))
         )
