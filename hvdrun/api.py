@@ -371,6 +371,7 @@ def _results(code: int, call: FunctionCall) -> list[Any]:
             f"hvdrun.run: the job ended, but {what}: the function left its process some "
             f"other way (such as os._exit(0)){how}",
             exit_code=0,
+            rank=missing[0] if missing else None,
         )
     values = []
     for rank in range(size):
@@ -384,6 +385,11 @@ def _results(code: int, call: FunctionCall) -> list[Any]:
                 rank=rank,
             ) from exc
     return values
+
+
+def _raised(error_type: str, error: str) -> str:
+    """``Type: message``, or ``Type`` alone for an exception without a message."""
+    return f"{error_type}: {error}" if error else error_type
 
 
 def _raise_failure(
@@ -413,7 +419,7 @@ def _raise_failure(
     if outcome is not None and not outcome[1].get("ok", True):
         error_type, error = _described(outcome[0])
         raise JobFailed(
-            f"hvdrun.run: {where} raised {error_type}: {error}",
+            f"hvdrun.run: {where} raised {_raised(error_type, error)}",
             exit_code=code,
             rank=failure.rank,
             error_type=error_type,
@@ -460,7 +466,7 @@ def _raise_raised(code: int, outcomes: dict[str, tuple[bytes, dict[str, Any]]]) 
     if generation > 0:
         where += f" (generation {generation})"
     raise JobFailed(
-        f"hvdrun.run: the elastic job failed: {where} raised {error_type}: {error}",
+        f"hvdrun.run: the elastic job failed: {where} raised {_raised(error_type, error)}",
         exit_code=code,
         rank=rank if rank >= 0 else None,
         error_type=error_type,

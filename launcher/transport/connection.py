@@ -83,6 +83,14 @@ def interpreter_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: environ[name] for name in INTERPRETER_VARIABLES if environ.get(name)}
 
 
+def _close_quietly(stream: object) -> None:
+    """Closes one of an agent's output streams that was read to its end (or failed)."""
+    close = getattr(stream, "close", None)
+    if close is not None:
+        with contextlib.suppress(Exception):
+            close()
+
+
 class AgentStartError(LauncherError):
     """A host whose agent could not be started; the message says why, for the user."""
 
@@ -369,6 +377,7 @@ class AgentConnection:
                 self._deliver(event)
         if self.hello is None:
             self._note_skipped(bytes(skipped))
+        _close_quietly(stdout)  # (at its end: hvdrun.run's caller would get a ResourceWarning)
         try:
             self.exit_code = self._exit_code()
         except Exception:
@@ -408,6 +417,7 @@ class AgentConnection:
                 self.stderr_tail.append(text)
                 log.info("agent on %s: %s", self.hostname, text)
         finally:
+            _close_quietly(stderr)
             self._stderr_ended.set()
 
     def _stop_orphans(self, pids: list[int]) -> None:

@@ -271,6 +271,11 @@ def test_a_text_stream_without_a_buffer_gets_the_decoded_bytes() -> None:
     assert api.binary_stream(buffered) is buffered.buffer
 
 
+def test_an_exception_without_a_message_is_named_alone() -> None:
+    assert api._raised("KeyboardInterrupt", "") == "KeyboardInterrupt"
+    assert api._raised("ValueError", "bad shard") == "ValueError: bad shard"
+
+
 def test_a_job_stopped_by_a_signal_says_which() -> None:
     from launcher.supervision.core import JobResult
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -17,6 +18,7 @@ import psutil
 import pytest
 
 import hvdrun
+from tests.processes import REPO
 
 
 def no_workers_left() -> list[str]:
@@ -117,8 +119,24 @@ def test_an_elastic_call_returns_the_last_generations_results() -> None:
 
 
 def test_a_function_that_leaves_without_returning_is_named() -> None:
-    with pytest.raises(hvdrun.JobFailed, match=r"rank\(s\) 0, 1 returned nothing"):
+    with pytest.raises(hvdrun.JobFailed, match=r"rank\(s\) 0, 1 returned nothing") as raised:
         hvdrun.run(lambda: os._exit(0), num_proc=2)
+    assert raised.value.rank == 0  # (the first of them, as the attribute names one)
+
+
+def test_a_call_leaves_no_file_open_behind() -> None:
+    # (the local agent's pipes were left to the garbage collector: a ResourceWarning each
+    # in a notebook, under python -X dev or pytest's warning filters)
+    script = "import hvdrun; print(hvdrun.run(lambda: 1, num_proc=1))"
+    result = subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "error::ResourceWarning", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert result.returncode == 0 and result.stdout == "[1]\n", result.stderr
+    assert "ResourceWarning" not in result.stderr and "unclosed" not in result.stderr, result.stderr
 
 
 def test_the_open_files_limit_the_job_raised_is_given_back() -> None:
