@@ -224,7 +224,11 @@ class Cluster:
         ]
 
     def hvdrun(
-        self, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+        self,
+        *args: str,
+        timeout: float = 120,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             self.hvdrun_argv(*args),
@@ -233,6 +237,7 @@ class Cluster:
             timeout=timeout,
             env=env or self.env(),
             stdin=subprocess.DEVNULL,
+            cwd=cwd,
         )
 
     # ---- the hosts --------------------------------------------------------------------

@@ -281,13 +281,8 @@ def test_one_host_under_two_names_is_noted(cluster: Cluster, tmp_path: Path) -> 
     # Its alias and its address: two hosts to -H, one machine (each host's first worker takes
     # local rank 0, the same GPU).
     node1 = cluster.hosts[0]
-    result = subprocess.run(
-        cluster.hvdrun_argv("-H", f"{node1.alias}:1,{node1.address}:1", PY, "-c", "pass"),
-        capture_output=True,
-        text=True,
-        env=cluster.env(),
-        cwd=tmp_path,
-        timeout=60,
+    result = cluster.hvdrun(
+        "-H", f"{node1.alias}:1,{node1.address}:1", PY, "-c", "pass", cwd=tmp_path, timeout=60
     )
     assert result.returncode == 0, result.stderr
     assert (
@@ -359,15 +354,9 @@ def test_a_working_directory_whose_name_is_not_utf8_reaches_remote_workers(
     # from as any, and its name goes on the agent's command line byte for byte.
     odd = tmp_path / os.fsdecode(b"caf\xe9 run")
     odd.mkdir()
-    result = subprocess.run(
-        cluster.hvdrun_argv(
-            "-H", f"{cluster.hosts[0].alias}:1", PY, "-c", "import os; print(os.getcwdb().hex())"
-        ),
-        capture_output=True,
-        text=True,
-        env=cluster.env(),
-        cwd=odd,
-        timeout=60,
+    show = "import os; print(os.getcwdb().hex())"
+    result = cluster.hvdrun(
+        "-H", f"{cluster.hosts[0].alias}:1", PY, "-c", show, cwd=odd, timeout=60
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split(":")[-1].strip() == bytes(odd).hex()

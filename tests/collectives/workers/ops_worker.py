@@ -61,6 +61,22 @@ def expected_reduce(op: hvd.ReduceOp, ranks: list[int], dtype: torch.dtype) -> t
     return out.to(dtype)
 
 
+def expect_refused(
+    c: Checks,
+    what: str,
+    calls: tuple[tuple[str, Callable[[], object]], ...],
+    kind: type[Exception],
+    words: str,
+) -> None:
+    """Each call raises ``kind`` saying ``words`` (checked as ``what.<label>``)."""
+    for label_, call in calls:
+        try:
+            call()
+            c.expect(f"{what}.{label_}", False, "no error")
+        except kind as error:
+            c.expect(f"{what}.{label_}", words in str(error), error)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     c = Checks()
@@ -198,15 +214,11 @@ def main() -> None:
         # An in-place target whose elements share memory is refused at the call, on every
         # rank (the root of a broadcast too), and the job's collectives go on.
         expanded = torch.tensor([float(r)]).expand(5)
-        for label_, call in (
+        refused = (
             ("allreduce_", lambda: hvd.allreduce_(expanded, op=hvd.Sum)),
             ("broadcast_", lambda: hvd.broadcast_(expanded, root_rank=0)),
-        ):
-            try:
-                call()
-                c.expect(f"overlap.{label_}", False, "no error")
-            except ValueError as error:
-                c.expect(f"overlap.{label_}", "share memory" in str(error), error)
+        )
+        expect_refused(c, "overlap", refused, ValueError, "share memory")
         c.equal(
             "overlap.after", hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n))
         )
@@ -217,18 +229,14 @@ def main() -> None:
         with torch.inference_mode():
             metric = torch.tensor([float(r)])
         inside = torch.inference_mode
-        for label_, call in (
+        inference_writes = (
             ("allreduce_", lambda: hvd.allreduce_(metric, op=hvd.Sum)),
             ("grouped_allreduce_", lambda: hvd.grouped_allreduce_([metric], op=hvd.Sum)),
             ("allreduce_async_", lambda: hvd.allreduce_async_(metric, op=hvd.Sum)),
             ("broadcast_", lambda: hvd.broadcast_(metric, root_rank=0)),
             ("inside.allreduce_async_", lambda: inside()(hvd.allreduce_async_)(metric)),
-        ):
-            try:
-                call()
-                c.expect(f"inference.{label_}", False, "no error")
-            except RuntimeError as error:
-                c.expect(f"inference.{label_}", "inference_mode" in str(error), error)
+        )
+        expect_refused(c, "inference", inference_writes, RuntimeError, "inference_mode")
         c.equal(
             "inference.out_of_place",
             hvd.allreduce(metric, op=hvd.Sum),
