@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 from collections.abc import Sequence
 
 import click
@@ -59,6 +60,11 @@ def check_command(command: Sequence[str], path: str | None = None) -> None:
                 "(python train.py)"
             )
         if script is not None and not os.path.exists(script):
+            if _unreachable(script):
+                raise ScriptNotFound(
+                    f"cannot read script {shown(script)}: permission denied (a directory on "
+                    "its path is not open to this user)"
+                )
             raise ScriptNotFound(f"script not found: {shown(script)} (in {os.getcwd()})")
 
 
@@ -139,6 +145,11 @@ def _not_runnable(program: str, search_path: str | None) -> None:
     here = file_here_hint(program, os.getcwd())
     if here is not None:
         raise CommandNotFound(f"command not found: {program} (a file here: {here})")
+    if os.sep in program and _unreachable(program):
+        raise CommandNotExecutable(
+            f"permission denied: {shown(program)} (a directory on its path is not open to this "
+            "user)"
+        )
     if program in _SHELL_BUILTINS:
         raise CommandNotFound(
             f"command not found: {program} (a shell builtin: run the command through a shell, "
@@ -158,7 +169,24 @@ def _not_runnable(program: str, search_path: str | None) -> None:
         raise CommandNotFound(
             f"command not found: {program!r} (it holds characters that do not print)"
         )
+    if is_python(program) and os.sep not in program:
+        raise CommandNotFound(
+            f"command not found: {program} (the workers' PATH has none: hvdrun runs on "
+            f"{sys.executable}; give that path, or activate its virtualenv)"
+        )
     raise CommandNotFound(f"command not found: {program}")
+
+
+def _unreachable(path: str) -> bool:
+    """Whether ``path`` cannot be looked at for want of permission (a directory on the way
+    that this user may not enter): it may well exist."""
+    try:
+        os.stat(path)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def shown(word: str) -> str:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -139,6 +140,22 @@ class LineSplitter:
 #: Prefix colours (ANSI), one per rank in turn; red is left for hvdrun's own errors.
 RANK_COLOURS = (36, 32, 33, 35, 34, 96, 92, 93, 95, 94)
 CLEAR_LINE = b"\r\x1b[K"
+
+
+def fitted(line: str, fd: int | None) -> str:
+    """``line`` cut to fit one row of the terminal at ``fd`` (else ``COLUMNS``, else 80):
+    the status line is cleared by :data:`CLEAR_LINE`, which clears one row, so a line that
+    wrapped left its first row behind at every redraw."""
+    try:
+        columns = os.get_terminal_size(fd).columns if fd is not None else 0
+    except OSError:
+        columns = 0
+    columns = columns or shutil.get_terminal_size().columns
+    if len(line) < columns:
+        return line
+    return line[: max(columns - 4, 1)] + "..."
+
+
 TIMESTAMP_FORMAT = "%a %b %d %H:%M:%S %Y"  # Horovod's --prefix-timestamp format
 
 
@@ -200,6 +217,11 @@ class _Guarded:
                 self.identity = (status.st_dev, status.st_ino)
             except (OSError, ValueError, AttributeError):
                 self._fd = None  # (an in-memory stream)
+
+    @property
+    def fd(self) -> int | None:
+        """The stream's file descriptor (None: an in-memory stream, or none)."""
+        return self._fd
 
     def give_up(self) -> None:
         """Drops the stream without a word (it blocks for good: nobody would read it)."""
@@ -546,7 +568,7 @@ class OutputSink:
             self._run(lambda: self._show_status(text))
 
     def _show_status(self, text: str | None) -> None:
-        status = f"hvdrun: {text}".encode() if text else b""
+        status = fitted(f"hvdrun: {text}", self._streams["stderr"].fd).encode() if text else b""
         with self._lock:
             if status == self._status:
                 return

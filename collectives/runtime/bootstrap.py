@@ -52,6 +52,7 @@ from collectives.runtime.groups import (
     stop_collectives,
 )
 from collectives.runtime.launched import detect_placement, init_launched
+from collectives.runtime.reach import out_of_threads
 from collectives.runtime.registration import (
     init_from_rendezvous,
     join_elastic,
@@ -175,8 +176,19 @@ def init(comm: Any = None) -> bool:
 
     Returns whether this call initialized it (False: it already was). ``hvd.init()``
     (:func:`collectives.torch.mpi_ops.init`) calls it and then registers the process sets
-    it was given: process sets are API above the runtime, which does not import them.
+    it was given: process sets are API above the runtime, which does not import them. A
+    process that cannot start the threads it needs is told which limits to look at.
     """
+    try:
+        return _init(comm)
+    except RuntimeError as error:
+        starved = out_of_threads(error)
+        if starved is not None:
+            raise starved from error
+        raise
+
+
+def _init(comm: Any) -> bool:
     global _init_count, _atexit_registered
     if comm is not None:
         raise NotImplementedError("hvd.init(comm=...) is not supported: hvdrun does not use MPI")

@@ -47,6 +47,7 @@ __all__ = [
     "HostsProbe",
     "connect_failure",
     "gloo_address",
+    "out_of_threads",
     "warn_unreachable",
 ]
 
@@ -100,9 +101,32 @@ def never_joined(rank: int, key: str, timeout: float) -> RuntimeError | None:
     )
 
 
+#: What a process that cannot start another thread is told, by Python and by Gloo (EAGAIN).
+_OUT_OF_THREADS = ("can't start new thread", "Resource temporarily unavailable")
+
+
+def out_of_threads(error: BaseException) -> RuntimeError | None:
+    """hvd.init()'s error where ``error`` says this process could not start a thread: the
+    limit on processes and threads (``ulimit -u``, a container's pids limit) or on virtual
+    memory (``ulimit -v``) was reached, not the network (None: it does not say so)."""
+    text = str(error)
+    if not any(words in text for words in _OUT_OF_THREADS):
+        return None
+    return RuntimeError(
+        f"hvd.init() could not start the threads it needs ({text}): this process reached "
+        "the limit on processes and threads (ulimit -u, a container's pids limit) or on "
+        "virtual memory (ulimit -v, where each thread's memory arena counts: "
+        "MALLOC_ARENA_MAX=2 leaves fewer); raise the limit, or start fewer workers"
+    )
+
+
 def connect_failure(rank: int, size: int, error: BaseException) -> RuntimeError:
     """hvd.init()'s error when the default group cannot connect: Gloo names only the peer's
-    address, so it says what each side advertised and how to choose the interface."""
+    address, so it says what each side advertised and how to choose the interface (unless
+    it ran out of threads: :func:`out_of_threads`)."""
+    starved = out_of_threads(error)
+    if starved is not None:
+        return starved
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
     own = ", ".join(interface_addresses(_advertised_interface())) if ifname else ""
     mine = f"{ifname} ({own or 'no address'})" if ifname else "the address of its host name"

@@ -136,6 +136,43 @@ def test_a_command_not_found_is_shown_as_typed_with_a_hint(
     assert err.startswith(f"hvdrun: error: {message}") and err.count("\n") == 1, err
 
 
+def test_no_python_on_the_workers_path_names_the_one_hvdrun_runs_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # (a cron job's PATH, /usr/bin:/bin, with python3 only)
+    assert run_cli(["-np", "1", "-x", "PATH=/nonexistent", "python", "train.py"]) == 127
+    assert capsys.readouterr().err == (
+        f"hvdrun: error: command not found: python (the workers' PATH has none: hvdrun runs "
+        f"on {sys.executable}; give that path, or activate its virtualenv)\n"
+    )
+
+
+def test_a_program_or_script_behind_a_closed_directory_is_not_said_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A user's 0700 home holding the virtualenv (root, who runs the tests, is never refused:
+    # the refusal is the kernel's, stood in for here)
+    closed = tmp_path / "closed"
+    real_stat = os.stat
+
+    def stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if str(path).startswith(str(closed)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert run_cli(["-np", "1", str(closed / "bin" / "python"), "x.py"]) == 126
+    assert capsys.readouterr().err == (
+        f"hvdrun: error: permission denied: {closed}/bin/python (a directory on its path is "
+        "not open to this user)\n"
+    )
+    assert run_cli(["-np", "1", sys.executable, str(closed / "train.py")]) == 2
+    assert capsys.readouterr().err == (
+        f"hvdrun: error: cannot read script {closed}/train.py: permission denied (a directory "
+        "on its path is not open to this user)\n"
+    )
+
+
 def test_options_after_the_command_are_said_to_be_the_commands(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

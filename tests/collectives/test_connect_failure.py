@@ -133,3 +133,29 @@ def test_a_peer_that_never_called_init_is_named_not_the_network(
         "not called hvd.init(), or failed before it."
     ), message
     assert "network-interface" not in message and "GLOO_SOCKET_IFNAME" not in message
+
+
+@pytest.mark.parametrize("text", ["Resource temporarily unavailable", "can't start new thread"])
+def test_a_rank_out_of_threads_is_told_of_the_limits_not_the_network(text: str) -> None:
+    # (a container's pids limit, ulimit -u or -v: Gloo's EAGAIN read as "could not connect
+    # rank 1 to its 1 peers ... choose an interface")
+    message = str(reach.connect_failure(1, 2, RuntimeError(text)))
+    assert message.startswith(f"hvd.init() could not start the threads it needs ({text}): ")
+    assert "ulimit -u" in message and "ulimit -v" in message
+    assert "--network-interface" not in message
+    assert reach.out_of_threads(RuntimeError(GLOO_TEXT)) is None
+
+
+def test_hvd_init_out_of_threads_says_which_limits(
+    alone: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import collectives.torch as hvd
+    from collectives.runtime import bootstrap
+
+    def no_thread(*args: object) -> None:
+        raise RuntimeError("can't start new thread")  # (what threading says at the limit)
+
+    monkeypatch.setattr(bootstrap, "start_engine", no_thread)
+    with pytest.raises(RuntimeError, match=r"^hvd.init\(\) could not start the threads it needs"):
+        hvd.init()
+    assert not hvd.is_initialized()

@@ -263,6 +263,16 @@ def test_status_line_stays_at_the_bottom() -> None:
     )
 
 
+def test_the_status_line_is_cut_to_the_terminal_s_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A line that wrapped left its first row behind at every redraw (the clear clears one)
+    monkeypatch.setenv("COLUMNS", "30")
+    out, err = Terminal(), Terminal()
+    sink = OutputSink(out, err, options=OutputOptions(status_line=True))
+    sink.status("rank 1 on localhost holds the others back: they waited 2.00 s")
+    sink.status(None)
+    assert err.getvalue() == b"hvdrun: rank 1 on localhos..." + b"\r\x1b[K"  # (29 columns)
+
+
 def test_no_status_line_when_not_a_terminal() -> None:
     err = io.BytesIO()
     sink = OutputSink(io.BytesIO(), err)
