@@ -82,6 +82,7 @@ from launcher.spec.options import (
 )
 from launcher.spec.schedulers import Allocation, AllocationError, read_allocation
 from rendezvous import load_grpc
+from rendezvous.addresses import LOOPBACK_INTERFACE, loopback_down
 from rendezvous.launchers import DetectionError, in_slurm_step, slurm_allocation
 from rendezvous.worker_env import (
     HOROVOD_PREFIX,
@@ -439,6 +440,12 @@ def cli(
         if hidden:
             unused_notes.append(hidden)
     local_only = all(h.hostname in LOCAL_NAMES for h in host_list)
+    if local_only and not dry_run and loopback_down():
+        raise click.ClickException(
+            f"this machine's loopback interface ({LOOPBACK_INTERFACE}) is down, and a job on "
+            f"this machine alone talks over it: bring it up (ip link set {LOOPBACK_INTERFACE} "
+            "up)"
+        )
     if local_only:
         try:
             check_local_interfaces(ifnames, ifnames_hint)

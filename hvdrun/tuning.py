@@ -218,9 +218,14 @@ def tuning_notes(tuning: Mapping[str, Any], env: Mapping[str, str]) -> list[str]
         warning = we.number(we.STALL_CHECK_TIME_SECONDS, env=env)
         shutdown = we.number(we.STALL_SHUTDOWN_TIME_SECONDS, env=env)
         if 0 < shutdown < warning:
+            given = we.spelled(we.STALL_SHUTDOWN_TIME_SECONDS, env)
+            what = (  # (named as it was set: the flag or the config file's key, or a variable)
+                f"--stall-check-shutdown-time-seconds {shutdown:g}"
+                if tuning.get("stall_check_shutdown_time_seconds") is not None or given is None
+                else f"{given[0]}={given[1]}"
+            )
             notes.append(
-                f"note: --stall-check-shutdown-time-seconds {shutdown:g} is below the stall "
-                f"warning time ({warning:g} s): as in Horovod, a stall will not shut the job "
-                f"down; set it to at least {warning:g} s"
+                f"note: {what} is below the stall warning time ({warning:g} s): as in "
+                f"Horovod, a stall will not shut the job down; set it to at least {warning:g} s"
             )
     return notes

@@ -252,6 +252,21 @@ def local_networks() -> list[ipaddress.IPv4Interface]:
     return found
 
 
+#: The loopback interface's name (Linux).
+LOOPBACK_INTERFACE = "lo"
+
+
+def loopback_down() -> bool:
+    """Whether this host's loopback interface is there but down (a fresh network namespace,
+    ``unshare -n``, a container started without networking set up): nothing on this host
+    reaches 127.0.0.1 then."""
+    try:
+        stats = psutil.net_if_stats().get(LOOPBACK_INTERFACE)
+    except (OSError, psutil.Error):
+        return False
+    return stats is not None and not stats.isup
+
+
 def missing_interfaces(names: str) -> tuple[list[str], list[str]]:
     """Of the comma-separated interface ``names`` (``GLOO_SOCKET_IFNAME``'s), those this host
     lacks, and the names it has (both empty where it cannot tell)."""

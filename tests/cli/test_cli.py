@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -658,6 +659,25 @@ def test_a_file_on_hvdrun_s_stdin_is_said_to_reach_no_worker(tmp_path: Path) -> 
             env={**os.environ, "PYTHONPATH": with_repo_on_path()},
         )
     assert result.returncode == 0 and note not in result.stderr, result.stderr
+
+
+def test_a_loopback_interface_that_is_down_is_said_at_once() -> None:
+    # (a fresh network namespace, a container without networking set up: the workers'
+    # rendezvous on 127.0.0.1 was "Network is unreachable" after 17 s)
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare for a network namespace of its own")
+    result = subprocess.run(
+        ["unshare", "-n", sys.executable, "-m", "hvdrun", "-np", "2", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": with_repo_on_path()},
+    )
+    assert result.returncode == 1
+    assert result.stderr == (
+        "hvdrun: error: this machine's loopback interface (lo) is down, and a job on this "
+        "machine alone talks over it: bring it up (ip link set lo up)\n"
+    )
 
 
 def test_x_of_a_variable_not_set_here_is_a_note_as_with_mpirun(
