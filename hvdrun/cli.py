@@ -460,7 +460,8 @@ def cli(
     if not dry_run:
         report.check(env, local_only, origins)
     unused_notes += tuning_notes(tuning, env) + srun_copies_note(os.environ)
-    if click.get_current_context().find_object(FunctionCall) is None:  # (not hvdrun.run's)
+    call = click.get_current_context().find_object(FunctionCall)  # (from hvdrun.run)
+    if call is None:  # (hvdrun.run's caller's stdin is its own)
         unused_notes += stdin_note()
     ignored = config_warnings(click.get_current_context())
     for notice in [*ignored, *unused_notes, *notices(compat, env, host_list, num_proc)]:
@@ -474,7 +475,6 @@ def cli(
     from launcher.spec.job import JobSpec
     from launcher.transport.startup import LaunchError, LaunchInterrupted, RendezvousListenError
 
-    call = click.get_current_context().find_object(FunctionCall)  # (from hvdrun.run)
     spec = JobSpec(
         command=list(command),
         num_proc=num_proc,

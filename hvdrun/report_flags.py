@@ -25,11 +25,10 @@ import click
 
 from hvdrun.timelines import (
     TimelineError,
-    job_of,
     merge_files,
     merged_path,
+    origin,
     rank_files,
-    start_time,
 )
 from rendezvous import worker_env
 
@@ -190,11 +189,12 @@ def merge_command(output: str, inputs: Sequence[str], echo: Callable[[str], None
 def _another_jobs(path: str, job: str, since: float) -> bool:
     """Whether the timeline in ``path`` is another job's than ``job`` (see
     :func:`merge_after_job`)."""
-    written_by = job_of(path)
-    if job and written_by is not None:
-        return written_by != job
-    began = start_time(path)
-    return began is not None and began < since
+    found = origin(path)  # (its first event read once)
+    if found is None:
+        return False
+    if job and found.job is not None:
+        return found.job != job
+    return found.started < since
 
 
 def merge_after_job(

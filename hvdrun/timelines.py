@@ -37,13 +37,13 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from rendezvous import worker_env
 
 __all__ = [
+    "Origin",
     "TimelineError",
-    "job_of",
     "merge",
     "merge_files",
     "merged_path",
@@ -192,29 +192,23 @@ def _load(path: str, index: int) -> _Rank:
 _HEAD_BYTES = 4096
 
 
+class Origin(NamedTuple):
+    """Where a timeline file came from, as its first event says."""
+
+    started: float  # by the wall clock (its unix_s, else the file's last modification)
+    job: str | None  # the id of the job whose own timeline it is; None: it does not say
+
+
 def start_time(path: str) -> float | None:
-    """When the timeline in ``path`` began, by the wall clock (``time.time()``): its
-    ``hvdrun_rank`` event's ``unix_s`` (the first event of a file a rank writes), else the
-    file's last modification; None when the file cannot be read."""
-    head = _head(path)
-    if head is None:
-        return None
-    rank_args, modified = head
-    unix = rank_args.get("unix_s")
-    return float(unix) if isinstance(unix, (int, float)) else modified
+    """When the timeline in ``path`` began, by the wall clock (``time.time()``); None when
+    the file cannot be read."""
+    found = origin(path)
+    return found.started if found is not None else None
 
 
-def job_of(path: str) -> str | None:
-    """The id of the job that wrote the timeline in ``path`` (its ``hvdrun_rank`` event's
-    ``job``, where the job's own timeline has one); None where it does not say."""
-    head = _head(path)
-    job = head[0].get("job") if head is not None else None
-    return job if isinstance(job, str) and job else None
-
-
-def _head(path: str) -> tuple[dict[str, Any], float] | None:
-    """The arguments of the ``hvdrun_rank`` event that starts the file (empty where it has
-    none) and the file's last modification; None when the file cannot be read."""
+def origin(path: str) -> Origin | None:
+    """The :class:`Origin` of the timeline in ``path``, from its ``hvdrun_rank`` event (the
+    first event of a file a rank writes); None when the file cannot be read."""
     try:
         with open(path, "rb") as source:
             head = source.read(_HEAD_BYTES).decode("utf-8", errors="replace")
@@ -226,11 +220,17 @@ def _head(path: str) -> tuple[dict[str, Any], float] | None:
     if start >= 0:
         with contextlib.suppress(ValueError):
             first, _ = json.JSONDecoder().raw_decode(head, start)
-    if isinstance(first, dict) and first.get("name") == "hvdrun_rank":
-        args = first.get("args")
-        if isinstance(args, dict):
-            return args, modified
-    return {}, modified
+    args = (
+        first.get("args")
+        if isinstance(first, dict) and first.get("name") == "hvdrun_rank"
+        else None
+    )
+    args = args if isinstance(args, dict) else {}
+    unix, job = args.get("unix_s"), args.get("job")
+    return Origin(
+        float(unix) if isinstance(unix, (int, float)) else modified,
+        job if isinstance(job, str) and job else None,
+    )
 
 
 def _indexer(rank: _Rank) -> Callable[[int, dict[str, Any]], None]:
